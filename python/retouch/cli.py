@@ -1,0 +1,140 @@
+"""The `retouch` command line. Bad input gets one line on stderr and exit status 2, never a traceback.
+
+Heavy imports (torch, diffusers) happen inside the commands, so `retouch --help` and input errors
+answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from retouch.config import EditOptions, add_arguments, from_arguments
+from retouch.errors import RetouchError
+
+EXIT_USAGE = 2
+EXIT_INTERNAL = 1
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage block
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def resolve_device(device: str, dtype: str):
+    import torch
+
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RetouchError("--device cuda but no CUDA device is available (see `retouch doctor`)")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return device, getattr(torch, dtype)
+
+
+def cmd_edit(args) -> int:
+    from retouch.images import check_output_path, check_same_size, load_image, load_mask, save_image
+
+    opts = from_arguments(EditOptions, args)
+    # Everything that can be checked without the model is checked before loading it.
+    image = load_image(opts.image)
+    mask = load_mask(opts.mask, alpha=opts.mask_alpha)
+    check_same_size(image, mask)
+    check_output_path(opts.out)
+    device, dtype = resolve_device(opts.device, opts.dtype)
+
+    from retouch.baseline import run_baseline_edit
+    from retouch.models import load_pipeline
+
+    started = time.perf_counter()
+    model = load_pipeline(opts.model, device=device, dtype=dtype)
+    loaded = time.perf_counter()
+    edited = run_baseline_edit(
+        model.pipe, image, mask, opts.prompt, steps=opts.steps, seed=opts.seed, guidance=opts.guidance,
+        strength=opts.strength, call_defaults=model.call_defaults)
+    finished = time.perf_counter()
+    path = save_image(edited, opts.out)
+    print(f"wrote {path} ({edited.width}x{edited.height}) with {model.name} on {device}: "
+          f"load {loaded - started:.2f} s, edit {finished - loaded:.2f} s")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from retouch.models import export_pipeline, list_models
+
+    if args.models_command == "export":
+        path = export_pipeline(args.name, args.directory)
+        print(f"exported {args.name} to {path}")
+        return 0
+    specs = list_models()
+    if args.json:
+        print(json.dumps([{"name": s.name, "kind": s.kind, "family": s.family, "pipeline": s.pipeline_class,
+                           "resolution": s.resolution, "description": s.description} for s in specs], indent=2))
+        return 0
+    rows = [("NAME", "KIND", "PIPELINE", "SIZE", "DESCRIPTION")]
+    rows += [(s.name, s.kind, s.pipeline_class, f"{s.resolution}px", s.description) for s in specs]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from retouch.doctor import report
+
+    print(json.dumps(report(), indent=2))
+    return 0
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="retouch", description="Generative image editing with diffusion models.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    edit = commands.add_parser("edit", help="repaint the masked region of an image (baseline diffusers pipeline)")
+    add_arguments(edit, EditOptions)
+    edit.set_defaults(handler=cmd_edit)
+
+    models = commands.add_parser("models", help="list built-in models, or export one as a pipeline folder")
+    models.add_argument("--json", action="store_true", help="print the list as JSON")
+    models_commands = models.add_subparsers(dest="models_command", metavar="SUBCOMMAND")
+    export = models_commands.add_parser("export", help="write a built-in model with save_pretrained")
+    export.add_argument("name", help="built-in model name")
+    export.add_argument("directory", help="new (or empty) folder to write")
+    models.set_defaults(handler=cmd_models)
+
+    doctor = commands.add_parser("doctor", help="report versions, CUDA, Triton and native-extension status as JSON")
+    doctor.set_defaults(handler=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    # No hub, ever: models are built-in or local folders.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except RetouchError as exc:
+        print(f"retouch: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence against tracebacks
+        if os.environ.get("RETOUCH_DEBUG"):
+            raise
+        print(f"retouch: internal error: {type(exc).__name__}: {_one_line(exc)} "
+              "(set RETOUCH_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

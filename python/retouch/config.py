@@ -1,0 +1,78 @@
+"""Options of a user-facing command, as validated dataclasses. CLI flags are derived from the fields
+(`add_arguments`), so every option is declared once, with its help text, here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from retouch.errors import InputError
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def option(default=dataclasses.MISSING, *, help: str, choices=None, flag: str | None = None):  # noqa: A002
+    """A dataclass field that carries its CLI help (and choices, or a flag name other than --field-name)."""
+    metadata = {"help": help, "choices": choices, "flag": flag}
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(slots=True)
+class EditOptions:
+    """One baseline edit: the unmodified diffusers pipeline repaints the masked region of an image."""
+
+    model: str = option(help="built-in model name (see `retouch models`) or a local diffusers pipeline folder")
+    image: Path = option(help="template image (any format PIL reads)")
+    mask: Path = option(help="mask of the same size; white = repaint")
+    prompt: str = option(help="what to paint into the masked region")
+    steps: int | None = option(None, help="denoising steps (default: the pipeline's)")
+    seed: int = option(0, help="random seed of the initial noise")
+    guidance: float | None = option(None, help="guidance scale (default: the pipeline's)")
+    strength: float = option(1.0, help="how much of the masked region is re-noised, in (0, 1]")
+    out: Path = option(Path("edited.png"), help="output image; format from the suffix")
+    mask_alpha: bool = option(False, help="read the mask's alpha channel, OpenAI style: alpha 0 = repaint")
+    device: str = option("auto", help="where to run", choices=DEVICES)
+    dtype: str = option("auto", help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)", choices=DTYPES)
+
+    def __post_init__(self):
+        if not self.prompt.strip():
+            raise InputError("--prompt is empty; say what to paint into the masked region")
+        if self.steps is not None and self.steps < 1:
+            raise InputError(f"--steps must be >= 1, got {self.steps}")
+        if not 0.0 < self.strength <= 1.0:
+            raise InputError(f"--strength must be in (0, 1], got {self.strength}")
+        if self.guidance is not None and self.guidance < 0:
+            raise InputError(f"--guidance must be >= 0, got {self.guidance}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, options_cls: type) -> None:
+    """Add one CLI flag per dataclass field; fields without a default become required flags."""
+    hints = typing.get_type_hints(options_cls)
+    for f in dataclasses.fields(options_cls):
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        required = f.default is dataclasses.MISSING
+        kwargs = {"dest": f.name, "help": f.metadata["help"], "required": required}
+        if not required:
+            kwargs["default"] = f.default
+        if hints[f.name] is bool:
+            parser.add_argument(flag, action="store_true", **kwargs)
+            continue
+        kwargs["type"] = _scalar_type(hints[f.name])
+        if f.metadata.get("choices"):
+            kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument(flag, **kwargs)
+
+
+def from_arguments(options_cls: type, args: argparse.Namespace):
+    return options_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(options_cls)})
+
+
+def _scalar_type(hint):
+    # `int | None` -> int: None only ever comes from the default.
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
