@@ -1,0 +1,37 @@
+# Two commands for a newcomer:
+#   make demo   create .venv, install retouch, edit a generated template with a built-in tiny model
+#   make test   same set-up, then the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.retouch-installed
+DEMO_DIR := out/demo
+DEMO_MODEL ?= tiny-flux-fill
+NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h)
+
+.PHONY: install demo test cuda clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml setup.py $(NATIVE_SOURCES)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	@echo "building retouch._C (about a minute)"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-build-isolation -e .
+	touch $@
+
+demo: install
+	$(BIN)/python -m retouch.demo $(DEMO_DIR)
+	$(BIN)/retouch edit --model $(DEMO_MODEL) --image $(DEMO_DIR)/template.png --mask $(DEMO_DIR)/mask.png \
+		--prompt "a red hot-air balloon" --steps 4 --out $(DEMO_DIR)/edited.png
+
+test: install
+	$(BIN)/python -m pytest -q
+
+# Compile every .cu file in csrc/ with nvcc for sm_80 and sm_90 (no GPU or CUDA torch needed).
+cuda:
+	cmake -S . -B build/cuda -DRETOUCH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="80;90"
+	cmake --build build/cuda
+
+clean:
+	rm -rf build out python/retouch/_C*.so python/*.egg-info

@@ -1,0 +1,36 @@
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+# Triton kernels run on the CPU under the interpreter; it must be chosen before kernels are defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# No hub, ever.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def pytest_configure(config):
+    # One folder of exported built-in models for the whole run, shared with CLI subprocesses:
+    # each model is built and saved once, then every test loads it with from_pretrained.
+    config._retouch_cache = tempfile.mkdtemp(prefix="retouch-test-models-")
+    os.environ["RETOUCH_CACHE_DIR"] = config._retouch_cache
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "_retouch_cache", ""), ignore_errors=True)
+
+
+def run_cli(*args: str, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """Run `retouch ARGS` in a fresh interpreter, as a user would."""
+    return subprocess.run([sys.executable, "-m", "retouch.cli", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=600)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
