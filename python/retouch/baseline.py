@@ -8,6 +8,7 @@ import torch
 from PIL import Image
 
 from retouch.images import check_same_size
+from retouch.models import quiet_libraries
 
 
 def processing_size(width: int, height: int, multiple: int) -> tuple[int, int]:
@@ -54,7 +55,7 @@ def run_baseline_edit(
     accepted = inspect.signature(pipe.__call__).parameters
     kwargs = {name: value for name, value in kwargs.items() if name in accepted}
 
-    with torch.inference_mode():
+    with torch.inference_mode(), quiet_libraries():
         edited = pipe(**kwargs).images[0]
     if edited.size != image.size:
         edited = edited.resize(image.size, Image.Resampling.LANCZOS)

@@ -1,0 +1,126 @@
+"""Load a pipeline for serving: a built-in model by name, or any supported diffusers folder."""
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import is_accelerate_available
+
+from ..errors import ModelError
+from .export import MANIFEST_NAME, cached_export
+from .quiet import quiet_libraries
+from .registry import is_builtin, list_models
+from .spec import FAMILIES, FAMILY_BY_PIPELINE
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A pipeline ready to call, and what the engine needs to know to drive it."""
+
+    pipe: DiffusionPipeline
+    name: str  # the built-in name, or retouch.json's name, or the folder's name
+    family: str  # one of FAMILIES
+    call_defaults: dict  # extra kwargs for pipe(...), e.g. {"max_sequence_length": 32}
+    source: Path  # the folder it was loaded from
+
+
+def load_pipeline(
+    name_or_dir: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
+    """Load a built-in model (exported once into the cache) or a saved pipeline folder.
+
+    Only local files are read (local_files_only): nothing is ever downloaded. The family comes from
+    the folder's retouch.json when it has one, else from its pipeline class. Raises ModelError when
+    the folder is missing, is not a diffusers pipeline, or holds a pipeline retouch does not serve.
+    """
+    if isinstance(name_or_dir, str) and is_builtin(name_or_dir):
+        folder = cached_export(name_or_dir)
+    else:
+        folder = Path(name_or_dir)
+    pipeline_class = _pipeline_class_in(folder, requested=name_or_dir)
+    manifest = _read_manifest(folder)
+    family = manifest.get("family", FAMILY_BY_PIPELINE[pipeline_class])
+    if family not in FAMILIES:
+        raise ModelError(f"{folder / MANIFEST_NAME} names family {family!r}; it must be one of {', '.join(FAMILIES)}")
+    with quiet_libraries():
+        try:
+            pipe = DiffusionPipeline.from_pretrained(
+                folder,
+                local_files_only=True,
+                dtype=dtype,
+                # With accelerate, weights load into empty modules instead of overwriting a random
+                # init (minutes for FLUX.1 size); without it, asking for that only prints advice.
+                low_cpu_mem_usage=is_accelerate_available(),
+            )
+        except (OSError, ValueError, KeyError) as error:
+            # Library errors run to several lines; a ModelError is one.
+            detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ModelError(f"cannot load the pipeline in {folder}: {detail}") from error
+        pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return LoadedModel(
+        pipe=pipe,
+        name=manifest.get("name", folder.name),
+        family=family,
+        call_defaults=dict(manifest.get("call_defaults", {})),
+        source=folder,
+    )
+
+
+def family_of_pipeline(pipe: DiffusionPipeline) -> str:
+    """The family of a pipeline object by its class; ModelError for a class retouch does not serve."""
+    pipeline_class = type(pipe).__name__
+    family = FAMILY_BY_PIPELINE.get(pipeline_class)
+    if family is None:
+        raise ModelError(f"retouch does not serve {pipeline_class}; supported: {', '.join(FAMILY_BY_PIPELINE)}")
+    return family
+
+
+def _pipeline_class_in(folder: Path, requested: str | os.PathLike) -> str:
+    """The pipeline class named by folder/model_index.json, checked to be one retouch serves and to
+    have a subfolder for every component it lists."""
+    if not folder.is_dir():
+        builtin_names = ", ".join(spec.name for spec in list_models())
+        raise ModelError(f"{str(requested)!r} is neither a built-in model ({builtin_names}) nor an existing folder")
+    index_path = folder / "model_index.json"
+    if not index_path.is_file():
+        raise ModelError(f"{folder} has no model_index.json; pass a diffusers pipeline folder (save_pretrained output)")
+    try:
+        index = json.loads(index_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        index = None
+    pipeline_class = index.get("_class_name") if isinstance(index, dict) else None
+    if not isinstance(pipeline_class, str):
+        raise ModelError(f"{index_path} is not a diffusers pipeline index (no _class_name)")
+    if pipeline_class not in FAMILY_BY_PIPELINE:
+        raise ModelError(f"{folder} holds a {pipeline_class}; retouch serves {', '.join(FAMILY_BY_PIPELINE)}")
+    # transformers 5 builds an empty two-token tokenizer, without a word of warning, when a tokenizer
+    # folder is missing; catch that here rather than as garbage prompts later.
+    listed = [name for name, entry in index.items() if not name.startswith("_") and _names_a_class(entry)]
+    missing = [name for name in listed if not (folder / name).is_dir()]
+    if missing:
+        raise ModelError(f"{folder} lists components with no folder: {', '.join(missing)}; re-export or re-download it")
+    return pipeline_class
+
+
+def _names_a_class(entry) -> bool:
+    """model_index.json lists components as [library, class]; [null, null] marks an absent optional one."""
+    return isinstance(entry, list) and len(entry) == 2 and all(isinstance(part, str) for part in entry)
+
+
+def _read_manifest(folder: Path) -> dict:
+    manifest_path = folder / MANIFEST_NAME
+    if not manifest_path.is_file():
+        return {}
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ModelError(f"{manifest_path} is not valid JSON; fix or delete it") from None
+    if not isinstance(manifest, dict):
+        raise ModelError(f"{manifest_path} must hold a JSON object with name, family and call_defaults")
+    return manifest

@@ -1,0 +1,114 @@
+"""The `retouch` command as a user runs it: a fresh interpreter per call, real files, exit codes."""
+
+import json
+
+import pytest
+from PIL import Image, ImageDraw
+
+TINY_MODELS = ["tiny-flux-fill", "tiny-flux-inpaint", "tiny-sd3-inpaint", "tiny-sdxl-inpaint", "tiny-sd2-inpaint"]
+BENCH_SPECS = ["flux-small", "flux-size", "sdxl-size", "sd2-size"]
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """A 128x128 RGB template and a mask with a white square, as in the issue's acceptance test."""
+    template = Image.new("RGB", (128, 128), (40, 120, 200))
+    ImageDraw.Draw(template).ellipse((20, 30, 90, 100), fill=(230, 200, 60))
+    mask = Image.new("L", (128, 128), 0)
+    ImageDraw.Draw(mask).rectangle((32, 32, 95, 95), fill=255)
+    template.save(tmp_path / "T.png")
+    mask.save(tmp_path / "M.png")
+    return tmp_path
+
+
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_edit_writes_image_of_input_size(cli, inputs, model):
+    out = inputs / f"{model}.png"
+    result = cli("edit", "--model", model, "--image", inputs / "T.png", "--mask", inputs / "M.png",
+                 "--prompt", "a red hat", "--steps", "4", "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert str(out) in result.stdout
+    with Image.open(out) as edited:
+        assert edited.format == "PNG" and edited.size == (128, 128) and edited.mode == "RGB"
+
+
+def test_edit_keeps_odd_input_size(cli, tmp_path):
+    # 100x75 is not a multiple of the latent patch: processed at 96x80, returned at 100x75.
+    Image.new("RGB", (100, 75), (200, 10, 10)).save(tmp_path / "T.png")
+    mask = Image.new("L", (100, 75), 0)
+    ImageDraw.Draw(mask).rectangle((10, 10, 50, 50), fill=255)
+    mask.save(tmp_path / "M.png")
+    result = cli("edit", "--model", "tiny-sd2-inpaint", "--image", tmp_path / "T.png", "--mask", tmp_path / "M.png",
+                 "--prompt", "a cat", "--steps", "2", "--out", tmp_path / "O.jpg")
+    assert result.returncode == 0, result.stderr
+    with Image.open(tmp_path / "O.jpg") as edited:
+        assert edited.size == (100, 75) and edited.format == "JPEG"
+
+
+def test_exported_folder_loads_offline(cli, inputs):
+    folder = inputs / "exported"
+    result = cli("models", "export", "tiny-sdxl-inpaint", folder)
+    assert result.returncode == 0, result.stderr
+    assert (folder / "model_index.json").is_file()
+    result = cli("edit", "--model", folder, "--image", inputs / "T.png", "--mask", inputs / "M.png",
+                 "--prompt", "a red hat", "--steps", "4", "--out", inputs / "O.png", env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    with Image.open(inputs / "O.png") as edited:
+        assert edited.size == (128, 128)
+
+
+def test_models_lists_tiny_models_and_bench_specs(cli):
+    result = cli("models")
+    assert result.returncode == 0, result.stderr
+    listed = {line.split()[0] for line in result.stdout.splitlines()[1:]}
+    assert listed == set(TINY_MODELS + BENCH_SPECS)
+    as_json = json.loads(cli("models", "--json").stdout)
+    assert {entry["name"]: entry["kind"] for entry in as_json} == {
+        **{name: "tiny" for name in TINY_MODELS}, **{name: "bench" for name in BENCH_SPECS}}
+
+
+def test_doctor_prints_json(cli):
+    result = cli("doctor")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["extension"]["built"] and report["extension"]["cpu"]
+    assert report["packages"]["diffusers"] == "0.42.1"
+    assert isinstance(report["cuda_available"], bool)
+    assert report["triton"]["usable"] is True, report["triton"]
+
+
+def _bad_inputs(tmp_path):
+    Image.new("RGB", (128, 128)).save(tmp_path / "T.png")
+    Image.new("L", (128, 128)).save(tmp_path / "M.png")
+    Image.new("L", (64, 64)).save(tmp_path / "M64.png")
+    (tmp_path / "junk.png").write_bytes(b"not an image")
+    (tmp_path / "empty_dir").mkdir()
+    return tmp_path
+
+
+# case: (flag values replacing the good ones, extra flags, what the one error line must say)
+BAD_EDITS = {
+    "small mask": ({"--mask": "M64.png"}, [], "mask is 64x64 but image is 128x128"),
+    "missing image": ({"--image": "nope.png"}, [], "image file not found"),
+    "unreadable image": ({"--image": "junk.png"}, [], "cannot read image"),
+    "empty prompt": ({"--prompt": " "}, [], "--prompt is empty"),
+    "unknown model": ({"--model": "no-such-model"}, [], "no-such-model"),
+    "not a pipeline folder": ({"--model": "empty_dir"}, [], "empty_dir"),
+    "bad steps": ({"--steps": "0"}, [], "--steps"),
+    "mask without alpha": ({}, ["--mask-alpha"], "no alpha channel"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_EDITS)
+def test_bad_input_is_one_line_and_exit_2(cli, tmp_path, case):
+    _bad_inputs(tmp_path)
+    overrides, flags, expected = BAD_EDITS[case]
+    values = {"--model": "tiny-sd2-inpaint", "--image": "T.png", "--mask": "M.png", "--prompt": "a hat",
+              "--out": "O.png", **overrides}
+    result = cli("edit", *[x for pair in values.items() for x in pair], *flags, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert expected in lines[0]
+    assert not (tmp_path / "O.png").exists()
