@@ -1,0 +1,59 @@
+"""Token geometry: which tokens of a denoiser a pixel mask touches.
+
+A token covers a `stride` x `stride` square of pixels: 16 for Flux and SD3 (VAE /8, then 2x2 patches),
+8 * 2**level for the transformer blocks of a UNet level (SDXL, SD2). A token is masked if any pixel of
+its square is: a token that is partly repainted must be recomputed. An optional margin of `dilation`
+tokens around the mask is recomputed too, for seams (paper §3.1 reuses activations only where the
+content is untouched).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+# Pixels per image token.
+FLUX_STRIDE = 16
+SD3_STRIDE = 16
+UNET_LATENT_STRIDE = 8  # a UNet level l has stride 8 * 2**l
+
+
+def pixel_mask_tensor(mask: Image.Image | np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A boolean `[H, W]` tensor, True = repaint, from a PIL mask (white = repaint), array or tensor."""
+    if isinstance(mask, Image.Image):
+        mask = np.array(mask.convert("L"))  # a copy: torch refuses read-only arrays
+    mask = torch.as_tensor(mask)
+    if mask.dim() != 2:
+        raise ValueError(f"a pixel mask must be 2-D [H, W], got shape {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return mask
+    # diffusers binarises at half intensity; 8-bit masks are 0..255, float masks 0..1.
+    threshold = 127.5 if mask.dtype == torch.uint8 else 0.5
+    return mask.float() > threshold
+
+
+def token_mask(mask, stride: int, dilation: int = 0) -> torch.Tensor:
+    """Pixel mask `[H, W]` -> token mask `[ceil(H/stride), ceil(W/stride)]` (bool).
+
+    A token is masked if any pixel it covers is, or (with `dilation`) if a masked token lies within
+    `dilation` tokens of it (Chebyshev distance).
+    """
+    if stride < 1 or dilation < 0:
+        raise ValueError(f"stride must be >= 1 and dilation >= 0, got {stride} and {dilation}")
+    pixels = pixel_mask_tensor(mask).float()[None, None]
+    tokens = F.max_pool2d(pixels, kernel_size=stride, stride=stride, ceil_mode=True)
+    if dilation:
+        tokens = F.max_pool2d(tokens, kernel_size=2 * dilation + 1, stride=1, padding=dilation)
+    return tokens[0, 0] > 0
+
+
+def masked_token_indices(token_mask_2d: torch.Tensor) -> torch.Tensor:
+    """Row-major indices (int64, sorted) of the masked tokens: the order the denoisers flatten in."""
+    return token_mask_2d.flatten().nonzero().flatten()
+
+
+def mask_ratio(token_mask_2d: torch.Tensor) -> float:
+    """Fraction of tokens masked: the m of the paper's Table 1."""
+    return float(token_mask_2d.float().mean())

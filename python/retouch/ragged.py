@@ -1,0 +1,102 @@
+"""The ragged-batch descriptor shared by every mask-aware op.
+
+A batch holds B requests; request b has L_b tokens (`prefix` always-computed tokens, e.g. the text
+tokens of a joint-attention model, then its image tokens) of which it computes only some: its
+"query" tokens, the prefix plus its masked image tokens. Hidden states of the whole batch live as
+rows of one `[sum L_b, H]` matrix (request b's rows start at `row_offsets[b]`); the query tokens of all
+requests are packed, request after request, into `[T, H]` with `cu_seqlens_q` (no padding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RaggedBatch:
+    """Per-request token selections of a batch, in the forms the ops need.
+
+    seq_lens:       [B] tokens per request (prefix + image), python ints
+    query_idx:      B tensors, request b's computed token positions in [0, L_b), sorted
+    query_rows:     [T] int64, their rows in the [sum L_b, H] matrix (for gather/scatter)
+    reused_rows:    [sum L_b - T] int64, the other rows (taken from the cache)
+    cu_seqlens_q:   [B+1] int32, prefix sums of the query counts
+    cu_seqlens_k:   [B+1] int32, prefix sums of seq_lens (every token is a key)
+    """
+
+    seq_lens: tuple[int, ...]
+    prefix: int
+    query_idx: tuple[torch.Tensor, ...]
+    query_rows: torch.Tensor
+    reused_rows: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @classmethod
+    def from_masked_indices(
+        cls,
+        masked_idx: Sequence[torch.Tensor],
+        num_image_tokens: int | Sequence[int],
+        prefix: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> RaggedBatch:
+        """Build from each request's masked image-token indices (in [0, num_image_tokens)).
+
+        The `prefix` tokens (text tokens of Flux/SD3 joint attention) come first in every request's
+        sequence and are always computed.
+        """
+        batch = len(masked_idx)
+        image_lens = [num_image_tokens] * batch if isinstance(num_image_tokens, int) else list(num_image_tokens)
+        if len(image_lens) != batch:
+            raise ValueError(f"{batch} requests but {len(image_lens)} image-token counts")
+        seq_lens, query_idx = [], []
+        for b, (idx, image_len) in enumerate(zip(masked_idx, image_lens)):
+            idx = torch.as_tensor(idx, dtype=torch.long).flatten().cpu()
+            if idx.numel() and (idx.min() < 0 or idx.max() >= image_len):
+                raise ValueError(f"request {b}: masked index out of range for {image_len} image tokens")
+            idx = idx.unique(sorted=True)
+            query_idx.append(torch.cat([torch.arange(prefix), prefix + idx]))
+            seq_lens.append(prefix + image_len)
+
+        row_offsets = [0]
+        for seq_len in seq_lens:
+            row_offsets.append(row_offsets[-1] + seq_len)
+        query_rows = torch.cat([torch.empty(0, dtype=torch.long)]
+                               + [row_offsets[b] + idx for b, idx in enumerate(query_idx)])
+        is_query = torch.zeros(row_offsets[-1], dtype=torch.bool)
+        is_query[query_rows] = True
+        counts = [len(idx) for idx in query_idx]
+        return cls(
+            seq_lens=tuple(seq_lens),
+            prefix=prefix,
+            query_idx=tuple(idx.to(device) for idx in query_idx),
+            query_rows=query_rows.to(device),
+            reused_rows=(~is_query).nonzero().flatten().to(device),
+            cu_seqlens_q=_prefix_sums(counts, device),
+            cu_seqlens_k=_prefix_sums(seq_lens, device),
+            max_seqlen_q=max(counts, default=0),
+            max_seqlen_k=max(seq_lens, default=0),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_query_tokens(self) -> int:
+        return int(self.query_rows.numel())
+
+    def query_counts(self) -> list[int]:
+        return [len(idx) for idx in self.query_idx]
+
+
+def _prefix_sums(counts: Sequence[int], device) -> torch.Tensor:
+    sums = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    if counts:
+        sums[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return sums.to(device)
