@@ -1,5 +1,8 @@
 """retouch._C row gather/scatter against the pure-PyTorch reference: exact, over a grid of shapes."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -133,3 +136,11 @@ def test_extension_reports_cpu_part():
     assert info["built"] and info["cpu"] and info["error"] is None
     if torch.version.cuda is None:  # a CPU build of torch cannot have compiled the CUDA part
         assert not info["cuda"]
+
+
+def test_extension_imports_on_its_own():
+    # A fresh interpreter, `import retouch._C` first: the package must load torch's libraries itself.
+    result = subprocess.run([sys.executable, "-c", "import retouch._C as C; print(C.built_with_cuda())"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() in ("True", "False")

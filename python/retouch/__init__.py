@@ -1,3 +1,7 @@
 """retouch: a serving engine for generative image editing with diffusion models."""
 
+# retouch._C links against torch's shared libraries (libc10, libtorch); importing torch first loads
+# them into the process, so `import retouch._C` works on its own.
+import torch  # noqa: F401
+
 __version__ = "0.1.0"
