@@ -28,8 +28,20 @@ def test_edit_writes_image_of_input_size(cli, inputs, model):
                  "--prompt", "a red hat", "--steps", "4", "--out", out)
     assert result.returncode == 0, result.stderr
     assert str(out) in result.stdout
-    with Image.open(out) as edited:
+    with Image.open(out) as edited, Image.open(inputs / "T.png") as template:
         assert edited.format == "PNG" and edited.size == (128, 128) and edited.mode == "RGB"
+        # Outside the white square the template's pixels come back exactly; inside, the model's.
+        outside = (0, 0, 128, 32)
+        assert edited.crop(outside).tobytes() == template.crop(outside).tobytes()
+        assert edited.crop((32, 32, 96, 96)).tobytes() != template.crop((32, 32, 96, 96)).tobytes()
+
+
+def test_no_paste_back_returns_the_raw_pipeline_output(cli, inputs):
+    result = cli("edit", "--model", "tiny-sd2-inpaint", "--image", inputs / "T.png", "--mask", inputs / "M.png",
+                 "--prompt", "a red hat", "--steps", "2", "--no-paste-back", "--out", inputs / "raw.png")
+    assert result.returncode == 0, result.stderr
+    with Image.open(inputs / "raw.png") as raw, Image.open(inputs / "T.png") as template:
+        assert raw.crop((0, 0, 128, 32)).tobytes() != template.crop((0, 0, 128, 32)).tobytes()
 
 
 def test_edit_keeps_odd_input_size(cli, tmp_path):

@@ -27,8 +27,13 @@ def run_baseline_edit(
     guidance: float | None = None,
     strength: float = 1.0,
     call_defaults: dict | None = None,
+    paste_back: bool = True,
 ) -> Image.Image:
-    """Repaint the white region of `mask` in `image`; the result has the input image's size."""
+    """Repaint the white region of `mask` in `image`; the result has the input image's size.
+
+    With `paste_back`, pixels outside the mask are the template's own: the pipeline regenerates the
+    whole image (VAE round trip included), but a user asked to edit only the masked region.
+    """
     check_same_size(image, mask)
     width, height = processing_size(image.width, image.height, pipe.vae_scale_factor * 2)
     if (width, height) != image.size:
@@ -59,4 +64,10 @@ def run_baseline_edit(
         edited = pipe(**kwargs).images[0]
     if edited.size != image.size:
         edited = edited.resize(image.size, Image.Resampling.LANCZOS)
-    return edited
+    return paste_unmasked(image, edited, mask) if paste_back else edited
+
+
+def paste_unmasked(template: Image.Image, edited: Image.Image, mask: Image.Image) -> Image.Image:
+    """`edited` inside the mask, `template` outside; binarised at half intensity as diffusers does."""
+    binary = mask.convert("L").point(lambda value: 255 if value >= 128 else 0)
+    return Image.composite(edited.convert("RGB"), template.convert("RGB"), binary)

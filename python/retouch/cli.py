@@ -57,7 +57,8 @@ def cmd_edit(args) -> int:
     loaded = time.perf_counter()
     edited = run_baseline_edit(
         model.pipe, image, mask, opts.prompt, steps=opts.steps, seed=opts.seed, guidance=opts.guidance,
-        strength=opts.strength, call_defaults=model.call_defaults)
+        strength=opts.strength, call_defaults=model.call_defaults,
+        paste_back=opts.paste_back)
     finished = time.perf_counter()
     path = save_image(edited, opts.out)
     print(f"wrote {path} ({edited.width}x{edited.height}) with {model.name} on {device}: "

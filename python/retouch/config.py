@@ -36,6 +36,7 @@ class EditOptions:
     strength: float = option(1.0, help="how much of the masked region is re-noised, in (0, 1]")
     out: Path = option(Path("edited.png"), help="output image; format from the suffix")
     mask_alpha: bool = option(False, help="read the mask's alpha channel, OpenAI style: alpha 0 = repaint")
+    paste_back: bool = option(True, help="keep the template's own pixels outside the mask")
     device: str = option("auto", help="where to run", choices=DEVICES)
     dtype: str = option("auto", help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)", choices=DTYPES)
 
@@ -59,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser, options_cls: type) -> None:
         kwargs = {"dest": f.name, "help": f.metadata["help"], "required": required}
         if not required:
             kwargs["default"] = f.default
-        if hints[f.name] is bool:
-            parser.add_argument(flag, action="store_true", **kwargs)
+        if hints[f.name] is bool:  # --flag / --no-flag
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
             continue
         kwargs["type"] = _scalar_type(hints[f.name])
         if f.metadata.get("choices"):
