@@ -1,15 +1,25 @@
-"""Typed entry points of the native ops. The only module that imports `retouch._C`.
+"""Every fast op retouch runs, as a torch op in the `retouch` namespace. The only module that imports
+`retouch._C`.
 
-The ops are registered with torch (TORCH_LIBRARY in csrc/torch_bindings.cpp) under the `retouch`
-namespace, so torch.compile and CUDA graphs see them; the fake (meta) implementations below let
-torch.compile trace them without running them.
+- C++/CUDA ops from csrc/ (registered by TORCH_LIBRARY in csrc/torch_bindings.cpp);
+- Triton kernels from kernels/, registered here with torch.library.custom_op;
+each with a fake (meta) implementation, so torch.compile and CUDA graphs can see and trace them.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from retouch.errors import RetouchError
+from retouch.kernels.ragged_attention import ragged_attention as _ragged_attention_triton
+from retouch.kernels.ragged_attention import ragged_attention_sdpa as _ragged_attention_sdpa
+from retouch.kernels.row_copy import gather_rows_triton, scatter_rows_triton
+
+ROW_COPY_BACKENDS = ("native", "triton")
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn")
+FLASH_ATTN_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
 
 try:
     from retouch import _C
@@ -32,16 +42,94 @@ def _require_extension() -> None:
         raise RetouchError(f"retouch._C is not built ({_IMPORT_ERROR}); run `pip install -e .` or `make`")
 
 
-def gather_rows(src: torch.Tensor, row_idx: torch.Tensor) -> torch.Tensor:
+def gather_rows(src: torch.Tensor, row_idx: torch.Tensor, backend: str = "native") -> torch.Tensor:
     """Pack rows: `src: [N, H]` (unit stride along H), `row_idx: [T]` int32/int64 -> `[T, H]`."""
+    if _row_copy_backend(backend) == "triton":
+        return torch.ops.retouch.gather_rows_triton(src, row_idx)
     _require_extension()
     return torch.ops.retouch.gather_rows(src, row_idx)
 
 
-def scatter_rows_(dst: torch.Tensor, row_idx: torch.Tensor, src: torch.Tensor) -> None:
+def scatter_rows_(dst: torch.Tensor, row_idx: torch.Tensor, src: torch.Tensor, backend: str = "native") -> None:
     """Unpack rows in place: `dst[row_idx[i]] = src[i]`; `dst: [N, H]`, `src: [T, H]`, indices unique."""
+    if _row_copy_backend(backend) == "triton":
+        torch.ops.retouch.scatter_rows_triton_(dst, row_idx, src)
+        return
     _require_extension()
     torch.ops.retouch.scatter_rows_(dst, row_idx, src)
+
+
+def _row_copy_backend(backend: str) -> str:
+    if backend not in ROW_COPY_BACKENDS:
+        raise ValueError(f"row-copy backend must be one of {ROW_COPY_BACKENDS}, got {backend!r}")
+    return backend
+
+
+def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                     softmax_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Each request's queries against that request's keys, packed without padding (flash-attn varlen).
+
+    `q: [T_q, heads, d]`, `k, v: [T_k, heads, d]`, `cu_seqlens_q, cu_seqlens_k: [B+1]` int32 ->
+    `[T_q, heads, d]`. backend: "triton" (GPU, or CPU under TRITON_INTERPRET=1), "sdpa" (torch SDPA
+    per request; the CPU path), "flash_attn" (flash_attn_varlen_func, if installed), or "auto":
+    flash-attn for 16-bit CUDA tensors when installed, else Triton on CUDA, else SDPA.
+    """
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return torch.ops.retouch.ragged_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              scale, resolve_attention_backend(backend, q))
+
+
+def resolve_attention_backend(backend: str, q: torch.Tensor) -> str:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "flash_attn" and not FLASH_ATTN_AVAILABLE:
+        raise ValueError("attention backend 'flash_attn' requested but flash-attn is not installed")
+    if backend != "auto":
+        return backend
+    if q.is_cuda and FLASH_ATTN_AVAILABLE and q.dtype in (torch.float16, torch.bfloat16):
+        return "flash_attn"
+    return "triton" if q.is_cuda else "sdpa"
+
+
+@torch.library.custom_op("retouch::ragged_attention", mutates_args=())
+def _ragged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                         backend: str) -> torch.Tensor:
+    if backend == "triton":
+        return _ragged_attention_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        softmax_scale)
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      softmax_scale=softmax_scale)
+    return _ragged_attention_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+
+
+@_ragged_attention_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("retouch::gather_rows_triton", mutates_args=())
+def _gather_rows_triton_op(src: torch.Tensor, row_idx: torch.Tensor) -> torch.Tensor:
+    return gather_rows_triton(src, row_idx)
+
+
+@_gather_rows_triton_op.register_fake
+def _(src, row_idx):
+    return src.new_empty((row_idx.shape[0], src.shape[1]))
+
+
+@torch.library.custom_op("retouch::scatter_rows_triton_", mutates_args=("dst",))
+def _scatter_rows_triton_op(dst: torch.Tensor, row_idx: torch.Tensor, src: torch.Tensor) -> None:
+    scatter_rows_triton(dst, row_idx, src)
+
+
+@_scatter_rows_triton_op.register_fake
+def _(dst, row_idx, src):
+    return None
 
 
 if _C is not None:
