@@ -59,3 +59,11 @@ def test_row_copy_backends_on_a_ragged_batch(backend):
     ops.scatter_rows_(restored.view(-1, 8), batch.query_rows, packed, backend=backend)
     assert torch.equal(restored.view(-1, 8)[batch.query_rows], packed)
     assert not restored.view(-1, 8)[batch.reused_rows].any()
+
+
+def test_flop_counter_sees_ragged_attention():
+    q, k, v, cu_q, cu_k = packed_attention_inputs()
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+        ops.ragged_attention(q, k, v, cu_q, cu_k, 7, 9)
+    heads, head_dim = q.shape[1:]
+    assert counter.get_total_flops() == 4 * heads * head_dim * (3 * 9 + 0 * 5 + 7 * 9)

@@ -112,6 +112,16 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+@torch.utils.flop_counter.register_flop_formula(torch.ops.retouch.ragged_attention, get_raw=True)
+def ragged_attention_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, out_val=None, **kwargs) -> int:
+    """QK^T and PV of every request: 2 matmuls x 2 FLOPs x heads x head_dim x sum_b(n_q,b * n_k,b).
+
+    Registered so that torch.utils.flop_counter sees through the opaque custom op (Table 1 checks)."""
+    lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    return 4 * q.shape[1] * q.shape[2] * int((lengths_q * lengths_k).sum())
+
+
 @torch.library.custom_op("retouch::gather_rows_triton", mutates_args=())
 def _gather_rows_triton_op(src: torch.Tensor, row_idx: torch.Tensor) -> torch.Tensor:
     return gather_rows_triton(src, row_idx)

@@ -1,0 +1,164 @@
+"""What one mask-aware forward of a denoiser needs to know, passed explicitly to the patched model.
+
+A `MaskAwareContext` describes one call of the denoiser over a batch of requests: which image tokens
+each request computes (its masked tokens, as a `RaggedBatch` whose prefix is the always-computed text
+tokens), which recorded template and denoising step each request reuses, where the recorded
+activations live, and how each block uses them (`CacheMode`, `block_plan`).
+
+The index tensors the blocks need (`TokenLayout`) are derived once per call here, not once per block.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from retouch.cache import ActivationCache
+from retouch.ragged import RaggedBatch
+
+
+class CacheMode(enum.Enum):
+    """How the cached blocks of one forward use the activation cache."""
+
+    RECORD = "record"  # compute every token; keep each block's output, K and V for every token
+    Y_CACHE = "y_cache"  # paper Fig. 5: unmasked rows of each block output come from the cache
+    KV_CACHE = "kv_cache"  # paper Fig. 7: unmasked keys/values come from the cache
+
+
+# Names of the recorded activations in the cache (see retouch.cache for the key layout).
+OUT = "out"  # a block's output for the image tokens: [L, hidden]
+KEY = "k"  # a block's image-token keys after projection, qk-norm and RoPE: [L, heads, head_dim]
+VALUE = "v"  # the matching values: [L, heads, head_dim]
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Index tensors derived from a `RaggedBatch` with `prefix` text tokens and L image tokens per request.
+
+    "Query" tokens are the computed ones: all text tokens, then the masked image tokens, per request,
+    packed request after request (the order of `RaggedBatch.query_idx`; T_q of them in all).
+
+    query_positions:      [T_q] position of each query token in its request's [text; image] sequence
+    query_request:        [T_q] request of each query token
+    image_query_rows:     [T_img] rows of the masked image tokens in the [B * L, hidden] image matrix
+    image_query_request:  [T_img] request of each masked image token
+    image_query_positions:[T_img] their positions in the [text; image] sequence (for RoPE)
+    text_query_slots:     [B * P] where each text token (rows of [B * P, hidden]) sits among the T_q queries
+    image_query_slots:    [T_img] where each masked image token sits among the T_q queries
+    image_counts:         masked image tokens per request
+    """
+
+    num_text_tokens: int
+    num_image_tokens: int
+    query_positions: torch.Tensor
+    query_request: torch.Tensor
+    image_query_rows: torch.Tensor
+    image_query_request: torch.Tensor
+    image_query_positions: torch.Tensor
+    text_query_slots: torch.Tensor
+    image_query_slots: torch.Tensor
+    image_counts: tuple[int, ...]
+
+    @classmethod
+    def from_batch(cls, batch: RaggedBatch) -> TokenLayout:
+        num_text = batch.prefix
+        image_lens = {seq_len - num_text for seq_len in batch.seq_lens}
+        if len(image_lens) > 1:
+            # One forward of a Flux transformer takes one [B, L, C] latent: every request has the same L.
+            raise ValueError(f"requests of one batch must have the same number of image tokens, got {image_lens}")
+        num_image = image_lens.pop() if image_lens else 0
+        device = batch.query_rows.device
+        positions, requests, image_rows, image_requests, text_slots, image_slots = [], [], [], [], [], []
+        image_counts = []
+        slot = 0
+        for b, idx in enumerate(batch.query_idx):
+            image_pos = idx[num_text:]
+            count = len(idx)
+            positions.append(idx)
+            requests.append(torch.full((count,), b, dtype=torch.long, device=device))
+            image_rows.append(b * num_image + image_pos - num_text)
+            image_requests.append(torch.full((len(image_pos),), b, dtype=torch.long, device=device))
+            text_slots.append(torch.arange(slot, slot + num_text, device=device))
+            image_slots.append(torch.arange(slot + num_text, slot + count, device=device))
+            image_counts.append(len(image_pos))
+            slot += count
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        image_positions = torch.cat([empty] + [idx[num_text:] for idx in batch.query_idx])
+        return cls(
+            num_text_tokens=num_text,
+            num_image_tokens=num_image,
+            query_positions=torch.cat([empty] + positions),
+            query_request=torch.cat([empty] + requests),
+            image_query_rows=torch.cat([empty] + image_rows),
+            image_query_request=torch.cat([empty] + image_requests),
+            image_query_positions=image_positions,
+            text_query_slots=torch.cat([empty] + text_slots),
+            image_query_slots=torch.cat([empty] + image_slots),
+            image_counts=tuple(image_counts),
+        )
+
+
+@dataclass(frozen=True)
+class MaskAwareContext:
+    """One mask-aware forward over a batch of B requests.
+
+    batch:        image tokens to compute per request, text tokens as the prefix (`RaggedBatch`)
+    template_ids: [B] the recorded template each request reads (Y/KV) or writes (RECORD)
+    steps:        [B] the denoising step index of each request (requests of one batch may be at
+                  different steps: continuous batching)
+    cache:        where recorded activations are read and written
+    block_plan:   per block in execution order (double-stream, then single-stream): True = use the
+                  cache, False = compute all tokens with the unmodified block (no cache traffic).
+                  None = every block uses the cache. Ignored in RECORD mode.
+    """
+
+    mode: CacheMode
+    batch: RaggedBatch
+    template_ids: tuple[str, ...]
+    steps: tuple[int, ...]
+    cache: ActivationCache
+    block_plan: tuple[bool, ...] | None = None
+    layout: TokenLayout = field(init=False, repr=False)
+
+    def __post_init__(self):
+        num_requests = self.batch.batch_size
+        if len(self.template_ids) != num_requests or len(self.steps) != num_requests:
+            raise ValueError(f"{num_requests} requests but {len(self.template_ids)} template ids and "
+                             f"{len(self.steps)} steps")
+        object.__setattr__(self, "template_ids", tuple(self.template_ids))
+        object.__setattr__(self, "steps", tuple(int(s) for s in self.steps))
+        if self.block_plan is not None:
+            object.__setattr__(self, "block_plan", tuple(bool(p) for p in self.block_plan))
+        object.__setattr__(self, "layout", TokenLayout.from_batch(self.batch))
+        if self.mode is CacheMode.RECORD and any(c != self.layout.num_image_tokens for c in self.layout.image_counts):
+            raise ValueError("a RECORD context computes every image token; build it with `MaskAwareContext.record`")
+
+    @classmethod
+    def record(cls, template_ids: Sequence[str], steps: Sequence[int], num_text_tokens: int,
+               num_image_tokens: int, cache: ActivationCache, device: torch.device | str = "cpu") -> MaskAwareContext:
+        """Full compute of every token, keeping every block's activations for `template_ids`."""
+        all_tokens = [torch.arange(num_image_tokens)] * len(template_ids)
+        batch = RaggedBatch.from_masked_indices(all_tokens, num_image_tokens, prefix=num_text_tokens, device=device)
+        return cls(CacheMode.RECORD, batch, tuple(template_ids), tuple(steps), cache)
+
+    @classmethod
+    def edit(cls, mode: CacheMode, masked_idx: Sequence[torch.Tensor], template_ids: Sequence[str],
+             steps: Sequence[int], num_text_tokens: int, num_image_tokens: int, cache: ActivationCache,
+             block_plan: Sequence[bool] | None = None, device: torch.device | str = "cpu") -> MaskAwareContext:
+        """An edit of recorded templates: request b computes the image tokens `masked_idx[b]` (row-major)."""
+        if mode is CacheMode.RECORD:
+            raise ValueError("use MaskAwareContext.record for recording")
+        batch = RaggedBatch.from_masked_indices(masked_idx, num_image_tokens, prefix=num_text_tokens, device=device)
+        return cls(mode, batch, tuple(template_ids), tuple(steps), cache,
+                   None if block_plan is None else tuple(block_plan))
+
+    def uses_cache(self, block: int) -> bool:
+        """Whether `block` runs mask-aware (reads the cache) rather than in full."""
+        return self.block_plan is None or self.block_plan[block]
+
+    def request_reuses_tokens(self, request: int) -> bool:
+        """Whether any image token of `request` is unmasked (and so comes from the cache)."""
+        return self.layout.image_counts[request] < self.layout.num_image_tokens

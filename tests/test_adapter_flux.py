@@ -1,0 +1,293 @@
+"""Mask-aware Flux blocks (retouch.adapters.flux) against the unmodified diffusers transformer.
+
+Tolerance (fp32, CPU): the mask-aware path runs the same ops as the model on a subset of rows, so the
+only difference is summation order: a BLAS matmul or SDPA over a different number of rows may block
+its dot products differently and round in the last bits. Each of the ~10 matmuls on a token's path
+through a block can add an ulp or so. We allow OUTPUT_ULPS units of fp32 eps at the output's scale
+(max |output|): 4x the worst measured on this suite (2.1 units, about 6e-7 absolute).
+"""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
+from retouch.cache import InMemoryActivationCache
+from retouch.models import build_denoiser
+
+OUTPUT_ULPS = 8
+EDIT_MODES = [CacheMode.Y_CACHE, CacheMode.KV_CACHE]
+TINY_GRID = (8, 8)  # 64 image tokens
+TINY_TEXT_TOKENS = 8
+
+
+def flux_inputs(transformer, batch: int, grid: tuple[int, int], num_text: int, seed: int) -> dict:
+    """Random transformer inputs of `batch` requests: latents [B, h*w, C], text [B, P, J], ids, timesteps."""
+    config = transformer.config
+    generator = torch.Generator().manual_seed(seed)
+    height, width = grid
+    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    img_ids = torch.stack([torch.zeros(height * width), rows.flatten().float(), cols.flatten().float()], dim=1)
+    return dict(
+        hidden_states=torch.randn(batch, height * width, config.in_channels, generator=generator),
+        encoder_hidden_states=torch.randn(batch, num_text, config.joint_attention_dim, generator=generator),
+        pooled_projections=torch.randn(batch, config.pooled_projection_dim, generator=generator),
+        timestep=torch.rand(batch, generator=generator),
+        img_ids=img_ids,
+        txt_ids=torch.zeros(num_text, 3),
+        guidance=torch.full((batch,), 3.5) if config.guidance_embeds else None,
+        return_dict=False,
+    )
+
+
+def stack_inputs(per_request: list[dict]) -> dict:
+    """One batch from single-request inputs (ids are shared by every request of a Flux batch)."""
+    batched = dict(per_request[0])
+    for name in ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"):
+        if batched[name] is not None:
+            batched[name] = torch.cat([inputs[name] for inputs in per_request])
+    return batched
+
+
+def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    atol = OUTPUT_ULPS * torch.finfo(torch.float32).eps * expected.abs().max().item()
+    error = (actual - expected).abs().max().item()
+    assert error <= atol, f"max error {error:.3g} > {atol:.3g}"
+    return error
+
+
+def masked_indices(num_image: int, grid: tuple[int, int]) -> list[torch.Tensor]:
+    """Three requests: ~20% random tokens, a ~20% rectangle, no token at all."""
+    generator = torch.Generator().manual_seed(7)
+    scattered = torch.randperm(num_image, generator=generator)[: num_image // 5].sort().values
+    height, width = grid
+    rectangle = torch.zeros(grid, dtype=torch.bool)
+    rectangle[1: 1 + height // 2, 2: 2 + (2 * width + 4) // 5] = True
+    return [scattered, rectangle.flatten().nonzero().flatten(), torch.empty(0, dtype=torch.long)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """tiny-flux-fill's transformer (random weights)."""
+    transformer = build_denoiser("tiny-flux-fill").eval()
+    return transformer
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter(tiny):
+    adapter = patch_flux(tiny)
+    yield adapter
+    adapter.unpatch()
+
+
+def record(adapter, inputs: dict, template_id: str, step: int, num_text: int, num_image: int, cache) -> torch.Tensor:
+    with torch.no_grad(), adapter.run(MaskAwareContext.record([template_id], [step], num_text, num_image, cache)):
+        return adapter.transformer(**inputs)[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_templates(tiny, tiny_adapter):
+    """Three templates recorded one by one at different steps: (inputs, step, model output, recorded output)."""
+    cache = InMemoryActivationCache()
+    num_image = TINY_GRID[0] * TINY_GRID[1]
+    templates = []
+    for request, step in enumerate([0, 3, 7]):
+        inputs = flux_inputs(tiny, 1, TINY_GRID, TINY_TEXT_TOKENS, seed=request)
+        with torch.no_grad():
+            unmodified = tiny(**inputs)[0]
+        recorded = record(tiny_adapter, inputs, f"template-{request}", step, TINY_TEXT_TOKENS, num_image, cache)
+        templates.append((inputs, step, unmodified, recorded))
+    return cache, templates
+
+
+def test_patch_keeps_weights_and_unpatched_behaviour():
+    transformer = build_denoiser("tiny-flux-fill").eval()
+    inputs = flux_inputs(transformer, 2, TINY_GRID, TINY_TEXT_TOKENS, seed=0)
+    keys = list(transformer.state_dict())
+    pointers = [p.data_ptr() for p in transformer.parameters()]
+    with torch.no_grad():
+        expected = transformer(**inputs)[0]
+        adapter = patch_flux(transformer)
+        patched = transformer(**inputs)[0]
+    assert torch.equal(patched, expected)
+    assert list(transformer.state_dict()) == keys
+    assert [p.data_ptr() for p in transformer.parameters()] == pointers
+    with pytest.raises(RuntimeError, match="already patched"):
+        patch_flux(transformer)
+    adapter.unpatch()
+    assert all("forward" not in block.__dict__ for block in adapter.double_blocks + adapter.single_blocks)
+
+
+@pytest.mark.parametrize("mode", EDIT_MODES + [CacheMode.RECORD])
+def test_all_tokens_masked_equals_unmodified_model(tiny, tiny_adapter, mode):
+    num_image = TINY_GRID[0] * TINY_GRID[1]
+    inputs = flux_inputs(tiny, 2, TINY_GRID, TINY_TEXT_TOKENS, seed=11)
+    with torch.no_grad():
+        expected = tiny(**inputs)[0]
+    cache = InMemoryActivationCache()  # empty: with every token masked nothing is read
+    if mode is CacheMode.RECORD:
+        context = MaskAwareContext.record(["a", "b"], [0, 0], TINY_TEXT_TOKENS, num_image, cache)
+    else:
+        context = MaskAwareContext.edit(mode, [torch.arange(num_image)] * 2, ["a", "b"], [0, 0],
+                                        TINY_TEXT_TOKENS, num_image, cache)
+    with torch.no_grad(), tiny_adapter.run(context):
+        actual = tiny(**inputs)[0]
+    assert_close_ulps(actual, expected)
+    assert (cache.nbytes() > 0) == (mode is CacheMode.RECORD)
+
+
+def test_record_equals_unmodified_model(tiny_templates):
+    _, templates = tiny_templates
+    for _, _, unmodified, recorded in templates:
+        assert_close_ulps(recorded, unmodified)
+
+
+PLANS = [None, (False, True, True), (True, False, True), (True, True, False), (False, True, False)]
+
+
+@pytest.mark.parametrize("block_plan", PLANS)
+@pytest.mark.parametrize("mode", EDIT_MODES)
+def test_replay_identity_ragged_batch(tiny, tiny_adapter, tiny_templates, mode, block_plan):
+    """Same inputs as recorded, three requests with different masks (one empty) and templates."""
+    cache, templates = tiny_templates
+    num_image = TINY_GRID[0] * TINY_GRID[1]
+    masks = masked_indices(num_image, TINY_GRID)
+    context = MaskAwareContext.edit(mode, masks, [f"template-{b}" for b in range(3)], [t[1] for t in templates],
+                                    TINY_TEXT_TOKENS, num_image, cache, block_plan=block_plan)
+    with torch.no_grad(), tiny_adapter.run(context):
+        actual = tiny(**stack_inputs([t[0] for t in templates]))[0]
+    for request, (_, _, unmodified, recorded) in enumerate(templates):
+        assert_close_ulps(actual[request: request + 1], recorded)
+        assert_close_ulps(actual[request: request + 1], unmodified)
+
+
+@pytest.mark.parametrize("mode", EDIT_MODES)
+def test_replay_identity_with_triton_attention(tiny_templates, mode):
+    """The Triton ragged-attention kernel in place of SDPA (interpreted on the CPU, see conftest);
+    templates recorded by another patched copy of the same weights."""
+    transformer = build_denoiser("tiny-flux-fill").eval()
+    adapter = patch_flux(transformer, attention_backend="triton")
+    cache, templates = tiny_templates
+    num_image = TINY_GRID[0] * TINY_GRID[1]
+    context = MaskAwareContext.edit(mode, masked_indices(num_image, TINY_GRID), [f"template-{b}" for b in range(3)],
+                                    [t[1] for t in templates], TINY_TEXT_TOKENS, num_image, cache)
+    with torch.no_grad(), adapter.run(context):
+        actual = transformer(**stack_inputs([t[0] for t in templates]))[0]
+    for request, (_, _, unmodified, _) in enumerate(templates):
+        assert_close_ulps(actual[request: request + 1], unmodified)
+
+
+@pytest.mark.parametrize("mode", EDIT_MODES)
+def test_new_content_changes_only_masked_tokens(tiny, tiny_adapter, tiny_templates, mode):
+    """Other latents under the mask: the output changes there and, with every block cached, unmasked
+    tokens keep the recorded output (they come from the template's recorded final hidden state)."""
+    cache, templates = tiny_templates
+    inputs, step, _, recorded = templates[0]
+    num_image = TINY_GRID[0] * TINY_GRID[1]
+    masked = masked_indices(num_image, TINY_GRID)[1]
+    edited = dict(inputs)
+    edited["hidden_states"] = inputs["hidden_states"].clone()
+    edited["hidden_states"][:, masked] = torch.randn(1, len(masked), inputs["hidden_states"].shape[-1])
+    context = MaskAwareContext.edit(mode, [masked], ["template-0"], [step], TINY_TEXT_TOKENS, num_image, cache)
+    with torch.no_grad(), tiny_adapter.run(context):
+        actual = tiny(**edited)[0]
+    unmasked = torch.ones(num_image, dtype=torch.bool)
+    unmasked[masked] = False
+    assert_close_ulps(actual[:, unmasked], recorded[:, unmasked])
+    assert (actual[:, masked] - recorded[:, masked]).abs().max() > 1e-2
+
+
+def test_context_is_checked_and_released(tiny, tiny_adapter, tiny_templates):
+    cache, templates = tiny_templates
+    num_image = TINY_GRID[0] * TINY_GRID[1]
+    context = MaskAwareContext.edit(CacheMode.Y_CACHE, [torch.arange(5)], ["template-0"], [0],
+                                    TINY_TEXT_TOKENS, num_image, cache, block_plan=(True, False))
+    with pytest.raises(ValueError, match="block_plan"):
+        with tiny_adapter.run(context):
+            pass
+    with pytest.raises(ValueError, match="template ids"):
+        MaskAwareContext.edit(CacheMode.Y_CACHE, [torch.arange(5)], ["a", "b"], [0], TINY_TEXT_TOKENS, num_image, cache)
+    wrong_batch = MaskAwareContext.edit(CacheMode.Y_CACHE, [torch.arange(5)] * 2, ["template-0"] * 2, [0, 0],
+                                        TINY_TEXT_TOKENS, num_image, cache)
+    with pytest.raises(ValueError, match="requests"), torch.no_grad(), tiny_adapter.run(wrong_batch):
+        tiny(**templates[0][0])
+    assert tiny_adapter.active_context is None
+    with torch.no_grad():
+        assert torch.equal(tiny(**templates[0][0])[0], templates[0][2])
+
+
+# ---- flux-small: the same identities at 1024 image + 64 text tokens, and the FLOPs of Table 1 ----
+
+SMALL_GRID = (32, 32)
+SMALL_TEXT_TOKENS = 64
+SMALL_MASK_RATIO = 0.2
+
+
+def predicted_macs(config, num_text: int, num_image: int, num_masked: int, mode: CacheMode | None) -> int:
+    """Multiply-accumulates of one forward of one request (mode None: full compute), counted per op.
+
+    Per token a block has 12 H^2 of projections: double-stream q, k, v, out (4 H^2) + feed-forward
+    H->4H->H (8 H^2); single-stream q, k, v (3 H^2) + proj_mlp H->4H (4 H^2) + proj_out 5H->H (5 H^2).
+    Y-cache projects k and v for every token (2 H^2) and the other 10 H^2 for query tokens only;
+    KV-cache runs all 12 H^2 on query tokens. Attention is 2 * queries * keys * H (QK^T and AV), keys
+    always all P + L tokens. Text tokens are always queries. Per request, not per token: modulation
+    linears (6 H^2 twice per double block, 3 H^2 per single block). Outside the blocks, always in full:
+    x_embedder, context_embedder, proj_out per token; time/guidance/pooled-text embedders and norm_out.
+    """
+    hidden = config.num_attention_heads * config.attention_head_dim
+    queries_image = num_image if mode is None else num_masked
+    keys = num_text + num_image
+    kv_tokens_image = num_image if mode in (None, CacheMode.Y_CACHE) else num_masked
+
+    def projections(query_tokens, kv_tokens):
+        return (2 * kv_tokens + 10 * query_tokens) * hidden * hidden
+
+    attention = 2 * (num_text + queries_image) * keys * hidden
+    double = (projections(num_text, num_text) + projections(queries_image, kv_tokens_image)
+              + attention + 2 * 6 * hidden * hidden)
+    single = projections(num_text + queries_image, num_text + kv_tokens_image) + attention + 3 * hidden * hidden
+    timestep_channels = 256  # Flux's sinusoidal timestep (and guidance) projection
+    outside = ((num_image * config.in_channels + num_text * config.joint_attention_dim
+                + num_image * config.out_channels) * hidden
+               + 2 * (timestep_channels * hidden + hidden * hidden)  # timestep and guidance embedders
+               + (config.pooled_projection_dim * hidden + hidden * hidden)  # pooled text embedder
+               + 2 * hidden * hidden)  # norm_out's modulation
+    return config.num_layers * double + config.num_single_layers * single + outside
+
+
+def count_flops(transformer, inputs) -> tuple[int, torch.Tensor]:
+    # The math backend decomposes SDPA into matmuls that FlopCounterMode counts (it has no formula for
+    # the CPU flash kernel), for the unmodified model and the ragged path alike.
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        output = transformer(**inputs)[0]
+    return counter.get_total_flops(), output
+
+
+def test_flux_small_replay_identity_and_flops():
+    transformer = build_denoiser("flux-small").eval()
+    num_image = SMALL_GRID[0] * SMALL_GRID[1]
+    inputs = flux_inputs(transformer, 1, SMALL_GRID, SMALL_TEXT_TOKENS, seed=3)
+    full_flops, unmodified = count_flops(transformer, inputs)
+
+    adapter = patch_flux(transformer)
+    cache = InMemoryActivationCache()
+    recorded = record(adapter, inputs, "template", 5, SMALL_TEXT_TOKENS, num_image, cache)
+    assert_close_ulps(recorded, unmodified)
+
+    num_masked = round(SMALL_MASK_RATIO * num_image)
+    masked = torch.randperm(num_image, generator=torch.Generator().manual_seed(0))[:num_masked]
+    # FlopCounterMode counts 2 FLOPs per multiply-accumulate of every matmul; the per-op count is exact.
+    assert full_flops == 2 * predicted_macs(transformer.config, SMALL_TEXT_TOKENS, num_image, num_masked, None)
+    ratios = {}
+    for mode in EDIT_MODES:
+        context = MaskAwareContext.edit(mode, [masked], ["template"], [5], SMALL_TEXT_TOKENS, num_image, cache)
+        with adapter.run(context):
+            flops, edited = count_flops(transformer, inputs)
+        assert_close_ulps(edited, recorded)
+        assert flops == 2 * predicted_macs(transformer.config, SMALL_TEXT_TOKENS, num_image, num_masked, mode)
+        ratios[mode] = flops / full_flops
+    # From the count at H=1024, P=64, L=1024, m=0.2: Y-cache 0.359, KV-cache 0.253 of full compute
+    # (1/m = 5x on the image tokens' linears; text tokens, attention keys and Y's K/V projections stay).
+    assert ratios[CacheMode.Y_CACHE] < 0.36
+    assert ratios[CacheMode.KV_CACHE] < 0.26
