@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+import torch.utils.flop_counter
 
 from retouch.errors import RetouchError
 from retouch.kernels.ragged_attention import ragged_attention as _ragged_attention_triton
