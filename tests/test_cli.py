@@ -44,6 +44,18 @@ def test_no_paste_back_returns_the_raw_pipeline_output(cli, inputs):
         assert raw.crop((0, 0, 128, 32)).tobytes() != template.crop((0, 0, 128, 32)).tobytes()
 
 
+@pytest.mark.parametrize("cache_mode", ["y", "kv"])
+def test_mask_aware_edit_registers_then_edits(cli, inputs, cache_mode):
+    out = inputs / "mask_aware.png"
+    result = cli("edit", "--model", "tiny-flux-fill", "--image", inputs / "T.png", "--mask", inputs / "M.png",
+                 "--prompt", "a red hat", "--steps", "4", "--mask-aware", "--cache-mode", cache_mode, "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert "register template" in result.stdout and f"{cache_mode}-cache" in result.stdout
+    with Image.open(out) as edited, Image.open(inputs / "T.png") as template:
+        assert edited.size == (128, 128)
+        assert edited.crop((0, 0, 128, 32)).tobytes() == template.crop((0, 0, 128, 32)).tobytes()
+
+
 def test_edit_keeps_odd_input_size(cli, tmp_path):
     # 100x75 is not a multiple of the latent patch: processed at 96x80, returned at 100x75.
     Image.new("RGB", (100, 75), (200, 10, 10)).save(tmp_path / "T.png")
@@ -108,6 +120,8 @@ BAD_EDITS = {
     "not a pipeline folder": ({"--model": "empty_dir"}, [], "empty_dir"),
     "bad steps": ({"--steps": "0"}, [], "--steps"),
     "mask without alpha": ({}, ["--mask-alpha"], "no alpha channel"),
+    "mask-aware on a UNet model": ({}, ["--mask-aware"], "mask-aware editing supports flux-fill"),
+    "negative dilation": ({"--dilation": "-1"}, [], "--dilation"),
 }
 
 

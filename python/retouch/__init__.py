@@ -5,3 +5,10 @@
 import torch  # noqa: F401
 
 __version__ = "0.1.0"
+
+
+def load(model: str, **options):
+    """A mask-aware editor (`retouch.editor.MaskAwareEditor`) on a built-in model or a pipeline folder."""
+    from retouch.editor import load as load_editor  # diffusers is imported only when used
+
+    return load_editor(model, **options)

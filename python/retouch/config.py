@@ -37,6 +37,10 @@ class EditOptions:
     out: Path = option(Path("edited.png"), help="output image; format from the suffix")
     mask_alpha: bool = option(False, help="read the mask's alpha channel, OpenAI style: alpha 0 = repaint")
     paste_back: bool = option(True, help="keep the template's own pixels outside the mask")
+    mask_aware: bool = option(False, help="register the image as a template, then edit it computing only masked tokens")
+    cache_mode: str = option("y", help="mask-aware cache: y (block outputs, Fig. 5) or kv (keys/values, Fig. 7)",
+                             choices=("y", "kv"))
+    dilation: int = option(0, help="mask-aware: also recompute tokens within this many tokens of the mask")
     device: str = option("auto", help="where to run", choices=DEVICES)
     dtype: str = option("auto", help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)", choices=DTYPES)
 
@@ -47,6 +51,10 @@ class EditOptions:
             raise InputError(f"--steps must be >= 1, got {self.steps}")
         if not 0.0 < self.strength <= 1.0:
             raise InputError(f"--strength must be in (0, 1], got {self.strength}")
+        if self.dilation < 0:
+            raise InputError(f"--dilation must be >= 0, got {self.dilation}")
+        if self.mask_aware and self.strength != 1.0:
+            raise InputError("--strength applies to the baseline edit; mask-aware edits repaint at full strength")
         if self.guidance is not None and self.guidance < 0:
             raise InputError(f"--guidance must be >= 0, got {self.guidance}")
 

@@ -1,0 +1,223 @@
+"""The Python API of mask-aware editing: register a template once, then edit it many times.
+
+    editor = retouch.load("tiny-flux-fill")
+    template_id = editor.register_template(image, prompt="a living room", steps=28, seed=0)
+    edited = editor.edit(template_id, mask, prompt="a red sofa", seed=1)
+    edited_many = editor.edit_many([EditRequest(template_id, mask_a, "a cat"), EditRequest(...)])
+
+Registration runs the unmodified computation once and records every block's activations per
+denoising step (adapters, RECORD mode). An edit computes only the masked tokens and takes the rest
+from the recording (Y-cache or KV-cache mode). The stock diffusers pipeline drives the denoising loop:
+its `latents` argument carries the initial noise (the template's at unmasked tokens, the edit seed's
+at masked ones) and forward hooks on the transformer switch the per-step context.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
+from retouch.baseline import paste_unmasked, processing_size
+from retouch.cache import ActivationCache, InMemoryActivationCache
+from retouch.errors import InputError, ModelError
+from retouch.images import check_same_size
+from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
+from retouch.models import LoadedModel, load_pipeline, quiet_libraries
+
+DEFAULT_STEPS = 28
+CACHE_MODES = {"y": CacheMode.Y_CACHE, "kv": CacheMode.KV_CACHE}
+# The families whose denoiser has a mask-aware adapter and whose pipeline the editor drives.
+SUPPORTED_FAMILIES = ("flux-fill",)
+
+
+@dataclass(frozen=True)
+class Template:
+    """A registered template: what an edit must reproduce at its unmasked tokens."""
+
+    template_id: str
+    image: Image.Image  # at the processing size
+    original_size: tuple[int, int]
+    prompt: str
+    steps: int
+    seed: int
+    guidance: float | None
+    noise: torch.Tensor  # [L, C] packed initial latents
+    num_text_tokens: int
+
+
+@dataclass(frozen=True)
+class EditRequest:
+    template_id: str
+    mask: Image.Image  # white = repaint, the template's original size
+    prompt: str
+    seed: int = 0
+
+
+class MaskAwareEditor:
+    """Edits of registered templates that compute only the masked tokens."""
+
+    def __init__(self, model: LoadedModel, cache: ActivationCache | None = None, cache_mode: str = "y",
+                 dilation: int = 0, block_plan: Sequence[bool] | None = None, attention_backend: str = "auto"):
+        if model.family not in SUPPORTED_FAMILIES:
+            raise ModelError(f"mask-aware editing supports {', '.join(SUPPORTED_FAMILIES)} so far; "
+                             f"{model.name} is {model.family} (use the baseline edit)")
+        if cache_mode not in CACHE_MODES:
+            raise InputError(f"cache mode must be one of {', '.join(CACHE_MODES)}, got {cache_mode!r}")
+        if dilation < 0:
+            raise InputError(f"dilation must be >= 0 tokens, got {dilation}")
+        self.model = model
+        self.pipe = model.pipe
+        self.cache = cache if cache is not None else InMemoryActivationCache()
+        self.mode = CACHE_MODES[cache_mode]
+        self.dilation = dilation
+        self.block_plan = None if block_plan is None else tuple(block_plan)
+        self.adapter = patch_flux(self.pipe.transformer, attention_backend=attention_backend)
+        self.templates: dict[str, Template] = {}
+
+    # ---- templates ----
+
+    def register_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
+                          guidance: float | None = None) -> str:
+        """Run the full computation once on `image` and record its activations; returns the template id.
+
+        The id is a digest of the image and the settings, so registering the same template twice
+        returns the same id without recomputing.
+        """
+        if steps < 1:
+            raise InputError(f"steps must be >= 1, got {steps}")
+        image = image.convert("RGB")
+        template_id = self._template_id(image, prompt, steps, seed, guidance)
+        if template_id in self.templates and self.cache.contains(template_id):
+            return template_id
+        width, height = processing_size(image.width, image.height, self.pipe.vae_scale_factor * 2)
+        num_image_tokens = (width // FLUX_STRIDE) * (height // FLUX_STRIDE)
+        template = Template(
+            template_id=template_id, image=image.resize((width, height), Image.Resampling.LANCZOS),
+            original_size=image.size, prompt=prompt, steps=steps, seed=seed, guidance=guidance,
+            noise=self._noise(seed, num_image_tokens), num_text_tokens=self._num_text_tokens())
+        keep_everything = Image.new("L", (width, height), 0)
+
+        def context_at(step: int) -> MaskAwareContext:
+            return MaskAwareContext.record([template_id], [step], template.num_text_tokens, num_image_tokens,
+                                           self.cache, device=self.pipe.device)
+
+        self.cache.drop(template_id)
+        self._run([template], [keep_everything], [prompt], template.noise[None], context_at)
+        self.templates[template_id] = template
+        return template_id
+
+    def drop_template(self, template_id: str) -> None:
+        self.templates.pop(template_id, None)
+        self.cache.drop(template_id)
+
+    # ---- edits ----
+
+    def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0) -> Image.Image:
+        """Repaint the white region of `mask` in the registered template; the template's size."""
+        return self.edit_many([EditRequest(template_id, mask, prompt, seed)])[0]
+
+    def edit_many(self, requests: Sequence[EditRequest]) -> list[Image.Image]:
+        """Several edits as one ragged batch (different templates and masks; the same step count)."""
+        if not requests:
+            return []
+        templates = [self._template(request.template_id) for request in requests]
+        if len({(t.steps, t.guidance, t.num_text_tokens, t.noise.shape) for t in templates}) > 1:
+            raise InputError("edit_many batches templates registered with the same steps, guidance and size")
+        masks, masked_idx, latents = [], [], []
+        for request, template in zip(requests, templates):
+            if not request.prompt.strip():
+                raise InputError("prompt is empty; say what to paint into the masked region")
+            check_same_size(Image.new("L", template.original_size), request.mask)
+            mask = request.mask.convert("L").resize(template.image.size, Image.Resampling.NEAREST)
+            idx = masked_token_indices(token_mask(mask, FLUX_STRIDE, self.dilation))
+            noise = template.noise.clone()
+            # The edit's seed draws the masked tokens' noise; unmasked tokens keep the template's.
+            noise[idx] = self._noise(request.seed, noise.shape[0])[idx]
+            masks.append(mask)
+            masked_idx.append(idx)
+            latents.append(noise)
+        template_ids = [t.template_id for t in templates]
+        num_text, num_image = templates[0].num_text_tokens, templates[0].noise.shape[0]
+
+        def context_at(step: int) -> MaskAwareContext:
+            return MaskAwareContext.edit(self.mode, masked_idx, template_ids, [step] * len(requests), num_text,
+                                         num_image, self.cache, block_plan=self.block_plan, device=self.pipe.device)
+
+        images = self._run(templates, masks, [r.prompt for r in requests], torch.stack(latents), context_at)
+        edited = []
+        for image, mask, template in zip(images, masks, templates):
+            image = paste_unmasked(template.image, image, mask)
+            edited.append(image.resize(template.original_size, Image.Resampling.LANCZOS)
+                          if image.size != template.original_size else image)
+        return edited
+
+    # ---- the pipeline run ----
+
+    def _run(self, templates: Sequence[Template], masks: Sequence[Image.Image], prompts: Sequence[str],
+             latents: torch.Tensor, context_at) -> list[Image.Image]:
+        """One pipeline call over the batch; the transformer's i-th forward runs under context_at(i)."""
+        template = templates[0]
+        width, height = template.image.size
+        step = 0
+        with ExitStack() as active:
+
+            def enter(module, args, kwargs):
+                active.enter_context(self.adapter.run(context_at(step)))
+
+            def leave(module, args, kwargs, output):
+                nonlocal step
+                active.close()
+                step += 1
+
+            hooks = [self.pipe.transformer.register_forward_pre_hook(enter, with_kwargs=True),
+                     self.pipe.transformer.register_forward_hook(leave, with_kwargs=True)]
+            try:
+                kwargs = dict(self.model.call_defaults)
+                kwargs.update(
+                    prompt=list(prompts), image=[t.image for t in templates], mask_image=list(masks),
+                    height=height, width=width, num_inference_steps=template.steps,
+                    latents=latents.to(self.pipe.device, self.pipe.transformer.dtype),
+                    # Per-template generators: the VAE posterior sample of a template is the same at
+                    # registration and at every edit.
+                    generator=[torch.Generator("cpu").manual_seed(t.seed) for t in templates])
+                if template.guidance is not None:
+                    kwargs["guidance_scale"] = template.guidance
+                with torch.inference_mode(), quiet_libraries():
+                    return self.pipe(**kwargs).images
+            finally:
+                for hook in hooks:
+                    hook.remove()
+
+    # ---- helpers ----
+
+    def _template(self, template_id: str) -> Template:
+        template = self.templates.get(template_id)
+        if template is None or not self.cache.contains(template_id):
+            raise InputError(f"unknown template {template_id!r}; register it first")
+        return template
+
+    def _noise(self, seed: int, num_image_tokens: int) -> torch.Tensor:
+        """[L, C] i.i.d. Gaussian noise in the packed token layout (packing permutes i.i.d. entries)."""
+        channels = self.pipe.transformer.config.out_channels
+        return torch.randn((num_image_tokens, channels), generator=torch.Generator("cpu").manual_seed(seed))
+
+    def _num_text_tokens(self) -> int:
+        # Flux pads T5 prompts to max_sequence_length: that many text tokens in every joint attention.
+        return int(self.model.call_defaults.get("max_sequence_length", 512))
+
+    def _template_id(self, image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None) -> str:
+        digest = hashlib.sha256()
+        digest.update(f"{self.model.name}|{image.size}|{prompt}|{steps}|{seed}|{guidance}|".encode())
+        digest.update(image.tobytes())
+        return digest.hexdigest()[:16]
+
+
+def load(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **editor_options) -> MaskAwareEditor:
+    """A mask-aware editor on a built-in model name or a local diffusers pipeline folder."""
+    return MaskAwareEditor(load_pipeline(model, device=device, dtype=dtype), **editor_options)

@@ -1,0 +1,113 @@
+"""The mask-aware Python API: register a template, edit it, batch edits; against the baseline pipeline."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from retouch import load
+from retouch.editor import EditRequest, MaskAwareEditor
+from retouch.errors import InputError, ModelError
+from retouch.models import load_pipeline
+
+STEPS = 3
+
+
+def template_image(color=(40, 120, 200)) -> Image.Image:
+    image = Image.new("RGB", (128, 128), color)
+    ImageDraw.Draw(image).ellipse((20, 30, 90, 100), fill=(230, 200, 60))
+    return image
+
+
+def square_mask(box=(32, 32, 63, 63)) -> Image.Image:
+    mask = Image.new("L", (128, 128), 0)
+    ImageDraw.Draw(mask).rectangle(box, fill=255)
+    return mask
+
+
+def pixels(image: Image.Image) -> np.ndarray:
+    return np.asarray(image).astype(np.int16)
+
+
+@pytest.fixture(scope="module", params=["y", "kv"])
+def editor(request):
+    return load("tiny-flux-fill", cache_mode=request.param)
+
+
+def test_registration_records_every_step_and_block(editor):
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
+    num_blocks = editor.adapter.num_blocks
+    for step in range(STEPS):
+        for block in range(num_blocks):
+            assert editor.cache.get(template_id, step, block, "out").shape == (64, editor.pipe.transformer.inner_dim)
+    with pytest.raises(KeyError):
+        editor.cache.get(template_id, STEPS, 0, "out")  # no step beyond the schedule
+
+
+def test_registering_again_returns_the_same_id_without_compute(editor):
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
+    calls = []
+    hook = editor.pipe.transformer.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        assert editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0) == template_id
+    finally:
+        hook.remove()
+    assert not calls
+
+
+def test_all_tokens_masked_equals_the_unmodified_pipeline(editor):
+    # With every token masked, nothing comes from the cache: the edit must be the baseline computation
+    # on the same initial noise.
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
+    full = Image.new("L", (128, 128), 255)
+    edited = editor.edit(template_id, full, "a red hat", seed=5)
+    template = editor.templates[template_id]
+    with torch.inference_mode():
+        baseline = editor.pipe(prompt="a red hat", image=template.image, mask_image=full, height=128, width=128,
+                               num_inference_steps=STEPS, latents=editor._noise(5, 64)[None],
+                               generator=[torch.Generator().manual_seed(0)], **editor.model.call_defaults).images[0]
+    assert np.abs(pixels(edited) - pixels(baseline)).max() <= 1
+
+
+def test_edit_keeps_unmasked_pixels_and_follows_the_seed(editor):
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
+    mask = square_mask()
+    first = editor.edit(template_id, mask, "a red hat", seed=1)
+    again = editor.edit(template_id, mask, "a red hat", seed=1)
+    other = editor.edit(template_id, mask, "a red hat", seed=2)
+    assert first.size == (128, 128)
+    assert np.array_equal(pixels(first)[:, 64:], pixels(template_image())[:, 64:])
+    assert np.array_equal(pixels(first), pixels(again))
+    assert not np.array_equal(pixels(first)[32:64, 32:64], pixels(other)[32:64, 32:64])
+
+
+def test_edit_many_equals_edits_one_by_one(editor):
+    first = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
+    second = editor.register_template(template_image((200, 40, 40)), prompt="another", steps=STEPS, seed=3)
+    requests = [EditRequest(first, square_mask(), "a red hat", seed=1),
+                EditRequest(second, square_mask((0, 0, 127, 40)), "a blue sky", seed=2),
+                EditRequest(first, Image.new("L", (128, 128), 0), "nothing to repaint", seed=3)]
+    batched = editor.edit_many(requests)
+    for request, image in zip(requests, batched):
+        alone = editor.edit(request.template_id, request.mask, request.prompt, request.seed)
+        assert np.abs(pixels(image) - pixels(alone)).max() <= 1
+
+
+def test_bad_requests(editor):
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
+    with pytest.raises(InputError, match="unknown template"):
+        editor.edit("nope", square_mask(), "a hat")
+    with pytest.raises(InputError, match="mask is 64x64"):
+        editor.edit(template_id, Image.new("L", (64, 64)), "a hat")
+    with pytest.raises(InputError, match="prompt is empty"):
+        editor.edit(template_id, square_mask(), "  ")
+    other_steps = editor.register_template(template_image(), prompt="a scene", steps=STEPS + 1, seed=0)
+    with pytest.raises(InputError, match="same steps"):
+        editor.edit_many([EditRequest(template_id, square_mask(), "a"), EditRequest(other_steps, square_mask(), "b")])
+
+
+def test_unsupported_family_and_options():
+    with pytest.raises(ModelError, match="supports flux-fill"):
+        MaskAwareEditor(load_pipeline("tiny-sd2-inpaint"))
+    with pytest.raises(InputError, match="cache mode"):
+        MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache_mode="z")
