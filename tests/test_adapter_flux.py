@@ -15,30 +15,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
 from retouch.cache import InMemoryActivationCache
 from retouch.models import build_denoiser
+from retouch.models.inputs import random_flux_inputs
 
 OUTPUT_ULPS = 8
 EDIT_MODES = [CacheMode.Y_CACHE, CacheMode.KV_CACHE]
 TINY_GRID = (8, 8)  # 64 image tokens
 TINY_TEXT_TOKENS = 8
-
-
-def flux_inputs(transformer, batch: int, grid: tuple[int, int], num_text: int, seed: int) -> dict:
-    """Random transformer inputs of `batch` requests: latents [B, h*w, C], text [B, P, J], ids, timesteps."""
-    config = transformer.config
-    generator = torch.Generator().manual_seed(seed)
-    height, width = grid
-    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
-    img_ids = torch.stack([torch.zeros(height * width), rows.flatten().float(), cols.flatten().float()], dim=1)
-    return dict(
-        hidden_states=torch.randn(batch, height * width, config.in_channels, generator=generator),
-        encoder_hidden_states=torch.randn(batch, num_text, config.joint_attention_dim, generator=generator),
-        pooled_projections=torch.randn(batch, config.pooled_projection_dim, generator=generator),
-        timestep=torch.rand(batch, generator=generator),
-        img_ids=img_ids,
-        txt_ids=torch.zeros(num_text, 3),
-        guidance=torch.full((batch,), 3.5) if config.guidance_embeds else None,
-        return_dict=False,
-    )
 
 
 def stack_inputs(per_request: list[dict]) -> dict:
@@ -93,7 +75,7 @@ def tiny_templates(tiny, tiny_adapter):
     num_image = TINY_GRID[0] * TINY_GRID[1]
     templates = []
     for request, step in enumerate([0, 3, 7]):
-        inputs = flux_inputs(tiny, 1, TINY_GRID, TINY_TEXT_TOKENS, seed=request)
+        inputs = random_flux_inputs(tiny, 1, TINY_GRID, TINY_TEXT_TOKENS, seed=request)
         with torch.no_grad():
             unmodified = tiny(**inputs)[0]
         recorded = record(tiny_adapter, inputs, f"template-{request}", step, TINY_TEXT_TOKENS, num_image, cache)
@@ -103,7 +85,7 @@ def tiny_templates(tiny, tiny_adapter):
 
 def test_patch_keeps_weights_and_unpatched_behaviour():
     transformer = build_denoiser("tiny-flux-fill").eval()
-    inputs = flux_inputs(transformer, 2, TINY_GRID, TINY_TEXT_TOKENS, seed=0)
+    inputs = random_flux_inputs(transformer, 2, TINY_GRID, TINY_TEXT_TOKENS, seed=0)
     keys = list(transformer.state_dict())
     pointers = [p.data_ptr() for p in transformer.parameters()]
     with torch.no_grad():
@@ -122,7 +104,7 @@ def test_patch_keeps_weights_and_unpatched_behaviour():
 @pytest.mark.parametrize("mode", EDIT_MODES + [CacheMode.RECORD])
 def test_all_tokens_masked_equals_unmodified_model(tiny, tiny_adapter, mode):
     num_image = TINY_GRID[0] * TINY_GRID[1]
-    inputs = flux_inputs(tiny, 2, TINY_GRID, TINY_TEXT_TOKENS, seed=11)
+    inputs = random_flux_inputs(tiny, 2, TINY_GRID, TINY_TEXT_TOKENS, seed=11)
     with torch.no_grad():
         expected = tiny(**inputs)[0]
     cache = InMemoryActivationCache()  # empty: with every token masked nothing is read
@@ -267,7 +249,7 @@ def count_flops(transformer, inputs) -> tuple[int, torch.Tensor]:
 def test_flux_small_replay_identity_and_flops():
     transformer = build_denoiser("flux-small").eval()
     num_image = SMALL_GRID[0] * SMALL_GRID[1]
-    inputs = flux_inputs(transformer, 1, SMALL_GRID, SMALL_TEXT_TOKENS, seed=3)
+    inputs = random_flux_inputs(transformer, 1, SMALL_GRID, SMALL_TEXT_TOKENS, seed=3)
     full_flops, unmodified = count_flops(transformer, inputs)
 
     adapter = patch_flux(transformer)

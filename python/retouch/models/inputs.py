@@ -1,0 +1,31 @@
+"""Random denoiser inputs of the right shapes, for tests and benchmarks that call a denoiser directly
+(FLOPs and latency do not depend on the values)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def random_flux_inputs(transformer, batch: int, grid: tuple[int, int], num_text: int, seed: int,
+                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+    """Inputs of a FluxTransformer2DModel forward for `batch` requests on a `grid` of image tokens:
+    latents `[B, h*w, C]`, text `[B, P, J]`, pooled text, timesteps, position ids, guidance."""
+    config = transformer.config
+    generator = torch.Generator().manual_seed(seed)
+    height, width = grid
+    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    img_ids = torch.stack([torch.zeros(height * width), rows.flatten().float(), cols.flatten().float()], dim=1)
+    inputs = dict(
+        hidden_states=torch.randn(batch, height * width, config.in_channels, generator=generator),
+        encoder_hidden_states=torch.randn(batch, num_text, config.joint_attention_dim, generator=generator),
+        pooled_projections=torch.randn(batch, config.pooled_projection_dim, generator=generator),
+        timestep=torch.rand(batch, generator=generator),
+        img_ids=img_ids,
+        txt_ids=torch.zeros(num_text, 3),
+        guidance=torch.full((batch,), 3.5) if config.guidance_embeds else None,
+    )
+    # Floating inputs in the model's dtype; position ids stay fp32 as the Flux pipelines pass them.
+    moved = {name: None if value is None else
+             value.to(device, dtype if name not in ("img_ids", "txt_ids") else torch.float32)
+             for name, value in inputs.items()}
+    return {**moved, "return_dict": False}
