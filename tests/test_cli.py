@@ -120,7 +120,7 @@ BAD_EDITS = {
     "not a pipeline folder": ({"--model": "empty_dir"}, [], "empty_dir"),
     "bad steps": ({"--steps": "0"}, [], "--steps"),
     "mask without alpha": ({}, ["--mask-alpha"], "no alpha channel"),
-    "mask-aware on a UNet model": ({}, ["--mask-aware"], "mask-aware editing supports flux-fill"),
+    "mask-aware on a UNet model": ({}, ["--mask-aware"], "mask-aware editing supports flux-fill, flux-inpaint"),
     "negative dilation": ({"--dilation": "-1"}, [], "--dilation"),
 }
 

@@ -29,9 +29,11 @@ def pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image).astype(np.int16)
 
 
-@pytest.fixture(scope="module", params=["y", "kv"])
+@pytest.fixture(scope="module", params=[("tiny-flux-fill", "y"), ("tiny-flux-fill", "kv"), ("tiny-flux-inpaint", "y")],
+                ids=lambda param: "-".join(param))
 def editor(request):
-    return load("tiny-flux-fill", cache_mode=request.param)
+    model, cache_mode = request.param
+    return load(model, cache_mode=cache_mode)
 
 
 def test_registration_records_every_step_and_block(editor):
@@ -62,10 +64,12 @@ def test_all_tokens_masked_equals_the_unmodified_pipeline(editor):
     full = Image.new("L", (128, 128), 255)
     edited = editor.edit(template_id, full, "a red hat", seed=5)
     template = editor.templates[template_id]
+    extra = {"strength": 1.0} if editor.model.family == "flux-inpaint" else {}
+    latents = editor._latents_argument(editor._noise(5, 64)[None], 128, 128)
     with torch.inference_mode():
         baseline = editor.pipe(prompt="a red hat", image=template.image, mask_image=full, height=128, width=128,
-                               num_inference_steps=STEPS, latents=editor._noise(5, 64)[None],
-                               generator=[torch.Generator().manual_seed(0)], **editor.model.call_defaults).images[0]
+                               num_inference_steps=STEPS, latents=latents, generator=[torch.Generator().manual_seed(0)],
+                               **editor.model.call_defaults, **extra).images[0]
     assert np.abs(pixels(edited) - pixels(baseline)).max() <= 1
 
 
@@ -107,7 +111,17 @@ def test_bad_requests(editor):
 
 
 def test_unsupported_family_and_options():
-    with pytest.raises(ModelError, match="supports flux-fill"):
+    with pytest.raises(ModelError, match="supports flux-fill, flux-inpaint"):
         MaskAwareEditor(load_pipeline("tiny-sd2-inpaint"))
     with pytest.raises(InputError, match="cache mode"):
         MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache_mode="z")
+
+
+def test_unpack_inverts_the_pipeline_packing():
+    from diffusers import FluxPipeline
+
+    from retouch.editor import unpack_flux_latents
+
+    latents = torch.randn(2, 16, 8, 6)
+    packed = FluxPipeline._pack_latents(latents, 2, 16, 8, 6)
+    assert torch.equal(unpack_flux_latents(packed, 8, 6), latents)

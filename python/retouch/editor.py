@@ -33,7 +33,7 @@ from retouch.models import LoadedModel, load_pipeline, quiet_libraries
 DEFAULT_STEPS = 28
 CACHE_MODES = {"y": CacheMode.Y_CACHE, "kv": CacheMode.KV_CACHE}
 # The families whose denoiser has a mask-aware adapter and whose pipeline the editor drives.
-SUPPORTED_FAMILIES = ("flux-fill",)
+SUPPORTED_FAMILIES = ("flux-fill", "flux-inpaint")
 
 
 @dataclass(frozen=True)
@@ -182,12 +182,15 @@ class MaskAwareEditor:
                 kwargs.update(
                     prompt=list(prompts), image=[t.image for t in templates], mask_image=list(masks),
                     height=height, width=width, num_inference_steps=template.steps,
-                    latents=latents.to(self.pipe.device, self.pipe.transformer.dtype),
+                    latents=self._latents_argument(latents, height, width),
                     # Per-template generators: the VAE posterior sample of a template is the same at
                     # registration and at every edit.
                     generator=[torch.Generator("cpu").manual_seed(t.seed) for t in templates])
                 if template.guidance is not None:
                     kwargs["guidance_scale"] = template.guidance
+                if self.model.family == "flux-inpaint":
+                    # Given latents are taken as the start of the schedule: strength 1 runs all steps.
+                    kwargs["strength"] = 1.0
                 with torch.inference_mode(), quiet_libraries():
                     return self.pipe(**kwargs).images
             finally:
@@ -201,6 +204,13 @@ class MaskAwareEditor:
         if template is None or not self.cache.contains(template_id):
             raise InputError(f"unknown template {template_id!r}; register it first")
         return template
+
+    def _latents_argument(self, packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """The pipeline's `latents`: FluxFill takes packed [B, L, C*4], FluxInpaint unpacked [B, C, h, w]."""
+        packed = packed.to(self.pipe.device, self.pipe.transformer.dtype)
+        if self.model.family != "flux-inpaint":
+            return packed
+        return unpack_flux_latents(packed, height // self.pipe.vae_scale_factor, width // self.pipe.vae_scale_factor)
 
     def _noise(self, seed: int, num_image_tokens: int) -> torch.Tensor:
         """[L, C] i.i.d. Gaussian noise in the packed token layout (packing permutes i.i.d. entries)."""
@@ -216,6 +226,14 @@ class MaskAwareEditor:
         digest.update(f"{self.model.name}|{image.size}|{prompt}|{steps}|{seed}|{guidance}|".encode())
         digest.update(image.tobytes())
         return digest.hexdigest()[:16]
+
+
+def unpack_flux_latents(packed: torch.Tensor, latent_height: int, latent_width: int) -> torch.Tensor:
+    """[B, (h/2)(w/2), C*4] -> [B, C, h, w]: the inverse of the Flux pipelines' 2x2 packing."""
+    batch, _, packed_channels = packed.shape
+    channels = packed_channels // 4
+    unpacked = packed.view(batch, latent_height // 2, latent_width // 2, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return unpacked.reshape(batch, channels, latent_height, latent_width)
 
 
 def load(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **editor_options) -> MaskAwareEditor:
