@@ -3,13 +3,14 @@
     python bench/bench_mask_aware.py --model flux-small --ratios 0.05,0.2,0.5,1.0 [--device cuda] [--out F.json]
 
 The template is recorded once (one step), then each ratio's mask (a centred rectangle of tokens, as
-real masks are contiguous) is timed in all three modes in the same run. Prints one JSON object; the
+real masks are contiguous) is timed in all three modes in the same run, interleaved. Prints one JSON object; the
 speedups are the figures to quote, absolute times only from a GPU. Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -37,19 +38,30 @@ def centred_rectangle(grid: tuple[int, int], ratio: float) -> torch.Tensor:
     return (r * cols + c).flatten()
 
 
-def timed(run, repeats: int, device: torch.device) -> float:
-    """Median seconds of `run()` after one warm-up."""
-    samples = []
-    for attempt in range(repeats + 1):
+def interleaved_medians(runs: dict, repeats: int, device: torch.device) -> dict[str, float]:
+    """Median seconds of each run, timed round-robin after one warm-up each, so that load from other
+    processes falls on every variant alike and the ratios stay fair."""
+    def once(run) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
         run()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if attempt:
-            samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
+        return time.perf_counter() - started
+
+    for run in runs.values():
+        once(run)
+    samples = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            samples[name].append(once(run))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def run_with(adapter, context, transformer, inputs):
+    with adapter.run(context):
+        transformer(**inputs)
 
 
 def main(argv=None) -> dict:
@@ -78,21 +90,20 @@ def main(argv=None) -> dict:
         print("recording the template", file=sys.stderr)
         with adapter.run(MaskAwareContext.record(["template"], [0], num_text, num_image, cache, device=device)):
             transformer(**inputs)
-        full_s = timed(lambda: transformer(**inputs), args.repeats, device)
         results = []
         for ratio in [float(r) for r in args.ratios.split(",")]:
             masked = centred_rectangle(grid, ratio)
-            row = {"mask_ratio": round(len(masked) / num_image, 4), "masked_tokens": len(masked), "full_s": full_s}
+            runs = {"full": lambda: transformer(**inputs)}
             for name, mode in (("y_cache", CacheMode.Y_CACHE), ("kv_cache", CacheMode.KV_CACHE)):
                 context = MaskAwareContext.edit(mode, [masked], ["template"], [0], num_text, num_image, cache,
                                                 device=device)
-
-                def run():
-                    with adapter.run(context):
-                        transformer(**inputs)
-
-                row[f"{name}_s"] = timed(run, args.repeats, device)
-                row[f"{name}_speedup"] = round(full_s / row[f"{name}_s"], 3)
+                runs[name] = functools.partial(run_with, adapter, context, transformer, inputs)
+            seconds = interleaved_medians(runs, args.repeats, device)
+            row = {"mask_ratio": round(len(masked) / num_image, 4), "masked_tokens": len(masked),
+                   "full_s": seconds["full"]}
+            for name in ("y_cache", "kv_cache"):
+                row[f"{name}_s"] = seconds[name]
+                row[f"{name}_speedup"] = round(seconds["full"] / seconds[name], 3)
             print(f"m={row['mask_ratio']}: y {row['y_cache_speedup']}x, kv {row['kv_cache_speedup']}x",
                   file=sys.stderr)
             results.append(row)
