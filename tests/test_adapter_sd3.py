@@ -20,6 +20,7 @@ from retouch.adapters import CacheMode, MaskAwareContext
 from retouch.adapters.sd3 import DUAL_KEY, patch_sd3
 from retouch.cache import InMemoryActivationCache
 from retouch.models import build_denoiser
+from retouch.models.inputs import random_sd3_inputs
 
 OUTPUT_ULPS = 8
 EDIT_MODES = [CacheMode.Y_CACHE, CacheMode.KV_CACHE]
@@ -37,21 +38,6 @@ def build_sd35_like(base: SD3Transformer2DModel, seed: int = 0, **overrides) -> 
         torch.manual_seed(seed)
         transformer = SD3Transformer2DModel.from_config(config)
     return transformer.float().eval()
-
-
-def random_sd3_inputs(transformer, batch: int, grid: tuple[int, int], num_text: int, seed: int) -> dict:
-    """Inputs of an SD3Transformer2DModel forward: latents [B, C, h*p, w*p], text [B, P, J], pooled text,
-    timesteps in the scheduler's range."""
-    config = transformer.config
-    patch = config.patch_size
-    generator = torch.Generator().manual_seed(seed)
-    return dict(
-        hidden_states=torch.randn(batch, config.in_channels, grid[0] * patch, grid[1] * patch, generator=generator),
-        encoder_hidden_states=torch.randn(batch, num_text, config.joint_attention_dim, generator=generator),
-        pooled_projections=torch.randn(batch, config.pooled_projection_dim, generator=generator),
-        timestep=1000 * torch.rand(batch, generator=generator),
-        return_dict=False,
-    )
 
 
 def stack_inputs(per_request: list[dict]) -> dict:

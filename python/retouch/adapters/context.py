@@ -32,6 +32,8 @@ class CacheMode(enum.Enum):
 OUT = "out"  # a block's output for the image tokens: [L, hidden]
 KEY = "k"  # a block's image-token keys after projection, qk-norm and RoPE: [L, heads, head_dim]
 VALUE = "v"  # the matching values: [L, heads, head_dim]
+DUAL_KEY = "k2"  # SD3.5 dual attention: the second (image-only) attention's keys: [L, heads, head_dim]
+DUAL_VALUE = "v2"  # its values: [L, heads, head_dim]
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ class MaskAwareContext:
     steps:        [B] the denoising step index of each request (requests of one batch may be at
                   different steps: continuous batching)
     cache:        where recorded activations are read and written
-    block_plan:   per block in execution order (double-stream, then single-stream): True = use the
+    block_plan:   per block in the adapter's execution order (Flux: double-stream, then single-stream): True = use the
                   cache, False = compute all tokens with the unmodified block (no cache traffic).
                   None = every block uses the cache. Ignored in RECORD mode.
     """

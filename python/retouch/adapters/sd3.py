@@ -41,13 +41,11 @@ from diffusers.models.attention_processor import JointAttnProcessor2_0
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from retouch import ops
-from retouch.adapters.context import KEY, OUT, VALUE, CacheMode, MaskAwareContext
+from retouch.adapters.context import DUAL_KEY, DUAL_VALUE, KEY, OUT, VALUE, CacheMode, MaskAwareContext
 # Cache-row helpers shared with Flux (they take any adapter with `needs_all_output_rows`).
 from retouch.adapters.flux import _block_output, _image_rows_with, _record
 
 # SD3.5 dual attention (attn2, image tokens only): its image-token keys and values after qk-norm.
-DUAL_KEY = "k2"  # [L, heads, head_dim]
-DUAL_VALUE = "v2"  # [L, heads, head_dim]
 
 
 @dataclass(frozen=True)
@@ -312,4 +310,4 @@ def _image_query_attention(adapter: SD3MaskAwareAdapter, context: MaskAwareConte
     return out.flatten(1).to(query.dtype)
 
 
-__all__ = ["DUAL_KEY", "DUAL_VALUE", "ImageAttentionLayout", "SD3MaskAwareAdapter", "patch_sd3"]
+__all__ = ["ImageAttentionLayout", "SD3MaskAwareAdapter", "patch_sd3"]

@@ -29,3 +29,18 @@ def random_flux_inputs(transformer, batch: int, grid: tuple[int, int], num_text:
              value.to(device, dtype if name not in ("img_ids", "txt_ids") else torch.float32)
              for name, value in inputs.items()}
     return {**moved, "return_dict": False}
+
+
+def random_sd3_inputs(transformer, batch: int, grid: tuple[int, int], num_text: int, seed: int) -> dict:
+    """Inputs of an SD3Transformer2DModel forward on a `grid` of image tokens: latents
+    `[B, C, h*p, w*p]`, text `[B, P, J]`, pooled text, timesteps in the scheduler's range."""
+    config = transformer.config
+    patch = config.patch_size
+    generator = torch.Generator().manual_seed(seed)
+    return dict(
+        hidden_states=torch.randn(batch, config.in_channels, grid[0] * patch, grid[1] * patch, generator=generator),
+        encoder_hidden_states=torch.randn(batch, num_text, config.joint_attention_dim, generator=generator),
+        pooled_projections=torch.randn(batch, config.pooled_projection_dim, generator=generator),
+        timestep=1000 * torch.rand(batch, generator=generator),
+        return_dict=False,
+    )
