@@ -44,3 +44,21 @@ def random_sd3_inputs(transformer, batch: int, grid: tuple[int, int], num_text: 
         timestep=1000 * torch.rand(batch, generator=generator),
         return_dict=False,
     )
+
+
+def random_unet_inputs(unet, batch: int, image_size: tuple[int, int], num_text: int, seed: int) -> dict:
+    """Inputs of a UNet2DConditionModel forward for `image_size` pixels: latents (9 channels for
+    inpainting UNets), timesteps, text states and, for SDXL, the pooled-text and size/crop conditioning."""
+    config = unet.config
+    generator = torch.Generator().manual_seed(seed)
+    height, width = image_size[0] // 8, image_size[1] // 8
+    inputs = {
+        "sample": torch.randn(batch, config.in_channels, height, width, generator=generator),
+        "timestep": torch.randint(0, 1000, (batch,), generator=generator),
+        "encoder_hidden_states": torch.randn(batch, num_text, config.cross_attention_dim, generator=generator),
+    }
+    if config.addition_embed_type == "text_time":
+        pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+        inputs["added_cond_kwargs"] = {"text_embeds": torch.randn(batch, pooled, generator=generator),
+                                       "time_ids": torch.randn(batch, 6, generator=generator)}
+    return inputs
