@@ -9,7 +9,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before huggingface_hub is imported, which 
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -37,6 +37,7 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from retouch import ops
+from retouch.adapters.cache_rows import block_output, record_activations, recorded_rows, rows_with_recorded
 from retouch.adapters.context import KEY, OUT, VALUE, CacheMode, MaskAwareContext
 
 RotaryEmbedding = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [text + image tokens, head_dim]
@@ -179,8 +180,8 @@ def _double_block_forward(block: FluxTransformerBlock, adapter: FluxMaskAwareAda
                             layout.image_query_positions)
         v_rows = _heads(attn, attn.to_v(norm_rows))
         # Unmasked keys/values from the cache (Fig. 7), computed ones written over the masked rows.
-        image_k = _image_rows_with(context, index, KEY, k_rows, layout.image_query_rows, (batch, num_image))
-        image_v = _image_rows_with(context, index, VALUE, v_rows, layout.image_query_rows, (batch, num_image))
+        image_k = rows_with_recorded(context, index, KEY, k_rows, layout.image_query_rows, (batch, num_image))
+        image_v = rows_with_recorded(context, index, VALUE, v_rows, layout.image_query_rows, (batch, num_image))
     image_q = _rope_rows(image_q, image_rotary_emb, layout.image_query_positions)
 
     # Joint attention: per request, [text; masked image] queries against [text; all image] keys.
@@ -205,9 +206,9 @@ def _double_block_forward(block: FluxTransformerBlock, adapter: FluxMaskAwareAda
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
 
-    image_out = _block_output(adapter, context, index, hidden_states, image_rows, layout.image_query_rows)
+    image_out = block_output(adapter, context, index, hidden_states, image_rows, layout.image_query_rows)
     if context.mode is CacheMode.RECORD:
-        _record(context, index, {OUT: image_out, KEY: image_k, VALUE: image_v})
+        record_activations(context, index, {OUT: image_out, KEY: image_k, VALUE: image_v})
     return encoder_hidden_states, image_out
 
 
@@ -250,9 +251,9 @@ def _single_block_forward(block: FluxSingleTransformerBlock, adapter: FluxMaskAw
 
     text_rows = rows.index_select(0, layout.text_query_slots)
     image_rows = rows.index_select(0, layout.image_query_slots)
-    image_out = _block_output(adapter, context, index, hidden_states, image_rows, layout.image_query_rows)
+    image_out = block_output(adapter, context, index, hidden_states, image_rows, layout.image_query_rows)
     if context.mode is CacheMode.RECORD:
-        _record(context, index, {OUT: image_out, KEY: key[:, num_text:], VALUE: value[:, num_text:]})
+        record_activations(context, index, {OUT: image_out, KEY: key[:, num_text:], VALUE: value[:, num_text:]})
     return text_rows.reshape(batch, num_text, hidden), image_out
 
 
@@ -280,56 +281,14 @@ def _ragged_attention(adapter: FluxMaskAwareAdapter, query: torch.Tensor, key: t
                                 batch.max_seqlen_k, backend=adapter.attention_backend)
 
 
-def _recorded(context: MaskAwareContext, block: int, name: str, like: torch.Tensor,
-              num_image: int) -> torch.Tensor:
-    """[B, L, ...] recorded `name` of each request's template at its step; requests with every image
-    token masked read nothing (their rows are all overwritten by computed ones)."""
-    per_request = []
-    for request, (template_id, step) in enumerate(zip(context.template_ids, context.steps)):
-        if context.mode is not CacheMode.RECORD and context.request_reuses_tokens(request):
-            per_request.append(context.cache.get(template_id, step, block, name).to(like.device, like.dtype))
-        else:
-            per_request.append(like.new_empty((num_image, *like.shape[1:])))
-    return torch.stack(per_request)
-
-
-def _image_rows_with(context: MaskAwareContext, block: int, name: str, computed: torch.Tensor,
-                     image_query_rows: torch.Tensor, batch_image: tuple[int, int]) -> torch.Tensor:
-    """[B, L, ...]: recorded `name` at unmasked image tokens, `computed: [T_img, ...]` at masked ones."""
-    batch, num_image = batch_image
-    full = _recorded(context, block, name, computed, num_image)
-    ops.scatter_rows_(full.view(batch * num_image, -1), image_query_rows, computed.flatten(1))
-    return full
-
-
 def _joint_rows_with(context: MaskAwareContext, block: int, name: str, computed: torch.Tensor,
                      num_text: int) -> torch.Tensor:
     """[B, P + L, ...]: recorded `name` at unmasked image tokens, `computed: [T_q, ...]` at query tokens."""
-    image = _recorded(context, block, name, computed, context.layout.num_image_tokens)
+    image = recorded_rows(context, block, name, computed, context.layout.num_image_tokens)
     full = torch.cat([image.new_empty((image.shape[0], num_text, *image.shape[2:])), image], dim=1)
     ops.scatter_rows_(full.view(-1, full[0, 0].numel()), context.batch.query_rows,
                       computed.flatten(1))
     return full
-
-
-def _block_output(adapter: FluxMaskAwareAdapter, context: MaskAwareContext, index: int, hidden_states: torch.Tensor,
-                  image_rows: torch.Tensor, image_query_rows: torch.Tensor) -> torch.Tensor:
-    """The block's [B, L, H] image output: computed `image_rows` at masked tokens; at unmasked ones the
-    block's recorded output where it is read (Y-cache, or a KV-cache block whose next reader needs every
-    row); otherwise the stale input rows, which no later op reads."""
-    batch, num_image, hidden = hidden_states.shape
-    if context.mode is CacheMode.KV_CACHE and not adapter.needs_all_output_rows(context, index):
-        out = hidden_states.contiguous().clone()
-        ops.scatter_rows_(out.view(-1, hidden), image_query_rows, image_rows)
-        return out
-    return _image_rows_with(context, index, OUT, image_rows, image_query_rows, (batch, num_image))
-
-
-def _record(context: MaskAwareContext, block: int, image_activations: dict[str, torch.Tensor]) -> None:
-    """Keep each request's [L, ...] image-token activations under its template and step."""
-    for name, tensor in image_activations.items():
-        for request, (template_id, step) in enumerate(zip(context.template_ids, context.steps)):
-            context.cache.put(template_id, step, block, name, tensor[request])
 
 
 __all__ = ["FluxMaskAwareAdapter", "patch_flux"]

@@ -43,7 +43,7 @@ from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 from retouch import ops
 from retouch.adapters.context import DUAL_KEY, DUAL_VALUE, KEY, OUT, VALUE, CacheMode, MaskAwareContext
 # Cache-row helpers shared with Flux (they take any adapter with `needs_all_output_rows`).
-from retouch.adapters.flux import _block_output, _image_rows_with, _record
+from retouch.adapters.cache_rows import block_output, record_activations, rows_with_recorded
 
 # SD3.5 dual attention (attn2, image tokens only): its image-token keys and values after qk-norm.
 
@@ -224,15 +224,15 @@ def _joint_block_forward(block: JointTransformerBlock, adapter: SD3MaskAwareAdap
         k_rows = _qk_norm(attn.norm_k, _heads(attn, attn.to_k(norm_rows)))
         v_rows = _heads(attn, attn.to_v(norm_rows))
         # Unmasked keys/values from the cache (Fig. 7), computed ones written over the masked rows.
-        image_k = _image_rows_with(context, index, KEY, k_rows, layout.image_query_rows, image_shape)
-        image_v = _image_rows_with(context, index, VALUE, v_rows, layout.image_query_rows, image_shape)
+        image_k = rows_with_recorded(context, index, KEY, k_rows, layout.image_query_rows, image_shape)
+        image_v = rows_with_recorded(context, index, VALUE, v_rows, layout.image_query_rows, image_shape)
         if block.use_dual_attention:
             shift_msa2, scale_msa2 = modulation[6:8]
             norm_rows2 = normed_rows * (1 + scale_msa2[request]) + shift_msa2[request]
             k2_rows = _qk_norm(block.attn2.norm_k, _heads(block.attn2, block.attn2.to_k(norm_rows2)))
             v2_rows = _heads(block.attn2, block.attn2.to_v(norm_rows2))
-            keys2 = (_image_rows_with(context, index, DUAL_KEY, k2_rows, layout.image_query_rows, image_shape),
-                     _image_rows_with(context, index, DUAL_VALUE, v2_rows, layout.image_query_rows, image_shape))
+            keys2 = (rows_with_recorded(context, index, DUAL_KEY, k2_rows, layout.image_query_rows, image_shape),
+                     rows_with_recorded(context, index, DUAL_VALUE, v2_rows, layout.image_query_rows, image_shape))
     image_q = _qk_norm(attn.norm_q, _heads(attn, attn.to_q(norm_rows)))
 
     # Joint attention: per request, queries against [all image; text] keys (JointAttnProcessor2_0's order).
@@ -274,12 +274,12 @@ def _joint_block_forward(block: JointTransformerBlock, adapter: SD3MaskAwareAdap
         norm_text = block.norm2_context(encoder_hidden_states) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
         encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * block.ff_context(norm_text)
 
-    image_out = _block_output(adapter, context, index, hidden_states, image_rows, layout.image_query_rows)
+    image_out = block_output(adapter, context, index, hidden_states, image_rows, layout.image_query_rows)
     if context.mode is CacheMode.RECORD:
         recorded = {OUT: image_out, KEY: image_k, VALUE: image_v}
         if keys2 is not None:
             recorded.update({DUAL_KEY: keys2[0], DUAL_VALUE: keys2[1]})
-        _record(context, index, recorded)
+        record_activations(context, index, recorded)
     return encoder_hidden_states, image_out
 
 

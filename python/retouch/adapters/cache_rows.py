@@ -1,0 +1,55 @@
+"""Rows of recorded activations merged with computed ones: shared by the mask-aware adapters whose
+blocks see one `[B, L, ...]` image-token matrix per block (Flux, SD3).
+
+Each request of a `MaskAwareContext` reads its own template at its own step; computed rows (the masked
+tokens, packed across the batch) are scattered over the recorded ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from retouch import ops
+from retouch.adapters.context import OUT, CacheMode, MaskAwareContext
+
+
+def recorded_rows(context: MaskAwareContext, block: int, name: str, like: torch.Tensor,
+              num_image: int) -> torch.Tensor:
+    """[B, L, ...] recorded `name` of each request's template at its step; requests with every image
+    token masked read nothing (their rows are all overwritten by computed ones)."""
+    per_request = []
+    for request, (template_id, step) in enumerate(zip(context.template_ids, context.steps)):
+        if context.mode is not CacheMode.RECORD and context.request_reuses_tokens(request):
+            per_request.append(context.cache.get(template_id, step, block, name).to(like.device, like.dtype))
+        else:
+            per_request.append(like.new_empty((num_image, *like.shape[1:])))
+    return torch.stack(per_request)
+
+
+def rows_with_recorded(context: MaskAwareContext, block: int, name: str, computed: torch.Tensor,
+                     image_query_rows: torch.Tensor, batch_image: tuple[int, int]) -> torch.Tensor:
+    """[B, L, ...]: recorded `name` at unmasked image tokens, `computed: [T_img, ...]` at masked ones."""
+    batch, num_image = batch_image
+    full = recorded_rows(context, block, name, computed, num_image)
+    ops.scatter_rows_(full.view(batch * num_image, -1), image_query_rows, computed.flatten(1))
+    return full
+
+
+def block_output(adapter, context: MaskAwareContext, index: int, hidden_states: torch.Tensor,
+                  image_rows: torch.Tensor, image_query_rows: torch.Tensor) -> torch.Tensor:
+    """The block's [B, L, H] image output: computed `image_rows` at masked tokens; at unmasked ones the
+    block's recorded output where it is read (Y-cache, or a KV-cache block whose next reader needs every
+    row); otherwise the stale input rows, which no later op reads."""
+    batch, num_image, hidden = hidden_states.shape
+    if context.mode is CacheMode.KV_CACHE and not adapter.needs_all_output_rows(context, index):
+        out = hidden_states.contiguous().clone()
+        ops.scatter_rows_(out.view(-1, hidden), image_query_rows, image_rows)
+        return out
+    return rows_with_recorded(context, index, OUT, image_rows, image_query_rows, (batch, num_image))
+
+
+def record_activations(context: MaskAwareContext, block: int, image_activations: dict[str, torch.Tensor]) -> None:
+    """Keep each request's [L, ...] image-token activations under its template and step."""
+    for name, tensor in image_activations.items():
+        for request, (template_id, step) in enumerate(zip(context.template_ids, context.steps)):
+            context.cache.put(template_id, step, block, name, tensor[request])
