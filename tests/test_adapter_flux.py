@@ -16,6 +16,7 @@ from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
 from retouch.cache import InMemoryActivationCache
 from retouch.models import build_denoiser
 from retouch.models.inputs import random_flux_inputs
+from replay_checks import assert_close_ulps, masked_indices
 
 OUTPUT_ULPS = 8
 EDIT_MODES = [CacheMode.Y_CACHE, CacheMode.KV_CACHE]
@@ -30,23 +31,6 @@ def stack_inputs(per_request: list[dict]) -> dict:
         if batched[name] is not None:
             batched[name] = torch.cat([inputs[name] for inputs in per_request])
     return batched
-
-
-def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    atol = OUTPUT_ULPS * torch.finfo(torch.float32).eps * expected.abs().max().item()
-    error = (actual - expected).abs().max().item()
-    assert error <= atol, f"max error {error:.3g} > {atol:.3g}"
-    return error
-
-
-def masked_indices(num_image: int, grid: tuple[int, int]) -> list[torch.Tensor]:
-    """Three requests: ~20% random tokens, a ~20% rectangle, no token at all."""
-    generator = torch.Generator().manual_seed(7)
-    scattered = torch.randperm(num_image, generator=generator)[: num_image // 5].sort().values
-    height, width = grid
-    rectangle = torch.zeros(grid, dtype=torch.bool)
-    rectangle[1: 1 + height // 2, 2: 2 + (2 * width + 4) // 5] = True
-    return [scattered, rectangle.flatten().nonzero().flatten(), torch.empty(0, dtype=torch.long)]
 
 
 @pytest.fixture(scope="module")
@@ -115,14 +99,14 @@ def test_all_tokens_masked_equals_unmodified_model(tiny, tiny_adapter, mode):
                                         TINY_TEXT_TOKENS, num_image, cache)
     with torch.no_grad(), tiny_adapter.run(context):
         actual = tiny(**inputs)[0]
-    assert_close_ulps(actual, expected)
+    assert_close_ulps(actual, expected, OUTPUT_ULPS)
     assert (cache.nbytes() > 0) == (mode is CacheMode.RECORD)
 
 
 def test_record_equals_unmodified_model(tiny_templates):
     _, templates = tiny_templates
     for _, _, unmodified, recorded in templates:
-        assert_close_ulps(recorded, unmodified)
+        assert_close_ulps(recorded, unmodified, OUTPUT_ULPS)
 
 
 PLANS = [None, (False, True, True), (True, False, True), (True, True, False), (False, True, False)]
@@ -140,8 +124,8 @@ def test_replay_identity_ragged_batch(tiny, tiny_adapter, tiny_templates, mode, 
     with torch.no_grad(), tiny_adapter.run(context):
         actual = tiny(**stack_inputs([t[0] for t in templates]))[0]
     for request, (_, _, unmodified, recorded) in enumerate(templates):
-        assert_close_ulps(actual[request: request + 1], recorded)
-        assert_close_ulps(actual[request: request + 1], unmodified)
+        assert_close_ulps(actual[request: request + 1], recorded, OUTPUT_ULPS)
+        assert_close_ulps(actual[request: request + 1], unmodified, OUTPUT_ULPS)
 
 
 @pytest.mark.parametrize("mode", EDIT_MODES)
@@ -157,7 +141,7 @@ def test_replay_identity_with_triton_attention(tiny_templates, mode):
     with torch.no_grad(), adapter.run(context):
         actual = transformer(**stack_inputs([t[0] for t in templates]))[0]
     for request, (_, _, unmodified, _) in enumerate(templates):
-        assert_close_ulps(actual[request: request + 1], unmodified)
+        assert_close_ulps(actual[request: request + 1], unmodified, OUTPUT_ULPS)
 
 
 @pytest.mark.parametrize("mode", EDIT_MODES)
@@ -176,7 +160,7 @@ def test_new_content_changes_only_masked_tokens(tiny, tiny_adapter, tiny_templat
         actual = tiny(**edited)[0]
     unmasked = torch.ones(num_image, dtype=torch.bool)
     unmasked[masked] = False
-    assert_close_ulps(actual[:, unmasked], recorded[:, unmasked])
+    assert_close_ulps(actual[:, unmasked], recorded[:, unmasked], OUTPUT_ULPS)
     assert (actual[:, masked] - recorded[:, masked]).abs().max() > 1e-2
 
 
@@ -255,7 +239,7 @@ def test_flux_small_replay_identity_and_flops():
     adapter = patch_flux(transformer)
     cache = InMemoryActivationCache()
     recorded = record(adapter, inputs, "template", 5, SMALL_TEXT_TOKENS, num_image, cache)
-    assert_close_ulps(recorded, unmodified)
+    assert_close_ulps(recorded, unmodified, OUTPUT_ULPS)
 
     num_masked = round(SMALL_MASK_RATIO * num_image)
     masked = torch.randperm(num_image, generator=torch.Generator().manual_seed(0))[:num_masked]
@@ -266,7 +250,7 @@ def test_flux_small_replay_identity_and_flops():
         context = MaskAwareContext.edit(mode, [masked], ["template"], [5], SMALL_TEXT_TOKENS, num_image, cache)
         with adapter.run(context):
             flops, edited = count_flops(transformer, inputs)
-        assert_close_ulps(edited, recorded)
+        assert_close_ulps(edited, recorded, OUTPUT_ULPS)
         assert flops == 2 * predicted_macs(transformer.config, SMALL_TEXT_TOKENS, num_image, num_masked, mode)
         ratios[mode] = flops / full_flops
     # From the count at H=1024, P=64, L=1024, m=0.2: Y-cache 0.359, KV-cache 0.253 of full compute

@@ -21,6 +21,7 @@ from retouch.adapters.sd3 import DUAL_KEY, patch_sd3
 from retouch.cache import InMemoryActivationCache
 from retouch.models import build_denoiser
 from retouch.models.inputs import random_sd3_inputs
+from replay_checks import assert_close_ulps, masked_indices
 
 OUTPUT_ULPS = 8
 EDIT_MODES = [CacheMode.Y_CACHE, CacheMode.KV_CACHE]
@@ -52,23 +53,6 @@ def patch_tokens(output: torch.Tensor, patch: int) -> torch.Tensor:
     batch, channels, height, width = output.shape
     tokens = output.reshape(batch, channels, height // patch, patch, width // patch, patch)
     return tokens.permute(0, 2, 4, 3, 5, 1).reshape(batch, (height // patch) * (width // patch), -1)
-
-
-def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    atol = OUTPUT_ULPS * torch.finfo(torch.float32).eps * expected.abs().max().item()
-    error = (actual - expected).abs().max().item()
-    assert error <= atol, f"max error {error:.3g} > {atol:.3g}"
-    return error
-
-
-def masked_indices(num_image: int, grid: tuple[int, int]) -> list[torch.Tensor]:
-    """Three requests: ~20% random tokens, a ~20% rectangle, no token at all."""
-    generator = torch.Generator().manual_seed(7)
-    scattered = torch.randperm(num_image, generator=generator)[: num_image // 5].sort().values
-    height, width = grid
-    rectangle = torch.zeros(grid, dtype=torch.bool)
-    rectangle[1: 1 + height // 2, 2: 2 + (2 * width + 4) // 5] = True
-    return [scattered, rectangle.flatten().nonzero().flatten(), torch.empty(0, dtype=torch.long)]
 
 
 @pytest.fixture(scope="module", params=TINY_MODELS)
@@ -145,7 +129,7 @@ def test_all_tokens_masked_equals_unmodified_model(tiny, mode):
                                         TINY_TEXT_TOKENS, NUM_IMAGE, cache)
     with torch.no_grad(), adapter.run(context):
         actual = transformer(**inputs)[0]
-    assert_close_ulps(actual, expected)
+    assert_close_ulps(actual, expected, OUTPUT_ULPS)
     assert (cache.nbytes() > 0) == (mode is CacheMode.RECORD)
 
 
@@ -153,7 +137,7 @@ def test_record_equals_unmodified_model(tiny, tiny_templates):
     transformer, _ = tiny
     cache, templates = tiny_templates
     for _, _, unmodified, recorded in templates:
-        assert_close_ulps(recorded, unmodified)
+        assert_close_ulps(recorded, unmodified, OUTPUT_ULPS)
     head_dim = transformer.config.attention_head_dim
     for index, block in enumerate(transformer.transformer_blocks):
         if block.use_dual_attention:
@@ -183,8 +167,8 @@ def test_replay_identity_ragged_batch(tiny, tiny_templates, mode, plan_index):
     with torch.no_grad(), adapter.run(context):
         actual = transformer(**stack_inputs([t[0] for t in templates]))[0]
     for request, (_, _, unmodified, recorded) in enumerate(templates):
-        assert_close_ulps(actual[request: request + 1], recorded)
-        assert_close_ulps(actual[request: request + 1], unmodified)
+        assert_close_ulps(actual[request: request + 1], recorded, OUTPUT_ULPS)
+        assert_close_ulps(actual[request: request + 1], unmodified, OUTPUT_ULPS)
 
 
 @pytest.mark.parametrize("mode", EDIT_MODES)
@@ -201,7 +185,7 @@ def test_replay_identity_with_triton_attention(tiny, tiny_templates, mode):
     with torch.no_grad(), adapter.run(context):
         actual = copy(**stack_inputs([t[0] for t in templates]))[0]
     for request, (_, _, unmodified, _) in enumerate(templates):
-        assert_close_ulps(actual[request: request + 1], unmodified)
+        assert_close_ulps(actual[request: request + 1], unmodified, OUTPUT_ULPS)
 
 
 @pytest.mark.parametrize("mode", EDIT_MODES)
@@ -224,7 +208,7 @@ def test_new_content_changes_only_masked_tokens(tiny, tiny_templates, mode):
     with torch.no_grad(), adapter.run(context):
         actual = patch_tokens(transformer(**edited)[0], patch)
     expected = patch_tokens(recorded, patch)
-    assert_close_ulps(actual[:, ~token_mask], expected[:, ~token_mask])
+    assert_close_ulps(actual[:, ~token_mask], expected[:, ~token_mask], OUTPUT_ULPS)
     assert (actual[:, token_mask] - expected[:, token_mask]).abs().max() > 1e-2
 
 
@@ -317,7 +301,7 @@ def test_wide_replay_identity_and_flops():
     context = MaskAwareContext.record(["template"], [5], WIDE_TEXT_TOKENS, num_image, cache)
     with adapter.run(context):
         record_flops, recorded = count_flops(transformer, inputs)
-    assert_close_ulps(recorded, unmodified)
+    assert_close_ulps(recorded, unmodified, OUTPUT_ULPS)
     # Recording computes every image token but skips the discarded text queries of the last block.
     assert record_flops == 2 * predicted_macs(transformer, WIDE_TEXT_TOKENS, num_image, num_image, CacheMode.RECORD)
 
@@ -328,7 +312,7 @@ def test_wide_replay_identity_and_flops():
         context = MaskAwareContext.edit(mode, [masked], ["template"], [5], WIDE_TEXT_TOKENS, num_image, cache)
         with adapter.run(context):
             flops, edited = count_flops(transformer, inputs)
-        assert_close_ulps(edited, recorded)
+        assert_close_ulps(edited, recorded, OUTPUT_ULPS)
         assert flops == 2 * predicted_macs(transformer, WIDE_TEXT_TOKENS, num_image, num_masked, mode)
         ratios[mode] = flops / full_flops
     # From the count at H=256, P=32, L=256, m=0.2, 4 blocks (2 with attn2, the last context_pre_only):

@@ -24,6 +24,7 @@ from retouch.adapters.unet import UNetMaskAwareContext, level_grid, patch_unet
 from retouch.cache import InMemoryActivationCache
 from retouch.models import build_denoiser
 from retouch.models.inputs import random_unet_inputs
+from replay_checks import assert_close_ulps
 
 OUTPUT_ULPS = 64
 MODELS = ["tiny-sdxl-inpaint", "tiny-sd2-inpaint"]
@@ -40,13 +41,6 @@ def stack_inputs(per_request: list[dict]) -> dict:
         batched["added_cond_kwargs"] = {name: torch.cat([inputs["added_cond_kwargs"][name] for inputs in per_request])
                                         for name in ("text_embeds", "time_ids")}
     return batched
-
-
-def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    atol = OUTPUT_ULPS * torch.finfo(torch.float32).eps * expected.abs().max().item()
-    error = (actual - expected).abs().max().item()
-    assert error <= atol, f"max error {error:.3g} > {atol:.3g}"
-    return error
 
 
 def pixel_masks(image_size: tuple[int, int]) -> list[torch.Tensor]:
@@ -121,7 +115,7 @@ def test_level_grids_follow_the_unet():
     with torch.no_grad():
         expected = unet(**inputs).sample
         with adapter.run(context):
-            assert_close_ulps(unet(**inputs).sample, expected)
+            assert_close_ulps(unet(**inputs).sample, expected, OUTPUT_ULPS)
 
 
 @pytest.mark.parametrize("mode", EDIT_MODES + [CacheMode.RECORD])
@@ -141,7 +135,7 @@ def test_all_tokens_masked_equals_unmodified_model(tiny, mode):
     if mode is CacheMode.RECORD:
         assert torch.equal(actual, expected)  # the class forward's ops, in its order
     else:
-        assert_close_ulps(actual, expected)
+        assert_close_ulps(actual, expected, OUTPUT_ULPS)
     assert (cache.nbytes() > 0) == (mode is CacheMode.RECORD)
 
 
@@ -170,7 +164,7 @@ def test_replay_identity_ragged_batch(tiny, mode, plan):
     with torch.no_grad(), adapter.run(context):
         actual = unet(**stack_inputs([t[0] for t in templates])).sample
     for request, (_, _, _, recorded) in enumerate(templates):
-        assert_close_ulps(actual[request: request + 1], recorded)
+        assert_close_ulps(actual[request: request + 1], recorded, OUTPUT_ULPS)
 
 
 @pytest.mark.parametrize("mode", EDIT_MODES)
@@ -203,7 +197,7 @@ def test_classifier_free_guidance_batch(tiny, mode):
                                         adapter.num_levels, cache, guidance_copies=2)
     with torch.no_grad(), adapter.run(context):
         actual = unet(**doubled).sample
-    assert_close_ulps(actual, recorded)
+    assert_close_ulps(actual, recorded, OUTPUT_ULPS)
     with pytest.raises(ValueError, match="guidance copies"), torch.no_grad(), adapter.run(context):
         unet(**cond)
 
@@ -296,7 +290,7 @@ def test_block_flops_fall_with_mask_ratio(name):
             context = UNetMaskAwareContext.edit(mode, [mask], ["t"], [0], adapter.num_levels, cache)
             with adapter.run(context):
                 flops, edited = count_block_flops(unet, inputs)
-            assert_close_ulps(edited, unmodified)
+            assert_close_ulps(edited, unmodified, OUTPUT_ULPS)
             assert flops == 2 * predicted_block_macs(adapter, context, TEXT_TOKENS, level_tokens)
             ratios[mode, fraction] = flops / full_flops
     for mode in EDIT_MODES:
@@ -308,7 +302,6 @@ def test_block_flops_fall_with_mask_ratio(name):
     # keeps its K/V projections and every query's keys on all tokens, a larger share in SDXL's wider levels.
     assert ratios[CacheMode.KV_CACHE, 0.2] < 0.27
     assert ratios[CacheMode.Y_CACHE, 0.2] < 0.33
-
 
 
 @pytest.mark.parametrize("mode", EDIT_MODES)
@@ -323,4 +316,4 @@ def test_replay_identity_with_triton_attention(tiny, mode, request):
     with torch.no_grad(), adapter.run(context):
         actual = unet(**stack_inputs([t[0] for t in templates])).sample
     for request_index, (_, _, unmodified, _) in enumerate(templates):
-        assert_close_ulps(actual[request_index: request_index + 1], unmodified)
+        assert_close_ulps(actual[request_index: request_index + 1], unmodified, OUTPUT_ULPS)

@@ -157,6 +157,15 @@ class MaskAwareContext:
         return cls(mode, batch, tuple(template_ids), tuple(steps), cache,
                    None if block_plan is None else tuple(block_plan))
 
+    def check_shapes(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor) -> None:
+        """The block's `[B, L, H]` image and `[B, P, J]` text inputs match the context's batch and layout."""
+        layout = self.layout
+        batch, num_image = hidden_states.shape[:2]
+        num_text = encoder_hidden_states.shape[1]
+        if (batch, num_text, num_image) != (self.batch.batch_size, layout.num_text_tokens, layout.num_image_tokens):
+            raise ValueError(f"context is for {self.batch.batch_size} requests of {layout.num_text_tokens} text + "
+                             f"{layout.num_image_tokens} image tokens, the model got {batch} x ({num_text} + {num_image})")
+
     def uses_cache(self, block: int) -> bool:
         """Whether `block` runs mask-aware (reads the cache) rather than in full."""
         return self.block_plan is None or self.block_plan[block]

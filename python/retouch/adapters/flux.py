@@ -127,18 +127,9 @@ def _dispatch(adapter: FluxMaskAwareAdapter, block: torch.nn.Module, index: int,
                                   f"got {sorted(joint_attention_kwargs)}")
     if image_rotary_emb is None:
         raise ValueError("mask-aware Flux needs image_rotary_emb (FluxTransformer2DModel always passes it)")
-    _check_shapes(context, hidden_states, encoder_hidden_states)
+    context.check_shapes(hidden_states, encoder_hidden_states)
     return masked_forward(block, adapter, context, index, hidden_states, encoder_hidden_states, temb,
                           image_rotary_emb)
-
-
-def _check_shapes(context: MaskAwareContext, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor):
-    layout = context.layout
-    batch, num_image, _ = hidden_states.shape
-    num_text = encoder_hidden_states.shape[1]
-    if (batch, num_text, num_image) != (context.batch.batch_size, layout.num_text_tokens, layout.num_image_tokens):
-        raise ValueError(f"context is for {context.batch.batch_size} requests of {layout.num_text_tokens} text + "
-                         f"{layout.num_image_tokens} image tokens, the model got {batch} x ({num_text} + {num_image})")
 
 
 # ---- the double-stream block (separate text and image weights, joint attention) ----

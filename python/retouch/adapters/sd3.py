@@ -167,17 +167,8 @@ def _dispatch(adapter: SD3MaskAwareAdapter, block: JointTransformerBlock, index:
     if joint_attention_kwargs:
         raise NotImplementedError("mask-aware SD3 takes no joint_attention_kwargs (IP-Adapter), "
                                   f"got {sorted(joint_attention_kwargs)}")
-    _check_shapes(context, hidden_states, encoder_hidden_states)
+    context.check_shapes(hidden_states, encoder_hidden_states)
     return _joint_block_forward(block, adapter, context, index, hidden_states, encoder_hidden_states, temb)
-
-
-def _check_shapes(context: MaskAwareContext, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor):
-    layout = context.layout
-    batch, num_image, _ = hidden_states.shape
-    num_text = encoder_hidden_states.shape[1]
-    if (batch, num_text, num_image) != (context.batch.batch_size, layout.num_text_tokens, layout.num_image_tokens):
-        raise ValueError(f"context is for {context.batch.batch_size} requests of {layout.num_text_tokens} text + "
-                         f"{layout.num_image_tokens} image tokens, the model got {batch} x ({num_text} + {num_image})")
 
 
 # ---- the joint block (separate text and image weights, joint attention; optional attn2 on the image) ----
