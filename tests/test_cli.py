@@ -44,10 +44,11 @@ def test_no_paste_back_returns_the_raw_pipeline_output(cli, inputs):
         assert raw.crop((0, 0, 128, 32)).tobytes() != template.crop((0, 0, 128, 32)).tobytes()
 
 
-@pytest.mark.parametrize("cache_mode", ["y", "kv"])
-def test_mask_aware_edit_registers_then_edits(cli, inputs, cache_mode):
+@pytest.mark.parametrize("model, cache_mode", [("tiny-flux-fill", "y"), ("tiny-flux-fill", "kv"),
+                                               ("tiny-sd3-inpaint", "kv")])
+def test_mask_aware_edit_registers_then_edits(cli, inputs, model, cache_mode):
     out = inputs / "mask_aware.png"
-    result = cli("edit", "--model", "tiny-flux-fill", "--image", inputs / "T.png", "--mask", inputs / "M.png",
+    result = cli("edit", "--model", model, "--image", inputs / "T.png", "--mask", inputs / "M.png",
                  "--prompt", "a red hat", "--steps", "4", "--mask-aware", "--cache-mode", cache_mode, "--out", out)
     assert result.returncode == 0, result.stderr
     assert "register template" in result.stdout and f"{cache_mode}-cache" in result.stdout
@@ -120,7 +121,7 @@ BAD_EDITS = {
     "not a pipeline folder": ({"--model": "empty_dir"}, [], "empty_dir"),
     "bad steps": ({"--steps": "0"}, [], "--steps"),
     "mask without alpha": ({}, ["--mask-alpha"], "no alpha channel"),
-    "mask-aware on a UNet model": ({}, ["--mask-aware"], "mask-aware editing supports flux-fill, flux-inpaint"),
+    "mask-aware on a UNet model": ({}, ["--mask-aware"], "mask-aware editing supports flux-fill, flux-inpaint, sd3"),
     "negative dilation": ({"--dilation": "-1"}, [], "--dilation"),
 }
 

@@ -29,7 +29,8 @@ def pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image).astype(np.int16)
 
 
-@pytest.fixture(scope="module", params=[("tiny-flux-fill", "y"), ("tiny-flux-fill", "kv"), ("tiny-flux-inpaint", "y")],
+@pytest.fixture(scope="module", params=[("tiny-flux-fill", "y"), ("tiny-flux-fill", "kv"), ("tiny-flux-inpaint", "y"),
+                                        ("tiny-sd3-inpaint", "y"), ("tiny-sd3-inpaint", "kv")],
                 ids=lambda param: "-".join(param))
 def editor(request):
     model, cache_mode = request.param
@@ -64,8 +65,8 @@ def test_all_tokens_masked_equals_the_unmodified_pipeline(editor):
     full = Image.new("L", (128, 128), 255)
     edited = editor.edit(template_id, full, "a red hat", seed=5)
     template = editor.templates[template_id]
-    extra = {"strength": 1.0} if editor.model.family == "flux-inpaint" else {}
-    latents = editor._latents_argument(editor._noise(5, 64)[None], 128, 128)
+    extra = {"strength": 1.0} if editor.model.family in ("flux-inpaint", "sd3") else {}
+    latents = editor._latents_argument(editor._noise(5, 128, 128)[None])
     with torch.inference_mode():
         baseline = editor.pipe(prompt="a red hat", image=template.image, mask_image=full, height=128, width=128,
                                num_inference_steps=STEPS, latents=latents, generator=[torch.Generator().manual_seed(0)],
@@ -111,17 +112,24 @@ def test_bad_requests(editor):
 
 
 def test_unsupported_family_and_options():
-    with pytest.raises(ModelError, match="supports flux-fill, flux-inpaint"):
+    with pytest.raises(ModelError, match="supports flux-fill, flux-inpaint, sd3"):
         MaskAwareEditor(load_pipeline("tiny-sd2-inpaint"))
     with pytest.raises(InputError, match="cache mode"):
         MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache_mode="z")
 
 
-def test_unpack_inverts_the_pipeline_packing():
+def test_packing_matches_the_pipeline():
     from diffusers import FluxPipeline
 
-    from retouch.editor import unpack_flux_latents
+    from retouch.editor import pack_flux_latents
 
     latents = torch.randn(2, 16, 8, 6)
-    packed = FluxPipeline._pack_latents(latents, 2, 16, 8, 6)
-    assert torch.equal(unpack_flux_latents(packed, 8, 6), latents)
+    assert torch.equal(pack_flux_latents(latents), FluxPipeline._pack_latents(latents, 2, 16, 8, 6))
+
+
+def test_guided_sd3_records_both_halves():
+    editor = load("tiny-sd3-inpaint")
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=2, seed=0, guidance=5.0)
+    assert editor.cache.contains(template_id) and editor.cache.contains(template_id + "/uncond")
+    editor.drop_template(template_id)
+    assert not editor.cache.contains(template_id + "/uncond")

@@ -9,12 +9,15 @@ Registration runs the unmodified computation once and records every block's acti
 denoising step (adapters, RECORD mode). An edit computes only the masked tokens and takes the rest
 from the recording (Y-cache or KV-cache mode). The stock diffusers pipeline drives the denoising loop:
 its `latents` argument carries the initial noise (the template's at unmasked tokens, the edit seed's
-at masked ones) and forward hooks on the transformer switch the per-step context.
+at masked ones) and forward hooks on the transformer switch the per-step context. With
+classifier-free guidance (SD3) the pipeline doubles the batch as [unconditional; conditional]; the
+unconditional rows are recorded and read under their own template id (`<id>/uncond`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -22,18 +25,21 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
+from retouch.adapters import CacheMode, MaskAwareContext, patch_flux, patch_sd3
 from retouch.baseline import paste_unmasked, processing_size
 from retouch.cache import ActivationCache, InMemoryActivationCache
 from retouch.errors import InputError, ModelError
 from retouch.images import check_same_size
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
+
+PATCH_STRIDE = FLUX_STRIDE  # Flux and SD3 both patchify 2x2 latent pixels (VAE /8): 16 px per token
 from retouch.models import LoadedModel, load_pipeline, quiet_libraries
 
 DEFAULT_STEPS = 28
 CACHE_MODES = {"y": CacheMode.Y_CACHE, "kv": CacheMode.KV_CACHE}
 # The families whose denoiser has a mask-aware adapter and whose pipeline the editor drives.
-SUPPORTED_FAMILIES = ("flux-fill", "flux-inpaint")
+SUPPORTED_FAMILIES = ("flux-fill", "flux-inpaint", "sd3")
+UNCOND_SUFFIX = "/uncond"
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,7 @@ class Template:
     steps: int
     seed: int
     guidance: float | None
-    noise: torch.Tensor  # [L, C] packed initial latents
+    noise: torch.Tensor  # [C, h, w] initial latents
     num_text_tokens: int
 
 
@@ -77,7 +83,8 @@ class MaskAwareEditor:
         self.mode = CACHE_MODES[cache_mode]
         self.dilation = dilation
         self.block_plan = None if block_plan is None else tuple(block_plan)
-        self.adapter = patch_flux(self.pipe.transformer, attention_backend=attention_backend)
+        patch = patch_sd3 if model.family == "sd3" else patch_flux
+        self.adapter = patch(self.pipe.transformer, attention_backend=attention_backend)
         self.templates: dict[str, Template] = {}
 
     # ---- templates ----
@@ -96,18 +103,19 @@ class MaskAwareEditor:
         if template_id in self.templates and self.cache.contains(template_id):
             return template_id
         width, height = processing_size(image.width, image.height, self.pipe.vae_scale_factor * 2)
-        num_image_tokens = (width // FLUX_STRIDE) * (height // FLUX_STRIDE)
+        num_image_tokens = (width // PATCH_STRIDE) * (height // PATCH_STRIDE)
         template = Template(
             template_id=template_id, image=image.resize((width, height), Image.Resampling.LANCZOS),
             original_size=image.size, prompt=prompt, steps=steps, seed=seed, guidance=guidance,
-            noise=self._noise(seed, num_image_tokens), num_text_tokens=self._num_text_tokens())
+            noise=self._noise(seed, height, width), num_text_tokens=self._num_text_tokens())
         keep_everything = Image.new("L", (width, height), 0)
+        row_ids = self._row_template_ids([template_id], guidance)
 
         def context_at(step: int) -> MaskAwareContext:
-            return MaskAwareContext.record([template_id], [step], template.num_text_tokens, num_image_tokens,
-                                           self.cache, device=self.pipe.device)
+            return MaskAwareContext.record(row_ids, [step] * len(row_ids), template.num_text_tokens,
+                                           num_image_tokens, self.cache, device=self.pipe.device)
 
-        self.cache.drop(template_id)
+        self.drop_template(template_id)
         self._run([template], [keep_everything], [prompt], template.noise[None], context_at)
         self.templates[template_id] = template
         return template_id
@@ -115,6 +123,7 @@ class MaskAwareEditor:
     def drop_template(self, template_id: str) -> None:
         self.templates.pop(template_id, None)
         self.cache.drop(template_id)
+        self.cache.drop(template_id + UNCOND_SUFFIX)
 
     # ---- edits ----
 
@@ -135,18 +144,22 @@ class MaskAwareEditor:
                 raise InputError("prompt is empty; say what to paint into the masked region")
             check_same_size(Image.new("L", template.original_size), request.mask)
             mask = request.mask.convert("L").resize(template.image.size, Image.Resampling.NEAREST)
-            idx = masked_token_indices(token_mask(mask, FLUX_STRIDE, self.dilation))
-            noise = template.noise.clone()
-            # The edit's seed draws the masked tokens' noise; unmasked tokens keep the template's.
-            noise[idx] = self._noise(request.seed, noise.shape[0])[idx]
+            tokens = token_mask(mask, PATCH_STRIDE, self.dilation)
+            # The edit's seed draws the noise of the masked tokens' latent pixels (2x2 per token);
+            # unmasked tokens keep the template's.
+            latent_mask = tokens.repeat_interleave(2, 0).repeat_interleave(2, 1)
+            width, height = template.image.size
+            noise = torch.where(latent_mask, self._noise(request.seed, height, width), template.noise)
             masks.append(mask)
-            masked_idx.append(idx)
+            masked_idx.append(masked_token_indices(tokens))
             latents.append(noise)
-        template_ids = [t.template_id for t in templates]
-        num_text, num_image = templates[0].num_text_tokens, templates[0].noise.shape[0]
+        row_ids = self._row_template_ids([t.template_id for t in templates], templates[0].guidance)
+        row_masked_idx = masked_idx * (len(row_ids) // len(requests))
+        num_text = templates[0].num_text_tokens
+        num_image = templates[0].noise.shape[1] * templates[0].noise.shape[2] // 4
 
         def context_at(step: int) -> MaskAwareContext:
-            return MaskAwareContext.edit(self.mode, masked_idx, template_ids, [step] * len(requests), num_text,
+            return MaskAwareContext.edit(self.mode, row_masked_idx, row_ids, [step] * len(row_ids), num_text,
                                          num_image, self.cache, block_plan=self.block_plan, device=self.pipe.device)
 
         images = self._run(templates, masks, [r.prompt for r in requests], torch.stack(latents), context_at)
@@ -182,13 +195,13 @@ class MaskAwareEditor:
                 kwargs.update(
                     prompt=list(prompts), image=[t.image for t in templates], mask_image=list(masks),
                     height=height, width=width, num_inference_steps=template.steps,
-                    latents=self._latents_argument(latents, height, width),
+                    latents=self._latents_argument(latents),
                     # Per-template generators: the VAE posterior sample of a template is the same at
                     # registration and at every edit.
                     generator=[torch.Generator("cpu").manual_seed(t.seed) for t in templates])
                 if template.guidance is not None:
                     kwargs["guidance_scale"] = template.guidance
-                if self.model.family == "flux-inpaint":
+                if self.model.family in ("flux-inpaint", "sd3"):
                     # Given latents are taken as the start of the schedule: strength 1 runs all steps.
                     kwargs["strength"] = 1.0
                 with torch.inference_mode(), quiet_libraries():
@@ -205,21 +218,36 @@ class MaskAwareEditor:
             raise InputError(f"unknown template {template_id!r}; register it first")
         return template
 
-    def _latents_argument(self, packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """The pipeline's `latents`: FluxFill takes packed [B, L, C*4], FluxInpaint unpacked [B, C, h, w]."""
-        packed = packed.to(self.pipe.device, self.pipe.transformer.dtype)
-        if self.model.family != "flux-inpaint":
-            return packed
-        return unpack_flux_latents(packed, height // self.pipe.vae_scale_factor, width // self.pipe.vae_scale_factor)
+    def _latents_argument(self, latents: torch.Tensor) -> torch.Tensor:
+        """The pipeline's `latents` from `[B, C, h, w]`: FluxFill takes them packed `[B, h*w/4, C*4]`."""
+        latents = latents.to(self.pipe.device, self.pipe.transformer.dtype)
+        return pack_flux_latents(latents) if self.model.family == "flux-fill" else latents
 
-    def _noise(self, seed: int, num_image_tokens: int) -> torch.Tensor:
-        """[L, C] i.i.d. Gaussian noise in the packed token layout (packing permutes i.i.d. entries)."""
-        channels = self.pipe.transformer.config.out_channels
-        return torch.randn((num_image_tokens, channels), generator=torch.Generator("cpu").manual_seed(seed))
+    def _noise(self, seed: int, height: int, width: int) -> torch.Tensor:
+        """`[C, height/8, width/8]` Gaussian initial latents of an image of `height` x `width` pixels."""
+        shape = (self.pipe.vae.config.latent_channels, height // self.pipe.vae_scale_factor,
+                 width // self.pipe.vae_scale_factor)
+        return torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed))
 
     def _num_text_tokens(self) -> int:
-        # Flux pads T5 prompts to max_sequence_length: that many text tokens in every joint attention.
-        return int(self.model.call_defaults.get("max_sequence_length", 512))
+        # Flux pads T5 prompts to max_sequence_length; SD3 puts the padded CLIP tokens before them.
+        default = inspect.signature(self.pipe.__call__).parameters["max_sequence_length"].default
+        max_sequence_length = int(self.model.call_defaults.get("max_sequence_length", default))
+        if self.model.family == "sd3":
+            return self.pipe.tokenizer_max_length + max_sequence_length
+        return max_sequence_length
+
+    def _row_template_ids(self, template_ids: Sequence[str], guidance: float | None) -> list[str]:
+        """The template id each row of the denoiser's batch reads or writes: with classifier-free
+        guidance the pipeline runs [unconditional; conditional] rows, recorded apart."""
+        if self.model.family != "sd3" or not self._uses_guidance(guidance):
+            return list(template_ids)
+        return [template_id + UNCOND_SUFFIX for template_id in template_ids] + list(template_ids)
+
+    def _uses_guidance(self, guidance: float | None) -> bool:
+        if guidance is None:
+            guidance = inspect.signature(self.pipe.__call__).parameters["guidance_scale"].default
+        return guidance > 1
 
     def _template_id(self, image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None) -> str:
         digest = hashlib.sha256()
@@ -228,12 +256,11 @@ class MaskAwareEditor:
         return digest.hexdigest()[:16]
 
 
-def unpack_flux_latents(packed: torch.Tensor, latent_height: int, latent_width: int) -> torch.Tensor:
-    """[B, (h/2)(w/2), C*4] -> [B, C, h, w]: the inverse of the Flux pipelines' 2x2 packing."""
-    batch, _, packed_channels = packed.shape
-    channels = packed_channels // 4
-    unpacked = packed.view(batch, latent_height // 2, latent_width // 2, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return unpacked.reshape(batch, channels, latent_height, latent_width)
+def pack_flux_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, (h/2)(w/2), C*4]: the Flux pipelines' 2x2 packing, token (i, j) row-major."""
+    batch, channels, height, width = latents.shape
+    packed = latents.view(batch, channels, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return packed.reshape(batch, (height // 2) * (width // 2), channels * 4)
 
 
 def load(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **editor_options) -> MaskAwareEditor:
