@@ -45,7 +45,7 @@ def test_no_paste_back_returns_the_raw_pipeline_output(cli, inputs):
 
 
 @pytest.mark.parametrize("model, cache_mode", [("tiny-flux-fill", "y"), ("tiny-flux-fill", "kv"),
-                                               ("tiny-sd3-inpaint", "kv")])
+                                               ("tiny-sd3-inpaint", "kv"), ("tiny-sd2-inpaint", "y")])
 def test_mask_aware_edit_registers_then_edits(cli, inputs, model, cache_mode):
     out = inputs / "mask_aware.png"
     result = cli("edit", "--model", model, "--image", inputs / "T.png", "--mask", inputs / "M.png",
@@ -121,7 +121,7 @@ BAD_EDITS = {
     "not a pipeline folder": ({"--model": "empty_dir"}, [], "empty_dir"),
     "bad steps": ({"--steps": "0"}, [], "--steps"),
     "mask without alpha": ({}, ["--mask-alpha"], "no alpha channel"),
-    "mask-aware on a UNet model": ({}, ["--mask-aware"], "mask-aware editing supports flux-fill, flux-inpaint, sd3"),
+    "mask-aware without paste-back": ({}, ["--mask-aware", "--no-paste-back"], "--no-paste-back applies to the baseline"),
     "negative dilation": ({"--dilation": "-1"}, [], "--dilation"),
 }
 

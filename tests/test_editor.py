@@ -1,5 +1,7 @@
 """The mask-aware Python API: register a template, edit it, batch edits; against the baseline pipeline."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -30,27 +32,34 @@ def pixels(image: Image.Image) -> np.ndarray:
 
 
 @pytest.fixture(scope="module", params=[("tiny-flux-fill", "y"), ("tiny-flux-fill", "kv"), ("tiny-flux-inpaint", "y"),
-                                        ("tiny-sd3-inpaint", "y"), ("tiny-sd3-inpaint", "kv")],
+                                        ("tiny-sd3-inpaint", "y"), ("tiny-sd3-inpaint", "kv"),
+                                        ("tiny-sdxl-inpaint", "y"), ("tiny-sdxl-inpaint", "kv"), ("tiny-sd2-inpaint", "kv")],
                 ids=lambda param: "-".join(param))
 def editor(request):
     model, cache_mode = request.param
     return load(model, cache_mode=cache_mode)
 
 
-def test_registration_records_every_step_and_block(editor):
-    template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
-    num_blocks = editor.adapter.num_blocks
-    for step in range(STEPS):
-        for block in range(num_blocks):
-            assert editor.cache.get(template_id, step, block, "out").shape == (64, editor.pipe.transformer.inner_dim)
+def test_registration_records_every_denoiser_call_and_block(editor):
+    calls = []
+    hook = editor.denoiser.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=11)
+    finally:
+        hook.remove()
+    assert len(calls) >= STEPS  # PNDM (SD2) warms up with one extra call
+    for step in range(len(calls)):
+        for block in range(editor.adapter.num_blocks):
+            out = editor.cache.get(template_id, step, block, "out")
+            assert out.dim() == 2 and out.shape[0] > 0
     with pytest.raises(KeyError):
-        editor.cache.get(template_id, STEPS, 0, "out")  # no step beyond the schedule
+        editor.cache.get(template_id, len(calls), 0, "out")  # nothing beyond the schedule
 
 
 def test_registering_again_returns_the_same_id_without_compute(editor):
     template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
     calls = []
-    hook = editor.pipe.transformer.register_forward_hook(lambda *args: calls.append(1))
+    hook = editor.denoiser.register_forward_hook(lambda *args: calls.append(1))
     try:
         assert editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0) == template_id
     finally:
@@ -65,7 +74,7 @@ def test_all_tokens_masked_equals_the_unmodified_pipeline(editor):
     full = Image.new("L", (128, 128), 255)
     edited = editor.edit(template_id, full, "a red hat", seed=5)
     template = editor.templates[template_id]
-    extra = {"strength": 1.0} if editor.model.family in ("flux-inpaint", "sd3") else {}
+    extra = {"strength": 1.0} if editor.model.family != "flux-fill" else {}
     latents = editor._latents_argument(editor._noise(5, 128, 128)[None])
     with torch.inference_mode():
         baseline = editor.pipe(prompt="a red hat", image=template.image, mask_image=full, height=128, width=128,
@@ -112,8 +121,9 @@ def test_bad_requests(editor):
 
 
 def test_unsupported_family_and_options():
-    with pytest.raises(ModelError, match="supports flux-fill, flux-inpaint, sd3"):
-        MaskAwareEditor(load_pipeline("tiny-sd2-inpaint"))
+    model = dataclasses.replace(load_pipeline("tiny-sd2-inpaint"), family="some-other-family")
+    with pytest.raises(ModelError, match="supports flux-fill, flux-inpaint, sd3, sdxl, sd2"):
+        MaskAwareEditor(model)
     with pytest.raises(InputError, match="cache mode"):
         MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache_mode="z")
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from retouch.adapters import CacheMode, MaskAwareContext, patch_flux, patch_sd3
+from retouch.adapters import CacheMode, MaskAwareContext, UNetMaskAwareContext, patch_flux, patch_sd3, patch_unet
 from retouch.baseline import paste_unmasked, processing_size
 from retouch.cache import ActivationCache, InMemoryActivationCache
 from retouch.errors import InputError, ModelError
@@ -33,12 +33,13 @@ from retouch.images import check_same_size
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
 
 PATCH_STRIDE = FLUX_STRIDE  # Flux and SD3 both patchify 2x2 latent pixels (VAE /8): 16 px per token
+UNET_FAMILIES = ("sdxl", "sd2")
 from retouch.models import LoadedModel, load_pipeline, quiet_libraries
 
 DEFAULT_STEPS = 28
 CACHE_MODES = {"y": CacheMode.Y_CACHE, "kv": CacheMode.KV_CACHE}
 # The families whose denoiser has a mask-aware adapter and whose pipeline the editor drives.
-SUPPORTED_FAMILIES = ("flux-fill", "flux-inpaint", "sd3")
+SUPPORTED_FAMILIES = ("flux-fill", "flux-inpaint", "sd3", "sdxl", "sd2")
 UNCOND_SUFFIX = "/uncond"
 
 
@@ -83,8 +84,14 @@ class MaskAwareEditor:
         self.mode = CACHE_MODES[cache_mode]
         self.dilation = dilation
         self.block_plan = None if block_plan is None else tuple(block_plan)
-        patch = patch_sd3 if model.family == "sd3" else patch_flux
-        self.adapter = patch(self.pipe.transformer, attention_backend=attention_backend)
+        self.is_unet = model.family in UNET_FAMILIES
+        if self.is_unet:
+            self.denoiser = self.pipe.unet
+            self.adapter = patch_unet(self.denoiser, attention_backend=attention_backend)
+        else:
+            self.denoiser = self.pipe.transformer
+            patch = patch_sd3 if model.family == "sd3" else patch_flux
+            self.adapter = patch(self.denoiser, attention_backend=attention_backend)
         self.templates: dict[str, Template] = {}
 
     # ---- templates ----
@@ -109,11 +116,18 @@ class MaskAwareEditor:
             original_size=image.size, prompt=prompt, steps=steps, seed=seed, guidance=guidance,
             noise=self._noise(seed, height, width), num_text_tokens=self._num_text_tokens())
         keep_everything = Image.new("L", (width, height), 0)
-        row_ids = self._row_template_ids([template_id], guidance)
+        if self.is_unet:
+            copies = 2 if self._uses_guidance(guidance) else 1
 
-        def context_at(step: int) -> MaskAwareContext:
-            return MaskAwareContext.record(row_ids, [step] * len(row_ids), template.num_text_tokens,
-                                           num_image_tokens, self.cache, device=self.pipe.device)
+            def context_at(step: int) -> UNetMaskAwareContext:
+                return UNetMaskAwareContext.record([template_id], [step], (height, width), self.adapter.num_levels,
+                                                   self.cache, guidance_copies=copies, device=self.pipe.device)
+        else:
+            row_ids = self._row_template_ids([template_id], guidance)
+
+            def context_at(step: int) -> MaskAwareContext:
+                return MaskAwareContext.record(row_ids, [step] * len(row_ids), template.num_text_tokens,
+                                               num_image_tokens, self.cache, device=self.pipe.device)
 
         self.drop_template(template_id)
         self._run([template], [keep_everything], [prompt], template.noise[None], context_at)
@@ -144,23 +158,37 @@ class MaskAwareEditor:
                 raise InputError("prompt is empty; say what to paint into the masked region")
             check_same_size(Image.new("L", template.original_size), request.mask)
             mask = request.mask.convert("L").resize(template.image.size, Image.Resampling.NEAREST)
-            tokens = token_mask(mask, PATCH_STRIDE, self.dilation)
-            # The edit's seed draws the noise of the masked tokens' latent pixels (2x2 per token);
-            # unmasked tokens keep the template's.
-            latent_mask = tokens.repeat_interleave(2, 0).repeat_interleave(2, 1)
+            # The edit's seed draws the noise of the masked tokens' latent pixels (2x2 per transformer
+            # token, 1 per token of a UNet's first level); unmasked tokens keep the template's.
+            if self.is_unet:
+                tokens = latent_mask = token_mask(mask, self.pipe.vae_scale_factor, self.dilation)
+            else:
+                tokens = token_mask(mask, PATCH_STRIDE, self.dilation)
+                latent_mask = tokens.repeat_interleave(2, 0).repeat_interleave(2, 1)
             width, height = template.image.size
             noise = torch.where(latent_mask, self._noise(request.seed, height, width), template.noise)
             masks.append(mask)
             masked_idx.append(masked_token_indices(tokens))
             latents.append(noise)
-        row_ids = self._row_template_ids([t.template_id for t in templates], templates[0].guidance)
-        row_masked_idx = masked_idx * (len(row_ids) // len(requests))
-        num_text = templates[0].num_text_tokens
-        num_image = templates[0].noise.shape[1] * templates[0].noise.shape[2] // 4
+        template_ids = [t.template_id for t in templates]
+        if self.is_unet:
+            copies = 2 if self._uses_guidance(templates[0].guidance) else 1
 
-        def context_at(step: int) -> MaskAwareContext:
-            return MaskAwareContext.edit(self.mode, row_masked_idx, row_ids, [step] * len(row_ids), num_text,
-                                         num_image, self.cache, block_plan=self.block_plan, device=self.pipe.device)
+            def context_at(step: int) -> UNetMaskAwareContext:
+                return UNetMaskAwareContext.edit(self.mode, masks, template_ids, [step] * len(requests),
+                                                 self.adapter.num_levels, self.cache, dilation=self.dilation,
+                                                 block_plan=self.block_plan, guidance_copies=copies,
+                                                 device=self.pipe.device)
+        else:
+            row_ids = self._row_template_ids(template_ids, templates[0].guidance)
+            row_masked_idx = masked_idx * (len(row_ids) // len(requests))
+            num_text = templates[0].num_text_tokens
+            num_image = templates[0].noise.shape[1] * templates[0].noise.shape[2] // 4
+
+            def context_at(step: int) -> MaskAwareContext:
+                return MaskAwareContext.edit(self.mode, row_masked_idx, row_ids, [step] * len(row_ids), num_text,
+                                             num_image, self.cache, block_plan=self.block_plan,
+                                             device=self.pipe.device)
 
         images = self._run(templates, masks, [r.prompt for r in requests], torch.stack(latents), context_at)
         edited = []
@@ -188,8 +216,8 @@ class MaskAwareEditor:
                 active.close()
                 step += 1
 
-            hooks = [self.pipe.transformer.register_forward_pre_hook(enter, with_kwargs=True),
-                     self.pipe.transformer.register_forward_hook(leave, with_kwargs=True)]
+            hooks = [self.denoiser.register_forward_pre_hook(enter, with_kwargs=True),
+                     self.denoiser.register_forward_hook(leave, with_kwargs=True)]
             try:
                 kwargs = dict(self.model.call_defaults)
                 kwargs.update(
@@ -201,7 +229,7 @@ class MaskAwareEditor:
                     generator=[torch.Generator("cpu").manual_seed(t.seed) for t in templates])
                 if template.guidance is not None:
                     kwargs["guidance_scale"] = template.guidance
-                if self.model.family in ("flux-inpaint", "sd3"):
+                if self.model.family != "flux-fill":
                     # Given latents are taken as the start of the schedule: strength 1 runs all steps.
                     kwargs["strength"] = 1.0
                 with torch.inference_mode(), quiet_libraries():
@@ -220,7 +248,7 @@ class MaskAwareEditor:
 
     def _latents_argument(self, latents: torch.Tensor) -> torch.Tensor:
         """The pipeline's `latents` from `[B, C, h, w]`: FluxFill takes them packed `[B, h*w/4, C*4]`."""
-        latents = latents.to(self.pipe.device, self.pipe.transformer.dtype)
+        latents = latents.to(self.pipe.device, self.denoiser.dtype)
         return pack_flux_latents(latents) if self.model.family == "flux-fill" else latents
 
     def _noise(self, seed: int, height: int, width: int) -> torch.Tensor:
@@ -231,6 +259,9 @@ class MaskAwareEditor:
 
     def _num_text_tokens(self) -> int:
         # Flux pads T5 prompts to max_sequence_length; SD3 puts the padded CLIP tokens before them.
+        # UNets read text only as cross-attention keys, which are never cached: nothing to count.
+        if self.is_unet:
+            return 0
         default = inspect.signature(self.pipe.__call__).parameters["max_sequence_length"].default
         max_sequence_length = int(self.model.call_defaults.get("max_sequence_length", default))
         if self.model.family == "sd3":
