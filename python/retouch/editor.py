@@ -97,16 +97,18 @@ class MaskAwareEditor:
     # ---- templates ----
 
     def register_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
-                          guidance: float | None = None) -> str:
+                          guidance: float | None = None, mask: Image.Image | None = None) -> str:
         """Run the full computation once on `image` and record its activations; returns the template id.
 
-        The id is a digest of the image and the settings, so registering the same template twice
-        returns the same id without recomputing.
+        `mask` is what the recorded run repaints (inpainting models take it as an input): by default
+        nothing, so every edit's unmasked tokens see the template's own conditioning. The id is a
+        digest of the image and the settings, so registering the same template twice returns the
+        same id without recomputing.
         """
         if steps < 1:
             raise InputError(f"steps must be >= 1, got {steps}")
         image = image.convert("RGB")
-        template_id = self._template_id(image, prompt, steps, seed, guidance)
+        template_id = self._template_id(image, prompt, steps, seed, guidance, mask)
         if template_id in self.templates and self.cache.contains(template_id):
             return template_id
         width, height = processing_size(image.width, image.height, self.pipe.vae_scale_factor * 2)
@@ -115,7 +117,11 @@ class MaskAwareEditor:
             template_id=template_id, image=image.resize((width, height), Image.Resampling.LANCZOS),
             original_size=image.size, prompt=prompt, steps=steps, seed=seed, guidance=guidance,
             noise=self._noise(seed, height, width), num_text_tokens=self._num_text_tokens())
-        keep_everything = Image.new("L", (width, height), 0)
+        if mask is None:
+            recorded_mask = Image.new("L", (width, height), 0)
+        else:
+            check_same_size(image, mask)
+            recorded_mask = mask.convert("L").resize((width, height), Image.Resampling.NEAREST)
         if self.is_unet:
             copies = 2 if self._uses_guidance(guidance) else 1
 
@@ -130,7 +136,7 @@ class MaskAwareEditor:
                                                num_image_tokens, self.cache, device=self.pipe.device)
 
         self.drop_template(template_id)
-        self._run([template], [keep_everything], [prompt], template.noise[None], context_at)
+        self._run([template], [recorded_mask], [prompt], template.noise[None], context_at, output_type="latent")
         self.templates[template_id] = template
         return template_id
 
@@ -141,12 +147,19 @@ class MaskAwareEditor:
 
     # ---- edits ----
 
-    def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0) -> Image.Image:
+    def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0, **options):
         """Repaint the white region of `mask` in the registered template; the template's size."""
-        return self.edit_many([EditRequest(template_id, mask, prompt, seed)])[0]
+        return self.edit_many([EditRequest(template_id, mask, prompt, seed)], **options)[0]
 
-    def edit_many(self, requests: Sequence[EditRequest]) -> list[Image.Image]:
-        """Several edits as one ragged batch (different templates and masks; the same step count)."""
+    def edit_many(self, requests: Sequence[EditRequest], *, full_compute: bool = False, output_type: str = "pil"):
+        """Several edits as one ragged batch (different templates and masks; the same step count).
+
+        `full_compute` runs the same edits (same initial noise) with the unmodified model: the
+        reference a mask-aware edit approximates. `output_type="latent"` returns the final latents
+        `[C, h, w]` (as the pipeline leaves them) instead of images.
+        """
+        if output_type not in ("pil", "latent"):
+            raise InputError(f"output_type must be 'pil' or 'latent', got {output_type!r}")
         if not requests:
             return []
         templates = [self._template(request.template_id) for request in requests]
@@ -190,7 +203,10 @@ class MaskAwareEditor:
                                              num_image, self.cache, block_plan=self.block_plan,
                                              device=self.pipe.device)
 
-        images = self._run(templates, masks, [r.prompt for r in requests], torch.stack(latents), context_at)
+        images = self._run(templates, masks, [r.prompt for r in requests], torch.stack(latents),
+                           None if full_compute else context_at, output_type=output_type)
+        if output_type == "latent":
+            return list(images)
         edited = []
         for image, mask, template in zip(images, masks, templates):
             image = paste_unmasked(template.image, image, mask)
@@ -201,8 +217,9 @@ class MaskAwareEditor:
     # ---- the pipeline run ----
 
     def _run(self, templates: Sequence[Template], masks: Sequence[Image.Image], prompts: Sequence[str],
-             latents: torch.Tensor, context_at) -> list[Image.Image]:
-        """One pipeline call over the batch; the transformer's i-th forward runs under context_at(i)."""
+             latents: torch.Tensor, context_at, output_type: str = "pil"):
+        """One pipeline call over the batch; the denoiser's i-th forward runs under context_at(i)
+        (the unmodified model where context_at is None)."""
         template = templates[0]
         width, height = template.image.size
         step = 0
@@ -216,8 +233,9 @@ class MaskAwareEditor:
                 active.close()
                 step += 1
 
-            hooks = [self.denoiser.register_forward_pre_hook(enter, with_kwargs=True),
-                     self.denoiser.register_forward_hook(leave, with_kwargs=True)]
+            hooks = [] if context_at is None else [
+                self.denoiser.register_forward_pre_hook(enter, with_kwargs=True),
+                self.denoiser.register_forward_hook(leave, with_kwargs=True)]
             try:
                 kwargs = dict(self.model.call_defaults)
                 kwargs.update(
@@ -226,7 +244,8 @@ class MaskAwareEditor:
                     latents=self._latents_argument(latents),
                     # Per-template generators: the VAE posterior sample of a template is the same at
                     # registration and at every edit.
-                    generator=[torch.Generator("cpu").manual_seed(t.seed) for t in templates])
+                    generator=[torch.Generator("cpu").manual_seed(t.seed) for t in templates],
+                    output_type=output_type)
                 if template.guidance is not None:
                     kwargs["guidance_scale"] = template.guidance
                 if self.model.family != "flux-fill":
@@ -280,10 +299,13 @@ class MaskAwareEditor:
             guidance = inspect.signature(self.pipe.__call__).parameters["guidance_scale"].default
         return guidance > 1
 
-    def _template_id(self, image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None) -> str:
+    def _template_id(self, image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None,
+                     mask: Image.Image | None) -> str:
         digest = hashlib.sha256()
         digest.update(f"{self.model.name}|{image.size}|{prompt}|{steps}|{seed}|{guidance}|".encode())
         digest.update(image.tobytes())
+        if mask is not None:
+            digest.update(b"mask|" + mask.convert("L").tobytes())
         return digest.hexdigest()[:16]
 
 
