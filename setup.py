@@ -4,6 +4,7 @@ The package is assembled from three source folders (the design card's layout):
     python/retouch -> retouch
     engine         -> retouch.engine
     kernels        -> retouch.kernels
+    bench          -> retouch.bench
 setuptools maps them with package_dir; both `pip install .` and `pip install -e .` honour it.
 
 The C++ (CPU) part of retouch._C builds everywhere. The CUDA sources are added when torch has CUDA
@@ -50,7 +51,7 @@ def native_extension():
     return CUDAExtension("retouch._C", cpu_sources + cuda_sources, extra_compile_args=compile_args)
 
 
-PACKAGE_DIRS = {"": "python", "retouch.engine": "engine", "retouch.kernels": "kernels"}
+PACKAGE_DIRS = {"": "python", "retouch.engine": "engine", "retouch.kernels": "kernels", "retouch.bench": "bench"}
 
 
 def packages() -> list[str]:

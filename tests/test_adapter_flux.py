@@ -9,13 +9,12 @@ through a block can add an ulp or so. We allow OUTPUT_ULPS units of fp32 eps at 
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
 from retouch.cache import InMemoryActivationCache
 from retouch.models import build_denoiser
 from retouch.models.inputs import random_flux_inputs
+from retouch.flops import count_flops, flux_forward_macs
 from replay_checks import assert_close_ulps, masked_indices
 
 OUTPUT_ULPS = 8
@@ -190,46 +189,6 @@ SMALL_TEXT_TOKENS = 64
 SMALL_MASK_RATIO = 0.2
 
 
-def predicted_macs(config, num_text: int, num_image: int, num_masked: int, mode: CacheMode | None) -> int:
-    """Multiply-accumulates of one forward of one request (mode None: full compute), counted per op.
-
-    Per token a block has 12 H^2 of projections: double-stream q, k, v, out (4 H^2) + feed-forward
-    H->4H->H (8 H^2); single-stream q, k, v (3 H^2) + proj_mlp H->4H (4 H^2) + proj_out 5H->H (5 H^2).
-    Y-cache projects k and v for every token (2 H^2) and the other 10 H^2 for query tokens only;
-    KV-cache runs all 12 H^2 on query tokens. Attention is 2 * queries * keys * H (QK^T and AV), keys
-    always all P + L tokens. Text tokens are always queries. Per request, not per token: modulation
-    linears (6 H^2 twice per double block, 3 H^2 per single block). Outside the blocks, always in full:
-    x_embedder, context_embedder, proj_out per token; time/guidance/pooled-text embedders and norm_out.
-    """
-    hidden = config.num_attention_heads * config.attention_head_dim
-    queries_image = num_image if mode is None else num_masked
-    keys = num_text + num_image
-    kv_tokens_image = num_image if mode in (None, CacheMode.Y_CACHE) else num_masked
-
-    def projections(query_tokens, kv_tokens):
-        return (2 * kv_tokens + 10 * query_tokens) * hidden * hidden
-
-    attention = 2 * (num_text + queries_image) * keys * hidden
-    double = (projections(num_text, num_text) + projections(queries_image, kv_tokens_image)
-              + attention + 2 * 6 * hidden * hidden)
-    single = projections(num_text + queries_image, num_text + kv_tokens_image) + attention + 3 * hidden * hidden
-    timestep_channels = 256  # Flux's sinusoidal timestep (and guidance) projection
-    outside = ((num_image * config.in_channels + num_text * config.joint_attention_dim
-                + num_image * config.out_channels) * hidden
-               + 2 * (timestep_channels * hidden + hidden * hidden)  # timestep and guidance embedders
-               + (config.pooled_projection_dim * hidden + hidden * hidden)  # pooled text embedder
-               + 2 * hidden * hidden)  # norm_out's modulation
-    return config.num_layers * double + config.num_single_layers * single + outside
-
-
-def count_flops(transformer, inputs) -> tuple[int, torch.Tensor]:
-    # The math backend decomposes SDPA into matmuls that FlopCounterMode counts (it has no formula for
-    # the CPU flash kernel), for the unmodified model and the ragged path alike.
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        output = transformer(**inputs)[0]
-    return counter.get_total_flops(), output
-
-
 def test_flux_small_replay_identity_and_flops():
     transformer = build_denoiser("flux-small").eval()
     num_image = SMALL_GRID[0] * SMALL_GRID[1]
@@ -244,14 +203,14 @@ def test_flux_small_replay_identity_and_flops():
     num_masked = round(SMALL_MASK_RATIO * num_image)
     masked = torch.randperm(num_image, generator=torch.Generator().manual_seed(0))[:num_masked]
     # FlopCounterMode counts 2 FLOPs per multiply-accumulate of every matmul; the per-op count is exact.
-    assert full_flops == 2 * predicted_macs(transformer.config, SMALL_TEXT_TOKENS, num_image, num_masked, None)
+    assert full_flops == 2 * flux_forward_macs(transformer.config, SMALL_TEXT_TOKENS, num_image, num_masked, None)
     ratios = {}
     for mode in EDIT_MODES:
         context = MaskAwareContext.edit(mode, [masked], ["template"], [5], SMALL_TEXT_TOKENS, num_image, cache)
         with adapter.run(context):
             flops, edited = count_flops(transformer, inputs)
         assert_close_ulps(edited, recorded, OUTPUT_ULPS)
-        assert flops == 2 * predicted_macs(transformer.config, SMALL_TEXT_TOKENS, num_image, num_masked, mode)
+        assert flops == 2 * flux_forward_macs(transformer.config, SMALL_TEXT_TOKENS, num_image, num_masked, mode)
         ratios[mode] = flops / full_flops
     # From the count at H=1024, P=64, L=1024, m=0.2: Y-cache 0.359, KV-cache 0.253 of full compute
     # (1/m = 5x on the image tokens' linears; text tokens, attention keys and Y's K/V projections stay).

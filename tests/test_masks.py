@@ -5,7 +5,8 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from retouch.masks import FLUX_STRIDE, mask_ratio, masked_token_indices, pixel_mask_tensor, token_mask
+from retouch.masks import (FLUX_STRIDE, centred_token_rectangle, mask_ratio, masked_token_indices, pixel_mask_of_tokens,
+                           pixel_mask_tensor, token_mask)
 
 
 def token_mask_by_definition(pixels: torch.Tensor, stride: int, dilation: int) -> torch.Tensor:
@@ -59,3 +60,11 @@ def test_pixel_mask_conventions():
 def test_empty_and_full_masks():
     assert not token_mask(torch.zeros(64, 64, dtype=torch.bool), 16).any()
     assert token_mask(torch.ones(64, 64, dtype=torch.bool), 16).all()
+
+
+@pytest.mark.parametrize("ratio", [0.05, 0.2, 0.5, 1.0])
+def test_centred_rectangle_covers_the_ratio_and_round_trips_through_pixels(ratio):
+    tokens = centred_token_rectangle((32, 32), ratio)
+    assert len(set(tokens.tolist())) == len(tokens) and abs(len(tokens) / 1024 - ratio) < 0.03
+    pixels = pixel_mask_of_tokens(tokens, (32, 32), FLUX_STRIDE)
+    assert masked_token_indices(token_mask(pixels, FLUX_STRIDE)).tolist() == sorted(tokens.tolist())

@@ -20,9 +20,9 @@ def test_wheel_maps_engine_and_kernels_into_the_package(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ["retouch/__init__.py", "retouch/cli.py", "retouch/ops.py", "retouch/models/__init__.py",
                    "retouch/engine/__init__.py", "retouch/kernels/__init__.py", "retouch/kernels/reference.py",
-                   "retouch/kernels/ragged_attention.py"]:
+                   "retouch/kernels/ragged_attention.py", "retouch/bench/__init__.py", "retouch/bench/step.py"]:
         assert module in names, module
     assert any(name.startswith("retouch/_C") and name.endswith(".so") for name in names)
-    assert not any(name.startswith(("engine/", "kernels/", "python/")) for name in names)
+    assert not any(name.startswith(("engine/", "kernels/", "bench/", "python/")) for name in names)
     entry_points = next(name for name in names if name.endswith("entry_points.txt"))
     assert "retouch = retouch.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -111,6 +111,14 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import importlib
+
+    # The benchmark parses its own options and prints its JSON.
+    importlib.import_module(f"retouch.bench.{args.name}").main(args.options)
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from retouch.doctor import report
 
@@ -133,6 +141,13 @@ def build_parser() -> ArgumentParser:
     export.add_argument("name", help="built-in model name")
     export.add_argument("directory", help="new (or empty) folder to write")
     models.set_defaults(handler=cmd_models)
+
+    from retouch.bench import BENCHMARKS
+
+    bench = commands.add_parser("bench", help="run a benchmark; prints one JSON object (see `retouch bench NAME -h`)")
+    bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    bench.set_defaults(handler=cmd_bench)
 
     doctor = commands.add_parser("doctor", help="report versions, CUDA, Triton and native-extension status as JSON")
     doctor.set_defaults(handler=cmd_doctor)

@@ -9,6 +9,8 @@ content is untouched).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -57,3 +59,22 @@ def masked_token_indices(token_mask_2d: torch.Tensor) -> torch.Tensor:
 def mask_ratio(token_mask_2d: torch.Tensor) -> float:
     """Fraction of tokens masked: the m of the paper's Table 1."""
     return float(token_mask_2d.float().mean())
+
+
+def centred_token_rectangle(grid: tuple[int, int], ratio: float) -> torch.Tensor:
+    """Row-major indices of a centred rectangle covering about `ratio` of a `grid` of tokens: a
+    synthetic mask for benchmarks (real masks are contiguous regions)."""
+    rows, cols = grid
+    height = min(rows, max(1, round(math.sqrt(ratio * rows * cols))))
+    width = min(cols, max(1, round(ratio * rows * cols / height)))
+    top, left = (rows - height) // 2, (cols - width) // 2
+    r, c = torch.meshgrid(torch.arange(top, top + height), torch.arange(left, left + width), indexing="ij")
+    return (r * cols + c).flatten()
+
+
+def pixel_mask_of_tokens(token_idx: torch.Tensor, grid: tuple[int, int], stride: int) -> Image.Image:
+    """The pixel mask (white = repaint) that marks exactly the tokens `token_idx` of a `grid`."""
+    tokens = torch.zeros(grid[0] * grid[1], dtype=torch.uint8)
+    tokens[token_idx] = 255
+    pixels = tokens.view(grid).repeat_interleave(stride, 0).repeat_interleave(stride, 1)
+    return Image.fromarray(pixels.numpy(), mode="L")

@@ -10,7 +10,7 @@ TFLOP/s counts useful work only (4 * heads * head_dim * sum of n_q * n_k), the s
 
 A GPU benchmark in truth; `--quick` runs tiny sizes on the CPU under the Triton interpreter.
 
-    python bench/bench_attention.py [--quick] [--device cuda|cpu] [--out results.json]
+    retouch bench attention [--quick] [--device cuda|cpu] [--out results.json]
 
 Prints one JSON object; with `--out F.json` also writes it to F.json and, when matplotlib is
 importable, a plot to F.png.

@@ -1,0 +1,54 @@
+"""FLOPs of one denoising step of a Flux denoiser, mask-aware over full, against the per-op prediction.
+
+    retouch bench flops --model flux-small --mask-ratios 0.1,0.2,0.5,1.0
+
+`flops_ratio` is counted (torch.utils.flop_counter, SDPA on its math path so attention is counted);
+`theory` is the paper's Table 1 made exact for the architecture (`retouch.flops.flux_forward_macs`:
+masked tokens for token-wise ops, masked queries x all keys for attention, text tokens always).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from retouch.adapters import MaskAwareContext
+from retouch.bench.step import MODES, TEXT_TOKENS, flux_setup
+from retouch.flops import count_flops, flux_forward_macs
+from retouch.masks import centred_token_rectangle
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="retouch bench flops", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
+    parser.add_argument("--mask-ratios", dest="ratios", default="0.1,0.2,0.5,1.0")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cpu")  # FLOPs do not depend on the device
+    transformer, adapter, inputs, cache, grid, num_text = flux_setup(args.model, device, torch.float32)
+    num_image = grid[0] * grid[1]
+    full_flops, _ = count_flops(transformer, inputs)
+    full_theory = flux_forward_macs(transformer.config, num_text, num_image, num_image, None)
+    results = []
+    for ratio in [float(r) for r in args.ratios.split(",")]:
+        masked = centred_token_rectangle(grid, ratio)
+        for mode, cache_mode in MODES.items():
+            context = MaskAwareContext.edit(cache_mode, [masked], ["template"], [0], num_text, num_image, cache)
+            with adapter.run(context):
+                flops, _ = count_flops(transformer, inputs)
+            theory = flux_forward_macs(transformer.config, num_text, num_image, len(masked), cache_mode) / full_theory
+            results.append({"mask_ratio": round(len(masked) / num_image, 4), "mode": mode, "flops": flops,
+                            "flops_ratio": round(flops / full_flops, 4), "theory": round(theory, 4)})
+            print(f"m={results[-1]['mask_ratio']} {mode}: {results[-1]['flops_ratio']} (theory {results[-1]['theory']})",
+                  file=sys.stderr)
+    report = {"bench": "flops", "model": args.model, "image_tokens": num_image, "text_tokens": num_text,
+              "full_flops": full_flops, "results": results}
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

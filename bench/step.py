@@ -1,0 +1,146 @@
+"""One denoising step of a Flux denoiser: full compute vs mask-aware (Y-cache, KV-cache), over mask ratios.
+
+    retouch bench step --model flux-small --mask-ratio 0.2 [--device cuda] [--out F.json]
+
+The template is recorded once (one step); each ratio's mask (a centred rectangle of tokens: real
+masks are contiguous) is then timed in all modes, interleaved round-robin after a warm-up so that
+background load falls on every variant alike. Prints one JSON object; quote the speedups (absolute
+times only from a GPU). Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
+from retouch.cache import InMemoryActivationCache
+from retouch.masks import centred_token_rectangle
+from retouch.models import build_denoiser, get_spec
+from retouch.models.inputs import random_flux_inputs
+
+MODES = {"y-cache": CacheMode.Y_CACHE, "kv-cache": CacheMode.KV_CACHE}
+TEXT_TOKENS = {"tiny-flux-fill": 32, "flux-small": 64, "flux-size": 512}  # max_sequence_length
+
+
+def flux_setup(model: str, device: torch.device, dtype: torch.dtype, resolution: int | None = None):
+    """The denoiser with random weights, patched, its inputs for one request, and a recorded template."""
+    if model not in TEXT_TOKENS:
+        raise SystemExit(f"bench supports the Flux models {', '.join(TEXT_TOKENS)}, got {model!r}")
+    resolution = resolution or get_spec(model).resolution
+    grid = (resolution // 16, resolution // 16)
+    num_image, num_text = grid[0] * grid[1], TEXT_TOKENS[model]
+    print(f"building {model} on {device} ({dtype})", file=sys.stderr)
+    transformer = build_denoiser(model, device=device, dtype=dtype).eval()
+    adapter = patch_flux(transformer)
+    inputs = random_flux_inputs(transformer, 1, grid, num_text, seed=0, device=device, dtype=dtype)
+    cache = InMemoryActivationCache(device=device)
+    with torch.inference_mode(), adapter.run(MaskAwareContext.record(["template"], [0], num_text, num_image, cache,
+                                                                      device=device)):
+        transformer(**inputs)
+    return transformer, adapter, inputs, cache, grid, num_text
+
+
+def interleaved_medians(runs: dict, repeats: int, device: torch.device) -> dict[str, float]:
+    """Median seconds of each run, timed round-robin after one warm-up each."""
+    def once(run) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    for run in runs.values():
+        once(run)
+    samples = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            samples[name].append(once(run))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def run_with(adapter, context, transformer, inputs):
+    with adapter.run(context):
+        transformer(**inputs)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="retouch bench step", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
+    parser.add_argument("--mask-ratio", "--mask-ratios", dest="ratios", default="0.05,0.2,0.5,1.0",
+                        help="one ratio or a comma-separated list")
+    parser.add_argument("--resolution", type=int, default=None, help="pixels per side (default: the model's)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    transformer, adapter, inputs, cache, grid, num_text = flux_setup(args.model, device, dtype, args.resolution)
+    num_image = grid[0] * grid[1]
+    results = []
+    with torch.inference_mode():
+        for ratio in [float(r) for r in args.ratios.split(",")]:
+            masked = centred_token_rectangle(grid, ratio)
+            runs = {"full": lambda: transformer(**inputs)}
+            for mode, cache_mode in MODES.items():
+                context = MaskAwareContext.edit(cache_mode, [masked], ["template"], [0], num_text, num_image, cache,
+                                                device=device)
+                runs[mode] = functools.partial(run_with, adapter, context, transformer, inputs)
+            seconds = interleaved_medians(runs, args.repeats, device)
+            for mode in MODES:
+                results.append({"mask_ratio": round(len(masked) / num_image, 4), "mode": mode,
+                                "masked_tokens": len(masked), "full_s": seconds["full"],
+                                "mask_aware_s": seconds[mode], "speedup": round(seconds["full"] / seconds[mode], 3)})
+            print(f"m={results[-1]['mask_ratio']}: " + ", ".join(f"{row['mode']} {row['speedup']}x"
+                                                              for row in results[-2:]), file=sys.stderr)
+
+    report = {"bench": "step", "command": "retouch bench step " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "model": args.model, "device": str(device),
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "dtype": str(dtype).removeprefix("torch."), "image_tokens": num_image, "text_tokens": num_text,
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "results": results}
+    if args.out:
+        write_report(report, args.out, "speedup", "speedup vs full compute")
+    print(json.dumps(report))
+    return report
+
+
+def write_report(report: dict, out: Path, metric: str, label: str) -> None:
+    """The JSON at `out`, and beside it a PNG of `metric` against mask ratio per mode."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    figure, axis = plt.subplots(figsize=(5, 3.5))
+    for mode in dict.fromkeys(row["mode"] for row in report["results"]):
+        rows = [row for row in report["results"] if row["mode"] == mode]
+        axis.plot([row["mask_ratio"] for row in rows], [row[metric] for row in rows], marker="o", label=mode)
+    axis.set_xlabel("mask ratio")
+    axis.set_ylabel(label)
+    axis.set_title(f"{report['bench']}: {report['model']} on {report.get('device_name', 'cpu')}")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The benchmarks behind `retouch bench`: the JSON they print has the promised shape and content."""
+
+import json
+
+import pytest
+
+from retouch.bench import fidelity, flops, step
+
+
+def test_step_times_every_mode_per_ratio(tmp_path, capsys):
+    report = step.main(["--model", "tiny-flux-fill", "--mask-ratio", "0.25,1.0", "--repeats", "1",
+                        "--out", str(tmp_path / "r.json")])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert printed["results"] == saved["results"] == report["results"]
+    assert [(row["mode"], row["masked_tokens"]) for row in saved["results"]] == [
+        ("y-cache", 16), ("kv-cache", 16), ("y-cache", 64), ("kv-cache", 64)]
+    for row in saved["results"]:
+        assert row["mask_aware_s"] > 0
+        assert row["speedup"] == pytest.approx(row["full_s"] / row["mask_aware_s"], rel=1e-2)
+    assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_flops_match_the_per_op_prediction():
+    report = flops.main(["--model", "tiny-flux-fill", "--mask-ratios", "0.2,1.0"])
+    rows = {(row["mask_ratio"], row["mode"]): row for row in report["results"]}
+    for row in rows.values():
+        assert row["flops_ratio"] == row["theory"]
+    assert rows[(1.0, "y-cache")]["flops_ratio"] == rows[(1.0, "kv-cache")]["flops_ratio"] == 1.0
+    partial = [row for (ratio, _), row in rows.items() if ratio < 1]
+    assert all(row["flops_ratio"] < 1 for row in partial)
+    assert rows[(partial[0]["mask_ratio"], "kv-cache")]["flops"] < rows[(partial[0]["mask_ratio"], "y-cache")]["flops"]
+
+
+def test_fidelity_against_full_compute():
+    report = fidelity.main(["--mask-ratios", "0.2", "--steps", "2"])
+    assert {row["mode"] for row in report["results"]} == {"y-cache", "kv-cache"}
+    for row in report["results"]:
+        assert row["unmasked_equal_template"]
+        # A cache from another prompt and seed perturbs the edit only slightly (random weights).
+        assert row["psnr_db"] > 30 and 0.9 < row["ssim"] <= 1.0
+
+
+def test_ssim_and_psnr_definitions():
+    import numpy as np
+
+    image = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    assert fidelity.ssim(image, image) == pytest.approx(1.0)
+    assert fidelity.psnr(image, image) == float("inf")
+    noisy = np.clip(image.astype(int) + 10, 0, 255).astype(np.uint8)
+    assert fidelity.ssim(image, noisy) < 1.0 and fidelity.psnr(image, noisy) < 40
+
+
+def test_cli_dispatches_benchmarks(cli):
+    result = cli("bench", "flops", "--model", "tiny-flux-fill", "--mask-ratios", "1.0")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["results"][0]["flops_ratio"] == 1.0
+    unknown = cli("bench", "nope")
+    assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 1
+
+
+def test_attention_quick_compares_against_sdpa_baselines():
+    from retouch.bench import attention
+
+    report = attention.main(["--quick"])
+    assert {row["mask_ratio"] for row in report["results"]} >= {"0.05", "0.2", "0.5", "1"}
+    for row in report["results"]:
+        assert set(row["ms_p50"]) == {"ragged_triton", "padded_sdpa", "per_request_sdpa"}
+        assert row["max_abs_diff_vs_per_request_sdpa"]["ragged_triton"] <= 2 ** -5  # bf16 outputs of |x| < 1
