@@ -24,8 +24,7 @@ indexed by each token's request; RoPE tables are indexed by each token's positio
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
@@ -37,59 +36,24 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from retouch import ops
+from retouch.adapters.base import MaskAwareAdapter
 from retouch.adapters.cache_rows import block_output, record_activations, recorded_rows, rows_with_recorded
 from retouch.adapters.context import KEY, OUT, VALUE, CacheMode, MaskAwareContext
 
 RotaryEmbedding = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [text + image tokens, head_dim]
 
 
-class FluxMaskAwareAdapter:
+class FluxMaskAwareAdapter(MaskAwareAdapter):
     """Handle of a patched FluxTransformer2DModel; `run(context)` makes one or more forwards mask-aware.
 
-    Blocks are numbered in execution order: double-stream blocks, then single-stream blocks; that number
-    is the `block` of cache keys and the index into a context's `block_plan`. One context at a time: an
-    adapter serves one forward at a time, as the model itself does.
+    Blocks are numbered in execution order: double-stream blocks, then single-stream blocks.
     """
 
     def __init__(self, transformer: FluxTransformer2DModel, attention_backend: str = "auto"):
-        if attention_backend not in ops.ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ops.ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.transformer = transformer
-        self.attention_backend = attention_backend
         self.double_blocks = list(transformer.transformer_blocks)
         self.single_blocks = list(transformer.single_transformer_blocks)
-        self._context: MaskAwareContext | None = None
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.double_blocks) + len(self.single_blocks)
-
-    @property
-    def active_context(self) -> MaskAwareContext | None:
-        return self._context
-
-    @contextmanager
-    def run(self, context: MaskAwareContext) -> Iterator[MaskAwareContext]:
-        """Transformer forwards inside this `with` statement follow `context`."""
-        if self._context is not None:
-            raise RuntimeError("a mask-aware context is already active on this adapter")
-        if context.block_plan is not None and len(context.block_plan) != self.num_blocks:
-            raise ValueError(f"block_plan has {len(context.block_plan)} entries for {self.num_blocks} blocks")
-        self._context = context
-        try:
-            yield context
-        finally:
-            self._context = None
-
-    def needs_all_output_rows(self, context: MaskAwareContext, block: int) -> bool:
-        """Whether a KV-cache block must fill its unmasked output rows: the next block computes every
-        token (so reads them), or it is the last block (its output is the final hidden state)."""
-        return block == self.num_blocks - 1 or not context.uses_cache(block + 1)
-
-    def unpatch(self) -> None:
-        """Restore the blocks' class forwards."""
-        for block in self.double_blocks + self.single_blocks:
-            block.__dict__.pop("forward", None)
+        super().__init__(self.double_blocks + self.single_blocks, attention_backend)
 
 
 def patch_flux(transformer: FluxTransformer2DModel, attention_backend: str = "auto") -> FluxMaskAwareAdapter:

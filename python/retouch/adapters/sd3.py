@@ -31,8 +31,7 @@ fill the rows its reader needs).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +42,7 @@ from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 from retouch import ops
 from retouch.adapters.context import DUAL_KEY, DUAL_VALUE, KEY, OUT, VALUE, CacheMode, MaskAwareContext
 # Cache-row helpers shared with Flux (they take any adapter with `needs_all_output_rows`).
+from retouch.adapters.base import MaskAwareAdapter
 from retouch.adapters.cache_rows import block_output, record_activations, rows_with_recorded
 
 # SD3.5 dual attention (attn2, image tokens only): its image-token keys and values after qk-norm.
@@ -77,59 +77,27 @@ class ImageAttentionLayout:
         )
 
 
-class SD3MaskAwareAdapter:
+class SD3MaskAwareAdapter(MaskAwareAdapter):
     """Handle of a patched SD3Transformer2DModel; `run(context)` makes one or more forwards mask-aware.
 
-    Blocks are numbered in execution order (`transformer.transformer_blocks`); that number is the
-    `block` of cache keys and the index into a context's `block_plan`. One context at a time.
+    Blocks are numbered in execution order (`transformer.transformer_blocks`).
     """
 
     def __init__(self, transformer: SD3Transformer2DModel, attention_backend: str = "auto"):
-        if attention_backend not in ops.ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ops.ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.transformer = transformer
-        self.attention_backend = attention_backend
-        self.blocks = list(transformer.transformer_blocks)
-        self._context: MaskAwareContext | None = None
         self._image_attention: ImageAttentionLayout | None = None
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def active_context(self) -> MaskAwareContext | None:
-        return self._context
+        super().__init__(transformer.transformer_blocks, attention_backend)
 
     @property
     def image_attention(self) -> ImageAttentionLayout | None:
         """The active context's `ImageAttentionLayout`."""
         return self._image_attention
 
-    @contextmanager
-    def run(self, context: MaskAwareContext) -> Iterator[MaskAwareContext]:
-        """Transformer forwards inside this `with` statement follow `context`."""
-        if self._context is not None:
-            raise RuntimeError("a mask-aware context is already active on this adapter")
-        if context.block_plan is not None and len(context.block_plan) != self.num_blocks:
-            raise ValueError(f"block_plan has {len(context.block_plan)} entries for {self.num_blocks} blocks")
-        self._context = context
+    def enter(self, context: MaskAwareContext) -> None:
         self._image_attention = ImageAttentionLayout.from_context(context)
-        try:
-            yield context
-        finally:
-            self._context = None
-            self._image_attention = None
 
-    def needs_all_output_rows(self, context: MaskAwareContext, block: int) -> bool:
-        """Whether a KV-cache block must fill its unmasked output rows: the next block computes every
-        token (so reads them), or it is the last block (its output is what norm_out/proj_out read)."""
-        return block == self.num_blocks - 1 or not context.uses_cache(block + 1)
-
-    def unpatch(self) -> None:
-        """Restore the blocks' class forwards."""
-        for block in self.blocks:
-            block.__dict__.pop("forward", None)
+    def exit(self) -> None:
+        self._image_attention = None
 
 
 def patch_sd3(transformer: SD3Transformer2DModel, attention_backend: str = "auto") -> SD3MaskAwareAdapter:

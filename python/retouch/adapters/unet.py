@@ -33,8 +33,7 @@ activations are recorded under separate names ("uncond.out", ... and "out", ...)
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +43,7 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 
 from retouch import ops
+from retouch.adapters.base import MaskAwareAdapter
 from retouch.adapters.context import KEY, OUT, VALUE, CacheMode
 from retouch.cache import ActivationCache
 from retouch.masks import UNET_LATENT_STRIDE, masked_token_indices, token_mask
@@ -165,7 +165,7 @@ def _levels_from_pixel_masks(pixel_masks: Sequence, num_levels: int, dilation: i
     return tuple(levels)
 
 
-class UNetMaskAwareAdapter:
+class UNetMaskAwareAdapter(MaskAwareAdapter):
     """Handle of a patched UNet2DConditionModel; `run(context)` makes one or more forwards mask-aware.
 
     Transformer blocks are numbered in execution order (down blocks, mid block, up blocks; in each, its
@@ -174,11 +174,8 @@ class UNetMaskAwareAdapter:
     """
 
     def __init__(self, unet: UNet2DConditionModel, attention_backend: str = "auto"):
-        if attention_backend not in ops.ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ops.ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.unet = unet
-        self.attention_backend = attention_backend
-        self.blocks: list[BasicTransformerBlock] = []
+        blocks: list[BasicTransformerBlock] = []
         self.block_levels: list[int] = []  # the UNet level each block runs at
         self.last_in_transformer: list[bool] = []  # whose output proj_out reads
         last = self.num_levels - 1
@@ -187,49 +184,25 @@ class UNetMaskAwareAdapter:
         stages += [(stage, last - index) for index, stage in enumerate(unet.up_blocks)]
         for stage, level in stages:
             for transformer in getattr(stage, "attentions", None) or []:
-                blocks = list(transformer.transformer_blocks)
-                self.blocks += blocks
-                self.block_levels += [level] * len(blocks)
-                self.last_in_transformer += [i == len(blocks) - 1 for i in range(len(blocks))]
-        self._context: UNetMaskAwareContext | None = None
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
+                layers = list(transformer.transformer_blocks)
+                blocks += layers
+                self.block_levels += [level] * len(layers)
+                self.last_in_transformer += [i == len(layers) - 1 for i in range(len(layers))]
+        super().__init__(blocks, attention_backend)
 
     @property
     def num_levels(self) -> int:
         """Resolutions of the UNet: one per entry of block_out_channels."""
         return len(self.unet.config.block_out_channels)
 
-    @property
-    def active_context(self) -> UNetMaskAwareContext | None:
-        return self._context
-
-    @contextmanager
-    def run(self, context: UNetMaskAwareContext) -> Iterator[UNetMaskAwareContext]:
-        """UNet forwards inside this `with` statement follow `context`."""
-        if self._context is not None:
-            raise RuntimeError("a mask-aware context is already active on this adapter")
-        if context.block_plan is not None and len(context.block_plan) != self.num_blocks:
-            raise ValueError(f"block_plan has {len(context.block_plan)} entries for {self.num_blocks} blocks")
+    def check_context(self, context: UNetMaskAwareContext) -> None:
         if len(context.levels) != self.num_levels:
             raise ValueError(f"context has {len(context.levels)} levels for a UNet of {self.num_levels}")
-        self._context = context
-        try:
-            yield context
-        finally:
-            self._context = None
 
     def needs_all_output_rows(self, context: UNetMaskAwareContext, block: int) -> bool:
         """Whether a KV-cache block must fill its unmasked output rows: proj_out reads them (last block of
         its Transformer2DModel), or the next block computes every token."""
         return self.last_in_transformer[block] or not context.uses_cache(block + 1)
-
-    def unpatch(self) -> None:
-        """Restore the blocks' class forwards."""
-        for block in self.blocks:
-            block.__dict__.pop("forward", None)
 
 
 def patch_unet(unet: UNet2DConditionModel, attention_backend: str = "auto") -> UNetMaskAwareAdapter:
