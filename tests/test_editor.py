@@ -127,12 +127,17 @@ def test_all_tokens_masked_and_all_full_plan_equal_full_compute(editor):
     assert max_diff(planned, reference) == 0.0  # the unmodified blocks ran: bit for bit
 
 
-def test_edit_many_latents_equal_edits_one_by_one(editor):
+def mixed_batch(editor) -> list[EditRequest]:
+    """Two templates, three masks (one repainting nothing): a ragged batch."""
     first = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
     second = editor.register_template(template_image((200, 40, 40)), prompt="another", steps=STEPS, seed=3)
-    requests = [EditRequest(first, square_mask(), "a red hat", seed=1),
-                EditRequest(second, square_mask((0, 0, 127, 40)), "a blue sky", seed=2),
-                EditRequest(first, Image.new("L", (128, 128), 0), "nothing to repaint", seed=3)]
+    return [EditRequest(first, square_mask(), "a red hat", seed=1),
+            EditRequest(second, square_mask((0, 0, 127, 40)), "a blue sky", seed=2),
+            EditRequest(first, Image.new("L", (128, 128), 0), "nothing to repaint", seed=3)]
+
+
+def test_edit_many_latents_equal_edits_one_by_one(editor):
+    requests = mixed_batch(editor)
 
     def batch_vs_alone(full_compute: bool) -> tuple[float, float]:
         batched = editor.edit_many(requests, output_type="latent", full_compute=full_compute)
@@ -149,11 +154,7 @@ def test_edit_many_latents_equal_edits_one_by_one(editor):
 
 
 def test_edit_many_equals_edits_one_by_one(editor):
-    first = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
-    second = editor.register_template(template_image((200, 40, 40)), prompt="another", steps=STEPS, seed=3)
-    requests = [EditRequest(first, square_mask(), "a red hat", seed=1),
-                EditRequest(second, square_mask((0, 0, 127, 40)), "a blue sky", seed=2),
-                EditRequest(first, Image.new("L", (128, 128), 0), "nothing to repaint", seed=3)]
+    requests = mixed_batch(editor)
     batched = editor.edit_many(requests)
     for request, image in zip(requests, batched):
         alone = editor.edit(request.template_id, request.mask, request.prompt, request.seed)
