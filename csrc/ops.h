@@ -1,6 +1,8 @@
 // Declarations of every native op. Each is registered once, with its schema, in torch_bindings.cpp.
 #pragma once
 
+#include <string_view>
+
 #include <ATen/core/Tensor.h>
 
 namespace retouch {
@@ -9,10 +11,17 @@ namespace retouch {
 at::Tensor gather_rows_cpu(const at::Tensor& src, const at::Tensor& row_idx);
 // dst[row_idx[i]] = src[i]. dst: [N, H]; src: [T, H]; indices unique.
 void scatter_rows_cpu(at::Tensor& dst, const at::Tensor& row_idx, const at::Tensor& src);
+// dst[dst_rows[i]] (as bytes) = src[src_offsets[i] : + row_bytes]. dst: [N, H] (row_bytes = H * element
+// size); src: uint8 [capacity] host memory (a HostArena); src_offsets, dst_rows: [n] int64 on the CPU.
+// method: "auto" | "kernel" | "memcpy" (how a CUDA dst is filled; a CPU dst has one way).
+void gather_host_rows_cpu(at::Tensor& dst, const at::Tensor& src, const at::Tensor& src_offsets,
+                          const at::Tensor& dst_rows, std::string_view method);
 
 #ifdef RETOUCH_WITH_CUDA
 at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_idx);
 void scatter_rows_cuda(at::Tensor& dst, const at::Tensor& row_idx, const at::Tensor& src);
+void gather_host_rows_cuda(at::Tensor& dst, const at::Tensor& src, const at::Tensor& src_offsets,
+                           const at::Tensor& dst_rows, std::string_view method);
 #endif
 
 }  // namespace retouch

@@ -19,6 +19,7 @@ from retouch.kernels.ragged_attention import ragged_attention_sdpa as _ragged_at
 from retouch.kernels.row_copy import gather_rows_triton, scatter_rows_triton
 
 ROW_COPY_BACKENDS = ("native", "triton")
+HOST_GATHER_METHODS = ("auto", "kernel", "memcpy")
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn")
 FLASH_ATTN_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
 
@@ -58,6 +59,47 @@ def scatter_rows_(dst: torch.Tensor, row_idx: torch.Tensor, src: torch.Tensor, b
         return
     _require_extension()
     torch.ops.retouch.scatter_rows_(dst, row_idx, src)
+
+
+if _C is not None:
+    HostArena = _C.HostArena
+else:
+
+    class HostArena:
+        """Stands in for retouch._C.HostArena in a checkout whose extension was never built."""
+
+        def __init__(self, capacity: int, alignment: int = 256, pinned: bool = True):
+            _require_extension()
+
+
+def gather_host_rows_(dst: torch.Tensor, src: torch.Tensor, src_offsets: torch.Tensor, dst_rows: torch.Tensor,
+                      method: str = "auto") -> None:
+    """Copy template rows out of a host arena into a staging buffer, in place (paper §4.2).
+
+    `dst: [N, H]` any dtype, unit stride along H (row_bytes = H * element size); `src: [capacity]` uint8
+    host memory (`HostArena.tensor()`); `src_offsets, dst_rows: [n]` int64 CPU tensors. The bytes of
+    `dst[dst_rows[i]]` become `src[src_offsets[i] : src_offsets[i] + row_bytes]`; every index is checked
+    before anything is written. A CUDA `dst` is filled asynchronously on the current stream, by method
+    "kernel" (an SM kernel reads pinned host memory directly; src must be pinned), "memcpy" (one host->
+    device copy per run of adjacent rows) or "auto" (memcpy when the mean run is >= 64 KiB or src is
+    pageable, else kernel); keep `src` alive and unchanged until the stream has run the copy. A CPU `dst`
+    is filled at once by threaded memcpys of the runs of adjacent rows; method is then ignored.
+    """
+    if method not in HOST_GATHER_METHODS:
+        raise ValueError(f"host gather method must be one of {HOST_GATHER_METHODS}, got {method!r}")
+    _require_extension()
+    torch.ops.retouch.gather_host_rows_(dst, src, src_offsets, dst_rows, method)
+
+
+def row_runs(src_offsets: torch.Tensor, dst_rows: torch.Tensor, row_bytes: int) -> int:
+    """How many copies the "memcpy" method issues for `src_offsets, dst_rows: [n]`: rows i and i+1 share a
+    run when both the source bytes and the destination row follow on (for a staging buffer whose rows are
+    back to back, as csrc/host_row_runs.h assumes too)."""
+    if len(src_offsets) == 0:
+        return 0
+    offsets, rows = src_offsets.long(), dst_rows.long()
+    extends = (offsets[1:] == offsets[:-1] + row_bytes) & (rows[1:] == rows[:-1] + 1)
+    return 1 + int((~extends).sum())
 
 
 def _row_copy_backend(backend: str) -> str:
@@ -151,4 +193,9 @@ if _C is not None:
 
     @torch.library.register_fake("retouch::scatter_rows_")
     def _scatter_rows_fake(dst: torch.Tensor, row_idx: torch.Tensor, src: torch.Tensor) -> None:
+        return None
+
+    @torch.library.register_fake("retouch::gather_host_rows_")
+    def _gather_host_rows_fake(dst: torch.Tensor, src: torch.Tensor, src_offsets: torch.Tensor,
+                               dst_rows: torch.Tensor, method: str) -> None:
         return None

@@ -1,0 +1,132 @@
+// Host->device row gather out of the pinned HostArena: an SM kernel that reads mapped host memory
+// (many small runs: one launch, no per-copy overhead) and a copy-engine path that issues one
+// host->device copy per run of adjacent rows (few long runs: DMA at full link bandwidth, no SMs taken
+// from the compute stream). The torch wrapper (csrc/host_gather_cuda.cpp) picks one.
+#include "host_gather.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "../host_row_runs.h"
+
+namespace retouch::cuda {
+namespace {
+
+constexpr int kMaxThreads = 256;
+
+// One thread block per row, as row_copy.cu: threads stride over the row in the widest vector that every
+// address allows. Loads cross the host link, so many rows in flight (one per block) hide its latency.
+template <typename Vec>
+__global__ void gather_host_rows_kernel(char* __restrict__ dst, int64_t dst_row_stride,
+                                        const char* __restrict__ src,  // device alias of pinned host memory
+                                        const int64_t* __restrict__ src_offsets,  // device memory
+                                        const int64_t* __restrict__ dst_rows,     // device memory
+                                        int64_t vecs_per_row) {
+  const int64_t i = blockIdx.x;
+  const Vec* in = reinterpret_cast<const Vec*>(src + src_offsets[i]);
+  Vec* out = reinterpret_cast<Vec*>(dst + dst_rows[i] * dst_row_stride);
+  for (int64_t v = threadIdx.x; v < vecs_per_row; v += blockDim.x) out[v] = in[v];
+}
+
+int widest_vector_bytes(uint64_t all_bits) {
+  for (int width : {16, 8, 4, 2}) {
+    if (all_bits % width == 0) return width;
+  }
+  return 1;
+}
+
+bool is_legacy_stream(cudaStream_t stream) { return stream == nullptr || stream == cudaStreamLegacy; }
+
+struct Runs {
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+};
+
+Runs coalesce_runs(char* dst, int64_t dst_row_stride, bool dst_rows_adjacent, const char* src,
+                   const int64_t* src_offsets, const int64_t* dst_rows, int64_t num_rows, int64_t row_bytes) {
+  Runs runs;
+  for (int64_t i = 0; i < num_rows; ++i) {
+    if (i > 0 && extends_run(src_offsets[i - 1], dst_rows[i - 1], src_offsets[i], dst_rows[i], row_bytes,
+                             dst_rows_adjacent)) {
+      runs.sizes.back() += static_cast<size_t>(row_bytes);
+      continue;
+    }
+    runs.dsts.push_back(dst + dst_rows[i] * dst_row_stride);
+    runs.srcs.push_back(src + src_offsets[i]);
+    runs.sizes.push_back(static_cast<size_t>(row_bytes));
+  }
+  return runs;
+}
+
+// cudaMemcpyBatchAsync (CUDA 12.8+; this is the CUDA 13 signature, 12.8/12.9 had an extra failIdx)
+// issues every run in one driver call instead of one per run. It refuses the legacy default stream.
+// Returns false when it did not apply or failed; then the caller issues the runs one by one.
+bool memcpy_batch(Runs& runs, cudaStream_t stream) {
+#if CUDART_VERSION >= 13000
+  if (runs.sizes.size() < 2 || is_legacy_stream(stream)) return false;
+  cudaMemcpyAttributes attrs{};
+  attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t attrs_idx = 0;
+  if (cudaMemcpyBatchAsync(runs.dsts.data(), runs.srcs.data(), runs.sizes.data(), runs.sizes.size(), &attrs,
+                           &attrs_idx, 1, stream) == cudaSuccess) {
+    return true;
+  }
+  (void)cudaGetLastError();  // e.g. a driver older than the runtime: not an error of this op
+#else
+  (void)runs;
+  (void)stream;
+#endif
+  return false;
+}
+
+}  // namespace
+
+cudaError_t launch_gather_host_rows_kernel(void* dst, int64_t dst_row_stride_bytes, const void* src_host,
+                                           const int64_t* src_offsets, const int64_t* dst_rows, int64_t num_rows,
+                                           int64_t row_bytes, uint64_t offset_bits, cudaStream_t stream) {
+  if (num_rows == 0 || row_bytes == 0) return cudaSuccess;
+  void* src_device = nullptr;
+  // With unified addressing this is src_host itself; asking keeps non-UVA mappings correct too.
+  cudaError_t status = cudaHostGetDevicePointer(&src_device, const_cast<void*>(src_host), 0);
+  if (status != cudaSuccess) return status;
+  const uint64_t all_bits = static_cast<uint64_t>(row_bytes) | static_cast<uint64_t>(dst_row_stride_bytes) |
+                            offset_bits | reinterpret_cast<uintptr_t>(src_device) |
+                            reinterpret_cast<uintptr_t>(dst);
+  const int width = widest_vector_bytes(all_bits);
+  const int64_t vecs = row_bytes / width;
+  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, ((vecs + 31) / 32) * 32));
+  const dim3 grid(static_cast<unsigned int>(num_rows));
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src_device);
+#define RETOUCH_LAUNCH(VEC) \
+  gather_host_rows_kernel<VEC><<<grid, threads, 0, stream>>>(d, dst_row_stride_bytes, s, src_offsets, dst_rows, vecs)
+  switch (width) {
+    case 16: RETOUCH_LAUNCH(uint4); break;
+    case 8: RETOUCH_LAUNCH(uint2); break;
+    case 4: RETOUCH_LAUNCH(uint32_t); break;
+    case 2: RETOUCH_LAUNCH(uint16_t); break;
+    default: RETOUCH_LAUNCH(uint8_t); break;
+  }
+#undef RETOUCH_LAUNCH
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gather_host_rows_memcpy(void* dst, int64_t dst_row_stride_bytes, bool dst_rows_adjacent,
+                                           const void* src_host, const int64_t* src_offsets, const int64_t* dst_rows,
+                                           int64_t num_rows, int64_t row_bytes, cudaStream_t stream) {
+  if (num_rows == 0 || row_bytes == 0) return cudaSuccess;
+  Runs runs = coalesce_runs(static_cast<char*>(dst), dst_row_stride_bytes, dst_rows_adjacent,
+                            static_cast<const char*>(src_host), src_offsets, dst_rows, num_rows, row_bytes);
+  if (memcpy_batch(runs, stream)) return cudaSuccess;
+  // One copy per run. Re-issuing runs that a failed batch may have started is harmless: every run
+  // rewrites the same bytes.
+  for (size_t r = 0; r < runs.sizes.size(); ++r) {
+    const cudaError_t status =
+        cudaMemcpyAsync(runs.dsts[r], runs.srcs[r], runs.sizes[r], cudaMemcpyHostToDevice, stream);
+    if (status != cudaSuccess) return status;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace retouch::cuda
