@@ -194,6 +194,8 @@ def test_packing_matches_the_pipeline():
 def test_guided_sd3_records_both_halves():
     editor = load("tiny-sd3-inpaint")
     template_id = editor.register_template(template_image(), prompt="a scene", steps=2, seed=0, guidance=5.0)
-    assert editor.cache.contains(template_id) and editor.cache.contains(template_id + "/uncond")
+    with editor.cache.acquire(template_id) as handle:
+        names = {entry.name for entry in handle.layout.entries}
+    assert {"out", "uncond.out"} <= names  # both halves, kept together under the template
     editor.drop_template(template_id)
-    assert not editor.cache.contains(template_id + "/uncond")
+    assert not editor.cache.contains(template_id) and not editor.cache.contains(template_id + "/uncond")

@@ -16,31 +16,40 @@ unconditional rows are recorded and read under their own template id (`<id>/unco
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
 
 from retouch.adapters import CacheMode, MaskAwareContext, UNetMaskAwareContext, patch_flux, patch_sd3, patch_unet
+from retouch.adapters.reads import row_tokens, staged_context
 from retouch.baseline import paste_unmasked, processing_size
-from retouch.cache import ActivationCache, InMemoryActivationCache
+from retouch.cache import ActivationCache, CacheMiss, CacheStore, StoreConfig, TemplateHandle, uncond_row_id
+from retouch.cache.staging import CopyEngine, StagedActivations
 from retouch.errors import InputError, ModelError
 from retouch.images import check_same_size
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
+from retouch.models import LoadedModel, load_pipeline, quiet_libraries
+
+if TYPE_CHECKING:
+    from retouch.costs import CostModel
 
 PATCH_STRIDE = FLUX_STRIDE  # Flux and SD3 both patchify 2x2 latent pixels (VAE /8): 16 px per token
 UNET_FAMILIES = ("sdxl", "sd2")
-from retouch.models import LoadedModel, load_pipeline, quiet_libraries
-
 DEFAULT_STEPS = 28
 CACHE_MODES = {"y": CacheMode.Y_CACHE, "kv": CacheMode.KV_CACHE}
+PLANNERS = ("optimal", "algorithm1")  # retouch.planner.optimal_plan, and the paper's Algorithm 1
 # The families whose denoiser has a mask-aware adapter and whose pipeline the editor drives.
 SUPPORTED_FAMILIES = ("flux-fill", "flux-inpaint", "sd3", "sdxl", "sd2")
-UNCOND_SUFFIX = "/uncond"
+# What registration keeps per mode: Y-cache reads block outputs only; KV-cache reads keys and values,
+# and block outputs where a block hands over all rows (before a full block, and the last block).
+RECORDED_NAMES = {CacheMode.Y_CACHE: ("out",), CacheMode.KV_CACHE: None}
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ class Template:
     guidance: float | None
     noise: torch.Tensor  # [C, h, w] initial latents
     num_text_tokens: int
+    recorded_mask: Image.Image  # what the recorded run repainted (nothing by default), processing size
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,15 @@ class MaskAwareEditor:
     """Edits of registered templates that compute only the masked tokens."""
 
     def __init__(self, model: LoadedModel, cache: ActivationCache | None = None, cache_mode: str = "y",
-                 dilation: int = 0, block_plan: Sequence[bool] | None = None, attention_backend: str = "auto"):
+                 dilation: int = 0, block_plan: Sequence[bool] | None = None, attention_backend: str = "auto",
+                 copy_engine: CopyEngine | None = None, cost_model: CostModel | None = None,
+                 planner: str = "optimal"):
+        """`cache`: where templates are recorded; by default a `CacheStore` (pinned host arena) whose
+        rows reach each edit through `copy_engine` (one per device). Any other `ActivationCache` (e.g.
+        an `InMemoryActivationCache` on the GPU: the no-transfer ideal) is read directly.
+
+        Which blocks read the cache: `block_plan` if given; else, with a `cost_model` (`retouch
+        profile`), the `planner`'s plan for each batch ("optimal" or the paper's "algorithm1"); else all."""
         if model.family not in SUPPORTED_FAMILIES:
             raise ModelError(f"mask-aware editing supports {', '.join(SUPPORTED_FAMILIES)} so far; "
                              f"{model.name} is {model.family} (use the baseline edit)")
@@ -78,10 +96,16 @@ class MaskAwareEditor:
             raise InputError(f"cache mode must be one of {', '.join(CACHE_MODES)}, got {cache_mode!r}")
         if dilation < 0:
             raise InputError(f"dilation must be >= 0 tokens, got {dilation}")
+        if planner not in PLANNERS:
+            raise InputError(f"planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
         self.model = model
         self.pipe = model.pipe
-        self.cache = cache if cache is not None else InMemoryActivationCache()
+        self.cache = cache if cache is not None else CacheStore(StoreConfig())
         self.mode = CACHE_MODES[cache_mode]
+        self.mode_name = cache_mode
+        self.cost_model = cost_model
+        self.planner = planner
+        self.last_plan = None
         self.dilation = dilation
         self.block_plan = None if block_plan is None else tuple(block_plan)
         self.is_unet = model.family in UNET_FAMILIES
@@ -92,7 +116,11 @@ class MaskAwareEditor:
             self.denoiser = self.pipe.transformer
             patch = patch_sd3 if model.family == "sd3" else patch_flux
             self.adapter = patch(self.denoiser, attention_backend=attention_backend)
+        self.copy_engine = None
+        if isinstance(self.cache, CacheStore):
+            self.copy_engine = copy_engine if copy_engine is not None else CopyEngine(self.pipe.device)
         self.templates: dict[str, Template] = {}
+        self.recomputes = 0  # templates recorded again because no cache tier held them any more
 
     # ---- templates ----
 
@@ -112,16 +140,25 @@ class MaskAwareEditor:
         if template_id in self.templates and self.cache.contains(template_id):
             return template_id
         width, height = processing_size(image.width, image.height, self.pipe.vae_scale_factor * 2)
-        num_image_tokens = (width // PATCH_STRIDE) * (height // PATCH_STRIDE)
-        template = Template(
-            template_id=template_id, image=image.resize((width, height), Image.Resampling.LANCZOS),
-            original_size=image.size, prompt=prompt, steps=steps, seed=seed, guidance=guidance,
-            noise=self._noise(seed, height, width), num_text_tokens=self._num_text_tokens())
         if mask is None:
             recorded_mask = Image.new("L", (width, height), 0)
         else:
             check_same_size(image, mask)
             recorded_mask = mask.convert("L").resize((width, height), Image.Resampling.NEAREST)
+        template = Template(
+            template_id=template_id, image=image.resize((width, height), Image.Resampling.LANCZOS),
+            original_size=image.size, prompt=prompt, steps=steps, seed=seed, guidance=guidance,
+            noise=self._noise(seed, height, width), num_text_tokens=self._num_text_tokens(),
+            recorded_mask=recorded_mask)
+        self.drop_template(template_id)
+        self._record(template)
+        self.templates[template_id] = template
+        return template_id
+
+    def _record(self, template: Template) -> None:
+        """Run the full computation on the template, keeping every block's activations at every step."""
+        template_id, guidance = template.template_id, template.guidance
+        width, height = template.image.size
         if self.is_unet:
             copies = 2 if self._uses_guidance(guidance) else 1
 
@@ -130,20 +167,28 @@ class MaskAwareEditor:
                                                    self.cache, guidance_copies=copies, device=self.pipe.device)
         else:
             row_ids = self._row_template_ids([template_id], guidance)
+            num_image_tokens = (width // PATCH_STRIDE) * (height // PATCH_STRIDE)
 
             def context_at(step: int) -> MaskAwareContext:
                 return MaskAwareContext.record(row_ids, [step] * len(row_ids), template.num_text_tokens,
                                                num_image_tokens, self.cache, device=self.pipe.device)
 
-        self.drop_template(template_id)
-        self._run([template], [recorded_mask], [prompt], template.noise[None], context_at, output_type="latent")
-        self.templates[template_id] = template
-        return template_id
+        store = self.cache if isinstance(self.cache, CacheStore) else None
+        if store is not None:
+            store.begin(template_id, RECORDED_NAMES[self.mode])
+        try:
+            self._run([template], [template.recorded_mask], [template.prompt], template.noise[None], context_at,
+                      output_type="latent")
+        except BaseException:
+            self.cache.drop(template_id)
+            raise
+        if store is not None:
+            store.commit(template_id)
 
     def drop_template(self, template_id: str) -> None:
         self.templates.pop(template_id, None)
         self.cache.drop(template_id)
-        self.cache.drop(template_id + UNCOND_SUFFIX)
+        self.cache.drop(uncond_row_id(template_id))
 
     # ---- edits ----
 
@@ -184,27 +229,14 @@ class MaskAwareEditor:
             masked_idx.append(masked_token_indices(tokens))
             latents.append(noise)
         template_ids = [t.template_id for t in templates]
-        if self.is_unet:
-            copies = 2 if self._uses_guidance(templates[0].guidance) else 1
-
-            def context_at(step: int) -> UNetMaskAwareContext:
-                return UNetMaskAwareContext.edit(self.mode, masks, template_ids, [step] * len(requests),
-                                                 self.adapter.num_levels, self.cache, dilation=self.dilation,
-                                                 block_plan=self.block_plan, guidance_copies=copies,
-                                                 device=self.pipe.device)
-        else:
-            row_ids = self._row_template_ids(template_ids, templates[0].guidance)
-            row_masked_idx = masked_idx * (len(row_ids) // len(requests))
-            num_text = templates[0].num_text_tokens
-            num_image = templates[0].noise.shape[1] * templates[0].noise.shape[2] // 4
-
-            def context_at(step: int) -> MaskAwareContext:
-                return MaskAwareContext.edit(self.mode, row_masked_idx, row_ids, [step] * len(row_ids), num_text,
-                                             num_image, self.cache, block_plan=self.block_plan,
-                                             device=self.pipe.device)
-
-        images = self._run(templates, masks, [r.prompt for r in requests], torch.stack(latents),
-                           None if full_compute else context_at, output_type=output_type)
+        handles = {} if full_compute else self._acquire(templates)
+        try:
+            context_at = None if full_compute else self._edit_contexts(templates, masks, masked_idx, handles)
+            images = self._run(templates, masks, [r.prompt for r in requests], torch.stack(latents), context_at,
+                               output_type=output_type)
+        finally:
+            for handle in handles.values():
+                handle.release()
         if output_type == "latent":
             return list(images)
         edited = []
@@ -213,6 +245,75 @@ class MaskAwareEditor:
             edited.append(image.resize(template.original_size, Image.Resampling.LANCZOS)
                           if image.size != template.original_size else image)
         return edited
+
+    def _edit_contexts(self, templates: Sequence[Template], masks: Sequence[Image.Image],
+                       masked_idx: Sequence[torch.Tensor], handles: dict[str, TemplateHandle]):
+        """context_at(step) of an edit batch: each forward's context, its cache rows staged ahead of compute
+        by the copy engine when the cache is the store."""
+        template_ids = [t.template_id for t in templates]
+        if self.is_unet:
+            copies = 2 if self._uses_guidance(templates[0].guidance) else 1
+
+            def build(step: int, cache: ActivationCache) -> UNetMaskAwareContext:
+                return UNetMaskAwareContext.edit(self.mode, masks, template_ids, [step] * len(templates),
+                                                 self.adapter.num_levels, cache, dilation=self.dilation,
+                                                 block_plan=plan, guidance_copies=copies,
+                                                 device=self.pipe.device)
+        else:
+            row_ids = self._row_template_ids(template_ids, templates[0].guidance)
+            row_masked_idx = list(masked_idx) * (len(row_ids) // len(templates))
+            num_text = templates[0].num_text_tokens
+            num_image = templates[0].noise.shape[1] * templates[0].noise.shape[2] // 4
+
+            def build(step: int, cache: ActivationCache) -> MaskAwareContext:
+                return MaskAwareContext.edit(self.mode, row_masked_idx, row_ids, [step] * len(row_ids), num_text,
+                                             num_image, cache, block_plan=plan, device=self.pipe.device)
+
+        plan = self.block_plan
+        if plan is None and self.cost_model is not None:
+            plan = self.plan_blocks(build(0, self.cache))
+        if self.copy_engine is None:
+            return lambda step: build(step, self.cache)
+        return lambda step: staged_context(functools.partial(build, step), self.copy_engine, self.adapter, handles,
+                                           self.denoiser.dtype)
+
+    def plan_blocks(self, context) -> tuple[bool, ...]:
+        """The planner's choice, per block, of cache or full compute for this batch (Algorithm 1 or the
+        exact optimum), from the cost model's predictions; also kept as `last_plan`."""
+        from retouch import planner
+
+        costs = self.cost_model.block_costs(row_tokens(context, self.cost_model.block_kinds), self.mode_name)
+        self.last_plan = (planner.optimal_plan if self.planner == "optimal" else planner.algorithm1)(costs)
+        return self.last_plan.use_cache
+
+    def _acquire(self, templates: Sequence[Template]) -> dict[str, TemplateHandle]:
+        """Handles on the templates' recordings in host memory (none when the cache is not the store).
+        A template no tier holds any more (evicted without a disk tier, or its file was corrupt) is
+        recorded again: a recompute, never a wrong image."""
+        handles: dict[str, TemplateHandle] = {}
+        try:
+            for template in templates:
+                template_id = template.template_id
+                if template_id in handles:
+                    continue
+                if not isinstance(self.cache, CacheStore):
+                    if not self.cache.contains(template_id):
+                        self._recompute(template)
+                    continue
+                try:
+                    handles[template_id] = self.cache.acquire(template_id)
+                except CacheMiss:
+                    self._recompute(template)
+                    handles[template_id] = self.cache.acquire(template_id)
+        except BaseException:
+            for handle in handles.values():
+                handle.release()
+            raise
+        return handles
+
+    def _recompute(self, template: Template) -> None:
+        self._record(template)
+        self.recomputes += 1
 
     # ---- the pipeline run ----
 
@@ -226,7 +327,9 @@ class MaskAwareEditor:
         with ExitStack() as active:
 
             def enter(module, args, kwargs):
-                active.enter_context(self.adapter.run(context_at(step)))
+                context = active.enter_context(self.adapter.run(context_at(step)))
+                if isinstance(context.cache, StagedActivations):
+                    active.enter_context(context.cache)  # finishes its copies after the forward, or on an error
 
             def leave(module, args, kwargs, output):
                 nonlocal step
@@ -261,7 +364,7 @@ class MaskAwareEditor:
 
     def _template(self, template_id: str) -> Template:
         template = self.templates.get(template_id)
-        if template is None or not self.cache.contains(template_id):
+        if template is None:
             raise InputError(f"unknown template {template_id!r}; register it first")
         return template
 
@@ -292,7 +395,7 @@ class MaskAwareEditor:
         guidance the pipeline runs [unconditional; conditional] rows, recorded apart."""
         if self.model.family != "sd3" or not self._uses_guidance(guidance):
             return list(template_ids)
-        return [template_id + UNCOND_SUFFIX for template_id in template_ids] + list(template_ids)
+        return [uncond_row_id(template_id) for template_id in template_ids] + list(template_ids)
 
     def _uses_guidance(self, guidance: float | None) -> bool:
         if guidance is None:

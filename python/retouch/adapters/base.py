@@ -3,12 +3,14 @@ a time, and restoring the blocks. Model adapters (flux.py, sd3.py, unet.py) subc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
 from retouch import ops
+from retouch.cache.staging import StagedActivations
 
 
 class MaskAwareAdapter:
@@ -25,6 +27,9 @@ class MaskAwareAdapter:
         self.blocks = list(blocks)
         self.attention_backend = attention_backend
         self._context = None
+        # The copy engine gates its copies on compute reaching blocks (staged memory stays bounded).
+        self._start_hooks = [block.register_forward_pre_hook(functools.partial(self._block_starts, index))
+                             for index, block in enumerate(self.blocks)]
 
     @property
     def num_blocks(self) -> int:
@@ -59,6 +64,11 @@ class MaskAwareAdapter:
     def exit(self) -> None:
         """Forget what `enter` derived."""
 
+    def _block_starts(self, index: int, module, args) -> None:
+        context = self._context
+        if context is not None and isinstance(context.cache, StagedActivations):
+            context.cache.block_started(index)
+
     def needs_all_output_rows(self, context, block: int) -> bool:
         """Whether a KV-cache block must fill its unmasked output rows: the next block computes every
         token (so reads them), or it is the last block (its output is the final hidden state)."""
@@ -66,5 +76,7 @@ class MaskAwareAdapter:
 
     def unpatch(self) -> None:
         """Restore the blocks' class forwards."""
+        for hook in self._start_hooks:
+            hook.remove()
         for block in self.blocks:
             block.__dict__.pop("forward", None)

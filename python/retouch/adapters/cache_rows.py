@@ -14,16 +14,13 @@ from retouch.adapters.context import OUT, CacheMode, MaskAwareContext
 
 
 def recorded_rows(context: MaskAwareContext, block: int, name: str, like: torch.Tensor,
-              num_image: int) -> torch.Tensor:
+                  num_image: int) -> torch.Tensor:
     """[B, L, ...] recorded `name` of each request's template at its step; requests with every image
     token masked read nothing (their rows are all overwritten by computed ones)."""
-    per_request = []
-    for request, (template_id, step) in enumerate(zip(context.template_ids, context.steps)):
-        if context.mode is not CacheMode.RECORD and context.request_reuses_tokens(request):
-            per_request.append(context.cache.get(template_id, step, block, name).to(like.device, like.dtype))
-        else:
-            per_request.append(like.new_empty((num_image, *like.shape[1:])))
-    return torch.stack(per_request)
+    keys = [(template_id, step, name)
+            if context.mode is not CacheMode.RECORD and context.request_reuses_tokens(request) else None
+            for request, (template_id, step) in enumerate(zip(context.template_ids, context.steps))]
+    return context.cache.read_rows(block, name, keys, like, num_image)
 
 
 def rows_with_recorded(context: MaskAwareContext, block: int, name: str, computed: torch.Tensor,

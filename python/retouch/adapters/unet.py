@@ -45,11 +45,9 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 from retouch import ops
 from retouch.adapters.base import MaskAwareAdapter
 from retouch.adapters.context import KEY, OUT, VALUE, CacheMode
-from retouch.cache import ActivationCache
+from retouch.cache import UNCOND_PREFIX, ActivationCache  # UNCOND_PREFIX: the unconditional half of a guidance batch
 from retouch.masks import UNET_LATENT_STRIDE, masked_token_indices, token_mask
 from retouch.ragged import RaggedBatch
-
-UNCOND_PREFIX = "uncond."  # cache-name prefix of the unconditional half of a guidance batch
 
 
 def level_grid(image_size: tuple[int, int], level: int) -> tuple[int, int]:
@@ -346,15 +344,10 @@ def _rows_with(context: UNetMaskAwareContext, index: int, level: int, name: str,
                query_rows: torch.Tensor) -> torch.Tensor:
     """[R, L, ...]: recorded `name` at unmasked tokens, `computed: [T, ...]` at masked ones. Rows with every
     token masked read nothing (all their rows are overwritten)."""
+    keys = [context.cache_key(row, name) if context.row_reuses_tokens(level, row) else None
+            for row in range(context.num_rows)]
     num_tokens = context.level_tokens[level]
-    per_row = []
-    for row in range(context.num_rows):
-        if context.row_reuses_tokens(level, row):
-            template_id, step, cache_name = context.cache_key(row, name)
-            per_row.append(context.cache.get(template_id, step, index, cache_name).to(computed.device, computed.dtype))
-        else:
-            per_row.append(computed.new_empty((num_tokens, *computed.shape[1:])))
-    full = torch.stack(per_row)
+    full = context.cache.read_rows(index, name, keys, computed, num_tokens)
     ops.scatter_rows_(full.view(context.num_rows * num_tokens, -1), query_rows, computed.flatten(1))
     return full
 

@@ -1,21 +1,26 @@
-"""Where recorded block activations of templates live.
+"""What the mask-aware adapters read and write: recorded block activations of templates.
 
 Keys are (template_id, step, block, name): `block` is the block's index in the denoiser's execution
-order and `name` what was kept ("out" for a block's output in Y-cache mode, "k"/"v" in KV-cache
-mode). Values are tensors of one request (no batch dimension), e.g. `out: [L, H]`.
+order and `name` what was kept ("out" for a block's output, "k"/"v" for its keys and values; a UNet's
+unconditional guidance rows prefix "uncond."). Values are tensors of one batch row (no batch
+dimension), e.g. `out: [L, H]`.
 
-This interface is what the mask-aware adapters read and write; the cache engine issue adds the pinned
-host arena, the disk tier and eviction behind it.
+Two implementations: `InMemoryActivationCache` (a dict of tensors on one device: tests, and the
+"cache already in GPU memory" ideal of the benchmarks) and `retouch.cache.store.CacheStore` (pinned
+host arena, disk tier, budgets). During an edit the adapters read through `read_rows`, which a
+`retouch.cache.staging.StagedActivations` serves from rows the copy engine has already moved.
 """
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
 CacheKey = tuple[str, int, int, str]
+RowKey = tuple[str, int, str]  # (template_id, step, name) of one batch row's recorded activation
 
 
 class ActivationCache(ABC):
@@ -38,6 +43,15 @@ class ActivationCache(ABC):
     @abstractmethod
     def nbytes(self, template_id: str | None = None) -> int:
         """Bytes held for one template, or for all."""
+
+    def read_rows(self, block: int, name: str, keys: Sequence[RowKey | None], like: torch.Tensor,
+                  num_tokens: int) -> torch.Tensor:
+        """`[R, num_tokens, *like.shape[1:]]` on like's device and dtype: row r holds the recorded
+        activation `keys[r]` of `block` (whose plain name is `name`); rows whose key is None read
+        nothing (the caller overwrites every token of them). Only unmasked tokens need be valid."""
+        rows = [like.new_empty((num_tokens, *like.shape[1:])) if key is None
+                else self.get(key[0], key[1], block, key[2]).to(like.device, like.dtype) for key in keys]
+        return torch.stack(rows) if rows else like.new_empty((0, num_tokens, *like.shape[1:]))
 
 
 class InMemoryActivationCache(ActivationCache):

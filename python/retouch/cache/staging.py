@@ -1,0 +1,312 @@
+"""The copy engine: unmasked rows of the cached blocks move from the host arena to the compute device
+ahead of compute, block by block (paper §4.2, Fig. 9 bottom).
+
+Per denoiser forward, `CopyEngine.stage(...)` returns a `StagedActivations`: the activation cache the
+adapters read during that forward. For each block the plan marks cached, in execution order, it
+gathers every batch row's unmasked token rows of the activations that block reads (Y-cache: "out";
+KV-cache: its keys and values, plus "out" where the block must hand over all rows) into a fresh
+`[R, L, ...]` staging tensor, on its own stream:
+
+- CUDA: a copy stream; one event per staged block, which the compute stream waits on before the block
+  reads it (`read_rows`). Copies run at most `lookahead` cached blocks ahead: the n-th copy waits on
+  an event recorded when block c_{n-lookahead} + 2 starts (a staged output is read by its block and
+  the next), so staging memory stays bounded however many blocks are cached.
+- CPU: one worker thread runs the copies in order with the same gates (threading events); `read_rows`
+  waits for the block's copy. The same API, so the engine and tests run here.
+
+`sync=True` gives the naive load-then-compute schedule (paper Fig. 4, left): every copy is issued at
+once and the first block waits for all of them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from retouch import ops
+from retouch.cache.base import ActivationCache, RowKey
+from retouch.cache.layout import decode
+from retouch.cache.store import TemplateHandle
+
+OUT = "out"
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Where one batch row's recorded activations are: a template at a step; `prefix` selects the
+    guidance variant ("" or "uncond.")."""
+
+    handle: TemplateHandle
+    step: int
+    prefix: str = ""
+
+
+@dataclass(frozen=True)
+class LevelRows:
+    """The unmasked tokens each batch row reads at one token resolution (UNets have one per level).
+
+    num_tokens: L, tokens per row;   reused: per row, the unmasked token indices (int64, sorted)
+    """
+
+    num_tokens: int
+    reused: tuple[torch.Tensor, ...]
+    reused_cat: torch.Tensor = field(init=False, repr=False)  # [n] every row's indices, row after row
+    row_of: torch.Tensor = field(init=False, repr=False)  # [n] the row of each
+    dst_rows: torch.Tensor = field(init=False, repr=False)  # [n] rows of the [R * L, ...] staging matrix
+
+    def __post_init__(self):
+        empty = torch.empty(0, dtype=torch.long)
+        reused = [idx.to("cpu", torch.long) for idx in self.reused]
+        rows = [torch.full((len(idx),), r, dtype=torch.long) for r, idx in enumerate(reused)]
+        object.__setattr__(self, "reused_cat", torch.cat([empty] + reused))
+        object.__setattr__(self, "row_of", torch.cat([empty] + rows))
+        object.__setattr__(self, "dst_rows", self.row_of * self.num_tokens + self.reused_cat)
+
+
+@dataclass
+class CopyStats:
+    """What the copy engine moved, and how long compute waited for it (CPU path)."""
+
+    blocks: int = 0
+    bytes: int = 0
+    rows: int = 0
+    wait_seconds: float = 0.0
+
+
+class CopyEngine:
+    """Stages cached activations on `device` for each forward; one per worker (it owns the copy stream)."""
+
+    def __init__(self, device: torch.device | str = "cpu", lookahead: int = 4, method: str = "auto"):
+        if lookahead < 2:
+            # The n-th copy waits for block c_{n-lookahead} + 2 to start; with 1 that can be block c_n + 1.
+            raise ValueError(f"lookahead must be >= 2 cached blocks, got {lookahead}")
+        self.device = torch.device(device)
+        self.lookahead = lookahead
+        self.method = method
+        self.stats = CopyStats()
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)
+            self._worker = None
+        else:
+            self._stream = None
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="retouch-copy")
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+
+class StagedActivations(ActivationCache):
+    """The rows one forward reads, staged by a `CopyEngine`; read-only (see the module docstring).
+
+    Made empty (so a context can hold it), then `start`ed with what the forward reads; used as a
+    context manager around the forward, whose exit lets outstanding copies finish (also on errors:
+    a copy waiting on a gate must never outlive its forward)."""
+
+    def __init__(self, engine: CopyEngine):
+        self.engine = engine
+        self.rows: list[RowSource | None] = []
+        self.reads: list[tuple[int, Sequence[str]]] = []
+        self.num_blocks = 0
+        self._results: dict[int, Future | dict[str, torch.Tensor]] = {}
+        self._ready_events: dict[int, torch.cuda.Event] = {}
+        self._started_events: dict[int, object] = {}
+        self._pending: list[tuple[int, int, Sequence[str]]] = []  # (gate block, block, names), CUDA
+        self._gates: dict[int, threading.Event] = {}  # CPU
+        self._last_started = -1
+        self._finished = False
+
+    def start(self, rows: Sequence[RowSource | None], levels: Sequence[LevelRows], block_levels: Sequence[int],
+              reads: Sequence[tuple[int, Sequence[str]]], num_blocks: int, dtype: torch.dtype,
+              sync: bool = False) -> None:
+        """Stage for one forward: `reads` lists, per cached block in execution order, the plain names it
+        reads; row r reads `rows[r]` (None: nothing) at the unmasked tokens `levels[block_levels[b]]`
+        gives it. Ungated copies start now, the others as compute reaches their gate block."""
+        for level in levels:
+            if len(level.reused) != len(rows):
+                raise ValueError(f"{len(rows)} batch rows but a level lists unmasked tokens of {len(level.reused)}")
+            if any(row is None and len(idx) for row, idx in zip(rows, level.reused)):
+                raise ValueError("a batch row without a recorded template cannot reuse tokens")
+        self.rows = list(rows)
+        self.levels = list(levels)
+        self.block_levels = list(block_levels)
+        self.reads = list(reads)
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.sync = sync
+        self._start()
+
+    def __enter__(self) -> StagedActivations:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish(raise_errors=exc[0] is None)
+
+    # ---- what the adapters call ----
+
+    def read_rows(self, block: int, name: str, keys: Sequence[RowKey | None], like: torch.Tensor,
+                  num_tokens: int) -> torch.Tensor:
+        if block not in self._results:
+            raise KeyError(f"block {block} was not staged (its plan entry is not cached?)")
+        staged = self._wait(block)
+        if name not in staged:
+            raise KeyError(f"block {block}: {name!r} was not staged, only {sorted(staged)}")
+        tensor = staged[name]
+        if tensor.shape[0] != len(keys) or tensor.shape[1] != num_tokens:
+            raise ValueError(f"block {block} {name!r}: staged {tuple(tensor.shape)} for {len(keys)} rows of "
+                             f"{num_tokens} tokens")
+        return tensor if tensor.dtype == like.dtype else tensor.to(like.dtype)
+
+    def block_started(self, block: int) -> None:
+        """Compute has reached `block` (every earlier block is enqueued or done): release its gate."""
+        self._last_started = block
+        if self.engine._stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.engine.device))
+            self._started_events[block] = event
+            self._issue_ready_cuda()
+        else:
+            for gate in [g for g in self._gates if g <= block]:
+                self._gates.pop(gate).set()
+
+    def finish(self, raise_errors: bool = True) -> None:
+        """The forward is done: release every gate and let outstanding copies complete."""
+        if self._finished:
+            return
+        self._finished = True
+        self.block_started(self.num_blocks)
+        for result in self._results.values():
+            if isinstance(result, Future):
+                if raise_errors:
+                    result.result()
+                else:
+                    result.exception()
+
+    # ---- the ActivationCache interface: staged activations are read-only ----
+
+    def put(self, template_id, step, block, name, tensor):
+        raise TypeError("staged activations are read-only; record through the cache store")
+
+    def get(self, template_id, step, block, name):
+        raise TypeError("staged activations are read per batch with read_rows")
+
+    def contains(self, template_id):
+        return any(row is not None and row.handle.template_id == template_id for row in self.rows)
+
+    def drop(self, template_id):
+        raise TypeError("staged activations are read-only")
+
+    def nbytes(self, template_id=None):
+        return sum(t.numel() * t.element_size() for r in self._results.values() if isinstance(r, dict)
+                   for t in r.values())
+
+    # ---- scheduling ----
+
+    def _gate(self, n: int) -> int:
+        """Block whose start lets the n-th staged block's copy begin (-1: at once)."""
+        if self.sync or n < self.engine.lookahead:
+            return -1
+        return min(self.reads[n - self.engine.lookahead][0] + 2, self.num_blocks)
+
+    def _start(self) -> None:
+        for n, (block, names) in enumerate(self.reads):
+            gate = self._gate(n)
+            if self.engine._stream is not None:
+                self._pending.append((gate, block, names))
+            else:
+                event = None
+                if gate >= 0:
+                    event = self._gates.setdefault(gate, threading.Event())
+                self._results[block] = self.engine._worker.submit(self._copy_after, event, block, names)
+        if self.engine._stream is not None:
+            for _, block, _ in self._pending:
+                self._results[block] = {}
+            self._issue_ready_cuda()
+
+    def _copy_after(self, gate: threading.Event | None, block: int, names) -> dict[str, torch.Tensor]:
+        if gate is not None:
+            gate.wait()
+        return self._copy_block(block, names)
+
+    def _issue_ready_cuda(self) -> None:
+        stream = self.engine._stream
+        while self._pending and self._pending[0][0] <= self._last_started:
+            gate, block, names = self._pending.pop(0)
+            with torch.cuda.stream(stream):
+                if gate >= 0:
+                    stream.wait_event(self._started_events[gate])
+                self._results[block] = self._copy_block(block, names)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+                self._ready_events[block] = ready
+
+    def _wait(self, block: int) -> dict[str, torch.Tensor]:
+        result = self._results[block]
+        if self.engine._stream is not None:
+            if self.sync:  # load-then-compute: everything before the first block
+                for event in self._ready_events.values():
+                    torch.cuda.current_stream(self.engine.device).wait_event(event)
+            torch.cuda.current_stream(self.engine.device).wait_event(self._ready_events[block])
+            for tensor in result.values():
+                tensor.record_stream(torch.cuda.current_stream(self.engine.device))
+            return result
+        if isinstance(result, Future):
+            started = time.perf_counter()
+            if self.sync:
+                for other in self._results.values():
+                    if isinstance(other, Future):
+                        other.result()
+            value = result.result()
+            self.engine.stats.wait_seconds += time.perf_counter() - started
+            self._results[block] = value
+            return value
+        return result
+
+    # ---- the copies ----
+
+    def _copy_block(self, block: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        level = self.levels[self.block_levels[block]]
+        staged = {}
+        for name in names:
+            staged[name] = self._copy_activation(block, name, level)
+        self.engine.stats.blocks += 1
+        return staged
+
+    def _copy_activation(self, block: int, name: str, level: LevelRows) -> torch.Tensor:
+        """`[R, L, *row_shape]` in the compute dtype: every row's unmasked rows of `name`."""
+        bases, entry, layout, scales = [], None, None, []
+        for row in self.rows:
+            if row is None:
+                bases.append(0)
+                scales.append(None)
+                continue
+            offset, entry = row.handle.entry_offset(row.step, block, row.prefix + name)
+            layout = row.handle.layout
+            bases.append(offset)
+            scales.append(row.handle.scale(row.step, block, row.prefix + name))
+        if entry is None:
+            raise ValueError(f"block {block}: no batch row reads {name!r}")
+        if entry.rows != level.num_tokens:
+            raise ValueError(f"block {block} {name!r}: recorded {entry.rows} tokens, the batch has {level.num_tokens}")
+        row_bytes = layout.row_bytes(entry)
+        num_rows = len(self.rows)
+        device = self.engine.device
+        stored = torch.empty((num_rows * level.num_tokens, entry.row_elems), dtype=layout.dtype, device=device)
+        src_offsets = torch.tensor(bases, dtype=torch.long)[level.row_of] + level.reused_cat * row_bytes
+        dst_rows = level.dst_rows
+        arena = self.rows[next(r for r, row in enumerate(self.rows) if row is not None)].handle.arena_bytes
+        ops.gather_host_rows_(stored.view(torch.uint8) if layout.quantized else stored, arena, src_offsets,
+                              dst_rows, method=self.engine.method)
+        self.engine.stats.bytes += int(src_offsets.numel()) * row_bytes
+        self.engine.stats.rows += int(src_offsets.numel())
+        stored = stored.view(num_rows, level.num_tokens, *entry.shape[1:])
+        if not layout.quantized:
+            return stored if stored.dtype == self.dtype else stored.to(self.dtype)
+        ones = torch.ones(entry.row_elems, dtype=torch.float32)
+        scale = torch.stack([ones if s is None else s for s in scales]).to(device, non_blocking=True)
+        return decode(stored, scale, self.dtype)

@@ -1,0 +1,483 @@
+"""The activation cache store: templates in a pinned host arena under a byte budget, LRU-evicted to a
+disk tier, loaded back (or prefetched while a request queues), recomputed when neither holds them.
+
+Tiers (paper §4.2, "hierarchical storage"; DESIGN.md "Cache store"):
+- host: one `HostArena` (C++, pinned when CUDA is present) whose capacity is the budget, so it cannot
+  be exceeded. Each recorded step of a template is one aligned allocation laid out by `StepLayout`.
+- disk (optional): `DiskTier`, written when a template is evicted from the host (write-back) and read
+  back into the arena on the next use. A missing or corrupt file is a miss: the caller re-registers.
+
+Lifetimes: the store's index holds one arena reference per step allocation; every `TemplateHandle`
+(from `acquire`) holds one more. Eviction and `drop` release only the index's reference, so memory
+that readers still use is freed when the last of them releases it. Victims are templates nobody
+reads; a template being recorded is invisible until `commit` and never evicted.
+
+Thread-safe: one lock guards the indexes; disk reads and writes happen outside it, so readers of
+host-resident templates never wait for disk I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retouch import ops
+from retouch.cache.base import ActivationCache
+from retouch.cache.disk import CorruptCacheFile, DiskTier
+from retouch.cache.keys import base_name, check_template_id, stored_key
+from retouch.cache.layout import STORAGE_DTYPES, Entry, StepLayout, decode, dtype_name, encode
+from retouch.errors import RetouchError
+
+GiB = 1 << 30
+
+
+class CacheMiss(KeyError):
+    """The template is in no tier (never recorded, evicted from every tier, or its file was corrupt)."""
+
+
+class CacheFull(RetouchError):
+    """A template does not fit the host budget even after evicting every template nobody reads."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Budgets and storage format of a `CacheStore`."""
+
+    host_bytes: int = 4 * GiB  # pinned host arena: the host tier's budget
+    disk_dir: Path | None = None  # None: no disk tier (evicted templates are recomputed)
+    disk_bytes: int = 64 * GiB
+    dtype: str = "auto"  # storage dtype; auto keeps the recorded dtype (lossless)
+    alignment: int = 256
+    pinned: bool = True
+
+    def __post_init__(self):
+        if self.host_bytes < 1 or self.disk_bytes < 0:
+            raise ValueError(f"host budget must be >= 1 and disk budget >= 0 bytes, got {self.host_bytes}, "
+                             f"{self.disk_bytes}")
+        if self.dtype != "auto" and self.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"cache dtype must be auto or one of {', '.join(STORAGE_DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(eq=False)
+class _Template:
+    """A template resident in the host arena (or being recorded into it)."""
+
+    template_id: str
+    layout: StepLayout | None
+    step_offsets: list[int]
+    meta: dict
+    readers: int = 0
+    linked: bool = False  # in the index: holds one arena reference per step
+    evicting: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.layout is None else self.layout.nbytes * len(self.step_offsets)
+
+
+@dataclass(eq=False)
+class _Recording:
+    """Activations of a template being registered: the current step's tensors until the step is complete."""
+
+    template: _Template
+    names: frozenset[str] | None
+    step: int = 0
+    tensors: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    discarded: bool = False
+
+
+class TemplateHandle:
+    """Read access to a host-resident template; its memory stays valid until `release` (or `with`)."""
+
+    def __init__(self, store: CacheStore, template: _Template):
+        self._store = store
+        self._template = template
+        self._released = False
+
+    @property
+    def template_id(self) -> str:
+        return self._template.template_id
+
+    @property
+    def layout(self) -> StepLayout:
+        return self._template.layout
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._template.step_offsets)
+
+    @property
+    def source_dtype(self) -> torch.dtype:
+        return STORAGE_DTYPES[self._template.meta["source_dtype"]]
+
+    @property
+    def arena_bytes(self) -> torch.Tensor:
+        """uint8 [capacity]: the whole host arena, which `entry_offset` addresses."""
+        return self._store.arena_bytes
+
+    def entry_offset(self, step: int, block: int, name: str) -> tuple[int, Entry]:
+        """Arena byte offset of activation `name` of `block` at `step`, and its entry."""
+        if not 0 <= step < self.num_steps:
+            raise KeyError(f"template {self.template_id!r} has no step {step} ({self.num_steps} recorded)")
+        entry = self.layout.entry(block, name)
+        return self._template.step_offsets[step] + entry.offset, entry
+
+    def view(self, step: int, block: int, name: str) -> torch.Tensor:
+        """The stored `[rows, ...]` tensor (storage dtype), a view of the arena."""
+        offset, entry = self.entry_offset(step, block, name)
+        nbytes = entry.rows * self.layout.row_bytes(entry)
+        return self.arena_bytes[offset:offset + nbytes].view(self.layout.dtype).view(entry.shape)
+
+    def scale(self, step: int, block: int, name: str) -> torch.Tensor | None:
+        """fp8 storage: the entry's per-channel float32 scale `[row_elems]` (a view); else None."""
+        _, entry = self.entry_offset(step, block, name)
+        if entry.scale_offset is None:
+            return None
+        start = self._template.step_offsets[step] + entry.scale_offset
+        return self.arena_bytes[start:start + entry.row_elems * 4].view(torch.float32)
+
+    def read(self, step: int, block: int, name: str) -> torch.Tensor:
+        """A decoded copy in the recorded dtype."""
+        return decode(self.view(step, block, name), self.scale(step, block, name), self.source_dtype).clone()
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._store._release(self._template)
+
+    def __enter__(self) -> TemplateHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class CacheStore(ActivationCache):
+    """Host arena + disk tier behind the `ActivationCache` interface (see the module docstring).
+
+    Recording: `begin(template_id, names)`, then the adapters `put` every activation of step 0, 1, ...
+    (a step is written into the arena when the next step starts), then `commit` publishes the template
+    (or `drop` discards it). Reading: `acquire` a `TemplateHandle` (loading from disk if needed),
+    `prefetch` to load from disk in the background, `get` for one activation.
+    """
+
+    def __init__(self, config: StoreConfig = StoreConfig()):
+        self.config = config
+        self.arena = ops.HostArena(config.host_bytes, config.alignment, config.pinned)
+        self.arena_bytes = self.arena.tensor()
+        self.disk = DiskTier(config.disk_dir, config.disk_bytes) if config.disk_dir is not None else None
+        self._lock = threading.RLock()
+        self._host: OrderedDict[str, _Template] = OrderedDict()  # least recently used first
+        self._recordings: dict[str, _Recording] = {}
+        self._loading: dict[str, Future] = {}
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self.counters: Counter[str] = Counter()
+
+    # ---- recording ----
+
+    def begin(self, template_id: str, names: Iterable[str] | None = None) -> None:
+        """Start recording `template_id`, keeping only activations whose base name is in `names`
+        (None: all). An earlier recording of it in progress is discarded."""
+        check_template_id(template_id)
+        with self._lock:
+            self._discard_recording(template_id)
+            self._recordings[template_id] = _Recording(_Template(template_id, None, [], {}),
+                                                       None if names is None else frozenset(names))
+
+    def put(self, template_id, step, block, name, tensor):
+        template_id, name = stored_key(template_id, name)
+        with self._lock:
+            recording = self._recordings.get(template_id)
+            if recording is None:
+                self.begin(template_id)
+                recording = self._recordings[template_id]
+        if recording.names is not None and base_name(name) not in recording.names:
+            return
+        if step != recording.step:
+            if step != recording.step + 1 or not recording.tensors:
+                raise ValueError(f"template {template_id!r}: steps are recorded in order; got step {step} "
+                                 f"after step {recording.step}")
+            self._write_step(recording)
+            recording.step = step
+        recording.tensors[(block, name)] = tensor.detach()
+
+    def commit(self, template_id: str) -> None:
+        """Publish a recorded template: from now on it can be read, and evicted."""
+        with self._lock:
+            recording = self._recordings.get(template_id)
+            if recording is None or (not recording.tensors and not recording.template.step_offsets):
+                raise ValueError(f"nothing was recorded for template {template_id!r}")
+        if recording.tensors:
+            self._write_step(recording)
+        with self._lock:
+            if self._recordings.get(template_id) is not recording:
+                return  # dropped meanwhile
+            del self._recordings[template_id]
+            self._unlink_host(template_id)
+            if self.disk is not None:
+                self.disk.remove(template_id)  # a stale file of an earlier recording
+            template = recording.template
+            template.linked = True
+            self._host[template_id] = template
+            self.counters["registrations"] += 1
+
+    def _write_step(self, recording: _Recording) -> None:
+        """Encode the step's tensors into one new arena allocation."""
+        template = recording.template
+        source_dtype = next(iter(recording.tensors.values())).dtype
+        dtype = source_dtype if self.config.dtype == "auto" else STORAGE_DTYPES[self.config.dtype]
+        layout = StepLayout.for_tensors({key: tuple(t.shape) for key, t in recording.tensors.items()}, dtype,
+                                        self.config.alignment)
+        if template.layout is None:
+            template.layout = layout
+            template.meta = {"source_dtype": dtype_name(source_dtype)}
+        elif layout != template.layout:
+            raise ValueError(f"template {template.template_id!r}: step {recording.step} recorded other "
+                             "activations than step 0")
+        offset = self._allocate(layout.nbytes)
+        with self._lock:
+            if recording.discarded:
+                self.arena.release(offset)
+                return
+            template.step_offsets.append(offset)
+            self.arena.retain(offset)  # ours while writing, should the recording be dropped meanwhile
+        try:
+            for entry in layout.entries:
+                stored, scale = encode(recording.tensors[(entry.block, entry.name)], dtype)
+                start = offset + entry.offset
+                target = self.arena_bytes[start:start + stored.numel() * stored.element_size()]
+                target.view(dtype).view(stored.shape).copy_(stored)
+                if scale is not None:
+                    start = offset + entry.scale_offset
+                    self.arena_bytes[start:start + scale.numel() * 4].view(torch.float32).copy_(scale)
+        finally:
+            with self._lock:
+                self.arena.release(offset)
+        recording.tensors.clear()
+
+    # ---- reading ----
+
+    def acquire(self, template_id: str) -> TemplateHandle:
+        """A handle on the template in host memory, loading it from disk first if needed (CacheMiss if
+        no tier holds it, or its file was corrupt: the file is then deleted)."""
+        check_template_id(template_id)
+        while True:
+            with self._lock:
+                template = self._host.get(template_id)
+                if template is not None:
+                    template.readers += 1
+                    for offset in template.step_offsets:
+                        self.arena.retain(offset)
+                    self._host.move_to_end(template_id)
+                    self.counters["hits"] += 1
+                    return TemplateHandle(self, template)
+                future, owner = self._loading.get(template_id), False
+                if future is None:
+                    if self.disk is None or not self.disk.contains(template_id):
+                        self.counters["misses"] += 1
+                        raise CacheMiss(f"template {template_id!r} is not cached")
+                    future, owner = Future(), True
+                    self._loading[template_id] = future
+            if owner:
+                self._load_into(future, template_id)
+            future.result()  # raises CacheMiss when the load failed
+
+    def prefetch(self, template_id: str) -> Future:
+        """Load the template from disk into host memory in the background (a request for it is
+        queued); the future's result is True once it is in host memory, False if no tier holds it."""
+        check_template_id(template_id)
+        with self._lock:
+            if template_id in self._host:
+                return _done(True)
+            future = self._loading.get(template_id)
+            if future is None:
+                if self.disk is None or not self.disk.contains(template_id):
+                    return _done(False)
+                future = Future()
+                self._loading[template_id] = future
+                if self._prefetcher is None:
+                    self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="retouch-prefetch")
+                self.counters["prefetches"] += 1
+                self._prefetcher.submit(self._load_into, future, template_id, True)
+        result = Future()
+        future.add_done_callback(lambda f: result.set_result(f.exception() is None))
+        return result
+
+    def get(self, template_id, step, block, name):
+        template_id, name = stored_key(template_id, name)
+        with self.acquire(template_id) as handle:
+            return handle.read(step, block, name)
+
+    def contains(self, template_id):
+        template_id, _ = stored_key(template_id, "")
+        with self._lock:
+            return template_id in self._host or (self.disk is not None and self.disk.contains(template_id))
+
+    def drop(self, template_id):
+        template_id, _ = stored_key(template_id, "")
+        with self._lock:
+            self._discard_recording(template_id)
+            self._unlink_host(template_id)
+        if self.disk is not None:
+            self.disk.remove(template_id)
+
+    def evict(self, template_id: str) -> bool:
+        """Move a template out of host memory now (to disk, if there is a disk tier), as the LRU policy
+        would; False if it is not resident or is being read."""
+        template_id, _ = stored_key(template_id, "")
+        with self._lock:
+            template = self._host.get(template_id)
+            if template is None or template.readers or template.evicting:
+                return False
+            template.evicting = True
+        self._evict(template)
+        return True
+
+    def nbytes(self, template_id=None):
+        with self._lock:
+            if template_id is None:
+                return self.arena.used
+            template = self._host.get(stored_key(template_id, "")[0])
+            return 0 if template is None else template.nbytes
+
+    def metrics(self) -> dict[str, int | float]:
+        """Counters (hits, misses, disk_hits, evictions, prefetches, prefetch_bytes, prefetch_seconds,
+        disk_reads, disk_writes, disk_bytes_read, disk_bytes_written, corrupt_files, registrations) and
+        tier occupancy."""
+        with self._lock:
+            report = {name: 0 for name in ("hits", "misses", "disk_hits", "evictions", "prefetches",
+                                           "prefetch_bytes", "disk_reads", "disk_writes", "disk_bytes_read",
+                                           "disk_bytes_written", "corrupt_files", "registrations")}
+            report.update(self.counters)
+            report["prefetch_seconds"] = float(self.counters.get("prefetch_microseconds", 0)) / 1e6
+            report.pop("prefetch_microseconds", None)
+            report.update(host_bytes_used=self.arena.used, host_bytes_budget=self.arena.capacity,
+                          host_templates=len(self._host))
+        if self.disk is not None:
+            report.update(disk_bytes_used=self.disk.used, disk_bytes_budget=self.disk.budget,
+                          disk_evictions=self.disk.evictions)
+        return report
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+
+    # ---- internals ----
+
+    def _release(self, template: _Template) -> None:
+        with self._lock:
+            template.readers -= 1
+            for offset in template.step_offsets:
+                self.arena.release(offset)
+
+    def _allocate(self, nbytes: int) -> int:
+        """An arena allocation of `nbytes`, evicting least recently used templates nobody reads."""
+        while True:
+            with self._lock:
+                offset = self.arena.allocate(nbytes)
+                if offset >= 0:
+                    return offset
+                victim = next((t for t in self._host.values() if t.readers == 0 and not t.evicting), None)
+                if victim is None:
+                    raise CacheFull(f"{nbytes} bytes do not fit the host cache budget of {self.arena.capacity} "
+                                    f"bytes ({self.arena.used} held by templates in use or being recorded)")
+                victim.evicting = True
+            self._evict(victim)
+
+    def _evict(self, template: _Template) -> None:
+        """Write back (the template is marked evicting: readers may still take it meanwhile), then unlink."""
+        self._write_back(template)
+        with self._lock:
+            if self._host.get(template.template_id) is template:
+                self._unlink_host(template.template_id)
+                self.counters["evictions"] += 1
+
+    def _write_back(self, template: _Template) -> None:
+        """Keep an evicted template on disk (if there is a disk tier and the file is not there yet)."""
+        if self.disk is None or self.disk.contains(template.template_id):
+            return
+        steps = [self._numpy(offset, template.layout.nbytes) for offset in template.step_offsets]
+        if self.disk.write(template.template_id, template.layout, steps, template.meta):
+            with self._lock:
+                self.counters["disk_writes"] += 1
+                self.counters["disk_bytes_written"] += template.nbytes
+
+    def _load_into(self, future: Future, template_id: str, prefetch: bool = False) -> None:
+        """Read the template's file into new arena allocations and publish it; completes `future`."""
+        started = time.perf_counter()
+        template = _Template(template_id, None, [], {})
+
+        def allocate(num_steps: int, layout: StepLayout) -> list[np.ndarray]:
+            template.layout = layout
+            for _ in range(num_steps):
+                template.step_offsets.append(self._allocate(layout.nbytes))
+            return [self._numpy(offset, layout.nbytes) for offset in template.step_offsets]
+
+        try:
+            _, _, template.meta = self.disk.read(template_id, allocate)
+            if "source_dtype" not in template.meta:
+                raise CorruptCacheFile("no source_dtype in the header")
+        except (CorruptCacheFile, FileNotFoundError, CacheFull) as exc:
+            with self._lock:
+                for offset in template.step_offsets:
+                    self.arena.release(offset)
+                del self._loading[template_id]
+                if isinstance(exc, CorruptCacheFile):
+                    self.counters["corrupt_files"] += 1
+                self.counters["misses"] += 1
+            if not isinstance(exc, CacheFull):  # the file is unusable or gone: forget it
+                self.disk.remove(template_id)
+            future.set_exception(exc if isinstance(exc, CacheFull) else
+                                 CacheMiss(f"template {template_id!r}: cache file unusable ({exc})"))
+            return
+        except BaseException as exc:  # an unexpected failure must still wake every waiter
+            with self._lock:
+                for offset in template.step_offsets:
+                    self.arena.release(offset)
+                del self._loading[template_id]
+            future.set_exception(exc)
+            return
+        with self._lock:
+            template.linked = True
+            self._unlink_host(template_id)
+            self._host[template_id] = template
+            del self._loading[template_id]
+            self.counters["disk_hits"] += 1
+            self.counters["disk_reads"] += 1
+            self.counters["disk_bytes_read"] += template.nbytes
+            if prefetch:
+                self.counters["prefetch_bytes"] += template.nbytes
+                self.counters["prefetch_microseconds"] += round((time.perf_counter() - started) * 1e6)
+        future.set_result(True)
+
+    def _unlink_host(self, template_id: str) -> None:
+        """Drop the index's reference to a host template (its memory is freed once no reader holds it)."""
+        template = self._host.pop(template_id, None)
+        if template is not None and template.linked:
+            template.linked = False
+            for offset in template.step_offsets:
+                self.arena.release(offset)
+
+    def _discard_recording(self, template_id: str) -> None:
+        recording = self._recordings.pop(template_id, None)
+        if recording is not None:
+            recording.discarded = True
+            for offset in recording.template.step_offsets:
+                self.arena.release(offset)
+
+    def _numpy(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.arena_bytes[offset:offset + nbytes].numpy()
+
+
+def _done(value) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
