@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from retouch import ops
+from retouch.bench.timing import interleaved_medians
 from retouch.masks import centred_token_rectangle
 
 # name -> (hidden size, dtype) of a token row.
@@ -93,30 +92,6 @@ def unmasked_rows(tokens: int, ratio: float) -> torch.Tensor:
     return keep.nonzero().flatten()
 
 
-def interleaved_medians(runs: dict, repeats: int, cuda: bool) -> dict[str, float]:
-    """Median seconds per run, round-robin after one warm-up each, so background load hits all alike."""
-    def once(run) -> float:
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        started = time.perf_counter()
-        run()
-        return time.perf_counter() - started
-
-    for run in runs.values():
-        once(run)
-    samples = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            samples[name].append(once(run))
-    return {name: statistics.median(values) for name, values in samples.items()}
-
-
 def bench_row_shape(config: CopyBenchConfig, shape: str) -> list[dict]:
     hidden, dtype = ROW_SHAPES[shape][0], getattr(torch, ROW_SHAPES[shape][1])
     row_bytes, tokens, cuda = hidden * dtype.itemsize, config.tokens_per_request, config.device == "cuda"
@@ -159,7 +134,7 @@ def time_cpu(staging, memory, arena_rows, src_offsets, dst_rows, row_bytes, repe
         "gather": lambda: ops.gather_host_rows_(staging, memory, src_offsets, dst_rows),
         "baseline": lambda: staging.index_copy_(0, dst_rows, arena_rows.index_select(0, src_row_idx)),
     }
-    seconds = interleaved_medians(runs, repeats, cuda=False)
+    seconds = interleaved_medians(runs, repeats, torch.device("cpu"))
     nbytes = len(src_offsets) * row_bytes
     gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
     return {"gather_gbps": round(gbps["gather"], 3), "baseline_gbps": round(gbps["baseline"], 3),
@@ -171,7 +146,7 @@ def time_cuda(staging, memory, src_offsets, dst_rows, nbytes, repeats) -> dict:
     runs = {method: (lambda method=method: ops.gather_host_rows_(staging, memory, src_offsets, dst_rows, method))
             for method in ops.HOST_GATHER_METHODS}
     runs["baseline"] = lambda: contiguous_dst.copy_(contiguous_src, non_blocking=True)
-    seconds = interleaved_medians(runs, repeats, cuda=True)
+    seconds = interleaved_medians(runs, repeats, torch.device("cuda"))
     gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
     return {**{f"{name}_gbps": round(value, 3) for name, value in gbps.items()},
             **{f"{method}_ratio": round(gbps[method] / gbps["baseline"], 3) for method in ops.HOST_GATHER_METHODS}}

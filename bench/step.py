@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
+from retouch.bench.timing import interleaved_medians
 from retouch.cache import InMemoryActivationCache
 from retouch.masks import centred_token_rectangle
 from retouch.models import build_denoiser, get_spec
@@ -30,8 +29,9 @@ MODES = {"y-cache": CacheMode.Y_CACHE, "kv-cache": CacheMode.KV_CACHE}
 TEXT_TOKENS = {"tiny-flux-fill": 32, "flux-small": 64, "flux-size": 512}  # max_sequence_length
 
 
-def flux_setup(model: str, device: torch.device, dtype: torch.dtype, resolution: int | None = None):
-    """The denoiser with random weights, patched, its inputs for one request, and a recorded template."""
+def flux_setup(model: str, device: torch.device, dtype: torch.dtype, resolution: int | None = None, steps: int = 1):
+    """The denoiser with random weights, patched, its inputs for one request, and a template recorded
+    (on `device`) at `steps` denoising steps."""
     if model not in TEXT_TOKENS:
         raise SystemExit(f"bench supports the Flux models {', '.join(TEXT_TOKENS)}, got {model!r}")
     resolution = resolution or get_spec(model).resolution
@@ -42,30 +42,11 @@ def flux_setup(model: str, device: torch.device, dtype: torch.dtype, resolution:
     adapter = patch_flux(transformer)
     inputs = random_flux_inputs(transformer, 1, grid, num_text, seed=0, device=device, dtype=dtype)
     cache = InMemoryActivationCache(device=device)
-    with torch.inference_mode(), adapter.run(MaskAwareContext.record(["template"], [0], num_text, num_image, cache,
-                                                                      device=device)):
-        transformer(**inputs)
+    for step in range(steps):
+        with torch.inference_mode(), adapter.run(MaskAwareContext.record(["template"], [step], num_text, num_image,
+                                                                          cache, device=device)):
+            transformer(**inputs)
     return transformer, adapter, inputs, cache, grid, num_text
-
-
-def interleaved_medians(runs: dict, repeats: int, device: torch.device) -> dict[str, float]:
-    """Median seconds of each run, timed round-robin after one warm-up each."""
-    def once(run) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - started
-
-    for run in runs.values():
-        once(run)
-    samples = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            samples[name].append(once(run))
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def run_with(adapter, context, transformer, inputs):

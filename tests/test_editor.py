@@ -5,7 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from editor_inputs import LATENT_ATOL, max_diff, square_mask, template_image
+from PIL import Image
 
 from retouch import load
 from retouch.editor import EditRequest, MaskAwareEditor
@@ -15,24 +16,11 @@ from retouch.models import load_pipeline
 STEPS = 3
 
 
-def template_image(color=(40, 120, 200)) -> Image.Image:
-    image = Image.new("RGB", (128, 128), color)
-    ImageDraw.Draw(image).ellipse((20, 30, 90, 100), fill=(230, 200, 60))
-    return image
-
-
-def square_mask(box=(32, 32, 63, 63)) -> Image.Image:
-    mask = Image.new("L", (128, 128), 0)
-    ImageDraw.Draw(mask).rectangle(box, fill=255)
-    return mask
-
-
 def pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image).astype(np.int16)
 
 
 TINY_MODELS = ["tiny-flux-fill", "tiny-flux-inpaint", "tiny-sd3-inpaint", "tiny-sdxl-inpaint", "tiny-sd2-inpaint"]
-LATENT_ATOL = 1e-5  # fp32: the masked path differs from full compute only in summation order
 
 
 @pytest.fixture(scope="module", params=[(model, mode) for model in TINY_MODELS for mode in ("y", "kv")],
@@ -95,10 +83,6 @@ def test_edit_keeps_unmasked_pixels_and_follows_the_seed(editor):
     assert np.array_equal(pixels(first)[:, 64:], pixels(template_image())[:, 64:])
     assert np.array_equal(pixels(first), pixels(again))
     assert not np.array_equal(pixels(first)[32:64, 32:64], pixels(other)[32:64, 32:64])
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
 
 
 def test_replay_identity_of_the_same_request(editor):

@@ -8,11 +8,10 @@
 #include <vector>
 
 #include "../host_row_runs.h"
+#include "row_launch.cuh"
 
 namespace retouch::cuda {
 namespace {
-
-constexpr int kMaxThreads = 256;
 
 // One thread block per row, as row_copy.cu: threads stride over the row in the widest vector that every
 // address allows. Loads cross the host link, so many rows in flight (one per block) hide its latency.
@@ -26,13 +25,6 @@ __global__ void gather_host_rows_kernel(char* __restrict__ dst, int64_t dst_row_
   const Vec* in = reinterpret_cast<const Vec*>(src + src_offsets[i]);
   Vec* out = reinterpret_cast<Vec*>(dst + dst_rows[i] * dst_row_stride);
   for (int64_t v = threadIdx.x; v < vecs_per_row; v += blockDim.x) out[v] = in[v];
-}
-
-int widest_vector_bytes(uint64_t all_bits) {
-  for (int width : {16, 8, 4, 2}) {
-    if (all_bits % width == 0) return width;
-  }
-  return 1;
 }
 
 bool is_legacy_stream(cudaStream_t stream) { return stream == nullptr || stream == cudaStreamLegacy; }
@@ -93,22 +85,13 @@ cudaError_t launch_gather_host_rows_kernel(void* dst, int64_t dst_row_stride_byt
   const uint64_t all_bits = static_cast<uint64_t>(row_bytes) | static_cast<uint64_t>(dst_row_stride_bytes) |
                             offset_bits | reinterpret_cast<uintptr_t>(src_device) |
                             reinterpret_cast<uintptr_t>(dst);
-  const int width = widest_vector_bytes(all_bits);
-  const int64_t vecs = row_bytes / width;
-  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, ((vecs + 31) / 32) * 32));
-  const dim3 grid(static_cast<unsigned int>(num_rows));
+  const RowLaunch shape = row_launch(num_rows, row_bytes, all_bits);
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src_device);
-#define RETOUCH_LAUNCH(VEC) \
-  gather_host_rows_kernel<VEC><<<grid, threads, 0, stream>>>(d, dst_row_stride_bytes, s, src_offsets, dst_rows, vecs)
-  switch (width) {
-    case 16: RETOUCH_LAUNCH(uint4); break;
-    case 8: RETOUCH_LAUNCH(uint2); break;
-    case 4: RETOUCH_LAUNCH(uint32_t); break;
-    case 2: RETOUCH_LAUNCH(uint16_t); break;
-    default: RETOUCH_LAUNCH(uint8_t); break;
-  }
-#undef RETOUCH_LAUNCH
+  with_vector_type(shape.vector_bytes, [&](auto vector) {
+    gather_host_rows_kernel<decltype(vector)><<<shape.grid, shape.threads, 0, stream>>>(
+        d, dst_row_stride_bytes, s, src_offsets, dst_rows, shape.vecs_per_row);
+  });
   return cudaGetLastError();
 }
 

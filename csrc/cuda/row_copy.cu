@@ -5,13 +5,12 @@
 // the row length allow (16 bytes for bf16 rows whose hidden size is a multiple of 8), so the copy is
 // bandwidth-bound with coalesced 128-bit accesses.
 #include "row_copy.h"
+#include "row_launch.cuh"
 
 #include <algorithm>
 
 namespace retouch::cuda {
 namespace {
-
-constexpr int kMaxThreads = 256;
 
 template <typename Vec, typename Index>
 __global__ void copy_rows_kernel(const char* __restrict__ src, int64_t src_row_stride,
@@ -27,37 +26,19 @@ __global__ void copy_rows_kernel(const char* __restrict__ src, int64_t src_row_s
   for (int64_t v = threadIdx.x; v < vecs_per_row; v += blockDim.x) out[v] = in[v];
 }
 
-int widest_vector_bytes(int64_t row_bytes, int64_t src_stride, int64_t dst_stride, const void* src,
-                        const void* dst) {
-  const uint64_t all = static_cast<uint64_t>(row_bytes) | static_cast<uint64_t>(src_stride) |
-                       static_cast<uint64_t>(dst_stride) | reinterpret_cast<uintptr_t>(src) |
-                       reinterpret_cast<uintptr_t>(dst);
-  for (int width : {16, 8, 4, 2}) {
-    if (all % width == 0) return width;
-  }
-  return 1;
-}
-
 template <typename Index>
 cudaError_t launch_copy_rows(const char* src, int64_t src_stride, const Index* src_idx, char* dst,
                              int64_t dst_stride, const Index* dst_idx, int64_t num_rows,
                              int64_t row_bytes, cudaStream_t stream) {
   if (num_rows == 0 || row_bytes == 0) return cudaSuccess;
-  const int width = widest_vector_bytes(row_bytes, src_stride, dst_stride, src, dst);
-  const int64_t vecs = row_bytes / width;
-  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, ((vecs + 31) / 32) * 32));
-  const dim3 grid(static_cast<unsigned int>(num_rows));
-#define RETOUCH_LAUNCH(VEC)                                                                         \
-  copy_rows_kernel<VEC, Index>                                                                      \
-      <<<grid, threads, 0, stream>>>(src, src_stride, src_idx, dst, dst_stride, dst_idx, vecs)
-  switch (width) {
-    case 16: RETOUCH_LAUNCH(uint4); break;
-    case 8: RETOUCH_LAUNCH(uint2); break;
-    case 4: RETOUCH_LAUNCH(uint32_t); break;
-    case 2: RETOUCH_LAUNCH(uint16_t); break;
-    default: RETOUCH_LAUNCH(uint8_t); break;
-  }
-#undef RETOUCH_LAUNCH
+  const RowLaunch shape = row_launch(num_rows, row_bytes,
+                                     static_cast<uint64_t>(row_bytes) | static_cast<uint64_t>(src_stride) |
+                                         static_cast<uint64_t>(dst_stride) | reinterpret_cast<uintptr_t>(src) |
+                                         reinterpret_cast<uintptr_t>(dst));
+  with_vector_type(shape.vector_bytes, [&](auto vector) {
+    copy_rows_kernel<decltype(vector), Index><<<shape.grid, shape.threads, 0, stream>>>(
+        src, src_stride, src_idx, dst, dst_stride, dst_idx, shape.vecs_per_row);
+  });
   return cudaGetLastError();
 }
 
