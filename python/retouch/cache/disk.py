@@ -20,7 +20,6 @@ import json
 import os
 import struct
 import threading
-import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
