@@ -1,8 +1,8 @@
 """retouch.bench: benchmarks that print one JSON object (and write a PNG beside `--out`).
 
-    retouch bench step | flops | fidelity | attention [options]     (or python -m retouch.bench.NAME)
+    retouch bench step | flops | fidelity | attention | planner | copy | overlap [options]     (or python -m retouch.bench.NAME)
 
 Imported as `retouch.bench`; the folder is mapped into the package by setup.py.
 """
 
-BENCHMARKS = ("step", "flops", "fidelity", "attention")
+BENCHMARKS = ("step", "flops", "fidelity", "attention", "planner", "copy", "overlap")

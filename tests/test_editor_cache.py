@@ -2,30 +2,13 @@
 and staged by the copy engine; lost or damaged files cost a recompute, never a wrong edit."""
 
 import pytest
-import torch
-from PIL import Image, ImageDraw
+from editor_inputs import LATENT_ATOL, max_diff, square_mask, template_image
 
 from retouch import load
 from retouch.cache import CacheStore, StoreConfig
 
 STEPS = 2
-LATENT_ATOL = 1e-5  # as tests/test_editor.py: fp32, summation order only
-
-
-def template_image(color=(40, 120, 200)) -> Image.Image:
-    image = Image.new("RGB", (128, 128), color)
-    ImageDraw.Draw(image).ellipse((20, 30, 90, 100), fill=(230, 200, 60))
-    return image
-
-
-def square_mask(box=(16, 40, 79, 95)) -> Image.Image:
-    mask = Image.new("L", (128, 128), 0)
-    ImageDraw.Draw(mask).rectangle(box, fill=255)
-    return mask
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
+REPLAY_MASK = (16, 40, 79, 95)
 
 
 @pytest.fixture(scope="module", params=[("tiny-flux-fill", "y"), ("tiny-flux-fill", "kv"), ("tiny-sd3-inpaint", "kv"),
@@ -37,7 +20,8 @@ def disk_editor(request, tmp_path_factory):
 
 
 def register_replay_template(editor) -> str:
-    return editor.register_template(template_image(), prompt="a red hat", steps=STEPS, seed=4, mask=square_mask())
+    return editor.register_template(template_image(), prompt="a red hat", steps=STEPS, seed=4,
+                                    mask=square_mask(REPLAY_MASK))
 
 
 def test_replay_identity_through_host_arena_and_disk(disk_editor):
@@ -45,9 +29,9 @@ def test_replay_identity_through_host_arena_and_disk(disk_editor):
     store = disk_editor.cache
     assert store.evict(template_id) and store.disk.contains(template_id)
     disk_hits = store.metrics()["disk_hits"]
-    mask_aware = disk_editor.edit(template_id, square_mask(), "a red hat", seed=4, output_type="latent")
+    mask_aware = disk_editor.edit(template_id, square_mask(REPLAY_MASK), "a red hat", seed=4, output_type="latent")
     assert store.metrics()["disk_hits"] == disk_hits + 1  # the edit read it back from disk
-    full = disk_editor.edit(template_id, square_mask(), "a red hat", seed=4, output_type="latent",
+    full = disk_editor.edit(template_id, square_mask(REPLAY_MASK), "a red hat", seed=4, output_type="latent",
                             full_compute=True)
     assert max_diff(mask_aware, full) <= LATENT_ATOL
     assert disk_editor.copy_engine.stats.bytes > 0  # the rows came through the copy engine
@@ -75,3 +59,36 @@ def test_a_damaged_cache_file_costs_a_recompute_and_the_edit_is_still_right(disk
     assert max_diff(edited, expected) <= LATENT_ATOL  # the recorded activations are recomputed exactly
     corrupt = store.metrics()["corrupt_files"]
     assert corrupt >= (0 if damage == "missing" else 1)
+
+
+def synthetic_cost_model(editor, load_seconds_per_byte: float):
+    """Every block costs 1 ms in full and 0.3 ms cached; loads cost `load_seconds_per_byte`."""
+    from retouch.costs import FEATURES, CostModel, LinearModel
+
+    kinds = tuple(f"k{i}" for i in range(editor.adapter.num_blocks)) if not editor.is_unet else \
+        tuple(f"level{level}" for level in editor.adapter.block_levels)
+    full = LinearModel(FEATURES, (0.0,) * 4, 1e-3, 1.0, 10)
+    cached = LinearModel(FEATURES, (0.0,) * 4, 3e-4, 1.0, 10)
+    return CostModel(model=editor.model.name, device="cpu", dtype="float32", block_kinds=kinds,
+                     compute={k: {"full": full, "y": cached, "kv": cached} for k in set(kinds)},
+                     row_bytes={k: {"out": 64, "k": 64, "v": 64} for k in set(kinds)},
+                     load=LinearModel(("bytes",), (load_seconds_per_byte,), 0.0, 1.0, 4))
+
+
+def test_the_planner_chooses_per_block_and_the_edit_follows_the_plan(disk_editor):
+    template_id = register_replay_template(disk_editor)
+    mask = square_mask((0, 0, 63, 63))
+    reference = disk_editor.edit(template_id, mask, "a cat", seed=3, output_type="latent", full_compute=True)
+    try:
+        disk_editor.cost_model = synthetic_cost_model(disk_editor, load_seconds_per_byte=1.0)  # loads hopeless
+        copied = disk_editor.copy_engine.stats.bytes
+        planned = disk_editor.edit(template_id, mask, "a cat", seed=3, output_type="latent")
+        assert disk_editor.last_plan.use_cache == (False,) * disk_editor.adapter.num_blocks
+        assert disk_editor.copy_engine.stats.bytes == copied  # an all-full plan loads nothing
+        assert max_diff(planned, reference) == 0.0  # and is the unmodified computation
+        disk_editor.cost_model = synthetic_cost_model(disk_editor, load_seconds_per_byte=0.0)  # loads free
+        disk_editor.edit(template_id, mask, "a cat", seed=3, output_type="latent")
+        assert all(disk_editor.last_plan.use_cache)
+        assert disk_editor.copy_engine.stats.bytes > copied
+    finally:
+        disk_editor.cost_model = None

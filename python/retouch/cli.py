@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from retouch.config import EditOptions, add_arguments, from_arguments
+from retouch.config import EditOptions, ProfileOptions, add_arguments, from_arguments
 from retouch.errors import RetouchError
 
 EXIT_USAGE = 2
@@ -91,6 +91,19 @@ def _mask_aware_edit(opts: EditOptions, model, image, mask, load_seconds: float)
     return 0
 
 
+def cmd_profile(args) -> int:
+    import torch
+
+    from retouch.profile import run_profile
+
+    opts = from_arguments(ProfileOptions, args)
+    device, dtype = resolve_device(opts.device, opts.dtype)
+    model = run_profile(opts, torch.device(device), dtype, command="retouch profile " + " ".join(sys.argv[2:]))
+    print(json.dumps({"out": str(opts.out), "model": model.model, "device": model.device, "r2": model.r2_summary(),
+                      "load_gbps": round(1e-9 / model.load.coef[0], 3) if model.load.coef[0] > 0 else None}))
+    return 0
+
+
 def cmd_models(args) -> int:
     from retouch.models import export_pipeline, list_models
 
@@ -141,6 +154,10 @@ def build_parser() -> ArgumentParser:
     export.add_argument("name", help="built-in model name")
     export.add_argument("directory", help="new (or empty) folder to write")
     models.set_defaults(handler=cmd_models)
+
+    profile = commands.add_parser("profile", help="time a model's blocks and host->device loads; fit cost models (JSON)")
+    add_arguments(profile, ProfileOptions)
+    profile.set_defaults(handler=cmd_profile)
 
     from retouch.bench import BENCHMARKS
 

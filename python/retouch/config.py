@@ -85,3 +85,35 @@ def _scalar_type(hint):
     # `int | None` -> int: None only ever comes from the default.
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
+
+
+@dataclass(slots=True)
+class ProfileOptions:
+    """Fit the cost models of one model on one device."""
+
+    model: str = option(help="built-in model name (see `retouch models`)")
+    device: str = option("auto", help="where to time", choices=("auto", "cpu", "cuda"))
+    dtype: str = option("auto", help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)",
+                        choices=("auto", "float32", "bfloat16", "float16"))
+    out: Path = option(Path("cost_model.json"), help="where to write the cost models (JSON)")
+    grids: str = option("8,16,24,32", help="image token grids to time (tokens per side), comma-separated")
+    batch_sizes: str = option("1,2,4", help="batch sizes to time, comma-separated")
+    mask_ratios: str = option("0.1,0.3,0.6,1.0", help="mask ratios to time, comma-separated")
+    repeats: int = option(3, help="timed repeats per point (the fastest is kept)")
+    load_mib: str = option("0.25,1,4,16", help="host->device copy sizes to time (MiB), comma-separated")
+
+    def __post_init__(self):
+        for name in ("grids", "batch_sizes", "mask_ratios", "load_mib"):
+            try:
+                values = [float(v) for v in getattr(self, name).split(",")]
+            except ValueError:
+                raise InputError(f"--{name.replace('_', '-')} must be comma-separated numbers") from None
+            if not values or min(values) <= 0:
+                raise InputError(f"--{name.replace('_', '-')} values must be > 0")
+        if max(float(r) for r in self.mask_ratios.split(",")) > 1:
+            raise InputError("--mask-ratios must lie in (0, 1]")
+        if self.repeats < 1:
+            raise InputError(f"--repeats must be >= 1, got {self.repeats}")
+
+    def values(self, name: str, kind=float) -> list:
+        return [kind(float(v)) for v in getattr(self, name).split(",")]

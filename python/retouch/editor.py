@@ -228,7 +228,6 @@ class MaskAwareEditor:
             masks.append(mask)
             masked_idx.append(masked_token_indices(tokens))
             latents.append(noise)
-        template_ids = [t.template_id for t in templates]
         handles = {} if full_compute else self._acquire(templates)
         try:
             context_at = None if full_compute else self._edit_contexts(templates, masks, masked_idx, handles)

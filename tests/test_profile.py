@@ -1,0 +1,69 @@
+"""`retouch profile` writes cost models the planner reads; the cache benchmarks run at tiny sizes."""
+
+import json
+
+import pytest
+import torch
+
+from retouch.bench import copy as copy_bench
+from retouch.bench import overlap
+from retouch.config import ProfileOptions
+from retouch.costs import VARIANTS, CostModel, RequestTokens
+from retouch.errors import InputError
+from retouch.planner import optimal_plan
+from retouch.profile import run_profile
+
+QUICK = dict(grids="4,6,8", batch_sizes="1,2", mask_ratios="0.25,0.5,1.0", repeats=1, load_mib="0.0625,0.125,0.25")
+
+
+@pytest.mark.parametrize("model, kinds", [("tiny-flux-fill", ("double", "single", "single")),
+                                          ("tiny-sd3-inpaint", ("joint", "joint-last")),
+                                          ("tiny-sdxl-inpaint", None)])
+def test_profile_writes_a_cost_model_the_planner_reads(tmp_path, model, kinds):
+    out = tmp_path / "cost.json"
+    written = run_profile(ProfileOptions(model=model, out=out, **QUICK), torch.device("cpu"), torch.float32,
+                          command="test", progress=lambda message: None)
+    loaded = CostModel.from_json(out)
+    assert loaded == written and loaded.model == model
+    if kinds is not None:
+        assert loaded.block_kinds == kinds
+    for kind in set(loaded.block_kinds):
+        assert set(loaded.compute[kind]) == set(VARIANTS)
+        assert all(fit.samples >= 5 for fit in loaded.compute[kind].values())
+    assert loaded.load.coef[0] > 0  # more bytes take longer
+    row = {kind: RequestTokens(text=0 if kind.startswith("level") else 4, image=64, masked=16,
+                               cross_keys=77 if kind.startswith("level") else 0) for kind in set(loaded.block_kinds)}
+    plan = optimal_plan(loaded.block_costs([row], "y"))
+    assert len(plan.use_cache) == len(loaded.block_kinds)
+
+
+def test_profile_options_are_checked():
+    with pytest.raises(InputError, match="mask-ratios"):
+        ProfileOptions(model="tiny-flux-fill", mask_ratios="0.5,2")
+    with pytest.raises(InputError, match="grids"):
+        ProfileOptions(model="tiny-flux-fill", grids="a,b")
+
+
+def test_profile_cli_rejects_bad_input(cli, tmp_path):
+    result = cli("profile", "--model", "no-such-model", "--out", tmp_path / "c.json")
+    assert result.returncode == 2 and "no-such-model" in result.stderr and "Traceback" not in result.stderr
+    result = cli("profile", "--model", "tiny-flux-fill", "--repeats", "0")
+    assert result.returncode == 2 and "--repeats" in result.stderr
+
+
+def test_overlap_bench_compares_every_variant_on_the_cpu(tmp_path):
+    cost = tmp_path / "cost.json"
+    run_profile(ProfileOptions(model="tiny-flux-fill", out=cost, **QUICK), torch.device("cpu"), torch.float32,
+                command="test", progress=lambda message: None)
+    report = overlap.main(["--model", "tiny-flux-fill", "--device", "cpu", "--steps", "2", "--repeats", "1",
+                           "--cost-model", str(cost), "--out", str(tmp_path / "overlap.json")])
+    variants = {row["variant"]: row for row in report["results"]}
+    assert set(variants) == {"ideal", "planned", "pipelined", "naive", "full"}
+    assert variants["ideal"]["vs_ideal"] == 1.0
+    assert report["copy"]["bytes"] > 0 and len(report["plan"]) == 3
+    assert (tmp_path / "overlap.png").exists() and json.loads((tmp_path / "overlap.json").read_text())
+
+
+def test_copy_bench_quick():
+    report = copy_bench.main(["--quick"])
+    assert report["results"] and all(row["gather_gbps"] > 0 and row["baseline_gbps"] > 0 for row in report["results"])
