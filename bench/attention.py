@@ -24,10 +24,12 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from retouch.bench.report import pyplot, write_json
+from retouch.bench.timing import seconds_of
 
 # Heads per head_dim as in the models served: Flux 24 x 128, SDXL's first transformer level 10 x 64.
 HEADS_FOR_HEAD_DIM = {64: 10, 128: 24}
@@ -85,21 +87,7 @@ def measure_ms(fn, device: torch.device, warmup: int, iters: int) -> list[float]
     """Wall time of `fn()` per call in ms, synchronised; CUDA events on a GPU."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return times
+    return [1e3 * seconds_of(fn, device) for _ in range(iters)]
 
 
 def scenarios(ratios: list[float], batch: int, tokens: int) -> dict[str, list[int]]:
@@ -177,12 +165,8 @@ def device_name(device: torch.device) -> str:
 
 def write_plot(report: dict, path: Path) -> str | None:
     """TFLOP/s per scenario, one panel per (head_dim, batch). Returns the path, or None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     rows = report["results"]
     panels = sorted({(r["head_dim"], r["batch"]) for r in rows})
@@ -229,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         report["plot"] = write_plot(report, out.with_suffix(".png"))
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, out)
     print(json.dumps(report))
     return report
 

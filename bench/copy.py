@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from retouch import ops
+from retouch.bench.report import pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.masks import centred_token_rectangle
 
@@ -162,8 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
               "quick": quick, "threads": torch.get_num_threads(), "torch": torch.__version__,
               "config": dataclasses.asdict(config), "results": results}
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, out)
         write_plot(report, out.with_suffix(".png"))
     print(json.dumps(report))
     return report
@@ -171,13 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def write_plot(report: dict, path: Path) -> None:
     """GB/s against batch size, one panel per row size: a line per method and mask ratio."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     rows = report["results"]
     shapes = list(dict.fromkeys(row["rows"] for row in rows))

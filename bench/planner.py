@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from retouch.bench.report import pyplot, write_json
 from retouch.planner import TIE_RTOL, BlockCosts, algorithm1, brute_force, optimal_plan, simulate
 
 FLUX_BLOCKS = (("double", 19), ("single", 38))
@@ -142,17 +143,11 @@ def main(argv: list[str] | None = None) -> dict:
 def write_report(report: dict, rows: list[dict], optimal_us: list[float], algo1_us: list[float],
                  out: Path) -> None:
     """The JSON at `out`, and beside it a PNG: Algorithm 1's gap per group, planning times at 57 blocks."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    write_json(report, out)
+    plt = pyplot()
+    if plt is None:
         return
+    import matplotlib.ticker
     figure, (gaps, times) = plt.subplots(1, 2, figsize=(10, 3.8))
     groups = list(report["groups"])
     gaps.hist([[100 * row["algo1_gap"] for row in rows if f"{row['regime']}/{row['mode']}" == group]

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
+from retouch.bench.report import pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import InMemoryActivationCache
 from retouch.masks import centred_token_rectangle
@@ -100,15 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 def write_report(report: dict, out: Path, metric: str, label: str) -> None:
     """The JSON at `out`, and beside it a PNG of `metric` against mask ratio per mode."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    write_json(report, out)
+    plt = pyplot()
+    if plt is None:
         return
     figure, axis = plt.subplots(figsize=(5, 3.5))
     for mode in dict.fromkeys(row["mode"] for row in report["results"]):
