@@ -273,3 +273,13 @@ def test_budgets_hold_and_data_stays_intact_under_random_churn(tmp_path_factory,
         handle.release()
     store.close()
     assert store.arena.used == sum(t.nbytes for t in store._host.values())
+
+
+def test_a_recording_that_does_not_fit_frees_what_it_had_written():
+    store = make_store(templates_in_host=2)
+    record(store, "a")
+    with store.acquire("a"):
+        with pytest.raises(CacheFull):
+            record(store, "b", steps=3)  # 2 steps fit beside a, the third does not
+        assert not store.contains("b")
+        assert store.arena.used == TEMPLATE_BYTES  # only a's: b's two written steps were freed

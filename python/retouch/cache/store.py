@@ -230,7 +230,17 @@ class CacheStore(ActivationCache):
             self.counters["registrations"] += 1
 
     def _write_step(self, recording: _Recording) -> None:
-        """Encode the step's tensors into one new arena allocation."""
+        """Encode the step's tensors into one new arena allocation. A step that cannot be written (the
+        budget is full of templates being read) ends the recording: its steps so far are freed."""
+        try:
+            self._encode_step(recording)
+        except BaseException:
+            with self._lock:
+                if self._recordings.get(recording.template.template_id) is recording:
+                    self._discard_recording(recording.template.template_id)
+            raise
+
+    def _encode_step(self, recording: _Recording) -> None:
         template = recording.template
         source_dtype = next(iter(recording.tensors.values())).dtype
         dtype = source_dtype if self.config.dtype == "auto" else STORAGE_DTYPES[self.config.dtype]
