@@ -15,7 +15,6 @@ copy engine's gather from a host arena to the device over byte sizes. R^2 of eve
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +22,7 @@ import torch
 
 from retouch import ops
 from retouch.adapters import CacheMode, MaskAwareContext, UNetMaskAwareContext, patch_flux, patch_sd3, patch_unet
+from retouch.bench.timing import seconds_of
 from retouch.cache import InMemoryActivationCache
 from retouch.config import ProfileOptions
 from retouch.costs import FEATURES, CostModel, RequestTokens, block_features, fit_linear
@@ -138,17 +138,8 @@ def capture_block_inputs(target: Target, inputs: dict) -> dict[int, tuple[tuple,
 def fastest_seconds(run: Callable[[], None], repeats: int, device: torch.device) -> float:
     """The fastest of `repeats` timed runs after a warm-up: other load on the machine only ever adds
     time, so the minimum estimates the block's own cost best (and keeps the fits' R^2 meaningful)."""
-    def once() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - started
-
-    once()  # warm-up
-    return min(once() for _ in range(repeats))
+    seconds_of(run, device)  # warm-up
+    return min(seconds_of(run, device) for _ in range(repeats))
 
 
 def profile_blocks(target: Target, opts: ProfileOptions, device: torch.device, progress) -> tuple[list, dict]:
@@ -189,7 +180,7 @@ def profile_blocks(target: Target, opts: ProfileOptions, device: torch.device, p
     return samples, row_bytes
 
 
-def profile_loads(opts: ProfileOptions, device: torch.device, dtype: torch.dtype, progress) -> list[dict]:
+def profile_loads(opts: ProfileOptions, device: torch.device, progress) -> list[dict]:
     """Seconds of the copy engine's host->device gather of `bytes` (rows of 4 KiB, one run of rows)."""
     samples = []
     row = 4096
@@ -219,7 +210,7 @@ def run_profile(opts: ProfileOptions, device: torch.device, dtype: torch.dtype, 
         for variant in VARIANTS:
             rows = [s for s in samples if s["kind"] == kind and s["variant"] == variant]
             compute[kind][variant] = fit_linear(rows, "seconds", FEATURES)
-    load = fit_linear(profile_loads(opts, device, dtype, progress), "seconds", ("bytes",))
+    load = fit_linear(profile_loads(opts, device, progress), "seconds", ("bytes",))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     model = CostModel(model=opts.model, device=device_name, dtype=str(dtype).removeprefix("torch."),
                       block_kinds=tuple(target.kinds), compute=compute, row_bytes=row_bytes, load=load,

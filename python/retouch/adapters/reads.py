@@ -14,7 +14,7 @@ from retouch.adapters.base import MaskAwareAdapter
 from retouch.adapters.context import OUT, CacheMode, MaskAwareContext
 from retouch.adapters.unet import UNetMaskAwareContext
 from retouch.cache.base import ActivationCache
-from retouch.cache.keys import UNCOND_PREFIX, stored_key
+from retouch.cache.keys import stored_key
 from retouch.cache.staging import CopyEngine, LevelRows, RowSource, StagedActivations
 from retouch.cache.store import TemplateHandle
 
@@ -34,7 +34,7 @@ class ForwardReads:
     blocks: tuple[tuple[int, tuple[str, ...]], ...]
 
 
-def forward_reads(adapter: MaskAwareAdapter, context: MaskAwareContext | UNetMaskAwareContext,
+def forward_reads(adapter: MaskAwareAdapter, context: Context,
                   recorded_names: Callable[[int], Sequence[str]]) -> ForwardReads:
     """`recorded_names(block)`: the plain names recorded for a block (KV-cache mode reads all but "out")."""
     if context.mode is CacheMode.RECORD:
@@ -88,11 +88,7 @@ def staged_context(build: Callable[[ActivationCache], Context], engine: CopyEngi
     the forward (the editor does), so its copies finish with it."""
     staged = StagedActivations(engine)
     context = build(staged)
-    recorded: dict[int, list[str]] = {}
-    for entry in next(iter(handles.values())).layout.entries:
-        if not entry.name.startswith(UNCOND_PREFIX):
-            recorded.setdefault(entry.block, []).append(entry.name)
-    reads = forward_reads(adapter, context, lambda block: recorded.get(block, ()))
+    reads = forward_reads(adapter, context, next(iter(handles.values())).layout.plain_names)
     rows = [RowSource(handles[template_id], step, prefix) for template_id, step, prefix in reads.rows]
     staged.start(rows, reads.levels, reads.block_levels, reads.blocks, adapter.num_blocks, dtype, sync)
     return context

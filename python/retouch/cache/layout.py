@@ -12,10 +12,13 @@ a few outlier channels; one scale per tensor would flush the rest to zero).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+
+from retouch.cache.keys import UNCOND_PREFIX
 
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                   "float8_e4m3fn": torch.float8_e4m3fn}
@@ -42,10 +45,7 @@ class Entry:
 
     @property
     def row_elems(self) -> int:
-        count = 1
-        for size in self.shape[1:]:
-            count *= size
-        return count
+        return math.prod(self.shape[1:])
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,15 @@ class StepLayout:
     entries: tuple[Entry, ...]
     nbytes: int
     _index: dict[tuple[int, str], Entry] = field(init=False, repr=False, compare=False)
+    _plain_names: dict[int, tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "_index", {(e.block, e.name): e for e in self.entries})
+        plain: dict[int, list[str]] = {}
+        for e in self.entries:
+            if not e.name.startswith(UNCOND_PREFIX):
+                plain.setdefault(e.block, []).append(e.name)
+        object.__setattr__(self, "_plain_names", {block: tuple(names) for block, names in plain.items()})
 
     @property
     def element_size(self) -> int:
@@ -73,6 +79,10 @@ class StepLayout:
             return self._index[(block, name)]
         except KeyError:
             raise KeyError(f"no recorded {name!r} for block {block}") from None
+
+    def plain_names(self, block: int) -> tuple[str, ...]:
+        """Names recorded for `block`, without the guidance-variant copies ("out", "k", "v", ...)."""
+        return self._plain_names.get(block, ())
 
     def has(self, block: int, name: str) -> bool:
         return (block, name) in self._index
@@ -92,9 +102,7 @@ class StepLayout:
             shape = tuple(int(s) for s in shapes[(block, name)])
             if len(shape) < 2:
                 raise ValueError(f"block {block} {name!r}: an activation is [rows, ...], got shape {shape}")
-            elems = 1
-            for size in shape:
-                elems *= size
+            elems = math.prod(shape)
             data_offset, offset = offset, _align(offset + elems * element, alignment)
             scale_offset = None
             if dtype == torch.float8_e4m3fn:
