@@ -43,6 +43,17 @@ class RequestSchedule:
     counter: int = 0
     cur_sample: torch.Tensor | None = None
 
+    @classmethod
+    def of(cls, scheduler) -> RequestSchedule:
+        """The schedule a diffusers scheduler holds after `set_timesteps` (as a pipeline set it up)."""
+        begin = getattr(scheduler, "begin_index", None) or 0
+        sigmas = getattr(scheduler, "sigmas", None)
+        if begin:
+            raise NotImplementedError("schedules that start part-way (strength < 1) are not batched")
+        return cls(timesteps=scheduler.timesteps.clone(), sigmas=None if sigmas is None else sigmas.clone(),
+                   num_inference_steps=scheduler.num_inference_steps,
+                   init_noise_sigma=float(getattr(scheduler, "init_noise_sigma", 1.0)))
+
     @property
     def num_steps(self) -> int:
         return len(self.timesteps)
@@ -75,10 +86,7 @@ class BatchScheduler(ABC):
         """A request's schedule, as `set_timesteps(num_inference_steps, **set_timesteps)` makes it."""
         scheduler = copy.deepcopy(self.template)
         scheduler.set_timesteps(num_inference_steps, device=device, **set_timesteps)
-        sigmas = getattr(scheduler, "sigmas", None)
-        return RequestSchedule(timesteps=scheduler.timesteps.clone(), sigmas=None if sigmas is None else sigmas.clone(),
-                               num_inference_steps=num_inference_steps,
-                               init_noise_sigma=float(getattr(scheduler, "init_noise_sigma", 1.0)))
+        return RequestSchedule.of(scheduler)
 
     def timesteps(self, schedules: Sequence[RequestSchedule]) -> torch.Tensor:
         """[B] each request's current timestep."""

@@ -16,7 +16,6 @@ unconditional rows are recorded and read under their own template id (`<id>/unco
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
 from collections.abc import Sequence
@@ -66,6 +65,16 @@ class Template:
     noise: torch.Tensor  # [C, h, w] initial latents
     num_text_tokens: int
     recorded_mask: Image.Image  # what the recorded run repainted (nothing by default), processing size
+
+
+@dataclass(frozen=True)
+class EditInputs:
+    """An edit made ready for the denoiser (`MaskAwareEditor.prepare_edit`)."""
+
+    template: Template
+    mask: Image.Image  # L, the processing size
+    masked_idx: torch.Tensor  # row-major indices of the tokens the edit recomputes
+    latents: torch.Tensor  # [C, h, w] initial latents
 
 
 @dataclass(frozen=True)
@@ -210,25 +219,11 @@ class MaskAwareEditor:
         templates = [self._template(request.template_id) for request in requests]
         if len({(t.steps, t.guidance, t.num_text_tokens, t.noise.shape) for t in templates}) > 1:
             raise InputError("edit_many batches templates registered with the same steps, guidance and size")
-        masks, masked_idx, latents = [], [], []
-        for request, template in zip(requests, templates):
-            if not request.prompt.strip():
-                raise InputError("prompt is empty; say what to paint into the masked region")
-            check_same_size(Image.new("L", template.original_size), request.mask)
-            mask = request.mask.convert("L").resize(template.image.size, Image.Resampling.NEAREST)
-            # The edit's seed draws the noise of the masked tokens' latent pixels (2x2 per transformer
-            # token, 1 per token of a UNet's first level); unmasked tokens keep the template's.
-            if self.is_unet:
-                tokens = latent_mask = token_mask(mask, self.pipe.vae_scale_factor, self.dilation)
-            else:
-                tokens = token_mask(mask, PATCH_STRIDE, self.dilation)
-                latent_mask = tokens.repeat_interleave(2, 0).repeat_interleave(2, 1)
-            width, height = template.image.size
-            noise = torch.where(latent_mask, self._noise(request.seed, height, width), template.noise)
-            masks.append(mask)
-            masked_idx.append(masked_token_indices(tokens))
-            latents.append(noise)
-        handles = {} if full_compute else self._acquire(templates)
+        inputs = [self.prepare_edit(request, template) for request, template in zip(requests, templates)]
+        masks = [i.mask for i in inputs]
+        masked_idx = [i.masked_idx for i in inputs]
+        latents = [i.latents for i in inputs]
+        handles = {} if full_compute else self.acquire(templates)
         try:
             context_at = None if full_compute else self._edit_contexts(templates, masks, masked_idx, handles)
             images = self._run(templates, masks, [r.prompt for r in requests], torch.stack(latents), context_at,
@@ -245,36 +240,70 @@ class MaskAwareEditor:
                           if image.size != template.original_size else image)
         return edited
 
-    def _edit_contexts(self, templates: Sequence[Template], masks: Sequence[Image.Image],
-                       masked_idx: Sequence[torch.Tensor], handles: dict[str, TemplateHandle]):
-        """context_at(step) of an edit batch: each forward's context, its cache rows staged ahead of compute
-        by the copy engine when the cache is the store."""
+    def prepare_edit(self, request: EditRequest, template: Template | None = None) -> EditInputs:
+        """What an edit feeds the denoiser: its mask at the processing size, its masked token indices and
+        its initial latents (the template's noise at unmasked tokens, the edit seed's at masked ones)."""
+        template = template if template is not None else self._template(request.template_id)
+        if not request.prompt.strip():
+            raise InputError("prompt is empty; say what to paint into the masked region")
+        check_same_size(Image.new("L", template.original_size), request.mask)
+        mask = request.mask.convert("L").resize(template.image.size, Image.Resampling.NEAREST)
+        # The edit's seed draws the noise of the masked tokens' latent pixels (2x2 per transformer
+        # token, 1 per token of a UNet's first level); unmasked tokens keep the template's.
+        if self.is_unet:
+            tokens = latent_mask = token_mask(mask, self.pipe.vae_scale_factor, self.dilation)
+        else:
+            tokens = token_mask(mask, PATCH_STRIDE, self.dilation)
+            latent_mask = tokens.repeat_interleave(2, 0).repeat_interleave(2, 1)
+        width, height = template.image.size
+        noise = torch.where(latent_mask, self._noise(request.seed, height, width), template.noise)
+        return EditInputs(template, mask, masked_token_indices(tokens), noise)
+
+    def edit_context(self, templates: Sequence[Template], masks: Sequence[Image.Image],
+                     masked_idx: Sequence[torch.Tensor], steps: Sequence[int], cache: ActivationCache,
+                     block_plan: Sequence[bool] | None = None):
+        """The adapter context of one forward over edits of `templates`, request b at its step `steps[b]`
+        (each at its own point of its own schedule under continuous batching)."""
         template_ids = [t.template_id for t in templates]
         if self.is_unet:
             copies = 2 if self._uses_guidance(templates[0].guidance) else 1
+            return UNetMaskAwareContext.edit(self.mode, masks, template_ids, steps, self.adapter.num_levels, cache,
+                                             dilation=self.dilation, block_plan=block_plan, guidance_copies=copies,
+                                             device=self.pipe.device)
+        row_ids = self._row_template_ids(template_ids, templates[0].guidance)
+        copies = len(row_ids) // len(templates)
+        num_image = templates[0].noise.shape[1] * templates[0].noise.shape[2] // 4
+        return MaskAwareContext.edit(self.mode, list(masked_idx) * copies, row_ids, list(steps) * copies,
+                                     templates[0].num_text_tokens, num_image, cache, block_plan=block_plan,
+                                     device=self.pipe.device)
 
-            def build(step: int, cache: ActivationCache) -> UNetMaskAwareContext:
-                return UNetMaskAwareContext.edit(self.mode, masks, template_ids, [step] * len(templates),
-                                                 self.adapter.num_levels, cache, dilation=self.dilation,
-                                                 block_plan=plan, guidance_copies=copies,
-                                                 device=self.pipe.device)
-        else:
-            row_ids = self._row_template_ids(template_ids, templates[0].guidance)
-            row_masked_idx = list(masked_idx) * (len(row_ids) // len(templates))
-            num_text = templates[0].num_text_tokens
-            num_image = templates[0].noise.shape[1] * templates[0].noise.shape[2] // 4
+    def staged_edit_context(self, templates: Sequence[Template], masks: Sequence[Image.Image],
+                            masked_idx: Sequence[torch.Tensor], steps: Sequence[int],
+                            handles: dict[str, TemplateHandle], block_plan: Sequence[bool] | None = None):
+        """`edit_context`, its cache rows staged ahead of compute by the copy engine when the cache is
+        the store (enter its `StagedActivations` around the forward); the planner's block plan for this
+        batch when the editor has a cost model and no fixed plan."""
+        if block_plan is None:
+            block_plan = self.block_plan
+        if block_plan is None and self.cost_model is not None:
+            block_plan = self.plan_blocks(self.edit_context(templates, masks, masked_idx, steps, self.cache))
 
-            def build(step: int, cache: ActivationCache) -> MaskAwareContext:
-                return MaskAwareContext.edit(self.mode, row_masked_idx, row_ids, [step] * len(row_ids), num_text,
-                                             num_image, cache, block_plan=plan, device=self.pipe.device)
+        def build(cache: ActivationCache):
+            return self.edit_context(templates, masks, masked_idx, steps, cache, block_plan)
 
+        if self.copy_engine is None:
+            return build(self.cache)
+        return staged_context(build, self.copy_engine, self.adapter, handles, self.denoiser.dtype)
+
+    def _edit_contexts(self, templates: Sequence[Template], masks: Sequence[Image.Image],
+                       masked_idx: Sequence[torch.Tensor], handles: dict[str, TemplateHandle]):
+        """context_at(step) of an edit batch whose requests are all at the same step: one block plan
+        for the whole run."""
         plan = self.block_plan
         if plan is None and self.cost_model is not None:
-            plan = self.plan_blocks(build(0, self.cache))
-        if self.copy_engine is None:
-            return lambda step: build(step, self.cache)
-        return lambda step: staged_context(functools.partial(build, step), self.copy_engine, self.adapter, handles,
-                                           self.denoiser.dtype)
+            plan = self.plan_blocks(self.edit_context(templates, masks, masked_idx, [0] * len(templates), self.cache))
+        return lambda step: self.staged_edit_context(templates, masks, masked_idx, [step] * len(templates), handles,
+                                                     plan)
 
     def plan_blocks(self, context) -> tuple[bool, ...]:
         """The planner's choice, per block, of cache or full compute for this batch (Algorithm 1 or the
@@ -285,7 +314,7 @@ class MaskAwareEditor:
         self.last_plan = (planner.optimal_plan if self.planner == "optimal" else planner.algorithm1)(costs)
         return self.last_plan.use_cache
 
-    def _acquire(self, templates: Sequence[Template]) -> dict[str, TemplateHandle]:
+    def acquire(self, templates: Sequence[Template]) -> dict[str, TemplateHandle]:
         """Handles on the templates' recordings in host memory (none when the cache is not the store).
         A template no tier holds any more (evicted without a disk tier, or its file was corrupt) is
         recorded again: a recompute, never a wrong image."""
@@ -320,8 +349,6 @@ class MaskAwareEditor:
              latents: torch.Tensor, context_at, output_type: str = "pil"):
         """One pipeline call over the batch; the denoiser's i-th forward runs under context_at(i)
         (the unmodified model where context_at is None)."""
-        template = templates[0]
-        width, height = template.image.size
         step = 0
         with ExitStack() as active:
 
@@ -339,25 +366,33 @@ class MaskAwareEditor:
                 self.denoiser.register_forward_pre_hook(enter, with_kwargs=True),
                 self.denoiser.register_forward_hook(leave, with_kwargs=True)]
             try:
-                kwargs = dict(self.model.call_defaults)
-                kwargs.update(
-                    prompt=list(prompts), image=[t.image for t in templates], mask_image=list(masks),
-                    height=height, width=width, num_inference_steps=template.steps,
-                    latents=self._latents_argument(latents),
-                    # Per-template generators: the VAE posterior sample of a template is the same at
-                    # registration and at every edit.
-                    generator=[torch.Generator("cpu").manual_seed(t.seed) for t in templates],
-                    output_type=output_type)
-                if template.guidance is not None:
-                    kwargs["guidance_scale"] = template.guidance
-                if self.model.family != "flux-fill":
-                    # Given latents are taken as the start of the schedule: strength 1 runs all steps.
-                    kwargs["strength"] = 1.0
+                kwargs = self.pipeline_kwargs(templates, masks, prompts, latents, output_type)
                 with torch.inference_mode(), quiet_libraries():
                     return self.pipe(**kwargs).images
             finally:
                 for hook in hooks:
                     hook.remove()
+
+    def pipeline_kwargs(self, templates: Sequence[Template], masks: Sequence[Image.Image], prompts: Sequence[str],
+                        latents: torch.Tensor, output_type: str = "pil") -> dict:
+        """The stock pipeline's arguments for a batch of edits (or a recording) starting from `latents`."""
+        template = templates[0]
+        width, height = template.image.size
+        kwargs = dict(self.model.call_defaults)
+        kwargs.update(
+            prompt=list(prompts), image=[t.image for t in templates], mask_image=list(masks),
+            height=height, width=width, num_inference_steps=template.steps,
+            latents=self._latents_argument(latents),
+            # Per-template generators: the VAE posterior sample of a template is the same at
+            # registration and at every edit.
+            generator=[torch.Generator("cpu").manual_seed(t.seed) for t in templates],
+            output_type=output_type)
+        if template.guidance is not None:
+            kwargs["guidance_scale"] = template.guidance
+        if self.model.family != "flux-fill":
+            # Given latents are taken as the start of the schedule: strength 1 runs all steps.
+            kwargs["strength"] = 1.0
+        return kwargs
 
     # ---- helpers ----
 

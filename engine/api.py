@@ -1,0 +1,156 @@
+"""The engine in-process: a step loop on its own thread, requests in, futures out.
+
+    with Engine.load("tiny-flux-fill", EngineConfig(mode="disagg")) as engine:
+        template_id = engine.register_template(image, prompt="a living room", steps=28)
+        future = engine.submit(EditRequest(template_id, mask, "a red sofa", seed=1))
+        edited = future.result().image
+
+The server puts this behind the router; benchmarks and tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import torch
+from PIL import Image
+
+from retouch.editor import DEFAULT_STEPS, EditRequest, MaskAwareEditor
+from retouch.engine import processing
+from retouch.engine.processing import HelperPool
+from retouch.engine.worker import EditResult, EngineConfig, Job, Worker
+from retouch.errors import InputError, RetouchError
+from retouch.images import check_same_size
+from retouch.models import load_pipeline
+
+
+class HelperError(RetouchError):
+    """Pre/post-processing in a helper process failed; the message is the helper's."""
+
+
+class Engine:
+    def __init__(self, editor: MaskAwareEditor, config: EngineConfig = EngineConfig(), model_name: str | None = None):
+        """`model_name`: what the helper processes of the disaggregated mode load (default: the editor's)."""
+        self.editor = editor
+        self.config = config
+        self.model_name = model_name or editor.model.name
+        self.helpers: HelperPool | None = None
+        self._jobs: dict[int, Job] = {}
+        self._jobs_lock = threading.Lock()
+        self.worker = Worker(editor, config, self._send_to_postprocess if config.mode == "disagg" else None)
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def load(cls, model: str, config: EngineConfig = EngineConfig(), device: str = "cpu",
+             dtype: torch.dtype = torch.float32, **editor_options) -> Engine:
+        return cls(MaskAwareEditor(load_pipeline(model, device=device, dtype=dtype), **editor_options), config, model)
+
+    # ---- lifecycle ----
+
+    def start(self) -> Engine:
+        if self._thread is not None:
+            return self
+        if self.config.mode == "disagg":
+            pipe = self.editor.pipe
+            self.helpers = HelperPool(self.model_name, str(pipe.device), self.editor.denoiser.dtype,
+                                      self.editor.dilation, self.config.helpers, self._on_helper_message)
+        self._thread = threading.Thread(target=self.worker.run, name="retouch-step-loop", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Finish every accepted request, then stop the loop and the helpers."""
+        if self._thread is None:
+            return
+        self.worker.inbox.put(("stop",))
+        self._thread.join()
+        if self.helpers is not None:
+            self._await_postprocessing()
+            self.helpers.close()
+            self.helpers = None
+        self._thread = None
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- requests ----
+
+    def register_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
+                          guidance: float | None = None, mask: Image.Image | None = None) -> str:
+        """Record a template (on the loop thread, between steps: the model is the loop's)."""
+        if self._thread is None:
+            return self.editor.register_template(image, prompt, steps, seed, guidance, mask)
+        future: Future = Future()
+        self.worker.inbox.put(("call", lambda: self.editor.register_template(image, prompt, steps, seed, guidance,
+                                                                             mask), future))
+        return future.result()
+
+    def submit(self, request: EditRequest) -> Future[EditResult]:
+        """Queue an edit; its future holds an `EditResult` or the error that stopped it."""
+        if self._thread is None:
+            raise RuntimeError("start the engine first (Engine.start or `with Engine(...)`)")
+        template = self.editor.templates.get(request.template_id)
+        if template is None:
+            raise InputError(f"unknown template {request.template_id!r}; register it first")
+        if not request.prompt.strip():
+            raise InputError("prompt is empty; say what to paint into the masked region")
+        check_same_size(Image.new("L", template.original_size), request.mask)
+        job = Worker.new_job(request)
+        if self.helpers is None:
+            self.worker.inbox.put(("edit", job))
+        else:
+            with self._jobs_lock:
+                self._jobs[job.id] = job
+            self.helpers.send(processing.prepare_message(job.id, request, template))
+        return job.future
+
+    def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0) -> Image.Image:
+        return self.submit(EditRequest(template_id, mask, prompt, seed)).result().image
+
+    def metrics(self) -> dict:
+        return self.worker.metrics.summary()
+
+    # ---- the disaggregated mode's helpers ----
+
+    def _send_to_postprocess(self, job: Job) -> None:
+        self.helpers.send(processing.finish_message(job.id, job.template, job.ready.inputs.mask, job.row.latents))
+
+    def _on_helper_message(self, header: dict, tensors: dict, blobs: dict) -> None:
+        """On the helpers' receiver thread: a prepared edit joins the loop's inbox; a finished image
+        answers its request."""
+        with self._jobs_lock:
+            job = self._jobs.get(header["job"])
+        if job is None:
+            return
+        kind = header["kind"]
+        template = self.editor.templates.get(job.request.template_id)
+        if kind == "prepared" and template is not None:
+            job.ready = processing.ready_from_message(header, tensors, blobs, template, self.editor.pipe.device)
+            self.worker.inbox.put(("ready", job))
+            return
+        with self._jobs_lock:
+            self._jobs.pop(job.id, None)
+        if kind == "finished":
+            image = Image.frombytes(*_mode_and_size(header["image"]), blobs["image"])
+            self.worker.complete(job, image)
+        elif kind == "prepared":
+            self.worker.metrics.failed += 1
+            job.fail(InputError(f"template {job.request.template_id!r} was dropped before the edit ran"))
+        else:
+            self.worker.metrics.failed += 1
+            job.fail(HelperError(f"{header['error']}: {header['message']}"))
+
+    def _await_postprocessing(self) -> None:
+        with self._jobs_lock:
+            pending = [job.future for job in self._jobs.values()]
+        for future in pending:
+            future.exception()  # waits; the outcome is the caller's
+
+
+def _mode_and_size(spec) -> tuple[str, tuple[int, int]]:
+    mode, width, height = spec
+    return mode, (width, height)

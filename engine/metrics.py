@@ -1,0 +1,78 @@
+"""What the engine measures, per request and per worker (paper §6.4): where time goes and how often
+the denoising loop is held up by work that is not denoising."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request (perf_counter seconds) and its step count."""
+
+    submitted: float = field(default_factory=now)
+    admitted: float | None = None  # joined the running batch (its first step starts)
+    denoised: float | None = None  # its last step ended
+    completed: float | None = None  # its result was ready
+    steps: int = 0
+    admitted_step: int | None = None  # how many loop steps the worker had run when it joined
+
+    @property
+    def queue_s(self) -> float:
+        return self.admitted - self.submitted
+
+    @property
+    def inference_s(self) -> float:
+        return self.denoised - self.admitted
+
+    @property
+    def e2e_s(self) -> float:
+        return self.completed - self.submitted
+
+    def to_json(self) -> dict:
+        return {"queue_s": self.queue_s, "inference_s": self.inference_s, "e2e_s": self.e2e_s, "steps": self.steps}
+
+
+@dataclass
+class WorkerMetrics:
+    """Per loop iteration that ran a step: its batch size, its wall time and the part of it spent in
+    denoiser forwards; `interruptions` counts pre/post-processing tasks (and template recordings)
+    the loop ran while other requests were mid-denoising."""
+
+    batch_sizes: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    forward_s: list[float] = field(default_factory=list)
+    inline_s: list[float] = field(default_factory=list)  # pre/post work run inside the iteration
+    interruptions: int = 0
+    completed: int = 0
+    failed: int = 0
+
+    def record_step(self, batch_size: int, step_s: float, forward_s: float, inline_s: float) -> None:
+        self.batch_sizes.append(batch_size)
+        self.step_s.append(step_s)
+        self.forward_s.append(forward_s)
+        self.inline_s.append(inline_s)
+
+    def overheads_s(self) -> list[float]:
+        """Per step, the loop's own time: admission, batch assembly, planning, scheduler updates and
+        retirement (everything but forwards and inline pre/post work)."""
+        return [max(0.0, s - f - i) for s, f, i in zip(self.step_s, self.forward_s, self.inline_s)]
+
+    def summary(self) -> dict:
+        overheads = self.overheads_s()
+        steps = len(self.step_s)
+        return {
+            "steps": steps, "completed": self.completed, "failed": self.failed,
+            "interruptions": self.interruptions,
+            "mean_batch_size": statistics.fmean(self.batch_sizes) if steps else 0.0,
+            "max_batch_size": max(self.batch_sizes, default=0),
+            "mean_step_s": statistics.fmean(self.step_s) if steps else 0.0,
+            "mean_overhead_s": statistics.fmean(overheads) if steps else 0.0,
+            "overhead_fraction": sum(overheads) / sum(self.step_s) if steps and sum(self.step_s) else 0.0,
+        }

@@ -1,0 +1,237 @@
+"""Pre- and post-processing of edits, and the helper processes that run it apart from the step loop.
+
+Pre-processing makes an edit ready for the denoiser: the mask at the processing size and its token
+indices, the initial latents, then the pipeline's own preparation up to its first denoiser call (text
+encoding, VAE encoding of the masked image, mask latents, schedule). Post-processing decodes the
+final latents with the VAE, pastes the template's pixels outside the mask and resizes.
+
+In the disaggregated mode both run in helper processes (`python -m retouch.engine.processing`),
+each with its own copy of the pipeline's text encoders and VAE on the worker's device, so the step
+loop only ever sees ready tensors. Messages are `retouch.engine.wire` frames over ZeroMQ PUSH/PULL
+on ipc:// sockets: msgpack headers and raw bytes, never pickle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import zmq
+from PIL import Image
+
+from retouch.editor import EditInputs, EditRequest, MaskAwareEditor, Template
+from retouch.engine import recipes, wire
+from retouch.engine.recipes import Prepared
+
+
+@dataclass
+class ReadyEdit:
+    """An edit after pre-processing: what the step loop needs of it."""
+
+    inputs: EditInputs
+    prepared: Prepared
+
+
+def preprocess(editor: MaskAwareEditor, request: EditRequest, template: Template) -> ReadyEdit:
+    inputs = editor.prepare_edit(request, template)
+    return ReadyEdit(inputs, recipes.prepare(editor, inputs, request.prompt))
+
+
+def postprocess(editor: MaskAwareEditor, template: Template, mask: Image.Image, latents: torch.Tensor) -> Image.Image:
+    image = recipes.decode(editor, latents, template.image.size)[0]
+    return recipes.finish(editor, template, mask, image)
+
+
+# ---- what crosses the process boundary ----
+
+def _image_blob(image: Image.Image) -> tuple[list, bytes]:
+    return [image.mode, *image.size], image.tobytes()
+
+
+def _image(spec, data: bytes) -> Image.Image:
+    mode, width, height = spec
+    return Image.frombytes(mode, (width, height), data)
+
+
+def template_message(template: Template) -> tuple[dict, dict, dict]:
+    header = {"template_id": template.template_id, "original_size": list(template.original_size),
+              "prompt": template.prompt, "steps": template.steps, "seed": template.seed,
+              "guidance": template.guidance, "num_text_tokens": template.num_text_tokens}
+    image_spec, image = _image_blob(template.image)
+    mask_spec, mask = _image_blob(template.recorded_mask)
+    header.update(image=image_spec, recorded_mask=mask_spec)
+    return header, {"template.noise": template.noise}, {"template.image": image, "template.recorded_mask": mask}
+
+
+def template_from_message(header: dict, tensors: dict, blobs: dict) -> Template:
+    t = header["template"]
+    return Template(template_id=t["template_id"], image=_image(t["image"], blobs["template.image"]),
+                    original_size=tuple(t["original_size"]), prompt=t["prompt"], steps=t["steps"], seed=t["seed"],
+                    guidance=t["guidance"], noise=tensors["template.noise"], num_text_tokens=t["num_text_tokens"],
+                    recorded_mask=_image(t["recorded_mask"], blobs["template.recorded_mask"]))
+
+
+def prepare_message(job: int, request: EditRequest, template: Template) -> list:
+    header, tensors, blobs = template_message(template)
+    mask_spec, mask = _image_blob(request.mask.convert("L"))
+    return wire.encode({"kind": "prepare", "job": job, "template": header, "prompt": request.prompt,
+                        "seed": request.seed, "mask": mask_spec}, tensors, {**blobs, "mask": mask})
+
+
+def finish_message(job: int, template: Template, mask: Image.Image, latents: torch.Tensor) -> list:
+    header, tensors, blobs = template_message(template)
+    mask_spec, mask_bytes = _image_blob(mask)
+    return wire.encode({"kind": "finish", "job": job, "template": header, "mask": mask_spec},
+                       {**tensors, "latents": latents}, {**blobs, "mask": mask_bytes})
+
+
+def ready_message(job: int, ready: ReadyEdit) -> list:
+    mask_spec, mask = _image_blob(ready.inputs.mask)
+    tensors = {f"prepared.{k}": v for k, v in ready.prepared.tensors().items()}
+    tensors.update(masked_idx=ready.inputs.masked_idx, latents0=ready.inputs.latents)
+    return wire.encode({"kind": "prepared", "job": job, "prepared": ready.prepared.header(), "mask": mask_spec},
+                       tensors, {"mask": mask})
+
+
+def ready_from_message(header: dict, tensors: dict, blobs: dict, template: Template,
+                       device: torch.device | str = "cpu") -> ReadyEdit:
+    prepared = Prepared.from_tensors(header["prepared"], {k.removeprefix("prepared."): v.to(device)
+                                                          for k, v in tensors.items() if k.startswith("prepared.")})
+    inputs = EditInputs(template, _image(header["mask"], blobs["mask"]), tensors["masked_idx"], tensors["latents0"])
+    return ReadyEdit(inputs, prepared)
+
+
+def handle(editor: MaskAwareEditor, frames: list) -> list:
+    """A helper's answer to one message: the prepared edit, the finished image, or an error."""
+    header, tensors, blobs = wire.decode(frames)
+    job = header["job"]
+    try:
+        template = template_from_message(header, tensors, blobs)
+        with torch.inference_mode():
+            if header["kind"] == "prepare":
+                request = EditRequest(template.template_id, _image(header["mask"], blobs["mask"]), header["prompt"],
+                                      header["seed"])
+                return ready_message(job, preprocess(editor, request, template))
+            mask = _image(header["mask"], blobs["mask"])
+            image = postprocess(editor, template, mask, tensors["latents"].to(editor.pipe.device))
+    except Exception as exc:  # the worker answers the request with it; the helper keeps serving
+        return wire.encode({"kind": "error", "job": job, "error": type(exc).__name__, "message": str(exc)})
+    spec, data = _image_blob(image)
+    return wire.encode({"kind": "finished", "job": job, "image": spec}, blobs={"image": data})
+
+
+# ---- the helper processes ----
+
+class HelperPool:
+    """`count` helper processes doing pre/post-processing; `on_message(header, tensors, blobs)` is
+    called on a receiver thread with every answer."""
+
+    def __init__(self, model: str, device: str, dtype: torch.dtype, dilation: int, count: int,
+                 on_message: Callable[[dict, dict, dict], None], start_timeout_s: float = 600.0):
+        if count < 1:
+            raise ValueError(f"the disaggregated mode needs at least one helper process, got {count}")
+        self._dir = tempfile.TemporaryDirectory(prefix="retouch-helpers-")
+        self.context = zmq.Context()
+        self.tasks = self.context.socket(zmq.PUSH)
+        self.results = self.context.socket(zmq.PULL)
+        tasks_address, results_address = f"ipc://{self._dir.name}/tasks", f"ipc://{self._dir.name}/results"
+        self.tasks.bind(tasks_address)
+        self.results.bind(results_address)
+        self._send_lock = threading.Lock()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.processes = [subprocess.Popen(
+            [sys.executable, "-m", "retouch.engine.processing", "--model", model, "--device", device,
+             "--dtype", str(dtype).removeprefix("torch."), "--dilation", str(dilation),
+             "--tasks", tasks_address, "--results", results_address], env=env) for _ in range(count)]
+        self._await_hellos(count, start_timeout_s)
+        self.on_message = on_message
+        self._receiver = threading.Thread(target=self._receive, name="retouch-helper-results", daemon=True)
+        self._receiver.start()
+
+    def _await_hellos(self, count: int, timeout_s: float) -> None:
+        ready = 0
+        poller = zmq.Poller()
+        poller.register(self.results, zmq.POLLIN)
+        waited = 0.0
+        while ready < count:
+            if any(p.poll() is not None for p in self.processes):
+                self.close()
+                raise RuntimeError("a pre/post-processing helper process exited while loading the model")
+            if poller.poll(1000):
+                header, _, _ = wire.decode(self.results.recv_multipart())
+                ready += header.get("kind") == "hello"
+            else:
+                waited += 1.0
+                if waited > timeout_s:
+                    self.close()
+                    raise TimeoutError(f"helper processes not ready after {timeout_s:.0f} s")
+
+    def send(self, frames: list) -> None:
+        with self._send_lock:
+            self.tasks.send_multipart(frames, copy=False)
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                frames = self.results.recv_multipart(copy=False)
+            except zmq.ZMQError:  # closed
+                return
+            header, tensors, blobs = wire.decode([frame.buffer for frame in frames])
+            if header.get("kind") == "stop":
+                return
+            self.on_message(header, tensors, blobs)
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        if getattr(self, "_receiver", None) is not None:
+            with self.context.socket(zmq.PUSH) as wake:  # unblocks the receiver
+                wake.connect(self.results.getsockopt_string(zmq.LAST_ENDPOINT))
+                wake.send_multipart(wire.encode({"kind": "stop"}))
+            self._receiver.join(timeout=10)
+        self.tasks.close(linger=0)
+        self.results.close(linger=0)
+        self.context.term()
+        self._dir.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from retouch.cache import InMemoryActivationCache
+    from retouch.models import load_pipeline
+
+    parser = argparse.ArgumentParser(prog="python -m retouch.engine.processing")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dilation", type=int, default=0)
+    parser.add_argument("--tasks", required=True)
+    parser.add_argument("--results", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # a helper shares the machine with the step loop
+    editor = MaskAwareEditor(load_pipeline(args.model, device=args.device, dtype=getattr(torch, args.dtype)),
+                             cache=InMemoryActivationCache(), dilation=args.dilation)
+    context = zmq.Context()
+    tasks, results = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    tasks.connect(args.tasks)
+    results.connect(args.results)
+    results.send_multipart(wire.encode({"kind": "hello", "pid": os.getpid()}))
+    while True:
+        frames = tasks.recv_multipart(copy=False)
+        results.send_multipart(handle(editor, [frame.buffer for frame in frames]), copy=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Per model family, what one denoising step of a continuous batch does, around the denoiser call.
+
+The stock diffusers pipeline prepares an edit (text encoding, VAE encoding of the masked image, the
+mask latents, the schedule) and then runs its own loop, one request batch from start to end. The
+engine keeps the preparation and owns the loop: `prepare` runs the pipeline up to its first
+denoiser call and keeps what that call and the pipeline's `prepare_latents`/`prepare_mask_latents`
+were given (`Prepared`); `denoise_step` then repeats the pipeline's loop body for a batch whose
+requests are each at their own step:
+
+    flux-fill      hidden = [latents | masked-image latents] (packed channels), timestep / 1000
+    flux-inpaint   hidden = latents; after the step, unmasked latents are re-noised template latents
+    sd3            [uncond; cond] rows (classifier-free guidance), re-noise blend as flux-inpaint
+    sdxl, sd2      [uncond; cond] rows, scale_model_input, then [latents | mask | masked latents]
+
+Guidance is per request: with classifier-free guidance a batch of B requests is 2B denoiser rows,
+[uncond_1..uncond_B; cond_1..cond_B], the order the pipelines use and the editor records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+
+from retouch.baseline import paste_unmasked
+from retouch.editor import EditInputs, MaskAwareEditor
+from retouch.engine.schedulers import BatchScheduler, RequestSchedule
+from retouch.models import quiet_libraries
+
+# The denoiser keyword arguments that carry one row per request (per guidance copy).
+BATCHED_INPUTS = {
+    "flux-fill": ("pooled_projections", "encoder_hidden_states", "guidance"),
+    "flux-inpaint": ("pooled_projections", "encoder_hidden_states", "guidance"),
+    "sd3": ("pooled_projections", "encoder_hidden_states"),
+    "sdxl": ("encoder_hidden_states", "added_cond_kwargs.text_embeds", "added_cond_kwargs.time_ids"),
+    "sd2": ("encoder_hidden_states",),
+}
+# Arguments identical for every request of one image size (positional ids of the tokens).
+SHARED_INPUTS = {"flux-fill": ("txt_ids", "img_ids"), "flux-inpaint": ("txt_ids", "img_ids")}
+CONCAT_DIM = {"flux-fill": 2, "sdxl": 1, "sd2": 1}  # where the conditioning joins the latents
+BLENDED = ("flux-inpaint", "sd3")  # re-noise the template's latents outside the mask after each step
+
+
+@dataclass
+class Prepared:
+    """One request's denoiser inputs that do not change from step to step.
+
+    latents:  [1, ...] the initial latents, as the pipeline's loop starts from them
+    inputs:   batched denoiser inputs, [copies, ...] each (copies = 2 with classifier-free guidance);
+              "cond" is what joins the latents along CONCAT_DIM
+    shared:   inputs equal for every request of the same size
+    blend:    image_latents, noise, mask ([1, ...] each) of the families in BLENDED
+    schedule: the request's timesteps and sigmas, as the pipeline set them
+    """
+
+    latents: torch.Tensor
+    inputs: dict[str, torch.Tensor]
+    shared: dict[str, torch.Tensor]
+    blend: dict[str, torch.Tensor]
+    schedule: RequestSchedule
+    guidance: float | None  # the classifier-free guidance scale; None without it
+
+    @property
+    def copies(self) -> int:
+        return 1 if self.guidance is None else 2
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor, by a flat name (what crosses a process boundary)."""
+        named = {"latents": self.latents, "schedule.timesteps": self.schedule.timesteps}
+        if self.schedule.sigmas is not None:
+            named["schedule.sigmas"] = self.schedule.sigmas
+        for group in ("inputs", "shared", "blend"):
+            named.update({f"{group}.{name}": tensor for name, tensor in getattr(self, group).items()})
+        return named
+
+    def header(self) -> dict:
+        return {"guidance": self.guidance, "num_inference_steps": self.schedule.num_inference_steps,
+                "init_noise_sigma": self.schedule.init_noise_sigma}
+
+    @classmethod
+    def from_tensors(cls, header: dict, named: dict[str, torch.Tensor]) -> Prepared:
+        groups: dict[str, dict[str, torch.Tensor]] = {"inputs": {}, "shared": {}, "blend": {}}
+        for name, tensor in named.items():
+            group, _, key = name.partition(".")
+            if group in groups:
+                groups[group][key] = tensor
+        schedule = RequestSchedule(named["schedule.timesteps"], named.get("schedule.sigmas"),
+                                   header["num_inference_steps"], header["init_noise_sigma"])
+        return cls(named["latents"], groups["inputs"], groups["shared"], groups["blend"], schedule, header["guidance"])
+
+
+@dataclass
+class Running:
+    """A request in the running batch: its latents move one step per loop iteration."""
+
+    prepared: Prepared
+    latents: torch.Tensor  # [1, ...]
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def schedule(self) -> RequestSchedule:
+        return self.prepared.schedule
+
+
+class _FirstStep(Exception):
+    """Raised in the denoiser's pre-hook: preparation is done once the loop's first call is reached."""
+
+
+def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str) -> Prepared:
+    """Run the stock pipeline on one edit up to its first denoiser call; keep what the loop needs."""
+    pipe, family, template = editor.pipe, editor.model.family, inputs.template
+    seen: dict[str, object] = {}
+
+    def remember(name: str, method: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            seen[name] = method(*args, **kwargs)
+            return seen[name]
+        return wrapper
+
+    def stop(module, args, kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        raise _FirstStep
+
+    kwargs = editor.pipeline_kwargs([template], [inputs.mask], [prompt], inputs.latents[None], "latent")
+    # Instance attributes shadow the pipeline's methods for this call only.
+    pipe.prepare_latents = remember("latents", pipe.prepare_latents)
+    pipe.prepare_mask_latents = remember("mask", pipe.prepare_mask_latents)
+    hook = editor.denoiser.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.inference_mode(), quiet_libraries():
+            pipe(**kwargs)
+        raise RuntimeError(f"{type(pipe).__name__} finished without calling its denoiser")
+    except _FirstStep:
+        pass
+    finally:
+        hook.remove()
+        del pipe.prepare_latents, pipe.prepare_mask_latents
+
+    call = dict(seen["kwargs"])
+    if editor.is_unet:
+        call["sample"], call["timestep"] = seen["args"][:2]
+    latent_outputs = seen["latents"]
+    latents = latent_outputs[0]
+    named: dict[str, torch.Tensor] = {}
+    for name in BATCHED_INPUTS[family]:
+        group, _, key = name.partition(".")
+        value = call[group][key] if key else call[group]
+        if value is not None:
+            named[name] = value
+    if family in CONCAT_DIM:
+        hidden = call["sample" if editor.is_unet else "hidden_states"]
+        named["cond"] = hidden.narrow(CONCAT_DIM[family], latents.shape[CONCAT_DIM[family]],
+                                      hidden.shape[CONCAT_DIM[family]] - latents.shape[CONCAT_DIM[family]])
+    blend = {}
+    if family in BLENDED:
+        noise, image_latents = latent_outputs[1], latent_outputs[2]
+        blend = {"image_latents": image_latents, "noise": noise, "mask": seen["mask"][0][:1]}
+    shared = {name: call[name] for name in SHARED_INPUTS.get(family, ())}
+    guidance = template.guidance if template.guidance is not None else pipe.guidance_scale
+    copies = 2 if editor.is_unet or family == "sd3" else 1
+    copies = copies if getattr(pipe, "do_classifier_free_guidance", False) else 1
+    schedule = RequestSchedule.of(pipe.scheduler)
+    return Prepared(latents=latents.clone(), inputs={k: v.clone() for k, v in named.items()},
+                    shared={k: v.clone() for k, v in shared.items()}, blend={k: v.clone() for k, v in blend.items()},
+                    schedule=schedule, guidance=float(guidance) if copies == 2 else None)
+
+
+def denoise_step(family: str, scheduler: BatchScheduler, rows: Sequence[Running],
+                 denoiser: Callable[..., torch.Tensor]) -> None:
+    """One denoising step of `rows` (each at its own step; one image size; all with or all without
+    guidance): call `denoiser(**kwargs)` once on the batch, then advance every request."""
+    prepared = [row.prepared for row in rows]
+    schedules = [row.schedule for row in rows]
+    copies = prepared[0].copies
+    latents = torch.cat([row.latents for row in rows])
+    model_input = torch.cat([latents] * copies) if copies > 1 else latents
+    model_input = scheduler.scale_model_input(model_input, schedules * copies)
+    timesteps = scheduler.timesteps(schedules).repeat(copies)
+    if family in CONCAT_DIM:
+        model_input = torch.cat([model_input, _rows(prepared, "cond")], dim=CONCAT_DIM[family])
+    kwargs = {name: _rows(prepared, name) for name in BATCHED_INPUTS[family] if name in prepared[0].inputs}
+    kwargs = _nest(kwargs)
+    kwargs.update(prepared[0].shared)
+    if family.startswith("flux"):
+        kwargs.update(hidden_states=model_input, timestep=timesteps.to(latents.dtype) / 1000)
+    elif family == "sd3":
+        kwargs.update(hidden_states=model_input, timestep=timesteps)
+    else:
+        kwargs.update(sample=model_input, timestep=timesteps)
+    noise_pred = denoiser(**kwargs)
+    if copies == 2:
+        uncond, cond = noise_pred.chunk(2)
+        # One request at a time, as the pipeline computes it with its Python float guidance scale.
+        noise_pred = torch.cat([u[None] + p.guidance * (c[None] - u[None])
+                                for u, c, p in zip(uncond, cond, prepared)])
+    latents = scheduler.step(noise_pred, latents, schedules)
+    if family in BLENDED:
+        latents = _blend(scheduler, latents, prepared)
+    for row, row_latents in zip(rows, latents):
+        row.latents = row_latents[None]
+
+
+def _blend(scheduler, latents: torch.Tensor, prepared: Sequence[Prepared]) -> torch.Tensor:
+    """Outside the mask, the template's latents re-noised to each request's next step (the last step
+    keeps them clean), as the inpaint pipelines do after every scheduler step."""
+    mask = torch.cat([p.blend["mask"] for p in prepared])
+    renoised = torch.cat([p.blend["image_latents"] if p.schedule.done
+                          else scheduler.scale_noise(p.blend["image_latents"], p.blend["noise"], [p.schedule])
+                          for p in prepared])
+    return (1 - mask) * renoised + mask * latents
+
+
+def _rows(prepared: Sequence[Prepared], name: str) -> torch.Tensor:
+    """The batch's rows of one input: every request's copy 0, then every request's copy 1."""
+    copies = prepared[0].copies
+    return torch.cat([p.inputs[name][copy:copy + 1] for copy in range(copies) for p in prepared])
+
+
+def _nest(flat: dict[str, torch.Tensor]) -> dict:
+    nested: dict = {}
+    for name, value in flat.items():
+        group, _, key = name.partition(".")
+        if key:
+            nested.setdefault(group, {})[key] = value
+        else:
+            nested[group] = value
+    return nested
+
+
+def decode(editor: MaskAwareEditor, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
+    """Final latents `[B, ...]` of one image size (width, height) -> images, as the pipelines decode
+    (diffusers' SD3 inpaint pipeline does not add the VAE's shift factor back; neither does this)."""
+    pipe, family = editor.pipe, editor.model.family
+    vae = pipe.vae
+    width, height = size
+    with torch.inference_mode():
+        if family.startswith("flux"):
+            latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+        if family.startswith("flux"):
+            latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        elif getattr(vae.config, "latents_mean", None) is not None and getattr(vae.config, "latents_std", None):
+            mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+            std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+            latents = latents * std / vae.config.scaling_factor + mean
+        else:
+            latents = latents / vae.config.scaling_factor
+        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        if getattr(pipe, "watermark", None) is not None:
+            images = pipe.watermark.apply_watermark(images)
+        return pipe.image_processor.postprocess(images, output_type="pil")
+
+
+def finish(editor: MaskAwareEditor, template, mask: Image.Image, image: Image.Image) -> Image.Image:
+    """The decoded edit with the template's own pixels outside the mask, at the template's size."""
+    image = paste_unmasked(template.image, image, mask)
+    if image.size != template.original_size:
+        image = image.resize(template.original_size, Image.Resampling.LANCZOS)
+    return image

@@ -1,0 +1,264 @@
+"""The step loop: continuous batching at denoising-step granularity (paper §4.3, Fig. 10).
+
+One thread owns the model and the running batch and repeats, top to bottom:
+
+    receive   new requests and ready (pre-processed) ones; block only when there is nothing to run
+    admit     waiting requests join the running batch, up to `max_batch` (static: only into an empty one)
+    step      one denoising step of the whole ragged batch: each request at its own step of its own
+              schedule with its own mask, one mask-aware forward per image size (planned per forward)
+    retire    requests whose schedule is done leave at once; their latents go to post-processing
+
+Batching modes (one switch, for the ablation):
+    static   a batch runs to completion before the next is admitted; pre/post-processing inline
+    naive    continuous; pre/post-processing inline, so the loop stalls while it runs
+    disagg   continuous; pre/post-processing in helper processes (`retouch.engine.processing`)
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+
+from retouch.cache import CacheFull
+from retouch.cache.staging import StagedActivations
+from retouch.editor import EditRequest, MaskAwareEditor
+from retouch.engine import recipes
+from retouch.engine.metrics import RequestMetrics, WorkerMetrics, now
+from retouch.engine.processing import ReadyEdit, postprocess, preprocess
+from retouch.engine.schedulers import BatchScheduler
+from retouch.errors import RetouchError
+
+MODES = ("static", "naive", "disagg")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    mode: str = "disagg"
+    max_batch: int = 8  # requests per step (a guided request is two denoiser rows)
+    helpers: int = 1  # pre/post-processing processes of the disaggregated mode
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"batching mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+
+
+@dataclass(frozen=True)
+class EditResult:
+    image: Image.Image
+    metrics: RequestMetrics
+
+
+@dataclass(eq=False)
+class Job:
+    """An edit on its way through the engine."""
+
+    id: int
+    request: EditRequest
+    future: Future = field(default_factory=Future)
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    ready: ReadyEdit | None = None
+    row: recipes.Running | None = None
+    handles: dict = field(default_factory=dict)
+
+    @property
+    def template(self):
+        return self.ready.inputs.template
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
+class Worker:
+    """The loop; `inbox` takes ("edit", job) (not yet pre-processed), ("ready", job), ("call", fn,
+    future) (run fn on the loop thread: template registration) and ("stop",)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, editor: MaskAwareEditor, config: EngineConfig,
+                 send_to_postprocess: Callable[[Job], None] | None = None):
+        self.editor = editor
+        self.config = config
+        self.scheduler = BatchScheduler.for_scheduler(editor.pipe.scheduler)
+        self.send_to_postprocess = send_to_postprocess
+        self.inbox: queue.Queue = queue.Queue()
+        self.waiting: deque[Job] = deque()
+        self.running: list[Job] = []
+        self.metrics = WorkerMetrics()
+        self.stopping = False
+        self._forward_s = self._inline_s = 0.0
+
+    @classmethod
+    def new_job(cls, request: EditRequest) -> Job:
+        return Job(next(cls._ids), request)
+
+    # ---- the loop ----
+
+    def run(self) -> None:
+        with torch.inference_mode():
+            while self.receive():
+                started = now()
+                self._forward_s = self._inline_s = 0.0
+                self.admit()
+                if not self.running:
+                    continue
+                batch_size = len(self.running)
+                self.step()
+                self.retire()
+                self.metrics.record_step(batch_size, now() - started, self._forward_s, self._inline_s)
+
+    def receive(self) -> bool:
+        """Take everything in the inbox, blocking while there is nothing to run; False once stopped
+        and drained (every accepted request answered)."""
+        while True:
+            idle = not self.running and not self.waiting
+            if idle and self.stopping:
+                return False
+            try:
+                message = self.inbox.get(block=idle)
+            except queue.Empty:
+                return True
+            kind = message[0]
+            if kind in ("edit", "ready"):
+                self.waiting.append(message[1])
+            elif kind == "call":
+                self._call(message[1], message[2])
+            elif kind == "stop":
+                self.stopping = True
+
+    def admit(self) -> None:
+        if self.config.mode == "static" and self.running:
+            return
+        while self.waiting and len(self.running) < self.config.max_batch:
+            job = self.waiting.popleft()
+            if job.ready is None:  # static and naive: pre-processing inline
+                ready = self._inline(lambda: preprocess(self.editor, job.request,
+                                                        self.editor._template(job.request.template_id)), job)
+                if ready is None:
+                    continue
+                job.ready = ready
+            try:
+                recomputes = self.editor.recomputes
+                job.handles = self.editor.acquire([job.template])
+                if self.editor.recomputes != recomputes and self._mid_denoising():
+                    self.metrics.interruptions += 1  # the template was lost and recorded again
+            except CacheFull:
+                if self.running:  # host memory is held by the running batch: wait for it to shrink
+                    self.waiting.appendleft(job)
+                    return
+                self._fail(job, RetouchError("the template's activations do not fit the host cache"))
+                continue
+            except Exception as exc:
+                self._fail(job, exc)
+                continue
+            job.row = recipes.Running(job.ready.prepared, job.ready.prepared.latents)
+            job.metrics.admitted = now()
+            job.metrics.admitted_step = len(self.metrics.step_s)
+            self.running.append(job)
+
+    def step(self) -> None:
+        """One denoising step of the running batch: a forward per (image size, guidance) group."""
+        groups: dict[tuple, list[Job]] = {}
+        for job in self.running:
+            key = (job.template.image.size, job.ready.prepared.copies)
+            groups.setdefault(key, []).append(job)
+        for jobs in groups.values():
+            try:
+                self._step_group(jobs)
+            except Exception as exc:  # the group's requests fail; the loop and the others go on
+                for job in jobs:
+                    self._fail(job, exc)
+                    self.running.remove(job)
+
+    def _step_group(self, jobs: list[Job]) -> None:
+        editor = self.editor
+        inputs = [job.ready.inputs for job in jobs]
+        handles = {key: handle for job in jobs for key, handle in job.handles.items()}
+        context = editor.staged_edit_context([i.template for i in inputs], [i.mask for i in inputs],
+                                             [i.masked_idx for i in inputs], [job.row.schedule.index for job in jobs],
+                                             handles)
+
+        def denoiser(**kwargs) -> torch.Tensor:
+            started = now()
+            with editor.adapter.run(context):
+                if isinstance(context.cache, StagedActivations):
+                    with context.cache:
+                        output = editor.denoiser(**kwargs, return_dict=False)[0]
+                else:
+                    output = editor.denoiser(**kwargs, return_dict=False)[0]
+            self._forward_s += now() - started
+            return output
+
+        recipes.denoise_step(editor.model.family, self.scheduler, [job.row for job in jobs], denoiser)
+        for job in jobs:
+            job.metrics.steps += 1
+
+    def retire(self) -> None:
+        finished = [job for job in self.running if job.row.schedule.done]
+        if not finished:
+            return
+        self.running = [job for job in self.running if not job.row.schedule.done]
+        for job in finished:
+            job.metrics.denoised = now()
+            self._release(job)
+            if self.send_to_postprocess is not None:
+                self.send_to_postprocess(job)
+                continue
+            image = self._inline(lambda: postprocess(self.editor, job.template, job.ready.inputs.mask,
+                                                     job.row.latents), job)
+            if image is not None:
+                self.complete(job, image)
+
+    # ---- helpers ----
+
+    def complete(self, job: Job, image: Image.Image) -> None:
+        """Answer `job` (any thread: post-processing helpers answer from their receiver)."""
+        job.metrics.completed = now()
+        self.metrics.completed += 1
+        job.future.set_result(EditResult(image, job.metrics))
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        self._release(job)
+        self.metrics.failed += 1
+        job.fail(exc)
+
+    def _release(self, job: Job) -> None:
+        for handle in job.handles.values():
+            handle.release()
+        job.handles = {}
+
+    def _mid_denoising(self) -> bool:
+        return any(job.metrics.steps for job in self.running)
+
+    def _inline(self, work: Callable, job: Job):
+        """Pre/post-processing on the loop thread: an interruption when others are mid-denoising."""
+        if self._mid_denoising():
+            self.metrics.interruptions += 1
+        started = now()
+        try:
+            return work()
+        except Exception as exc:
+            self._fail(job, exc)
+            return None
+        finally:
+            self._inline_s += now() - started
+
+    def _call(self, fn: Callable, future: Future) -> None:
+        if self._mid_denoising():
+            self.metrics.interruptions += 1
+        started = now()
+        try:
+            future.set_result(fn())
+        except Exception as exc:
+            future.set_exception(exc)
+        finally:
+            self._inline_s += now() - started
