@@ -32,7 +32,7 @@ def encode(header: Mapping, tensors: Mapping[str, torch.Tensor] | None = None,
         if dtype not in DTYPES:
             raise WireError(f"tensor {name!r}: dtype {tensor.dtype} does not cross the wire")
         specs.append([name, dtype, list(tensor.shape)])
-        frames.append(tensor.view(torch.uint8).numpy() if tensor.numel() else b"")
+        frames.append(tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b"")
     full = {**header, "_tensors": specs, "_blobs": list(blobs)}
     return [msgpack.packb(full, use_bin_type=True), *frames, *blobs.values()]
 

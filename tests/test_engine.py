@@ -1,0 +1,200 @@
+"""The step loop: continuous batching gives each request the result it gets alone, requests join within
+one step, static batching never admits into a running batch, and every batching mode answers every
+request. The loop runs on the test's thread (`Worker.run` returns once stopped and drained), so the
+order of events is deterministic; the disaggregated mode runs its real helper process."""
+
+import numpy as np
+import pytest
+import torch
+from editor_inputs import max_diff, square_mask, template_image
+
+from retouch.editor import EditRequest, MaskAwareEditor
+from retouch.engine import recipes
+from retouch.engine.api import Engine
+from retouch.engine.worker import EngineConfig, Worker
+from retouch.errors import InputError
+from retouch.models import load_pipeline
+
+TINY_MODELS = ["tiny-flux-fill", "tiny-flux-inpaint", "tiny-sd3-inpaint", "tiny-sdxl-inpaint", "tiny-sd2-inpaint"]
+BATCH_ATOL = 1e-5  # fp32: a request's rows in a bigger batch differ only in summation order
+
+
+@pytest.fixture(scope="module")
+def flux_editor():
+    return MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+
+
+def run(editor, config: EngineConfig, requests, inject=None):
+    """Run the loop to completion on this thread over `requests` (all submitted before it starts);
+    `inject(worker, steps_run)` is called after every step and may put more jobs in the inbox."""
+    worker = Worker(editor, config)
+    jobs = [Worker.new_job(r) for r in requests]
+    for job in jobs:
+        worker.inbox.put(("edit", job))
+    step = worker.step
+
+    def step_and_inject():
+        step()
+        if inject is not None:
+            inject(worker, len(worker.metrics.step_s) + 1)
+
+    worker.step = step_and_inject
+    worker.inbox.put(("stop",))
+    worker.run()
+    return worker, jobs
+
+
+def final_latents(job) -> torch.Tensor:
+    return job.row.latents[0]
+
+
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_one_request_through_the_loop_equals_the_pipeline_driven_edit(model):
+    """The recipe repeats the stock pipeline's loop body: same latents, bit for bit, same image."""
+    editor = MaskAwareEditor(load_pipeline(model))
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=3, seed=3)
+    request = EditRequest(template_id, square_mask(), "a red hat", seed=5)
+    expected = editor.edit_many([request], output_type="latent")[0]
+    expected_image = editor.edit(template_id, square_mask(), "a red hat", seed=5)
+    worker, (job,) = run(editor, EngineConfig(mode="naive"), [request])
+    assert torch.equal(final_latents(job), expected)
+    assert job.future.result().image.tobytes() == expected_image.tobytes()
+    # One loop step per denoiser call of the pipeline (PNDM without PRK makes one more than `steps`).
+    assert job.metrics.steps == job.row.schedule.num_steps == (4 if model == "tiny-sd2-inpaint" else 3)
+    assert worker.metrics.completed == 1
+
+
+def test_a_request_joining_mid_way_equals_it_run_alone_and_joins_within_one_step(flux_editor):
+    long_id = flux_editor.register_template(template_image(), prompt="a scene", steps=6, seed=1)
+    short_id = flux_editor.register_template(template_image((200, 90, 30)), prompt="a room", steps=4, seed=2)
+    joiner = EditRequest(short_id, square_mask((16, 48, 79, 95)), "a blue door", seed=7)
+    _, (alone,) = run(flux_editor, EngineConfig(mode="naive"), [joiner])
+    late = Worker.new_job(joiner)
+    arrived_after = []
+
+    def inject(worker, steps_run):
+        if steps_run == 2:
+            worker.inbox.put(("edit", late))
+            arrived_after.append(steps_run)
+
+    worker, (first,) = run(flux_editor, EngineConfig(mode="naive"),
+                           [EditRequest(long_id, square_mask(), "a red hat", seed=5)], inject)
+    assert late.metrics.admitted_step == arrived_after[0]  # the very next step
+    assert max_diff(final_latents(late), final_latents(alone)) <= BATCH_ATOL
+    assert worker.metrics.batch_sizes[:3] == [1, 1, 2]
+    assert first.metrics.steps == 6 and late.metrics.steps == 4
+
+
+def test_requests_with_different_steps_and_masks_finish_correctly_together(flux_editor):
+    ids = [flux_editor.register_template(template_image(color), prompt="a scene", steps=steps, seed=seed)
+           for color, steps, seed in (((40, 120, 200), 3, 0), ((10, 200, 90), 5, 1), ((90, 20, 160), 2, 4))]
+    requests = [EditRequest(ids[0], square_mask((0, 0, 47, 31)), "a hat", seed=1),
+                EditRequest(ids[1], square_mask((64, 64, 127, 127)), "a cat", seed=2),
+                EditRequest(ids[2], square_mask((16, 80, 111, 111)), "a dog", seed=3),
+                EditRequest(ids[1], square_mask((0, 64, 31, 127)), "a lamp", seed=4)]
+    worker, jobs = run(flux_editor, EngineConfig(mode="naive", max_batch=8), requests)
+    assert worker.metrics.batch_sizes == [4, 4, 3, 2, 2]
+    for request, job in zip(requests, jobs):
+        expected = flux_editor.edit_many([request], output_type="latent")[0]
+        assert max_diff(final_latents(job), expected) <= BATCH_ATOL
+        assert job.metrics.steps == flux_editor.templates[request.template_id].steps
+
+
+def test_static_batching_never_admits_into_a_running_batch(flux_editor):
+    long_id = flux_editor.register_template(template_image(), prompt="a scene", steps=4, seed=1)
+    short_id = flux_editor.register_template(template_image((200, 90, 30)), prompt="a room", steps=2, seed=2)
+    late = [Worker.new_job(EditRequest(short_id, square_mask(), "a late cat", seed=s)) for s in range(2)]
+
+    def inject(worker, steps_run):
+        if steps_run == 1:
+            for job in late:
+                worker.inbox.put(("edit", job))
+
+    requests = [EditRequest(long_id, square_mask(), "a hat", seed=1), EditRequest(short_id, square_mask(), "a cup")]
+    worker, first = run(flux_editor, EngineConfig(mode="static", max_batch=4), requests, inject)
+    # The first batch shrinks as requests finish (2 steps, then 4) and only then do the late ones join.
+    assert worker.metrics.batch_sizes == [2, 2, 1, 1, 2, 2]
+    assert all(job.metrics.admitted_step == 4 for job in late)
+    assert worker.metrics.interruptions == 1  # the short request's inline post-processing held up the long one
+    # The same arrivals in continuous batching join at once.
+    late[:] = [Worker.new_job(job.request) for job in late]
+    worker, _ = run(flux_editor, EngineConfig(mode="naive", max_batch=4), requests, inject)
+    assert all(job.metrics.admitted_step == 1 for job in late)
+    # Inline work while others wait mid-denoising: the late ones' pre-processing (2), and the post-processing
+    # of the short request and of both late ones, each finishing before the long request (3).
+    assert worker.metrics.interruptions == 5
+
+
+def test_max_batch_bounds_every_step(flux_editor):
+    template_id = flux_editor.register_template(template_image(), prompt="a scene", steps=2, seed=1)
+    requests = [EditRequest(template_id, square_mask(), f"thing {i}", seed=i) for i in range(5)]
+    worker, jobs = run(flux_editor, EngineConfig(mode="naive", max_batch=2), requests)
+    assert max(worker.metrics.batch_sizes) == 2 and all(job.future.result().image for job in jobs)
+
+
+def test_a_failing_request_is_answered_with_its_error_and_the_others_complete(flux_editor):
+    template_id = flux_editor.register_template(template_image(), prompt="a scene", steps=2, seed=1)
+    doomed = flux_editor.register_template(template_image((1, 2, 3)), prompt="a scene", steps=2, seed=1)
+    requests = [EditRequest(template_id, square_mask(), "a hat"), EditRequest(doomed, square_mask(), "a hat")]
+    flux_editor.drop_template(doomed)  # between submission and pre-processing
+    worker, (ok, failed) = run(flux_editor, EngineConfig(mode="naive"), requests)
+    assert ok.future.result().image.size == (128, 128)
+    with pytest.raises(InputError, match="unknown template"):
+        failed.future.result()
+    assert worker.metrics.failed == 1 and worker.metrics.completed == 1
+
+
+def test_prepared_edits_survive_the_wire():
+    editor = MaskAwareEditor(load_pipeline("tiny-sd3-inpaint"))
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=2, seed=3, guidance=4.5)
+    from retouch.engine import processing, wire
+
+    request = EditRequest(template_id, square_mask(), "a red hat", seed=5)
+    template = editor.templates[template_id]
+    ready = processing.preprocess(editor, request, template)
+    header, tensors, blobs = wire.decode(processing.ready_message(3, ready))
+    back = processing.ready_from_message(header, tensors, blobs, template)
+    assert back.prepared.guidance == 4.5 and back.prepared.copies == 2
+    original, received = ready.prepared.tensors(), back.prepared.tensors()
+    assert original.keys() == received.keys()
+    assert all(torch.equal(original[k], received[k]) for k in original)
+    assert torch.equal(back.inputs.masked_idx, ready.inputs.masked_idx)
+    assert back.inputs.mask.tobytes() == ready.inputs.mask.tobytes()
+
+
+def test_the_disaggregated_engine_gives_the_inline_result_with_no_interruptions():
+    """End to end through a real helper process: pre-processing, the loop, post-processing."""
+    with Engine.load("tiny-flux-fill", EngineConfig(mode="disagg", max_batch=4)) as engine:
+        template_id = engine.register_template(template_image(), prompt="a scene", steps=3, seed=3)
+        requests = [EditRequest(template_id, square_mask((16 * i, 16, 16 * i + 31, 47)), "a hat", seed=i)
+                    for i in range(5)]
+        futures = [engine.submit(r) for r in requests]
+        results = [f.result(timeout=300) for f in futures]
+        with pytest.raises(InputError, match="unknown template"):
+            engine.submit(EditRequest("0" * 16, square_mask(), "a hat"))
+        with pytest.raises(InputError, match="prompt is empty"):
+            engine.submit(EditRequest(template_id, square_mask(), "  "))
+        metrics = engine.metrics()
+        expected = [engine.editor.edit(r.template_id, r.mask, r.prompt, r.seed) for r in requests]
+    assert metrics["interruptions"] == 0 and metrics["completed"] == 5
+    for result, image in zip(results, expected):
+        # Batched rows and the helper's single-threaded encoders sum in another order: 8-bit rounding may differ.
+        difference = np.abs(np.asarray(result.image, dtype=int) - np.asarray(image, dtype=int))
+        assert difference.max() <= 2
+        assert result.metrics.e2e_s >= result.metrics.inference_s > 0
+
+
+def test_batch_rows_follow_the_pipeline_order_for_guidance():
+    """[uncond of every request; cond of every request]: the order the pipelines and the cache use."""
+    editor = MaskAwareEditor(load_pipeline("tiny-sd3-inpaint"))
+    ids = [editor.register_template(template_image(c), prompt="a scene", steps=2, seed=3, guidance=g)
+           for c, g in (((40, 120, 200), 3.0), ((200, 10, 10), 6.0))]
+    requests = [EditRequest(ids[0], square_mask(), "a hat", seed=1), EditRequest(ids[1], square_mask(), "a cat")]
+    worker, jobs = run(editor, EngineConfig(mode="naive"), requests)
+    for request, job in zip(requests, jobs):
+        assert max_diff(final_latents(job), editor.edit_many([request], output_type="latent")[0]) <= BATCH_ATOL
+    prepared = [job.ready.prepared for job in jobs]
+    rows = recipes._rows(prepared, "encoder_hidden_states")
+    assert torch.equal(rows[0], prepared[0].inputs["encoder_hidden_states"][0])
+    assert torch.equal(rows[1], prepared[1].inputs["encoder_hidden_states"][0])
+    assert torch.equal(rows[2], prepared[0].inputs["encoder_hidden_states"][1])
