@@ -67,3 +67,19 @@ def test_attention_quick_compares_against_sdpa_baselines():
     for row in report["results"]:
         assert set(row["ms_p50"]) == {"ragged_triton", "padded_sdpa", "per_request_sdpa"}
         assert row["max_abs_diff_vs_per_request_sdpa"]["ragged_triton"] <= 2 ** -5  # bf16 outputs of |x| < 1
+
+
+def test_batching_compares_every_mode_on_the_same_arrivals(tmp_path):
+    from retouch.bench import batching
+
+    out = tmp_path / "batching.json"
+    report = batching.main(["--compare", "--requests", "6", "--rps", "50", "--steps", "3", "--size", "64",
+                            "--templates", "2", "--out", str(out)])
+    assert set(report["modes"]) == {"static", "naive", "disagg"}
+    for mode in report["modes"].values():
+        assert mode["ok"] == 6 and mode["failed"] == 0
+        assert 0 < mode["p50_s"] <= mode["p95_s"] and mode["overhead_per_step_s"] >= 0
+    assert report["modes"]["disagg"]["interruptions"] == 0
+    assert report["disagg_p95_over_static_p95"] == report["modes"]["disagg"]["p95_s"] / report["modes"]["static"]["p95_s"]
+    assert 0 < report["mean_mask_ratio"] < 1
+    assert json.loads(out.read_text())["requests"] == 6 and out.with_suffix(".png").exists()
