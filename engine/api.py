@@ -40,6 +40,7 @@ class Engine:
         self._jobs_lock = threading.Lock()
         self.worker = Worker(editor, config, self._send_to_postprocess if config.mode == "disagg" else None)
         self._thread: threading.Thread | None = None
+        self._closing = False
 
     @classmethod
     def load(cls, model: str, config: EngineConfig = EngineConfig(), device: str = "cpu",
@@ -63,13 +64,17 @@ class Engine:
         """Finish every accepted request, then stop the loop and the helpers."""
         if self._thread is None:
             return
+        self._closing = True
+        if self.helpers is not None:
+            # Requests still in the helpers are not in the loop's inbox yet: the loop must outlive them.
+            self._await_helper_jobs()
         self.worker.inbox.put(("stop",))
         self._thread.join()
         if self.helpers is not None:
-            self._await_postprocessing()
             self.helpers.close()
             self.helpers = None
         self._thread = None
+        self._closing = False
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -91,8 +96,8 @@ class Engine:
 
     def submit(self, request: EditRequest) -> Future[EditResult]:
         """Queue an edit; its future holds an `EditResult` or the error that stopped it."""
-        if self._thread is None:
-            raise RuntimeError("start the engine first (Engine.start or `with Engine(...)`)")
+        if self._thread is None or self._closing:
+            raise RuntimeError("the engine is not running (Engine.start or `with Engine(...)`)")
         template = self.editor.templates.get(request.template_id)
         if template is None:
             raise InputError(f"unknown template {request.template_id!r}; register it first")
@@ -144,7 +149,7 @@ class Engine:
             self.worker.metrics.failed += 1
             job.fail(HelperError(f"{header['error']}: {header['message']}"))
 
-    def _await_postprocessing(self) -> None:
+    def _await_helper_jobs(self) -> None:
         with self._jobs_lock:
             pending = [job.future for job in self._jobs.values()]
         for future in pending:

@@ -163,21 +163,26 @@ def test_prepared_edits_survive_the_wire():
 
 
 def test_the_disaggregated_engine_gives_the_inline_result_with_no_interruptions():
-    """End to end through a real helper process: pre-processing, the loop, post-processing."""
+    """End to end through a real helper process: pre-processing, the loop, post-processing; closing
+    the engine answers every request it accepted, including those still in the helper."""
     with Engine.load("tiny-flux-fill", EngineConfig(mode="disagg", max_batch=4)) as engine:
         template_id = engine.register_template(template_image(), prompt="a scene", steps=3, seed=3)
         requests = [EditRequest(template_id, square_mask((16 * i, 16, 16 * i + 31, 47)), "a hat", seed=i)
-                    for i in range(5)]
-        futures = [engine.submit(r) for r in requests]
-        results = [f.result(timeout=300) for f in futures]
+                    for i in range(7)]
+        results = [engine.submit(r).result(timeout=300) for r in requests[:5]]
         with pytest.raises(InputError, match="unknown template"):
             engine.submit(EditRequest("0" * 16, square_mask(), "a hat"))
         with pytest.raises(InputError, match="prompt is empty"):
             engine.submit(EditRequest(template_id, square_mask(), "  "))
-        metrics = engine.metrics()
-        expected = [engine.editor.edit(r.template_id, r.mask, r.prompt, r.seed) for r in requests]
-    assert metrics["interruptions"] == 0 and metrics["completed"] == 5
-    for result, image in zip(results, expected):
+        in_flight = [engine.submit(r) for r in requests[5:]]  # still being pre-processed at close
+    assert all(future.done() for future in in_flight)
+    results += [future.result() for future in in_flight]
+    metrics = engine.metrics()
+    assert metrics["interruptions"] == 0 and metrics["completed"] == 7
+    with pytest.raises(RuntimeError, match="not running"):
+        engine.submit(requests[0])
+    for request, result in zip(requests, results):
+        image = engine.editor.edit(request.template_id, request.mask, request.prompt, request.seed)
         # Batched rows and the helper's single-threaded encoders sum in another order: 8-bit rounding may differ.
         difference = np.abs(np.asarray(result.image, dtype=int) - np.asarray(image, dtype=int))
         assert difference.max() <= 2
