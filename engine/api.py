@@ -140,7 +140,7 @@ class Engine:
         with self._jobs_lock:
             self._jobs.pop(job.id, None)
         if kind == "finished":
-            image = Image.frombytes(*_mode_and_size(header["image"]), blobs["image"])
+            image = processing.image_from_blob(header["image"], blobs["image"])
             self.worker.complete(job, image)
         elif kind == "prepared":
             self.worker.metrics.failed += 1
@@ -155,7 +155,3 @@ class Engine:
         for future in pending:
             future.exception()  # waits; the outcome is the caller's
 
-
-def _mode_and_size(spec) -> tuple[str, tuple[int, int]]:
-    mode, width, height = spec
-    return mode, (width, height)

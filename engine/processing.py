@@ -55,7 +55,7 @@ def _image_blob(image: Image.Image) -> tuple[list, bytes]:
     return [image.mode, *image.size], image.tobytes()
 
 
-def _image(spec, data: bytes) -> Image.Image:
+def image_from_blob(spec, data: bytes) -> Image.Image:
     mode, width, height = spec
     return Image.frombytes(mode, (width, height), data)
 
@@ -72,10 +72,10 @@ def template_message(template: Template) -> tuple[dict, dict, dict]:
 
 def template_from_message(header: dict, tensors: dict, blobs: dict) -> Template:
     t = header["template"]
-    return Template(template_id=t["template_id"], image=_image(t["image"], blobs["template.image"]),
+    return Template(template_id=t["template_id"], image=image_from_blob(t["image"], blobs["template.image"]),
                     original_size=tuple(t["original_size"]), prompt=t["prompt"], steps=t["steps"], seed=t["seed"],
                     guidance=t["guidance"], noise=tensors["template.noise"], num_text_tokens=t["num_text_tokens"],
-                    recorded_mask=_image(t["recorded_mask"], blobs["template.recorded_mask"]))
+                    recorded_mask=image_from_blob(t["recorded_mask"], blobs["template.recorded_mask"]))
 
 
 def prepare_message(job: int, request: EditRequest, template: Template) -> list:
@@ -104,7 +104,7 @@ def ready_from_message(header: dict, tensors: dict, blobs: dict, template: Templ
                        device: torch.device | str = "cpu") -> ReadyEdit:
     prepared = Prepared.from_tensors(header["prepared"], {k.removeprefix("prepared."): v.to(device)
                                                           for k, v in tensors.items() if k.startswith("prepared.")})
-    inputs = EditInputs(template, _image(header["mask"], blobs["mask"]), tensors["masked_idx"], tensors["latents0"])
+    inputs = EditInputs(template, image_from_blob(header["mask"], blobs["mask"]), tensors["masked_idx"], tensors["latents0"])
     return ReadyEdit(inputs, prepared)
 
 
@@ -116,10 +116,10 @@ def handle(editor: MaskAwareEditor, frames: list) -> list:
         template = template_from_message(header, tensors, blobs)
         with torch.inference_mode():
             if header["kind"] == "prepare":
-                request = EditRequest(template.template_id, _image(header["mask"], blobs["mask"]), header["prompt"],
+                request = EditRequest(template.template_id, image_from_blob(header["mask"], blobs["mask"]), header["prompt"],
                                       header["seed"])
                 return ready_message(job, preprocess(editor, request, template))
-            mask = _image(header["mask"], blobs["mask"])
+            mask = image_from_blob(header["mask"], blobs["mask"])
             image = postprocess(editor, template, mask, tensors["latents"].to(editor.pipe.device))
     except Exception as exc:  # the worker answers the request with it; the helper keeps serving
         return wire.encode({"kind": "error", "job": job, "error": type(exc).__name__, "message": str(exc)})

@@ -19,7 +19,7 @@ Guidance is per request: with classifier-free guidance a batch of B requests is 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from PIL import Image
@@ -97,7 +97,6 @@ class Running:
 
     prepared: Prepared
     latents: torch.Tensor  # [1, ...]
-    extra: dict = field(default_factory=dict)
 
     @property
     def schedule(self) -> RequestSchedule:

@@ -9,6 +9,7 @@ is pickled: a peer can only ever send data, never code.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import msgpack
@@ -52,7 +53,7 @@ def decode(frames: Sequence) -> tuple[dict, dict[str, torch.Tensor], dict[str, b
         if dtype not in DTYPES:
             raise WireError(f"tensor {name!r}: unknown dtype {dtype!r}")
         data = bytearray(frame)  # writable, owned: torch.frombuffer shares it
-        expected = DTYPES[dtype].itemsize * _numel(shape)
+        expected = DTYPES[dtype].itemsize * math.prod(shape)
         if len(data) != expected:
             raise WireError(f"tensor {name!r}: {len(data)} bytes for shape {shape} {dtype}")
         flat = torch.frombuffer(data, dtype=DTYPES[dtype]) if expected else torch.empty(0, dtype=DTYPES[dtype])
@@ -60,9 +61,3 @@ def decode(frames: Sequence) -> tuple[dict, dict[str, torch.Tensor], dict[str, b
     blobs = {name: bytes(frame) for name, frame in zip(blob_names, frames[1 + len(specs):])}
     return header, tensors, blobs
 
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= int(size)
-    return count
