@@ -1,0 +1,341 @@
+"""Routing policies: which worker a new edit request goes to. The router and `retouch simulate` share
+them, and share `ClusterLoad`, the router's view of its workers.
+
+    round-robin      the next alive worker in turn
+    least-requests   fewest requests running + queued (LLM routers' request-level balance)
+    least-tokens     fewest masked tokens running + queued (token-level balance)
+    mask-aware       the paper's Algorithm 2 (default): among workers with slack in their batch
+                     (running + queued < max_batch), the one whose batch with the request added has the
+                     cheapest denoising step -- the planner's pipeline latency from the cost model
+                     (`StepCost`), which weighs compute and cache loading, not just token counts.
+                     Algorithm 2 leaves open what happens when no worker has slack; here the request
+                     goes where it is estimated to finish first: (steps until a batch slot frees for it,
+                     the queue ahead taking slots first, + its own steps) x the worker's current step
+                     latency.
+
+Ties go to the first tied worker at or after a rotating cursor, so equally loaded workers (all idle,
+say) take turns instead of the lowest slot taking everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from retouch.engine.step_cost import StepCost
+
+POLICIES = ("round-robin", "least-requests", "least-tokens", "mask-aware")
+DEFAULT_POLICY = "mask-aware"
+
+
+class NoWorker(RuntimeError):
+    """No alive (and eligible) worker to route to."""
+
+
+@dataclass(frozen=True)
+class RequestLoad:
+    """What routing knows of a request.
+
+    image_tokens:  tokens of the denoiser's grid ((H/16)*(W/16) for Flux/SD3; latent pixels for UNets)
+    masked_tokens: of those, the ones the edit recomputes (0..image_tokens)
+    steps:         denoising steps the request runs
+    text_tokens:   always-computed prefix tokens (Flux/SD3 text)
+    """
+
+    image_tokens: int
+    masked_tokens: int
+    steps: int
+    text_tokens: int = 0
+
+    def __post_init__(self):
+        if self.image_tokens < 1 or not 0 <= self.masked_tokens <= self.image_tokens:
+            raise ValueError(f"need image_tokens >= 1 and 0 <= masked_tokens <= image_tokens, got {self}")
+        if self.steps < 1 or self.text_tokens < 0:
+            raise ValueError(f"need steps >= 1 and text_tokens >= 0, got {self}")
+
+
+@dataclass
+class _Row:
+    slot: int
+    load: RequestLoad
+    features: np.ndarray | None
+    running: bool
+    steps_left: int
+
+
+class ClusterLoad:
+    """What the router knows about its workers, as numpy arrays over worker slots.
+
+    A request is assigned (queued at a worker), admitted (in its running batch), advanced (progress
+    reports) and finished (answered, or taken away to re-route). With a `StepCost`, each slot also keeps
+    the summed cost features of its running requests and of all its requests, running + queued
+    (features add up over rows, so a batch's are its requests' sum).
+    Slots are never reused: a removed worker's slot stays dead.
+    """
+
+    def __init__(self, cost: StepCost | None = None):
+        self.cost = cost
+        self._size = 0
+        self._alive = np.zeros(0, dtype=bool)
+        self._max_batch = np.zeros(0, dtype=np.int64)
+        self._running = np.zeros(0, dtype=np.int64)
+        self._queued = np.zeros(0, dtype=np.int64)
+        self._masked = np.zeros(0, dtype=np.int64)
+        width = cost.num_features if cost is not None else 0
+        self._running_features = np.zeros((0, width))
+        self._inflight_features = np.zeros((0, width))  # running + queued
+        self._rows: dict[int, _Row] = {}
+        self._members: list[dict[int, _Row]] = []  # per slot, in assignment order (the queue's order)
+
+    # -- workers --------------------------------------------------------------------------------------
+    def add_worker(self, max_batch: int) -> int:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if self._size == len(self._alive):
+            self._grow(max(8, 2 * self._size))
+        slot = self._size
+        self._size += 1
+        self._alive[slot], self._max_batch[slot] = True, max_batch
+        self._members.append({})
+        return slot
+
+    def remove_worker(self, slot: int) -> None:
+        """The worker is dead: never chosen again, and its requests are forgotten."""
+        self._check_slot(slot)
+        self._alive[slot] = False
+        for request_id in self._members[slot]:
+            del self._rows[request_id]
+        self._members[slot] = {}
+        self._running[slot] = self._queued[slot] = self._masked[slot] = 0
+        self._running_features[slot] = self._inflight_features[slot] = 0.0
+
+    def _grow(self, capacity: int) -> None:
+        def grown(array):
+            bigger = np.zeros((capacity, *array.shape[1:]), dtype=array.dtype)
+            bigger[:len(array)] = array
+            return bigger
+
+        self._alive, self._max_batch = grown(self._alive), grown(self._max_batch)
+        self._running, self._queued, self._masked = grown(self._running), grown(self._queued), grown(self._masked)
+        self._running_features, self._inflight_features = grown(self._running_features), grown(self._inflight_features)
+
+    # -- requests -------------------------------------------------------------------------------------
+    def assign(self, slot: int, request_id: int, load: RequestLoad) -> None:
+        """The request was sent to the worker: queued there until admitted."""
+        self._check_slot(slot)
+        if not self._alive[slot]:
+            raise ValueError(f"worker slot {slot} is dead")
+        if request_id in self._rows:
+            raise ValueError(f"request {request_id} is already at slot {self._rows[request_id].slot}")
+        features = None
+        if self.cost is not None:
+            features = self.cost.request_features(load.image_tokens, load.masked_tokens, load.text_tokens)
+            self._inflight_features[slot] += features
+        row = _Row(slot, load, features, running=False, steps_left=load.steps)
+        self._rows[request_id] = self._members[slot][request_id] = row
+        self._queued[slot] += 1
+        self._masked[slot] += load.masked_tokens
+
+    def admit(self, slot: int, request_id: int) -> None:
+        """The request joined the worker's running batch (again: nothing changes, so every heartbeat that
+        lists it may say so)."""
+        row = self._row(slot, request_id)
+        if row.running:
+            return
+        row.running = True
+        self._queued[slot] -= 1
+        self._running[slot] += 1
+        if row.features is not None:
+            self._running_features[slot] += row.features
+
+    def advance(self, slot: int, request_id: int, steps_left: int) -> None:
+        """A progress report: the request has `steps_left` denoising steps to go."""
+        self._row(slot, request_id).steps_left = steps_left
+
+    def finish(self, slot: int, request_id: int) -> None:
+        """The request left the worker (answered, or taken away to re-route). A request of a removed
+        worker was already forgotten: finishing it does nothing."""
+        if not self._alive[slot] and request_id not in self._rows:
+            return
+        row = self._row(slot, request_id)
+        del self._rows[request_id], self._members[slot][request_id]
+        self._masked[slot] -= row.load.masked_tokens
+        if row.features is not None:
+            self._inflight_features[slot] -= row.features
+            if row.running:
+                self._running_features[slot] -= row.features
+        if row.running:
+            self._running[slot] -= 1
+        else:
+            self._queued[slot] -= 1
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self._size:
+            raise IndexError(f"no worker slot {slot} (slots 0..{self._size - 1})")
+
+    def _row(self, slot: int, request_id: int) -> _Row:
+        self._check_slot(slot)
+        row = self._members[slot].get(request_id)
+        if row is None:
+            raise KeyError(f"request {request_id} is not at worker slot {slot}")
+        return row
+
+    # -- views (arrays over slots, read-only by convention) -------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self._size
+
+    @property
+    def alive(self) -> np.ndarray:
+        return self._alive[:self._size]
+
+    @property
+    def max_batch(self) -> np.ndarray:
+        return self._max_batch[:self._size]
+
+    @property
+    def running(self) -> np.ndarray:
+        return self._running[:self._size]
+
+    @property
+    def queued(self) -> np.ndarray:
+        return self._queued[:self._size]
+
+    @property
+    def in_flight(self) -> np.ndarray:
+        """Requests running + queued per slot."""
+        return self.running + self.queued
+
+    @property
+    def masked_tokens(self) -> np.ndarray:
+        """Masked tokens of the requests running + queued per slot."""
+        return self._masked[:self._size]
+
+    @property
+    def running_features(self) -> np.ndarray:
+        """[slots, F] summed cost features of each running batch (needs a StepCost)."""
+        return self._running_features[:self._size]
+
+    @property
+    def inflight_features(self) -> np.ndarray:
+        """[slots, F] summed cost features of the requests running + queued per slot."""
+        return self._inflight_features[:self._size]
+
+    def steps_left(self, slot: int, running: bool) -> list[int]:
+        """Last reported steps to go of the slot's running (or queued, in queue order) requests."""
+        return [row.steps_left for row in self._members[slot].values() if row.running == running]
+
+
+class Policy:
+    """Chooses a worker slot for a request: `choose` returns a slot that is alive and, where `eligible`
+    (a bool mask over slots) is given, eligible; NoWorker if there is none. Subclasses score every slot
+    (lower is better); scores of slots that cannot be chosen are ignored."""
+
+    name = "policy"
+
+    def __init__(self):
+        self._cursor = 0
+
+    def choose(self, load: RequestLoad, cluster: ClusterLoad, eligible: np.ndarray | None = None) -> int:
+        candidates = cluster.alive
+        if eligible is not None:
+            eligible = np.asarray(eligible, dtype=bool)
+            if eligible.shape != candidates.shape:
+                raise ValueError(f"eligible has shape {eligible.shape}, the cluster has {cluster.num_slots} slots")
+            candidates = candidates & eligible
+        if not candidates.any():
+            raise NoWorker(f"no alive{' eligible' if eligible is not None else ''} worker among "
+                           f"{cluster.num_slots} slots")
+        return self._lowest(self.scores(load, cluster, candidates), candidates)
+
+    def scores(self, load: RequestLoad, cluster: ClusterLoad, candidates: np.ndarray) -> np.ndarray:
+        """[slots] score of sending `load` to each slot; only `candidates` (bool [slots]) need be right."""
+        raise NotImplementedError
+
+    def _lowest(self, scores: np.ndarray, candidates: np.ndarray) -> int:
+        """The candidate of the lowest score; among ties, the first at or after the cursor (cyclically)."""
+        scores = np.where(candidates, scores, np.inf)
+        tied = np.flatnonzero(candidates & (scores == scores.min()))
+        after = tied[tied >= self._cursor]
+        slot = int(after[0] if len(after) else tied[0])
+        self._cursor = slot + 1
+        return slot
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+
+    def scores(self, load, cluster, candidates):
+        return np.zeros(cluster.num_slots)
+
+
+class LeastRequests(Policy):
+    name = "least-requests"
+
+    def scores(self, load, cluster, candidates):
+        return cluster.in_flight
+
+
+class LeastTokens(Policy):
+    name = "least-tokens"
+
+    def scores(self, load, cluster, candidates):
+        return cluster.masked_tokens
+
+
+class MaskAware(Policy):
+    """Algorithm 2 with the extension for a cluster without slack (see the module docstring)."""
+
+    name = "mask-aware"
+
+    def __init__(self, cost: StepCost | None = None):
+        super().__init__()
+        self.cost = cost
+
+    def scores(self, load, cluster, candidates):
+        cost = self._cost(cluster)
+        features = cost.request_features(load.image_tokens, load.masked_tokens, load.text_tokens)
+        slack = cluster.in_flight < cluster.max_batch
+        if (slack & candidates).any():
+            return np.where(slack, cost.latency(cluster.inflight_features + features), np.inf)
+        return self._finish_estimate(load, cluster, np.flatnonzero(candidates), cost, features)
+
+    def _cost(self, cluster: ClusterLoad) -> StepCost:
+        if cluster.cost is None:
+            raise ValueError("mask-aware routing needs a ClusterLoad built with a StepCost")
+        if self.cost is not None and self.cost is not cluster.cost:
+            raise ValueError("the policy and the ClusterLoad must share one StepCost: the cluster sums "
+                             "request features with its own")
+        return cluster.cost
+
+    @staticmethod
+    def _finish_estimate(load: RequestLoad, cluster: ClusterLoad, slots: np.ndarray, cost: StepCost,
+                         features: np.ndarray) -> np.ndarray:
+        """[slots] seconds until the request would finish at each of `slots` (all full): steps until a
+        batch slot is free for it, then its own steps, all at the worker's current step latency. The
+        queue ahead takes freed slots first; past one round of the batch, each further round is counted
+        as the queued requests' mean steps (an estimate: later changes of the batch are not modelled)."""
+        steps = np.full(cluster.num_slots, np.inf)
+        for slot in slots:
+            running = sorted(cluster.steps_left(int(slot), running=True))
+            queued = cluster.steps_left(int(slot), running=False)
+            if not running:  # nothing runs yet: the queue ahead runs first, a batch at a time
+                steps[slot] = (len(queued) // int(cluster.max_batch[slot])) * load.steps
+                continue
+            rounds, position = divmod(len(queued), len(running))
+            steps[slot] = running[position] + rounds * (np.mean(queued) if queued else 0.0)
+        current = cost.latency(cluster.running_features)
+        step_s = np.where(current > 0, current, cost.latency(features))
+        return (steps + load.steps) * step_s
+
+
+_POLICY_CLASSES = {cls.name: cls for cls in (RoundRobin, LeastRequests, LeastTokens, MaskAware)}
+
+
+def make_policy(name: str, cost: StepCost | None = None) -> Policy:
+    """A fresh policy by name (one of POLICIES). `cost`: the StepCost mask-aware scores with; it must be
+    the ClusterLoad's (None: use the ClusterLoad's)."""
+    if name not in _POLICY_CLASSES:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return MaskAware(cost) if name == "mask-aware" else _POLICY_CLASSES[name]()

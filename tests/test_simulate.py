@@ -1,0 +1,103 @@
+"""`retouch simulate`: determinism, completeness, paired workloads, and policies that must tie or differ."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retouch.engine import simulate
+from retouch.engine.policies import POLICIES, RequestLoad, make_policy
+from retouch.engine.reference_costs import IMAGE_TOKENS, TEXT_TOKENS, h800_flux
+from retouch.engine.step_cost import StepCost
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "cpu"
+SMALL = ["--workers", "4", "--rps", "2", "--requests", "120", "--steps", "10"]
+
+
+@pytest.fixture(scope="module")
+def cost():
+    return StepCost(h800_flux())
+
+
+def run(policy: str, cost: StepCost, workload: simulate.Workload, workers: int, max_batch: int = 8) -> np.ndarray:
+    return simulate.SimulatedCluster(make_policy(policy, cost), cost, workload, workers, max_batch).run()
+
+
+def test_same_seed_same_result_and_every_request_completes(capsys):
+    first, second = simulate.main(SMALL), simulate.main(SMALL)
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(printed[0])["policies"].keys() == set(POLICIES)
+    for name in POLICIES:
+        for key in ("p50_s", "p95_s", "p99_s", "mean_s"):
+            assert first["policies"][name][key] == second["policies"][name][key]
+        assert first["policies"][name]["p95_s"] >= first["policies"][name]["p50_s"] > 0
+    assert first["requests"] == 120 and first["cost_model"] == "built-in" and first["wall_s"] > 0
+    different = simulate.main(SMALL + ["--seed", "1"])
+    assert different["policies"]["mask-aware"]["mean_s"] != first["policies"]["mask-aware"]["mean_s"]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_every_request_finishes_no_sooner_than_running_alone(cost, workers):
+    workload = simulate.make_workload(200, 3.0, "public", IMAGE_TOKENS, TEXT_TOKENS, 12, seed=0)
+    for policy in POLICIES:
+        latency = run(policy, cost, workload, workers, max_batch=4)
+        alone = [12 * float(cost.latency(cost.request_features(x.image_tokens, x.masked_tokens, x.text_tokens)))
+                 for x in workload.loads]
+        assert np.isfinite(latency).all()
+        assert (latency >= np.array(alone) * (1 - 1e-12)).all()
+
+
+def test_one_worker_makes_every_policy_the_same(cost):
+    workload = simulate.make_workload(150, 0.5, "public", IMAGE_TOKENS, TEXT_TOKENS, 28, seed=3)
+    latencies = [run(policy, cost, workload, workers=1) for policy in POLICIES]
+    for latency in latencies[1:]:
+        assert np.array_equal(latency, latencies[0])
+
+
+def test_mask_aware_beats_round_robin_on_alternating_masks(cost):
+    # Large and tiny masks in turn: round-robin sends every large one to worker 0 and every tiny one to
+    # worker 1; mask-aware pairs them, so each batch's loads hide behind the other request's compute.
+    loads = tuple(RequestLoad(IMAGE_TOKENS, 3900 if i % 2 == 0 else 40, 28, TEXT_TOKENS) for i in range(24))
+    workload = simulate.Workload(np.arange(24) * 1.5, loads)
+    mask_aware, round_robin = run("mask-aware", cost, workload, 2), run("round-robin", cost, workload, 2)
+    assert np.percentile(mask_aware, 95) < np.percentile(round_robin, 95)
+    assert mask_aware.mean() < round_robin.mean()
+
+
+def test_a_request_joins_a_running_batch_at_the_next_step(cost):
+    step = float(cost.latency(cost.request_features(IMAGE_TOKENS, 400, TEXT_TOKENS)))
+    loads = (RequestLoad(IMAGE_TOKENS, 400, 10, TEXT_TOKENS), RequestLoad(IMAGE_TOKENS, 400, 2, TEXT_TOKENS))
+    workload = simulate.Workload(np.array([0.0, 2.5 * step]), loads)
+    latency = run("round-robin", cost, workload, workers=1)
+    pair = float(cost.latency(2 * cost.request_features(IMAGE_TOKENS, 400, TEXT_TOKENS)))
+    # It waits for the third step to end, then runs two steps batched.
+    assert latency[1] == pytest.approx(3 * step - 2.5 * step + 2 * pair, rel=1e-12)
+    assert latency[0] == pytest.approx(5 * step + 2 * pair + 3 * step, rel=1e-12)
+
+
+@pytest.mark.parametrize("mask_dist, mean", [("public", 0.19), ("production", 0.11)])
+def test_mask_distributions_have_the_papers_means(mask_dist, mean):
+    workload = simulate.make_workload(20000, 1.0, mask_dist, 4096, 0, 28, seed=0)
+    ratios = np.array([x.masked_tokens for x in workload.loads]) / 4096
+    assert ratios.mean() == pytest.approx(mean, abs=0.005)
+    arrivals = np.diff(workload.arrivals)
+    assert (arrivals > 0).all() and arrivals.mean() == pytest.approx(1.0, rel=0.05)
+
+
+def test_main_with_a_fitted_cost_model_writes_json_and_png(tmp_path):
+    out = tmp_path / "sim.json"
+    report = simulate.main(["--cost-model", str(RESULTS / "cost_tiny_flux_fill.json"), "--policies",
+                            "least-requests,mask-aware", "--workers", "2", "--rps", "20", "--requests", "50",
+                            "--mask-dist", "production", "--out", str(out)])
+    assert set(report["policies"]) == {"least-requests", "mask-aware"}
+    assert report["image_tokens"] == 32 * 32 and report["mask_dist"] == "production"
+    assert json.loads(out.read_text())["policies"] == report["policies"]
+    pytest.importorskip("matplotlib")
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv", [["--policies", "random"], ["--rps", "0"], ["--workers", "0"]])
+def test_bad_options_are_refused(argv):
+    with pytest.raises(SystemExit):
+        simulate.main(argv)
