@@ -10,7 +10,9 @@ The server puts this behind the router; benchmarks and tests drive it directly.
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -85,14 +87,45 @@ class Engine:
     # ---- requests ----
 
     def register_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
-                          guidance: float | None = None, mask: Image.Image | None = None) -> str:
-        """Record a template (on the loop thread, between steps: the model is the loop's)."""
+                          guidance: float | None = None, mask: Image.Image | None = None,
+                          on_step: Callable[[int], None] | None = None) -> str:
+        """Record a template (on the loop thread, between steps: the model is the loop's).
+        `on_step(n)` is told after each of the recording's denoiser calls (progress)."""
+        def record() -> str:
+            if on_step is None:
+                return self.editor.register_template(image, prompt, steps, seed, guidance, mask)
+            calls = itertools.count(1)
+            hook = self.editor.denoiser.register_forward_hook(lambda *_: on_step(next(calls)))
+            try:
+                return self.editor.register_template(image, prompt, steps, seed, guidance, mask)
+            finally:
+                hook.remove()
+
         if self._thread is None:
-            return self.editor.register_template(image, prompt, steps, seed, guidance, mask)
+            return record()
         future: Future = Future()
-        self.worker.inbox.put(("call", lambda: self.editor.register_template(image, prompt, steps, seed, guidance,
-                                                                             mask), future))
+        self.worker.inbox.put(("call", record, future))
         return future.result()
+
+    def drop_template(self, template_id: str) -> None:
+        """Forget a template (on the loop thread: running edits of it hold their own handles)."""
+        future: Future = Future()
+        if self._thread is None:
+            self.editor.drop_template(template_id)
+            return
+        self.worker.inbox.put(("call", lambda: self.editor.drop_template(template_id), future))
+        future.result()
+
+    def load_report(self) -> tuple[list[tuple[Future, int]], list[Future]]:
+        """The running batch as (future, steps left), and the futures of requests accepted but not
+        running (waiting for the loop, or being pre-processed): what the router balances on. Read
+        from another thread, so the lists are copied first."""
+        running = [(job.future, job.row.schedule.num_steps - job.row.schedule.index)
+                   for job in list(self.worker.running) if job.row is not None]
+        with self._jobs_lock:
+            in_helpers = [job for job in self._jobs.values() if job.row is None]  # not yet pre-processed
+        waiting = {job.id: job for job in list(self.worker.waiting) + in_helpers}
+        return running, [job.future for job in waiting.values() if job.row is None]
 
     def submit(self, request: EditRequest) -> Future[EditResult]:
         """Queue an edit; its future holds an `EditResult` or the error that stopped it."""

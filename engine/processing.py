@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -220,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", required=True)
     parser.add_argument("--results", required=True)
     args = parser.parse_args(argv)
+    # Ctrl-C reaches the whole process group; the parent drains and stops this process itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # a helper shares the machine with the step loop
     editor = MaskAwareEditor(load_pipeline(args.model, device=args.device, dtype=getattr(torch, args.dtype)),
                              cache=InMemoryActivationCache(), dilation=args.dilation)

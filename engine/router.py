@@ -1,0 +1,503 @@
+"""The router: one ZeroMQ ROUTER socket between the HTTP frontend and the workers (paper §4.1, §4.4).
+
+Workers (`python -m retouch.engine.node`, one per GPU) connect with DEALER sockets, say hello, then
+heartbeat their running batch and queue. The router keeps, per worker, what it has dispatched and
+how far each request has got (`policies.ClusterLoad`) and sends each edit to the worker its policy
+picks among those holding the edit's template.
+
+Templates are registered on workers (all of them, or `replicas` of them): an edit is routed only to
+a worker whose recording is ready, and waits ("parked") while none is. The router keeps each
+template's image so that a worker that joins, or replaces one that died, can record it again.
+
+Failure handling: a worker that stops heartbeating for `dead_after_s`, or whose process the
+supervisor saw exit, is removed; every request it held is routed again. An answer counts only from
+the worker the request is assigned to at that moment, so a request is answered exactly once even if
+a worker presumed dead speaks again.
+
+Threads: the router's own thread owns the socket; the frontend calls `submit`, `register_template`
+and friends from its threads. State is guarded by one lock; sends are queued and the router thread
+is woken through an inproc socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from retouch.engine import wire
+from retouch.engine.policies import ClusterLoad, NoWorker, RequestLoad, make_policy
+from retouch.engine.step_cost import StepCost
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the router accepts (`max_queue`): answer 429."""
+
+
+class Unavailable(RuntimeError):
+    """The router is closing, or no worker can take the request."""
+
+
+@dataclass(frozen=True)
+class EditTask:
+    """One edit as the router carries it: everything the worker needs, already validated."""
+
+    template_id: str
+    mask: bytes  # raw mode-"L" pixels of the template's original size, white = repaint
+    mask_size: tuple[int, int]
+    prompt: str
+    seed: int
+    load: RequestLoad
+
+
+@dataclass(frozen=True)
+class EditAnswer:
+    """A worker's answer: a PNG, or an error with the HTTP status it maps to."""
+
+    png: bytes | None
+    status: int
+    error: str | None = None
+    message: str | None = None
+    worker: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class TemplateRecord:
+    template_id: str
+    image_png: bytes
+    size: tuple[int, int]
+    prompt: str
+    steps: int
+    seed: int
+    guidance: float | None
+    replicas: int  # 0: every worker
+    created: float = field(default_factory=time.time)
+    states: dict[str, str] = field(default_factory=dict)  # worker -> recording | ready | failed
+    progress: dict[str, int] = field(default_factory=dict)  # worker -> recorded steps
+    error: str | None = None
+
+    @property
+    def status(self) -> str:
+        if "ready" in self.states.values():
+            return "ready"
+        if self.error is not None and "recording" not in self.states.values():
+            return "failed"
+        return "recording"
+
+    def to_json(self, live: set[str]) -> dict:
+        recording = [w for w, s in self.states.items() if s == "recording" and w in live]
+        return {"id": self.template_id, "status": self.status, "width": self.size[0], "height": self.size[1],
+                "steps": self.steps, "seed": self.seed, "prompt": self.prompt, "guidance": self.guidance,
+                "created": int(self.created), "error": self.error,
+                "progress": {"workers_ready": sum(1 for w, s in self.states.items() if s == "ready" and w in live),
+                             "workers_recording": len(recording),
+                             "step": max((self.progress.get(w, 0) for w in recording), default=self.steps
+                                         if self.status == "ready" else 0),
+                             "steps": self.steps}}
+
+
+@dataclass(eq=False)
+class Pending:
+    request_id: int
+    task: EditTask
+    future: Future
+    submitted: float = field(default_factory=time.perf_counter)
+    worker: str | None = None  # where it is now
+    routes: int = 0  # how many times it was sent (re-routes after failures add to it)
+
+
+@dataclass(eq=False)
+class WorkerState:
+    name: str
+    identity: bytes
+    slot: int
+    max_batch: int
+    pid: int
+    text_tokens: int
+    last_seen: float
+    assigned: set[int] = field(default_factory=set)
+    report: dict = field(default_factory=dict)  # its last heartbeat's metrics
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    address: str = "tcp://127.0.0.1:0"  # bind; ipc:// on one host, tcp:// across hosts (loopback unless set)
+    policy: str = "mask-aware"
+    heartbeat_s: float = 0.5  # told to workers in the welcome
+    dead_after_s: float = 5.0  # silence after which a worker is removed
+    max_queue: int = 256  # requests accepted and not yet answered
+
+    def __post_init__(self):
+        if self.dead_after_s <= self.heartbeat_s:
+            raise ValueError("dead_after_s must exceed heartbeat_s")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+
+
+class Router:
+    def __init__(self, config: RouterConfig = RouterConfig(), cost: StepCost | None = None):
+        self.config = config
+        self.policy = make_policy(config.policy, cost)
+        self.cluster = ClusterLoad(cost)
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(config.address)
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        wake_address = f"inproc://retouch-router-wake-{id(self)}"
+        self._wake_rx = self.context.socket(zmq.PULL)
+        self._wake_rx.bind(wake_address)
+        self._wake_tx = self.context.socket(zmq.PUSH)
+        self._wake_tx.connect(wake_address)
+        self._lock = threading.RLock()
+        self._outgoing: deque[tuple[bytes, list]] = deque()
+        self.workers: dict[str, WorkerState] = {}
+        self.templates: dict[str, TemplateRecord] = {}
+        self.pending: dict[int, Pending] = {}
+        self.parked: dict[str, deque[int]] = {}  # template -> requests waiting for a ready replica
+        self._ids = itertools.count(1)
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._stopped = False
+        self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0}
+        self.decision_s: deque[float] = deque(maxlen=10_000)  # policy time per routing decision
+        self._changed = threading.Condition(self._lock)  # notified on every dispatch, answer and worker change
+
+    # ---- lifecycle ----
+
+    def start(self) -> Router:
+        self._thread = threading.Thread(target=self._run, name="retouch-router", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, drain_s: float = 60.0) -> None:
+        """Stop accepting, wait up to `drain_s` for every accepted request to be answered, tell the
+        workers to finish and stop."""
+        with self._lock:
+            self._closing = True
+            futures = [p.future for p in self.pending.values()]
+        deadline = time.monotonic() + drain_s
+        for future in futures:
+            try:
+                future.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                break
+        with self._lock:
+            for pending in list(self.pending.values()):
+                self._answer(pending, EditAnswer(None, 503, "Unavailable", "the server shut down before the edit ran"))
+            for worker in self.workers.values():
+                self._send(worker, {"kind": "stop"})
+        self._wake()
+        if self._thread is not None:
+            # The stop messages go out before the loop ends.
+            self._stopped = True
+            self._wake()
+            self._thread.join(timeout=10)
+        self._wake_tx.close(0)
+        self._wake_rx.close(0)
+        self.socket.close(0)
+        self.context.term()
+
+    # ---- the frontend's calls ----
+
+    def submit(self, task: EditTask) -> Future[EditAnswer]:
+        with self._lock:
+            if self._closing:
+                raise Unavailable("the server is shutting down")
+            if task.template_id not in self.templates:
+                raise KeyError(task.template_id)
+            if len(self.pending) >= self.config.max_queue:
+                raise QueueFull(f"{len(self.pending)} requests are waiting (max_queue {self.config.max_queue})")
+            pending = Pending(next(self._ids), task, Future())
+            self.pending[pending.request_id] = pending
+            self._route(pending)
+        self._wake()
+        return pending.future
+
+    def register_template(self, record: TemplateRecord) -> TemplateRecord:
+        """Record `record` on its replicas (again if it was dropped); the same id twice is one template."""
+        with self._lock:
+            existing = self.templates.get(record.template_id)
+            if existing is not None and existing.status != "failed":
+                return existing
+            self.templates[record.template_id] = record
+            self._ensure_replicas(record)
+        self._wake()
+        return record
+
+    def template(self, template_id: str) -> dict | None:
+        with self._lock:
+            record = self.templates.get(template_id)
+            return None if record is None else record.to_json(set(self.workers))
+
+    def list_templates(self) -> list[dict]:
+        with self._lock:
+            return [record.to_json(set(self.workers)) for record in self.templates.values()]
+
+    def drop_template(self, template_id: str) -> bool:
+        with self._lock:
+            record = self.templates.pop(template_id, None)
+            if record is None:
+                return False
+            for name in record.states:
+                if name in self.workers:
+                    self._send(self.workers[name], {"kind": "drop", "template": template_id})
+            for request_id in self.parked.pop(template_id, ()):
+                self._answer(self.pending[request_id],
+                             EditAnswer(None, 404, "NotFound", f"template {template_id!r} was deleted"))
+        self._wake()
+        return True
+
+    def worker_exited(self, name: str) -> None:
+        """The supervisor saw the worker's process end: remove it now rather than after the timeout."""
+        with self._lock:
+            self._remove_worker(name, "its process exited")
+        self._wake()
+
+    def wait_for_workers(self, count: int, timeout_s: float) -> bool:
+        return self.wait_until(lambda router: len(router.workers) >= count, timeout_s)
+
+    def wait_until(self, predicate, timeout_s: float) -> bool:
+        """Block until `predicate(router)` holds (checked under the lock at every change)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: predicate(self), timeout_s)
+
+    def snapshot(self) -> dict:
+        """What /metrics and /readyz read."""
+        with self._lock:
+            workers = {}
+            for name, worker in self.workers.items():
+                workers[name] = {"running": int(self.cluster.running[worker.slot]),
+                                 "queued": int(self.cluster.queued[worker.slot]), "assigned": len(worker.assigned),
+                                 "pid": worker.pid, **worker.report}
+            return {"workers": workers, "pending": len(self.pending),
+                    "parked": sum(len(q) for q in self.parked.values()),
+                    "templates": len(self.templates), "counters": dict(self.counters),
+                    "decision_s": list(self.decision_s)}
+
+    # ---- routing (called with the lock held) ----
+
+    def _route(self, pending: Pending) -> None:
+        record = self.templates.get(pending.task.template_id)
+        if record is None:
+            self._answer(pending, EditAnswer(None, 404, "NotFound",
+                                             f"template {pending.task.template_id!r} was deleted"))
+            return
+        eligible = np.zeros_like(self.cluster.alive)
+        for name, state in record.states.items():
+            if state == "ready" and name in self.workers:
+                eligible[self.workers[name].slot] = True
+        if not eligible.any():
+            self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
+            self._ensure_replicas(record)
+            if record.status == "failed":
+                self._fail_parked(record)
+            return
+        started = time.perf_counter()
+        try:
+            slot = self.policy.choose(pending.task.load, self.cluster, eligible)
+        except NoWorker:
+            self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
+            return
+        except Exception as exc:  # noqa: BLE001 - a policy bug answers the request, it does not lose it
+            self._answer(pending, EditAnswer(None, 500, "RoutingError", f"{type(exc).__name__}: {exc}"))
+            return
+        self.decision_s.append(time.perf_counter() - started)
+        worker = next(w for w in self.workers.values() if w.slot == slot)
+        pending.worker, pending.routes = worker.name, pending.routes + 1
+        self.counters["routed" if pending.routes == 1 else "rerouted"] += 1
+        worker.assigned.add(pending.request_id)
+        self.cluster.assign(slot, pending.request_id, pending.task.load)
+        task = pending.task
+        self._changed.notify_all()
+        self._send(worker, {"kind": "edit", "request": pending.request_id, "template": task.template_id,
+                            "prompt": task.prompt, "seed": task.seed, "mask_size": list(task.mask_size)},
+                   {"mask": task.mask})
+
+    def _dispatch_parked(self, template_id: str) -> None:
+        waiting = self.parked.pop(template_id, deque())
+        for request_id in waiting:
+            pending = self.pending.get(request_id)
+            if pending is not None:
+                self._route(pending)
+
+    def _fail_parked(self, record: TemplateRecord) -> None:
+        for request_id in self.parked.pop(record.template_id, ()):
+            self._answer(self.pending[request_id], EditAnswer(
+                None, 422, "TemplateFailed", f"template {record.template_id!r} could not be recorded: {record.error}"))
+
+    def _ensure_replicas(self, record: TemplateRecord) -> None:
+        """Send the template to live workers until it has the replicas it wants (recording or ready)."""
+        live = list(self.workers.values())  # none yet: the first hello records it
+        holding = [w for w in live if record.states.get(w.name) in ("recording", "ready")]
+        wanted = len(live) if record.replicas == 0 else min(record.replicas, len(live))
+        candidates = [w for w in live if w.name not in record.states]
+        candidates.sort(key=lambda w: self.cluster.in_flight[w.slot])  # the least busy records it
+        for worker in candidates[:max(0, wanted - len(holding))]:
+            record.states[worker.name] = "recording"
+            self._send(worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
+                                "steps": record.steps, "seed": record.seed, "guidance": record.guidance},
+                       {"image": record.image_png})
+
+    def _remove_worker(self, name: str, why: str) -> None:
+        worker = self.workers.pop(name, None)
+        if worker is None:
+            return
+        self.counters["workers_removed"] += 1
+        self.cluster.remove_worker(worker.slot)
+        for record in self.templates.values():
+            record.states.pop(name, None)
+            record.progress.pop(name, None)
+        orphans = sorted(worker.assigned)
+        worker.assigned.clear()
+        for record in self.templates.values():
+            self._ensure_replicas(record)
+        for request_id in orphans:
+            pending = self.pending.get(request_id)
+            if pending is not None:
+                pending.worker = None
+                self._route(pending)
+        self._changed.notify_all()
+
+    def _answer(self, pending: Pending, answer: EditAnswer) -> None:
+        self.pending.pop(pending.request_id, None)
+        if pending.worker is not None and pending.worker in self.workers:
+            worker = self.workers[pending.worker]
+            worker.assigned.discard(pending.request_id)
+            self.cluster.finish(worker.slot, pending.request_id)
+        if not pending.future.done():
+            pending.future.set_result(answer)
+        self._changed.notify_all()
+
+    # ---- the socket (router thread) ----
+
+    def _send(self, worker: WorkerState, header: dict, blobs: dict | None = None) -> None:
+        self._outgoing.append((worker.identity, wire.encode(header, blobs=blobs)))
+
+    def _wake(self) -> None:
+        with self._lock, contextlib.suppress(zmq.Again):  # a full wake queue is a woken thread
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        tick_ms = max(10, int(self.config.heartbeat_s * 1000 / 2))
+        while True:
+            events = dict(poller.poll(tick_ms))
+            if self._wake_rx in events:
+                while self._wake_rx.poll(0):
+                    self._wake_rx.recv()
+            if self.socket in events:
+                while self.socket.poll(0):
+                    identity, *frames = self.socket.recv_multipart()
+                    try:
+                        self._on_message(identity, frames)
+                    except Exception:  # noqa: BLE001 - a bug handling one message must not stop routing
+                        traceback.print_exc(file=sys.stderr)
+            with self._lock:
+                self._check_liveness()
+                outgoing, self._outgoing = self._outgoing, deque()
+            for identity, frames in outgoing:
+                self.socket.send_multipart([identity, *frames])
+            if self._stopped:
+                return
+
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        for name, worker in list(self.workers.items()):
+            if now - worker.last_seen > self.config.dead_after_s:
+                self._remove_worker(name, f"no heartbeat for {now - worker.last_seen:.1f} s")
+
+    def _on_message(self, identity: bytes, frames: list) -> None:
+        try:
+            header, _, blobs = wire.decode(frames)
+            kind = header["kind"]
+            name = header["worker"]
+        except (wire.WireError, KeyError, TypeError):
+            return  # not one of ours; a router never dies of a peer's message
+        with self._lock:
+            if kind == "hello":
+                self._on_hello(identity, header)
+                return
+            worker = self.workers.get(name)
+            if worker is None or worker.identity != identity:  # removed (presumed dead): it no longer counts
+                self.counters["duplicates_dropped"] += kind == "result"
+                return
+            worker.last_seen = time.monotonic()
+            if kind == "heartbeat":
+                self._on_heartbeat(worker, header)
+            elif kind == "result":
+                self._on_result(worker, header, blobs)
+            elif kind == "template":
+                self._on_template(worker, header)
+            elif kind == "ping":  # everything this worker sent before it has been handled
+                self._send(worker, {"kind": "pong"})
+            elif kind == "progress":
+                record = self.templates.get(header["template"])
+                if record is not None:
+                    record.progress[name] = int(header["step"])
+
+    def _on_hello(self, identity: bytes, header: dict) -> None:
+        name = header["worker"]
+        if name in self.workers:
+            self._remove_worker(name, "it said hello again (restarted)")
+        slot = self.cluster.add_worker(int(header["max_batch"]))
+        worker = WorkerState(name, identity, slot, int(header["max_batch"]), int(header.get("pid", 0)),
+                             int(header.get("text_tokens", 0)), time.monotonic())
+        self.workers[name] = worker
+        self._send(worker, {"kind": "welcome", "heartbeat_s": self.config.heartbeat_s})
+        for record in self.templates.values():
+            self._ensure_replicas(record)
+        self._changed.notify_all()
+
+    def _on_heartbeat(self, worker: WorkerState, header: dict) -> None:
+        for request_id, steps_left in header.get("running", []):
+            if request_id in worker.assigned:
+                self.cluster.admit(worker.slot, request_id)
+                self.cluster.advance(worker.slot, request_id, int(steps_left))
+        worker.report = dict(header.get("metrics", {}))
+
+    def _on_result(self, worker: WorkerState, header: dict, blobs: dict) -> None:
+        pending = self.pending.get(header["request"])
+        if pending is None or pending.worker != worker.name:
+            self.counters["duplicates_dropped"] += 1
+            return
+        if header.get("error") == "MissingTemplate":  # the worker lost it (restart race): elsewhere
+            record = self.templates.get(pending.task.template_id)
+            if record is not None:
+                record.states.pop(worker.name, None)
+            worker.assigned.discard(pending.request_id)
+            self.cluster.finish(worker.slot, pending.request_id)
+            pending.worker = None
+            self._route(pending)
+            return
+        self._answer(pending, EditAnswer(blobs.get("png"), int(header.get("status", 200)), header.get("error"),
+                                         header.get("message"), worker.name, header.get("metrics", {})))
+
+    def _on_template(self, worker: WorkerState, header: dict) -> None:
+        record = self.templates.get(header["template"])
+        if record is None:
+            self._send(worker, {"kind": "drop", "template": header["template"]})  # deleted meanwhile
+            return
+        self._changed.notify_all()
+        if header.get("ok"):
+            record.states[worker.name] = "ready"
+            record.progress[worker.name] = record.steps
+            self._dispatch_parked(record.template_id)
+            return
+        record.states[worker.name] = "failed"
+        record.error = header.get("message", "recording failed")
+        self._ensure_replicas(record)
+        if record.status == "failed":
+            self._fail_parked(record)

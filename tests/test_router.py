@@ -1,0 +1,212 @@
+"""The router against scripted workers (DEALER sockets driven by the test): template replication,
+parking until a recording is ready, routing only to workers that hold the template, re-routing
+when a worker dies or falls silent, exactly one answer per request, back-pressure."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from retouch.engine import wire
+from retouch.engine.policies import RequestLoad
+from retouch.engine.router import EditTask, QueueFull, Router, RouterConfig, TemplateRecord
+
+LOAD = RequestLoad(image_tokens=16, masked_tokens=4, steps=2)
+TIMEOUT_S = 10.0
+
+
+class ScriptedWorker:
+    def __init__(self, context: zmq.Context, router: Router, name: str, max_batch: int = 4):
+        self.name = name
+        self.inbox: list[dict] = []
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, f"{name}:1".encode())
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(router.address)
+        self.send({"kind": "hello", "max_batch": max_batch, "pid": 1})
+        assert self.receive("welcome")
+
+    def send(self, header: dict, blobs: dict | None = None) -> None:
+        self.socket.send_multipart(wire.encode({**header, "worker": self.name}, blobs=blobs))
+
+    def receive(self, kind: str, keepalive: list[ScriptedWorker] = ()) -> dict:
+        """The next message of `kind` (others stay in the inbox); `keepalive` workers heartbeat meanwhile."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            for index, message in enumerate(self.inbox):
+                if message["kind"] == kind:
+                    return self.inbox.pop(index)
+            for worker in keepalive:
+                worker.send({"kind": "heartbeat", "running": [], "queued": []})
+            if self.socket.poll(50):
+                header, _, blobs = wire.decode(self.socket.recv_multipart())
+                self.inbox.append({**header, "blobs": blobs})
+        raise AssertionError(f"{self.name} got no {kind!r} message")
+
+    def pending_kinds(self) -> list[str]:
+        while self.socket.poll(0):
+            self.inbox.append(wire.decode(self.socket.recv_multipart())[0])
+        return [message["kind"] for message in self.inbox]
+
+    def sync(self) -> None:
+        """Return once the router has handled everything this worker sent."""
+        self.send({"kind": "ping"})
+        self.receive("pong")
+
+    def register(self, template: str, ok: bool = True) -> None:
+        message = self.receive("register")
+        assert message["template"] == template
+        self.send({"kind": "template", "template": template, "ok": ok, "message": "out of memory"})
+        self.sync()
+
+    def answer(self, request: int, png: bytes = b"png") -> None:
+        self.send({"kind": "result", "request": request, "status": 200}, {"png": png})
+
+
+@pytest.fixture
+def context():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def make_router(**config) -> Router:
+    return Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests",
+                               **{"heartbeat_s": 0.05, "dead_after_s": 60.0, **config})).start()
+
+
+def template(template_id: str = "t1", replicas: int = 0) -> TemplateRecord:
+    return TemplateRecord(template_id, b"png-of-template", (64, 64), "", 2, 0, None, replicas)
+
+
+def task(template_id: str = "t1") -> EditTask:
+    return EditTask(template_id, bytes(64 * 64), (64, 64), "a cat", 0, LOAD)
+
+
+def test_templates_go_to_every_worker_and_edits_wait_for_a_ready_one(context):
+    router = make_router()
+    try:
+        w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+        router.register_template(template())
+        future = router.submit(task())  # parked: no recording is ready yet
+        assert router.snapshot()["parked"] == 1
+        w1.register("t1")
+        edit = w1.receive("edit")  # the only worker holding it
+        assert edit["template"] == "t1" and edit["prompt"] == "a cat"
+        assert len(edit["blobs"]["mask"]) == 64 * 64
+        w1.answer(edit["request"], b"edited")
+        assert future.result(TIMEOUT_S).png == b"edited"
+        assert future.result().worker == "w1"
+        w0.register("t1")
+        assert router.template("t1")["progress"]["workers_ready"] == 2
+    finally:
+        router.close(drain_s=0)
+
+
+def test_a_worker_that_joins_later_records_the_templates(context):
+    router = make_router()
+    try:
+        router.register_template(template())
+        assert router.template("t1")["status"] == "recording"
+        late = ScriptedWorker(context, router, "late")
+        late.register("t1")
+        assert router.submit(task()) is not None
+        late.answer(late.receive("edit")["request"])
+    finally:
+        router.close(drain_s=0)
+
+
+def test_silent_worker_is_removed_its_request_rerouted_and_its_late_answer_dropped(context):
+    router = make_router(dead_after_s=0.5)
+    try:
+        w0 = ScriptedWorker(context, router, "w0")
+        router.register_template(template())
+        w0.register("t1")
+        future = router.submit(task())
+        first = w0.receive("edit")
+        w1 = ScriptedWorker(context, router, "w1")
+        w1.register("t1")
+        # w0 now falls silent; w1 keeps heartbeating until the edit comes to it.
+        second = w1.receive("edit", keepalive=[w1])
+        assert second["request"] == first["request"]
+        assert "w0" not in router.snapshot()["workers"]
+        w1.answer(second["request"], b"from w1")
+        assert future.result(TIMEOUT_S).png == b"from w1"
+        w0.answer(first["request"], b"from w0, too late")  # a zombie's answer does not count
+        # Its hello comes after the answer on the same socket: once welcomed, the answer was seen.
+        w0.send({"kind": "hello", "max_batch": 4, "pid": 1})
+        w0.receive("welcome")
+        assert router.snapshot()["counters"]["duplicates_dropped"] == 1
+        assert future.result().png == b"from w1"
+    finally:
+        router.close(drain_s=0)
+
+
+def test_exited_worker_is_rerouted_at_once(context):
+    router = make_router()  # dead_after_s=60: only the supervisor's notice can remove it in time
+    try:
+        w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+        router.register_template(template())
+        w0.register("t1")
+        w1.register("t1")
+        futures = [router.submit(task()) for _ in range(4)]  # least-requests: two each
+        on_w0 = [w0.receive("edit")["request"] for _ in range(2)]
+        on_w1 = [w1.receive("edit")["request"] for _ in range(2)]
+        router.worker_exited("w0")
+        moved = sorted(w1.receive("edit")["request"] for _ in range(2))
+        assert moved == sorted(on_w0)
+        for request in on_w1 + moved:
+            w1.answer(request)
+        assert all(f.result(TIMEOUT_S).status == 200 for f in futures)
+        assert router.snapshot()["counters"]["rerouted"] == 2
+    finally:
+        router.close(drain_s=0)
+
+
+def test_replicas_one_records_on_one_worker_and_again_when_it_dies(context):
+    router = make_router()
+    try:
+        w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+        router.register_template(template("solo", replicas=1))
+        w0.sync()
+        w1.sync()  # the router answered both pings, so any register was sent before
+        holder, other = (w0, w1) if "register" in w0.pending_kinds() else (w1, w0)
+        holder.register("solo")
+        assert "register" not in other.pending_kinds()  # only one recording
+        router.worker_exited(holder.name)
+        other.register("solo")
+        future = router.submit(task("solo"))
+        other.answer(other.receive("edit")["request"])
+        assert future.result(TIMEOUT_S).status == 200
+    finally:
+        router.close(drain_s=0)
+
+
+def test_back_pressure_deletion_and_failed_recordings(context):
+    router = make_router(max_queue=2)
+    try:
+        w0 = ScriptedWorker(context, router, "w0")
+        router.register_template(template("t1"))
+        router.register_template(template("t2"))
+        parked = [router.submit(task("t1")), router.submit(task("t2"))]
+        with pytest.raises(QueueFull):
+            router.submit(task("t1"))
+        assert router.drop_template("t1")
+        assert parked[0].result(TIMEOUT_S).status == 404
+        assert w0.receive("register")["template"] == "t1"
+        w0.register("t2", ok=False)  # its only worker failed to record it
+        answer = parked[1].result(TIMEOUT_S)
+        assert answer.status == 422 and "out of memory" in answer.message
+        assert router.template("t2")["status"] == "failed"
+    finally:
+        router.close(drain_s=0)
+
+
+def test_close_answers_what_it_could_not_run(context):
+    router = make_router()
+    router.register_template(template())
+    future = router.submit(task())
+    router.close(drain_s=0)
+    assert future.result(TIMEOUT_S).status == 503
