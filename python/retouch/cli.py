@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from retouch.config import EditOptions, ProfileOptions, add_arguments, from_arguments
+from retouch.config import EditOptions, ProfileOptions, ServeOptions, add_arguments, from_arguments
 from retouch.errors import RetouchError
 
 EXIT_USAGE = 2
@@ -132,6 +132,27 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    opts = from_arguments(ServeOptions, args)
+    from pathlib import Path
+
+    from retouch.models import get_spec
+
+    if not Path(opts.model).is_dir():
+        get_spec(opts.model)  # an unknown model is one error here, not one in every worker
+    from retouch.server import Server
+
+    Server(opts).start().serve_forever()
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from retouch.engine import simulate
+
+    simulate.main(args.options)  # parses its own options, prints its JSON
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from retouch.doctor import report
 
@@ -165,6 +186,15 @@ def build_parser() -> ArgumentParser:
     bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(handler=cmd_bench)
+
+    serve = commands.add_parser("serve", help="serve edits over HTTP: router, worker processes and frontend")
+    add_arguments(serve, ServeOptions)
+    serve.set_defaults(handler=cmd_serve)
+
+    simulate = commands.add_parser("simulate", help="simulate a cluster's routing policies; prints JSON "
+                                   "(see `retouch simulate -h`)", add_help=False)
+    simulate.add_argument("options", nargs=argparse.REMAINDER, help="the simulator's own options")
+    simulate.set_defaults(handler=cmd_simulate)
 
     doctor = commands.add_parser("doctor", help="report versions, CUDA, Triton and native-extension status as JSON")
     doctor.set_defaults(handler=cmd_doctor)

@@ -117,3 +117,47 @@ class ProfileOptions:
 
     def values(self, name: str, kind=float) -> list:
         return [kind(float(v)) for v in getattr(self, name).split(",")]
+
+
+@dataclass(slots=True)
+class ServeOptions:
+    """The HTTP server: router, workers (one process per device) and frontend on one host."""
+
+    model: str = option(help="built-in model name (see `retouch models`) or a local diffusers pipeline folder")
+    workers: int = option(1, help="worker processes (one per GPU)")
+    host: str = option("127.0.0.1", help="HTTP address to bind (loopback unless you mean otherwise)")
+    port: int = option(8000, help="HTTP port (0: any free port, printed on start)")
+    policy: str = option("mask-aware", help="how the router picks a worker",
+                         choices=("round-robin", "least-requests", "least-tokens", "mask-aware"))
+    cost_model: Path | None = option(None, help="fitted cost models (`retouch profile`) for mask-aware routing")
+    router_address: str = option("tcp://127.0.0.1:0", help="where workers connect (ipc://path or tcp://host:port)")
+    device: str = option("auto", help="where workers run (cuda: worker i uses GPU i)", choices=DEVICES)
+    dtype: str = option("auto", help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)", choices=DTYPES)
+    mode: str = option("disagg", help="batching mode of each worker", choices=("static", "naive", "disagg"))
+    max_batch: int = option(8, help="requests per denoising step per worker")
+    helpers: int = option(1, help="pre/post-processing processes per worker (disagg mode)")
+    worker_threads: int = option(0, help="torch CPU threads per worker (0: torch's default)")
+    steps: int = option(28, help="denoising steps of templates registered without `steps`")
+    max_steps: int = option(200, help="largest `steps` a request may ask for")
+    max_upload_mb: float = option(32.0, help="largest request body (MiB)")
+    max_pixels: int = option(4096 * 4096, help="largest image or mask (pixels; checked before decoding)")
+    max_queue: int = option(256, help="edits accepted and not yet answered; beyond it: 429 with Retry-After")
+    api_key: str | None = option(None, help="require `Authorization: Bearer KEY` on /v1 (default: $RETOUCH_API_KEY)")
+    heartbeat_s: float = option(0.5, help="seconds between worker heartbeats")
+    dead_after_s: float = option(5.0, help="a worker silent this long is removed and its requests re-routed")
+    restart: bool = option(True, help="start a replacement when a worker process exits")
+
+    def __post_init__(self):
+        for name in ("workers", "max_batch", "steps", "max_steps", "max_queue", "max_pixels"):
+            if getattr(self, name) < 1:
+                raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.helpers < 1 and self.mode == "disagg":
+            raise InputError("--helpers must be >= 1 in disagg mode")
+        if not 0 <= self.port < 65536:
+            raise InputError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_upload_mb <= 0:
+            raise InputError(f"--max-upload-mb must be > 0, got {self.max_upload_mb}")
+        if self.dead_after_s <= self.heartbeat_s:
+            raise InputError("--dead-after-s must exceed --heartbeat-s")
+        if self.cost_model is not None and not Path(self.cost_model).is_file():
+            raise InputError(f"--cost-model {self.cost_model} not found")

@@ -6,6 +6,7 @@ region to repaint with alpha 0; `load_mask(..., alpha=True)` converts it to the 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
@@ -20,14 +21,23 @@ def _open(path: Path, what: str) -> Image.Image:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{what} file not found: {path}")
+    return decode_image(path.read_bytes(), f"{what} {path}")
+
+
+def decode_image(data: bytes, what: str, max_pixels: int | None = None) -> Image.Image:
+    """Decode an uploaded image. The size is checked from the header before any pixel is decoded,
+    so a small file that claims to be huge (a decompression bomb) costs nothing."""
+    max_pixels = MAX_PIXELS if max_pixels is None else max_pixels
     try:
-        with Image.open(path) as img:
-            if img.width * img.height > MAX_PIXELS:
-                raise InputError(f"{what} {path} is {img.width}x{img.height}, over the limit of {MAX_PIXELS} pixels")
+        with Image.open(io.BytesIO(data)) as img:
+            if img.width * img.height > max_pixels:
+                raise InputError(f"{what} is {img.width}x{img.height}, over the limit of {max_pixels} pixels")
             img.load()
             return img.copy()
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, SyntaxError, ValueError) as exc:
-        raise InputError(f"cannot read {what} {path}: {exc}") from None
+    except Image.DecompressionBombError as exc:  # PIL's own, looser check fired first
+        raise InputError(f"{what} is over the limit of {max_pixels} pixels ({exc})") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise InputError(f"cannot read {what}: {exc}") from None
 
 
 def load_image(path: Path) -> Image.Image:
@@ -40,9 +50,18 @@ def load_mask(path: Path, *, alpha: bool = False) -> Image.Image:
     mask = _open(path, "mask")
     if not alpha:
         return mask.convert("L")
-    if "A" not in mask.getbands() and "transparency" not in mask.info:
+    if not has_alpha(mask):
         raise InputError(f"mask {path} has no alpha channel; drop --mask-alpha for a black/white mask")
-    return mask.convert("RGBA").getchannel("A").point(lambda a: 255 - a)
+    return mask_from_alpha(mask)
+
+
+def has_alpha(image: Image.Image) -> bool:
+    return "A" in image.getbands() or "transparency" in image.info
+
+
+def mask_from_alpha(image: Image.Image) -> Image.Image:
+    """OpenAI convention -> ours: alpha 0 (transparent) = repaint = white."""
+    return image.convert("RGBA").getchannel("A").point(lambda a: 255 - a)
 
 
 def check_same_size(image: Image.Image, mask: Image.Image) -> None:

@@ -1,0 +1,127 @@
+"""`retouch serve`: the router, the worker processes and the HTTP frontend on one host.
+
+    with Server(ServeOptions(model="tiny-flux-fill", workers=2, port=0)).start() as server:
+        httpx.post(server.url + "/v1/templates", files=...)
+
+The frontend and the router share this process (the router on its own thread: one hop less for
+every image); each worker is a process of its own (`retouch.engine.node`), started and, if it exits,
+replaced by the supervisor.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+
+from retouch.config import ServeOptions
+from retouch.engine.reference_costs import h800_flux
+from retouch.engine.router import Router, RouterConfig
+from retouch.engine.step_cost import StepCost
+from retouch.engine.supervisor import Supervisor
+from retouch.errors import RetouchError
+from retouch.http_api import Limits, create_app
+
+
+def step_cost(opts: ServeOptions) -> StepCost | None:
+    """The mask-aware policy's cost model: the fitted one given (`retouch profile`), else the built-in
+    model of an H800-class worker running Flux -- a stand-in whose ranking of batches (by masked
+    tokens and cache bytes) carries over, not its seconds."""
+    if opts.policy != "mask-aware":
+        return None
+    if opts.cost_model is not None:
+        return StepCost.from_json(opts.cost_model)
+    print("retouch: mask-aware routing with the built-in H800 Flux cost model; fit this model's with "
+          "`retouch profile` and pass --cost-model", file=sys.stderr)
+    return StepCost(h800_flux())
+
+
+class Server:
+    def __init__(self, opts: ServeOptions):
+        self.opts = opts
+        self.router: Router | None = None
+        self.supervisor: Supervisor | None = None
+        self._http: uvicorn.Server | None = None
+        self._http_thread: threading.Thread | None = None
+        self.url = ""
+
+    def start(self, ready_timeout_s: float = 600.0) -> Server:
+        opts = self.opts
+        api_key = opts.api_key or os.environ.get("RETOUCH_API_KEY") or None
+        self.router = Router(RouterConfig(opts.router_address, opts.policy, opts.heartbeat_s, opts.dead_after_s,
+                                          opts.max_queue), step_cost(opts)).start()
+        device = opts.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        node_args = ["--model", opts.model, "--device", device, "--dtype", dtype, "--mode", opts.mode,
+                     "--max-batch", str(opts.max_batch), "--helpers", str(opts.helpers),
+                     "--threads", str(opts.worker_threads)]
+        self.supervisor = Supervisor(opts.workers, node_args, self.router.address, self.router.worker_exited,
+                                     restart=opts.restart, gpus=device == "cuda")
+        self._await_workers(ready_timeout_s)
+        limits = Limits(max_upload_bytes=int(opts.max_upload_mb * (1 << 20)), max_pixels=opts.max_pixels,
+                        max_steps=opts.max_steps, default_steps=opts.steps, api_key=api_key)
+        app = create_app(self.router, limits, opts.model)
+        listener = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((opts.host, opts.port))
+        port = listener.getsockname()[1]
+        self.url = f"http://{opts.host}:{port}"
+        self._http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                   timeout_keep_alive=30))
+        self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [listener]},
+                                             name="retouch-http", daemon=True)
+        self._http_thread.start()
+        return self
+
+    def _await_workers(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        ready = 0
+        while ready < self.opts.workers:
+            if self.supervisor.exits:
+                self.close()
+                raise RetouchError("a worker process exited while loading the model (see its error above)")
+            if time.monotonic() > deadline:
+                self.close()
+                raise RetouchError(f"only {ready} of {self.opts.workers} workers were ready after {timeout_s:.0f} s")
+            self.router.wait_for_workers(ready + 1, 1.0)
+            now_ready = len(self.router.snapshot()["workers"])
+            if now_ready != ready:
+                ready = now_ready
+                print(f"retouch: {ready}/{self.opts.workers} workers ready", file=sys.stderr)
+
+    def close(self, drain_s: float = 60.0) -> None:
+        """Stop taking connections, answer every accepted edit, stop the workers."""
+        if self._http is not None:
+            self._http.should_exit = True
+            self._http_thread.join(timeout=drain_s)
+            self._http = None
+        if self.router is not None:
+            self.router.close(drain_s)
+        if self.supervisor is not None:
+            self.supervisor.close()
+        self.router = self.supervisor = None
+
+    def serve_forever(self) -> None:
+        stop = threading.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+        print(f"retouch: serving {self.opts.model} on {self.url} ({self.opts.workers} workers, "
+              f"policy {self.opts.policy}); Ctrl-C drains and stops", file=sys.stderr)
+        stop.wait()
+        print("retouch: draining", file=sys.stderr)
+        self.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
