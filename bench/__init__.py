@@ -5,4 +5,4 @@
 Imported as `retouch.bench`; the folder is mapped into the package by setup.py.
 """
 
-BENCHMARKS = ("step", "flops", "fidelity", "attention", "planner", "copy", "overlap", "batching")
+BENCHMARKS = ("step", "flops", "fidelity", "attention", "planner", "copy", "overlap", "batching", "serve")

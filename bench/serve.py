@@ -1,0 +1,369 @@
+"""Load on a running retouch server over HTTP: edits against one template, with a cap on requests in flight.
+
+    retouch bench serve --url http://127.0.0.1:8000 --requests 100 --concurrency 8 [--rps R] [--out F.json]
+
+Registers a generated template (POST /v1/templates, polled until ready) unless `--template-id` names one,
+then sends `--requests` edits (POST /v1/edits, PNG answers), never more than `--concurrency` at once.
+Without `--rps` the load is closed-loop: a request leaves as soon as a slot frees. With `--rps` arrivals
+are Poisson (seeded) and a request that arrives while every slot is taken waits for one; that wait is
+reported as client wait (`mean_client_wait_s`, and the `*_from_arrival_s` percentiles include it).
+Each edit has a rectangular mask whose area ratio is drawn from Beta(1.9, 8.1) (`--mask-dist public`,
+mean 0.19, the paper's public trace) or Beta(1.1, 8.9) (`production`, mean 0.11), and seed = its index.
+
+Prints one JSON object. Every request ends as exactly one of: ok (HTTP 200 with a PNG body), an error
+(any other HTTP answer, counted by status code; a 429 is counted, never retried), or lost (no HTTP
+answer: connection refused or reset, the server closed without answering, or `--timeout` passed).
+Latency is from sending a request to the end of its answer's body; `p50_s`, `p95_s`, `mean_s`, `max_s`
+and `latencies_s` are over the ok requests only (null when none is ok); `throughput_rps` is ok answers
+per second of the whole run (`wall_s`, from the first edit sent to the last answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+from retouch.bench.report import pyplot, write_json
+
+# Mask area ratio ~ Beta(a, b). "public" equals bench/batching.py's MASK_BETA (not imported: that module
+# loads torch and the engine, which a load generator does not need).
+MASK_BETA = {"public": (1.9, 8.1), "production": (1.1, 8.9)}  # means 0.19 and 0.11
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What became of one edit request. Exactly one of `status` and `lost_reason` is set."""
+
+    index: int
+    scheduled_s: float  # arrival time the schedule gave it, from the start of the run
+    sent_s: float  # when it left (after waiting for a free slot), from the start of the run
+    latency_s: float  # sent -> answer body read, or -> failure when lost
+    status: int | None = None
+    png: bool = False  # a 200 answer whose body is a PNG
+    lost_reason: str | None = None  # exception class name
+    message: str | None = None  # the server's error message, or the exception text
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.png
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="retouch bench serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    parser.add_argument("--requests", type=int, default=100, help="edits to send")
+    parser.add_argument("--concurrency", type=int, default=8, help="most edits in flight at once")
+    parser.add_argument("--rps", type=float, default=None,
+                        help="mean arrival rate (Poisson, seeded); default: closed loop at --concurrency")
+    parser.add_argument("--template-id", default=None, help="edit this registered template (default: register one)")
+    parser.add_argument("--size", type=int, default=64, help="side in pixels of the generated template")
+    parser.add_argument("--steps", type=int, default=4, help="denoising steps of the generated template")
+    parser.add_argument("--mask-dist", choices=tuple(MASK_BETA), default="public",
+                        help="mask area ratio: public Beta(1.9, 8.1), production Beta(1.1, 8.9)")
+    parser.add_argument("--prompt", default="a red balloon", help="edit prompt (the request index is appended)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the masks, the arrivals and the template")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds one request may take before it counts as lost; also the most to wait "
+                             "for the template to become ready")
+    parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    args = parser.parse_args(argv)
+    if args.requests < 1 or args.concurrency < 1 or args.steps < 1 or args.size < 1:
+        parser.error("--requests, --concurrency, --steps and --size must be >= 1")
+    if (args.rps is not None and args.rps <= 0) or args.timeout <= 0:
+        parser.error("--rps and --timeout must be > 0")
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        sys.exit("retouch bench serve needs httpx: pip install 'httpx>=0.28'")
+
+    template, outcomes, wall_s, mask_ratios = asyncio.run(_drive(args))
+    command = "retouch bench serve " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = {**summarize(outcomes, wall_s), "bench": "serve", "command": command, "url": args.url,
+              "template": template, "mean_mask_ratio": statistics.fmean(mask_ratios),
+              "settings": {"requests": args.requests, "concurrency": args.concurrency, "rps": args.rps,
+                           "mask_dist": args.mask_dist, "mask_beta": MASK_BETA[args.mask_dist],
+                           "size": args.size, "steps": args.steps, "seed": args.seed, "timeout_s": args.timeout,
+                           "template_id": args.template_id}}
+    if args.out:
+        write_json(report, args.out)
+        _plot(report, outcomes, args.out.with_suffix(".png"))
+    print(json.dumps(report))
+    return report
+
+
+def arrival_offsets(requests: int, rps: float | None, seed: int) -> list[float]:
+    """Seconds from the start at which each request arrives: Poisson at `rps`, or all at 0 without one."""
+    if rps is None:
+        return [0.0] * requests
+    rng = random.Random(seed)
+    offsets, clock = [], 0.0
+    for _ in range(requests):
+        clock += rng.expovariate(rps)
+        offsets.append(clock)
+    return offsets
+
+
+def mask_boxes(requests: int, width: int, height: int, beta: tuple[float, float],
+               seed: int) -> list[tuple[int, int, int, int]]:
+    """One rectangle (left, top, right, bottom; right and bottom exclusive) per request, of at least one
+    pixel, whose area ratio is drawn from Beta(*beta) and whose position is uniform over the image."""
+    rng = random.Random(seed)
+    area = width * height
+    boxes = []
+    for _ in range(requests):
+        ratio = rng.betavariate(*beta)
+        # An aspect jitter so that masks are not all squares; clipping to the image keeps it a rectangle.
+        box_height = max(1, min(height, round((ratio * area) ** 0.5 * rng.uniform(0.7, 1.3))))
+        box_width = max(1, min(width, round(ratio * area / box_height)))
+        left, top = rng.randrange(width - box_width + 1), rng.randrange(height - box_height + 1)
+        boxes.append((left, top, left + box_width, top + box_height))
+    return boxes
+
+
+def mask_ratio(box: tuple[int, int, int, int], width: int, height: int) -> float:
+    """Fraction of the image's pixels inside `box`."""
+    left, top, right, bottom = box
+    return (right - left) * (bottom - top) / (width * height)
+
+
+def mask_png(box: tuple[int, int, int, int], width: int, height: int) -> bytes:
+    """The mask the API takes: a PNG in mode "L", 255 (white) inside `box` = repaint, 0 elsewhere."""
+    mask = Image.new("L", (width, height), 0)
+    left, top, right, bottom = box
+    ImageDraw.Draw(mask).rectangle((left, top, right - 1, bottom - 1), fill=255)
+    return _png(mask)
+
+
+def template_png(size: int, seed: int) -> bytes:
+    """A deterministic template image: a smooth gradient with a few shapes on it, `size` x `size` RGB."""
+    rng = random.Random(seed)
+    ramp = [round(255 * i / max(1, size - 1)) for i in range(size)]
+    red = Image.new("L", (size, size))
+    red.putdata([ramp[x] for _ in range(size) for x in range(size)])
+    green = red.transpose(Image.Transpose.ROTATE_90)
+    blue = Image.new("L", (size, size), rng.randrange(256))
+    image = Image.merge("RGB", (red, green, blue))
+    draw = ImageDraw.Draw(image)
+    for _ in range(3):
+        x, y = rng.randrange(size), rng.randrange(size)
+        colour = tuple(rng.randrange(256) for _ in range(3))
+        draw.ellipse((x, y, x + size // 3, y + size // 4), fill=colour)
+        draw.rectangle((y, x, y + size // 5, x + size // 6), fill=colour[::-1])
+    return _png(image)
+
+
+def summarize(outcomes: list[Outcome], wall_s: float) -> dict:
+    """The report's counts and latencies. ok + sum(errors) + lost == sent."""
+    ok = [o for o in outcomes if o.ok]
+    answered = [o for o in outcomes if o.lost_reason is None and not o.ok]
+    lost = [o for o in outcomes if o.lost_reason is not None]
+    latencies = sorted(o.latency_s for o in ok)
+    from_arrival = sorted(o.sent_s - o.scheduled_s + o.latency_s for o in ok)
+    # A 200 whose body is not a PNG is a broken answer: it stays under its status, "200".
+    errors = Counter(str(o.status) for o in answered)
+    messages = {}
+    for o in answered:
+        messages.setdefault(str(o.status), o.message)
+    return {"sent": len(outcomes), "ok": len(ok), "errors": dict(sorted(errors.items())), "lost": len(lost),
+            "p50_s": _percentile(latencies, 50), "p95_s": _percentile(latencies, 95),
+            "p99_s": _percentile(latencies, 99), "mean_s": statistics.fmean(latencies) if latencies else None,
+            "max_s": latencies[-1] if latencies else None, "wall_s": wall_s,
+            "throughput_rps": len(ok) / wall_s if wall_s > 0 else None,
+            "p50_from_arrival_s": _percentile(from_arrival, 50), "p95_from_arrival_s": _percentile(from_arrival, 95),
+            "mean_client_wait_s": statistics.fmean(o.sent_s - o.scheduled_s for o in outcomes),
+            "lost_reasons": dict(sorted(Counter(o.lost_reason for o in lost).items())),
+            "error_messages": dict(sorted(messages.items())), "latencies_s": latencies}
+
+
+async def _drive(args) -> tuple[dict, list[Outcome], float, list[float]]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(args.timeout)) as client:
+        await _check_health(client, args.url)
+        template = await _ready_template(client, args)
+        width, height = template.get("width") or args.size, template.get("height") or args.size
+        boxes = mask_boxes(args.requests, width, height, MASK_BETA[args.mask_dist], args.seed)
+        # Encoded up front so that the client's own work does not sit inside the measured latencies.
+        masks = [mask_png(box, width, height) for box in boxes]
+        ratios = [mask_ratio(box, width, height) for box in boxes]
+        offsets = arrival_offsets(args.requests, args.rps, args.seed)
+        print(f"serve: {args.requests} edits of template {template['id']} ({width}x{height}), concurrency "
+              f"{args.concurrency}, " + (f"{args.rps} rps" if args.rps else "closed loop"), file=sys.stderr)
+        outcomes, wall_s = await _send_all(client, args, template["id"], masks, offsets)
+    return template, outcomes, wall_s, ratios
+
+
+async def _check_health(client, url: str) -> None:
+    import httpx
+
+    try:
+        response = await client.get("/healthz")
+    except httpx.RequestError as exc:
+        sys.exit(f"retouch bench serve: no retouch server answers at {url} ({type(exc).__name__}: {exc})")
+    if response.status_code != 200:
+        sys.exit(f"retouch bench serve: {url}/healthz answered {response.status_code}: {_error_message(response)}")
+
+
+async def _ready_template(client, args) -> dict:
+    """The template's JSON once its status is "ready": `--template-id`, or one registered now."""
+    if args.template_id is None:
+        response = await client.post("/v1/templates",
+                                     files={"image": ("template.png", template_png(args.size, args.seed), "image/png")},
+                                     data={"prompt": "a scene", "steps": str(args.steps), "seed": str(args.seed)})
+        if response.status_code not in (200, 201, 202):
+            sys.exit(f"retouch bench serve: registering a template failed with {response.status_code}: "
+                     f"{_error_message(response)}")
+        template = response.json()
+        print(f"serve: registering template {template['id']} ({args.size}px, {args.steps} steps)", file=sys.stderr)
+    else:
+        template = await _get_template(client, args.template_id)
+    deadline = time.monotonic() + args.timeout
+    pause = 0.02
+    while template["status"] != "ready":
+        if template["status"] == "failed":
+            sys.exit(f"retouch bench serve: template {template['id']} failed: {json.dumps(template)}")
+        if time.monotonic() > deadline:
+            sys.exit(f"retouch bench serve: template {template['id']} not ready after {args.timeout} s "
+                     f"(status {template['status']!r})")
+        await asyncio.sleep(pause)  # polling a recording in progress
+        pause = min(1.0, pause * 2)
+        template = await _get_template(client, template["id"])
+    return template
+
+
+async def _get_template(client, template_id: str) -> dict:
+    response = await client.get(f"/v1/templates/{template_id}")
+    if response.status_code != 200:
+        sys.exit(f"retouch bench serve: GET /v1/templates/{template_id} answered {response.status_code}: "
+                 f"{_error_message(response)}")
+    return response.json()
+
+
+async def _send_all(client, args, template_id: str, masks: list[bytes],
+                    offsets: list[float]) -> tuple[list[Outcome], float]:
+    slots = asyncio.Semaphore(args.concurrency)
+    progress = _Progress(len(masks))
+    start = time.perf_counter()
+
+    async def send(index: int) -> Outcome:
+        try:
+            sent = time.perf_counter() - start
+            outcome = await _edit(client, args, template_id, index, masks[index], offsets[index], sent)
+        finally:
+            slots.release()
+        progress.record(outcome, time.perf_counter() - start)
+        return outcome
+
+    tasks = []
+    for index, offset in enumerate(offsets):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)  # open-loop arrivals
+        await slots.acquire()  # the cap on requests in flight; released when the answer is read
+        tasks.append(asyncio.create_task(send(index)))
+    outcomes = await asyncio.gather(*tasks)
+    return list(outcomes), time.perf_counter() - start
+
+
+async def _edit(client, args, template_id: str, index: int, mask: bytes, scheduled: float, sent: float) -> Outcome:
+    import httpx
+
+    form = {"template_id": template_id, "prompt": f"{args.prompt} {index}", "seed": str(index),
+            "response_format": "png"}
+    began = time.perf_counter()
+    try:
+        # wait_for bounds the whole request; httpx's own timeout bounds each read and write.
+        response = await asyncio.wait_for(
+            client.post("/v1/edits", data=form, files={"mask": ("mask.png", mask, "image/png")}), args.timeout)
+    except (httpx.RequestError, TimeoutError) as exc:
+        return Outcome(index, scheduled, sent, time.perf_counter() - began, lost_reason=type(exc).__name__,
+                       message=str(exc) or None)
+    latency = time.perf_counter() - began
+    png = response.content.startswith(PNG_SIGNATURE)
+    message = None if response.status_code == 200 and png else _error_message(response)
+    return Outcome(index, scheduled, sent, latency, status=response.status_code, png=png, message=message)
+
+
+def _error_message(response) -> str:
+    """The API's `{"error": {"message": ...}}`, else the start of the body; with Retry-After when given."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        kind = response.headers.get("content-type", "unknown type")
+        message = response.text[:200] if kind.startswith(("text", "application/json")) \
+            else f"{len(response.content)} bytes of {kind}"
+    retry_after = response.headers.get("retry-after")
+    return f"{message} (Retry-After: {retry_after})" if retry_after is not None else message
+
+
+class _Progress:
+    """A line on stderr every tenth of the requests."""
+
+    def __init__(self, total: int):
+        self.total, self.every = total, max(1, total // 10)
+        self.counts = Counter()
+
+    def record(self, outcome: Outcome, elapsed_s: float) -> None:
+        self.counts["ok" if outcome.ok else "lost" if outcome.lost_reason else "errors"] += 1
+        done = sum(self.counts.values())
+        if done % self.every == 0 or done == self.total:
+            print(f"serve: {done}/{self.total} done (ok {self.counts['ok']}, errors {self.counts['errors']}, "
+                  f"lost {self.counts['lost']}) after {elapsed_s:.1f} s", file=sys.stderr)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _plot(report: dict, outcomes: list[Outcome], out: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    figure, (timeline, cdf) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, chosen, marker in (("ok", [o for o in outcomes if o.ok], "."),
+                                  ("error", [o for o in outcomes if not o.ok and o.lost_reason is None], "x"),
+                                  ("lost", [o for o in outcomes if o.lost_reason is not None], "v")):
+        if chosen:
+            timeline.scatter([o.sent_s for o in chosen], [o.latency_s for o in chosen], marker=marker, s=12,
+                             label=f"{label} ({len(chosen)})")
+    timeline.set_xlabel("sent at (s from start)")
+    timeline.set_ylabel("latency (s)")
+    timeline.legend()
+    latencies = report["latencies_s"]
+    if latencies:
+        cdf.plot(latencies, [(i + 1) / len(latencies) for i in range(len(latencies))])
+    cdf.set_xlabel("latency of ok requests (s)")
+    cdf.set_ylabel("fraction of ok requests")
+    settings = report["settings"]
+    rate = f"{settings['rps']} rps" if settings["rps"] else "closed loop"
+    figure.suptitle(f"{report['sent']} edits, concurrency {settings['concurrency']}, {rate}: "
+                    f"ok {report['ok']}, errors {sum(report['errors'].values())}, lost {report['lost']}")
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
