@@ -139,3 +139,22 @@ def test_bad_input_is_one_line_and_exit_2(cli, tmp_path, case):
     assert len(lines) == 1, result.stderr
     assert expected in lines[0]
     assert not (tmp_path / "O.png").exists()
+
+
+def test_simulate_prints_every_policy(cli):
+    result = cli("simulate", "--workers", "4", "--rps", "1", "--requests", "40", "--policies",
+                 "round-robin,mask-aware")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["workers"] == 4 and set(report["policies"]) == {"round-robin", "mask-aware"}
+    assert all(p["p95_s"] >= p["p50_s"] > 0 for p in report["policies"].values())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no-such-model"], "unknown model"),
+    (["--model", "tiny-flux-fill", "--workers", "0"], "--workers must be >= 1"),
+    (["--model", "tiny-flux-fill", "--policy", "random"], "invalid choice"),
+])
+def test_serve_refuses_bad_options_before_starting_anything(cli, args, message):
+    result = cli("serve", *args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

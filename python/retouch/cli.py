@@ -204,7 +204,12 @@ def build_parser() -> ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # No hub, ever: models are built-in or local folders.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if argv[:1] == ["simulate"]:  # all of its options are the simulator's (REMAINDER cannot start with a flag)
+        args = argparse.Namespace(handler=cmd_simulate, options=argv[1:])
+    else:
+        args = parser.parse_args(argv)
     try:
         return args.handler(args)
     except RetouchError as exc:
