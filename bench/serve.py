@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import random
 import statistics
@@ -35,6 +34,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from retouch.bench.report import pyplot, write_json
+from retouch.images import png_bytes
 
 # Mask area ratio ~ Beta(a, b). "public" equals bench/batching.py's MASK_BETA (not imported: that module
 # loads torch and the engine, which a load generator does not need).
@@ -144,7 +144,7 @@ def mask_png(box: tuple[int, int, int, int], width: int, height: int) -> bytes:
     mask = Image.new("L", (width, height), 0)
     left, top, right, bottom = box
     ImageDraw.Draw(mask).rectangle((left, top, right - 1, bottom - 1), fill=255)
-    return _png(mask)
+    return png_bytes(mask)
 
 
 def template_png(size: int, seed: int) -> bytes:
@@ -162,7 +162,7 @@ def template_png(size: int, seed: int) -> bytes:
         colour = tuple(rng.randrange(256) for _ in range(3))
         draw.ellipse((x, y, x + size // 3, y + size // 4), fill=colour)
         draw.rectangle((y, x, y + size // 5, x + size // 6), fill=colour[::-1])
-    return _png(image)
+    return png_bytes(image)
 
 
 def summarize(outcomes: list[Outcome], wall_s: float) -> dict:
@@ -333,12 +333,6 @@ def _percentile(values: list[float], q: float) -> float | None:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-
-
-def _png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def _plot(report: dict, outcomes: list[Outcome], out: Path) -> None:

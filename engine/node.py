@@ -17,7 +17,6 @@ recording thread) are queued and the main thread is woken through an inproc sock
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import os
 import queue
@@ -34,8 +33,10 @@ from retouch.cache import CacheStore
 from retouch.editor import EditRequest
 from retouch.engine import wire
 from retouch.engine.api import Engine
+from retouch.engine.wakeup import Wakeup
 from retouch.engine.worker import EditResult, EngineConfig
 from retouch.errors import InputError
+from retouch.images import png_bytes
 
 
 def status_of(exc: BaseException) -> int:
@@ -53,11 +54,7 @@ class Node:
         self.socket.setsockopt(zmq.IDENTITY, f"{name}:{os.getpid()}".encode())
         self.socket.setsockopt(zmq.LINGER, 2000)
         self.socket.connect(router_address)
-        wake_address = f"inproc://retouch-node-wake-{id(self)}"
-        self._wake_rx = self.context.socket(zmq.PULL)
-        self._wake_rx.bind(wake_address)
-        self._wake_tx = self.context.socket(zmq.PUSH)
-        self._wake_tx.connect(wake_address)
+        self._wakeup = Wakeup(self.context)
         self._lock = threading.Lock()
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
         self.templates: dict[str, str] = {}  # router template id -> the editor's
@@ -70,20 +67,18 @@ class Node:
     def run(self) -> None:
         recorder = threading.Thread(target=self._record_templates, name="retouch-recorder", daemon=True)
         recorder.start()
-        editor = self.engine.editor
         self._post({"kind": "hello", "max_batch": self.engine.config.max_batch, "pid": os.getpid(),
-                    "model": self.engine.model_name, "text_tokens": editor._num_text_tokens()})
+                    "model": self.engine.model_name})
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(self._wakeup.socket, zmq.POLLIN)
         next_heartbeat = 0.0
         stopping = False
         while True:
             timeout_ms = max(0, int((next_heartbeat - time.monotonic()) * 1000))
             events = dict(poller.poll(timeout_ms))
-            if self._wake_rx in events:
-                while self._wake_rx.poll(0):
-                    self._wake_rx.recv()
+            if self._wakeup.socket in events:
+                self._wakeup.drain()
             if self.socket in events:
                 while self.socket.poll(0):
                     stopping |= self._on_message(self.socket.recv_multipart())
@@ -99,8 +94,7 @@ class Node:
         self._post({"kind": "bye"})
         self._flush()
         self.socket.close()
-        self._wake_tx.close(0)
-        self._wake_rx.close(0)
+        self._wakeup.close()
         self.context.term()
 
     def _on_message(self, frames: list) -> bool:
@@ -160,10 +154,8 @@ class Node:
                         "error": type(exc).__name__, "message": str(exc)})
             return
         result: EditResult = future.result()
-        png = io.BytesIO()
-        result.image.save(png, format="PNG")
         self._post({"kind": "result", "request": request_id, "status": 200, "metrics": result.metrics.to_json()},
-                   {"png": png.getvalue()})
+                   {"png": png_bytes(result.image)})
 
     def _record_templates(self) -> None:
         while (item := self._recordings.get()) is not None:
@@ -185,8 +177,7 @@ class Node:
 
     def _post(self, header: dict, blobs: dict | None = None) -> None:
         self._outgoing.put(wire.encode({**header, "worker": self.name}, blobs=blobs))
-        with self._lock, contextlib.suppress(zmq.Again):  # a full wake queue is a woken thread
-            self._wake_tx.send(b"", zmq.NOBLOCK)
+        self._wakeup.wake()
 
     def _flush(self) -> None:
         while True:

@@ -21,7 +21,6 @@ is woken through an inproc socket.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import sys
 import threading
@@ -37,6 +36,7 @@ import zmq
 from retouch.engine import wire
 from retouch.engine.policies import ClusterLoad, NoWorker, RequestLoad, make_policy
 from retouch.engine.step_cost import StepCost
+from retouch.engine.wakeup import Wakeup
 
 
 class QueueFull(RuntimeError):
@@ -111,7 +111,6 @@ class Pending:
     request_id: int
     task: EditTask
     future: Future
-    submitted: float = field(default_factory=time.perf_counter)
     worker: str | None = None  # where it is now
     routes: int = 0  # how many times it was sent (re-routes after failures add to it)
 
@@ -121,9 +120,7 @@ class WorkerState:
     name: str
     identity: bytes
     slot: int
-    max_batch: int
     pid: int
-    text_tokens: int
     last_seen: float
     assigned: set[int] = field(default_factory=set)
     report: dict = field(default_factory=dict)  # its last heartbeat's metrics
@@ -154,11 +151,7 @@ class Router:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(config.address)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        wake_address = f"inproc://retouch-router-wake-{id(self)}"
-        self._wake_rx = self.context.socket(zmq.PULL)
-        self._wake_rx.bind(wake_address)
-        self._wake_tx = self.context.socket(zmq.PUSH)
-        self._wake_tx.connect(wake_address)
+        self._wakeup = Wakeup(self.context)
         self._lock = threading.RLock()
         self._outgoing: deque[tuple[bytes, list]] = deque()
         self.workers: dict[str, WorkerState] = {}
@@ -182,7 +175,9 @@ class Router:
 
     def close(self, drain_s: float = 60.0) -> None:
         """Stop accepting, wait up to `drain_s` for every accepted request to be answered, tell the
-        workers to finish and stop."""
+        workers to finish and stop. Closing twice is closing once."""
+        if self.socket.closed:
+            return
         with self._lock:
             self._closing = True
             futures = [p.future for p in self.pending.values()]
@@ -203,8 +198,7 @@ class Router:
             self._stopped = True
             self._wake()
             self._thread.join(timeout=10)
-        self._wake_tx.close(0)
-        self._wake_rx.close(0)
+        self._wakeup.close()
         self.socket.close(0)
         self.context.term()
 
@@ -385,19 +379,17 @@ class Router:
         self._outgoing.append((worker.identity, wire.encode(header, blobs=blobs)))
 
     def _wake(self) -> None:
-        with self._lock, contextlib.suppress(zmq.Again):  # a full wake queue is a woken thread
-            self._wake_tx.send(b"", zmq.NOBLOCK)
+        self._wakeup.wake()
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(self._wakeup.socket, zmq.POLLIN)
         tick_ms = max(10, int(self.config.heartbeat_s * 1000 / 2))
         while True:
             events = dict(poller.poll(tick_ms))
-            if self._wake_rx in events:
-                while self._wake_rx.poll(0):
-                    self._wake_rx.recv()
+            if self._wakeup.socket in events:
+                self._wakeup.drain()
             if self.socket in events:
                 while self.socket.poll(0):
                     identity, *frames = self.socket.recv_multipart()
@@ -453,8 +445,7 @@ class Router:
         if name in self.workers:
             self._remove_worker(name, "it said hello again (restarted)")
         slot = self.cluster.add_worker(int(header["max_batch"]))
-        worker = WorkerState(name, identity, slot, int(header["max_batch"]), int(header.get("pid", 0)),
-                             int(header.get("text_tokens", 0)), time.monotonic())
+        worker = WorkerState(name, identity, slot, int(header.get("pid", 0)), time.monotonic())
         self.workers[name] = worker
         self._send(worker, {"kind": "welcome", "heartbeat_s": self.config.heartbeat_s})
         for record in self.templates.values():

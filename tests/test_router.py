@@ -72,9 +72,19 @@ def context():
     context.destroy(linger=0)
 
 
-def make_router(**config) -> Router:
-    return Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests",
-                               **{"heartbeat_s": 0.05, "dead_after_s": 60.0, **config})).start()
+@pytest.fixture
+def make_router():
+    """Routers on loopback, closed after the test (those it did not close itself)."""
+    routers = []
+
+    def make(**config) -> Router:
+        routers.append(Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests",
+                                           **{"heartbeat_s": 0.05, "dead_after_s": 60.0, **config})).start())
+        return routers[-1]
+
+    yield make
+    for router in routers:
+        router.close(drain_s=0)
 
 
 def template(template_id: str = "t1", replicas: int = 0) -> TemplateRecord:
@@ -85,126 +95,108 @@ def task(template_id: str = "t1") -> EditTask:
     return EditTask(template_id, bytes(64 * 64), (64, 64), "a cat", 0, LOAD)
 
 
-def test_templates_go_to_every_worker_and_edits_wait_for_a_ready_one(context):
+def test_templates_go_to_every_worker_and_edits_wait_for_a_ready_one(context, make_router):
     router = make_router()
-    try:
-        w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
-        router.register_template(template())
-        future = router.submit(task())  # parked: no recording is ready yet
-        assert router.snapshot()["parked"] == 1
-        w1.register("t1")
-        edit = w1.receive("edit")  # the only worker holding it
-        assert edit["template"] == "t1" and edit["prompt"] == "a cat"
-        assert len(edit["blobs"]["mask"]) == 64 * 64
-        w1.answer(edit["request"], b"edited")
-        assert future.result(TIMEOUT_S).png == b"edited"
-        assert future.result().worker == "w1"
-        w0.register("t1")
-        assert router.template("t1")["progress"]["workers_ready"] == 2
-    finally:
-        router.close(drain_s=0)
+    w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+    router.register_template(template())
+    future = router.submit(task())  # parked: no recording is ready yet
+    assert router.snapshot()["parked"] == 1
+    w1.register("t1")
+    edit = w1.receive("edit")  # the only worker holding it
+    assert edit["template"] == "t1" and edit["prompt"] == "a cat"
+    assert len(edit["blobs"]["mask"]) == 64 * 64
+    w1.answer(edit["request"], b"edited")
+    assert future.result(TIMEOUT_S).png == b"edited"
+    assert future.result().worker == "w1"
+    w0.register("t1")
+    assert router.template("t1")["progress"]["workers_ready"] == 2
 
 
-def test_a_worker_that_joins_later_records_the_templates(context):
+def test_a_worker_that_joins_later_records_the_templates(context, make_router):
     router = make_router()
-    try:
-        router.register_template(template())
-        assert router.template("t1")["status"] == "recording"
-        late = ScriptedWorker(context, router, "late")
-        late.register("t1")
-        assert router.submit(task()) is not None
-        late.answer(late.receive("edit")["request"])
-    finally:
-        router.close(drain_s=0)
+    router.register_template(template())
+    assert router.template("t1")["status"] == "recording"
+    late = ScriptedWorker(context, router, "late")
+    late.register("t1")
+    assert router.submit(task()) is not None
+    late.answer(late.receive("edit")["request"])
 
 
-def test_silent_worker_is_removed_its_request_rerouted_and_its_late_answer_dropped(context):
+def test_silent_worker_is_removed_its_request_rerouted_and_its_late_answer_dropped(context, make_router):
     router = make_router(dead_after_s=0.5)
-    try:
-        w0 = ScriptedWorker(context, router, "w0")
-        router.register_template(template())
-        w0.register("t1")
-        future = router.submit(task())
-        first = w0.receive("edit")
-        w1 = ScriptedWorker(context, router, "w1")
-        w1.register("t1")
-        # w0 now falls silent; w1 keeps heartbeating until the edit comes to it.
-        second = w1.receive("edit", keepalive=[w1])
-        assert second["request"] == first["request"]
-        assert "w0" not in router.snapshot()["workers"]
-        w1.answer(second["request"], b"from w1")
-        assert future.result(TIMEOUT_S).png == b"from w1"
-        w0.answer(first["request"], b"from w0, too late")  # a zombie's answer does not count
-        # Its hello comes after the answer on the same socket: once welcomed, the answer was seen.
-        w0.send({"kind": "hello", "max_batch": 4, "pid": 1})
-        w0.receive("welcome")
-        assert router.snapshot()["counters"]["duplicates_dropped"] == 1
-        assert future.result().png == b"from w1"
-    finally:
-        router.close(drain_s=0)
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(template())
+    w0.register("t1")
+    future = router.submit(task())
+    first = w0.receive("edit")
+    w1 = ScriptedWorker(context, router, "w1")
+    w1.register("t1")
+    # w0 now falls silent; w1 keeps heartbeating until the edit comes to it.
+    second = w1.receive("edit", keepalive=[w1])
+    assert second["request"] == first["request"]
+    assert "w0" not in router.snapshot()["workers"]
+    w1.answer(second["request"], b"from w1")
+    assert future.result(TIMEOUT_S).png == b"from w1"
+    w0.answer(first["request"], b"from w0, too late")  # a zombie's answer does not count
+    # Its hello comes after the answer on the same socket: once welcomed, the answer was seen.
+    w0.send({"kind": "hello", "max_batch": 4, "pid": 1})
+    w0.receive("welcome")
+    assert router.snapshot()["counters"]["duplicates_dropped"] == 1
+    assert future.result().png == b"from w1"
 
 
-def test_exited_worker_is_rerouted_at_once(context):
+def test_exited_worker_is_rerouted_at_once(context, make_router):
     router = make_router()  # dead_after_s=60: only the supervisor's notice can remove it in time
-    try:
-        w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
-        router.register_template(template())
-        w0.register("t1")
-        w1.register("t1")
-        futures = [router.submit(task()) for _ in range(4)]  # least-requests: two each
-        on_w0 = [w0.receive("edit")["request"] for _ in range(2)]
-        on_w1 = [w1.receive("edit")["request"] for _ in range(2)]
-        router.worker_exited("w0")
-        moved = sorted(w1.receive("edit")["request"] for _ in range(2))
-        assert moved == sorted(on_w0)
-        for request in on_w1 + moved:
-            w1.answer(request)
-        assert all(f.result(TIMEOUT_S).status == 200 for f in futures)
-        assert router.snapshot()["counters"]["rerouted"] == 2
-    finally:
-        router.close(drain_s=0)
+    w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+    router.register_template(template())
+    w0.register("t1")
+    w1.register("t1")
+    futures = [router.submit(task()) for _ in range(4)]  # least-requests: two each
+    on_w0 = [w0.receive("edit")["request"] for _ in range(2)]
+    on_w1 = [w1.receive("edit")["request"] for _ in range(2)]
+    router.worker_exited("w0")
+    moved = sorted(w1.receive("edit")["request"] for _ in range(2))
+    assert moved == sorted(on_w0)
+    for request in on_w1 + moved:
+        w1.answer(request)
+    assert all(f.result(TIMEOUT_S).status == 200 for f in futures)
+    assert router.snapshot()["counters"]["rerouted"] == 2
 
 
-def test_replicas_one_records_on_one_worker_and_again_when_it_dies(context):
+def test_replicas_one_records_on_one_worker_and_again_when_it_dies(context, make_router):
     router = make_router()
-    try:
-        w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
-        router.register_template(template("solo", replicas=1))
-        w0.sync()
-        w1.sync()  # the router answered both pings, so any register was sent before
-        holder, other = (w0, w1) if "register" in w0.pending_kinds() else (w1, w0)
-        holder.register("solo")
-        assert "register" not in other.pending_kinds()  # only one recording
-        router.worker_exited(holder.name)
-        other.register("solo")
-        future = router.submit(task("solo"))
-        other.answer(other.receive("edit")["request"])
-        assert future.result(TIMEOUT_S).status == 200
-    finally:
-        router.close(drain_s=0)
+    w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+    router.register_template(template("solo", replicas=1))
+    w0.sync()
+    w1.sync()  # the router answered both pings, so any register was sent before
+    holder, other = (w0, w1) if "register" in w0.pending_kinds() else (w1, w0)
+    holder.register("solo")
+    assert "register" not in other.pending_kinds()  # only one recording
+    router.worker_exited(holder.name)
+    other.register("solo")
+    future = router.submit(task("solo"))
+    other.answer(other.receive("edit")["request"])
+    assert future.result(TIMEOUT_S).status == 200
 
 
-def test_back_pressure_deletion_and_failed_recordings(context):
+def test_back_pressure_deletion_and_failed_recordings(context, make_router):
     router = make_router(max_queue=2)
-    try:
-        w0 = ScriptedWorker(context, router, "w0")
-        router.register_template(template("t1"))
-        router.register_template(template("t2"))
-        parked = [router.submit(task("t1")), router.submit(task("t2"))]
-        with pytest.raises(QueueFull):
-            router.submit(task("t1"))
-        assert router.drop_template("t1")
-        assert parked[0].result(TIMEOUT_S).status == 404
-        assert w0.receive("register")["template"] == "t1"
-        w0.register("t2", ok=False)  # its only worker failed to record it
-        answer = parked[1].result(TIMEOUT_S)
-        assert answer.status == 422 and "out of memory" in answer.message
-        assert router.template("t2")["status"] == "failed"
-    finally:
-        router.close(drain_s=0)
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(template("t1"))
+    router.register_template(template("t2"))
+    parked = [router.submit(task("t1")), router.submit(task("t2"))]
+    with pytest.raises(QueueFull):
+        router.submit(task("t1"))
+    assert router.drop_template("t1")
+    assert parked[0].result(TIMEOUT_S).status == 404
+    assert w0.receive("register")["template"] == "t1"
+    w0.register("t2", ok=False)  # its only worker failed to record it
+    answer = parked[1].result(TIMEOUT_S)
+    assert answer.status == 422 and "out of memory" in answer.message
+    assert router.template("t2")["status"] == "failed"
 
 
-def test_close_answers_what_it_could_not_run(context):
+def test_close_answers_what_it_could_not_run(context, make_router):
     router = make_router()
     router.register_template(template())
     future = router.submit(task())

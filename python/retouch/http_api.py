@@ -34,7 +34,7 @@ from retouch.baseline import processing_size
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import EditTask, QueueFull, Router, TemplateRecord, Unavailable
 from retouch.errors import InputError
-from retouch.images import decode_image, has_alpha, mask_from_alpha
+from retouch.images import ImageTooLarge, decode_image, has_alpha, mask_from_alpha, png_bytes
 from retouch.masks import FLUX_STRIDE, token_mask
 
 TOKEN_STRIDE = FLUX_STRIDE  # the policies' token grid: 16 px per token (Flux/SD3 latents, patchified)
@@ -153,25 +153,20 @@ class Form:
         return value
 
     def integer(self, name: str, default: int | None, low: int, high: int) -> int | None:
+        return self._parsed(name, int, "an integer", default, low, high)
+
+    def number(self, name: str, low: float, high: float) -> float | None:
+        return self._parsed(name, float, "a number", None, low, high)
+
+    def _parsed(self, name: str, kind: type, noun: str, default, low, high):
+        """The field as `kind` in [low, high]: 400 if it does not parse, 422 if it is out of range."""
         value = self.text(name)
         if value is None or value == "":
             return default
         try:
-            number = int(value)
+            number = kind(value)
         except ValueError:
-            raise ApiError(400, f"{name} must be an integer, got {value!r}", name) from None
-        if not low <= number <= high:
-            raise ApiError(422, f"{name} must be in [{low}, {high}], got {number}", name)
-        return number
-
-    def number(self, name: str, low: float, high: float) -> float | None:
-        value = self.text(name)
-        if value is None or value == "":
-            return None
-        try:
-            number = float(value)
-        except ValueError:
-            raise ApiError(400, f"{name} must be a number, got {value!r}", name) from None
+            raise ApiError(400, f"{name} must be {noun}, got {value!r}", name) from None
         if not (math.isfinite(number) and low <= number <= high):
             raise ApiError(422, f"{name} must be in [{low}, {high}], got {value}", name)
         return number
@@ -183,15 +178,10 @@ async def read_upload(upload: UploadFile, name: str, max_pixels: int) -> Image.I
         raise ApiError(400, f"{name} is empty", name)
     try:
         return await anyio.to_thread.run_sync(decode_image, data, name, max_pixels)
+    except ImageTooLarge as exc:
+        raise ApiError(413, str(exc), name, "image_too_large") from None
     except InputError as exc:
-        status = 413 if "over the limit" in str(exc) else 400
-        raise ApiError(status, str(exc), name, "image_too_large" if status == 413 else "invalid_image") from None
-
-
-def png_bytes(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
+        raise ApiError(400, str(exc), name, "invalid_image") from None
 
 
 def template_id_of(image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None) -> str:

@@ -17,6 +17,10 @@ from retouch.errors import InputError
 MAX_PIXELS = 8192 * 8192
 
 
+class ImageTooLarge(InputError):
+    """An image whose header claims more pixels than allowed (the server answers 413)."""
+
+
 def _open(path: Path, what: str) -> Image.Image:
     path = Path(path)
     if not path.is_file():
@@ -31,11 +35,11 @@ def decode_image(data: bytes, what: str, max_pixels: int | None = None) -> Image
     try:
         with Image.open(io.BytesIO(data)) as img:
             if img.width * img.height > max_pixels:
-                raise InputError(f"{what} is {img.width}x{img.height}, over the limit of {max_pixels} pixels")
+                raise ImageTooLarge(f"{what} is {img.width}x{img.height}, over the limit of {max_pixels} pixels")
             img.load()
             return img.copy()
     except Image.DecompressionBombError as exc:  # PIL's own, looser check fired first
-        raise InputError(f"{what} is over the limit of {max_pixels} pixels ({exc})") from None
+        raise ImageTooLarge(f"{what} is over the limit of {max_pixels} pixels ({exc})") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise InputError(f"cannot read {what}: {exc}") from None
 
@@ -53,6 +57,12 @@ def load_mask(path: Path, *, alpha: bool = False) -> Image.Image:
     if not has_alpha(mask):
         raise InputError(f"mask {path} has no alpha channel; drop --mask-alpha for a black/white mask")
     return mask_from_alpha(mask)
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
 
 
 def has_alpha(image: Image.Image) -> bool:
