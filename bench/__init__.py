@@ -1,8 +1,9 @@
 """retouch.bench: benchmarks that print one JSON object (and write a PNG beside `--out`).
 
-    retouch bench step | flops | fidelity | attention | planner | copy | overlap [options]     (or python -m retouch.bench.NAME)
+    retouch bench NAME [options]      (NAME in BENCHMARKS below; `retouch bench NAME -h`)     (or python -m retouch.bench.NAME)
 
 Imported as `retouch.bench`; the folder is mapped into the package by setup.py.
 """
 
-BENCHMARKS = ("step", "flops", "fidelity", "attention", "planner", "copy", "overlap", "batching", "serve")
+BENCHMARKS = ("step", "block", "image", "flops", "fidelity", "attention", "planner", "copy", "overlap", "batching",
+              "throughput", "serving", "serve")
