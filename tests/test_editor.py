@@ -183,3 +183,20 @@ def test_guided_sd3_records_both_halves():
     assert {"out", "uncond.out"} <= names  # both halves, kept together under the template
     editor.drop_template(template_id)
     assert not editor.cache.contains(template_id) and not editor.cache.contains(template_id + "/uncond")
+
+
+@pytest.mark.parametrize("model", ["tiny-flux-fill", "tiny-sdxl-inpaint"])
+def test_a_kv_recording_serves_y_cache_edits_after_switching(model):
+    # A KV-cache recording holds every block's output too, so after switch_cache_mode("y") its edits
+    # must equal those of an editor that recorded in Y-cache mode from the start.
+    mask = square_mask((16, 40, 79, 95))
+    latents = []
+    for recorded_in in ("kv", "y"):
+        editor = load(model, cache_mode=recorded_in)
+        template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=3)
+        editor.switch_cache_mode("y")
+        assert editor.mode_name == "y"
+        latents.append(editor.edit(template_id, mask, "a red hat", seed=5, output_type="latent"))
+    assert torch.equal(latents[0], latents[1])
+    with pytest.raises(InputError, match="cache mode"):
+        editor.switch_cache_mode("z")

@@ -194,6 +194,15 @@ class MaskAwareEditor:
         if store is not None:
             store.commit(template_id)
 
+    def switch_cache_mode(self, cache_mode: str) -> None:
+        """Edit in `cache_mode` from now on. A template recorded in KV-cache mode holds every block's
+        output, keys and values, so it also serves Y-cache edits; one recorded in Y-cache mode holds
+        only outputs, so switch to "kv" before registering the templates that KV-cache edits read."""
+        if cache_mode not in CACHE_MODES:
+            raise InputError(f"cache mode must be one of {', '.join(CACHE_MODES)}, got {cache_mode!r}")
+        self.mode = CACHE_MODES[cache_mode]
+        self.mode_name = cache_mode
+
     def drop_template(self, template_id: str) -> None:
         self.templates.pop(template_id, None)
         self.cache.drop(template_id)

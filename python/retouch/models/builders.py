@@ -33,27 +33,30 @@ def build_denoiser(
         return _build_denoiser(spec, torch.device(device), dtype)
 
 
-def build_pipeline(name: str, dtype: torch.dtype = torch.float32) -> DiffusionPipeline:
-    """The full diffusers pipeline on the CPU: seeded random weights, local tokenizers, real scheduler."""
+def build_pipeline(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DiffusionPipeline:
+    """The full diffusers pipeline: seeded random weights, local tokenizers, real scheduler.
+
+    Every module is created on `device` (the seeded draws differ between devices, so weights built on
+    a GPU differ from the exported, CPU-built ones; their shapes and FLOPs do not)."""
     spec = get_spec(name)
-    cpu = torch.device("cpu")
+    device = torch.device(device)
     with quiet_libraries():
         pipeline_class = getattr(diffusers, spec.pipeline_class)
         components = {
-            spec.denoiser_component: _build_denoiser(spec, cpu, dtype),
+            spec.denoiser_component: _build_denoiser(spec, device, dtype),
             "scheduler": getattr(diffusers, spec.scheduler_class).from_config(spec.scheduler_config),
         }
-        with _seeded_construction(_component_seed(spec, "vae"), cpu, dtype):
+        with _seeded_construction(_component_seed(spec, "vae"), device, dtype):
             components["vae"] = AutoencoderKL.from_config(spec.vae_config)
         for encoder in spec.text_encoders:
             tokenizer = build_t5_tokenizer() if encoder.tokenizer_kind == "t5" else build_clip_tokenizer()
             components[encoder.tokenizer_component] = tokenizer
-            with _seeded_construction(_component_seed(spec, encoder.component), cpu, dtype):
+            with _seeded_construction(_component_seed(spec, encoder.component), device, dtype):
                 components[encoder.component] = _build_text_encoder(encoder, tokenizer)
         # Image encoders (IP-Adapter) and safety checkers are optional and retouch uses neither.
         for optional in pipeline_class._optional_components:
             components.setdefault(optional, None)
-        pipe = pipeline_class(**components, **spec.pipeline_config)
+        pipe = pipeline_class(**components, **spec.pipeline_config).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -1,0 +1,125 @@
+"""One block of a denoiser, full compute against mask-aware (Y-cache, KV-cache), over mask ratios
+(paper Fig. 15 left: one Flux block).
+
+    retouch bench block --model flux-size --device cuda [--batch 1] [--mask-ratios 0.05,0.1,...] [--out F.json]
+
+Each kind of block of the model (Flux: double and single; a UNet: one per level) is timed on its own,
+with the inputs it receives inside the denoiser at the model's own resolution, and with the template's
+activations already on the device: the compute of a cached block, without its load (the load is what
+`retouch bench overlap` and `retouch bench copy` measure). Variants are timed interleaved per ratio.
+Prints one JSON object; `--out F.json` also writes F.png (speedup against mask ratio per block kind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from retouch.bench.report import environment, pyplot, write_json
+from retouch.bench.timing import interleaved_medians
+from retouch.cache import InMemoryActivationCache
+from retouch.models import get_spec
+from retouch.profile import VARIANTS, build_target, capture_block_inputs
+
+PATCH_PIXELS = {"flux-fill": 16, "flux-inpaint": 16, "sd3": 16}  # pixels per token side; UNets: 8 (latent)
+MODES = {"y": "y-cache", "kv": "kv-cache"}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="retouch bench block", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="flux-size")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--resolution", type=int, default=None, help="pixels per side (default: the model's)")
+    parser.add_argument("--batch", type=int, default=1, help="requests per forward")
+    parser.add_argument("--mask-ratios", default="0.05,0.1,0.2,0.3,0.5,0.7,0.9,1.0")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    args = parser.parse_args(argv)
+    try:
+        ratios = [float(r) for r in args.mask_ratios.split(",")]
+    except ValueError:
+        parser.error("--mask-ratios must be comma-separated numbers")
+    if not all(0 < r <= 1 for r in ratios) or args.batch < 1 or args.repeats < 1:
+        parser.error("mask ratios must lie in (0, 1]; --batch and --repeats must be >= 1")
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    spec = get_spec(args.model)
+    resolution = args.resolution or spec.resolution
+    side = resolution // PATCH_PIXELS.get(spec.family, 8)
+    print(f"building {args.model} on {device} ({dtype}), {side}x{side} token grid", file=sys.stderr)
+    target = build_target(args.model, device, dtype)
+    inputs = target.inputs(args.batch, side)
+    captured = capture_block_inputs(target, inputs)
+    cache = InMemoryActivationCache(device=device)
+    with torch.inference_mode(), target.adapter.run(target.record_context(args.batch, side, cache)):
+        target.denoiser(**inputs)
+
+    results = []
+    for kind, index in target.representative.items():
+        block_args, block_kwargs = captured[index]
+        block = target.adapter.blocks[index]
+        for ratio in ratios:
+            runs = {"full": _block_run(target, block, block_args, block_kwargs, None)}
+            for variant, name in MODES.items():
+                context = target.edit_context(VARIANTS[variant], args.batch, side, ratio, cache)
+                runs[name] = _block_run(target, block, block_args, block_kwargs, context)
+            seconds = interleaved_medians(runs, args.repeats, device)
+            tokens = target.tokens(kind, side, ratio)
+            for name in MODES.values():
+                results.append({"kind": kind, "block": index, "mask_ratio": round(tokens.masked / tokens.image, 4),
+                                "mode": name, "masked_tokens": tokens.masked, "image_tokens": tokens.image,
+                                "full_s": seconds["full"], "mask_aware_s": seconds[name],
+                                "speedup": round(seconds["full"] / seconds[name], 3)})
+            print(f"{kind} m={results[-1]['mask_ratio']}: " + ", ".join(
+                f"{row['mode']} {row['speedup']}x" for row in results[-len(MODES):]), file=sys.stderr)
+
+    report = {"bench": "block", **environment("block", argv, device), "model": args.model,
+              "dtype": str(dtype).removeprefix("torch."), "resolution": resolution, "batch": args.batch,
+              "block_kinds": sorted(target.representative), "results": results}
+    if args.out:
+        write_json(report, args.out)
+        _plot(report, args.out.with_suffix(".png"))
+    print(json.dumps(report))
+    return report
+
+
+def _block_run(target, block, args: tuple, kwargs: dict, context):
+    def run():
+        with torch.inference_mode():
+            if context is None:
+                block(*args, **kwargs)
+            else:
+                with target.adapter.run(context):
+                    block(*args, **kwargs)
+    return run
+
+
+def _plot(report: dict, out: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    kinds = report["block_kinds"]
+    figure, axes = plt.subplots(1, len(kinds), figsize=(4.5 * len(kinds), 3.6), squeeze=False)
+    for axis, kind in zip(axes[0], kinds):
+        for mode in MODES.values():
+            rows = [row for row in report["results"] if row["kind"] == kind and row["mode"] == mode]
+            axis.plot([row["mask_ratio"] for row in rows], [row["speedup"] for row in rows], marker="o", label=mode)
+        axis.axhline(1.0, color="grey", linewidth=0.8)
+        axis.set_title(f"{kind} block")
+        axis.set_xlabel("mask ratio")
+        axis.set_ylabel("speedup vs full compute")
+        axis.legend()
+    figure.suptitle(f"{report['model']} block, batch {report['batch']}, {report['device_name']}")
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

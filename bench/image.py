@@ -1,0 +1,183 @@
+"""Latency of one whole edit, the unmodified diffusers pipeline against mask-aware inference, over mask
+ratios (paper Fig. 15 right, §6.2): text encoders, every denoising step and the VAE, end to end.
+
+    retouch bench image --model flux-size --device cuda --cost-model cost.json [--steps 8] [--out F.json]
+
+The template is registered once in KV-cache mode (which records every block's output, keys and
+values, so the same recording serves both modes) into a `CacheStore` in pinned host memory; each
+mask-aware edit loads its rows over PCIe with the copy engine, overlapped with compute, and with
+`--cost-model` (from `retouch profile`) the planner chooses per block cache or full compute. The
+masks are centred rectangles of tokens covering each ratio. Per mode, the full pipeline and every
+ratio's edit are timed interleaved. Prints one JSON object
+`{"model", "device", "results": [{"mask_ratio", "mode", "full_s", "mask_aware_s", "speedup"}], ...}`;
+`--out F.json` also writes F.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from retouch.bench.report import environment, pyplot, write_json
+from retouch.bench.timing import interleaved_medians
+from retouch.cache import CacheStore, StoreConfig
+from retouch.editor import PLANNERS, EditRequest, MaskAwareEditor
+from retouch.masks import FLUX_STRIDE, UNET_LATENT_STRIDE, centred_token_rectangle, pixel_mask_of_tokens
+from retouch.models import get_spec
+from retouch.models.loading import load_for_bench
+
+MODES = {"y": "y-cache", "kv": "kv-cache"}
+TRANSFORMER_FAMILIES = ("flux-fill", "flux-inpaint", "sd3")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="retouch bench image", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="flux-size")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--mask-ratios", default="0.05,0.1,0.2,0.3,0.5,0.7,0.9")
+    parser.add_argument("--modes", default="y,kv", help="cache modes, comma-separated (y, kv)")
+    parser.add_argument("--steps", type=int, default=8,
+                        help="denoising steps (the cache holds every step: flux-size needs ~5 GB of host memory each)")
+    parser.add_argument("--resolution", type=int, default=None, help="pixels per side (default: the model's)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cost-model", type=Path, default=None, help="retouch profile output: the planner on")
+    parser.add_argument("--planner", choices=PLANNERS, default="optimal")
+    parser.add_argument("--host-gib", type=float, default=None, help="pinned host cache (default: the template's size)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    args = parser.parse_args(argv)
+    try:
+        ratios = [float(r) for r in args.mask_ratios.split(",")]
+    except ValueError:
+        parser.error("--mask-ratios must be comma-separated numbers")
+    modes = args.modes.split(",")
+    if not all(0 < r <= 1 for r in ratios) or args.steps < 1 or args.repeats < 1:
+        parser.error("mask ratios must lie in (0, 1]; --steps and --repeats must be >= 1")
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"--modes takes {', '.join(MODES)}, got {', '.join(sorted(unknown))}")
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    spec = get_spec(args.model)
+    resolution = args.resolution or spec.resolution
+    print(f"building {args.model} on {device} ({dtype})", file=sys.stderr)
+    model = load_for_bench(args.model, device, dtype)
+    cost_model = _cost_model(args.cost_model, args.model)
+    store = CacheStore(StoreConfig(host_bytes=_host_bytes(args, model, resolution)))
+    editor = MaskAwareEditor(model, cache=store, cache_mode="kv", cost_model=cost_model, planner=args.planner)
+    print(f"registering the template ({args.steps} steps, {resolution}px)", file=sys.stderr)
+    template_id = editor.register_template(_template_image(resolution), prompt="a living room", steps=args.steps)
+    print(f"template: {store.nbytes(template_id) / 2**30:.2f} GiB in host memory (pinned={store.arena.pinned})",
+          file=sys.stderr)
+
+    stride = UNET_LATENT_STRIDE if editor.is_unet else FLUX_STRIDE
+    grid = (resolution // stride, resolution // stride)
+    requests = {}
+    for ratio in ratios:
+        tokens = centred_token_rectangle(grid, ratio)
+        requests[round(len(tokens) / (grid[0] * grid[1]), 4)] = EditRequest(
+            template_id, pixel_mask_of_tokens(tokens, grid, stride), "a red sofa", seed=1)
+
+    results = []
+    for mode in modes:
+        editor.switch_cache_mode(mode)
+        runs = {"full": functools.partial(editor.edit_many, [next(iter(requests.values()))], full_compute=True)}
+        plans = {}
+        for ratio, request in requests.items():
+            runs[ratio] = functools.partial(editor.edit_many, [request])
+            if cost_model is not None:
+                editor.edit_many([request])  # the planner's choice for this mask, kept as last_plan
+                plans[ratio] = "".join("c" if cached else "f" for cached in editor.last_plan.use_cache)
+        seconds = interleaved_medians(runs, args.repeats, device)
+        for ratio in requests:
+            row = {"mask_ratio": ratio, "mode": MODES[mode], "full_s": seconds["full"],
+                   "mask_aware_s": seconds[ratio], "speedup": round(seconds["full"] / seconds[ratio], 3)}
+            if ratio in plans:
+                row["plan"] = plans[ratio]
+            results.append(row)
+            print(f"{MODES[mode]} m={ratio}: {row['mask_aware_s']:.3f} s vs {row['full_s']:.3f} s full, "
+                  f"{row['speedup']}x", file=sys.stderr)
+
+    report = {"bench": "image", "model": args.model, **environment("image", argv, device),
+              "dtype": str(dtype).removeprefix("torch."), "resolution": resolution, "steps": args.steps,
+              "cache": {"tier": "pinned host memory" if store.arena.pinned else "host memory",
+                        "template_gib": round(store.nbytes(template_id) / 2**30, 3)},
+              "planner": args.planner if cost_model is not None else "off (every block cached)",
+              "cost_model": str(args.cost_model) if args.cost_model else None, "results": results}
+    store.close()
+    if args.out:
+        write_json(report, args.out)
+        _plot(report, args.out.with_suffix(".png"))
+    print(json.dumps(report))
+    return report
+
+
+def _cost_model(path: Path | None, model: str):
+    if path is None:
+        return None
+    from retouch.costs import CostModel
+
+    cost_model = CostModel.from_json(path)
+    if cost_model.model != model:
+        raise SystemExit(f"retouch bench image: {path} was profiled on {cost_model.model}, not {model}")
+    return cost_model
+
+
+def _host_bytes(args, model, resolution: int) -> int:
+    """The pinned budget: --host-gib, else one template recorded in KV-cache mode (outputs, keys and
+    values of every block at every step), from the denoiser's shapes, plus a margin."""
+    if args.host_gib is not None:
+        return int(args.host_gib * 2**30)
+    denoiser = model.pipe.unet if model.family not in TRANSFORMER_FAMILIES else model.pipe.transformer
+    parameters = next(denoiser.parameters())
+    if model.family in TRANSFORMER_FAMILIES:
+        tokens = (resolution // FLUX_STRIDE) ** 2 + int(model.call_defaults.get("max_sequence_length", 512)) + 77
+        width = denoiser.config.num_attention_heads * denoiser.config.attention_head_dim
+        rows = tokens * (len(list(denoiser.transformer_blocks)) + len(getattr(denoiser, "single_transformer_blocks", [])))
+        per_step = 3 * rows * width
+    else:
+        # Every attention block's output, keys and values at the widest level bounds a UNet's recording;
+        # x2 for classifier-free guidance.
+        latent = (resolution // UNET_LATENT_STRIDE) ** 2
+        per_step = 2 * 3 * latent * sum(denoiser.config.block_out_channels) * 4
+    return int(per_step * args.steps * parameters.element_size() * 1.1) + (256 << 20)
+
+
+def _template_image(size: int) -> Image.Image:
+    """A smooth synthetic scene: the content does not change the cost of any step."""
+    ramp = torch.linspace(0, 255, size)
+    pixels = torch.stack([ramp[None, :].expand(size, size), ramp[:, None].expand(size, size),
+                          (ramp[None, :] + ramp[:, None]).div(2).expand(size, size)], dim=-1)
+    return Image.fromarray(pixels.to(torch.uint8).numpy(), "RGB")
+
+
+def _plot(report: dict, out: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for mode in dict.fromkeys(row["mode"] for row in report["results"]):
+        rows = [row for row in report["results"] if row["mode"] == mode]
+        ratios = [row["mask_ratio"] for row in rows]
+        left.plot(ratios, [row["mask_aware_s"] for row in rows], marker="o", label=mode)
+        right.plot(ratios, [row["speedup"] for row in rows], marker="o", label=mode)
+    left.axhline(report["results"][0]["full_s"], color="grey", linestyle="--", label="diffusers (full)")
+    left.set_ylabel("seconds per image")
+    right.set_ylabel("speedup vs diffusers")
+    for axis in (left, right):
+        axis.set_xlabel("mask ratio")
+        axis.legend()
+    figure.suptitle(f"{report['model']}, {report['steps']} steps, {report['resolution']}px, {report['device_name']}")
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Every GPU figure of retouch, in parts that each fit one 10-minute call of a lent GPU machine.
+#
+#   bench/run_gpu.sh PART...        PART: tests kernels flux unet serving | all
+#
+#   tests    build retouch._C with CUDA, run the test suite on the GPU (kernels, adapters, engine)
+#   kernels  attention.json (ragged attention vs SDPA/FlexAttention/flash-attn), gather.json (host->device
+#            gather vs one contiguous copy), block_latency.json (one Flux block, Fig. 15 left)
+#   flux     cost_flux-size.json (retouch profile), image_latency_flux-size.json (Fig. 15 right, y/kv-cache,
+#            cache in pinned host memory, planner on), overlap.json (Fig. 4 left)
+#   unet     cost + image_latency for sdxl-size and sd2-size
+#   serving  throughput.json (Fig. 14), serving.json (Fig. 12)
+#
+# Results go to bench/results/<device>/ (RESULTS=dir overrides), with a log per part; each JSON
+# records its exact command, the package versions and the device. Where $OUT is set (the device
+# tool), the part's files are copied there too. Missing packages (diffusers, pyzmq, fastapi, ...)
+# are installed from .whl/ when it exists: bench/fetch_gpu_wheels.sh fills it on a machine with pip.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+PYTHON=${PYTHON:-python3}
+
+if [ $# -eq 0 ]; then
+  sed -n '2,17p' "$0"
+  exit 2
+fi
+
+if [ "${RETOUCH_GPU_SMOKE:-0}" = 1 ]; then
+  # The same parts on the CPU with the tiny models at tiny sizes: proves the glue (tests use it).
+  device=cpu-smoke DEV=cpu FLUX=tiny-flux-fill SDXL=tiny-sdxl-inpaint SD2=tiny-sd2-inpaint
+  QUICK=(--quick) BLOCK=(--repeats 1 --mask-ratios 0.2,1.0) IMAGE=(--steps 2 --repeats 1 --mask-ratios 0.2,0.9)
+  PROFILE_FLUX=(--grids 4,6,8 --batch-sizes 1,2 --mask-ratios 0.3,1.0 --load-mib 0.25,1 --repeats 1)
+  PROFILE_UNET=(--grids 8,12,16 --batch-sizes 1,2 --mask-ratios 0.3,1.0 --load-mib 0.25,1 --repeats 1)
+  OVERLAP=(--steps 2 --repeats 1) THROUGHPUT=(--steps 2 --size 64 --batch-sizes 1 2 --repeats 1)
+  SERVING=(--steps 2 --size 64 --rps 2 --requests 4)
+else
+  if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  device=$("$PYTHON" -c "import torch; n = torch.cuda.get_device_name(); print(next((w for w in n.lower().split() if w[0] in 'abhl' and w[1:2].isdigit()), n.split()[-1].lower()))")
+  DEV=cuda FLUX=flux-size SDXL=sdxl-size SD2=sd2-size
+  QUICK=() BLOCK=() IMAGE=() OVERLAP=() THROUGHPUT=() SERVING=()
+  PROFILE_FLUX=(--grids 16,32,48,64 --batch-sizes 1,2,4 --mask-ratios 0.1,0.3,0.6,1.0 --load-mib 1,16,64,256)
+  PROFILE_UNET=(--grids 32,64,96,128 --batch-sizes 1,2,4)
+fi
+RESULTS=${RESULTS:-bench/results/$device}
+mkdir -p "$RESULTS"
+export RETOUCH_CACHE_DIR=${RETOUCH_CACHE_DIR:-/tmp/retouch-models}
+
+build() {
+  if [ "$DEV" = cpu ] || "$PYTHON" -c "import retouch._C as c, sys; sys.exit(0 if c.built_with_cuda() else 1)" 2>/dev/null; then
+    return
+  fi
+  echo "== building retouch._C with CUDA ($(nproc) jobs)"
+  MAX_JOBS=$(nproc) RETOUCH_CUDA=1 "$PYTHON" -m pip install -q --no-build-isolation --no-deps --no-index -e .
+}
+
+bench() {  # bench NAME OUTFILE ARGS...: one benchmark, its JSON and PNG under $RESULTS
+  local name=$1 out=$RESULTS/$2
+  shift 2
+  echo "== retouch bench $name $* --out $out"
+  "$PYTHON" -m "retouch.bench.$name" "$@" --out "$out" >/dev/null
+}
+
+profile() {  # profile MODEL ARGS...: the planner's cost models for MODEL on this device
+  local model=$1
+  shift
+  echo "== retouch profile --model $model $*"
+  "$PYTHON" -m retouch.cli profile --model "$model" --device "$DEV" "$@" --out "$RESULTS/cost_$model.json"
+}
+
+part_tests() {
+  "$PYTHON" -m pytest -q -x tests/test_row_copy.py tests/test_row_copy_triton.py tests/test_host_gather.py \
+    tests/test_host_arena.py tests/test_ragged_attention.py tests/test_ops.py tests/test_adapter_flux.py \
+    tests/test_adapter_unet.py tests/test_cache_store.py tests/test_editor_cache.py
+}
+
+part_kernels() {
+  bench attention attention.json --device "$DEV" "${QUICK[@]}"
+  bench copy gather.json --device "$DEV" "${QUICK[@]}"
+  bench block block_latency.json --model "$FLUX" --device "$DEV" "${BLOCK[@]}"
+}
+
+part_flux() {
+  profile "$FLUX" "${PROFILE_FLUX[@]}"
+  bench image "image_latency_$FLUX.json" --model "$FLUX" --device "$DEV" --cost-model "$RESULTS/cost_$FLUX.json" \
+    "${IMAGE[@]}"
+  bench overlap overlap.json --model "$FLUX" --device "$DEV" --mask-ratio 0.2 --cost-model "$RESULTS/cost_$FLUX.json" \
+    "${OVERLAP[@]}"
+}
+
+part_unet() {
+  local model
+  for model in "$SDXL" "$SD2"; do
+    profile "$model" "${PROFILE_UNET[@]}"
+    bench image "image_latency_$model.json" --model "$model" --device "$DEV" --cost-model "$RESULTS/cost_$model.json" \
+      "${IMAGE[@]}"
+  done
+}
+
+part_serving() {
+  bench throughput throughput.json --model "$FLUX" --device "$DEV" "${THROUGHPUT[@]}"
+  bench serving serving.json --model "$FLUX" --device "$DEV" "${SERVING[@]}"
+}
+
+parts=("$@")
+[ "${parts[*]}" = all ] && parts=(tests kernels flux unet serving)
+for part in "${parts[@]}"; do
+  declare -F "part_$part" >/dev/null || { echo "unknown part $part (tests kernels flux unet serving all)"; exit 2; }
+done
+build
+failed=()
+for part in "${parts[@]}"; do
+  log=$RESULTS/$part.log
+  echo "== part $part -> $log"
+  touch "$RESULTS/.started-$part"
+  started=$SECONDS
+  status=0
+  ( set -o pipefail; "part_$part" 2>&1 | tee "$log" ) || status=$?
+  echo "== part $part took $((SECONDS - started)) s, exit $status" | tee -a "$log"
+  [ "$status" -eq 0 ] || failed+=("$part")
+  if [ -n "${OUT:-}" ]; then
+    # The device tool returns at most 8 files: this part's log and the results it wrote.
+    cp "$log" "$OUT/"
+    find "$RESULTS" -maxdepth 1 -newer "$RESULTS/.started-$part" \( -name '*.json' -o -name '*.png' \) \
+      -exec cp {} "$OUT/" \;
+  fi
+  rm -f "$RESULTS/.started-$part"
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "failed parts: ${failed[*]}"
+  exit 1
+fi

@@ -1,0 +1,93 @@
+"""The paper-figure benchmarks (block, image) and bench/run_gpu.sh, run on the CPU at tiny sizes: the
+JSON they write has the promised shape, and its numbers are consistent with each other."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from retouch.bench import block, image
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_FLUX_COST = ROOT / "bench" / "results" / "cpu" / "cost_tiny_flux_fill.json"
+
+
+def _assert_records_how_it_was_made(report: dict, bench: str):
+    assert report["command"].startswith(f"retouch bench {bench} ")
+    assert report["versions"]["torch"] and report["versions"]["diffusers"]
+    assert report["device"] == "cpu" and report["device_name"].startswith("cpu")
+
+
+def test_block_times_every_kind_in_both_modes(tmp_path, capsys):
+    report = block.main(["--model", "tiny-flux-fill", "--mask-ratios", "0.25,1.0", "--repeats", "1",
+                         "--out", str(tmp_path / "block.json")])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
+    assert json.loads((tmp_path / "block.json").read_text()) == report
+    assert (tmp_path / "block.png").stat().st_size > 0
+    _assert_records_how_it_was_made(report, "block")
+    rows = report["results"]
+    assert {(row["kind"], row["mask_ratio"], row["mode"]) for row in rows} == {
+        (kind, ratio, mode) for kind in ("double", "single") for ratio in (0.25, 1.0)
+        for mode in ("y-cache", "kv-cache")}
+    for row in rows:
+        assert row["masked_tokens"] == round(row["mask_ratio"] * row["image_tokens"]) and row["image_tokens"] == 64
+        assert row["speedup"] == pytest.approx(row["full_s"] / row["mask_aware_s"], rel=1e-2)
+    # Full compute is timed once per ratio and shared by both modes' rows.
+    for kind in ("double", "single"):
+        for ratio in (0.25, 1.0):
+            assert len({row["full_s"] for row in rows if row["kind"] == kind and row["mask_ratio"] == ratio}) == 1
+
+
+def test_image_latency_follows_the_issue_format_with_the_planner_on(tmp_path):
+    report = image.main(["--model", "tiny-flux-fill", "--steps", "2", "--repeats", "1", "--mask-ratios", "0.2,0.9",
+                         "--cost-model", str(TINY_FLUX_COST), "--out", str(tmp_path / "image_latency.json")])
+    assert json.loads((tmp_path / "image_latency.json").read_text()) == report
+    assert (tmp_path / "image_latency.png").stat().st_size > 0
+    _assert_records_how_it_was_made(report, "image")
+    assert report["model"] == "tiny-flux-fill" and report["planner"] == "optimal" and report["steps"] == 2
+    blocks = len(json.loads(TINY_FLUX_COST.read_text())["block_kinds"])
+    assert [(row["mask_ratio"], row["mode"]) for row in report["results"]] == [
+        (0.1875, "y-cache"), (0.875, "y-cache"), (0.1875, "kv-cache"), (0.875, "kv-cache")]
+    for row in report["results"]:
+        assert set(row) >= {"mask_ratio", "mode", "full_s", "mask_aware_s", "speedup"}
+        assert row["speedup"] == pytest.approx(row["full_s"] / row["mask_aware_s"], rel=1e-2)
+        assert len(row["plan"]) == blocks and set(row["plan"]) <= {"c", "f"}
+
+
+def test_image_latency_refuses_a_cost_model_of_another_model():
+    with pytest.raises(SystemExit, match="profiled on tiny-flux-fill, not tiny-sd2-inpaint"):
+        image.main(["--model", "tiny-sd2-inpaint", "--steps", "1", "--cost-model", str(TINY_FLUX_COST)])
+
+
+def _run_gpu(*parts: str, results: Path, out: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RETOUCH_GPU_SMOKE": "1", "PYTHON": sys.executable, "RESULTS": str(results)}
+    if out is not None:
+        env["OUT"] = str(out)
+    return subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), *parts], capture_output=True, text=True,
+                          env=env, timeout=900)
+
+
+def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
+    results, out = tmp_path / "results", tmp_path / "out"
+    out.mkdir()
+    done = _run_gpu("kernels", "flux", "unet", "serving", results=results, out=out)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    expected = ["attention", "gather", "block_latency", "cost_tiny-flux-fill", "image_latency_tiny-flux-fill", "overlap",
+                "cost_tiny-sdxl-inpaint", "image_latency_tiny-sdxl-inpaint", "cost_tiny-sd2-inpaint",
+                "image_latency_tiny-sd2-inpaint", "throughput", "serving"]
+    for name in expected:
+        report = json.loads((results / f"{name}.json").read_text())
+        assert report and (out / f"{name}.json").read_bytes() == (results / f"{name}.json").read_bytes()
+        if not name.startswith("cost_"):
+            assert (results / f"{name}.png").stat().st_size > 0
+    for part in ("kernels", "flux", "unet", "serving"):
+        assert "exit 0" in (out / f"{part}.log").read_text()
+
+
+def test_run_gpu_refuses_an_unknown_part(tmp_path):
+    done = _run_gpu("kernels", "everything", results=tmp_path)
+    assert done.returncode == 2 and "unknown part everything" in done.stdout
+    assert not list(tmp_path.glob("*.json"))  # nothing ran
