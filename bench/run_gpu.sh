@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure of retouch, in parts that each fit one 10-minute call of a lent GPU machine.
 #
-#   bench/run_gpu.sh PART...        PART: tests kernels flux unet serving | all
+#   bench/run_gpu.sh PART...        PART: tests kernels flux unet throughput serving | all
 #
 #   tests    build retouch._C with CUDA, run the test suite on the GPU (kernels, adapters, engine)
 #   kernels  attention.json (ragged attention vs SDPA/FlexAttention/flash-attn), gather.json (host->device
@@ -9,7 +9,8 @@
 #   flux     cost_flux-size.json (retouch profile), image_latency_flux-size.json (Fig. 15 right, y/kv-cache,
 #            cache in pinned host memory, planner on), overlap.json (Fig. 4 left)
 #   unet     cost + image_latency for sdxl-size and sd2-size
-#   serving  throughput.json (Fig. 14), serving.json (Fig. 12)
+#   throughput  throughput.json (Fig. 14: images/s vs batch size, retouch vs the diffusers pipeline)
+#   serving  serving.json (Fig. 12: mean and p95 latency vs Poisson RPS, retouch vs diffusers static batching)
 #
 # Results go to bench/results/<device>/ (RESULTS=dir overrides), with a log per part; each JSON
 # records its exact command, the package versions and the device. Where $OUT is set (the device
@@ -21,7 +22,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PYTHON=${PYTHON:-python3}
 
 if [ $# -eq 0 ]; then
-  sed -n '2,17p' "$0"
+  sed -n "2,$(grep -n "^set -euo" "$0" | cut -d: -f1)p" "$0" | sed "$ d"
   exit 2
 fi
 
@@ -40,7 +41,9 @@ else
   fi
   device=$("$PYTHON" -c "import torch; n = torch.cuda.get_device_name(); print(next((w for w in n.lower().split() if w[0] in 'abhl' and w[1:2].isdigit()), n.split()[-1].lower()))")
   DEV=cuda FLUX=flux-size SDXL=sdxl-size SD2=sd2-size
-  QUICK=() BLOCK=() IMAGE=() OVERLAP=() THROUGHPUT=() SERVING=()
+  QUICK=() BLOCK=() IMAGE=() OVERLAP=()
+  THROUGHPUT=(--size 1024 --steps 8 --batch-sizes 1 2 4 8 --repeats 2)
+  SERVING=(--size 1024 --steps 8 --max-batch 8 --rps 0.5 1 2 4 --requests 16)
   PROFILE_FLUX=(--grids 16,32,48,64 --batch-sizes 1,2,4 --mask-ratios 0.1,0.3,0.6,1.0 --load-mib 1,16,64,256)
   PROFILE_UNET=(--grids 32,64,96,128 --batch-sizes 1,2,4)
 fi
@@ -99,15 +102,25 @@ part_unet() {
   done
 }
 
+planner() {  # the planner's cost model for MODEL when the flux/unet part has written one
+  [ -f "$RESULTS/cost_$1.json" ] && echo "--cost-model $RESULTS/cost_$1.json"
+  return 0
+}
+
+part_throughput() {
+  # shellcheck disable=SC2046
+  bench throughput throughput.json --model "$FLUX" --device "$DEV" $(planner "$FLUX") "${THROUGHPUT[@]}"
+}
+
 part_serving() {
-  bench throughput throughput.json --model "$FLUX" --device "$DEV" "${THROUGHPUT[@]}"
-  bench serving serving.json --model "$FLUX" --device "$DEV" "${SERVING[@]}"
+  # shellcheck disable=SC2046
+  bench serving serving.json --model "$FLUX" --device "$DEV" $(planner "$FLUX") "${SERVING[@]}"
 }
 
 parts=("$@")
-[ "${parts[*]}" = all ] && parts=(tests kernels flux unet serving)
+[ "${parts[*]}" = all ] && parts=(tests kernels flux unet throughput serving)
 for part in "${parts[@]}"; do
-  declare -F "part_$part" >/dev/null || { echo "unknown part $part (tests kernels flux unet serving all)"; exit 2; }
+  declare -F "part_$part" >/dev/null || { echo "unknown part $part (tests kernels flux unet throughput serving all)"; exit 2; }
 done
 build
 failed=()

@@ -22,7 +22,8 @@ from PIL import Image, ImageDraw
 from retouch.cache import CacheFull, CacheStore, StoreConfig
 from retouch.editor import PATCH_STRIDE, EditRequest, MaskAwareEditor
 from retouch.engine.simulate import MASK_BETA
-from retouch.models import get_spec, load_pipeline
+from retouch.models import get_spec
+from retouch.models.loading import load_for_bench
 from retouch.models.registry import is_builtin
 
 GiB = 1 << 30
@@ -98,7 +99,7 @@ def load_editor(args: argparse.Namespace, device: torch.device) -> MaskAwareEdit
 
     host_gib = args.host_gib or DEFAULT_HOST_GIB.get(device.type, DEFAULT_HOST_GIB["cpu"])
     print(f"loading {args.model} on {device} ({args.dtype}), host cache {host_gib:g} GiB", file=sys.stderr)
-    model = load_pipeline(args.model, device=device, dtype=getattr(torch, args.dtype))
+    model = load_for_bench(args.model, device=device, dtype=getattr(torch, args.dtype))
     cost_model = CostModel.from_json(args.cost_model) if args.cost_model else None
     return MaskAwareEditor(model, cache=CacheStore(StoreConfig(host_bytes=int(host_gib * GiB))),
                            cache_mode=args.cache_mode, cost_model=cost_model, planner=args.planner)

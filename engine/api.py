@@ -57,7 +57,8 @@ class Engine:
         if self.config.mode == "disagg":
             pipe = self.editor.pipe
             self.helpers = HelperPool(self.model_name, str(pipe.device), self.editor.denoiser.dtype,
-                                      self.editor.dilation, self.config.helpers, self._on_helper_message)
+                                      self.editor.dilation, self.config.helpers, self._on_helper_message,
+                                      build_in_memory=self.editor.model.built_in_memory)
         self._thread = threading.Thread(target=self.worker.run, name="retouch-step-loop", daemon=True)
         self._thread.start()
         return self

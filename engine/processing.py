@@ -135,7 +135,11 @@ class HelperPool:
     called on a receiver thread with every answer."""
 
     def __init__(self, model: str, device: str, dtype: torch.dtype, dilation: int, count: int,
-                 on_message: Callable[[dict, dict, dict], None], start_timeout_s: float = 600.0):
+                 on_message: Callable[[dict, dict, dict], None], start_timeout_s: float = 600.0,
+                 build_in_memory: bool = False):
+        """`build_in_memory`: the helpers build the built-in `model` on their device as the parent did
+        (`retouch.models.loading.build_loaded`) instead of loading its export: the same seeds, the
+        same weights."""
         if count < 1:
             raise ValueError(f"the disaggregated mode needs at least one helper process, got {count}")
         self._dir = tempfile.TemporaryDirectory(prefix="retouch-helpers-")
@@ -150,7 +154,8 @@ class HelperPool:
         self.processes = [subprocess.Popen(
             [sys.executable, "-m", "retouch.engine.processing", "--model", model, "--device", device,
              "--dtype", str(dtype).removeprefix("torch."), "--dilation", str(dilation),
-             "--tasks", tasks_address, "--results", results_address], env=env) for _ in range(count)]
+             "--tasks", tasks_address, "--results", results_address]
+            + (["--build-in-memory"] if build_in_memory else []), env=env) for _ in range(count)]
         self._await_hellos(count, start_timeout_s)
         self.on_message = on_message
         self._receiver = threading.Thread(target=self._receive, name="retouch-helper-results", daemon=True)
@@ -212,6 +217,7 @@ class HelperPool:
 def main(argv: list[str] | None = None) -> None:
     from retouch.cache import InMemoryActivationCache
     from retouch.models import load_pipeline
+    from retouch.models.loading import build_loaded
 
     parser = argparse.ArgumentParser(prog="python -m retouch.engine.processing")
     parser.add_argument("--model", required=True)
@@ -220,12 +226,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dilation", type=int, default=0)
     parser.add_argument("--tasks", required=True)
     parser.add_argument("--results", required=True)
+    parser.add_argument("--build-in-memory", action="store_true", help="build the built-in model, do not load it")
     args = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group; the parent drains and stops this process itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # a helper shares the machine with the step loop
-    editor = MaskAwareEditor(load_pipeline(args.model, device=args.device, dtype=getattr(torch, args.dtype)),
+    load = build_loaded if args.build_in_memory else load_pipeline
+    editor = MaskAwareEditor(load(args.model, device=args.device, dtype=getattr(torch, args.dtype)),
                              cache=InMemoryActivationCache(), dilation=args.dilation)
+    # A helper stops every pipeline run at its first denoiser call, so it never needs the denoiser's
+    # weights: freeing them keeps a second copy of an 11.9 B Flux transformer off the GPU.
+    editor.denoiser.to("meta")
     context = zmq.Context()
     tasks, results = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     tasks.connect(args.tasks)

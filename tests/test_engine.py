@@ -203,3 +203,17 @@ def test_batch_rows_follow_the_pipeline_order_for_guidance():
     assert torch.equal(rows[0], prepared[0].inputs["encoder_hidden_states"][0])
     assert torch.equal(rows[1], prepared[1].inputs["encoder_hidden_states"][0])
     assert torch.equal(rows[2], prepared[0].inputs["encoder_hidden_states"][1])
+
+
+def test_helpers_build_the_model_in_memory_when_the_parent_did():
+    from retouch.models.loading import build_loaded
+
+    editor = MaskAwareEditor(build_loaded("tiny-flux-fill"))
+    assert editor.model.built_in_memory
+    with Engine(editor, EngineConfig(mode="disagg", max_batch=2)) as engine:
+        assert all("--build-in-memory" in process.args for process in engine.helpers.processes)
+        template_id = engine.register_template(template_image(), prompt="a scene", steps=2, seed=3)
+        request = EditRequest(template_id, square_mask(), "a hat", seed=1)
+        result = engine.submit(request).result(timeout=300)
+    inline = editor.edit(template_id, request.mask, request.prompt, request.seed)
+    assert np.abs(np.asarray(result.image, dtype=int) - np.asarray(inline, dtype=int)).max() <= 2

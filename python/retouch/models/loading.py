@@ -26,6 +26,7 @@ class LoadedModel:
     family: str  # one of FAMILIES
     call_defaults: dict  # extra kwargs for pipe(...), e.g. {"max_sequence_length": 32}
     source: Path  # the folder it was loaded from
+    built_in_memory: bool = False  # built by build_loaded: a process that wants the same weights builds it too
 
 
 def load_pipeline(
@@ -82,7 +83,7 @@ def build_loaded(name: str, device: str | torch.device = "cpu", dtype: torch.dty
     spec = get_spec(name)
     pipe = build_pipeline(name, dtype=dtype, device=device)
     return LoadedModel(pipe=pipe, name=spec.name, family=spec.family, call_defaults=dict(spec.call_defaults),
-                       source=Path(f"<built in memory: {spec.name}>"))
+                       source=Path(f"<built in memory: {spec.name}>"), built_in_memory=True)
 
 
 def load_for_bench(name_or_dir: str | os.PathLike, device: str | torch.device = "cpu",
