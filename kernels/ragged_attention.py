@@ -15,29 +15,40 @@ Three implementations with the same semantics:
 - `ragged_attention`: the Triton kernel (GPU, or CPU under TRITON_INTERPRET=1).
 - `ragged_attention_ref`: the oracle, explicit softmax per request in fp32 (or fp64 for fp64 input).
 - `ragged_attention_sdpa`: the practical CPU path, torch SDPA per request in the input dtype.
+
+How the kernel is launched:
+- `LaunchConfig`: block sizes, warps and pipeline stages. `launch_config` picks one from a table for
+  Hopper (bf16/fp16, head_dim 64 and 128) and falls back to `DEFAULT_LAUNCH_CONFIG` elsewhere.
+- `RaggedAttentionTuner` (opt-in): on CUDA, times a candidate set once per `TuningKey` and keeps the
+  winner; under the interpreter it times nothing and answers the table's config.
+- `RaggedPlan` (`plan_ragged_attention`): a batch's validated cu_seqlens with the query block map of
+  one config. `ragged_attention` builds one per call (a host sync, a few small kernels);
+  `ragged_attention_with_plan` reuses one across calls over the same batch (every layer of a step).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
 import triton.language as tl
+import triton.testing
+from triton.compiler.errors import CompileTimeAssertionFailure
+from triton.runtime.errors import OutOfResources, PTXASError
 from triton.runtime.interpreter import InterpretedFunction
-
-# Block defaults for Hopper-class GPUs, within the configurations of Triton's fused-attention
-# tutorial; not tuned yet (GPU tuning happens in the GPU issue). The wrapper's arguments override them.
-DEFAULT_BLOCK_M = 128  # query rows per program
-DEFAULT_BLOCK_N = 64  # key rows per inner-loop step
-DEFAULT_NUM_WARPS = 8
-DEFAULT_NUM_STAGES = 2
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Triton makes an int argument equal to 1 a constant: without the exemption a single request would
+# compile a second kernel (and tuning one more set) for no gain.
+@triton.jit(do_not_specialize=["num_requests"])
 def ragged_attention_kernel(
     q_ptr,  # [T_q, heads, head_dim] packed queries
     k_ptr,  # [T_k, heads, head_dim] packed keys
@@ -111,7 +122,9 @@ def ragged_attention_kernel(
         p = p.to(v_ptr.dtype.element_ty)
         if UPCAST_OPERANDS:
             p = p.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        # Accumulating inside the dot (as Triton's fused-attention tutorial does) lets Hopper's wgmma add
+        # into acc in place instead of a separate pass over the [BLOCK_M, BLOCK_D] accumulator.
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     # l_i == 0 only when the request has no keys: acc is 0 there and the defined result is zeros.
@@ -126,6 +139,61 @@ def ragged_attention_kernel(
 KERNEL_INTERPRETED = isinstance(ragged_attention_kernel, InterpretedFunction)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """How the kernel is launched: query rows per program, key rows per inner-loop step, and Triton's
+    warps per program and software-pipeline stages."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            block = getattr(self, name)
+            if block < 16 or block & (block - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot minimum), got {block}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+    @property
+    def name(self) -> str:
+        return f"m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+
+
+# Where the table has no entry (other GPUs, other head sizes, fp32, the interpreter): the tutorial's
+# 128 x 64 tiles, 8 warps so that a 128-row fp32 accumulator fits in registers up to head_dim 128.
+DEFAULT_LAUNCH_CONFIG = LaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+
+# Hopper (sm_90), bf16/fp16, by head_dim. Not measured here (no GPU where this was written): picked
+# from the space that Triton's fused-attention tutorial (python/tutorials/06-fused-attention.py)
+# autotunes for its FA2-style forward kernel, BLOCK_M {64, 128} x BLOCK_N {32, 64, 128} x stages
+# {2, 3, 4, ...} x warps {4, 8}: 128 x 64 tiles with 3 stages; 4 warps at head_dim 64, as the tutorial's
+# filter keeps for tiles under 128 x 128, and 8 at head_dim 128, where a 128 x 128 fp32 accumulator
+# would need 128 registers per thread with 4 warps. RaggedAttentionTuner measures the whole space on
+# the GPU and `retouch bench attention` records its picks, which should replace these entries.
+HOPPER_LAUNCH_CONFIGS = {
+    64: LaunchConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    128: LaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+}
+_TABLE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """CUDA compute capability of `device`; None for any other device."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+
+
+def launch_config(head_dim: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> LaunchConfig:
+    """The table's entry on Hopper for 16-bit inputs at a listed head_dim, else DEFAULT_LAUNCH_CONFIG."""
+    if capability is not None and capability[0] == 9 and dtype in _TABLE_DTYPES and head_dim in HOPPER_LAUNCH_CONFIGS:
+        return HOPPER_LAUNCH_CONFIGS[head_dim]
+    return DEFAULT_LAUNCH_CONFIG
+
+
 def _check_packed(name: str, x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -133,8 +201,10 @@ def _check_packed(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
 
 
-def _check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total: int, tokens_name: str) -> list[int]:
-    """Shape/dtype checks, then the contents (copied to the host: one small sync on a GPU)."""
+def _check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total: int | None, tokens_name: str) -> list[int]:
+    """Shape/dtype checks, then the contents (copied to the host: one small sync on a GPU).
+
+    `total`: the row count the last entry must equal; None where the tensors are not known yet (a plan)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
@@ -146,17 +216,12 @@ def _check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total: int, tokens_na
         raise ValueError(f"{name} must start at 0, got {values[0]}")
     if any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(f"{name} must be non-decreasing, got {values}")
-    if values[-1] != total:
+    if total is not None and values[-1] != total:
         raise ValueError(f"{name} must end at {tokens_name} = {total}, got {values[-1]}")
     return values
 
 
-def check_ragged_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        cu_seqlens_k: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Validate the packed layout; returns cu_seqlens_q and cu_seqlens_k as host lists.
-
-    Raises ValueError with a message that names the offending argument.
-    """
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_packed(name, x)
     if k.shape != v.shape:
@@ -167,15 +232,37 @@ def check_ragged_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.is_floating_point():
         raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
-    devices = {x.device for x in (q, k, v, cu_seqlens_q, cu_seqlens_k) if isinstance(x, torch.Tensor)}
+
+
+def _check_one_device(**tensors: torch.Tensor) -> None:
+    devices = {x.device for x in tensors.values() if isinstance(x, torch.Tensor)}
     if len(devices) > 1:
-        raise ValueError(f"q, k, v, cu_seqlens_q, cu_seqlens_k must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError(f"{', '.join(tensors)} must be on one device, got {sorted(map(str, devices))}")
+
+
+def check_ragged_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Validate the packed layout; returns cu_seqlens_q and cu_seqlens_k as host lists.
+
+    Raises ValueError with a message that names the offending argument.
+    """
+    _check_qkv(q, k, v)
+    _check_one_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "T_q")
     cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "T_k")
     if len(cu_q) != len(cu_k):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of requests, "
                          f"got {len(cu_q) - 1} and {len(cu_k) - 1}")
     return cu_q, cu_k
+
+
+def _check_kernel_inputs(q: torch.Tensor) -> None:
+    """What the Triton kernel adds to the layout checks: its dtypes, and a device it can run on."""
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"ragged_attention supports {[str(d) for d in _SUPPORTED_DTYPES]}, got {q.dtype}")
+    if q.device.type != "cuda" and not KERNEL_INTERPRETED:
+        raise ValueError(f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for CPU), got {q.device}; "
+                         "use ragged_attention_sdpa on the CPU")
 
 
 def _default_scale(head_dim: int, softmax_scale: float | None) -> float:
@@ -201,55 +288,273 @@ def query_block_map(cu_seqlens_q: torch.Tensor, total_q: int, block_m: int,
     return block_request.to(torch.int32), (program - first_block).to(torch.int32)
 
 
-def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                     softmax_scale: float | None = None, *, block_m: int = DEFAULT_BLOCK_M,
-                     block_n: int = DEFAULT_BLOCK_N, num_warps: int = DEFAULT_NUM_WARPS,
-                     num_stages: int = DEFAULT_NUM_STAGES) -> torch.Tensor:
-    """Ragged attention with the Triton kernel.
+@dataclasses.dataclass(frozen=True, slots=True)
+class RaggedPlan:
+    """A batch's packed layout, validated, with the query block map of one launch config.
 
-    `q: [T_q, heads, head_dim]`, `k, v: [T_k, heads, head_dim]`, `cu_seqlens_q, cu_seqlens_k: [B+1]`
-    int32 -> `[T_q, heads, head_dim]` in q's dtype. `max_seqlen_q` bounds the grid and must be at
-    least the longest query run; `max_seqlen_k` is checked and kept for flash-attn API parity.
-    fp32 / bf16 / fp16; head_dim of any size (padded to a power of two inside the kernel).
-
-    The contents of cu_seqlens are validated on the host (one small sync on a GPU).
+    Built once per batch by `plan_ragged_attention` and reused by every attention call over that batch
+    (all layers of a denoising step): `ragged_attention_with_plan` then checks only shapes, dtypes and
+    devices, with no host sync and no block-map kernels per call.
     """
-    cu_q, cu_k = check_ragged_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"ragged_attention supports {[str(d) for d in _SUPPORTED_DTYPES]}, got {q.dtype}")
+
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    cu_seqlens_k: torch.Tensor  # [B+1] int32
+    total_q: int  # T_q
+    total_k: int  # T_k
+    config: LaunchConfig
+    block_request: torch.Tensor  # [P] int32, see query_block_map
+    block_in_request: torch.Tensor  # [P] int32
+
+    @property
+    def num_requests(self) -> int:
+        return self.cu_seqlens_q.numel() - 1
+
+
+def _plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, cu_q: list[int], cu_k: list[int],
+          max_seqlen_q: int, max_seqlen_k: int, config: LaunchConfig) -> RaggedPlan:
+    """The plan from cu_seqlens already validated (`cu_q, cu_k`: their host copies)."""
     longest_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
     longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
     if max_seqlen_q < longest_q:
         raise ValueError(f"max_seqlen_q = {max_seqlen_q} is below the longest query run {longest_q}")
     if max_seqlen_k < longest_k:
         raise ValueError(f"max_seqlen_k = {max_seqlen_k} is below the longest key run {longest_k}")
-    for name, block in (("block_m", block_m), ("block_n", block_n)):
-        if block < 16 or block & (block - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot minimum), got {block}")
-    if q.device.type != "cuda" and not KERNEL_INTERPRETED:
-        raise ValueError(f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for CPU), got {q.device}; "
-                         "use ragged_attention_sdpa on the CPU")
+    block_request, block_in_request = query_block_map(cu_seqlens_q, cu_q[-1], config.block_m, max_seqlen_q)
+    return RaggedPlan(cu_seqlens_q, cu_seqlens_k, cu_q[-1], cu_k[-1], config, block_request, block_in_request)
 
-    total_q, heads, head_dim = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if total_q == 0 or heads == 0:
-        return out
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    block_request, block_in_request = query_block_map(cu_seqlens_q, total_q, block_m, max_seqlen_q)
-    grid = (block_request.numel(), heads)
-    ragged_attention_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_request, block_in_request,
-        len(cu_q) - 1, head_dim, _default_scale(head_dim, softmax_scale) * _LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+
+def plan_ragged_attention(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                          max_seqlen_k: int, config: LaunchConfig) -> RaggedPlan:
+    """Validate `cu_seqlens_q, cu_seqlens_k: [B+1]` int32 (one host sync on a GPU) and build the query
+    block map of `config` (from `launch_config` or a RaggedAttentionTuner)."""
+    _check_one_device(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, "T_q")
+    cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None, "T_k")
+    if len(cu_q) != len(cu_k):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of requests, "
+                         f"got {len(cu_q) - 1} and {len(cu_k) - 1}")
+    return _plan(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, config)
+
+
+def _kernel_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, plan: RaggedPlan,
+                   softmax_scale: float | None) -> tuple[tuple[int, int], tuple, dict]:
+    """(grid, arguments, meta-parameters) of one kernel launch."""
+    head_dim = q.shape[2]
+    config = plan.config
+    grid = (plan.block_request.numel(), q.shape[1])
+    args = (q, k, v, out, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.block_request, plan.block_in_request,
+            plan.num_requests, head_dim, _default_scale(head_dim, softmax_scale) * _LOG2E,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1))
+    meta = dict(
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_PRECISION="ieee",
         # Under the interpreter bf16 is stored as uint16 and tl.dot multiplies the bit patterns
         # (triton-lang/triton#11584, unsupported upstream); fp32 dots on bf16 values are exact products.
         UPCAST_OPERANDS=KERNEL_INTERPRETED and q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    return grid, args, meta
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RaggedPlan, softmax_scale: float | None,
+            out: torch.Tensor | None = None, warmup: bool = False) -> torch.Tensor:
+    """Run (or with `warmup` only compile) the kernel on validated inputs; returns `out`."""
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return out
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    grid, args, meta = _kernel_launch(q, k, v, out, plan, softmax_scale)
+    if warmup:
+        ragged_attention_kernel.warmup(*args, grid=grid, **meta)
+    else:
+        ragged_attention_kernel[grid](*args, **meta)
     return out
+
+
+def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                     softmax_scale: float | None = None, *, config: LaunchConfig | None = None) -> torch.Tensor:
+    """Ragged attention with the Triton kernel.
+
+    `q: [T_q, heads, head_dim]`, `k, v: [T_k, heads, head_dim]`, `cu_seqlens_q, cu_seqlens_k: [B+1]`
+    int32 -> `[T_q, heads, head_dim]` in q's dtype. `max_seqlen_q` bounds the grid and must be at
+    least the longest query run; `max_seqlen_k` is checked and kept for flash-attn API parity.
+    fp32 / bf16 / fp16; head_dim of any size (padded to a power of two inside the kernel).
+    `config`: the launch; None takes `launch_config` for this head_dim, dtype and GPU.
+
+    The contents of cu_seqlens are validated on the host (one small sync on a GPU) and the query block
+    map is built on every call; `ragged_attention_with_plan` does both once per batch.
+    """
+    cu_q, cu_k = check_ragged_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check_kernel_inputs(q)
+    if config is None:
+        config = launch_config(q.shape[-1], q.dtype, device_capability(q.device))
+    plan = _plan(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, config)
+    return _launch(q, k, v, plan, softmax_scale)
+
+
+def ragged_attention_with_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RaggedPlan,
+                               softmax_scale: float | None = None) -> torch.Tensor:
+    """`ragged_attention` over a batch planned by `plan_ragged_attention`: same shapes and semantics,
+    with the launch config of the plan. Checks shapes, dtypes and devices only (no host sync)."""
+    _check_qkv(q, k, v)
+    if q.shape[0] != plan.total_q or k.shape[0] != plan.total_k:
+        raise ValueError(f"q and k must have the plan's T_q = {plan.total_q} and T_k = {plan.total_k} rows, "
+                         f"got {q.shape[0]} and {k.shape[0]}")
+    _check_one_device(q=q, k=k, v=v, plan=plan.cu_seqlens_q)
+    _check_kernel_inputs(q)
+    return _launch(q, k, v, plan, softmax_scale)
+
+
+# The tuner's search space: the tutorial's (see HOPPER_LAUNCH_CONFIGS), BLOCK_N 128 included, stages 2-4.
+TUNING_CANDIDATES = tuple(LaunchConfig(block_m=m, block_n=n, num_warps=w, num_stages=s)
+                          for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4))
+# triton.testing.do_bench budget per candidate (ms of warm-up, ms of timed runs): under a second per
+# key for the 36 candidates, which differ by tens of percent, well above do_bench's noise at this budget.
+_TUNING_WARMUP_MS = 3
+_TUNING_REP_MS = 10
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TuningKey:
+    """What the fastest config depends on, coarsely: the operand shapes and dtype, the GPU, the query
+    rows of the longest request, and whether the grid fills the GPU more than once (a grid that does
+    not favours smaller query blocks: more programs to spread over the SMs)."""
+
+    head_dim: int
+    dtype: str
+    capability: tuple[int, int] | None  # None off CUDA
+    max_seqlen_q_bucket: int  # max_seqlen_q rounded up to a power of two, at least 64
+    grid_waves_bucket: int  # 1: 128-row programs x heads fit the SMs in one wave (or off CUDA), 2: more
+
+
+def tuning_key(q: torch.Tensor, max_seqlen_q: int) -> TuningKey:
+    """The key of `q: [T_q, heads, head_dim]` with `max_seqlen_q`; reads no device memory."""
+    capability = device_capability(q.device)
+    waves = 1
+    if capability is not None:
+        processors = torch.cuda.get_device_properties(q.device).multi_processor_count
+        programs = triton.cdiv(q.shape[0], 128) * q.shape[1]
+        waves = 1 if programs <= processors else 2
+    return TuningKey(head_dim=q.shape[2], dtype=str(q.dtype).removeprefix("torch."), capability=capability,
+                     max_seqlen_q_bucket=max(64, triton.next_power_of_2(max(1, max_seqlen_q))),
+                     grid_waves_bucket=waves)
+
+
+@dataclasses.dataclass(slots=True)
+class TuningResult:
+    """The config chosen for one key, and the evidence."""
+
+    key: TuningKey
+    config: LaunchConfig
+    source: str  # "tuned": the fastest candidate; "table": launch_config's entry (nothing timed, or none ran)
+    timings_ms: dict[str, float]  # candidate name -> median ms
+    skipped: dict[str, str]  # candidate name -> why it could not run (shared memory, ptxas)
+    precompile_error: str | None = None  # why the concurrent compile was not used, if it was not
+
+    def to_json(self) -> dict:
+        return {"key": dataclasses.asdict(self.key), "config": dataclasses.asdict(self.config),
+                "config_name": self.config.name, "source": self.source, "timings_ms": self.timings_ms,
+                "skipped": self.skipped, "precompile_error": self.precompile_error}
+
+
+# What a launch config can fail with that says "not this config" rather than "a bug" (the exceptions
+# triton.runtime.autotuner skips).
+_CANDIDATE_FAILURES = (OutOfResources, PTXASError, CompileTimeAssertionFailure)
+
+
+def _median_ms(run: Callable[[], object]) -> float:
+    return triton.testing.do_bench(run, warmup=_TUNING_WARMUP_MS, rep=_TUNING_REP_MS, return_mode="median")
+
+
+def _precompile(warmups: list[Callable[[], object]]) -> str | None:
+    """Compile the candidates concurrently with Triton's AsyncCompileMode (ptxas at least runs outside
+    the GIL), so tuning a head size does not wait for 36 compiles in a row. Best effort, through a
+    private Triton module: returns why it failed, and the timing loop then compiles each in turn."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as executor, \
+                AsyncCompileMode(executor, ignore_errors=True):
+            for warmup in warmups:
+                warmup()
+    except Exception as error:  # any failure here only costs compile time
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+class RaggedAttentionTuner:
+    """Picks the fastest LaunchConfig per TuningKey by timing candidates on the caller's inputs, once
+    per key, and keeps the winners (`results`) for the life of the tuner.
+
+    Under the Triton interpreter or off CUDA it times nothing: the answer is `launch_config`'s.
+    """
+
+    def __init__(self, candidates: Sequence[LaunchConfig] = TUNING_CANDIDATES,
+                 measure_ms: Callable[[Callable[[], object]], float] = _median_ms):
+        if not candidates:
+            raise ValueError("the tuner needs at least one candidate config")
+        self.candidates = tuple(candidates)
+        self.measure_ms = measure_ms
+        self.results: dict[TuningKey, TuningResult] = {}
+
+    def config_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                   softmax_scale: float | None = None) -> LaunchConfig:
+        """The config for these inputs (shapes as in `ragged_attention`); see `result_for`."""
+        return self.result_for(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale).config
+
+    def result_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                   softmax_scale: float | None = None) -> TuningResult:
+        """The cached result for these inputs' key; on a miss, on CUDA, every candidate is compiled and
+        timed on these inputs (their output is discarded)."""
+        key = tuning_key(q, max_seqlen_q)
+        if key not in self.results:
+            table = launch_config(q.shape[-1], q.dtype, key.capability)
+            if q.device.type != "cuda" or KERNEL_INTERPRETED:
+                # Interpreter timings say nothing about a GPU, and tests stay fast.
+                self.results[key] = TuningResult(key, table, "table", {}, {})
+            else:
+                self.results[key] = self._tune(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               softmax_scale, key, table)
+        return self.results[key]
+
+    def _tune(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+              key: TuningKey, table: LaunchConfig) -> TuningResult:
+        cu_q, cu_k = check_ragged_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        _check_kernel_inputs(q)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        # The query block map depends on BLOCK_M: one plan per candidate.
+        plans = {config: _plan(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, config)
+                 for config in self.candidates}
+        precompile_error = _precompile([lambda plan=plan: _launch(q, k, v, plan, softmax_scale, out, warmup=True)
+                                        for plan in plans.values()])
+        runs = {config: (lambda plan=plan: _launch(q, k, v, plan, softmax_scale, out))
+                for config, plan in plans.items()}
+        result = self.pick(key, runs, fallback=table)
+        result.precompile_error = precompile_error
+        return result
+
+    def pick(self, key: TuningKey, runs: dict[LaunchConfig, Callable[[], object]],
+             fallback: LaunchConfig) -> TuningResult:
+        """Time each candidate's run (its first call compiles and loads it); the fastest wins. A
+        candidate that cannot run is skipped, with what Triton's own autotuner skips: over the GPU's
+        shared memory (OutOfResources), rejected by ptxas, or failing a compile-time assertion. If
+        none runs, `fallback` is the answer."""
+        timings, skipped = {}, {}
+        for config, run in runs.items():
+            try:
+                run()
+            except _CANDIDATE_FAILURES as error:
+                skipped[config.name] = f"{type(error).__name__}: {error}"
+                continue
+            timings[config.name] = self.measure_ms(run)
+        ran = [config for config in runs if config.name in timings]
+        if not ran:
+            return TuningResult(key, fallback, "table", timings, skipped)
+        return TuningResult(key, min(ran, key=lambda config: timings[config.name]), "tuned", timings, skipped)
 
 
 def ragged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -13,12 +13,23 @@ Tolerances:
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources, PTXASError
 
+from retouch.kernels import ragged_attention as ragged_module
 from retouch.kernels.ragged_attention import (
+    DEFAULT_LAUNCH_CONFIG,
+    HOPPER_LAUNCH_CONFIGS,
+    TUNING_CANDIDATES,
+    LaunchConfig,
+    RaggedAttentionTuner,
+    launch_config,
+    plan_ragged_attention,
     query_block_map,
     ragged_attention,
     ragged_attention_ref,
     ragged_attention_sdpa,
+    ragged_attention_with_plan,
+    tuning_key,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,7 +148,8 @@ def test_block_sizes_are_overridable(block_m, block_n):
     # Small blocks put several query blocks in one request and several key steps in one loop.
     q_lens, k_lens = BATCHES["mixed_odd"]
     q, k, v, cu_q, cu_k = ragged_batch(q_lens, k_lens, heads=1, head_dim=40, dtype=torch.float32)
-    out = ragged_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), block_m=block_m, block_n=block_n)
+    config = LaunchConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3)
+    out = ragged_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), config=config)
     assert_matches_oracle(out, q, k, v, cu_q, cu_k)
 
 
@@ -178,9 +190,13 @@ def test_query_block_map_covers_each_row_once(batch_name, block_m):
 
 FUNCTIONS = {
     "triton": lambda q, k, v, cu_q, cu_k: ragged_attention(q, k, v, cu_q, cu_k, 64, 64),
+    "triton_plan": lambda q, k, v, cu_q, cu_k: ragged_attention_with_plan(
+        q, k, v, plan_ragged_attention(cu_q, cu_k, 64, 64, DEFAULT_LAUNCH_CONFIG)),
     "ref": ragged_attention_ref,
     "sdpa": ragged_attention_sdpa,
 }
+# A plan is built from cu_seqlens alone, so a wrong end shows as rows that do not match the plan.
+PLAN_MESSAGES = {"wrong_end": "the plan's T_q = 7 and T_k = 10 rows, got 7 and 11"}
 
 
 def bad_inputs():
@@ -208,6 +224,8 @@ def bad_inputs():
 @pytest.mark.parametrize("case", bad_inputs().keys())
 def test_bad_input_is_a_clear_value_error(case, function):
     args, message = bad_inputs()[case]
+    if function == "triton_plan":
+        message = PLAN_MESSAGES.get(case, message)
     with pytest.raises(ValueError, match=message):
         FUNCTIONS[function](*args)
 
@@ -218,7 +236,161 @@ def test_kernel_only_arguments():
         ragged_attention(q, k, v, cu_q, cu_k, 3, 6)
     with pytest.raises(ValueError, match="max_seqlen_k = 5 is below"):
         ragged_attention(q, k, v, cu_q, cu_k, 4, 5)
-    with pytest.raises(ValueError, match="block_m must be a power of two"):
-        ragged_attention(q, k, v, cu_q, cu_k, 4, 6, block_m=48)
     with pytest.raises(ValueError, match="supports"):
         ragged_attention(q.double(), k.double(), v.double(), cu_q, cu_k, 4, 6)
+    with pytest.raises(ValueError, match="max_seqlen_q = 3 is below the longest query run 4"):
+        plan_ragged_attention(cu_q, cu_k, 3, 6, DEFAULT_LAUNCH_CONFIG)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("block_m", 48, "block_m must be a power of two >= 16"),
+    ("block_n", 8, "block_n must be a power of two >= 16"),
+    ("num_warps", 6, "num_warps must be a power of two"),
+    ("num_stages", 0, "num_stages must be >= 1"),
+])
+def test_launch_config_is_validated(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        LaunchConfig(**{field: value})
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_hopper_table_serves_16_bit_at_its_head_dims(head_dim, dtype):
+    assert launch_config(head_dim, dtype, (9, 0)) == HOPPER_LAUNCH_CONFIGS[head_dim]
+    assert launch_config(head_dim, dtype, (9, 0)) != DEFAULT_LAUNCH_CONFIG
+
+
+@pytest.mark.parametrize("head_dim, dtype, capability", [
+    (64, torch.bfloat16, (8, 0)),  # Ampere
+    (128, torch.float16, (10, 0)),  # Blackwell: not measured against this table
+    (64, torch.float32, (9, 0)),
+    (40, torch.bfloat16, (9, 0)),
+    (128, torch.bfloat16, None),  # CPU / interpreter
+])
+def test_launch_config_falls_back_outside_the_table(head_dim, dtype, capability):
+    assert launch_config(head_dim, dtype, capability) == DEFAULT_LAUNCH_CONFIG
+
+
+def test_wrapper_launches_with_the_table_config(monkeypatch):
+    # Pretend to be an H100: without a config, the wrapper must launch the table's entry (and the
+    # kernel must be right with it: 128 x 64 tiles, 4 warps, 3 stages at head_dim 64).
+    launched = []
+    original_launch = ragged_module._launch
+
+    def spy_launch(q, k, v, plan, *args, **kwargs):
+        launched.append(plan.config)
+        return original_launch(q, k, v, plan, *args, **kwargs)
+
+    monkeypatch.setattr(ragged_module, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(ragged_module, "_launch", spy_launch)
+    q_lens, k_lens = BATCHES["mixed_odd"]
+    q, k, v, cu_q, cu_k = ragged_batch(q_lens, k_lens, heads=2, head_dim=64, dtype=torch.bfloat16)
+    out = ragged_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens))
+    assert launched == [HOPPER_LAUNCH_CONFIGS[64]]
+    assert_matches_oracle(out, q, k, v, cu_q, cu_k)
+    explicit = LaunchConfig(block_m=32, block_n=16)
+    ragged_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), config=explicit)
+    assert launched[-1] == explicit
+
+
+def test_one_plan_serves_many_calls():
+    # One plan per batch, reused by every layer: each call must match the oracle on its own q, k, v.
+    q_lens, k_lens = BATCHES["many_small"]
+    config = LaunchConfig(block_m=16, block_n=16)
+    plan = None
+    for layer in range(3):
+        q, k, v, cu_q, cu_k = ragged_batch(q_lens, k_lens, heads=2, head_dim=64, dtype=torch.float32, seed=layer)
+        plan = plan or plan_ragged_attention(cu_q, cu_k, max(q_lens), max(k_lens), config)
+        assert_matches_oracle(ragged_attention_with_plan(q, k, v, plan), q, k, v, cu_q, cu_k, label=f"layer {layer}")
+    assert plan.config == config and plan.num_requests == len(q_lens)
+    assert (plan.total_q, plan.total_k) == (sum(q_lens), sum(k_lens))
+    with pytest.raises(ValueError, match="the plan's T_q"):
+        ragged_attention_with_plan(q[1:], k, v, plan)
+
+
+def test_tuning_key_buckets():
+    q = torch.zeros(300, 3, 64, dtype=torch.bfloat16)
+    assert tuning_key(q, 1).max_seqlen_q_bucket == 64
+    assert tuning_key(q, 64).max_seqlen_q_bucket == 64
+    assert tuning_key(q, 65).max_seqlen_q_bucket == 128
+    assert tuning_key(q, 300).max_seqlen_q_bucket == 512
+    key = tuning_key(q, 300)
+    assert (key.head_dim, key.dtype, key.capability, key.grid_waves_bucket) == (64, "bfloat16", None, 1)
+
+
+def no_timing(run):
+    raise AssertionError("the tuner timed a candidate off the GPU")
+
+
+def test_tuner_falls_back_to_the_table_without_timing():
+    tuner = RaggedAttentionTuner(measure_ms=no_timing)
+    q_lens, k_lens = BATCHES["mixed_odd"]
+    q, k, v, cu_q, cu_k = ragged_batch(q_lens, k_lens, heads=2, head_dim=64, dtype=torch.bfloat16)
+    config = tuner.config_for(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens))
+    assert config == launch_config(64, torch.bfloat16, None) == DEFAULT_LAUNCH_CONFIG
+    (result,) = tuner.results.values()
+    assert result.source == "table" and result.timings_ms == {} and result.skipped == {}
+    assert result.to_json()["config_name"] == config.name
+    # Cached per key: the same bucket adds nothing, another max_seqlen_q bucket adds a key.
+    tuner.config_for(q, k, v, cu_q, cu_k, max(q_lens) + 1, max(k_lens))
+    assert len(tuner.results) == 1
+    tuner.config_for(q, k, v, cu_q, cu_k, 1000, max(k_lens))
+    assert len(tuner.results) == 2
+    assert_matches_oracle(ragged_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), config=config),
+                          q, k, v, cu_q, cu_k)
+
+
+def test_tuner_picks_the_fastest_candidate_and_skips_what_does_not_fit():
+    # The timing loop without a GPU: fake runs and fake timings; one candidate over shared memory, one
+    # that ptxas rejects (the "fastest" of all, were they timed).
+    fast, slow, rejected, too_big = (TUNING_CANDIDATES[i] for i in (0, 1, 5, -1))
+    times = {fast.name: 1.0, slow.name: 2.0, too_big.name: 0.5, rejected.name: 0.1}
+    failures = {too_big: OutOfResources(300_000, 232_448, "shared memory"), rejected: PTXASError("ptxas fatal")}
+    ran = []
+
+    def run_of(config):
+        def run():
+            ran.append(config.name)
+            if config in failures:
+                raise failures[config]
+        run.config = config
+        return run
+
+    tuner = RaggedAttentionTuner(candidates=[slow, too_big, fast, rejected],
+                                 measure_ms=lambda run: times[run.config.name])
+    key = tuning_key(torch.zeros(8, 1, 64), 8)
+    result = tuner.pick(key, {config: run_of(config) for config in tuner.candidates}, fallback=DEFAULT_LAUNCH_CONFIG)
+    assert result.config == fast and result.source == "tuned"
+    assert result.timings_ms == {slow.name: 2.0, fast.name: 1.0}
+    assert set(result.skipped) == {too_big.name, rejected.name}
+    assert "shared memory" in result.skipped[too_big.name] and "ptxas" in result.skipped[rejected.name]
+    assert sorted(ran) == sorted(config.name for config in tuner.candidates)
+    nothing_fits = tuner.pick(key, {too_big: run_of(too_big)}, fallback=DEFAULT_LAUNCH_CONFIG)
+    assert nothing_fits.config == DEFAULT_LAUNCH_CONFIG and nothing_fits.source == "table"
+
+
+def test_tuner_does_not_swallow_bugs():
+    def broken():
+        raise IndexError("a bug, not a config that does not fit")
+
+    tuner = RaggedAttentionTuner(measure_ms=no_timing)
+    with pytest.raises(IndexError):
+        tuner.pick(tuning_key(torch.zeros(8, 1, 64), 8), {TUNING_CANDIDATES[0]: broken}, DEFAULT_LAUNCH_CONFIG)
+
+
+def test_tuning_candidates_cover_the_issue_space():
+    assert len(set(TUNING_CANDIDATES)) == 2 * 3 * 2 * 3
+    assert {c.block_n for c in TUNING_CANDIDATES} == {32, 64, 128}
+    assert all(config in TUNING_CANDIDATES for config in HOPPER_LAUNCH_CONFIGS.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="tuning times kernels on a GPU")
+def test_tuner_on_gpu_picks_a_timed_candidate():
+    q_lens, k_lens = BATCHES["mixed_odd"]
+    q, k, v, cu_q, cu_k = ragged_batch(q_lens, k_lens, heads=2, head_dim=64, dtype=torch.bfloat16)
+    tuner = RaggedAttentionTuner(candidates=TUNING_CANDIDATES[:4])
+    result = tuner.result_for(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens))
+    assert result.source == "tuned" and result.config in TUNING_CANDIDATES[:4]
+    assert len(result.timings_ms) + len(result.skipped) == 4
+    out = ragged_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), config=result.config)
+    assert_matches_oracle(out, q, k, v, cu_q, cu_k)
