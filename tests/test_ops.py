@@ -67,3 +67,25 @@ def test_flop_counter_sees_ragged_attention():
         ops.ragged_attention(q, k, v, cu_q, cu_k, 7, 9)
     heads, head_dim = q.shape[1:]
     assert counter.get_total_flops() == 4 * heads * head_dim * (3 * 9 + 0 * 5 + 7 * 9)
+
+
+def test_triton_attention_plans_a_batch_once_for_all_its_blocks():
+    q, k, v, cu_q, cu_k = packed_attention_inputs()
+    plans = ops.RecentPlans()
+    ops._recent_plans, saved = plans, ops._recent_plans
+    try:
+        outs = [ops.ragged_attention(q * (i + 1), k, v, cu_q, cu_k, 7, 9, backend="triton") for i in range(3)]
+        assert plans.built == 1  # three "blocks" of one forward, one validation and block map
+        for i, out in enumerate(outs):
+            torch.testing.assert_close(out, ragged_attention_ref(q * (i + 1), k, v, cu_q, cu_k), atol=1e-5, rtol=1e-5)
+        # Equal values in another tensor (the next forward's batch) and an in-place change both re-plan.
+        ops.ragged_attention(q, k, v, cu_q.clone(), cu_k, 7, 9, backend="triton")
+        assert plans.built == 2
+        cu_k.copy_(cu_k)
+        ops.ragged_attention(q, k, v, cu_q, cu_k, 7, 9, backend="triton")
+        assert plans.built == 3
+        # A plan never outlives its layout: wrong totals are refused, not read out of bounds.
+        with pytest.raises(ValueError, match="plan's T_q"):
+            ops.ragged_attention(q[:-1], k, v, cu_q, cu_k, 7, 9, backend="triton")
+    finally:
+        ops._recent_plans = saved

@@ -9,12 +9,14 @@ each with a fake (meta) implementation, so torch.compile and CUDA graphs can see
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import torch
 import torch.utils.flop_counter
 
 from retouch.errors import RetouchError
-from retouch.kernels.ragged_attention import ragged_attention as _ragged_attention_triton
+from retouch.kernels.ragged_attention import (RaggedPlan, device_capability, launch_config, plan_ragged_attention,
+                                              ragged_attention_with_plan)
 from retouch.kernels.ragged_attention import ragged_attention_sdpa as _ragged_attention_sdpa
 from retouch.kernels.row_copy import gather_rows_triton, scatter_rows_triton
 
@@ -140,14 +142,47 @@ def _ragged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
                          backend: str) -> torch.Tensor:
     if backend == "triton":
-        return _ragged_attention_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        softmax_scale)
+        config = launch_config(q.shape[-1], q.dtype, device_capability(q.device))
+        plan = _recent_plans.plan(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, config)
+        return ragged_attention_with_plan(q, k, v, plan, softmax_scale)
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale=softmax_scale)
     return _ragged_attention_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+
+
+class RecentPlans:
+    """The Triton kernel's plans of the last few batches. Every masked block of a forward passes the
+    same cu_seqlens tensors, so validating them (a host sync on a GPU) and building the query block
+    map happen once per forward instead of once per block, where a sync would stall the launches
+    queued ahead of the GPU."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self._plans: list[tuple[tuple, RaggedPlan]] = []  # most recent last
+        self._lock = threading.Lock()
+        self.built = 0
+
+    def plan(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+             config) -> RaggedPlan:
+        # Identity and version: the same tensor objects, not modified in place since.
+        key = (id(cu_seqlens_q), id(cu_seqlens_k), cu_seqlens_q._version, cu_seqlens_k._version, max_seqlen_q,
+               max_seqlen_k, config)
+        with self._lock:
+            for index, (known, plan) in enumerate(self._plans):
+                if known == key and plan.cu_seqlens_q is cu_seqlens_q and plan.cu_seqlens_k is cu_seqlens_k:
+                    self._plans.append(self._plans.pop(index))
+                    return plan
+        plan = plan_ragged_attention(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, config)
+        with self._lock:
+            self._plans = (self._plans + [(key, plan)])[-self.size:]
+            self.built += 1
+        return plan
+
+
+_recent_plans = RecentPlans()
 
 
 @_ragged_attention_op.register_fake
