@@ -3,7 +3,7 @@ diffusers pipeline with static batching, on the same Poisson arrivals and the sa
 
     retouch bench serving --model tiny-flux-fill --device cpu --size 64 --steps 2 --rps 1 2 --requests 6
 
-On a GPU (one H100; ~7 minutes, most of it the sweep, once the flux-size export is cached):
+On a GPU (one H100; ~7 minutes, most of it the sweep; estimated, not measured):
 
     retouch bench serving --model flux-size --device cuda --size 1024 --steps 8 --max-batch 8 \
         --rps 0.5 1 2 4 --requests 16 --out bench/results/h100/serving.json
@@ -30,9 +30,10 @@ GPU time, flux-size at 1024 px, 8 steps, 16 requests per point: a step of the st
 ~1.2e14 FLOP per image (~0.25 s on an H100), so the static baseline saturates near 0.45 images/s and
 takes ~35-40 s per point from 1 rps up; retouch (mask ratio ~0.19) drains faster than requests arrive
 up to ~2 rps. The four points take ~75, ~55, ~50 and ~45 s for both systems together, after ~40 s of
-warm-up, the model's load (once here, once in the engine's helper process) and pinning the host cache.
-GPU memory: the helper process holds its own copy of the pipeline, so the device carries the weights
-twice (~48 GB) next to the baseline's batch-8 VAE decode at 1024 px (~15-20 GB).
+warm-up, building the model (here and in the engine's helper process) and pinning the host cache.
+GPU memory: the helper process builds the model as the parent did and frees its denoiser (it never
+runs it), so the device carries the transformer once, next to the baseline's batch-8 VAE decode at
+1024 px (~15-20 GB).
 """
 
 from __future__ import annotations
