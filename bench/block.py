@@ -21,9 +21,8 @@ import torch
 
 from retouch.bench.report import environment, pyplot, write_json
 from retouch.bench.timing import interleaved_medians
-from retouch.cache import InMemoryActivationCache
 from retouch.models import get_spec
-from retouch.profile import VARIANTS, build_target, capture_block_inputs
+from retouch.profile import VARIANTS, build_target
 
 PATCH_PIXELS = {"flux-fill": 16, "flux-inpaint": 16, "sd3": 16}  # pixels per token side; UNets: 8 (latent)
 MODES = {"y": "y-cache", "kv": "kv-cache"}
@@ -54,21 +53,16 @@ def main(argv: list[str] | None = None) -> dict:
     side = resolution // PATCH_PIXELS.get(spec.family, 8)
     print(f"building {args.model} on {device} ({dtype}), {side}x{side} token grid", file=sys.stderr)
     target = build_target(args.model, device, dtype)
-    inputs = target.inputs(args.batch, side)
-    captured = capture_block_inputs(target, inputs)
-    cache = InMemoryActivationCache(device=device)
-    with torch.inference_mode(), target.adapter.run(target.record_context(args.batch, side, cache)):
-        target.denoiser(**inputs)
+    captured, cache = target.record(args.batch, side, device)
 
     results = []
     for kind, index in target.representative.items():
         block_args, block_kwargs = captured[index]
-        block = target.adapter.blocks[index]
         for ratio in ratios:
-            runs = {"full": _block_run(target, block, block_args, block_kwargs, None)}
+            runs = {"full": target.block_run(index, block_args, block_kwargs, None)}
             for variant, name in MODES.items():
                 context = target.edit_context(VARIANTS[variant], args.batch, side, ratio, cache)
-                runs[name] = _block_run(target, block, block_args, block_kwargs, context)
+                runs[name] = target.block_run(index, block_args, block_kwargs, context)
             seconds = interleaved_medians(runs, args.repeats, device)
             tokens = target.tokens(kind, side, ratio)
             for name in MODES.values():
@@ -87,17 +81,6 @@ def main(argv: list[str] | None = None) -> dict:
         _plot(report, args.out.with_suffix(".png"))
     print(json.dumps(report))
     return report
-
-
-def _block_run(target, block, args: tuple, kwargs: dict, context):
-    def run():
-        with torch.inference_mode():
-            if context is None:
-                block(*args, **kwargs)
-            else:
-                with target.adapter.run(context):
-                    block(*args, **kwargs)
-    return run
 
 
 def _plot(report: dict, out: Path) -> None:

@@ -21,9 +21,10 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
-from PIL import Image
 
+from retouch.bench import workload
 from retouch.bench.report import environment, pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import CacheStore, StoreConfig
@@ -68,15 +69,16 @@ def main(argv: list[str] | None = None) -> dict:
     resolution = args.resolution or spec.resolution
     print(f"building {args.model} on {device} ({dtype})", file=sys.stderr)
     model = load_for_bench(args.model, device, dtype)
-    cost_model = _cost_model(args.cost_model, args.model)
+    cost_model = workload.load_cost_model(args.cost_model, model.name)
     store = CacheStore(StoreConfig(host_bytes=_host_bytes(args, model, resolution)))
     editor = MaskAwareEditor(model, cache=store, cache_mode="kv", cost_model=cost_model, planner=args.planner)
     print(f"registering the template ({args.steps} steps, {resolution}px)", file=sys.stderr)
-    template_id = editor.register_template(_template_image(resolution), prompt="a living room", steps=args.steps)
+    template_id = editor.register_template(workload.template_image(np.random.default_rng(0), resolution),
+                                           prompt="a living room", steps=args.steps)
     print(f"template: {store.nbytes(template_id) / 2**30:.2f} GiB in host memory (pinned={store.arena.pinned})",
           file=sys.stderr)
 
-    stride = UNET_LATENT_STRIDE if editor.is_unet else FLUX_STRIDE
+    stride = workload.token_stride(editor)
     grid = (resolution // stride, resolution // stride)
     requests = {}
     for ratio in ratios:
@@ -118,17 +120,6 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def _cost_model(path: Path | None, model: str):
-    if path is None:
-        return None
-    from retouch.costs import CostModel
-
-    cost_model = CostModel.from_json(path)
-    if cost_model.model != model:
-        raise SystemExit(f"retouch bench image: {path} was profiled on {cost_model.model}, not {model}")
-    return cost_model
-
-
 def _host_bytes(args, model, resolution: int) -> int:
     """The pinned budget: --host-gib, else one template recorded in KV-cache mode (outputs, keys and
     values of every block at every step), from the denoiser's shapes, plus a margin."""
@@ -147,14 +138,6 @@ def _host_bytes(args, model, resolution: int) -> int:
         latent = (resolution // UNET_LATENT_STRIDE) ** 2
         per_step = 2 * 3 * latent * sum(denoiser.config.block_out_channels) * 4
     return int(per_step * args.steps * parameters.element_size() * 1.1) + (256 << 20)
-
-
-def _template_image(size: int) -> Image.Image:
-    """A smooth synthetic scene: the content does not change the cost of any step."""
-    ramp = torch.linspace(0, 255, size)
-    pixels = torch.stack([ramp[None, :].expand(size, size), ramp[:, None].expand(size, size),
-                          (ramp[None, :] + ramp[:, None]).div(2).expand(size, size)], dim=-1)
-    return Image.fromarray(pixels.to(torch.uint8).numpy(), "RGB")
 
 
 def _plot(report: dict, out: Path) -> None:

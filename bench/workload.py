@@ -95,14 +95,24 @@ def devices_for(device: str, workers: int) -> list[torch.device]:
 def load_editor(args: argparse.Namespace, device: torch.device) -> MaskAwareEditor:
     """The model on `device` behind a mask-aware editor whose templates live in a pinned host
     `CacheStore`; with `--cost-model` the planner picks cache or compute per block and batch."""
-    from retouch.costs import CostModel
-
     host_gib = args.host_gib or DEFAULT_HOST_GIB.get(device.type, DEFAULT_HOST_GIB["cpu"])
     print(f"loading {args.model} on {device} ({args.dtype}), host cache {host_gib:g} GiB", file=sys.stderr)
     model = load_for_bench(args.model, device=device, dtype=getattr(torch, args.dtype))
-    cost_model = CostModel.from_json(args.cost_model) if args.cost_model else None
+    cost_model = load_cost_model(args.cost_model, model.name)
     return MaskAwareEditor(model, cache=CacheStore(StoreConfig(host_bytes=int(host_gib * GiB))),
                            cache_mode=args.cache_mode, cost_model=cost_model, planner=args.planner)
+
+
+def load_cost_model(path: Path | None, model: str):
+    """The planner's cost model at `path` (None: no planner); refused unless profiled on `model`."""
+    if path is None:
+        return None
+    from retouch.costs import CostModel
+
+    cost_model = CostModel.from_json(path)
+    if cost_model.model != model:
+        raise SystemExit(f"{path} was profiled on {cost_model.model}, not {model}")
+    return cost_model
 
 
 def register_templates(editor: MaskAwareEditor, args: argparse.Namespace) -> list[str]:

@@ -62,6 +62,15 @@ def test_image_latency_refuses_a_cost_model_of_another_model():
         image.main(["--model", "tiny-sd2-inpaint", "--steps", "1", "--cost-model", str(TINY_FLUX_COST)])
 
 
+def test_throughput_and_serving_refuse_a_cost_model_of_another_model():
+    from retouch.bench import workload
+
+    with pytest.raises(SystemExit, match="profiled on tiny-flux-fill, not tiny-sdxl-inpaint"):
+        workload.load_cost_model(TINY_FLUX_COST, "tiny-sdxl-inpaint")
+    assert workload.load_cost_model(TINY_FLUX_COST, "tiny-flux-fill").model == "tiny-flux-fill"
+    assert workload.load_cost_model(None, "tiny-flux-fill") is None
+
+
 def _run_gpu(*parts: str, results: Path, out: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "RETOUCH_GPU_SMOKE": "1", "PYTHON": sys.executable, "RESULTS": str(results)}
     if out is not None:

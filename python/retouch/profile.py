@@ -52,6 +52,30 @@ class Target:
         for index, kind in enumerate(self.kinds):
             self.representative.setdefault(kind, index)
 
+    def record(self, batch: int, side: int, device: torch.device):
+        """One recording forward at (batch, grid side): the (args, kwargs) of each representative block
+        and the template activations, on `device`."""
+        inputs = self.inputs(batch, side)
+        captured = capture_block_inputs(self, inputs)
+        cache = InMemoryActivationCache(device=device)
+        with torch.inference_mode(), self.adapter.run(self.record_context(batch, side, cache)):
+            self.denoiser(**inputs)
+        return captured, cache
+
+    def block_run(self, index: int, args: tuple, kwargs: dict, context) -> Callable[[], None]:
+        """A call of block `index` on its captured arguments: in full when `context` is None, else
+        mask-aware under it."""
+        block = self.adapter.blocks[index]
+
+        def run():
+            with torch.inference_mode():
+                if context is None:
+                    block(*args, **kwargs)
+                else:
+                    with self.adapter.run(context):
+                        block(*args, **kwargs)
+        return run
+
 
 def build_target(model: str, device: torch.device, dtype: torch.dtype) -> Target:
     spec = get_spec(model)
@@ -148,14 +172,9 @@ def profile_blocks(target: Target, opts: ProfileOptions, device: torch.device, p
     points = [(side, batch) for side in opts.values("grids", int) for batch in opts.values("batch_sizes", int)]
     for number, (side, batch) in enumerate(points, 1):
         progress(f"[{number}/{len(points)}] {side}x{side} tokens, batch {batch}")
-        inputs = target.inputs(batch, side)
-        captured = capture_block_inputs(target, inputs)
-        cache = InMemoryActivationCache(device=device)
-        with torch.inference_mode(), target.adapter.run(target.record_context(batch, side, cache)):
-            target.denoiser(**inputs)
+        captured, cache = target.record(batch, side, device)
         for kind, index in target.representative.items():
             args, kwargs = captured[index]
-            block = target.adapter.blocks[index]
             if kind not in row_bytes:  # as the store keeps them (the model's dtype)
                 recorded = {name: cache.get("t0", 0, index, name) for name in ("out", "k", "v")}
                 row_bytes[kind] = {name: t[0].numel() * t.element_size() for name, t in recorded.items()}
@@ -165,16 +184,7 @@ def profile_blocks(target: Target, opts: ProfileOptions, device: torch.device, p
                     if variant == "full" and ratio != opts.values("mask_ratios")[0]:
                         continue  # full compute does not depend on the mask
                     context = None if mode is None else target.edit_context(mode, batch, side, ratio, cache)
-
-                    def run(context=context, block=block, args=args, kwargs=kwargs):
-                        with torch.inference_mode():
-                            if context is None:
-                                block(*args, **kwargs)
-                            else:
-                                with target.adapter.run(context):
-                                    block(*args, **kwargs)
-
-                    seconds = fastest_seconds(run, opts.repeats, device)
+                    seconds = fastest_seconds(target.block_run(index, args, kwargs, context), opts.repeats, device)
                     samples.append({"kind": kind, "variant": variant, "seconds": seconds,
                                     **block_features(rows, variant)})
     return samples, row_bytes
