@@ -1,10 +1,16 @@
-"""Image and mask input handling: conventions, size checks, limits."""
+"""Image and mask input: the one definition of what a mask means (`retouch.images.as_mask`), EXIF
+orientation, size checks, limits, and errors that name the input."""
 
+import io
+
+import numpy as np
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image, ImageDraw
 
 from retouch import images
-from retouch.baseline import processing_size
 from retouch.errors import InputError
 
 
@@ -14,10 +20,17 @@ def square_mask(size=64, box=(16, 16, 47, 47)) -> Image.Image:
     return mask
 
 
+def levels(mask: Image.Image) -> list:
+    assert mask.mode == "L"
+    return np.asarray(mask).tolist()
+
+
+# ---- the mask conventions, mode by mode ----
+
 def test_alpha_mask_converts_to_white_repaint(tmp_path):
-    # OpenAI convention: alpha 0 = repaint. It must become white = repaint.
+    # OpenAI convention: alpha 0 = repaint. It must become white = repaint; colours are ignored.
     rgba = Image.new("RGBA", (64, 64), (10, 20, 30, 255))
-    ImageDraw.Draw(rgba).rectangle((16, 16, 47, 47), fill=(0, 0, 0, 0))
+    ImageDraw.Draw(rgba).rectangle((16, 16, 47, 47), fill=(255, 255, 255, 0))
     rgba.save(tmp_path / "alpha.png")
     converted = images.load_mask(tmp_path / "alpha.png", alpha=True)
     assert converted.tobytes() == square_mask().tobytes()
@@ -35,17 +48,131 @@ def test_alpha_flag_on_mask_without_alpha(tmp_path):
         images.load_mask(tmp_path / "mask.png", alpha=True)
 
 
+@pytest.mark.parametrize("mode, pixels, expected", [
+    ("L", [[0, 1, 128, 255]], [[0, 1, 128, 255]]),
+    ("1", [[0, 1, 1, 0]], [[0, 255, 255, 0]]),
+    ("I;16", [[0, 1, 32768, 65535]], [[0, 1, 128, 255]]),  # 16-bit: 0..65535, a faint pixel stays non-zero
+    ("I;16", [[0, 1, 200, 255]], [[0, 1, 200, 255]]),  # largest value <= 255: 0..255
+    ("I", [[0, 1, 0, 1]], [[0, 255, 0, 255]]),  # largest value <= 1: 0..1
+    ("F", [[0.0, 0.001, 0.5, 1.0]], [[0, 1, 128, 255]]),  # 0..1; 0.001 is still repainted
+    ("F", [[0.0, 0.5, 100.0, 255.0]], [[0, 1, 100, 255]]),  # largest value > 1: 0..255
+])
+def test_single_channel_modes(mode, pixels, expected):
+    array = np.array(pixels, dtype={"L": np.uint8, "1": bool, "I;16": np.uint16, "I": np.int32, "F": np.float32}[mode])
+    mask = Image.fromarray(array).convert("1") if mode == "1" else Image.fromarray(array, mode=None)
+    assert mask.mode == mode
+    assert levels(images.as_mask(mask)) == expected
+
+
+def test_colour_modes_read_luminance_and_alpha_masks_read_luminance_times_alpha():
+    rgb = Image.new("RGB", (3, 1))
+    rgb.putdata([(0, 0, 0), (255, 255, 255), (255, 0, 0)])
+    assert levels(images.as_mask(rgb)) == [[0, 255, 76]]  # ITU-R 601 luma, as PIL's "L"
+    palette = rgb.convert("P")
+    assert levels(images.as_mask(palette)) == [[0, 255, 76]]
+    # White strokes on a transparent background mark the region; transparent white is not a stroke.
+    rgba = Image.new("RGBA", (4, 1))
+    rgba.putdata([(255, 255, 255, 255), (255, 255, 255, 0), (0, 0, 0, 255), (255, 255, 255, 128)])
+    assert levels(images.as_mask(rgba)) == [[255, 0, 0, 128]]
+    assert levels(images.as_mask(rgba.convert("LA"))) == [[255, 0, 0, 128]]
+    assert levels(images.as_mask(rgba, alpha=True)) == [[0, 255, 0, 127]]
+
+
+def test_arrays_and_tensors():
+    assert levels(images.as_mask(np.array([[False, True]]))) == [[0, 255]]
+    assert levels(images.as_mask(np.array([[0, 7, 255]], np.uint8))) == [[0, 7, 255]]
+    assert levels(images.as_mask(np.array([[0.0, 0.25, 1.0]]))) == [[0, 64, 255]]
+    assert levels(images.as_mask(np.array([[[0], [255]]], np.uint8))) == [[0, 255]]  # [H, W, 1]
+    assert levels(images.as_mask(torch.tensor([[0.0, 1.0]]))) == [[0, 255]]
+    assert levels(images.as_mask(torch.tensor([[[0, 1]]], dtype=torch.int64))) == [[0, 255]]  # [1, H, W]
+    assert levels(images.as_mask(torch.tensor([[True, False]]))) == [[255, 0]]
+    white_rgb = np.full((1, 2, 3), 255, np.uint8)
+    assert levels(images.as_mask(white_rgb)) == [[255, 255]]
+
+
+@pytest.mark.parametrize("mask, message", [
+    (None, "mask is missing"),
+    (np.zeros((2, 2, 2)), r"2-D \[H, W\]"),
+    (np.zeros((2,)), r"2-D \[H, W\]"),
+    (np.array([[0.0, -1.0]]), "negative"),
+    (np.array([[0.0, np.nan]]), "NaN"),
+    (np.array([[0.0, 300.0]]), "values up to 300"),
+    (np.array([[0, 70000]]), "values up to 70000"),
+    (np.array([["a"]]), "a mask holds numbers"),
+    ("mask.png", "must be a PIL image"),
+    (np.zeros((0, 3), np.uint8), "empty"),
+])
+def test_bad_masks_name_the_problem(mask, message):
+    with pytest.raises(InputError, match=message):
+        images.as_mask(mask)
+
+
 def test_size_mismatch_names_both_sizes():
     with pytest.raises(InputError, match="mask is 64x64 but image is 128x128"):
-        images.check_same_size(Image.new("RGB", (128, 128)), square_mask())
+        images.as_mask(square_mask(), (128, 128))
 
+
+@given(st.integers(1, 12), st.integers(1, 12), st.sampled_from(["uint8", "uint16", "int32", "float32", "float64"]),
+       st.data())
+@settings(max_examples=60, deadline=None)
+def test_non_zero_stays_non_zero_and_zero_stays_zero(height, width, dtype, data):
+    # Whatever the form, the set of repainted pixels is exactly the set of non-zero ones.
+    high = {"uint8": 255, "uint16": 65535, "int32": 255, "float32": 1.0, "float64": 255.0}[dtype]
+    if dtype.startswith("float"):
+        values = data.draw(st.lists(st.floats(0, high, allow_subnormal=False), min_size=height * width,
+                                    max_size=height * width))
+    else:
+        values = data.draw(st.lists(st.integers(0, high), min_size=height * width, max_size=height * width))
+    array = np.array(values, dtype=dtype).reshape(height, width)
+    mask = np.asarray(images.as_mask(array))
+    assert np.array_equal(mask > 0, array > 0)
+
+
+# ---- EXIF orientation ----
+
+def exif_rotated_png(image: Image.Image, orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    out = io.BytesIO()
+    image.save(out, format="PNG", exif=exif)
+    return out.getvalue()
+
+
+def test_exif_orientation_is_applied_to_image_and_mask_alike():
+    # Stored 40x20, displayed rotated (orientation 6: rotate 90 degrees clockwise) as 20x40.
+    stored = Image.new("RGB", (40, 20), (0, 0, 0))
+    stored.putpixel((0, 0), (255, 0, 0))
+    stored_mask = Image.new("L", (40, 20), 0)
+    stored_mask.putpixel((0, 0), 255)
+    image = images.decode_image(exif_rotated_png(stored, 6), "image")
+    mask = images.as_mask(images.decode_image(exif_rotated_png(stored_mask, 6), "mask"), image.size)
+    assert image.size == mask.size == (20, 40)
+    assert image.getpixel((19, 0)) == (255, 0, 0) and mask.getpixel((19, 0)) == 255
+    # A PIL image handed to the Python API is treated the same way.
+    opened = Image.open(io.BytesIO(exif_rotated_png(stored, 6)))
+    assert images.as_image(opened).size == (20, 40)
+
+
+# ---- files, limits, errors ----
 
 def test_missing_and_unreadable_files(tmp_path):
     with pytest.raises(InputError, match="not found"):
         images.load_image(tmp_path / "nope.png")
     (tmp_path / "junk.png").write_bytes(b"not an image")
-    with pytest.raises(InputError, match="cannot read image"):
+    with pytest.raises(InputError, match="cannot read image") as error:
         images.load_image(tmp_path / "junk.png")
+    assert str(tmp_path / "junk.png") in str(error.value)
+
+
+def test_errors_name_the_input_not_a_buffer():
+    with pytest.raises(InputError) as error:
+        images.decode_image(b"not an image", "mask")
+    message = str(error.value)
+    assert message.startswith("cannot read mask") and "BytesIO" not in message and "0x" not in message
+    truncated = images.png_bytes(Image.new("RGB", (64, 64), "red"))[:60]
+    with pytest.raises(InputError) as error:
+        images.decode_image(truncated, "image")
+    assert "BytesIO" not in str(error.value)
 
 
 def test_oversized_image_is_refused_before_decoding(tmp_path, monkeypatch):
@@ -61,9 +188,10 @@ def test_unknown_output_format():
     images.check_output_path("out.png")
 
 
-@pytest.mark.parametrize(
-    "size, multiple, expected",
-    [((128, 128), 16, (128, 128)), ((100, 75), 16, (96, 80)), ((5, 5), 16, (16, 16)), ((1000, 24), 8, (1000, 24))],
-)
-def test_processing_size(size, multiple, expected):
-    assert processing_size(*size, multiple) == expected
+def test_images_come_as_rgb():
+    assert images.as_image(Image.new("L", (3, 2), 7)).mode == "RGB"
+    assert images.as_image(np.zeros((2, 3, 3), np.uint8)).size == (3, 2)
+    with pytest.raises(InputError, match="image is missing"):
+        images.as_image(None)
+    with pytest.raises(InputError, match="uint8"):
+        images.as_image(np.zeros((2, 3, 3), np.float32))

@@ -49,10 +49,11 @@ def test_one_pixel_off_the_grid_marks_the_neighbour_token():
     assert token_mask(mask, FLUX_STRIDE)[2:6, 6].all()
 
 
-def test_pixel_mask_conventions():
-    gray = np.array([[0, 127, 128, 255]], dtype=np.uint8)
-    assert pixel_mask_tensor(gray).tolist() == [[False, False, True, True]]
-    assert pixel_mask_tensor(torch.tensor([[0.2, 0.7]])).tolist() == [[False, True]]
+def test_any_non_zero_pixel_is_repainted():
+    # A faint or grey pixel is part of the edit (it is blended at paste-back): its token must be computed.
+    gray = np.array([[0, 1, 127, 128, 255]], dtype=np.uint8)
+    assert pixel_mask_tensor(gray).tolist() == [[False, True, True, True, True]]
+    assert pixel_mask_tensor(torch.tensor([[0.0, 0.2, 0.7]])).tolist() == [[False, True, True]]
     with pytest.raises(ValueError, match="2-D"):
         pixel_mask_tensor(np.zeros((2, 2, 3)))
 

@@ -1,7 +1,23 @@
 """Reading and writing the images and masks users send, with errors that say what to fix.
 
-Mask convention (diffusers): white = repaint, black = keep. An OpenAI-style mask instead marks the
-region to repaint with alpha 0; `load_mask(..., alpha=True)` converts it to the diffusers convention.
+Every entry point (CLI, Python API, engine, HTTP) reads images with `as_image` and masks with
+`as_mask`: the one definition of what a mask means.
+
+Masks: white = repaint (diffusers' convention). A pixel's value is how much of the edit replaces the
+template there: 0 keeps the template's pixel exactly, full scale takes the edit, values between blend
+(a feathered brush stays feathered). Any non-zero pixel is repainted: its token is recomputed.
+
+    PIL "1"                          set = repaint
+    "L", "P", "RGB", "CMYK", ...     luminance, 0..255
+    "RGBA", "LA", "PA", "P" + tRNS   luminance x alpha: the mask as it looks over black, so white
+                                     strokes on a transparent background mark the region
+    alpha=True (OpenAI convention)   1 - alpha: transparent = repaint; the colours are ignored
+    "I;16", "I", "F", numpy arrays,  bool as 0/1, uint8 as 0..255; other numbers by their largest
+    torch tensors ([H, W]; arrays     value: <= 1 means 0..1, <= 255 means 0..255, and <= 65535
+    [H, W, 1], tensors [1, H, W])     means 0..65535 (16-bit integers); negative, NaN or larger
+                                     values are refused
+EXIF orientation is applied to images and masks alike before anything else, so a photo and the mask
+drawn over it as displayed line up.
 """
 
 from __future__ import annotations
@@ -9,7 +25,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from PIL import Image, UnidentifiedImageError
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from retouch.errors import InputError
 
@@ -29,55 +46,141 @@ def _open(path: Path, what: str) -> Image.Image:
 
 
 def decode_image(data: bytes, what: str, max_pixels: int | None = None) -> Image.Image:
-    """Decode an uploaded image. The size is checked from the header before any pixel is decoded,
-    so a small file that claims to be huge (a decompression bomb) costs nothing."""
+    """Decode an uploaded image, EXIF orientation applied. The size is checked from the header before
+    any pixel is decoded, so a small file that claims to be huge (a decompression bomb) costs nothing."""
     max_pixels = MAX_PIXELS if max_pixels is None else max_pixels
     try:
         with Image.open(io.BytesIO(data)) as img:
             if img.width * img.height > max_pixels:
                 raise ImageTooLarge(f"{what} is {img.width}x{img.height}, over the limit of {max_pixels} pixels")
             img.load()
-            return img.copy()
-    except Image.DecompressionBombError as exc:  # PIL's own, looser check fired first
-        raise ImageTooLarge(f"{what} is over the limit of {max_pixels} pixels ({exc})") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+            return ImageOps.exif_transpose(img)
+    except Image.DecompressionBombError:  # PIL's own, looser check fired first
+        raise ImageTooLarge(f"{what} is over the limit of {max_pixels} pixels") from None
+    except UnidentifiedImageError:
+        raise InputError(f"cannot read {what}: not an image in a format this server reads "
+                         "(PNG, JPEG, WebP, BMP, TIFF, GIF)") from None
+    except (OSError, SyntaxError, ValueError) as exc:  # truncated or corrupt data
         raise InputError(f"cannot read {what}: {exc}") from None
 
 
 def load_image(path: Path) -> Image.Image:
-    """The template image as RGB."""
-    return _open(path, "image").convert("RGB")
+    """The template image file, as `as_image` reads it."""
+    return as_image(_open(path, "image"), f"image {path}")
 
 
-def load_mask(path: Path, *, alpha: bool = False) -> Image.Image:
-    """The mask as 8-bit grayscale, white = repaint. With `alpha`, pixels of alpha 0 are repainted."""
-    mask = _open(path, "mask")
-    if not alpha:
-        return mask.convert("L")
-    if not has_alpha(mask):
-        raise InputError(f"mask {path} has no alpha channel; drop --mask-alpha for a black/white mask")
-    return mask_from_alpha(mask)
+def load_mask(path: Path, size: tuple[int, int] | None = None, *, alpha: bool = False) -> Image.Image:
+    """The mask file, as `as_mask` reads it (8-bit, white = repaint), checked against `size`."""
+    return as_mask(_open(path, "mask"), size, alpha=alpha, what=f"mask {path}")
+
+
+def as_image(image, what: str = "image") -> Image.Image:
+    """A template as RGB, EXIF orientation applied: a PIL image or a uint8 array `[H, W]` / `[H, W, 3|4]`."""
+    if image is None:
+        raise InputError(f"{what} is missing")
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or not (image.ndim == 2 or (image.ndim == 3 and image.shape[2] in (1, 3, 4))):
+            raise InputError(f"{what} as an array must be uint8 [H, W] or [H, W, 3|4], got {image.dtype} "
+                             f"{list(image.shape)}")
+        image = Image.fromarray(image.squeeze(2) if image.ndim == 3 and image.shape[2] == 1 else image)
+    if not isinstance(image, Image.Image):
+        raise InputError(f"{what} must be a PIL image or a uint8 array, got {type(image).__name__}")
+    if image.width < 1 or image.height < 1:
+        raise InputError(f"{what} is empty ({image.width}x{image.height})")
+    return ImageOps.exif_transpose(image).convert("RGB")
+
+
+def as_mask(mask, size: tuple[int, int] | None = None, *, alpha: bool = False, what: str = "mask") -> Image.Image:
+    """The one reading of a mask (see the module docstring): 8-bit "L", white = repaint, non-zero
+    wherever the input is non-zero. `size` (width, height): the image it belongs to, checked."""
+    if mask is None:
+        raise InputError(f"{what} is missing: send a mask (white = repaint)")
+    if isinstance(mask, Image.Image):
+        levels = _image_levels(ImageOps.exif_transpose(mask), alpha, what)
+    else:
+        if alpha:
+            raise InputError(f"{what}: alpha masks are images with an alpha channel (alpha 0 = repaint)")
+        levels = _array_levels(mask, what)
+    result = Image.fromarray(levels, mode="L")
+    if result.width < 1 or result.height < 1:
+        raise InputError(f"{what} is empty ({result.width}x{result.height})")
+    if size is not None and result.size != tuple(size):
+        raise InputError(f"{what} is {result.width}x{result.height} but image is {size[0]}x{size[1]}; "
+                         "they must match")
+    return result
+
+
+def _image_levels(mask: Image.Image, alpha: bool, what: str) -> np.ndarray:
+    if alpha:
+        if not has_alpha(mask):
+            raise InputError(f"{what} has no alpha channel (alpha 0 = repaint); send a black/white mask instead")
+        return 255 - np.asarray(mask.convert("RGBA").getchannel("A"))
+    if mask.mode == "1" or mask.mode == "L":
+        return np.asarray(mask.convert("L"))
+    if mask.mode.startswith("I") or mask.mode == "F":
+        return _array_levels(np.asarray(mask), what)
+    if has_alpha(mask):
+        rgba = mask.convert("RGBA")
+        luminance = np.asarray(rgba.convert("L"), dtype=np.uint32)
+        opacity = np.asarray(rgba.getchannel("A"), dtype=np.uint32)
+        return _at_least_one((luminance * opacity + 127) // 255, luminance * opacity)
+    return np.asarray(mask.convert("RGB").convert("L"))
+
+
+def _array_levels(values, what: str) -> np.ndarray:
+    import torch
+
+    if isinstance(values, torch.Tensor):  # channels first: [H, W] or [1, H, W]
+        values = values.detach().cpu().numpy()
+        if values.ndim == 3 and values.shape[0] == 1:
+            values = values[0]
+    if not isinstance(values, np.ndarray):
+        raise InputError(f"{what} must be a PIL image, a numpy array or a torch tensor, got {type(values).__name__}")
+    if values.ndim == 3 and values.dtype == np.uint8 and values.shape[2] in (3, 4):
+        return _image_levels(Image.fromarray(values), False, what)
+    if values.ndim == 3 and values.shape[2] == 1:  # numpy: channels last, [H, W, 1]
+        values = values[..., 0]
+    if values.ndim != 2:
+        raise InputError(f"{what} must be 2-D [H, W] (or one channel), got shape {list(values.shape)}")
+    if values.dtype == np.bool_:
+        return values.astype(np.uint8) * 255
+    if values.dtype == np.uint8:
+        return np.ascontiguousarray(values)
+    integer = np.issubdtype(values.dtype, np.integer)
+    if not (integer or np.issubdtype(values.dtype, np.floating)):
+        raise InputError(f"{what} has values of type {values.dtype}; a mask holds numbers")
+    numbers = values.astype(np.float64)
+    if not np.isfinite(numbers).all():
+        raise InputError(f"{what} has NaN or infinite values")
+    low, high = (numbers.min(), numbers.max()) if numbers.size else (0.0, 0.0)
+    if low < 0:
+        raise InputError(f"{what} has negative values (down to {low:g}); use 0..1 or 0..255")
+    if high <= 1:
+        full_scale = 1.0
+    elif high <= 255:
+        full_scale = 255.0
+    elif high <= 65535 and integer:
+        full_scale = 65535.0
+    else:
+        raise InputError(f"{what} has values up to {high:g}; use 0..1, 0..255, or 0..65535 for 16-bit masks")
+    return _at_least_one(np.rint(numbers * (255.0 / full_scale)), numbers)
+
+
+def _at_least_one(levels: np.ndarray, source: np.ndarray) -> np.ndarray:
+    """8-bit levels in which every pixel that is non-zero in `source` stays non-zero: a faint pixel is
+    still a pixel to repaint."""
+    levels = np.where((source > 0) & (levels < 1), 1, levels)
+    return np.clip(levels, 0, 255).astype(np.uint8)
+
+
+def has_alpha(image: Image.Image) -> bool:
+    return bool({"A", "a"} & set(image.getbands())) or "transparency" in image.info
 
 
 def png_bytes(image: Image.Image) -> bytes:
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()
-
-
-def has_alpha(image: Image.Image) -> bool:
-    return "A" in image.getbands() or "transparency" in image.info
-
-
-def mask_from_alpha(image: Image.Image) -> Image.Image:
-    """OpenAI convention -> ours: alpha 0 (transparent) = repaint = white."""
-    return image.convert("RGBA").getchannel("A").point(lambda a: 255 - a)
-
-
-def check_same_size(image: Image.Image, mask: Image.Image) -> None:
-    if image.size != mask.size:
-        raise InputError(
-            f"mask is {mask.width}x{mask.height} but image is {image.width}x{image.height}; they must match")
 
 
 def check_output_path(path: Path) -> None:

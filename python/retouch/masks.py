@@ -23,17 +23,14 @@ UNET_LATENT_STRIDE = 8  # a UNet level l has stride 8 * 2**l
 
 
 def pixel_mask_tensor(mask: Image.Image | np.ndarray | torch.Tensor) -> torch.Tensor:
-    """A boolean `[H, W]` tensor, True = repaint, from a PIL mask (white = repaint), array or tensor."""
+    """A boolean `[H, W]` tensor, True = repaint, from a PIL mask (white = repaint), array or tensor.
+    Any non-zero pixel is repainted (`retouch.images.as_mask` defines what a mask's values mean)."""
     if isinstance(mask, Image.Image):
         mask = np.array(mask.convert("L"))  # a copy: torch refuses read-only arrays
     mask = torch.as_tensor(mask)
     if mask.dim() != 2:
         raise ValueError(f"a pixel mask must be 2-D [H, W], got shape {tuple(mask.shape)}")
-    if mask.dtype == torch.bool:
-        return mask
-    # diffusers binarises at half intensity; 8-bit masks are 0..255, float masks 0..1.
-    threshold = 127.5 if mask.dtype == torch.uint8 else 0.5
-    return mask.float() > threshold
+    return mask if mask.dtype == torch.bool else mask != 0
 
 
 def token_mask(mask, stride: int, dilation: int = 0) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""Where a user's image sits in the pipeline's working image, and how the edit comes back.
+
+Denoisers need sides that are whole numbers of tokens (16 px for Flux, SD3 and the UNets' VAE). An
+image of any size is padded, never resized, to the next multiple (edge pixels repeated) and placed at
+the top-left of that canvas: every pixel of the user's image is one pixel of the canvas, so the mask
+maps to tokens exactly at every size, and the edit is cropped back without resampling. The pasting
+happens at the user's resolution with the user's mask (`paste_unmasked`): pixels the mask leaves at 0
+are the template's own, byte for byte.
+
+The mask the pipeline and the denoiser see (`Canvas.mask`) is binary and covers whole tokens: a
+token holding any non-zero pixel is repainted in full. Pipelines that take the mask at the latent
+resolution (nearest-neighbour) or binarise it at half intensity then can never drop a thin or faint
+stroke.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from retouch.masks import token_mask
+
+
+@dataclass(frozen=True)
+class Canvas:
+    size: tuple[int, int]  # (width, height) of the user's image
+    padded: tuple[int, int]  # (width, height) the pipeline runs at: multiples of its patch
+    stride: int  # pixels per side of the squares the pipeline's mask is made of (one token or latent pixel)
+
+    @classmethod
+    def of(cls, size: tuple[int, int], multiple: int, stride: int) -> Canvas:
+        width, height = size
+        if width < 1 or height < 1:
+            raise ValueError(f"an image has at least one pixel, got {width}x{height}")
+        return cls((width, height), (math.ceil(width / multiple) * multiple, math.ceil(height / multiple) * multiple),
+                   stride)
+
+    @classmethod
+    def for_pipeline(cls, size: tuple[int, int], pipe) -> Canvas:
+        """The canvas of a diffusers pipeline: sides in whole latent patches (VAE /8, 2x2 patches); its
+        mask in tokens for a transformer, in latent pixels for a UNet (whose levels pool them)."""
+        multiple = pipe.vae_scale_factor * 2
+        stride = multiple if getattr(pipe, "transformer", None) is not None else pipe.vae_scale_factor
+        return cls.of(size, multiple, stride)
+
+    @property
+    def is_padded(self) -> bool:
+        return self.padded != self.size
+
+    def image(self, image: Image.Image) -> Image.Image:
+        """`image` (RGB, the user's size) on the canvas, its last row and column repeated into the padding."""
+        self._check(image)
+        if not self.is_padded:
+            return image
+        pixels = np.asarray(image)
+        width, height = self.size
+        padded_width, padded_height = self.padded
+        padded = np.pad(pixels, ((0, padded_height - height), (0, padded_width - width), (0, 0)), mode="edge")
+        return Image.fromarray(padded)
+
+    def mask(self, mask: Image.Image) -> Image.Image:
+        """The pipeline's mask: `mask` ("L", the user's size) on the canvas, binary, in whole squares of
+        `stride` pixels; a square is white when any pixel of the user's mask in it is non-zero."""
+        self._check(mask)
+        pixels = np.zeros(self.padded[::-1], np.uint8)
+        pixels[:self.size[1], :self.size[0]] = np.asarray(mask)
+        squares = token_mask(pixels, self.stride).numpy().astype(np.uint8) * 255
+        full = squares.repeat(self.stride, 0).repeat(self.stride, 1)
+        return Image.fromarray(np.ascontiguousarray(full[:self.padded[1], :self.padded[0]]), mode="L")
+
+    def empty_mask(self) -> Image.Image:
+        return Image.new("L", self.padded, 0)
+
+    def crop(self, image: Image.Image) -> Image.Image:
+        """The user's part of a canvas-sized image."""
+        if image.size != self.padded:
+            raise ValueError(f"expected an image of the canvas size {self.padded}, got {image.size}")
+        return image.crop((0, 0, *self.size)) if self.is_padded else image
+
+    def _check(self, image: Image.Image) -> None:
+        if image.size != self.size:
+            raise ValueError(f"expected an image of {self.size[0]}x{self.size[1]}, got {image.width}x{image.height}")
+
+
+def paste_unmasked(template: Image.Image, edited: Image.Image, mask: Image.Image) -> Image.Image:
+    """`edited` where `mask` is white, `template` where it is black, blended in between; all three at
+    the user's size (mask "L" as `retouch.images.as_mask` reads it). Where the mask is 0 the result is
+    the template's pixel exactly."""
+    if not (template.size == edited.size == mask.size):
+        raise ValueError(f"template {template.size}, edit {edited.size} and mask {mask.size} must have one size")
+    keep = np.asarray(template.convert("RGB"), dtype=np.uint32)
+    new = np.asarray(edited.convert("RGB"), dtype=np.uint32)
+    weight = np.asarray(mask, dtype=np.uint32)[..., None]
+    blended = (keep * (255 - weight) + new * weight + 127) // 255  # exact at 0 and 255
+    return Image.fromarray(blended.astype(np.uint8), mode="RGB")
