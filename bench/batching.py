@@ -121,12 +121,13 @@ def _processing_costs(editor: MaskAwareEditor, requests: list[EditRequest]) -> d
     with torch.inference_mode():
         for request in requests:
             template = editor.templates[request.template_id]
+            request = editor.check_request(request, template)
             started = now()
             ready = preprocess(editor, request, template)
             pre.append(now() - started)
             latents = ready.prepared.latents
             started = now()
-            postprocess(editor, template, ready.inputs.mask, latents)
+            postprocess(editor, template, request.mask, latents)
             post.append(now() - started)
     with Engine(editor, EngineConfig(mode="naive", max_batch=1), editor.model.name) as engine:
         for request in requests:

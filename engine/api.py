@@ -23,7 +23,6 @@ from retouch.engine import processing
 from retouch.engine.processing import HelperPool
 from retouch.engine.worker import EditResult, EngineConfig, Job, Worker
 from retouch.errors import InputError, RetouchError
-from retouch.images import check_same_size
 from retouch.models import load_pipeline
 
 
@@ -135,9 +134,7 @@ class Engine:
         template = self.editor.templates.get(request.template_id)
         if template is None:
             raise InputError(f"unknown template {request.template_id!r}; register it first")
-        if not request.prompt.strip():
-            raise InputError("prompt is empty; say what to paint into the masked region")
-        check_same_size(Image.new("L", template.original_size), request.mask)
+        request = self.editor.check_request(request, template)
         job = Worker.new_job(request)
         if self.helpers is None:
             self.worker.inbox.put(("edit", job))
@@ -147,8 +144,9 @@ class Engine:
             self.helpers.send(processing.prepare_message(job.id, request, template))
         return job.future
 
-    def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0) -> Image.Image:
-        return self.submit(EditRequest(template_id, mask, prompt, seed)).result().image
+    def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0,
+             steps: int | None = None) -> Image.Image:
+        return self.submit(EditRequest(template_id, mask, prompt, seed, steps)).result().image
 
     def metrics(self) -> dict:
         return self.worker.metrics.summary()
@@ -156,7 +154,7 @@ class Engine:
     # ---- the disaggregated mode's helpers ----
 
     def _send_to_postprocess(self, job: Job) -> None:
-        self.helpers.send(processing.finish_message(job.id, job.template, job.ready.inputs.mask, job.row.latents))
+        self.helpers.send(processing.finish_message(job.id, job.template, job.request.mask, job.row.latents))
 
     def _on_helper_message(self, header: dict, tensors: dict, blobs: dict) -> None:
         """On the helpers' receiver thread: a prepared edit joins the loop's inbox; a finished image

@@ -17,7 +17,6 @@ recording thread) are queued and the main thread is woken through an inproc sock
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import queue
 import signal
@@ -36,7 +35,7 @@ from retouch.engine.api import Engine
 from retouch.engine.wakeup import Wakeup
 from retouch.engine.worker import EditResult, EngineConfig
 from retouch.errors import InputError
-from retouch.images import png_bytes
+from retouch.images import decode_image, png_bytes
 
 
 def status_of(exc: BaseException) -> int:
@@ -166,7 +165,7 @@ class Node:
                     self.engine.drop_template(self.templates.pop(template))
                 continue
             try:
-                image = Image.open(io.BytesIO(blobs["image"])).convert("RGB")
+                image = decode_image(blobs["image"], f"template {template}")
                 self.templates[template] = self.engine.register_template(
                     image, header["prompt"], int(header["steps"]), int(header["seed"]), header["guidance"],
                     on_step=lambda step: self._post({"kind": "progress", "template": template, "step": step}))

@@ -3,7 +3,8 @@
 Pre-processing makes an edit ready for the denoiser: the mask at the processing size and its token
 indices, the initial latents, then the pipeline's own preparation up to its first denoiser call (text
 encoding, VAE encoding of the masked image, mask latents, schedule). Post-processing decodes the
-final latents with the VAE, pastes the template's pixels outside the mask and resizes.
+final latents with the VAE, crops the canvas to the template's size and pastes the template's pixels
+wherever the request's mask is 0 (`retouch.editor.finish`).
 
 In the disaggregated mode both run in helper processes (`python -m retouch.engine.processing`),
 each with its own copy of the pipeline's text encoders and VAE on the worker's device, so the step
@@ -27,7 +28,8 @@ import torch
 import zmq
 from PIL import Image
 
-from retouch.editor import EditInputs, EditRequest, MaskAwareEditor, Template
+from retouch.canvas import Canvas
+from retouch.editor import EditInputs, EditRequest, MaskAwareEditor, Template, finish
 from retouch.engine import recipes, wire
 from retouch.engine.recipes import Prepared
 
@@ -46,8 +48,8 @@ def preprocess(editor: MaskAwareEditor, request: EditRequest, template: Template
 
 
 def postprocess(editor: MaskAwareEditor, template: Template, mask: Image.Image, latents: torch.Tensor) -> Image.Image:
-    image = recipes.decode(editor, latents, template.image.size)[0]
-    return recipes.finish(editor, template, mask, image)
+    """`mask`: the request's, at the template's size (`MaskAwareEditor.check_request`)."""
+    return finish(template, recipes.decode(editor, latents, template.canvas.padded)[0], mask)
 
 
 # ---- what crosses the process boundary ----
@@ -62,10 +64,11 @@ def image_from_blob(spec, data: bytes) -> Image.Image:
 
 
 def template_message(template: Template) -> tuple[dict, dict, dict]:
-    header = {"template_id": template.template_id, "original_size": list(template.original_size),
-              "prompt": template.prompt, "steps": template.steps, "seed": template.seed,
-              "guidance": template.guidance, "num_text_tokens": template.num_text_tokens}
-    image_spec, image = _image_blob(template.image)
+    canvas = template.canvas
+    header = {"template_id": template.template_id, "prompt": template.prompt, "steps": template.steps,
+              "seed": template.seed, "guidance": template.guidance, "num_text_tokens": template.num_text_tokens,
+              "canvas": [*canvas.size, *canvas.padded, canvas.stride], "recorded_mode": template.recorded_mode}
+    image_spec, image = _image_blob(template.source)
     mask_spec, mask = _image_blob(template.recorded_mask)
     header.update(image=image_spec, recorded_mask=mask_spec)
     return header, {"template.noise": template.noise}, {"template.image": image, "template.recorded_mask": mask}
@@ -73,15 +76,18 @@ def template_message(template: Template) -> tuple[dict, dict, dict]:
 
 def template_from_message(header: dict, tensors: dict, blobs: dict) -> Template:
     t = header["template"]
-    return Template(template_id=t["template_id"], image=image_from_blob(t["image"], blobs["template.image"]),
-                    original_size=tuple(t["original_size"]), prompt=t["prompt"], steps=t["steps"], seed=t["seed"],
-                    guidance=t["guidance"], noise=tensors["template.noise"], num_text_tokens=t["num_text_tokens"],
-                    recorded_mask=image_from_blob(t["recorded_mask"], blobs["template.recorded_mask"]))
+    width, height, padded_width, padded_height, stride = t["canvas"]
+    return Template(template_id=t["template_id"], source=image_from_blob(t["image"], blobs["template.image"]),
+                    canvas=Canvas((width, height), (padded_width, padded_height), stride), prompt=t["prompt"],
+                    steps=t["steps"], seed=t["seed"], guidance=t["guidance"], noise=tensors["template.noise"],
+                    num_text_tokens=t["num_text_tokens"],
+                    recorded_mask=image_from_blob(t["recorded_mask"], blobs["template.recorded_mask"]),
+                    recorded_mode=t["recorded_mode"])
 
 
 def prepare_message(job: int, request: EditRequest, template: Template) -> list:
     header, tensors, blobs = template_message(template)
-    mask_spec, mask = _image_blob(request.mask.convert("L"))
+    mask_spec, mask = _image_blob(request.mask)  # checked: "L" at the template's size
     return wire.encode({"kind": "prepare", "job": job, "template": header, "prompt": request.prompt,
                         "seed": request.seed, "mask": mask_spec}, tensors, {**blobs, "mask": mask})
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from retouch.baseline import paste_unmasked
 from retouch.editor import EditInputs, MaskAwareEditor
 from retouch.engine.schedulers import BatchScheduler, RequestSchedule
 from retouch.models import quiet_libraries
@@ -249,11 +248,3 @@ def decode(editor: MaskAwareEditor, latents: torch.Tensor, size: tuple[int, int]
         if getattr(pipe, "watermark", None) is not None:
             images = pipe.watermark.apply_watermark(images)
         return pipe.image_processor.postprocess(images, output_type="pil")
-
-
-def finish(editor: MaskAwareEditor, template, mask: Image.Image, image: Image.Image) -> Image.Image:
-    """The decoded edit with the template's own pixels outside the mask, at the template's size."""
-    image = paste_unmasked(template.image, image, mask)
-    if image.size != template.original_size:
-        image = image.resize(template.original_size, Image.Resampling.LANCZOS)
-    return image

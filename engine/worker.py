@@ -169,7 +169,7 @@ class Worker:
         """One denoising step of the running batch: a forward per (image size, guidance) group."""
         groups: dict[tuple, list[Job]] = {}
         for job in self.running:
-            key = (job.template.image.size, job.ready.prepared.copies)
+            key = (job.template.canvas.padded, job.ready.prepared.copies)
             groups.setdefault(key, []).append(job)
         for jobs in groups.values():
             try:
@@ -213,7 +213,7 @@ class Worker:
             if self.send_to_postprocess is not None:
                 self.send_to_postprocess(job)
                 continue
-            image = self._inline(lambda: postprocess(self.editor, job.template, job.ready.inputs.mask,
+            image = self._inline(lambda: postprocess(self.editor, job.template, job.request.mask,
                                                      job.row.latents), job)
             if image is not None:
                 self.complete(job, image)

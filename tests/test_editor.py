@@ -200,3 +200,55 @@ def test_a_kv_recording_serves_y_cache_edits_after_switching(model):
     assert torch.equal(latents[0], latents[1])
     with pytest.raises(InputError, match="cache mode"):
         editor.switch_cache_mode("z")
+
+
+@pytest.mark.parametrize("model", ["tiny-flux-fill", "tiny-sd2-inpaint"])
+def test_a_y_recording_is_recorded_again_for_kv_cache_edits(model):
+    # A Y-cache recording holds block outputs only: after switch_cache_mode("kv"), registering the
+    # template again, or editing it directly, records what KV-cache edits read; the edits equal those
+    # of an editor that recorded in KV-cache mode from the start.
+    mask = square_mask((16, 40, 79, 95))
+    reference = load(model, cache_mode="kv")
+    kv_id = reference.register_template(template_image(), prompt="a scene", steps=STEPS, seed=3)
+    expected = reference.edit(kv_id, mask, "a red hat", seed=5, output_type="latent")
+
+    editor = load(model, cache_mode="y")
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=3)
+    editor.switch_cache_mode("kv")
+    assert editor.edit(template_id, mask, "a red hat", seed=5, output_type="latent").equal(expected)
+    assert editor.recomputes == 1 and editor.templates[template_id].recorded_mode == "kv"
+
+    editor.switch_cache_mode("y")
+    other = editor.register_template(template_image((9, 9, 9)), prompt="a scene", steps=STEPS, seed=3)
+    editor.switch_cache_mode("kv")
+    assert editor.register_template(template_image((9, 9, 9)), prompt="a scene", steps=STEPS, seed=3) == other
+    assert editor.templates[other].recorded_mode == "kv"
+    editor.edit(other, mask, "a red hat", seed=5)
+    assert editor.recomputes == 1  # registered again for KV, so the edit needed no recompute
+
+
+def test_edits_run_the_templates_steps_or_say_why_not():
+    editor = load("tiny-flux-fill")
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
+    same = editor.edit(template_id, square_mask(), "a hat", seed=1, steps=STEPS)
+    assert same.tobytes() == editor.edit(template_id, square_mask(), "a hat", seed=1).tobytes()
+    with pytest.raises(InputError, match=f"recorded with {STEPS} steps"):
+        editor.edit(template_id, square_mask(), "a hat", seed=1, steps=STEPS + 2)
+    with pytest.raises(InputError, match=f"recorded with {STEPS} steps"):
+        editor.edit_many([EditRequest(template_id, square_mask(), "a hat", steps=1)])
+    with pytest.raises(InputError, match="steps must be an integer >= 1"):
+        editor.register_template(template_image(), steps=0)
+
+
+def test_masks_come_in_any_documented_form():
+    editor = load("tiny-flux-fill")
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
+    expected = editor.edit(template_id, square_mask(), "a hat", seed=1).tobytes()
+    as_bool = np.asarray(square_mask()) > 0
+    for form in (square_mask().convert("1"), square_mask().convert("RGB"), as_bool, torch.from_numpy(as_bool),
+                 as_bool.astype(np.float32), (as_bool * 65535).astype(np.uint16)):
+        assert editor.edit(template_id, form, "a hat", seed=1).tobytes() == expected
+    with pytest.raises(InputError, match="mask is missing"):
+        editor.edit(template_id, None, "a hat")
+    with pytest.raises(InputError, match=r"2-D \[H, W\]"):
+        editor.edit(template_id, np.zeros((2, 128, 128)), "a hat")

@@ -174,6 +174,10 @@ def test_the_disaggregated_engine_gives_the_inline_result_with_no_interruptions(
             engine.submit(EditRequest("0" * 16, square_mask(), "a hat"))
         with pytest.raises(InputError, match="prompt is empty"):
             engine.submit(EditRequest(template_id, square_mask(), "  "))
+        with pytest.raises(InputError, match="recorded with 3 steps"):
+            engine.submit(EditRequest(template_id, square_mask(), "a hat", steps=5))
+        with pytest.raises(InputError, match="mask is 64x64 but image is 128x128"):
+            engine.submit(EditRequest(template_id, square_mask().resize((64, 64)), "a hat"))
         in_flight = [engine.submit(r) for r in requests[5:]]  # still being pre-processed at close
     assert all(future.done() for future in in_flight)
     results += [future.result() for future in in_flight]

@@ -26,3 +26,14 @@ def test_wheel_maps_engine_and_kernels_into_the_package(tmp_path):
     assert not any(name.startswith(("engine/", "kernels/", "bench/", "python/")) for name in names)
     entry_points = next(name for name in names if name.endswith("entry_points.txt"))
     assert "retouch = retouch.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_submodules_are_attributes_after_a_plain_import():
+    # `import retouch` stays light (no diffusers), yet retouch.editor, retouch.engine, ... work at once.
+    code = ("import sys, retouch; assert 'diffusers' not in sys.modules; "
+            "print(retouch.editor.MaskAwareEditor.__name__, retouch.engine.api.Engine.__name__, retouch.canvas.Canvas.__name__); "
+            "import pytest\n"
+            "with pytest.raises(AttributeError, match='no attribute'): retouch.no_such_module")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["MaskAwareEditor", "Engine", "Canvas"]

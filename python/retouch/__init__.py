@@ -12,3 +12,20 @@ def load(model: str, **options):
     from retouch.editor import load as load_editor  # diffusers is imported only when used
 
     return load_editor(model, **options)
+
+
+def submodule(package: str, name: str):
+    """`package.name` imported on first use: a package's `__getattr__`, so that `retouch.editor` or
+    `retouch.engine.api` work after a plain `import retouch`, which stays light (no diffusers)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"{package}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{package}.{name}":
+            raise
+        raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+
+
+def __getattr__(name: str):
+    return submodule(__name__, name)

@@ -39,13 +39,12 @@ def resolve_device(device: str, dtype: str):
 
 
 def cmd_edit(args) -> int:
-    from retouch.images import check_output_path, check_same_size, load_image, load_mask, save_image
+    from retouch.images import check_output_path, load_image, load_mask, save_image
 
     opts = from_arguments(EditOptions, args)
     # Everything that can be checked without the model is checked before loading it.
     image = load_image(opts.image)
-    mask = load_mask(opts.mask, alpha=opts.mask_alpha)
-    check_same_size(image, mask)
+    mask = load_mask(opts.mask, image.size, alpha=opts.mask_alpha)
     check_output_path(opts.out)
     device, dtype = resolve_device(opts.device, opts.dtype)
 

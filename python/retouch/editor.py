@@ -20,7 +20,8 @@ import hashlib
 import inspect
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,11 +29,11 @@ from PIL import Image
 
 from retouch.adapters import CacheMode, MaskAwareContext, UNetMaskAwareContext, patch_flux, patch_sd3, patch_unet
 from retouch.adapters.reads import row_tokens, staged_context
-from retouch.baseline import paste_unmasked, processing_size
 from retouch.cache import ActivationCache, CacheMiss, CacheStore, StoreConfig, TemplateHandle, uncond_row_id
 from retouch.cache.staging import CopyEngine, StagedActivations
+from retouch.canvas import Canvas, paste_unmasked
 from retouch.errors import InputError, ModelError
-from retouch.images import check_same_size
+from retouch.images import as_image, as_mask
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
 from retouch.models import LoadedModel, load_pipeline, quiet_libraries
 
@@ -56,15 +57,25 @@ class Template:
     """A registered template: what an edit must reproduce at its unmasked tokens."""
 
     template_id: str
-    image: Image.Image  # at the processing size
-    original_size: tuple[int, int]
+    source: Image.Image  # RGB at the user's size: the pixels every edit keeps outside its mask
+    canvas: Canvas  # where the pipeline runs (`retouch.canvas`)
     prompt: str
     steps: int
     seed: int
     guidance: float | None
-    noise: torch.Tensor  # [C, h, w] initial latents
+    noise: torch.Tensor  # [C, h, w] initial latents of the canvas
     num_text_tokens: int
-    recorded_mask: Image.Image  # what the recorded run repainted (nothing by default), processing size
+    recorded_mask: Image.Image  # what the recorded run repainted (`Canvas.mask`; nothing by default)
+    recorded_mode: str  # the cache mode it was recorded for: "kv" recordings serve Y-cache edits too
+
+    @cached_property
+    def image(self) -> Image.Image:
+        """The template on its canvas: what the pipeline is given."""
+        return self.canvas.image(self.source)
+
+    @property
+    def original_size(self) -> tuple[int, int]:
+        return self.source.size
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,7 @@ class EditInputs:
     """An edit made ready for the denoiser (`MaskAwareEditor.prepare_edit`)."""
 
     template: Template
-    mask: Image.Image  # L, the processing size
+    mask: Image.Image  # what the pipeline and denoiser see: `Canvas.mask` of the request's mask
     masked_idx: torch.Tensor  # row-major indices of the tokens the edit recomputes
     latents: torch.Tensor  # [C, h, w] initial latents
 
@@ -80,9 +91,10 @@ class EditInputs:
 @dataclass(frozen=True)
 class EditRequest:
     template_id: str
-    mask: Image.Image  # white = repaint, the template's original size
+    mask: Image.Image  # white = repaint, the template's size; any form `retouch.images.as_mask` reads
     prompt: str
     seed: int = 0
+    steps: int | None = None  # None: the template's; another count is refused (the recording has its steps)
 
 
 class MaskAwareEditor:
@@ -140,25 +152,24 @@ class MaskAwareEditor:
         `mask` is what the recorded run repaints (inpainting models take it as an input): by default
         nothing, so every edit's unmasked tokens see the template's own conditioning. The id is a
         digest of the image and the settings, so registering the same template twice returns the
-        same id without recomputing.
+        same id without recomputing, unless the recording lacks what the current cache mode reads
+        (recorded for "y", now editing in "kv"): then it is recorded again.
         """
-        if steps < 1:
-            raise InputError(f"steps must be >= 1, got {steps}")
-        image = image.convert("RGB")
-        template_id = self._template_id(image, prompt, steps, seed, guidance, mask)
-        if template_id in self.templates and self.cache.contains(template_id):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise InputError(f"steps must be an integer >= 1, got {steps!r}")
+        image = as_image(image)
+        recorded = None if mask is None else as_mask(mask, image.size, what="recorded mask")
+        template_id = self._template_id(image, prompt, steps, seed, guidance, recorded)
+        existing = self.templates.get(template_id)
+        if existing is not None and self.cache.contains(template_id) and self._covers(existing):
             return template_id
-        width, height = processing_size(image.width, image.height, self.pipe.vae_scale_factor * 2)
-        if mask is None:
-            recorded_mask = Image.new("L", (width, height), 0)
-        else:
-            check_same_size(image, mask)
-            recorded_mask = mask.convert("L").resize((width, height), Image.Resampling.NEAREST)
+        canvas = Canvas.for_pipeline(image.size, self.pipe)
+        width, height = canvas.padded
         template = Template(
-            template_id=template_id, image=image.resize((width, height), Image.Resampling.LANCZOS),
-            original_size=image.size, prompt=prompt, steps=steps, seed=seed, guidance=guidance,
-            noise=self._noise(seed, height, width), num_text_tokens=self._num_text_tokens(),
-            recorded_mask=recorded_mask)
+            template_id=template_id, source=image, canvas=canvas, prompt=prompt, steps=steps, seed=seed,
+            guidance=guidance, noise=self._noise(seed, height, width), num_text_tokens=self._num_text_tokens(),
+            recorded_mask=canvas.empty_mask() if recorded is None else canvas.mask(recorded),
+            recorded_mode=self.mode_name)
         self.drop_template(template_id)
         self._record(template)
         self.templates[template_id] = template
@@ -167,7 +178,7 @@ class MaskAwareEditor:
     def _record(self, template: Template) -> None:
         """Run the full computation on the template, keeping every block's activations at every step."""
         template_id, guidance = template.template_id, template.guidance
-        width, height = template.image.size
+        width, height = template.canvas.padded
         if self.is_unet:
             copies = 2 if self._uses_guidance(guidance) else 1
 
@@ -184,7 +195,7 @@ class MaskAwareEditor:
 
         store = self.cache if isinstance(self.cache, CacheStore) else None
         if store is not None:
-            store.begin(template_id, RECORDED_NAMES[self.mode])
+            store.begin(template_id, RECORDED_NAMES[CACHE_MODES[template.recorded_mode]])
         try:
             self._run([template], [template.recorded_mask], [template.prompt], template.noise[None], context_at,
                       output_type="latent")
@@ -197,7 +208,7 @@ class MaskAwareEditor:
     def switch_cache_mode(self, cache_mode: str) -> None:
         """Edit in `cache_mode` from now on. A template recorded in KV-cache mode holds every block's
         output, keys and values, so it also serves Y-cache edits; one recorded in Y-cache mode holds
-        only outputs, so switch to "kv" before registering the templates that KV-cache edits read."""
+        only outputs, so a KV-cache edit (or registration) of it records it again first."""
         if cache_mode not in CACHE_MODES:
             raise InputError(f"cache mode must be one of {', '.join(CACHE_MODES)}, got {cache_mode!r}")
         self.mode = CACHE_MODES[cache_mode]
@@ -210,22 +221,27 @@ class MaskAwareEditor:
 
     # ---- edits ----
 
-    def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0, **options):
+    def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0, steps: int | None = None,
+             **options):
         """Repaint the white region of `mask` in the registered template; the template's size."""
-        return self.edit_many([EditRequest(template_id, mask, prompt, seed)], **options)[0]
+        return self.edit_many([EditRequest(template_id, mask, prompt, seed, steps)], **options)[0]
 
-    def edit_many(self, requests: Sequence[EditRequest], *, full_compute: bool = False, output_type: str = "pil"):
+    def edit_many(self, requests: Sequence[EditRequest], *, full_compute: bool = False, output_type: str = "pil",
+                  paste_back: bool = True):
         """Several edits as one ragged batch (different templates and masks; the same step count).
 
         `full_compute` runs the same edits (same initial noise) with the unmodified model: the
         reference a mask-aware edit approximates. `output_type="latent"` returns the final latents
-        `[C, h, w]` (as the pipeline leaves them) instead of images.
+        `[C, h, w]` (as the pipeline leaves them) instead of images. Images have the template's size;
+        with `paste_back` (the default) every pixel the mask leaves at 0 is the template's own, and
+        the rest blends the edit in by the mask's value (`retouch.canvas.paste_unmasked`).
         """
         if output_type not in ("pil", "latent"):
             raise InputError(f"output_type must be 'pil' or 'latent', got {output_type!r}")
         if not requests:
             return []
         templates = [self._template(request.template_id) for request in requests]
+        requests = [self.check_request(request, template) for request, template in zip(requests, templates)]
         if len({(t.steps, t.guidance, t.num_text_tokens, t.noise.shape) for t in templates}) > 1:
             raise InputError("edit_many batches templates registered with the same steps, guidance and size")
         inputs = [self.prepare_edit(request, template) for request, template in zip(requests, templates)]
@@ -242,21 +258,27 @@ class MaskAwareEditor:
                 handle.release()
         if output_type == "latent":
             return list(images)
-        edited = []
-        for image, mask, template in zip(images, masks, templates):
-            image = paste_unmasked(template.image, image, mask)
-            edited.append(image.resize(template.original_size, Image.Resampling.LANCZOS)
-                          if image.size != template.original_size else image)
-        return edited
+        return [finish(template, image, request.mask) if paste_back else template.canvas.crop(image)
+                for image, request, template in zip(images, requests, templates)]
+
+    def check_request(self, request: EditRequest, template: Template | None = None) -> EditRequest:
+        """`request` with its mask read once (`retouch.images.as_mask`, at the template's size), or
+        the InputError that names what is wrong with it. Every entry point checks a request here
+        before any work starts."""
+        template = template if template is not None else self._template(request.template_id)
+        if not isinstance(request.prompt, str) or not request.prompt.strip():
+            raise InputError("prompt is empty; say what to paint into the masked region")
+        if request.steps is not None and request.steps != template.steps:
+            raise InputError(f"template {template.template_id!r} was recorded with {template.steps} steps; its edits "
+                             f"run the same schedule (omit steps or pass {template.steps})")
+        return replace(request, mask=as_mask(request.mask, template.original_size))
 
     def prepare_edit(self, request: EditRequest, template: Template | None = None) -> EditInputs:
-        """What an edit feeds the denoiser: its mask at the processing size, its masked token indices and
-        its initial latents (the template's noise at unmasked tokens, the edit seed's at masked ones)."""
+        """What an edit feeds the denoiser: its mask on the canvas, its masked token indices and its
+        initial latents (the template's noise at unmasked tokens, the edit seed's at masked ones).
+        `request` as `check_request` returned it."""
         template = template if template is not None else self._template(request.template_id)
-        if not request.prompt.strip():
-            raise InputError("prompt is empty; say what to paint into the masked region")
-        check_same_size(Image.new("L", template.original_size), request.mask)
-        mask = request.mask.convert("L").resize(template.image.size, Image.Resampling.NEAREST)
+        mask = template.canvas.mask(request.mask)
         # The edit's seed draws the noise of the masked tokens' latent pixels (2x2 per transformer
         # token, 1 per token of a UNet's first level); unmasked tokens keep the template's.
         if self.is_unet:
@@ -264,7 +286,7 @@ class MaskAwareEditor:
         else:
             tokens = token_mask(mask, PATCH_STRIDE, self.dilation)
             latent_mask = tokens.repeat_interleave(2, 0).repeat_interleave(2, 1)
-        width, height = template.image.size
+        width, height = template.canvas.padded
         noise = torch.where(latent_mask, self._noise(request.seed, height, width), template.noise)
         return EditInputs(template, mask, masked_token_indices(tokens), noise)
 
@@ -325,8 +347,9 @@ class MaskAwareEditor:
 
     def acquire(self, templates: Sequence[Template]) -> dict[str, TemplateHandle]:
         """Handles on the templates' recordings in host memory (none when the cache is not the store).
-        A template no tier holds any more (evicted without a disk tier, or its file was corrupt) is
-        recorded again: a recompute, never a wrong image."""
+        A template no tier holds any more (evicted without a disk tier, or its file was corrupt), or
+        whose recording lacks what the current cache mode reads, is recorded again: a recompute,
+        never a wrong image."""
         handles: dict[str, TemplateHandle] = {}
         try:
             for template in templates:
@@ -337,6 +360,8 @@ class MaskAwareEditor:
                     if not self.cache.contains(template_id):
                         self._recompute(template)
                     continue
+                if not self._covers(self.templates.get(template_id, template)):
+                    self._recompute(template)
                 try:
                     handles[template_id] = self.cache.acquire(template_id)
                 except CacheMiss:
@@ -349,8 +374,17 @@ class MaskAwareEditor:
         return handles
 
     def _recompute(self, template: Template) -> None:
+        template = replace(template, recorded_mode=self.mode_name)
         self._record(template)
+        if template.template_id in self.templates:
+            self.templates[template.template_id] = template
         self.recomputes += 1
+
+    def _covers(self, template: Template) -> bool:
+        """Whether the template's recording holds what an edit in the current mode reads."""
+        if not isinstance(self.cache, CacheStore) or self.mode is CacheMode.Y_CACHE:
+            return True  # other caches keep everything a recording writes; every recording holds outputs
+        return template.recorded_mode == "kv"
 
     # ---- the pipeline run ----
 
@@ -386,7 +420,7 @@ class MaskAwareEditor:
                         latents: torch.Tensor, output_type: str = "pil") -> dict:
         """The stock pipeline's arguments for a batch of edits (or a recording) starting from `latents`."""
         template = templates[0]
-        width, height = template.image.size
+        width, height = template.canvas.padded
         kwargs = dict(self.model.call_defaults)
         kwargs.update(
             prompt=list(prompts), image=[t.image for t in templates], mask_image=list(masks),
@@ -451,8 +485,14 @@ class MaskAwareEditor:
         digest.update(f"{self.model.name}|{image.size}|{prompt}|{steps}|{seed}|{guidance}|".encode())
         digest.update(image.tobytes())
         if mask is not None:
-            digest.update(b"mask|" + mask.convert("L").tobytes())
+            digest.update(b"mask|" + mask.tobytes())
         return digest.hexdigest()[:16]
+
+
+def finish(template: Template, image: Image.Image, mask: Image.Image) -> Image.Image:
+    """A decoded edit on the template's canvas -> the answer: cropped to the template's size, the
+    template's own pixels wherever `mask` (as `check_request` left it) is 0."""
+    return paste_unmasked(template.source, template.canvas.crop(image), mask)
 
 
 def pack_flux_latents(latents: torch.Tensor) -> torch.Tensor:

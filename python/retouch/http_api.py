@@ -30,11 +30,11 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from retouch import prometheus
-from retouch.baseline import processing_size
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import EditTask, QueueFull, Router, TemplateRecord, Unavailable
 from retouch.errors import InputError
-from retouch.images import ImageTooLarge, decode_image, has_alpha, mask_from_alpha, png_bytes
+from retouch.canvas import Canvas
+from retouch.images import ImageTooLarge, as_image, as_mask, decode_image, has_alpha, png_bytes
 from retouch.masks import FLUX_STRIDE, token_mask
 
 TOKEN_STRIDE = FLUX_STRIDE  # the policies' token grid: 16 px per token (Flux/SD3 latents, patchified)
@@ -191,9 +191,9 @@ def template_id_of(image: Image.Image, prompt: str, steps: int, seed: int, guida
 
 
 def request_load(mask: Image.Image, steps: int, text_tokens: int = 0) -> RequestLoad:
-    """What the policies weigh: the mask's tokens on the 16-px grid at the processing size."""
-    width, height = processing_size(mask.width, mask.height, TOKEN_STRIDE)
-    grid = token_mask(mask.resize((width, height), Image.Resampling.NEAREST), TOKEN_STRIDE)
+    """What the policies weigh: the mask's tokens on the 16-px grid of its canvas."""
+    canvas = Canvas.of(mask.size, TOKEN_STRIDE, TOKEN_STRIDE)
+    grid = token_mask(canvas.mask(mask), TOKEN_STRIDE)
     return RequestLoad(image_tokens=grid.numel(), masked_tokens=int(grid.sum()), steps=steps, text_tokens=text_tokens)
 
 
@@ -260,7 +260,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
     async def register(image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None,
                        replicas: int) -> dict:
-        image = image.convert("RGB")
+        image = as_image(image)
         template_id = template_id_of(image, prompt, steps, seed, guidance)
         png = await anyio.to_thread.run_sync(png_bytes, image)
         router.register_template(TemplateRecord(template_id, png, image.size, prompt, steps, seed, guidance, replicas))
@@ -307,10 +307,6 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
     async def edit(endpoint: str, template: dict, mask: Image.Image, prompt: str, seed: int, n: int = 1) -> list[bytes]:
         """Run `n` edits (seeds seed, seed+1, ...) of a validated request; PNG bytes each."""
-        if mask.size != (template["width"], template["height"]):
-            raise ApiError(422, f"mask is {mask.width}x{mask.height} but the template is "
-                           f"{template['width']}x{template['height']}; they must match", "mask", "mask_size")
-        mask = mask.point(lambda v: 255 if v > 127 else 0)
         if mask.getbbox() is None:  # nothing to repaint: the answer is the template itself
             record = router.templates.get(template["id"])
             return [record.image_png] * n
@@ -339,10 +335,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         return [a.png for a in answers]
 
     async def resolve_template(form: Form, steps: int | None, guidance: float | None,
-                               image: Image.Image | None) -> dict:
+                               image: Image.Image | None, mask: Image.Image) -> dict:
+        """The template an edit repaints (a registered one, or the one-off `image`), once `mask` is
+        known to fit it."""
         template_id = form.text("template_id")
         if template_id:
             template = template_or_404(template_id)
+            check_mask_size(mask, (template["width"], template["height"]), "the template")
             if template["status"] == "failed":
                 raise ApiError(422, f"template {template_id!r} failed to record: {template['error']}", "template_id")
             if steps is not None and steps != template["steps"]:
@@ -354,6 +353,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             return template
         if image is None:
             raise ApiError(400, "send image (a file) or template_id", "image")
+        check_mask_size(mask, image.size, "the image")
         # A one-off image is recorded on one worker; sending it again reuses the recording.
         return await register(image, "", steps or limits.default_steps, 0, guidance, replicas=1)
 
@@ -375,8 +375,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(400, "mask is required (a file field; white = repaint)", "mask")
         upload = form.file("image")
         image = None if upload is None else await read_upload(upload, "image", limits.max_pixels)
-        mask = (await read_upload(mask_upload, "mask", limits.max_pixels)).convert("L")
-        template = await resolve_template(form, steps, guidance, image=image)
+        mask = read_mask(await read_upload(mask_upload, "mask", limits.max_pixels))
+        template = await resolve_template(form, steps, guidance, image=image, mask=mask)
         [png] = await edit("/v1/edits", template, mask, prompt, seed)
         if response_format == "png":
             return Response(png, media_type="image/png", headers={"X-Template-Id": template["id"]})
@@ -402,15 +402,12 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         image = None if upload is None else await read_upload(upload, "image", limits.max_pixels)
         mask_upload = form.file("mask")
         if mask_upload is not None:
-            mask_image = await read_upload(mask_upload, "mask", limits.max_pixels)
-            if not has_alpha(mask_image):
-                raise ApiError(400, "mask must have an alpha channel (alpha 0 = repaint)", "mask")
+            mask = read_mask(await read_upload(mask_upload, "mask", limits.max_pixels), alpha=True)
         elif image is not None and has_alpha(image):
-            mask_image = image
+            mask = read_mask(image, alpha=True)
         else:
             raise ApiError(400, "send a mask, or an image with transparency (alpha 0 = repaint)", "mask")
-        mask = mask_from_alpha(mask_image)
-        template = await resolve_template(form, None, None, image=image)
+        template = await resolve_template(form, None, None, image=image, mask=mask)
         pngs = await edit("/v1/images/edits", template, mask, prompt, form.integer("seed", 0, 0, 2**63 - 1), n)
         if size not in (None, "", "auto"):
             target = _parse_size(size, limits.max_pixels)
@@ -438,6 +435,20 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
 
 ENDPOINTS = ("/v1/templates", "/v1/edits", "/v1/images/edits", "/metrics", "/healthz", "/readyz")
+
+
+def read_mask(upload: Image.Image, alpha: bool = False) -> Image.Image:
+    """The uploaded mask as `retouch.images.as_mask` reads it; 400 naming the field if it cannot be."""
+    try:
+        return as_mask(upload, alpha=alpha)
+    except InputError as exc:
+        raise ApiError(400, str(exc), "mask", "invalid_mask") from None
+
+
+def check_mask_size(mask: Image.Image, size: tuple[int, int], what: str) -> None:
+    if mask.size != tuple(size):
+        raise ApiError(422, f"mask is {mask.width}x{mask.height} but {what} is {size[0]}x{size[1]}; they must match",
+                       "mask", "mask_size")
 
 
 def _endpoint(request: Request) -> str:
