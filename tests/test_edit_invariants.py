@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mask_strategies import masks, random_image, sized_masks, sizes
+from PIL import Image
 
 from retouch.canvas import paste_unmasked
 from retouch.editor import EditRequest, MaskAwareEditor
@@ -124,3 +125,18 @@ def test_engine_keeps_size_and_unmasked_pixels_in_a_batch_of_masks(engines, mode
         keep = np.asarray(mask) == 0
         assert answer.size == size
         assert np.array_equal(pixels(answer)[keep], pixels(template)[keep])
+
+
+@pytest.mark.parametrize("model", ["tiny-flux-fill", "tiny-sdxl-inpaint"])
+@pytest.mark.parametrize("size", [(1, 1), (1, 190), (257, 3)])
+def test_extreme_shapes(editors, model, size):
+    editor = editors(model, "y")
+    template = random_image(size, 1)
+    mask = Image.new("L", size, 0)
+    mask.putpixel((size[0] - 1, size[1] - 1), 255)
+    template_id = editor.register_template(template, prompt="a scene", steps=STEPS, seed=1)
+    request = EditRequest(template_id, mask, "a red hat", seed=2)
+    answer = editor.edit_many([request])[0]
+    keep = np.asarray(mask) == 0
+    assert answer.size == size and np.array_equal(pixels(answer)[keep], pixels(template)[keep])
+    assert recomputed_pixels(editor, request)[~keep].all()

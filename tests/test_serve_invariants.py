@@ -4,6 +4,7 @@ that are not whole patches, for registered templates and one-off images alike.""
 
 from __future__ import annotations
 
+import base64
 import io
 
 import httpx
@@ -72,3 +73,16 @@ def test_an_odd_sized_template_keeps_its_pixels_and_repaints_one_pixel(client):
         repainted = decoded(send(one_pixel))
         differs = (repainted != np.asarray(template)).any(axis=2)
         assert differs[48, 65] and differs.sum() == 1
+
+
+def test_the_openai_form_keeps_every_pixel_its_alpha_mask_keeps(client):
+    template = random_image((61, 47), seed=9)
+    mask = Image.new("RGBA", template.size, (0, 0, 0, 255))
+    mask.putpixel((60, 46), (0, 0, 0, 0))  # alpha 0 = repaint: the corner pixel next to the padding
+    response = client.post("/v1/images/edits", data={"prompt": "a red sofa", "size": "auto"},
+                           files=[("image", ("i.png", png_bytes(template), "image/png")),
+                                  ("mask", ("m.png", png_bytes(mask), "image/png"))])
+    assert response.status_code == 200, response.text
+    answer = np.asarray(Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"]))).convert("RGB"))
+    differs = (answer != np.asarray(template)).any(axis=2)
+    assert answer.shape[:2] == (47, 61) and differs[46, 60] and differs.sum() == 1
