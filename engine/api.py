@@ -10,10 +10,9 @@ The server puts this behind the router; benchmarks and tests drive it directly.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 
 import torch
 from PIL import Image
@@ -37,7 +36,8 @@ class Engine:
         self.config = config
         self.model_name = model_name or editor.model.name
         self.helpers: HelperPool | None = None
-        self._jobs: dict[int, Job] = {}
+        self._jobs: dict[int, Job] = {}  # in the helpers (disaggregated mode), until answered
+        self._recordings: dict[str, Job] = {}  # template id -> the job recording it
         self._jobs_lock = threading.Lock()
         self.worker = Worker(editor, config, self._send_to_postprocess if config.mode == "disagg" else None)
         self._thread: threading.Thread | None = None
@@ -89,32 +89,66 @@ class Engine:
     def register_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
                           guidance: float | None = None, mask: Image.Image | None = None,
                           on_step: Callable[[int], None] | None = None) -> str:
-        """Record a template (on the loop thread, between steps: the model is the loop's).
-        `on_step(n)` is told after each of the recording's denoiser calls (progress)."""
-        def record() -> str:
-            if on_step is None:
-                return self.editor.register_template(image, prompt, steps, seed, guidance, mask)
-            calls = itertools.count(1)
-            hook = self.editor.denoiser.register_forward_hook(lambda *_: on_step(next(calls)))
-            try:
-                return self.editor.register_template(image, prompt, steps, seed, guidance, mask)
-            finally:
-                hook.remove()
-
+        """Record a template and return its id once recorded (`submit_template`, waited for)."""
         if self._thread is None:
-            return record()
-        future: Future = Future()
-        self.worker.inbox.put(("call", record, future))
-        return future.result()
+            return self.editor.register_template(image, prompt, steps, seed, guidance, mask)
+        return self.submit_template(image, prompt, steps, seed, guidance, mask, on_step).result()
 
-    def drop_template(self, template_id: str) -> None:
-        """Forget a template (on the loop thread: running edits of it hold their own handles)."""
-        future: Future = Future()
+    def submit_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
+                        guidance: float | None = None, mask: Image.Image | None = None,
+                        on_step: Callable[[int], None] | None = None) -> Future[str]:
+        """Record a template as a member of the running batch: it joins at the next step and advances
+        one step per loop iteration beside the edits; its future holds the template id once recorded.
+        `on_step(n)` is told after each of its steps (progress). Registering a template that is
+        recorded, or being recorded, costs nothing more."""
+        self._check_running()
+        template = self.editor.new_template(image, prompt, steps, seed, guidance, mask)
+        if self.editor.is_recorded(template.template_id):
+            done: Future = Future()
+            done.set_result(template.template_id)
+            return done
+        with self._jobs_lock:
+            recording = self._recordings.get(template.template_id)
+            if recording is not None:
+                return recording.future
+            job = Worker.new_job(None, recording=template, on_step=on_step)
+            self._track_recording(job)
+        self._enqueue(job)
+        return job.future
+
+    def submit_image(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int = 0,
+                     steps: int = DEFAULT_STEPS, guidance: float | None = None) -> Future[EditResult]:
+        """A one-off edit of `image`. Its first edit on this engine runs in full, the stock pipeline's
+        result, and records the image as it goes (`EditResult.recorded` names the template); later
+        ones, whatever their prompt, seed or mask, are mask-aware edits of that recording. While the
+        image is being recorded another one-off edit of it is computed in full without recording."""
+        self._check_running()
+        template = self.editor.one_off_template(image, mask, prompt, seed, steps, guidance)
+        request = self.editor.check_request(EditRequest(template.template_id, mask, prompt, seed), template)
+        if self.editor.is_recorded(template.template_id):
+            return self.submit(request)
+        with self._jobs_lock:
+            records = template.template_id not in self._recordings
+            job = Worker.new_job(request, recording=template, records=records)
+            if records:
+                self._track_recording(job)
+        self._enqueue(job)
+        return job.future
+
+    def drop_template(self, template_id: str, wait: bool = True) -> None:
+        """Forget a template; a recording of it in progress stops at the next step and frees its
+        memory. Runs on the loop thread, between steps (running edits hold their own handles)."""
+        with self._jobs_lock:
+            recording = self._recordings.get(template_id)
+        if recording is not None:
+            recording.future.cancel()
         if self._thread is None:
             self.editor.drop_template(template_id)
             return
+        future: Future = Future()
         self.worker.inbox.put(("call", lambda: self.editor.drop_template(template_id), future))
-        future.result()
+        if wait:
+            future.result()
 
     def load_report(self) -> tuple[list[tuple[Future, int]], list[Future]]:
         """The running batch as (future, steps left), and the futures of requests accepted but not
@@ -128,21 +162,49 @@ class Engine:
         return running, [job.future for job in waiting.values() if job.row is None]
 
     def submit(self, request: EditRequest) -> Future[EditResult]:
-        """Queue an edit; its future holds an `EditResult` or the error that stopped it."""
-        if self._thread is None or self._closing:
-            raise RuntimeError("the engine is not running (Engine.start or `with Engine(...)`)")
+        """Queue an edit; its future holds an `EditResult` or the error that stopped it.
+        `future.cancel()` takes it out of the batch at the next step."""
+        self._check_running()
         template = self.editor.templates.get(request.template_id)
         if template is None:
             raise InputError(f"unknown template {request.template_id!r}; register it first")
-        request = self.editor.check_request(request, template)
-        job = Worker.new_job(request)
+        job = Worker.new_job(self.editor.check_request(request, template))
+        self._enqueue(job)
+        return job.future
+
+    def _check_running(self) -> None:
+        if self._thread is None or self._closing:
+            raise RuntimeError("the engine is not running (Engine.start or `with Engine(...)`)")
+
+    def _track_recording(self, job: Job) -> None:
+        """With the jobs lock held: `job` records its template until its future is done."""
+        template_id = job.recording.template_id
+        self._recordings[template_id] = job
+
+        def forget(_) -> None:
+            with self._jobs_lock:
+                if self._recordings.get(template_id) is job:
+                    del self._recordings[template_id]
+
+        job.future.add_done_callback(forget)
+
+    def _enqueue(self, job: Job) -> None:
+        """To the loop, or first to a helper for pre-processing (disaggregated mode)."""
         if self.helpers is None:
             self.worker.inbox.put(("edit", job))
+            return
+        with self._jobs_lock:
+            self._jobs[job.id] = job
+        job.future.add_done_callback(lambda _: self._forget_job(job))
+        if job.recording is not None:
+            self.helpers.send(processing.recording_message(job.id, job.recording, job.records))
         else:
-            with self._jobs_lock:
-                self._jobs[job.id] = job
-            self.helpers.send(processing.prepare_message(job.id, request, template))
-        return job.future
+            template = self.editor.templates[job.request.template_id]
+            self.helpers.send(processing.prepare_message(job.id, job.request, template))
+
+    def _forget_job(self, job: Job) -> None:
+        with self._jobs_lock:
+            self._jobs.pop(job.id, None)
 
     def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0,
              steps: int | None = None) -> Image.Image:
@@ -164,7 +226,7 @@ class Engine:
         if job is None:
             return
         kind = header["kind"]
-        template = self.editor.templates.get(job.request.template_id)
+        template = job.recording if job.recording is not None else self.editor.templates.get(job.request.template_id)
         if kind == "prepared" and template is not None:
             job.ready = processing.ready_from_message(header, tensors, blobs, template, self.editor.pipe.device)
             self.worker.inbox.put(("ready", job))
@@ -185,5 +247,9 @@ class Engine:
         with self._jobs_lock:
             pending = [job.future for job in self._jobs.values()]
         for future in pending:
-            future.exception()  # waits; the outcome is the caller's
+            if not future.cancelled():
+                try:
+                    future.exception()  # waits; the outcome is the caller's
+                except CancelledError:  # cancelled while we waited
+                    pass
 

@@ -22,6 +22,8 @@ class RequestMetrics:
     completed: float | None = None  # its result was ready
     steps: int = 0
     admitted_step: int | None = None  # how many loop steps the worker had run when it joined
+    tokens: int = 0  # image tokens of its canvas (a UNet's first level)
+    computed_tokens: int = 0  # of them, those it computes per step: its masked ones, or all (a recording)
 
     @property
     def queue_s(self) -> float:
@@ -36,13 +38,14 @@ class RequestMetrics:
         return self.completed - self.submitted
 
     def to_json(self) -> dict:
-        return {"queue_s": self.queue_s, "inference_s": self.inference_s, "e2e_s": self.e2e_s, "steps": self.steps}
+        return {"queue_s": self.queue_s, "inference_s": self.inference_s, "e2e_s": self.e2e_s, "steps": self.steps,
+                "tokens": self.tokens, "computed_tokens": self.computed_tokens}
 
 
 @dataclass
 class WorkerMetrics:
     """Per loop iteration that ran a step: its batch size, its wall time and the part of it spent in
-    denoiser forwards; `interruptions` counts pre/post-processing tasks (and template recordings)
+    denoiser forwards; `interruptions` counts pre/post-processing tasks (and recordings of lost templates)
     the loop ran while other requests were mid-denoising."""
 
     batch_sizes: list[int] = field(default_factory=list)
@@ -52,6 +55,8 @@ class WorkerMetrics:
     interruptions: int = 0
     completed: int = 0
     failed: int = 0
+    cancelled: int = 0
+    recorded: int = 0  # templates recorded as members of the batch
 
     def record_step(self, batch_size: int, step_s: float, forward_s: float, inline_s: float) -> None:
         self.batch_sizes.append(batch_size)
@@ -68,7 +73,8 @@ class WorkerMetrics:
         overheads = self.overheads_s()
         steps = len(self.step_s)
         return {
-            "steps": steps, "completed": self.completed, "failed": self.failed,
+            "steps": steps, "completed": self.completed, "failed": self.failed, "cancelled": self.cancelled,
+            "recorded": self.recorded,
             "interruptions": self.interruptions,
             "mean_batch_size": statistics.fmean(self.batch_sizes) if steps else 0.0,
             "max_batch_size": max(self.batch_sizes, default=0),

@@ -47,6 +47,12 @@ def preprocess(editor: MaskAwareEditor, request: EditRequest, template: Template
     return ReadyEdit(inputs, recipes.prepare(editor, inputs, request.prompt))
 
 
+def prepare_recording(editor: MaskAwareEditor, template: Template, records: bool = True) -> ReadyEdit:
+    """A template's recorded run made ready for the loop (`MaskAwareEditor.prepare_recording`)."""
+    inputs = editor.prepare_recording(template, records)
+    return ReadyEdit(inputs, recipes.prepare(editor, inputs, template.prompt))
+
+
 def postprocess(editor: MaskAwareEditor, template: Template, mask: Image.Image, latents: torch.Tensor) -> Image.Image:
     """`mask`: the request's, at the template's size (`MaskAwareEditor.check_request`)."""
     return finish(template, recipes.decode(editor, latents, template.canvas.padded)[0], mask)
@@ -92,6 +98,11 @@ def prepare_message(job: int, request: EditRequest, template: Template) -> list:
                         "seed": request.seed, "mask": mask_spec}, tensors, {**blobs, "mask": mask})
 
 
+def recording_message(job: int, template: Template, records: bool) -> list:
+    header, tensors, blobs = template_message(template)
+    return wire.encode({"kind": "record", "job": job, "template": header, "records": records}, tensors, blobs)
+
+
 def finish_message(job: int, template: Template, mask: Image.Image, latents: torch.Tensor) -> list:
     header, tensors, blobs = template_message(template)
     mask_spec, mask_bytes = _image_blob(mask)
@@ -100,18 +111,23 @@ def finish_message(job: int, template: Template, mask: Image.Image, latents: tor
 
 
 def ready_message(job: int, ready: ReadyEdit) -> list:
-    mask_spec, mask = _image_blob(ready.inputs.mask)
+    inputs = ready.inputs
+    mask_spec, mask = _image_blob(inputs.mask)
+    compute_spec, compute_mask = _image_blob(inputs.compute_mask)
     tensors = {f"prepared.{k}": v for k, v in ready.prepared.tensors().items()}
-    tensors.update(masked_idx=ready.inputs.masked_idx, latents0=ready.inputs.latents)
-    return wire.encode({"kind": "prepared", "job": job, "prepared": ready.prepared.header(), "mask": mask_spec},
-                       tensors, {"mask": mask})
+    tensors.update(masked_idx=inputs.masked_idx, latents0=inputs.latents)
+    return wire.encode({"kind": "prepared", "job": job, "prepared": ready.prepared.header(), "mask": mask_spec,
+                        "compute_mask": compute_spec, "records": inputs.records},
+                       tensors, {"mask": mask, "compute_mask": compute_mask})
 
 
 def ready_from_message(header: dict, tensors: dict, blobs: dict, template: Template,
                        device: torch.device | str = "cpu") -> ReadyEdit:
     prepared = Prepared.from_tensors(header["prepared"], {k.removeprefix("prepared."): v.to(device)
                                                           for k, v in tensors.items() if k.startswith("prepared.")})
-    inputs = EditInputs(template, image_from_blob(header["mask"], blobs["mask"]), tensors["masked_idx"], tensors["latents0"])
+    inputs = EditInputs(template, image_from_blob(header["mask"], blobs["mask"]),
+                        image_from_blob(header["compute_mask"], blobs["compute_mask"]), tensors["masked_idx"],
+                        tensors["latents0"], header["records"])
     return ReadyEdit(inputs, prepared)
 
 
@@ -126,6 +142,8 @@ def handle(editor: MaskAwareEditor, frames: list) -> list:
                 request = EditRequest(template.template_id, image_from_blob(header["mask"], blobs["mask"]), header["prompt"],
                                       header["seed"])
                 return ready_message(job, preprocess(editor, request, template))
+            if header["kind"] == "record":
+                return ready_message(job, prepare_recording(editor, template, header["records"]))
             mask = image_from_blob(header["mask"], blobs["mask"])
             image = postprocess(editor, template, mask, tensors["latents"].to(editor.pipe.device))
     except Exception as exc:  # the worker answers the request with it; the helper keeps serving

@@ -3,10 +3,18 @@
 One thread owns the model and the running batch and repeats, top to bottom:
 
     receive   new requests and ready (pre-processed) ones; block only when there is nothing to run
-    admit     waiting requests join the running batch, up to `max_batch` (static: only into an empty one)
+    admit     cancelled requests leave; waiting ones join the running batch, up to `max_batch`
+              (static: only into an empty one)
     step      one denoising step of the whole ragged batch: each request at its own step of its own
               schedule with its own mask, one mask-aware forward per image size (planned per forward)
     retire    requests whose schedule is done leave at once; their latents go to post-processing
+
+A template's recording is a request like an edit (`Job.recording`): it joins the batch at the next
+step, its rows compute every token and write the cache beside the edits' mask-aware rows in the same
+forward, and it leaves when its schedule is done; the loop never stops for it. A one-off edit of an
+image nobody recorded is such a recording that also answers: its result is the stock pipeline's.
+Any request can be cancelled (`Future.cancel()`): it leaves the batch before the next step, and a
+cancelled recording frees what it wrote.
 
 Batching modes (one switch, for the ablation):
     static   a batch runs to completion before the next is admitted; pre/post-processing inline
@@ -20,18 +28,19 @@ import itertools
 import queue
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
 
-from retouch.cache import CacheFull
+from retouch.cache import ActivationCache, CacheFull
+from retouch.cache.keys import stored_key
 from retouch.cache.staging import StagedActivations
-from retouch.editor import EditRequest, MaskAwareEditor
+from retouch.editor import EditRequest, MaskAwareEditor, Template
 from retouch.engine import recipes
 from retouch.engine.metrics import RequestMetrics, WorkerMetrics, now
-from retouch.engine.processing import ReadyEdit, postprocess, preprocess
+from retouch.engine.processing import ReadyEdit, postprocess, prepare_recording, preprocess
 from retouch.engine.schedulers import BatchScheduler
 from retouch.errors import RetouchError
 
@@ -55,14 +64,24 @@ class EngineConfig:
 class EditResult:
     image: Image.Image
     metrics: RequestMetrics
+    recorded: str | None = None  # the template this request recorded as it ran (a one-off's first edit)
 
 
 @dataclass(eq=False)
 class Job:
-    """An edit on its way through the engine."""
+    """A request on its way through the engine: an edit (`request`), a template's recording
+    (`recording`, no request: its result is the template id), or both (a one-off edit that records).
+
+    records:  with `recording`, whether its rows write the cache (False: a one-off edit computed in
+              full while another request records the same image)
+    on_step:  told the number of denoising steps done after each step (recording progress)
+    """
 
     id: int
-    request: EditRequest
+    request: EditRequest | None
+    recording: Template | None = None
+    records: bool = True
+    on_step: Callable[[int], None] | None = None
     future: Future = field(default_factory=Future)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     ready: ReadyEdit | None = None
@@ -70,17 +89,55 @@ class Job:
     handles: dict = field(default_factory=dict)
 
     @property
-    def template(self):
-        return self.ready.inputs.template
+    def template(self) -> Template:
+        return self.ready.inputs.template if self.ready is not None else self.recording
+
+    @property
+    def writes_cache(self) -> bool:
+        return self.recording is not None and self.records
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
-            self.future.set_exception(exc)
+            try:
+                self.future.set_exception(exc)
+            except InvalidStateError:  # cancelled meanwhile (another thread)
+                pass
+
+
+class RecordingWrites(ActivationCache):
+    """Where a forward's recording rows write: the editor's cache, except that one recording's failure
+    (its step does not fit the host budget, say) is kept for the loop to fail that request alone,
+    instead of failing the whole forward and every edit beside it."""
+
+    def __init__(self, cache: ActivationCache):
+        self.cache = cache
+        self.failures: dict[str, BaseException] = {}
+
+    def put(self, template_id, step, block, name, tensor):
+        base, _ = stored_key(template_id, "")
+        if base in self.failures:
+            return
+        try:
+            self.cache.put(template_id, step, block, name, tensor)
+        except Exception as exc:  # noqa: BLE001 - handed to the loop, which fails that request
+            self.failures[base] = exc
+
+    def get(self, template_id, step, block, name):
+        return self.cache.get(template_id, step, block, name)
+
+    def contains(self, template_id):
+        return self.cache.contains(template_id)
+
+    def drop(self, template_id):
+        self.cache.drop(template_id)
+
+    def nbytes(self, template_id=None):
+        return self.cache.nbytes(template_id)
 
 
 class Worker:
     """The loop; `inbox` takes ("edit", job) (not yet pre-processed), ("ready", job), ("call", fn,
-    future) (run fn on the loop thread: template registration) and ("stop",)."""
+    future) (run fn on the loop thread, between steps) and ("stop",)."""
 
     _ids = itertools.count()
 
@@ -98,8 +155,9 @@ class Worker:
         self._forward_s = self._inline_s = 0.0
 
     @classmethod
-    def new_job(cls, request: EditRequest) -> Job:
-        return Job(next(cls._ids), request)
+    def new_job(cls, request: EditRequest | None, recording: Template | None = None, records: bool = True,
+                on_step: Callable[[int], None] | None = None) -> Job:
+        return Job(next(cls._ids), request, recording, records, on_step)
 
     # ---- the loop ----
 
@@ -108,6 +166,7 @@ class Worker:
             while self.receive():
                 started = now()
                 self._forward_s = self._inline_s = 0.0
+                self.drop_cancelled()
                 self.admit()
                 if not self.running:
                     continue
@@ -135,22 +194,36 @@ class Worker:
             elif kind == "stop":
                 self.stopping = True
 
+    def drop_cancelled(self) -> None:
+        """Requests whose future was cancelled leave now, freeing their slot (and, for a recording,
+        the steps it wrote); nothing else in the batch changes."""
+        for queue_ in (self.waiting, self.running):
+            for job in [job for job in queue_ if job.future.cancelled()]:
+                queue_.remove(job)
+                self._release(job)
+                if job.writes_cache and job.row is not None:
+                    self.editor.abort_recording(job.recording.template_id)
+                self.metrics.cancelled += 1
+
     def admit(self) -> None:
         if self.config.mode == "static" and self.running:
             return
         while self.waiting and len(self.running) < self.config.max_batch:
             job = self.waiting.popleft()
             if job.ready is None:  # static and naive: pre-processing inline
-                ready = self._inline(lambda: preprocess(self.editor, job.request,
-                                                        self.editor._template(job.request.template_id)), job)
+                ready = self._inline(lambda: self._prepare(job), job)
                 if ready is None:
                     continue
                 job.ready = ready
             try:
-                recomputes = self.editor.recomputes
-                job.handles = self.editor.acquire([job.template])
-                if self.editor.recomputes != recomputes and self._mid_denoising():
-                    self.metrics.interruptions += 1  # the template was lost and recorded again
+                if job.recording is not None:
+                    if job.writes_cache:
+                        self.editor.begin_recording(job.recording)
+                else:
+                    recomputes = self.editor.recomputes
+                    job.handles = self.editor.acquire([job.template])
+                    if self.editor.recomputes != recomputes and self._mid_denoising():
+                        self.metrics.interruptions += 1  # the template was lost and recorded again
             except CacheFull:
                 if self.running:  # host memory is held by the running batch: wait for it to shrink
                     self.waiting.appendleft(job)
@@ -161,6 +234,8 @@ class Worker:
                 self._fail(job, exc)
                 continue
             job.row = recipes.Running(job.ready.prepared, job.ready.prepared.latents)
+            job.metrics.tokens = self.editor.num_tokens(job.template)
+            job.metrics.computed_tokens = len(job.ready.inputs.masked_idx)
             job.metrics.admitted = now()
             job.metrics.admitted_step = len(self.metrics.step_s)
             self.running.append(job)
@@ -178,14 +253,17 @@ class Worker:
                 for job in jobs:
                     self._fail(job, exc)
                     self.running.remove(job)
+        for job in self.running:
+            if job.on_step is not None:
+                job.on_step(job.row.schedule.index)
 
     def _step_group(self, jobs: list[Job]) -> None:
         editor = self.editor
         inputs = [job.ready.inputs for job in jobs]
         handles = {key: handle for job in jobs for key, handle in job.handles.items()}
-        context = editor.staged_edit_context([i.template for i in inputs], [i.mask for i in inputs],
-                                             [i.masked_idx for i in inputs], [job.row.schedule.index for job in jobs],
-                                             handles)
+        writes = RecordingWrites(editor.cache)
+        context = editor.staged_edit_context(inputs, [job.row.schedule.index for job in jobs], handles,
+                                             record_to=writes)
 
         def denoiser(**kwargs) -> torch.Tensor:
             started = now()
@@ -201,6 +279,11 @@ class Worker:
         recipes.denoise_step(editor.model.family, self.scheduler, [job.row for job in jobs], denoiser)
         for job in jobs:
             job.metrics.steps += 1
+            failure = writes.failures.get(job.template.template_id) if job.writes_cache else None
+            if failure is not None:  # its recording could not be kept: it alone fails
+                self.running.remove(job)
+                editor.abort_recording(job.recording.template_id)
+                self._fail(job, failure)
 
     def retire(self) -> None:
         finished = [job for job in self.running if job.row.schedule.done]
@@ -210,6 +293,18 @@ class Worker:
         for job in finished:
             job.metrics.denoised = now()
             self._release(job)
+            if job.writes_cache:
+                try:
+                    self.editor.commit_recording(job.recording)
+                except Exception as exc:
+                    self._fail(job, exc)
+                    continue
+                self.editor.templates[job.recording.template_id] = job.recording
+                self.metrics.recorded += 1
+            if job.request is None:  # a registration: done once recorded
+                job.metrics.completed = now()
+                self._set_result(job, job.recording.template_id)
+                continue
             if self.send_to_postprocess is not None:
                 self.send_to_postprocess(job)
                 continue
@@ -223,8 +318,21 @@ class Worker:
     def complete(self, job: Job, image: Image.Image) -> None:
         """Answer `job` (any thread: post-processing helpers answer from their receiver)."""
         job.metrics.completed = now()
-        self.metrics.completed += 1
-        job.future.set_result(EditResult(image, job.metrics))
+        recorded = job.recording.template_id if job.writes_cache else None
+        if self._set_result(job, EditResult(image, job.metrics, recorded)):
+            self.metrics.completed += 1
+
+    def _set_result(self, job: Job, result) -> bool:
+        try:
+            job.future.set_result(result)
+        except InvalidStateError:  # cancelled after its last step: nobody waits for it
+            return False
+        return True
+
+    def _prepare(self, job: Job) -> ReadyEdit:
+        if job.recording is not None:
+            return prepare_recording(self.editor, job.recording, job.records)
+        return preprocess(self.editor, job.request, self.editor._template(job.request.template_id))
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         self._release(job)
@@ -253,8 +361,7 @@ class Worker:
             self._inline_s += now() - started
 
     def _call(self, fn: Callable, future: Future) -> None:
-        if self._mid_denoising():
-            self.metrics.interruptions += 1
+        """A short call on the loop thread between steps (dropping a template): not an interruption."""
         started = now()
         try:
             future.set_result(fn())

@@ -24,10 +24,11 @@ def flux_editor():
     return MaskAwareEditor(load_pipeline("tiny-flux-fill"))
 
 
-def run(editor, config: EngineConfig, requests, inject=None):
+def run(editor, config: EngineConfig, requests, inject=None, send_to_postprocess=None):
     """Run the loop to completion on this thread over `requests` (all submitted before it starts);
-    `inject(worker, steps_run)` is called after every step and may put more jobs in the inbox."""
-    worker = Worker(editor, config)
+    `inject(worker, steps_run)` is called after every step and may put more jobs in the inbox;
+    `send_to_postprocess(job)` takes finished edits instead of the loop (as the helpers do)."""
+    worker = Worker(editor, config, send_to_postprocess)
     jobs = [Worker.new_job(r) for r in requests]
     for job in jobs:
         worker.inbox.put(("edit", job))

@@ -9,7 +9,8 @@ from PIL import Image
 
 from retouch.canvas import Canvas, paste_unmasked
 from retouch.images import as_image, as_mask
-from retouch.models import quiet_libraries
+from retouch.models import family_of_pipeline, quiet_libraries
+from retouch.noise import initial_noise, latents_argument
 
 
 def run_baseline_edit(
@@ -43,9 +44,14 @@ def run_baseline_edit(
         width=canvas.padded[0],
         height=canvas.padded[1],
         # A CPU generator gives the same noise whatever device the pipeline runs on.
-        generator=torch.Generator("cpu").manual_seed(seed),
+        generator=[torch.Generator("cpu").manual_seed(seed)],
         strength=strength,
     )
+    if strength == 1.0:
+        # The editor's noise (`retouch.noise`): a one-off edit's first, recorded run equals this edit.
+        # With strength < 1 the pipeline must draw its own (given latents would replace the image's).
+        kwargs["latents"] = latents_argument(pipe, family_of_pipeline(pipe),
+                                             initial_noise(pipe, seed, canvas.padded)[None])
     if steps is not None:
         kwargs["num_inference_steps"] = steps
     if guidance is not None:

@@ -25,7 +25,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
-from PIL import Image
+from PIL import Image, ImageChops
 
 from retouch.adapters import CacheMode, MaskAwareContext, UNetMaskAwareContext, patch_flux, patch_sd3, patch_unet
 from retouch.adapters.reads import row_tokens, staged_context
@@ -36,6 +36,7 @@ from retouch.errors import InputError, ModelError
 from retouch.images import as_image, as_mask
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
 from retouch.models import LoadedModel, load_pipeline, quiet_libraries
+from retouch.noise import initial_noise, latents_argument, pack_flux_latents  # noqa: F401 - pack_flux_latents: API
 
 if TYPE_CHECKING:
     from retouch.costs import CostModel
@@ -80,12 +81,15 @@ class Template:
 
 @dataclass(frozen=True)
 class EditInputs:
-    """An edit made ready for the denoiser (`MaskAwareEditor.prepare_edit`)."""
+    """An edit made ready for the denoiser (`MaskAwareEditor.prepare_edit`), or a recording of its
+    template (`prepare_recording`: every token computed, the activations written to the cache)."""
 
     template: Template
-    mask: Image.Image  # what the pipeline and denoiser see: `Canvas.mask` of the request's mask
-    masked_idx: torch.Tensor  # row-major indices of the tokens the edit recomputes
+    mask: Image.Image  # what the pipeline is given (its conditioning): `Canvas.mask` of the request's
+    compute_mask: Image.Image  # canvas pixels whose tokens are recomputed: the mask and the recording's repainted region
+    masked_idx: torch.Tensor  # row-major indices of the tokens recomputed (transformer tokens, or a UNet's level 0)
     latents: torch.Tensor  # [C, h, w] initial latents
+    records: bool = False  # a recording of `template`
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,17 @@ class MaskAwareEditor:
         self.templates: dict[str, Template] = {}
         self.recomputes = 0  # templates recorded again because no cache tier held them any more
 
+    @property
+    def token_stride(self) -> int:
+        """Pixels per side of the tokens `EditInputs.masked_idx` counts: a transformer's patch tokens,
+        a UNet's first-level tokens (latent pixels)."""
+        return self.pipe.vae_scale_factor if self.is_unet else PATCH_STRIDE
+
+    def num_tokens(self, template: Template) -> int:
+        """Tokens of the template's canvas, in `token_stride` units."""
+        width, height = template.canvas.padded
+        return (width // self.token_stride) * (height // self.token_stride)
+
     # ---- templates ----
 
     def register_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
@@ -155,28 +170,73 @@ class MaskAwareEditor:
         same id without recomputing, unless the recording lacks what the current cache mode reads
         (recorded for "y", now editing in "kv"): then it is recorded again.
         """
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise InputError(f"steps must be an integer >= 1, got {steps!r}")
+        template = self.new_template(image, prompt, steps, seed, guidance, mask)
+        if not self.is_recorded(template.template_id):
+            self.drop_template(template.template_id)
+            self._record(template)
+            self.templates[template.template_id] = template
+        return template.template_id
+
+    def new_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
+                     guidance: float | None = None, mask: Image.Image | None = None) -> Template:
+        """A template to register, checked and placed on its canvas; nothing is computed yet."""
+        check_steps(steps)
         image = as_image(image)
         recorded = None if mask is None else as_mask(mask, image.size, what="recorded mask")
         template_id = self._template_id(image, prompt, steps, seed, guidance, recorded)
-        existing = self.templates.get(template_id)
-        if existing is not None and self.cache.contains(template_id) and self._covers(existing):
-            return template_id
+        return self._template_on_canvas(template_id, image, prompt, steps, seed, guidance, recorded)
+
+    def one_off_template(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int = 0,
+                         steps: int = DEFAULT_STEPS, guidance: float | None = None) -> Template:
+        """The template a one-off edit records as it runs: its id is `one_off_id` (the image and its
+        schedule, whatever the request's prompt, seed or mask), and it is recorded with the edit's
+        prompt, seed and mask, so that the recording run is the edit itself, the stock pipeline's
+        result. Its `recorded_mask` is the region that run repainted: later edits recompute it, since
+        the activations cached there are the first edit's, not the template's (`prepare_edit`)."""
+        check_steps(steps)
+        image = as_image(image)
+        mask = as_mask(mask, image.size)
+        return self._template_on_canvas(self.one_off_id(image, steps, guidance), image, prompt, steps, seed,
+                                        guidance, mask)
+
+    def one_off_id(self, image: Image.Image, steps: int, guidance: float | None) -> str:
+        """The id of one-off edits' recording of `image` (RGB, as `as_image` returns it)."""
+        digest = hashlib.sha256(f"one-off|{self.model.name}|{image.size}|{steps}|{guidance}|".encode())
+        digest.update(image.tobytes())
+        return digest.hexdigest()[:16]
+
+    def is_recorded(self, template_id: str) -> bool:
+        """Whether edits of the template can run now in the current cache mode (else it must be recorded)."""
+        template = self.templates.get(template_id)
+        return template is not None and self.cache.contains(template_id) and self._covers(template)
+
+    def _template_on_canvas(self, template_id: str, image: Image.Image, prompt: str, steps: int, seed: int,
+                            guidance: float | None, recorded: Image.Image | None) -> Template:
         canvas = Canvas.for_pipeline(image.size, self.pipe)
         width, height = canvas.padded
-        template = Template(
+        return Template(
             template_id=template_id, source=image, canvas=canvas, prompt=prompt, steps=steps, seed=seed,
             guidance=guidance, noise=self._noise(seed, height, width), num_text_tokens=self._num_text_tokens(),
             recorded_mask=canvas.empty_mask() if recorded is None else canvas.mask(recorded),
             recorded_mode=self.mode_name)
-        self.drop_template(template_id)
-        self._record(template)
-        self.templates[template_id] = template
-        return template_id
 
-    def _record(self, template: Template) -> None:
-        """Run the full computation on the template, keeping every block's activations at every step."""
+    def edit_image(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int = 0,
+                   steps: int = DEFAULT_STEPS, guidance: float | None = None) -> Image.Image:
+        """A one-off edit of `image`: the first edit of an image runs in full (the stock pipeline's
+        result) and records its activations as it goes; later edits of the same image, whatever their
+        prompt, seed or mask, are mask-aware. One generation per edit."""
+        template = self.one_off_template(image, mask, prompt, seed, steps, guidance)
+        request = self.check_request(EditRequest(template.template_id, mask, prompt, seed), template)
+        if self.is_recorded(template.template_id):
+            return self.edit_many([request])[0]
+        self.drop_template(template.template_id)
+        image = self._record(template, output_type="pil")[0]
+        self.templates[template.template_id] = template
+        return finish(template, image, request.mask)
+
+    def _record(self, template: Template, output_type: str = "latent"):
+        """Run the full computation on the template, keeping every block's activations at every step;
+        returns the pipeline's output (the recorded run's result)."""
         template_id, guidance = template.template_id, template.guidance
         width, height = template.canvas.padded
         if self.is_unet:
@@ -193,17 +253,34 @@ class MaskAwareEditor:
                 return MaskAwareContext.record(row_ids, [step] * len(row_ids), template.num_text_tokens,
                                                num_image_tokens, self.cache, device=self.pipe.device)
 
-        store = self.cache if isinstance(self.cache, CacheStore) else None
-        if store is not None:
-            store.begin(template_id, RECORDED_NAMES[CACHE_MODES[template.recorded_mode]])
+        self.begin_recording(template)
         try:
-            self._run([template], [template.recorded_mask], [template.prompt], template.noise[None], context_at,
-                      output_type="latent")
+            output = self._run([template], [template.recorded_mask], [template.prompt], template.noise[None],
+                               context_at, output_type=output_type)
         except BaseException:
-            self.cache.drop(template_id)
+            self.abort_recording(template_id)
             raise
-        if store is not None:
-            store.commit(template_id)
+        self.commit_recording(template)
+        return output
+
+    def begin_recording(self, template: Template) -> None:
+        """Before the first recorded step: what the recording keeps (its cache mode's names)."""
+        if isinstance(self.cache, CacheStore):
+            self.cache.begin(template.template_id, RECORDED_NAMES[CACHE_MODES[template.recorded_mode]])
+
+    def commit_recording(self, template: Template) -> None:
+        """After the last recorded step: edits can read the template from now on."""
+        if isinstance(self.cache, CacheStore):
+            self.cache.commit(template.template_id)
+
+    def abort_recording(self, template_id: str) -> None:
+        """Forget a recording that did not finish, and the memory its steps took (the store keeps a
+        committed recording of the template; other caches cannot tell them apart and drop both)."""
+        if isinstance(self.cache, CacheStore):
+            self.cache.abandon(template_id)
+        else:
+            self.cache.drop(template_id)
+            self.cache.drop(uncond_row_id(template_id))
 
     def switch_cache_mode(self, cache_mode: str) -> None:
         """Edit in `cache_mode` from now on. A template recorded in KV-cache mode holds every block's
@@ -245,14 +322,11 @@ class MaskAwareEditor:
         if len({(t.steps, t.guidance, t.num_text_tokens, t.noise.shape) for t in templates}) > 1:
             raise InputError("edit_many batches templates registered with the same steps, guidance and size")
         inputs = [self.prepare_edit(request, template) for request, template in zip(requests, templates)]
-        masks = [i.mask for i in inputs]
-        masked_idx = [i.masked_idx for i in inputs]
-        latents = [i.latents for i in inputs]
         handles = {} if full_compute else self.acquire(templates)
         try:
-            context_at = None if full_compute else self._edit_contexts(templates, masks, masked_idx, handles)
-            images = self._run(templates, masks, [r.prompt for r in requests], torch.stack(latents), context_at,
-                               output_type=output_type)
+            context_at = None if full_compute else self._edit_contexts(inputs, handles)
+            images = self._run(templates, [i.mask for i in inputs], [r.prompt for r in requests],
+                               torch.stack([i.latents for i in inputs]), context_at, output_type=output_type)
         finally:
             for handle in handles.values():
                 handle.release()
@@ -274,67 +348,83 @@ class MaskAwareEditor:
         return replace(request, mask=as_mask(request.mask, template.original_size))
 
     def prepare_edit(self, request: EditRequest, template: Template | None = None) -> EditInputs:
-        """What an edit feeds the denoiser: its mask on the canvas, its masked token indices and its
-        initial latents (the template's noise at unmasked tokens, the edit seed's at masked ones).
-        `request` as `check_request` returned it."""
+        """What an edit feeds the denoiser: its mask on the canvas, the tokens it recomputes (its mask's,
+        and the region the template's recording repainted, whose cached activations are not the
+        template's), and its initial latents (the template's noise, the edit seed's at its masked
+        tokens). `request` as `check_request` returned it."""
         template = template if template is not None else self._template(request.template_id)
         mask = template.canvas.mask(request.mask)
-        # The edit's seed draws the noise of the masked tokens' latent pixels (2x2 per transformer
-        # token, 1 per token of a UNet's first level); unmasked tokens keep the template's.
-        if self.is_unet:
-            tokens = latent_mask = token_mask(mask, self.pipe.vae_scale_factor, self.dilation)
-        else:
-            tokens = token_mask(mask, PATCH_STRIDE, self.dilation)
-            latent_mask = tokens.repeat_interleave(2, 0).repeat_interleave(2, 1)
+        compute_mask = ImageChops.lighter(mask, template.recorded_mask)
+        stride = self.token_stride
+        tokens = token_mask(compute_mask, stride, self.dilation)
+        # The edit's seed draws the noise of its own masked tokens' latent pixels (2x2 per transformer
+        # token, 1 per token of a UNet's first level); the rest keeps the template's.
+        noise_tokens = token_mask(mask, stride, self.dilation)
+        latent_mask = noise_tokens if self.is_unet else noise_tokens.repeat_interleave(2, 0).repeat_interleave(2, 1)
         width, height = template.canvas.padded
         noise = torch.where(latent_mask, self._noise(request.seed, height, width), template.noise)
-        return EditInputs(template, mask, masked_token_indices(tokens), noise)
+        return EditInputs(template, mask, compute_mask, masked_token_indices(tokens), noise)
 
-    def edit_context(self, templates: Sequence[Template], masks: Sequence[Image.Image],
-                     masked_idx: Sequence[torch.Tensor], steps: Sequence[int], cache: ActivationCache,
-                     block_plan: Sequence[bool] | None = None):
-        """The adapter context of one forward over edits of `templates`, request b at its step `steps[b]`
-        (each at its own point of its own schedule under continuous batching)."""
+    def prepare_recording(self, template: Template, records: bool = True) -> EditInputs:
+        """The template's recorded run as a member of a batch: its own conditioning mask, prompt and
+        noise, every token computed; with `records`, its activations written to the cache (without,
+        the same full computation only answers: a one-off edit while its image is being recorded)."""
+        everything = Image.new("L", template.canvas.padded, 255)
+        return EditInputs(template, template.recorded_mask, everything, torch.arange(self.num_tokens(template)),
+                          template.noise, records=records)
+
+    def edit_context(self, inputs: Sequence[EditInputs], steps: Sequence[int], cache: ActivationCache,
+                     block_plan: Sequence[bool] | None = None, record_to: ActivationCache | None = None):
+        """The adapter context of one forward over edits (and recordings), request b at its step
+        `steps[b]` (each at its own point of its own schedule under continuous batching). Recordings
+        write into `record_to` (default: the editor's cache)."""
+        templates = [i.template for i in inputs]
         template_ids = [t.template_id for t in templates]
+        records = [i.records for i in inputs]
+        record_to = (record_to or self.cache) if any(records) else None
         if self.is_unet:
             copies = 2 if self._uses_guidance(templates[0].guidance) else 1
-            return UNetMaskAwareContext.edit(self.mode, masks, template_ids, steps, self.adapter.num_levels, cache,
-                                             dilation=self.dilation, block_plan=block_plan, guidance_copies=copies,
-                                             device=self.pipe.device)
+            return UNetMaskAwareContext.edit(self.mode, [i.compute_mask for i in inputs], template_ids, steps,
+                                             self.adapter.num_levels, cache, dilation=self.dilation,
+                                             block_plan=block_plan, guidance_copies=copies, device=self.pipe.device,
+                                             records=records, record_to=record_to)
         row_ids = self._row_template_ids(template_ids, templates[0].guidance)
         copies = len(row_ids) // len(templates)
         num_image = templates[0].noise.shape[1] * templates[0].noise.shape[2] // 4
-        return MaskAwareContext.edit(self.mode, list(masked_idx) * copies, row_ids, list(steps) * copies,
-                                     templates[0].num_text_tokens, num_image, cache, block_plan=block_plan,
-                                     device=self.pipe.device)
+        return MaskAwareContext.edit(self.mode, [i.masked_idx for i in inputs] * copies, row_ids,
+                                     list(steps) * copies, templates[0].num_text_tokens, num_image, cache,
+                                     block_plan=block_plan, device=self.pipe.device, records=records * copies,
+                                     record_to=record_to)
 
-    def staged_edit_context(self, templates: Sequence[Template], masks: Sequence[Image.Image],
-                            masked_idx: Sequence[torch.Tensor], steps: Sequence[int],
-                            handles: dict[str, TemplateHandle], block_plan: Sequence[bool] | None = None):
+    def staged_edit_context(self, inputs: Sequence[EditInputs], steps: Sequence[int],
+                            handles: dict[str, TemplateHandle], block_plan: Sequence[bool] | None = None,
+                            record_to: ActivationCache | None = None):
         """`edit_context`, its cache rows staged ahead of compute by the copy engine when the cache is
         the store (enter its `StagedActivations` around the forward); the planner's block plan for this
-        batch when the editor has a cost model and no fixed plan."""
-        if block_plan is None:
-            block_plan = self.block_plan
-        if block_plan is None and self.cost_model is not None:
-            block_plan = self.plan_blocks(self.edit_context(templates, masks, masked_idx, steps, self.cache))
+        batch when the editor has a cost model and no fixed plan. A batch with a recording runs every
+        block mask-aware (the recording needs every block's activations)."""
+        if any(i.records for i in inputs):
+            block_plan = None
+        else:
+            if block_plan is None:
+                block_plan = self.block_plan
+            if block_plan is None and self.cost_model is not None:
+                block_plan = self.plan_blocks(self.edit_context(inputs, steps, self.cache))
 
         def build(cache: ActivationCache):
-            return self.edit_context(templates, masks, masked_idx, steps, cache, block_plan)
+            return self.edit_context(inputs, steps, cache, block_plan, record_to)
 
         if self.copy_engine is None:
             return build(self.cache)
         return staged_context(build, self.copy_engine, self.adapter, handles, self.denoiser.dtype)
 
-    def _edit_contexts(self, templates: Sequence[Template], masks: Sequence[Image.Image],
-                       masked_idx: Sequence[torch.Tensor], handles: dict[str, TemplateHandle]):
+    def _edit_contexts(self, inputs: Sequence[EditInputs], handles: dict[str, TemplateHandle]):
         """context_at(step) of an edit batch whose requests are all at the same step: one block plan
         for the whole run."""
         plan = self.block_plan
         if plan is None and self.cost_model is not None:
-            plan = self.plan_blocks(self.edit_context(templates, masks, masked_idx, [0] * len(templates), self.cache))
-        return lambda step: self.staged_edit_context(templates, masks, masked_idx, [step] * len(templates), handles,
-                                                     plan)
+            plan = self.plan_blocks(self.edit_context(inputs, [0] * len(inputs), self.cache))
+        return lambda step: self.staged_edit_context(inputs, [step] * len(inputs), handles, plan)
 
     def plan_blocks(self, context) -> tuple[bool, ...]:
         """The planner's choice, per block, of cache or full compute for this batch (Algorithm 1 or the
@@ -446,15 +536,10 @@ class MaskAwareEditor:
         return template
 
     def _latents_argument(self, latents: torch.Tensor) -> torch.Tensor:
-        """The pipeline's `latents` from `[B, C, h, w]`: FluxFill takes them packed `[B, h*w/4, C*4]`."""
-        latents = latents.to(self.pipe.device, self.denoiser.dtype)
-        return pack_flux_latents(latents) if self.model.family == "flux-fill" else latents
+        return latents_argument(self.pipe, self.model.family, latents)
 
     def _noise(self, seed: int, height: int, width: int) -> torch.Tensor:
-        """`[C, height/8, width/8]` Gaussian initial latents of an image of `height` x `width` pixels."""
-        shape = (self.pipe.vae.config.latent_channels, height // self.pipe.vae_scale_factor,
-                 width // self.pipe.vae_scale_factor)
-        return torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed))
+        return initial_noise(self.pipe, seed, (width, height))
 
     def _num_text_tokens(self) -> int:
         # Flux pads T5 prompts to max_sequence_length; SD3 puts the padded CLIP tokens before them.
@@ -489,17 +574,15 @@ class MaskAwareEditor:
         return digest.hexdigest()[:16]
 
 
+def check_steps(steps) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InputError(f"steps must be an integer >= 1, got {steps!r}")
+
+
 def finish(template: Template, image: Image.Image, mask: Image.Image) -> Image.Image:
     """A decoded edit on the template's canvas -> the answer: cropped to the template's size, the
     template's own pixels wherever `mask` (as `check_request` left it) is 0."""
     return paste_unmasked(template.source, template.canvas.crop(image), mask)
-
-
-def pack_flux_latents(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, (h/2)(w/2), C*4]: the Flux pipelines' 2x2 packing, token (i, j) row-major."""
-    batch, channels, height, width = latents.shape
-    packed = latents.view(batch, channels, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return packed.reshape(batch, (height // 2) * (width // 2), channels * 4)
 
 
 def load(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **editor_options) -> MaskAwareEditor:

@@ -46,7 +46,7 @@ def block_output(adapter, context: MaskAwareContext, index: int, hidden_states: 
 
 
 def record_activations(context: MaskAwareContext, block: int, image_activations: dict[str, torch.Tensor]) -> None:
-    """Keep each request's [L, ...] image-token activations under its template and step."""
+    """Keep each recording request's [L, ...] image-token activations under its template and step."""
     for name, tensor in image_activations.items():
-        for request, (template_id, step) in enumerate(zip(context.template_ids, context.steps)):
-            context.cache.put(template_id, step, block, name, tensor[request])
+        for request in context.recording_requests:
+            context.record_to.put(context.template_ids[request], context.steps[request], block, name, tensor[request])

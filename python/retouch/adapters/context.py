@@ -115,6 +115,10 @@ class MaskAwareContext:
     block_plan:   per block in the adapter's execution order (Flux: double-stream, then single-stream): True = use the
                   cache, False = compute all tokens with the unmodified block (no cache traffic).
                   None = every block uses the cache. Ignored in RECORD mode.
+    records:      [B] whether request b is a recording (every token computed; its activations written to
+                  `record_to` under its template id and step) beside the edits of a Y/KV forward: a
+                  template records as a member of the running batch. All True in RECORD mode.
+    record_to:    where recording requests write (RECORD mode: `cache`)
     """
 
     mode: CacheMode
@@ -123,6 +127,8 @@ class MaskAwareContext:
     steps: tuple[int, ...]
     cache: ActivationCache
     block_plan: tuple[bool, ...] | None = None
+    records: tuple[bool, ...] | None = None
+    record_to: ActivationCache | None = None
     layout: TokenLayout = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -137,6 +143,8 @@ class MaskAwareContext:
         object.__setattr__(self, "layout", TokenLayout.from_batch(self.batch))
         if self.mode is CacheMode.RECORD and any(c != self.layout.num_image_tokens for c in self.layout.image_counts):
             raise ValueError("a RECORD context computes every image token; build it with `MaskAwareContext.record`")
+        all_masked = [c == self.layout.num_image_tokens for c in self.layout.image_counts]
+        set_recording(self, all_masked)
 
     @classmethod
     def record(cls, template_ids: Sequence[str], steps: Sequence[int], num_text_tokens: int,
@@ -149,13 +157,21 @@ class MaskAwareContext:
     @classmethod
     def edit(cls, mode: CacheMode, masked_idx: Sequence[torch.Tensor], template_ids: Sequence[str],
              steps: Sequence[int], num_text_tokens: int, num_image_tokens: int, cache: ActivationCache,
-             block_plan: Sequence[bool] | None = None, device: torch.device | str = "cpu") -> MaskAwareContext:
-        """An edit of recorded templates: request b computes the image tokens `masked_idx[b]` (row-major)."""
+             block_plan: Sequence[bool] | None = None, device: torch.device | str = "cpu",
+             records: Sequence[bool] | None = None, record_to: ActivationCache | None = None) -> MaskAwareContext:
+        """An edit of recorded templates: request b computes the image tokens `masked_idx[b]` (row-major);
+        requests marked in `records` (every token masked) record into `record_to` meanwhile."""
         if mode is CacheMode.RECORD:
             raise ValueError("use MaskAwareContext.record for recording")
         batch = RaggedBatch.from_masked_indices(masked_idx, num_image_tokens, prefix=num_text_tokens, device=device)
         return cls(mode, batch, tuple(template_ids), tuple(steps), cache,
-                   None if block_plan is None else tuple(block_plan))
+                   None if block_plan is None else tuple(block_plan),
+                   None if records is None else tuple(records), record_to)
+
+    @property
+    def recording_requests(self) -> tuple[int, ...]:
+        """The requests whose activations this forward records."""
+        return tuple(b for b, records in enumerate(self.records) if records)
 
     def check_shapes(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor) -> None:
         """The block's `[B, L, H]` image and `[B, P, J]` text inputs match the context's batch and layout."""
@@ -173,3 +189,26 @@ class MaskAwareContext:
     def request_reuses_tokens(self, request: int) -> bool:
         """Whether any image token of `request` is unmasked (and so comes from the cache)."""
         return self.layout.image_counts[request] < self.layout.num_image_tokens
+
+
+def set_recording(context, all_masked: Sequence[bool]) -> None:
+    """Fill and check a context's `records` / `record_to` (MaskAwareContext and UNetMaskAwareContext):
+    a recording request computes every token, and a forward that records runs every block mask-aware,
+    since the unmodified blocks keep no activations."""
+    num_requests = len(all_masked)
+    if context.mode is CacheMode.RECORD:
+        object.__setattr__(context, "records", (True,) * num_requests)
+        object.__setattr__(context, "record_to", context.cache)
+        return
+    records = (False,) * num_requests if context.records is None else tuple(bool(r) for r in context.records)
+    object.__setattr__(context, "records", records)
+    if len(records) != num_requests:
+        raise ValueError(f"{num_requests} requests but {len(records)} records flags")
+    if not any(records):
+        return
+    if context.record_to is None:
+        raise ValueError("a context with recording requests needs record_to (where they write)")
+    if any(r and not masked for r, masked in zip(records, all_masked)):
+        raise ValueError("a recording request computes every token: mask all of them")
+    if context.block_plan is not None and not all(context.block_plan):
+        raise ValueError("a forward that records runs every block mask-aware: no block plan with full blocks")

@@ -162,7 +162,7 @@ def _double_block_forward(block: FluxTransformerBlock, adapter: FluxMaskAwareAda
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
 
     image_out = block_output(adapter, context, index, hidden_states, image_rows, layout.image_query_rows)
-    if context.mode is CacheMode.RECORD:
+    if context.recording_requests:
         record_activations(context, index, {OUT: image_out, KEY: image_k, VALUE: image_v})
     return encoder_hidden_states, image_out
 
@@ -207,7 +207,7 @@ def _single_block_forward(block: FluxSingleTransformerBlock, adapter: FluxMaskAw
     text_rows = rows.index_select(0, layout.text_query_slots)
     image_rows = rows.index_select(0, layout.image_query_slots)
     image_out = block_output(adapter, context, index, hidden_states, image_rows, layout.image_query_rows)
-    if context.mode is CacheMode.RECORD:
+    if context.recording_requests:
         record_activations(context, index, {OUT: image_out, KEY: key[:, num_text:], VALUE: value[:, num_text:]})
     return text_rows.reshape(batch, num_text, hidden), image_out
 

@@ -84,12 +84,17 @@ def row_tokens(context: Context, kinds: Sequence[str], cross_keys: int = 77) -> 
 def staged_context(build: Callable[[ActivationCache], Context], engine: CopyEngine, adapter: MaskAwareAdapter,
                    handles: Mapping[str, TemplateHandle], dtype: torch.dtype, sync: bool = False) -> Context:
     """`build(cache)`'s context for one forward, its cache a `StagedActivations` whose copies of what
-    the forward reads (from the templates `handles` hold) have started. Enter the staged cache around
-    the forward (the editor does), so its copies finish with it."""
+    the forward reads (from the templates `handles` hold; rows of other templates read nothing) have
+    started. Enter the staged cache around the forward (the editor does), so its copies finish with it."""
     staged = StagedActivations(engine)
     context = build(staged)
+    if not handles:  # no row reuses a recording (recordings, all-white masks): nothing to stage
+        staged.start([], [], [], [], adapter.num_blocks, dtype, sync)
+        return context
     reads = forward_reads(adapter, context, next(iter(handles.values())).layout.plain_names)
-    rows = [RowSource(handles[template_id], step, prefix) for template_id, step, prefix in reads.rows]
+    # A row without a handle (a recording in the batch) must reuse nothing: `start` checks it.
+    rows = [RowSource(handles[template_id], step, prefix) if template_id in handles else None
+            for template_id, step, prefix in reads.rows]
     staged.start(rows, reads.levels, reads.block_levels, reads.blocks, adapter.num_blocks, dtype, sync)
     return context
 

@@ -234,7 +234,7 @@ def _joint_block_forward(block: JointTransformerBlock, adapter: SD3MaskAwareAdap
         encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * block.ff_context(norm_text)
 
     image_out = block_output(adapter, context, index, hidden_states, image_rows, layout.image_query_rows)
-    if context.mode is CacheMode.RECORD:
+    if context.recording_requests:
         recorded = {OUT: image_out, KEY: image_k, VALUE: image_v}
         if keys2 is not None:
             recorded.update({DUAL_KEY: keys2[0], DUAL_VALUE: keys2[1]})

@@ -44,7 +44,7 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 
 from retouch import ops
 from retouch.adapters.base import MaskAwareAdapter
-from retouch.adapters.context import KEY, OUT, VALUE, CacheMode
+from retouch.adapters.context import KEY, OUT, VALUE, CacheMode, set_recording
 from retouch.cache import UNCOND_PREFIX, ActivationCache  # UNCOND_PREFIX: the unconditional half of a guidance batch
 from retouch.masks import UNET_LATENT_STRIDE, masked_token_indices, token_mask
 from retouch.ragged import RaggedBatch
@@ -69,6 +69,9 @@ class UNetMaskAwareContext:
     block_plan:      per transformer block in execution order (down, mid, up): True = use the cache,
                      False = the unmodified block. None = every block uses the cache. Ignored in RECORD.
     guidance_copies: 1, or 2 for a classifier-free-guidance batch [uncond; cond]
+    records:         [B] whether request b records (every token computed, written to `record_to`)
+                     beside the edits of a Y/KV forward; all True in RECORD mode
+    record_to:       where recording requests write (RECORD mode: `cache`)
     """
 
     mode: CacheMode
@@ -78,6 +81,8 @@ class UNetMaskAwareContext:
     cache: ActivationCache
     block_plan: tuple[bool, ...] | None = None
     guidance_copies: int = 1
+    records: tuple[bool, ...] | None = None
+    record_to: ActivationCache | None = None
     level_tokens: tuple[int, ...] = field(init=False)  # L_l per level
     _query_counts: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
 
@@ -105,6 +110,11 @@ class UNetMaskAwareContext:
         if self.mode is CacheMode.RECORD and any(c != n for n, counts in zip(level_tokens, self._query_counts)
                                                  for c in counts):
             raise ValueError("a RECORD context computes every token; build it with `UNetMaskAwareContext.record`")
+        # A request is all masked when each of its rows computes every token of the finest level.
+        finest = self._query_counts[0] if self.levels else ()
+        set_recording(self, [all(finest[copy * num_requests + b] == level_tokens[0]
+                                 for copy in range(self.guidance_copies)) if finest else True
+                             for b in range(num_requests)])
 
     @classmethod
     def record(cls, template_ids: Sequence[str], steps: Sequence[int], image_size: tuple[int, int], num_levels: int,
@@ -118,15 +128,18 @@ class UNetMaskAwareContext:
     @classmethod
     def edit(cls, mode: CacheMode, pixel_masks: Sequence, template_ids: Sequence[str], steps: Sequence[int],
              num_levels: int, cache: ActivationCache, dilation: int = 0, block_plan: Sequence[bool] | None = None,
-             guidance_copies: int = 1, device: torch.device | str = "cpu") -> UNetMaskAwareContext:
+             guidance_copies: int = 1, device: torch.device | str = "cpu", records: Sequence[bool] | None = None,
+             record_to: ActivationCache | None = None) -> UNetMaskAwareContext:
         """An edit of recorded templates: request b recomputes the tokens its pixel mask `[H, W]` touches
         (True/white = repaint; all masks of a batch have one size) at each of `num_levels` UNet levels,
-        widened by `dilation` tokens of that level."""
+        widened by `dilation` tokens of that level. Requests marked in `records` (an all-white mask)
+        record into `record_to` meanwhile."""
         if mode is CacheMode.RECORD:
             raise ValueError("use UNetMaskAwareContext.record for recording")
         levels = _levels_from_pixel_masks(pixel_masks, num_levels, dilation, guidance_copies, device)
         return cls(mode, levels, tuple(template_ids), tuple(steps), cache,
-                   None if block_plan is None else tuple(block_plan), guidance_copies)
+                   None if block_plan is None else tuple(block_plan), guidance_copies,
+                   None if records is None else tuple(records), record_to)
 
     @property
     def num_rows(self) -> int:
@@ -140,6 +153,11 @@ class UNetMaskAwareContext:
     def row_reuses_tokens(self, level: int, row: int) -> bool:
         """Whether any token of batch row `row` at UNet level `level` is unmasked."""
         return self._query_counts[level][row] < self.level_tokens[level]
+
+    @property
+    def recording_rows(self) -> tuple[int, ...]:
+        """The rows of the UNet batch whose activations this forward records."""
+        return tuple(row for row in range(self.num_rows) if self.records[row % len(self.template_ids)])
 
     def cache_key(self, row: int, name: str) -> tuple[str, int, str]:
         """(template_id, step, name) of batch row `row`'s activation `name`."""
@@ -267,6 +285,14 @@ def _dispatch(adapter: UNetMaskAwareAdapter, block: BasicTransformerBlock, index
     return _masked_forward(block, adapter, context, index, level, hidden_states, encoder_hidden_states)
 
 
+def _record_rows(context: UNetMaskAwareContext, index: int, activations: dict[str, torch.Tensor]) -> None:
+    """Keep each recording row's [L, ...] activations under its template, step and guidance copy."""
+    for name, tensor in activations.items():
+        for row in context.recording_rows:
+            template_id, step, cache_name = context.cache_key(row, name)
+            context.record_to.put(template_id, step, index, cache_name, tensor[row])
+
+
 def _record_forward(block: BasicTransformerBlock, context: UNetMaskAwareContext, index: int,
                     hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
     """The class forward's ops on [B, L, C] (AttnProcessor2_0's SDPA), keeping out, K and V."""
@@ -279,10 +305,7 @@ def _record_forward(block: BasicTransformerBlock, context: UNetMaskAwareContext,
     hidden_states = attn.to_out[1](attn.to_out[0](attn_out)) + hidden_states
     hidden_states = block.attn2(block.norm2(hidden_states), encoder_hidden_states=encoder_hidden_states) + hidden_states
     hidden_states = block.ff(block.norm3(hidden_states)) + hidden_states
-    for name, tensor in ((OUT, hidden_states), (KEY, key), (VALUE, value)):
-        for row in range(batch):
-            template_id, step, cache_name = context.cache_key(row, name)
-            context.cache.put(template_id, step, index, cache_name, tensor[row])
+    _record_rows(context, index, {OUT: hidden_states, KEY: key, VALUE: value})
     return hidden_states
 
 
@@ -317,8 +340,11 @@ def _masked_forward(block: BasicTransformerBlock, adapter: UNetMaskAwareAdapter,
         # Nothing reads the unmasked rows before the next cached block of this Transformer2DModel.
         out = hidden_states.contiguous().clone()
         ops.scatter_rows_(out.view(-1, hidden), ragged.query_rows, rows)
-        return out
-    return _rows_with(context, index, level, OUT, rows, ragged.query_rows)
+    else:
+        out = _rows_with(context, index, level, OUT, rows, ragged.query_rows)
+    if context.recording_rows:  # their rows computed every token: out, key and value are whole
+        _record_rows(context, index, {OUT: out, KEY: key, VALUE: value})
+    return out
 
 
 def _cross_attention(attn, adapter: UNetMaskAwareAdapter, ragged: RaggedBatch, norm_rows: torch.Tensor,

@@ -207,7 +207,10 @@ class CacheStore(ActivationCache):
                                  f"after step {recording.step}")
             self._write_step(recording)
             recording.step = step
-        recording.tensors[(block, name)] = tensor.detach()
+        tensor = tensor.detach()
+        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()  # one row of a batch: do not keep the whole batch alive until the step is written
+        recording.tensors[(block, name)] = tensor
 
     def commit(self, template_id: str) -> None:
         """Publish a recorded template: from now on it can be read, and evicted."""
@@ -338,6 +341,13 @@ class CacheStore(ActivationCache):
             self._unlink_host(template_id)
         if self.disk is not None:
             self.disk.remove(template_id)
+
+    def abandon(self, template_id: str) -> None:
+        """Discard a recording in progress and the steps it wrote; a committed recording of the same
+        template stays readable."""
+        template_id, _ = stored_key(template_id, "")
+        with self._lock:
+            self._discard_recording(template_id)
 
     def evict(self, template_id: str) -> bool:
         """Move a template out of host memory now (to disk, if there is a disk tier), as the LRU policy
