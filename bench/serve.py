@@ -1,6 +1,16 @@
 """Load on a running retouch server over HTTP: edits against one template, with a cap on requests in flight.
 
     retouch bench serve --url http://127.0.0.1:8000 --requests 100 --concurrency 8 [--rps R] [--out F.json]
+    retouch bench serve ... --one-off 0.5 --registrations 4 --stock-model tiny-flux-fill
+
+The workload mix (what a request costs, issue 15): `--one-off F` sends a fraction F of the edits as
+one-off images (POST /v1/edits with `image`, a new image each time, as OpenAI clients do) among the
+edits of the registered template, and reports latency per class (`classes`). `--registrations N`
+runs the same load a second time while N more templates register one after another, and compares
+the p95 of template edits with and without them (`registrations`). `--stock-model M` (with
+`--concurrency 1`) runs the stock diffusers pipeline (model M, in this process) on each of the first
+`--stock-samples` requests of each class right after the server answered it, and reports each
+class's median latency over the stock median for the same requests (`stock`).
 
 Registers a generated template (POST /v1/templates, polled until ready) unless `--template-id` names one,
 then sends `--requests` edits (POST /v1/edits, PNG answers), never more than `--concurrency` at once.
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import random
 import statistics
@@ -42,11 +53,23 @@ MASK_BETA = {"public": (1.9, 8.1), "production": (1.1, 8.9)}  # means 0.19 and 0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+@dataclass(frozen=True, slots=True)
+class EditSpec:
+    """One request of the load: an edit of the template (`image` None) or of a one-off image."""
+
+    index: int
+    kind: str  # "template" or "one_off"
+    mask: bytes  # PNG
+    image: bytes | None = None  # PNG of a one-off image
+    box: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+
 @dataclass(slots=True)
 class Outcome:
     """What became of one edit request. Exactly one of `status` and `lost_reason` is set."""
 
     index: int
+    kind: str
     scheduled_s: float  # arrival time the schedule gave it, from the start of the run
     sent_s: float  # when it left (after waiting for a free slot), from the start of the run
     latency_s: float  # sent -> answer body read, or -> failure when lost
@@ -77,6 +100,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds one request may take before it counts as lost; also the most to wait "
                              "for the template to become ready")
+    parser.add_argument("--one-off", type=float, default=0.0,
+                        help="fraction of the edits sent as one-off images (a new image each) instead of edits "
+                             "of the registered template")
+    parser.add_argument("--registrations", type=int, default=0,
+                        help="run the load again while this many templates register, one after another, and "
+                             "compare the p95 of template edits")
+    parser.add_argument("--stock-model", default=None,
+                        help="time the stock pipeline of this model (in-process) on a sample of the requests")
+    parser.add_argument("--stock-samples", type=int, default=6, help="requests per class the stock pipeline runs")
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
@@ -84,19 +116,29 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--requests, --concurrency, --steps and --size must be >= 1")
     if (args.rps is not None and args.rps <= 0) or args.timeout <= 0:
         parser.error("--rps and --timeout must be > 0")
+    if not 0 <= args.one_off <= 1 or args.registrations < 0 or args.stock_samples < 1:
+        parser.error("--one-off must lie in [0, 1], --registrations >= 0 and --stock-samples >= 1")
+    if args.stock_model is not None and args.concurrency != 1:
+        parser.error("--stock-model times the stock pipeline between requests: use --concurrency 1")
     try:
         import httpx  # noqa: F401
     except ImportError:
         sys.exit("retouch bench serve needs httpx: pip install 'httpx>=0.28'")
 
-    template, outcomes, wall_s, mask_ratios = asyncio.run(_drive(args))
+    template, outcomes, wall_s, mask_ratios, with_registrations, stock = asyncio.run(_drive(args))
     command = "retouch bench serve " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {**summarize(outcomes, wall_s), "bench": "serve", "command": command, "url": args.url,
               "template": template, "mean_mask_ratio": statistics.fmean(mask_ratios),
+              "classes": by_class(outcomes),
               "settings": {"requests": args.requests, "concurrency": args.concurrency, "rps": args.rps,
                            "mask_dist": args.mask_dist, "mask_beta": MASK_BETA[args.mask_dist],
                            "size": args.size, "steps": args.steps, "seed": args.seed, "timeout_s": args.timeout,
-                           "template_id": args.template_id}}
+                           "template_id": args.template_id, "one_off": args.one_off,
+                           "registrations": args.registrations, "stock_model": args.stock_model}}
+    if with_registrations is not None:
+        report["registrations"] = compare_registrations(outcomes, *with_registrations)
+    if stock is not None:
+        report["stock"] = stock.report()
     if args.out:
         write_json(report, args.out)
         _plot(report, outcomes, args.out.with_suffix(".png"))
@@ -188,7 +230,84 @@ def summarize(outcomes: list[Outcome], wall_s: float) -> dict:
             "error_messages": dict(sorted(messages.items())), "latencies_s": latencies}
 
 
-async def _drive(args) -> tuple[dict, list[Outcome], float, list[float]]:
+def by_class(outcomes: list[Outcome]) -> dict:
+    """Per request class present, its count, ok count and latency percentiles over its ok requests."""
+    classes = {}
+    for kind in ("template", "one_off"):
+        chosen = [o for o in outcomes if o.kind == kind]
+        if chosen:
+            latencies = sorted(o.latency_s for o in chosen if o.ok)
+            classes[kind] = {"sent": len(chosen), "ok": len(latencies), "p50_s": _percentile(latencies, 50),
+                             "p95_s": _percentile(latencies, 95),
+                             "mean_s": statistics.fmean(latencies) if latencies else None}
+    return classes
+
+
+def compare_registrations(alone: list[Outcome], beside: list[Outcome], registered: int) -> dict:
+    """p95 of the template edits without and with templates registering meanwhile."""
+    p95 = [_percentile(sorted(o.latency_s for o in run if o.ok and o.kind == "template"), 95)
+           for run in (alone, beside)]
+    return {"registered": registered, "template_p95_without_s": p95[0], "template_p95_with_s": p95[1],
+            "ratio": p95[1] / p95[0] if None not in p95 and p95[0] > 0 else None,
+            "ok_with": sum(o.ok for o in beside), "sent_with": len(beside)}
+
+
+class StockTimer:
+    """The stock pipeline (`--stock-model`, in this process) on the same requests, each run right after
+    the server answered it (interleaved, so both see the same machine): up to `--stock-samples` per
+    class. Needs `--concurrency 1`: nothing else is in flight while it runs."""
+
+    def __init__(self, args, template: dict):
+        from retouch.models import load_pipeline
+
+        self.args = args
+        self.model = load_pipeline(args.stock_model)
+        self.template_image = (Image.open(io.BytesIO(template_png(args.size, args.seed))).convert("RGB")
+                               if args.template_id is None else None)
+        self.timed: dict[str, list[tuple[float, float]]] = {"template": [], "one_off": []}  # (served, stock)
+
+    def after(self, spec: EditSpec, outcome: Outcome) -> None:
+        from retouch.baseline import run_baseline_edit
+
+        timed = self.timed[spec.kind]
+        if not outcome.ok or len(timed) >= self.args.stock_samples:
+            return
+        image = self.template_image if spec.image is None else Image.open(io.BytesIO(spec.image)).convert("RGB")
+        if image is None:  # an existing template (--template-id): its image is not known here
+            return
+        started = time.perf_counter()
+        run_baseline_edit(self.model.pipe, image, Image.open(io.BytesIO(spec.mask)), f"{self.args.prompt} {spec.index}",
+                          steps=self.args.steps, seed=spec.index, call_defaults=self.model.call_defaults)
+        timed.append((outcome.latency_s, time.perf_counter() - started))
+
+    def report(self) -> dict:
+        """Per class: medians of the served and the stock latencies of the same requests, and their ratio."""
+        report = {}
+        for kind, timed in self.timed.items():
+            if timed:
+                served, stock = (statistics.median(column) for column in zip(*timed))
+                report[kind] = {"requests": len(timed), "served_p50_s": served, "stock_p50_s": stock,
+                                "ratio_p50": served / stock}
+                print(f"serve: {kind}: served {served:.3f} s, stock pipeline {stock:.3f} s (median of {len(timed)})",
+                      file=sys.stderr)
+        return report
+
+
+def edit_specs(args, template: dict, phase: int = 0) -> list[EditSpec]:
+    """The load's requests, seeded: rectangular masks, and a new image for each one-off edit (phase >
+    0 draws other images, so that a second run's one-offs are first edits too)."""
+    width, height = template.get("width") or args.size, template.get("height") or args.size
+    boxes = mask_boxes(args.requests, width, height, MASK_BETA[args.mask_dist], args.seed)
+    rng = random.Random(args.seed + 7)
+    specs = []
+    for index, box in enumerate(boxes):
+        one_off = rng.random() < args.one_off
+        image = template_png(args.size, args.seed + 1 + index + phase * args.requests) if one_off else None
+        specs.append(EditSpec(index, "one_off" if one_off else "template", mask_png(box, width, height), image, box))
+    return specs
+
+
+async def _drive(args) -> tuple[dict, list[Outcome], float, list[float], tuple | None, StockTimer | None]:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -198,15 +317,38 @@ async def _drive(args) -> tuple[dict, list[Outcome], float, list[float]]:
         await _check_health(client, args.url)
         template = await _ready_template(client, args)
         width, height = template.get("width") or args.size, template.get("height") or args.size
-        boxes = mask_boxes(args.requests, width, height, MASK_BETA[args.mask_dist], args.seed)
         # Encoded up front so that the client's own work does not sit inside the measured latencies.
-        masks = [mask_png(box, width, height) for box in boxes]
-        ratios = [mask_ratio(box, width, height) for box in boxes]
+        specs = edit_specs(args, template)
+        ratios = [mask_ratio(spec.box, width, height) for spec in specs]
         offsets = arrival_offsets(args.requests, args.rps, args.seed)
-        print(f"serve: {args.requests} edits of template {template['id']} ({width}x{height}), concurrency "
-              f"{args.concurrency}, " + (f"{args.rps} rps" if args.rps else "closed loop"), file=sys.stderr)
-        outcomes, wall_s = await _send_all(client, args, template["id"], masks, offsets)
-    return template, outcomes, wall_s, ratios
+        one_offs = sum(spec.kind == "one_off" for spec in specs)
+        print(f"serve: {args.requests} edits ({one_offs} of one-off images) of template {template['id']} "
+              f"({width}x{height}), concurrency {args.concurrency}, "
+              + (f"{args.rps} rps" if args.rps else "closed loop"), file=sys.stderr)
+        stock = StockTimer(args, template) if args.stock_model is not None else None
+        outcomes, wall_s = await _send_all(client, args, template["id"], specs, offsets,
+                                           None if stock is None else stock.after)
+        with_registrations = None
+        if args.registrations:
+            print(f"serve: the same load again while {args.registrations} templates register", file=sys.stderr)
+            registering = asyncio.create_task(_register_in_turn(client, args))
+            beside, _ = await _send_all(client, args, template["id"], edit_specs(args, template, phase=1), offsets)
+            with_registrations = (beside, await registering)
+    return template, outcomes, wall_s, ratios, with_registrations, stock
+
+
+async def _register_in_turn(client, args) -> int:
+    """Register `--registrations` new templates, each once the last is ready; how many became ready."""
+    ready = 0
+    for index in range(args.registrations):
+        response = await client.post("/v1/templates", data={"prompt": f"a room {index}", "steps": str(args.steps)},
+                                     files={"image": ("t.png", template_png(args.size, 10_000 + index), "image/png")})
+        if response.status_code not in (200, 202):
+            continue
+        template_id = response.json()["id"]
+        polled = await client.get(f"/v1/templates/{template_id}", params={"wait": args.timeout})
+        ready += polled.status_code == 200 and polled.json()["status"] == "ready"
+    return ready
 
 
 async def _check_health(client, url: str) -> None:
@@ -255,16 +397,19 @@ async def _get_template(client, template_id: str) -> dict:
     return response.json()
 
 
-async def _send_all(client, args, template_id: str, masks: list[bytes],
-                    offsets: list[float]) -> tuple[list[Outcome], float]:
+async def _send_all(client, args, template_id: str, specs: list[EditSpec], offsets: list[float],
+                    after=None) -> tuple[list[Outcome], float]:
+    """`after(spec, outcome)`, when given, runs once each answer is in and before its slot frees."""
     slots = asyncio.Semaphore(args.concurrency)
-    progress = _Progress(len(masks))
+    progress = _Progress(len(specs))
     start = time.perf_counter()
 
     async def send(index: int) -> Outcome:
         try:
             sent = time.perf_counter() - start
-            outcome = await _edit(client, args, template_id, index, masks[index], offsets[index], sent)
+            outcome = await _edit(client, args, template_id, specs[index], offsets[index], sent)
+            if after is not None:
+                after(specs[index], outcome)
         finally:
             slots.release()
         progress.record(outcome, time.perf_counter() - start)
@@ -281,23 +426,28 @@ async def _send_all(client, args, template_id: str, masks: list[bytes],
     return list(outcomes), time.perf_counter() - start
 
 
-async def _edit(client, args, template_id: str, index: int, mask: bytes, scheduled: float, sent: float) -> Outcome:
+async def _edit(client, args, template_id: str, spec: EditSpec, scheduled: float, sent: float) -> Outcome:
     import httpx
 
-    form = {"template_id": template_id, "prompt": f"{args.prompt} {index}", "seed": str(index),
-            "response_format": "png"}
+    form = {"prompt": f"{args.prompt} {spec.index}", "seed": str(spec.index), "response_format": "png"}
+    files = {"mask": ("mask.png", spec.mask, "image/png")}
+    if spec.image is None:
+        form["template_id"] = template_id
+    else:
+        form["steps"] = str(args.steps)
+        files["image"] = ("image.png", spec.image, "image/png")
     began = time.perf_counter()
     try:
         # wait_for bounds the whole request; httpx's own timeout bounds each read and write.
-        response = await asyncio.wait_for(
-            client.post("/v1/edits", data=form, files={"mask": ("mask.png", mask, "image/png")}), args.timeout)
+        response = await asyncio.wait_for(client.post("/v1/edits", data=form, files=files), args.timeout)
     except (httpx.RequestError, TimeoutError) as exc:
-        return Outcome(index, scheduled, sent, time.perf_counter() - began, lost_reason=type(exc).__name__,
-                       message=str(exc) or None)
+        return Outcome(spec.index, spec.kind, scheduled, sent, time.perf_counter() - began,
+                       lost_reason=type(exc).__name__, message=str(exc) or None)
     latency = time.perf_counter() - began
     png = response.content.startswith(PNG_SIGNATURE)
     message = None if response.status_code == 200 and png else _error_message(response)
-    return Outcome(index, scheduled, sent, latency, status=response.status_code, png=png, message=message)
+    return Outcome(spec.index, spec.kind, scheduled, sent, latency, status=response.status_code, png=png,
+                   message=message)
 
 
 def _error_message(response) -> str:
@@ -340,7 +490,8 @@ def _plot(report: dict, outcomes: list[Outcome], out: Path) -> None:
     if plt is None:
         return
     figure, (timeline, cdf) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, chosen, marker in (("ok", [o for o in outcomes if o.ok], "."),
+    for label, chosen, marker in (("ok, template", [o for o in outcomes if o.ok and o.kind == "template"], "."),
+                                  ("ok, one-off", [o for o in outcomes if o.ok and o.kind == "one_off"], "+"),
                                   ("error", [o for o in outcomes if not o.ok and o.lost_reason is None], "x"),
                                   ("lost", [o for o in outcomes if o.lost_reason is not None], "v")):
         if chosen:

@@ -17,7 +17,7 @@ from concurrent.futures import CancelledError, Future
 import torch
 from PIL import Image
 
-from retouch.editor import DEFAULT_STEPS, EditRequest, MaskAwareEditor
+from retouch.editor import DEFAULT_STEPS, EditRequest, MaskAwareEditor, Template
 from retouch.engine import processing
 from retouch.engine.processing import HelperPool
 from retouch.engine.worker import EditResult, EngineConfig, Job, Worker
@@ -40,7 +40,8 @@ class Engine:
         self._recordings: dict[str, Job] = {}  # template id -> the job recording it
         self._jobs_lock = threading.Lock()
         self.worker = Worker(editor, config, self._send_to_postprocess if config.mode == "disagg" else None)
-        self._thread: threading.Thread | None = None
+        self._running = False
+        self._loop_done = threading.Event()
         self._closing = False
 
     @classmethod
@@ -50,32 +51,45 @@ class Engine:
 
     # ---- lifecycle ----
 
-    def start(self) -> Engine:
-        if self._thread is not None:
+    def start(self, own_thread: bool = True) -> Engine:
+        """Start the helpers and the step loop: on a thread of its own, or (`own_thread=False`) on the
+        thread that then calls `run_loop()`. On a CPU the model computes fastest on the thread that
+        loaded it: a second thread's OpenMP team ran the same forward about 2x slower (measured on a
+        2-core host), so the worker process runs the loop on its main thread."""
+        if self._running:
             return self
         if self.config.mode == "disagg":
-            pipe = self.editor.pipe
-            self.helpers = HelperPool(self.model_name, str(pipe.device), self.editor.denoiser.dtype,
+            self.helpers = HelperPool(self.model_name, str(self.editor.device), self.editor.dtype,
                                       self.editor.dilation, self.config.helpers, self._on_helper_message,
-                                      build_in_memory=self.editor.model.built_in_memory)
-        self._thread = threading.Thread(target=self.worker.run, name="retouch-step-loop", daemon=True)
-        self._thread.start()
+                                      build_in_memory=self.editor.model.built_in_memory,
+                                      threads=self.config.helper_threads)
+        self._running = True
+        self._loop_done.clear()
+        if own_thread:
+            threading.Thread(target=self.run_loop, name="retouch-step-loop", daemon=True).start()
         return self
+
+    def run_loop(self) -> None:
+        """The step loop, on this thread, until `close()` (after `start(own_thread=False)`)."""
+        try:
+            self.worker.run()
+        finally:
+            self._loop_done.set()
 
     def close(self) -> None:
         """Finish every accepted request, then stop the loop and the helpers."""
-        if self._thread is None:
+        if not self._running:
             return
         self._closing = True
         if self.helpers is not None:
             # Requests still in the helpers are not in the loop's inbox yet: the loop must outlive them.
             self._await_helper_jobs()
         self.worker.inbox.put(("stop",))
-        self._thread.join()
+        self._loop_done.wait()
         if self.helpers is not None:
             self.helpers.close()
             self.helpers = None
-        self._thread = None
+        self._running = False
         self._closing = False
 
     def __enter__(self) -> Engine:
@@ -90,7 +104,7 @@ class Engine:
                           guidance: float | None = None, mask: Image.Image | None = None,
                           on_step: Callable[[int], None] | None = None) -> str:
         """Record a template and return its id once recorded (`submit_template`, waited for)."""
-        if self._thread is None:
+        if not self._running:
             return self.editor.register_template(image, prompt, steps, seed, guidance, mask)
         return self.submit_template(image, prompt, steps, seed, guidance, mask, on_step).result()
 
@@ -101,8 +115,11 @@ class Engine:
         one step per loop iteration beside the edits; its future holds the template id once recorded.
         `on_step(n)` is told after each of its steps (progress). Registering a template that is
         recorded, or being recorded, costs nothing more."""
+        return self.submit_recording(self.editor.new_template(image, prompt, steps, seed, guidance, mask), on_step)
+
+    def submit_recording(self, template: Template, on_step: Callable[[int], None] | None = None) -> Future[str]:
+        """`submit_template` of a template already made (`MaskAwareEditor.new_template`)."""
         self._check_running()
-        template = self.editor.new_template(image, prompt, steps, seed, guidance, mask)
         if self.editor.is_recorded(template.template_id):
             done: Future = Future()
             done.set_result(template.template_id)
@@ -142,7 +159,7 @@ class Engine:
             recording = self._recordings.get(template_id)
         if recording is not None:
             recording.future.cancel()
-        if self._thread is None:
+        if not self._running:
             self.editor.drop_template(template_id)
             return
         future: Future = Future()
@@ -173,7 +190,7 @@ class Engine:
         return job.future
 
     def _check_running(self) -> None:
-        if self._thread is None or self._closing:
+        if not self._running or self._closing:
             raise RuntimeError("the engine is not running (Engine.start or `with Engine(...)`)")
 
     def _track_recording(self, job: Job) -> None:

@@ -3,15 +3,18 @@
     python -m retouch.engine.node --model tiny-flux-fill --router tcp://127.0.0.1:5555 --name w0
 
 It says hello (its batch size), then answers the router's messages:
-    register  record a template (on a thread of its own: recording is a whole generation), telling
-              the router each recorded step, then ok or the error
-    edit      submit an edit; the answer is a PNG, or an error with the HTTP status it maps to
-    drop      forget a template
+    register  record a template: it joins the running batch as a member and tells the router each
+              recorded step, then ok or the error
+    edit      submit an edit; the answer is a PNG, or an error with the HTTP status it maps to. An
+              edit with `one_off` carries the image: its first edit here records it as it runs
+              (one generation), and the router is told the template is ready before the answer
+    cancel    drop an edit whose client is gone: it leaves the batch at the next step
+    drop      forget a template (a recording of it in progress stops at the next step)
     stop      finish every accepted edit, say bye and exit
 and heartbeats its running batch (each request's steps left) and queue every `heartbeat_s`.
 
-The main thread owns the socket. Answers produced on other threads (the engine's futures, the
-recording thread) are queued and the main thread is woken through an inproc socket.
+The main thread owns the socket. Answers produced on other threads (the engine's futures and its
+progress callbacks) are queued and the main thread is woken through an inproc socket.
 """
 
 from __future__ import annotations
@@ -56,16 +59,15 @@ class Node:
         self._wakeup = Wakeup(self.context)
         self._lock = threading.Lock()
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
-        self.templates: dict[str, str] = {}  # router template id -> the editor's
+        self.templates: dict[str, str] = {}  # router template id -> the editor's (recorded)
+        self.registrations: dict[str, tuple[str, Future]] = {}  # router template id -> (editor's, recording)
         self.requests: dict[Future, int] = {}  # engine future -> router request id
-        self._recordings: queue.SimpleQueue = queue.SimpleQueue()
+        self.futures: dict[int, Future] = {}  # router request id -> engine future
         self._parent = os.getppid()
 
     # ---- the main thread ----
 
     def run(self) -> None:
-        recorder = threading.Thread(target=self._record_templates, name="retouch-recorder", daemon=True)
-        recorder.start()
         self._post({"kind": "hello", "max_batch": self.engine.config.max_batch, "pid": os.getpid(),
                     "model": self.engine.model_name})
         poller = zmq.Poller()
@@ -89,7 +91,6 @@ class Node:
             if stopping or os.getppid() != self._parent:  # told to stop, or the server is gone
                 break
         self.engine.close()  # finishes every accepted edit; their answers are queued
-        self._recordings.put(None)
         self._post({"kind": "bye"})
         self._flush()
         self.socket.close()
@@ -107,27 +108,42 @@ class Node:
             self.heartbeat_s = float(header["heartbeat_s"])
         elif kind == "edit":
             self._edit(header, blobs)
-        elif kind in ("register", "drop"):
-            self._recordings.put((header, blobs))
+        elif kind == "cancel":
+            with self._lock:
+                future = self.futures.get(header["request"])
+            if future is not None:
+                future.cancel()
+        elif kind == "register":
+            self._register(header, blobs)
+        elif kind == "drop":
+            self._drop(header["template"])
         return kind == "stop"
 
     def _edit(self, header: dict, blobs: dict) -> None:
-        request_id = header["request"]
-        template_id = self.templates.get(header["template"])
-        if template_id is None:
+        request_id, router_template = header["request"], header["template"]
+        one_off = header.get("one_off")
+        template_id = self.templates.get(router_template)
+        if template_id is None and one_off is None:
             self._post({"kind": "result", "request": request_id, "status": 409, "error": "MissingTemplate",
                         "message": "this worker does not hold the template"})
             return
         try:
             mask = Image.frombytes("L", tuple(header["mask_size"]), blobs["mask"])
-            future = self.engine.submit(EditRequest(template_id, mask, header["prompt"], int(header["seed"])))
+            prompt, seed = header["prompt"], int(header["seed"])
+            if template_id is not None:
+                future = self.engine.submit(EditRequest(template_id, mask, prompt, seed))
+            else:
+                image = decode_image(blobs["image"], f"template {router_template}")
+                future = self.engine.submit_image(image, mask, prompt, seed, int(one_off["steps"]),
+                                                  one_off["guidance"])
         except Exception as exc:  # noqa: BLE001 - answered, never dropped
             self._post({"kind": "result", "request": request_id, "status": status_of(exc),
                         "error": type(exc).__name__, "message": str(exc)})
             return
         with self._lock:
             self.requests[future] = request_id
-        future.add_done_callback(self._answer)
+            self.futures[request_id] = future
+        future.add_done_callback(lambda f: self._answer(f, router_template))
 
     def _heartbeat(self) -> dict:
         running, queued = self.engine.load_report()
@@ -144,35 +160,67 @@ class Node:
 
     # ---- other threads ----
 
-    def _answer(self, future: Future) -> None:
+    def _answer(self, future: Future, router_template: str) -> None:
         with self._lock:
             request_id = self.requests.pop(future)
+            self.futures.pop(request_id, None)
+        if future.cancelled():  # the router answered it when it cancelled; this closes the books
+            self._post({"kind": "result", "request": request_id, "status": 409, "error": "Cancelled",
+                        "message": "the edit was cancelled"})
+            return
         exc = future.exception()
         if exc is not None:
             self._post({"kind": "result", "request": request_id, "status": status_of(exc),
                         "error": type(exc).__name__, "message": str(exc)})
             return
         result: EditResult = future.result()
+        if result.recorded is not None:  # a one-off's first edit recorded its image: later edits come here
+            with self._lock:
+                self.templates[router_template] = result.recorded
+            self._post({"kind": "template", "template": router_template, "ok": True})
         self._post({"kind": "result", "request": request_id, "status": 200, "metrics": result.metrics.to_json()},
                    {"png": png_bytes(result.image)})
 
-    def _record_templates(self) -> None:
-        while (item := self._recordings.get()) is not None:
-            header, blobs = item
-            template = header["template"]
-            if header["kind"] == "drop":
-                if template in self.templates:
-                    self.engine.drop_template(self.templates.pop(template))
-                continue
-            try:
-                image = decode_image(blobs["image"], f"template {template}")
-                self.templates[template] = self.engine.register_template(
-                    image, header["prompt"], int(header["steps"]), int(header["seed"]), header["guidance"],
-                    on_step=lambda step: self._post({"kind": "progress", "template": template, "step": step}))
-                self._post({"kind": "template", "template": template, "ok": True})
-            except Exception as exc:  # noqa: BLE001 - the router is told; the worker goes on
-                self._post({"kind": "template", "template": template, "ok": False,
+    def _register(self, header: dict, blobs: dict) -> None:
+        """Record a template as a member of the running batch; the router hears of each step and the end."""
+        router_template = header["template"]
+
+        def progress(step: int) -> None:
+            self._post({"kind": "progress", "template": router_template, "step": step})
+
+        def recorded(future: Future) -> None:
+            with self._lock:
+                self.registrations.pop(router_template, None)
+            if future.cancelled():  # dropped meanwhile: the router forgot it already
+                return
+            exc = future.exception()
+            if exc is None:
+                with self._lock:
+                    self.templates[router_template] = future.result()
+                self._post({"kind": "template", "template": router_template, "ok": True})
+            else:
+                self._post({"kind": "template", "template": router_template, "ok": False,
                             "message": f"{type(exc).__name__}: {exc}"})
+
+        try:
+            image = decode_image(blobs["image"], f"template {router_template}")
+            template = self.engine.editor.new_template(image, header["prompt"], int(header["steps"]),
+                                                       int(header["seed"]), header["guidance"])
+            future = self.engine.submit_recording(template, on_step=progress)
+        except Exception as exc:  # noqa: BLE001 - the router is told; the worker goes on
+            self._post({"kind": "template", "template": router_template, "ok": False,
+                        "message": f"{type(exc).__name__}: {exc}"})
+            return
+        with self._lock:
+            self.registrations[router_template] = (template.template_id, future)
+        future.add_done_callback(recorded)
+
+    def _drop(self, router_template: str) -> None:
+        with self._lock:
+            template_id = self.templates.pop(router_template, None)
+            recording = self.registrations.pop(router_template, None)
+        for editor_template in {template_id, recording[0] if recording else None} - {None}:
+            self.engine.drop_template(editor_template, wait=False)
 
     def _post(self, header: dict, blobs: dict | None = None) -> None:
         self._outgoing.put(wire.encode({**header, "worker": self.name}, blobs=blobs))
@@ -197,15 +245,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", default="disagg", choices=("static", "naive", "disagg"))
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--helpers", type=int, default=1)
+    parser.add_argument("--helper-threads", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group; the parent drains and stops this process itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = EngineConfig(mode=args.mode, max_batch=args.max_batch, helpers=args.helpers)
-    engine = Engine.load(args.model, config, device=args.device, dtype=getattr(torch, args.dtype)).start()
-    Node(engine, args.router, args.name).run()
+    config = EngineConfig(mode=args.mode, max_batch=args.max_batch, helpers=args.helpers,
+                          helper_threads=args.helper_threads)
+    engine = Engine.load(args.model, config, device=args.device, dtype=getattr(torch, args.dtype))
+    # The step loop runs on this, the main thread, which loaded the model (see Engine.start); the
+    # node's socket gets a thread of its own and closes the engine when told to stop.
+    engine.start(own_thread=False)
+    node = threading.Thread(target=Node(engine, args.router, args.name).run, name="retouch-node")
+    node.start()
+    engine.run_loop()
+    node.join()
 
 
 if __name__ == "__main__":

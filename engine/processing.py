@@ -73,11 +73,13 @@ def template_message(template: Template) -> tuple[dict, dict, dict]:
     canvas = template.canvas
     header = {"template_id": template.template_id, "prompt": template.prompt, "steps": template.steps,
               "seed": template.seed, "guidance": template.guidance, "num_text_tokens": template.num_text_tokens,
-              "canvas": [*canvas.size, *canvas.padded, canvas.stride], "recorded_mode": template.recorded_mode}
+              "canvas": [*canvas.size, *canvas.padded, canvas.stride], "recorded_mode": template.recorded_mode,
+              "latent_shape": list(template.latent_shape)}
     image_spec, image = _image_blob(template.source)
     mask_spec, mask = _image_blob(template.recorded_mask)
     header.update(image=image_spec, recorded_mask=mask_spec)
-    return header, {"template.noise": template.noise}, {"template.image": image, "template.recorded_mask": mask}
+    # The noise is not sent: it is drawn from the seed where it is needed.
+    return header, {}, {"template.image": image, "template.recorded_mask": mask}
 
 
 def template_from_message(header: dict, tensors: dict, blobs: dict) -> Template:
@@ -85,7 +87,7 @@ def template_from_message(header: dict, tensors: dict, blobs: dict) -> Template:
     width, height, padded_width, padded_height, stride = t["canvas"]
     return Template(template_id=t["template_id"], source=image_from_blob(t["image"], blobs["template.image"]),
                     canvas=Canvas((width, height), (padded_width, padded_height), stride), prompt=t["prompt"],
-                    steps=t["steps"], seed=t["seed"], guidance=t["guidance"], noise=tensors["template.noise"],
+                    steps=t["steps"], seed=t["seed"], guidance=t["guidance"], latent_shape=tuple(t["latent_shape"]),
                     num_text_tokens=t["num_text_tokens"],
                     recorded_mask=image_from_blob(t["recorded_mask"], blobs["template.recorded_mask"]),
                     recorded_mode=t["recorded_mode"])
@@ -160,10 +162,10 @@ class HelperPool:
 
     def __init__(self, model: str, device: str, dtype: torch.dtype, dilation: int, count: int,
                  on_message: Callable[[dict, dict, dict], None], start_timeout_s: float = 600.0,
-                 build_in_memory: bool = False):
+                 build_in_memory: bool = False, threads: int = 0):
         """`build_in_memory`: the helpers build the built-in `model` on their device as the parent did
         (`retouch.models.loading.build_loaded`) instead of loading its export: the same seeds, the
-        same weights."""
+        same weights. `threads`: torch CPU threads of each helper (0: torch's default)."""
         if count < 1:
             raise ValueError(f"the disaggregated mode needs at least one helper process, got {count}")
         self._dir = tempfile.TemporaryDirectory(prefix="retouch-helpers-")
@@ -178,7 +180,7 @@ class HelperPool:
         self.processes = [subprocess.Popen(
             [sys.executable, "-m", "retouch.engine.processing", "--model", model, "--device", device,
              "--dtype", str(dtype).removeprefix("torch."), "--dilation", str(dilation),
-             "--tasks", tasks_address, "--results", results_address]
+             "--tasks", tasks_address, "--results", results_address, "--threads", str(threads)]
             + (["--build-in-memory"] if build_in_memory else []), env=env) for _ in range(count)]
         self._await_hellos(count, start_timeout_s)
         self.on_message = on_message
@@ -251,10 +253,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", required=True)
     parser.add_argument("--results", required=True)
     parser.add_argument("--build-in-memory", action="store_true", help="build the built-in model, do not load it")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group; the parent drains and stops this process itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(1)  # a helper shares the machine with the step loop
+    if args.threads:
+        # On a CPU-only host the helpers share its cores with the step loop: fewer threads trade their
+        # own latency (VAE, text encoders) for the loop's under load.
+        torch.set_num_threads(args.threads)
     load = build_loaded if args.build_in_memory else load_pipeline
     editor = MaskAwareEditor(load(args.model, device=args.device, dtype=getattr(torch, args.dtype)),
                              cache=InMemoryActivationCache(), dilation=args.dilation)

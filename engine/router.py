@@ -8,6 +8,9 @@ picks among those holding the edit's template.
 Templates are registered on workers (all of them, or `replicas` of them): an edit is routed only to
 a worker whose recording is ready, and waits ("parked") while none is. The router keeps each
 template's image so that a worker that joins, or replaces one that died, can record it again.
+A one-off image (`TemplateRecord.one_off`) is never registered: its first edit goes to a worker
+with the image and records it as it runs (one generation); later edits of it go where it is ready.
+Requests can be cancelled (the client went away): the worker drops them at its next step.
 
 Failure handling: a worker that stops heartbeating for `dead_after_s`, or whose process the
 supervisor saw exit, is removed; every request it held is routed again. An answer counts only from
@@ -28,7 +31,7 @@ import time
 import traceback
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import zmq
@@ -74,13 +77,14 @@ class EditAnswer:
 @dataclass
 class TemplateRecord:
     template_id: str
-    image_png: bytes
+    image: bytes  # encoded: PNG for a registered template, the client's upload for a one-off image
     size: tuple[int, int]
     prompt: str
     steps: int
     seed: int
     guidance: float | None
     replicas: int  # 0: every worker
+    one_off: bool = False  # recorded by its first edit, never registered on its own
     created: float = field(default_factory=time.time)
     states: dict[str, str] = field(default_factory=dict)  # worker -> recording | ready | failed
     progress: dict[str, int] = field(default_factory=dict)  # worker -> recorded steps
@@ -92,13 +96,15 @@ class TemplateRecord:
             return "ready"
         if self.error is not None and "recording" not in self.states.values():
             return "failed"
+        if self.one_off and "recording" not in self.states.values():
+            return "pending"  # its next edit records it
         return "recording"
 
     def to_json(self, live: set[str]) -> dict:
         recording = [w for w, s in self.states.items() if s == "recording" and w in live]
         return {"id": self.template_id, "status": self.status, "width": self.size[0], "height": self.size[1],
                 "steps": self.steps, "seed": self.seed, "prompt": self.prompt, "guidance": self.guidance,
-                "created": int(self.created), "error": self.error,
+                "created": int(self.created), "error": self.error, "one_off": self.one_off,
                 "progress": {"workers_ready": sum(1 for w, s in self.states.items() if s == "ready" and w in live),
                              "workers_recording": len(recording),
                              "step": max((self.progress.get(w, 0) for w in recording), default=self.steps
@@ -113,6 +119,8 @@ class Pending:
     future: Future
     worker: str | None = None  # where it is now
     routes: int = 0  # how many times it was sent (re-routes after failures add to it)
+    records: bool = False  # sent as a one-off edit that records its template on `worker`
+    steps_left: int | None = None  # from the worker's heartbeats once it runs
 
 
 @dataclass(eq=False)
@@ -162,9 +170,10 @@ class Router:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._stopped = False
-        self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0}
+        self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0}
         self.decision_s: deque[float] = deque(maxlen=10_000)  # policy time per routing decision
-        self._changed = threading.Condition(self._lock)  # notified on every dispatch, answer and worker change
+        # Notified on every dispatch, answer, heartbeat and worker change.
+        self._changed = threading.Condition(self._lock)
 
     # ---- lifecycle ----
 
@@ -205,18 +214,65 @@ class Router:
     # ---- the frontend's calls ----
 
     def submit(self, task: EditTask) -> Future[EditAnswer]:
+        return self.submit_many([task])[1][0]
+
+    def submit_many(self, tasks: list[EditTask], one_off: TemplateRecord | None = None
+                    ) -> tuple[list[int], list[Future[EditAnswer]]]:
+        """Accept all of `tasks` or none (QueueFull, Unavailable, KeyError for an unknown template);
+        `one_off`: the one-off image they edit, registered with them if new. Returns the request ids
+        (for `cancel` and `request_status`) and the futures of the answers."""
         with self._lock:
             if self._closing:
                 raise Unavailable("the server is shutting down")
-            if task.template_id not in self.templates:
-                raise KeyError(task.template_id)
-            if len(self.pending) >= self.config.max_queue:
+            if len(self.pending) + len(tasks) > self.config.max_queue:
                 raise QueueFull(f"{len(self.pending)} requests are waiting (max_queue {self.config.max_queue})")
-            pending = Pending(next(self._ids), task, Future())
-            self.pending[pending.request_id] = pending
-            self._route(pending)
+            if one_off is not None and one_off.template_id not in self.templates:
+                self.templates[one_off.template_id] = one_off
+            if any(task.template_id not in self.templates for task in tasks):
+                raise KeyError(next(t.template_id for t in tasks if t.template_id not in self.templates))
+            accepted = [Pending(next(self._ids), task, Future()) for task in tasks]
+            for pending in accepted:
+                self.pending[pending.request_id] = pending
+            for pending in accepted:
+                self._route(pending)
         self._wake()
-        return pending.future
+        return [p.request_id for p in accepted], [p.future for p in accepted]
+
+    def cancel(self, request_id: int, why: str = "the client went away") -> bool:
+        """Answer the request now (409 Cancelled) and tell its worker to drop it at the next step;
+        False if it was already answered."""
+        with self._lock:
+            pending = self.pending.get(request_id)
+            if pending is None:
+                return False
+            parked = self.parked.get(pending.task.template_id)
+            if parked is not None and request_id in parked:
+                parked.remove(request_id)
+            worker = self.workers.get(pending.worker) if pending.worker is not None else None
+            if worker is not None:
+                self._send(worker, {"kind": "cancel", "request": request_id})
+            self.counters["cancelled"] += 1
+            self._answer(pending, EditAnswer(None, 409, "Cancelled", f"the edit was cancelled: {why}"))
+            if pending.records:  # its recording goes with it: the next edit of the image records it
+                self._recording_ended(pending.task.template_id, pending.worker)
+        self._wake()
+        return True
+
+    def request_status(self, request_id: int) -> dict | None:
+        """Where an accepted edit is: parked (its template is not ready anywhere), queued at a
+        worker, or running step k of n; None once answered."""
+        with self._lock:
+            pending = self.pending.get(request_id)
+            if pending is None:
+                return None
+            record = self.templates.get(pending.task.template_id)
+            steps = record.steps if record is not None else None
+            if pending.worker is None:
+                return {"status": "parked", "steps": steps}
+            if pending.steps_left is None:
+                return {"status": "queued", "worker": pending.worker, "steps": steps}
+            return {"status": "running", "worker": pending.worker, "step": max(0, steps - pending.steps_left),
+                    "steps": steps}
 
     def register_template(self, record: TemplateRecord) -> TemplateRecord:
         """Record `record` on its replicas (again if it was dropped); the same id twice is one template."""
@@ -291,15 +347,23 @@ class Router:
         for name, state in record.states.items():
             if state == "ready" and name in self.workers:
                 eligible[self.workers[name].slot] = True
+        records = False
         if not eligible.any():
-            self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
-            self._ensure_replicas(record)
-            if record.status == "failed":
-                self._fail_parked(record)
-            return
+            if record.one_off and self.workers and not self._holders(record):
+                # Nobody holds the image: this edit records it, on any worker, computing every token.
+                eligible, records = self.cluster.alive.copy(), True
+            else:
+                self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
+                self._ensure_replicas(record)
+                if record.status == "failed":
+                    self._fail_parked(record)
+                return
+        load = pending.task.load
+        if records:
+            load = replace(load, masked_tokens=load.image_tokens)
         started = time.perf_counter()
         try:
-            slot = self.policy.choose(pending.task.load, self.cluster, eligible)
+            slot = self.policy.choose(load, self.cluster, eligible)
         except NoWorker:
             self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
             return
@@ -308,15 +372,34 @@ class Router:
             return
         self.decision_s.append(time.perf_counter() - started)
         worker = next(w for w in self.workers.values() if w.slot == slot)
-        pending.worker, pending.routes = worker.name, pending.routes + 1
+        pending.worker, pending.routes, pending.records = worker.name, pending.routes + 1, records
+        pending.steps_left = None
         self.counters["routed" if pending.routes == 1 else "rerouted"] += 1
         worker.assigned.add(pending.request_id)
-        self.cluster.assign(slot, pending.request_id, pending.task.load)
+        self.cluster.assign(slot, pending.request_id, load)
         task = pending.task
         self._changed.notify_all()
-        self._send(worker, {"kind": "edit", "request": pending.request_id, "template": task.template_id,
-                            "prompt": task.prompt, "seed": task.seed, "mask_size": list(task.mask_size)},
-                   {"mask": task.mask})
+        header = {"kind": "edit", "request": pending.request_id, "template": task.template_id,
+                  "prompt": task.prompt, "seed": task.seed, "mask_size": list(task.mask_size)}
+        blobs = {"mask": task.mask}
+        if records:
+            record.states[worker.name] = "recording"
+            header["one_off"] = {"steps": record.steps, "guidance": record.guidance}
+            blobs["image"] = record.image
+        self._send(worker, header, blobs)
+
+    def _holders(self, record: TemplateRecord) -> list[str]:
+        """Live workers where the template is recording or ready."""
+        return [w for w, state in record.states.items() if state in ("recording", "ready") and w in self.workers]
+
+    def _recording_ended(self, template_id: str, worker: str | None) -> None:
+        """A one-off edit that was recording its template on `worker` ended without it: the next edit
+        of the image records it (the parked ones are sent on)."""
+        record = self.templates.get(template_id)
+        if record is not None and worker is not None and record.states.get(worker) == "recording":
+            del record.states[worker]
+            record.progress.pop(worker, None)
+            self._dispatch_parked(template_id)
 
     def _dispatch_parked(self, template_id: str) -> None:
         waiting = self.parked.pop(template_id, deque())
@@ -331,7 +414,12 @@ class Router:
                 None, 422, "TemplateFailed", f"template {record.template_id!r} could not be recorded: {record.error}"))
 
     def _ensure_replicas(self, record: TemplateRecord) -> None:
-        """Send the template to live workers until it has the replicas it wants (recording or ready)."""
+        """Send the template to live workers until it has the replicas it wants (recording or ready).
+        A one-off image is recorded by its next edit instead, sent on if it waits."""
+        if record.one_off:
+            if self.workers and not self._holders(record) and self.parked.get(record.template_id):
+                self._dispatch_parked(record.template_id)
+            return
         live = list(self.workers.values())  # none yet: the first hello records it
         holding = [w for w in live if record.states.get(w.name) in ("recording", "ready")]
         wanted = len(live) if record.replicas == 0 else min(record.replicas, len(live))
@@ -341,7 +429,7 @@ class Router:
             record.states[worker.name] = "recording"
             self._send(worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
                                 "steps": record.steps, "seed": record.seed, "guidance": record.guidance},
-                       {"image": record.image_png})
+                       {"image": record.image})
 
     def _remove_worker(self, name: str, why: str) -> None:
         worker = self.workers.pop(name, None)
@@ -457,10 +545,14 @@ class Router:
             if request_id in worker.assigned:
                 self.cluster.admit(worker.slot, request_id)
                 self.cluster.advance(worker.slot, request_id, int(steps_left))
+                self.pending[request_id].steps_left = int(steps_left)
         worker.report = dict(header.get("metrics", {}))
+        self._changed.notify_all()
 
     def _on_result(self, worker: WorkerState, header: dict, blobs: dict) -> None:
         pending = self.pending.get(header["request"])
+        if pending is None and header.get("error") == "Cancelled":
+            return  # answered when it was cancelled
         if pending is None or pending.worker != worker.name:
             self.counters["duplicates_dropped"] += 1
             return
@@ -475,6 +567,8 @@ class Router:
             return
         self._answer(pending, EditAnswer(blobs.get("png"), int(header.get("status", 200)), header.get("error"),
                                          header.get("message"), worker.name, header.get("metrics", {})))
+        if pending.records:  # recorded (the template message came first), or failed without it
+            self._recording_ended(pending.task.template_id, worker.name)
 
     def _on_template(self, worker: WorkerState, header: dict) -> None:
         record = self.templates.get(header["template"])

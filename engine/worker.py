@@ -52,12 +52,15 @@ class EngineConfig:
     mode: str = "disagg"
     max_batch: int = 8  # requests per step (a guided request is two denoiser rows)
     helpers: int = 1  # pre/post-processing processes of the disaggregated mode
+    helper_threads: int = 0  # torch CPU threads of each helper (0: torch's default); 1 keeps them off the loop's cores
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"batching mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.helper_threads < 0:
+            raise ValueError(f"helper_threads must be >= 0, got {self.helper_threads}")
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class StubServer(ThreadingHTTPServer):
         self.edits = 0
         self.in_flight = self.max_in_flight = 0
         self.seeds, self.authorizations, self.mask_sizes = [], set(), set()
+        self.one_off_images: list[bytes] = []
 
     @property
     def url(self):
@@ -52,7 +53,7 @@ class StubHandler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/healthz":
             return self.answer(200, {"status": "ok"})
-        template_id = self.path.removeprefix("/v1/templates/")
+        template_id = self.path.removeprefix("/v1/templates/").split("?")[0]
         with self.server.lock:
             template = self.server.templates.get(template_id)
             if template is None:
@@ -90,7 +91,13 @@ class StubHandler(BaseHTTPRequestHandler):
                 except threading.BrokenBarrierError:
                     return self.answer(500, {"error": {"message": "too few edits in flight", "type": "stub",
                                                        "param": None}})
-            template = self.server.templates[fields["template_id"].decode()]
+            if "image" in fields:  # a one-off image instead of a template
+                image = Image.open(io.BytesIO(fields["image"]))
+                template = {"width": image.width, "height": image.height}
+                with self.server.lock:
+                    self.server.one_off_images.append(fields["image"])
+            else:
+                template = self.server.templates[fields["template_id"].decode()]
             mask = Image.open(io.BytesIO(fields["mask"]))
             self.server.mask_sizes.add(mask.size)
             assert mask.mode == "L" and mask.size == (template["width"], template["height"])
@@ -257,3 +264,24 @@ def test_template_image_is_deterministic():
     assert image.mode == "RGB" and image.size == (64, 64)
     colours = np.unique(np.asarray(image).reshape(-1, 3), axis=0)
     assert len(colours) > 1000  # a gradient, not a flat fill
+
+
+def test_one_off_mix_registrations_and_the_stock_pipeline(stub):
+    report = serve.main(["--url", stub.url, "--requests", "8", "--concurrency", "1", "--one-off", "0.5",
+                         "--registrations", "2", "--stock-model", "tiny-flux-fill", "--stock-samples", "2",
+                         "--size", "32", "--steps", "2"])
+    classes = report["classes"]
+    assert classes["template"]["sent"] + classes["one_off"]["sent"] == 8 and classes["one_off"]["sent"] > 0
+    # Both runs send new images: every one-off edit is a first edit.
+    assert len(stub.one_off_images) == len(set(stub.one_off_images)) == 2 * classes["one_off"]["sent"]
+    registrations = report["registrations"]
+    assert registrations["registered"] == 2 and registrations["sent_with"] == registrations["ok_with"] == 8
+    assert registrations["ratio"] == registrations["template_p95_with_s"] / registrations["template_p95_without_s"]
+    for kind in ("template", "one_off"):
+        stock = report["stock"][kind]
+        assert stock["requests"] == 2 and stock["ratio_p50"] == stock["served_p50_s"] / stock["stock_p50_s"]
+
+
+def test_the_stock_pipeline_needs_concurrency_1(stub):
+    with pytest.raises(SystemExit):
+        serve.main(["--url", stub.url, "--stock-model", "tiny-flux-fill", "--concurrency", "2"])

@@ -169,3 +169,29 @@ def test_drop_template_stops_its_recording():
         assert len(progress) == stopped_at <= 50 - 1
         assert not engine.editor.cache.contains(template_id) and template_id not in engine.editor.templates
         assert engine.metrics()["cancelled"] == 1
+
+
+def test_disaggregated_engine_records_and_edits_one_offs_with_no_interruptions():
+    """End to end through a helper process: registrations and one-off edits are prepared there and
+    recorded in the loop beside running edits."""
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    image = random_image((61, 47), seed=8)
+    mask = Image.new("L", image.size, 0)
+    mask.paste(255, (5, 5, 25, 25))
+    with Engine(editor, EngineConfig(mode="disagg", max_batch=8)) as engine:
+        template_id = engine.register_template(template_image(), prompt="a scene", steps=STEPS, seed=3)
+        edits = [engine.submit(request) for request in edits_of(template_id)]
+        registration = engine.submit_template(template_image((9, 99, 9)), prompt="a room", steps=STEPS, seed=4)
+        one_offs = [engine.submit_image(image, mask, "a hat", seed=5, steps=STEPS) for _ in range(2)]
+        results = [future.result(timeout=300) for future in edits + one_offs]
+        assert registration.result(timeout=300) in engine.editor.templates
+        later = engine.submit_image(image, mask, "a hat", seed=6, steps=STEPS).result(timeout=300)
+        metrics = engine.metrics()
+    assert metrics["interruptions"] == 0 and metrics["recorded"] == 3  # the template, the image, the registration
+    first, duplicate = results[-2:]
+    # The second, sent while the first records the image, is computed in full without recording.
+    assert [first.recorded is not None, duplicate.recorded is not None] == [True, False]
+    assert np.abs(np.asarray(first.image, int) - np.asarray(duplicate.image, int)).max() <= 2
+    assert later.metrics.computed_tokens < later.metrics.tokens
+    keep = np.asarray(mask) == 0
+    assert all(np.array_equal(np.asarray(r.image)[keep], np.asarray(image)[keep]) for r in (first, duplicate, later))

@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image, ImageDraw
 
 from retouch.masks import (FLUX_STRIDE, centred_token_rectangle, mask_ratio, masked_token_indices, pixel_mask_of_tokens,
@@ -69,3 +71,19 @@ def test_centred_rectangle_covers_the_ratio_and_round_trips_through_pixels(ratio
     assert len(set(tokens.tolist())) == len(tokens) and abs(len(tokens) / 1024 - ratio) < 0.03
     pixels = pixel_mask_of_tokens(tokens, (32, 32), FLUX_STRIDE)
     assert masked_token_indices(token_mask(pixels, FLUX_STRIDE)).tolist() == sorted(tokens.tolist())
+
+
+def token_mask_reference(pixels: torch.Tensor, stride: int, dilation: int) -> torch.Tensor:
+    """Max pooling in torch: the definition token_mask computes with NumPy."""
+    tokens = torch.nn.functional.max_pool2d(pixels.float()[None, None], stride, stride, ceil_mode=True)
+    if dilation:
+        tokens = torch.nn.functional.max_pool2d(tokens, 2 * dilation + 1, stride=1, padding=dilation)
+    return tokens[0, 0] > 0
+
+
+@given(st.integers(1, 40), st.integers(1, 40), st.sampled_from([1, 3, 8, 16]), st.integers(0, 3),
+       st.integers(0, 2**32 - 1))
+@settings(max_examples=200, deadline=None)
+def test_token_mask_equals_max_pooling(height, width, stride, dilation, seed):
+    pixels = torch.from_numpy(np.random.default_rng(seed).random((height, width)) < 0.03)
+    assert torch.equal(token_mask(pixels, stride, dilation), token_mask_reference(pixels, stride, dilation))

@@ -202,3 +202,55 @@ def test_close_answers_what_it_could_not_run(context, make_router):
     future = router.submit(task())
     router.close(drain_s=0)
     assert future.result(TIMEOUT_S).status == 503
+
+
+def one_off(template_id: str = "img-1") -> TemplateRecord:
+    return TemplateRecord(template_id, b"png-of-image", (64, 64), "", 2, 0, None, replicas=1, one_off=True)
+
+
+def test_a_one_off_image_is_recorded_by_its_first_edit_and_later_edits_follow_it(context, make_router):
+    router = make_router()
+    w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+    [first_id], [first] = router.submit_many([task("img-1")], one_off())
+    carrier, other = (w0, w1) if router.pending[first_id].worker == "w0" else (w1, w0)
+    message = carrier.receive("edit")
+    assert message["one_off"] == {"steps": 2, "guidance": None} and message["blobs"]["image"] == b"png-of-image"
+    assert "register" not in carrier.pending_kinds() + other.pending_kinds()  # never registered on its own
+    _, [second] = router.submit_many([task("img-1")], one_off())  # the same image meanwhile: it waits
+    assert router.snapshot()["parked"] == 1 and router.template("img-1")["status"] == "recording"
+    carrier.send({"kind": "template", "template": "img-1", "ok": True})
+    carrier.answer(message["request"], b"first")
+    assert first.result(TIMEOUT_S).png == b"first"
+    again = carrier.receive("edit")  # mask-aware where it was recorded, without the image
+    assert "one_off" not in again and "image" not in again["blobs"]
+    carrier.answer(again["request"], b"second")
+    assert second.result(TIMEOUT_S).png == b"second"
+    assert "edit" not in other.pending_kinds()
+
+
+def test_a_one_off_edit_that_fails_or_is_cancelled_leaves_the_image_to_the_next_edit(context, make_router):
+    router = make_router()
+    w0 = ScriptedWorker(context, router, "w0")
+    [first_id], [first] = router.submit_many([task("img-1")], one_off())
+    message = w0.receive("edit")
+    _, [waiting] = router.submit_many([task("img-1")], one_off())
+    assert router.cancel(first_id) and not router.cancel(first_id)
+    assert first.result(TIMEOUT_S).status == 409 and first.result().error == "Cancelled"
+    assert w0.receive("cancel")["request"] == message["request"]
+    retry = w0.receive("edit")  # the waiting edit now records the image
+    assert "one_off" in retry
+    w0.send({"kind": "result", "request": retry["request"], "status": 422, "error": "InputError", "message": "bad"})
+    assert waiting.result(TIMEOUT_S).status == 422
+    assert router.template("img-1")["status"] == "pending"  # nobody holds it; the next edit records it
+    w0.send({"kind": "result", "request": message["request"], "status": 409, "error": "Cancelled"})
+    w0.sync()
+    assert router.snapshot()["counters"]["duplicates_dropped"] == 0
+
+
+def test_submit_many_is_all_or_nothing(context, make_router):
+    router = make_router(max_queue=3)
+    router.register_template(template())
+    router.submit_many([task(), task()])
+    with pytest.raises(QueueFull):
+        router.submit_many([task(), task()], one_off("img-2"))
+    assert router.snapshot()["pending"] == 2 and router.template("img-2") is None

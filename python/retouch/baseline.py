@@ -50,8 +50,9 @@ def run_baseline_edit(
     if strength == 1.0:
         # The editor's noise (`retouch.noise`): a one-off edit's first, recorded run equals this edit.
         # With strength < 1 the pipeline must draw its own (given latents would replace the image's).
-        kwargs["latents"] = latents_argument(pipe, family_of_pipeline(pipe),
-                                             initial_noise(pipe, seed, canvas.padded)[None])
+        denoiser = pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+        kwargs["latents"] = latents_argument(initial_noise(pipe, seed, canvas.padded)[None], family_of_pipeline(pipe),
+                                             pipe.device, denoiser.dtype)
     if steps is not None:
         kwargs["num_inference_steps"] = steps
     if guidance is not None:

@@ -137,10 +137,14 @@ class ServeOptions:
     max_batch: int = option(8, help="requests per denoising step per worker")
     helpers: int = option(1, help="pre/post-processing processes per worker (disagg mode)")
     worker_threads: int = option(0, help="torch CPU threads per worker (0: torch's default)")
+    helper_threads: int = option(0, help="torch CPU threads per helper process (0: torch's default; on a CPU-only "
+                                 "host, 1 keeps them off the step loop's cores under load)")
     steps: int = option(28, help="denoising steps of templates registered without `steps`")
     max_steps: int = option(200, help="largest `steps` a request may ask for")
     max_upload_mb: float = option(32.0, help="largest request body (MiB)")
     max_pixels: int = option(4096 * 4096, help="largest image or mask (pixels; checked before decoding)")
+    max_work: int = option(4096 * 4096 * 28, help="most work one request may ask for, in pixel-steps (width x "
+                           "height x steps x n); beyond it: 413")
     max_queue: int = option(256, help="edits accepted and not yet answered; beyond it: 429 with Retry-After")
     api_key: str | None = option(None, help="require `Authorization: Bearer KEY` on /v1 (default: $RETOUCH_API_KEY)")
     heartbeat_s: float = option(0.5, help="seconds between worker heartbeats")
@@ -148,9 +152,12 @@ class ServeOptions:
     restart: bool = option(True, help="start a replacement when a worker process exits")
 
     def __post_init__(self):
-        for name in ("workers", "max_batch", "steps", "max_steps", "max_queue", "max_pixels"):
+        for name in ("workers", "max_batch", "steps", "max_steps", "max_queue", "max_pixels", "max_work"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("worker_threads", "helper_threads"):
+            if getattr(self, name) < 0:
+                raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.helpers < 1 and self.mode == "disagg":
             raise InputError("--helpers must be >= 1 in disagg mode")
         if not 0 <= self.port < 65536:

@@ -36,7 +36,8 @@ from retouch.errors import InputError, ModelError
 from retouch.images import as_image, as_mask
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
 from retouch.models import LoadedModel, load_pipeline, quiet_libraries
-from retouch.noise import initial_noise, latents_argument, pack_flux_latents  # noqa: F401 - pack_flux_latents: API
+from retouch.noise import initial_noise, latent_shape, latents_argument, pack_flux_latents  # noqa: F401 - API
+from retouch.noise import seeded_noise
 
 if TYPE_CHECKING:
     from retouch.costs import CostModel
@@ -64,7 +65,7 @@ class Template:
     steps: int
     seed: int
     guidance: float | None
-    noise: torch.Tensor  # [C, h, w] initial latents of the canvas
+    latent_shape: tuple[int, int, int]  # (C, h, w) of the canvas's latents
     num_text_tokens: int
     recorded_mask: Image.Image  # what the recorded run repainted (`Canvas.mask`; nothing by default)
     recorded_mode: str  # the cache mode it was recorded for: "kv" recordings serve Y-cache edits too
@@ -73,6 +74,13 @@ class Template:
     def image(self) -> Image.Image:
         """The template on its canvas: what the pipeline is given."""
         return self.canvas.image(self.source)
+
+    @cached_property
+    def noise(self) -> torch.Tensor:
+        """`[C, h, w]` initial latents (`retouch.noise`), drawn where first needed: on the step loop or
+        in a helper process, never on a request's thread, where a parallel torch kernel would start an
+        OpenMP team that slows the loop (`retouch.masks.token_mask`)."""
+        return seeded_noise(self.latent_shape, self.seed)
 
     @property
     def original_size(self) -> tuple[int, int]:
@@ -125,6 +133,10 @@ class MaskAwareEditor:
             raise InputError(f"planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
         self.model = model
         self.pipe = model.pipe
+        # Read once, not per step: diffusers' pipe.device and model.dtype walk every module (~2 ms a call),
+        # and the pipeline's signature is parsed anew on every inspect.
+        self.device = model.pipe.device
+        self.default_guidance = inspect.signature(self.pipe.__call__).parameters["guidance_scale"].default
         self.cache = cache if cache is not None else CacheStore(StoreConfig())
         self.mode = CACHE_MODES[cache_mode]
         self.mode_name = cache_mode
@@ -141,6 +153,7 @@ class MaskAwareEditor:
             self.denoiser = self.pipe.transformer
             patch = patch_sd3 if model.family == "sd3" else patch_flux
             self.adapter = patch(self.denoiser, attention_backend=attention_backend)
+        self.dtype = self.denoiser.dtype
         self.copy_engine = None
         if isinstance(self.cache, CacheStore):
             self.copy_engine = copy_engine if copy_engine is not None else CopyEngine(self.pipe.device)
@@ -213,10 +226,10 @@ class MaskAwareEditor:
     def _template_on_canvas(self, template_id: str, image: Image.Image, prompt: str, steps: int, seed: int,
                             guidance: float | None, recorded: Image.Image | None) -> Template:
         canvas = Canvas.for_pipeline(image.size, self.pipe)
-        width, height = canvas.padded
         return Template(
             template_id=template_id, source=image, canvas=canvas, prompt=prompt, steps=steps, seed=seed,
-            guidance=guidance, noise=self._noise(seed, height, width), num_text_tokens=self._num_text_tokens(),
+            guidance=guidance, latent_shape=latent_shape(self.pipe, canvas.padded),
+            num_text_tokens=self._num_text_tokens(),
             recorded_mask=canvas.empty_mask() if recorded is None else canvas.mask(recorded),
             recorded_mode=self.mode_name)
 
@@ -239,19 +252,23 @@ class MaskAwareEditor:
         returns the pipeline's output (the recorded run's result)."""
         template_id, guidance = template.template_id, template.guidance
         width, height = template.canvas.padded
+        # Y-cache edits read block outputs only: the blocks run unmodified (the stock computation) and
+        # hand them over; KV-cache edits also read keys and values, which the masked path keeps.
+        plan = (False,) * self.adapter.num_blocks if template.recorded_mode == "y" else None
         if self.is_unet:
             copies = 2 if self._uses_guidance(guidance) else 1
 
             def context_at(step: int) -> UNetMaskAwareContext:
                 return UNetMaskAwareContext.record([template_id], [step], (height, width), self.adapter.num_levels,
-                                                   self.cache, guidance_copies=copies, device=self.pipe.device)
+                                                   self.cache, guidance_copies=copies, device=self.device,
+                                                   block_plan=plan)
         else:
             row_ids = self._row_template_ids([template_id], guidance)
             num_image_tokens = (width // PATCH_STRIDE) * (height // PATCH_STRIDE)
 
             def context_at(step: int) -> MaskAwareContext:
                 return MaskAwareContext.record(row_ids, [step] * len(row_ids), template.num_text_tokens,
-                                               num_image_tokens, self.cache, device=self.pipe.device)
+                                               num_image_tokens, self.cache, device=self.device, block_plan=plan)
 
         self.begin_recording(template)
         try:
@@ -319,7 +336,7 @@ class MaskAwareEditor:
             return []
         templates = [self._template(request.template_id) for request in requests]
         requests = [self.check_request(request, template) for request, template in zip(requests, templates)]
-        if len({(t.steps, t.guidance, t.num_text_tokens, t.noise.shape) for t in templates}) > 1:
+        if len({(t.steps, t.guidance, t.num_text_tokens, t.latent_shape) for t in templates}) > 1:
             raise InputError("edit_many batches templates registered with the same steps, guidance and size")
         inputs = [self.prepare_edit(request, template) for request, template in zip(requests, templates)]
         handles = {} if full_compute else self.acquire(templates)
@@ -386,14 +403,14 @@ class MaskAwareEditor:
             copies = 2 if self._uses_guidance(templates[0].guidance) else 1
             return UNetMaskAwareContext.edit(self.mode, [i.compute_mask for i in inputs], template_ids, steps,
                                              self.adapter.num_levels, cache, dilation=self.dilation,
-                                             block_plan=block_plan, guidance_copies=copies, device=self.pipe.device,
+                                             block_plan=block_plan, guidance_copies=copies, device=self.device,
                                              records=records, record_to=record_to)
         row_ids = self._row_template_ids(template_ids, templates[0].guidance)
         copies = len(row_ids) // len(templates)
-        num_image = templates[0].noise.shape[1] * templates[0].noise.shape[2] // 4
+        num_image = templates[0].latent_shape[1] * templates[0].latent_shape[2] // 4
         return MaskAwareContext.edit(self.mode, [i.masked_idx for i in inputs] * copies, row_ids,
                                      list(steps) * copies, templates[0].num_text_tokens, num_image, cache,
-                                     block_plan=block_plan, device=self.pipe.device, records=records * copies,
+                                     block_plan=block_plan, device=self.device, records=records * copies,
                                      record_to=record_to)
 
     def staged_edit_context(self, inputs: Sequence[EditInputs], steps: Sequence[int],
@@ -401,10 +418,14 @@ class MaskAwareEditor:
                             record_to: ActivationCache | None = None):
         """`edit_context`, its cache rows staged ahead of compute by the copy engine when the cache is
         the store (enter its `StagedActivations` around the forward); the planner's block plan for this
-        batch when the editor has a cost model and no fixed plan. A batch with a recording runs every
-        block mask-aware (the recording needs every block's activations)."""
-        if any(i.records for i in inputs):
-            block_plan = None
+        batch when the editor has a cost model and no fixed plan. A batch that reuses nothing (only
+        recordings and full masks) runs the stock blocks; one with a KV-cache recording runs every
+        block mask-aware (it keeps keys and values)."""
+        records_kv = self.mode is CacheMode.KV_CACHE and any(i.records for i in inputs)
+        if records_kv:
+            block_plan = None  # a KV-cache recording keeps every block's keys and values: the masked path
+        elif all(len(i.masked_idx) == self.num_tokens(i.template) for i in inputs):
+            block_plan = (False,) * self.adapter.num_blocks  # nothing to reuse: the stock blocks
         else:
             if block_plan is None:
                 block_plan = self.block_plan
@@ -416,7 +437,7 @@ class MaskAwareEditor:
 
         if self.copy_engine is None:
             return build(self.cache)
-        return staged_context(build, self.copy_engine, self.adapter, handles, self.denoiser.dtype)
+        return staged_context(build, self.copy_engine, self.adapter, handles, self.dtype)
 
     def _edit_contexts(self, inputs: Sequence[EditInputs], handles: dict[str, TemplateHandle]):
         """context_at(step) of an edit batch whose requests are all at the same step: one block plan
@@ -536,7 +557,7 @@ class MaskAwareEditor:
         return template
 
     def _latents_argument(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents_argument(self.pipe, self.model.family, latents)
+        return latents_argument(latents, self.model.family, self.device, self.dtype)
 
     def _noise(self, seed: int, height: int, width: int) -> torch.Tensor:
         return initial_noise(self.pipe, seed, (width, height))
@@ -560,9 +581,7 @@ class MaskAwareEditor:
         return [uncond_row_id(template_id) for template_id in template_ids] + list(template_ids)
 
     def _uses_guidance(self, guidance: float | None) -> bool:
-        if guidance is None:
-            guidance = inspect.signature(self.pipe.__call__).parameters["guidance_scale"].default
-        return guidance > 1
+        return (self.default_guidance if guidance is None else guidance) > 1
 
     def _template_id(self, image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None,
                      mask: Image.Image | None) -> str:

@@ -18,7 +18,9 @@ import base64
 import hashlib
 import io
 import math
+import re
 import time
+import uuid
 from dataclasses import dataclass
 
 import anyio
@@ -38,6 +40,11 @@ from retouch.images import ImageTooLarge, as_image, as_mask, decode_image, has_a
 from retouch.masks import FLUX_STRIDE, token_mask
 
 TOKEN_STRIDE = FLUX_STRIDE  # the policies' token grid: 16 px per token (Flux/SD3 latents, patchified)
+# What one request may ask for, in pixel-steps (width x height x steps, times n images): a 4096x4096
+# image at the default 28 steps.
+DEFAULT_MAX_WORK = 4096 * 4096 * 28
+DISCONNECT_POLL_S = 0.25  # how often a waiting edit checks whether its client is still there
+REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,7 @@ class Limits:
     max_steps: int = 200
     default_steps: int = 28
     max_n: int = 10
+    max_work: int = DEFAULT_MAX_WORK
     request_timeout_s: float = 600.0
     api_key: str | None = None
 
@@ -88,6 +96,44 @@ class BodyLimit:
             return message
 
         return await self.app(scope, limited, send)
+
+
+class CountAndAuthenticate:
+    """Counts every answer by endpoint and status, and refuses /v1 requests without the API key.
+    Plain ASGI rather than Starlette's BaseHTTPMiddleware, which hides a client's disconnect from the
+    endpoint (an edit whose client went away must be cancelled)."""
+
+    def __init__(self, app, metrics: Metrics, api_key: str | None):
+        self.app, self.metrics, self.api_key = app, metrics, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if self.api_key and path.startswith("/v1/"):
+            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if authorization != f"Bearer {self.api_key}":
+                self.metrics.requests.inc(_endpoint(path), "401")
+                refused = ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", "authorization",
+                                   "invalid_api_key")
+                return await refused.response()(scope, receive, send)
+        status = None
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except ApiError as exc:  # raised while the body streamed in (BodyLimit), before any answer
+            if status is not None:
+                raise
+            await exc.response()(scope, receive, counted)
+        finally:
+            if status is not None:
+                self.metrics.requests.inc(_endpoint(path), str(status))
 
 
 class Metrics:
@@ -172,12 +218,18 @@ class Form:
         return number
 
 
-async def read_upload(upload: UploadFile, name: str, max_pixels: int) -> Image.Image:
+@dataclass(frozen=True)
+class Upload:
+    image: Image.Image  # decoded, EXIF orientation applied
+    data: bytes  # as the client sent it (a one-off image travels on to its worker as it came)
+
+
+async def read_upload(upload: UploadFile, name: str, max_pixels: int) -> Upload:
     data = await upload.read()
     if not data:
         raise ApiError(400, f"{name} is empty", name)
     try:
-        return await anyio.to_thread.run_sync(decode_image, data, name, max_pixels)
+        return Upload(await anyio.to_thread.run_sync(decode_image, data, name, max_pixels), data)
     except ImageTooLarge as exc:
         raise ApiError(413, str(exc), name, "image_too_large") from None
     except InputError as exc:
@@ -188,6 +240,18 @@ def template_id_of(image: Image.Image, prompt: str, steps: int, seed: int, guida
     digest = hashlib.sha256(image.tobytes())
     digest.update(f"|{image.size}|{prompt}|{steps}|{seed}|{guidance}".encode())
     return "tpl-" + digest.hexdigest()[:24]
+
+
+def one_off_id_of(image: Image.Image, steps: int, guidance: float | None) -> str:
+    """A one-off image's template: its content and schedule, not the prompt, seed or mask of the
+    request that first sent it."""
+    digest = hashlib.sha256(image.tobytes())
+    digest.update(f"|{image.size}|{steps}|{guidance}".encode())
+    return "img-" + digest.hexdigest()[:24]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; its edits were cancelled."""
 
 
 def request_load(mask: Image.Image, steps: int, text_tokens: int = 0) -> RequestLoad:
@@ -208,6 +272,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     async def api_error(request: Request, exc: ApiError):
         return exc.response()
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -218,22 +286,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     async def http_error(request: Request, exc: StarletteHTTPException):
         return ApiError(exc.status_code, str(exc.detail)).response()
 
-    @app.middleware("http")
-    async def count_and_authenticate(request: Request, call_next):
-        path = request.url.path
-        if limits.api_key and path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {limits.api_key}":
-                response = ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", "authorization",
-                                    "invalid_api_key").response()
-                metrics.requests.inc(_endpoint(request), "401")
-                return response
-        try:
-            response = await call_next(request)
-        except ApiError as exc:  # raised while the body streamed in (BodyLimit)
-            response = exc.response()
-        metrics.requests.inc(_endpoint(request), str(response.status_code))
-        return response
-
+    app.add_middleware(CountAndAuthenticate, metrics=metrics, api_key=limits.api_key)
     app.add_middleware(BodyLimit, max_bytes=limits.max_upload_bytes)
 
     async def read_form(request: Request) -> Form:
@@ -258,12 +311,12 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                            "template_id", "template_not_found")
         return record
 
-    async def register(image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None,
-                       replicas: int) -> dict:
+    async def register(image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None) -> dict:
         image = as_image(image)
         template_id = template_id_of(image, prompt, steps, seed, guidance)
         png = await anyio.to_thread.run_sync(png_bytes, image)
-        router.register_template(TemplateRecord(template_id, png, image.size, prompt, steps, seed, guidance, replicas))
+        router.register_template(TemplateRecord(template_id, png, image.size, prompt, steps, seed, guidance,
+                                                replicas=0))
         return router.template(template_id)
 
     # ---- templates ----
@@ -274,12 +327,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         upload = form.file("image")
         if upload is None:
             raise ApiError(400, "image is required (a file field)", "image")
-        image = await read_upload(upload, "image", limits.max_pixels)
+        image = (await read_upload(upload, "image", limits.max_pixels)).image
         prompt = form.text("prompt", "")
         steps = form.integer("steps", limits.default_steps, 1, limits.max_steps)
         seed = form.integer("seed", 0, 0, 2**63 - 1)
         guidance = form.number("guidance", 0.0, 100.0)
-        record = await register(image, prompt, steps, seed, guidance, replicas=0)
+        check_work(image.size, steps, 1, "image")
+        record = await register(image, prompt, steps, seed, guidance)
         return JSONResponse(record, status_code=200 if record["status"] == "ready" else 202,
                             headers={"Location": f"/v1/templates/{record['id']}"})
 
@@ -305,39 +359,19 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
     # ---- edits ----
 
-    async def edit(endpoint: str, template: dict, mask: Image.Image, prompt: str, seed: int, n: int = 1) -> list[bytes]:
-        """Run `n` edits (seeds seed, seed+1, ...) of a validated request; PNG bytes each."""
-        if mask.getbbox() is None:  # nothing to repaint: the answer is the template itself
-            record = router.templates.get(template["id"])
-            return [record.image_png] * n
-        load = await anyio.to_thread.run_sync(request_load, mask, template["steps"])
-        started = time.perf_counter()
-        futures = []
-        try:
-            for i in range(n):
-                futures.append(router.submit(EditTask(template["id"], mask.tobytes(), mask.size, prompt, seed + i, load)))
-        except QueueFull as exc:
-            raise ApiError(429, f"server busy: {exc}; retry later", None, "queue_full", {"Retry-After": "1"}) from None
-        except Unavailable as exc:
-            raise ApiError(503, str(exc), None, "unavailable", {"Retry-After": "5"}) from None
-        except KeyError:
-            template_or_404(template["id"])
-        try:
-            answers = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)),
-                                             limits.request_timeout_s)
-        except TimeoutError:
-            metrics.latency.observe(time.perf_counter() - started, endpoint, "timeout")
-            raise ApiError(504, f"the edit took longer than {limits.request_timeout_s:.0f} s", None, "timeout") from None
-        failed = next((a for a in answers if a.status != 200), None)
-        metrics.latency.observe(time.perf_counter() - started, endpoint, "ok" if failed is None else "error")
-        if failed is not None:
-            raise ApiError(failed.status, failed.message or "the edit failed", None, failed.error)
-        return [a.png for a in answers]
+    in_flight: dict[str, list[int]] = {}  # X-Request-Id -> router request ids of an edit being answered
 
-    async def resolve_template(form: Form, steps: int | None, guidance: float | None,
-                               image: Image.Image | None, mask: Image.Image) -> dict:
-        """The template an edit repaints (a registered one, or the one-off `image`), once `mask` is
-        known to fit it."""
+    def check_work(size: tuple[int, int], steps: int, n: int, param: str) -> None:
+        work = size[0] * size[1] * steps * n
+        if work > limits.max_work:
+            images = f" x {n} images" if n > 1 else ""
+            raise ApiError(413, f"this request asks for {work} pixel-steps ({size[0]}x{size[1]} pixels x {steps} "
+                           f"steps{images}), over the limit of {limits.max_work} (--max-work)", param, "too_much_work")
+
+    async def edit_target(form: Form, steps: int | None, guidance: float | None, upload: Upload | None,
+                          mask: Image.Image, n: int) -> tuple[str, TemplateRecord | None, int]:
+        """What an edit repaints, checked before anything is created: (template id, the one-off
+        image's record to create with the edit or None, steps)."""
         template_id = form.text("template_id")
         if template_id:
             template = template_or_404(template_id)
@@ -350,15 +384,93 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             if guidance is not None and guidance != template["guidance"]:
                 raise ApiError(422, f"template {template_id!r} was recorded with guidance {template['guidance']}",
                                "guidance")
-            return template
-        if image is None:
+            check_work(mask.size, template["steps"], n, "n" if n > 1 else "template_id")
+            return template_id, None, template["steps"]
+        if upload is None:
             raise ApiError(400, "send image (a file) or template_id", "image")
-        check_mask_size(mask, image.size, "the image")
-        # A one-off image is recorded on one worker; sending it again reuses the recording.
-        return await register(image, "", steps or limits.default_steps, 0, guidance, replicas=1)
+        check_mask_size(mask, upload.image.size, "the image")
+        steps = steps or limits.default_steps
+        check_work(upload.image.size, steps, n, "n" if n > 1 else "image")
+        # A one-off image: its first edit records it as it runs, and later edits of the same image
+        # (whatever their prompt, seed or mask) find that recording. It travels as the client sent it.
+        image = as_image(upload.image)
+        template_id = one_off_id_of(image, steps, guidance)
+        if router.template(template_id) is not None:
+            return template_id, None, steps
+        return template_id, TemplateRecord(template_id, upload.data, image.size, "", steps, 0, guidance, replicas=1,
+                                           one_off=True), steps
+
+    async def edit(request: Request, endpoint: str, template_id: str, one_off: TemplateRecord | None,
+                   steps: int, mask: Image.Image, prompt: str, seed: int, n: int = 1) -> list[bytes]:
+        """Run `n` edits (seeds seed, seed+1, ...) of a validated request; PNG bytes each. A client
+        that goes away cancels them: they leave their worker's batch at its next step."""
+        if mask.getbbox() is None:  # nothing to repaint: the answer is the template itself
+            record = one_off if one_off is not None else router.templates.get(template_id)
+            if not record.one_off:
+                return [record.image] * n
+            # A one-off's image is the client's upload, in whatever format it came.
+            png = await anyio.to_thread.run_sync(lambda: png_bytes(as_image(decode_image(record.image, "image"))))
+            return [png] * n
+        load = await anyio.to_thread.run_sync(request_load, mask, steps)
+        tasks = [EditTask(template_id, mask.tobytes(), mask.size, prompt, seed + i, load) for i in range(n)]
+        started = time.perf_counter()
+        try:
+            ids, futures = router.submit_many(tasks, one_off)
+        except QueueFull as exc:
+            raise ApiError(429, f"server busy: {exc}; retry later", None, "queue_full", {"Retry-After": "1"}) from None
+        except Unavailable as exc:
+            raise ApiError(503, str(exc), None, "unavailable", {"Retry-After": "5"}) from None
+        except KeyError:
+            raise ApiError(404, f"template {template_id!r} was deleted", "template_id", "template_not_found") from None
+        key = request.state.request_id
+        in_flight[key] = ids
+        try:
+            answers = await answers_or_cancel(request, ids, futures)
+        except TimeoutError:
+            metrics.latency.observe(time.perf_counter() - started, endpoint, "timeout")
+            raise ApiError(504, f"the edit took longer than {limits.request_timeout_s:.0f} s", None,
+                           "timeout") from None
+        finally:
+            in_flight.pop(key, None)
+        failed = next((a for a in answers if a.status != 200), None)
+        metrics.latency.observe(time.perf_counter() - started, endpoint, "ok" if failed is None else "error")
+        if failed is not None:
+            raise ApiError(failed.status, failed.message or "the edit failed", None,
+                           "cancelled" if failed.error == "Cancelled" else failed.error)
+        return [a.png for a in answers]
+
+    async def answers_or_cancel(request: Request, ids: list[int], futures: list) -> list:
+        """The router's answers; if the client disconnects or the timeout passes first, the edits are
+        cancelled (ClientGone, TimeoutError)."""
+        waiting = [asyncio.wrap_future(f) for f in futures]
+        deadline = time.monotonic() + limits.request_timeout_s
+        while True:
+            _, pending = await asyncio.wait(waiting, timeout=DISCONNECT_POLL_S)
+            if not pending:
+                return [w.result() for w in waiting]
+            gone = await request.is_disconnected()
+            if gone or time.monotonic() > deadline:
+                for request_id in ids:
+                    router.cancel(request_id, "the client went away" if gone else "it timed out")
+                if gone:
+                    raise ClientGone()
+                raise TimeoutError
+
+    def client_request_id(request: Request) -> str:
+        """The client's X-Request-Id (GET/DELETE /v1/edits/{id} while it runs), or a new one."""
+        key = request.headers.get("x-request-id")
+        if key is None:
+            return f"edit-{uuid.uuid4().hex}"
+        if not REQUEST_ID.fullmatch(key):
+            raise ApiError(400, "X-Request-Id must be 1-64 letters, digits, '.', '_' or '-'", "x-request-id")
+        if key in in_flight:
+            raise ApiError(409, f"an edit with X-Request-Id {key!r} is already running", "x-request-id",
+                           "duplicate_request_id")
+        return key
 
     @app.post("/v1/edits")
     async def create_edit(request: Request):
+        request.state.request_id = client_request_id(request)
         form = await read_form(request)
         prompt = (form.text("prompt") or "").strip()
         if not prompt:
@@ -375,19 +487,21 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(400, "mask is required (a file field; white = repaint)", "mask")
         upload = form.file("image")
         image = None if upload is None else await read_upload(upload, "image", limits.max_pixels)
-        mask = read_mask(await read_upload(mask_upload, "mask", limits.max_pixels))
-        template = await resolve_template(form, steps, guidance, image=image, mask=mask)
-        [png] = await edit("/v1/edits", template, mask, prompt, seed)
+        mask = read_mask((await read_upload(mask_upload, "mask", limits.max_pixels)).image)
+        template_id, one_off, steps = await edit_target(form, steps, guidance, image, mask, 1)
+        [png] = await edit(request, "/v1/edits", template_id, one_off, steps, mask, prompt, seed)
+        headers = {"X-Template-Id": template_id, "X-Request-Id": request.state.request_id}
         if response_format == "png":
-            return Response(png, media_type="image/png", headers={"X-Template-Id": template["id"]})
-        return {"created": int(time.time()), "template_id": template["id"],
-                "data": [{"b64_json": base64.b64encode(png).decode()}]}
+            return Response(png, media_type="image/png", headers=headers)
+        return JSONResponse({"created": int(time.time()), "template_id": template_id,
+                             "data": [{"b64_json": base64.b64encode(png).decode()}]}, headers=headers)
 
     @app.post("/v1/images/edits")
     async def openai_edit(request: Request):
         """The OpenAI Images API edit: `image` (or `image[]`), optional `mask` whose alpha 0 marks
         the region to repaint (without one, the image's own alpha does), `prompt`, `n`, `size`,
         `response_format` (b64_json); retouch's extra `template_id` reuses a registered template."""
+        request.state.request_id = client_request_id(request)
         form = await read_form(request)
         prompt = (form.text("prompt") or "").strip()
         if not prompt:
@@ -398,21 +512,47 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(400, "response_format must be b64_json (this server does not host image URLs)",
                            "response_format")
         size = form.text("size")
+        target = None if size in (None, "", "auto") else _parse_size(size, limits.max_pixels)
+        seed = form.integer("seed", 0, 0, 2**63 - 1)
         upload = form.file("image", "image[]")
         image = None if upload is None else await read_upload(upload, "image", limits.max_pixels)
         mask_upload = form.file("mask")
         if mask_upload is not None:
-            mask = read_mask(await read_upload(mask_upload, "mask", limits.max_pixels), alpha=True)
-        elif image is not None and has_alpha(image):
-            mask = read_mask(image, alpha=True)
+            mask = read_mask((await read_upload(mask_upload, "mask", limits.max_pixels)).image, alpha=True)
+        elif image is not None and has_alpha(image.image):
+            mask = read_mask(image.image, alpha=True)
         else:
             raise ApiError(400, "send a mask, or an image with transparency (alpha 0 = repaint)", "mask")
-        template = await resolve_template(form, None, None, image=image, mask=mask)
-        pngs = await edit("/v1/images/edits", template, mask, prompt, form.integer("seed", 0, 0, 2**63 - 1), n)
-        if size not in (None, "", "auto"):
-            target = _parse_size(size, limits.max_pixels)
-            pngs = [png_bytes(Image.open(io.BytesIO(p)).resize(target, Image.Resampling.LANCZOS)) for p in pngs]
-        return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(p).decode()} for p in pngs]}
+        template_id, one_off, steps = await edit_target(form, None, None, image, mask, n)
+        pngs = await edit(request, "/v1/images/edits", template_id, one_off, steps, mask, prompt, seed, n)
+        if target is not None:
+            pngs = await anyio.to_thread.run_sync(
+                lambda: [png_bytes(Image.open(io.BytesIO(p)).resize(target, Image.Resampling.LANCZOS)) for p in pngs])
+        return JSONResponse({"created": int(time.time()),
+                             "data": [{"b64_json": base64.b64encode(p).decode()} for p in pngs]},
+                            headers={"X-Request-Id": request.state.request_id})
+
+    @app.get("/v1/edits/{request_id}")
+    async def edit_status(request_id: str):
+        """An edit in flight (by its X-Request-Id): per image, parked, queued at a worker, or running
+        step k of n."""
+        ids = in_flight.get(request_id)
+        if ids is None:
+            raise ApiError(404, f"no edit with X-Request-Id {request_id!r} is running (unknown, or answered)",
+                           "request_id", "edit_not_found")
+        images = [router.request_status(i) or {"status": "done"} for i in ids]
+        return {"id": request_id, "images": images}
+
+    @app.delete("/v1/edits/{request_id}")
+    async def cancel_edit(request_id: str):
+        """Cancel an edit in flight: it leaves its worker's batch at the next step; its POST is answered
+        409 (code "cancelled")."""
+        ids = in_flight.get(request_id)
+        if ids is None:
+            raise ApiError(404, f"no edit with X-Request-Id {request_id!r} is running (unknown, or answered)",
+                           "request_id", "edit_not_found")
+        cancelled = [router.cancel(i, "DELETE /v1/edits") for i in ids]
+        return {"id": request_id, "cancelled": any(cancelled)}
 
     # ---- operations ----
 
@@ -451,10 +591,11 @@ def check_mask_size(mask: Image.Image, size: tuple[int, int], what: str) -> None
                        "mask", "mask_size")
 
 
-def _endpoint(request: Request) -> str:
-    path = request.url.path  # a label per route, not per URL: unknown paths must not grow the series
-    if path.startswith("/v1/templates/"):
-        return "/v1/templates/{id}"
+def _endpoint(path: str) -> str:
+    """A label per route, not per URL: unknown paths must not grow the series."""
+    for prefix in ("/v1/templates/", "/v1/edits/"):
+        if path.startswith(prefix):
+            return prefix + "{id}"
     return path if path in ENDPOINTS else "other"
 
 

@@ -13,7 +13,6 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 # Pixels per image token.
@@ -22,30 +21,46 @@ SD3_STRIDE = 16
 UNET_LATENT_STRIDE = 8  # a UNet level l has stride 8 * 2**l
 
 
-def pixel_mask_tensor(mask: Image.Image | np.ndarray | torch.Tensor) -> torch.Tensor:
-    """A boolean `[H, W]` tensor, True = repaint, from a PIL mask (white = repaint), array or tensor.
+def pixel_mask_array(mask: Image.Image | np.ndarray | torch.Tensor) -> np.ndarray:
+    """A boolean `[H, W]` array, True = repaint, from a PIL mask (white = repaint), array or tensor.
     Any non-zero pixel is repainted (`retouch.images.as_mask` defines what a mask's values mean)."""
     if isinstance(mask, Image.Image):
-        mask = np.array(mask.convert("L"))  # a copy: torch refuses read-only arrays
-    mask = torch.as_tensor(mask)
-    if mask.dim() != 2:
+        mask = mask.convert("L")
+    if isinstance(mask, torch.Tensor):
+        mask = mask.detach().cpu().numpy()
+    mask = np.asarray(mask)
+    if mask.ndim != 2:
         raise ValueError(f"a pixel mask must be 2-D [H, W], got shape {tuple(mask.shape)}")
-    return mask if mask.dtype == torch.bool else mask != 0
+    return mask != 0
+
+
+def pixel_mask_tensor(mask: Image.Image | np.ndarray | torch.Tensor) -> torch.Tensor:
+    """`pixel_mask_array` as a tensor."""
+    return torch.from_numpy(pixel_mask_array(mask))
 
 
 def token_mask(mask, stride: int, dilation: int = 0) -> torch.Tensor:
     """Pixel mask `[H, W]` -> token mask `[ceil(H/stride), ceil(W/stride)]` (bool).
 
     A token is masked if any pixel it covers is, or (with `dilation`) if a masked token lies within
-    `dilation` tokens of it (Chebyshev distance).
+    `dilation` tokens of it (Chebyshev distance). NumPy, not torch: request threads call it, and a
+    torch kernel with an OpenMP team of its own on such a thread halves the step loop's speed on a CPU.
     """
     if stride < 1 or dilation < 0:
         raise ValueError(f"stride must be >= 1 and dilation >= 0, got {stride} and {dilation}")
-    pixels = pixel_mask_tensor(mask).float()[None, None]
-    tokens = F.max_pool2d(pixels, kernel_size=stride, stride=stride, ceil_mode=True)
+    pixels = pixel_mask_array(mask)
+    height, width = pixels.shape
+    rows, cols = math.ceil(height / stride), math.ceil(width / stride)
+    padded = np.zeros((rows * stride, cols * stride), dtype=bool)
+    padded[:height, :width] = pixels
+    tokens = padded.reshape(rows, stride, cols, stride).any(axis=(1, 3))
     if dilation:
-        tokens = F.max_pool2d(tokens, kernel_size=2 * dilation + 1, stride=1, padding=dilation)
-    return tokens[0, 0] > 0
+        window = 2 * dilation + 1
+        for axis in (0, 1):  # a square window is a row window after a column window
+            widths = [(0, 0), (0, 0)]
+            widths[axis] = (dilation, dilation)
+            tokens = np.lib.stride_tricks.sliding_window_view(np.pad(tokens, widths), window, axis=axis).any(-1)
+    return torch.from_numpy(np.ascontiguousarray(tokens))
 
 
 def masked_token_indices(token_mask_2d: torch.Tensor) -> torch.Tensor:

@@ -7,19 +7,26 @@ from __future__ import annotations
 import torch
 
 
-def initial_noise(pipe, seed: int, size: tuple[int, int]) -> torch.Tensor:
-    """`[C, height/8, width/8]` Gaussian latents of a canvas of `size` (width, height) pixels, from a
-    CPU generator: the same noise whatever device the pipeline runs on."""
+def latent_shape(pipe, size: tuple[int, int]) -> tuple[int, int, int]:
+    """(C, height/8, width/8): the latents of a canvas of `size` (width, height) pixels."""
     width, height = size
-    shape = (pipe.vae.config.latent_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
+    return pipe.vae.config.latent_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor
+
+
+def initial_noise(pipe, seed: int, size: tuple[int, int]) -> torch.Tensor:
+    """Gaussian `latent_shape` latents of a canvas of `size` (width, height) pixels, from a CPU
+    generator: the same noise whatever device the pipeline runs on."""
+    return seeded_noise(latent_shape(pipe, size), seed)
+
+
+def seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed))
 
 
-def latents_argument(pipe, family: str, latents: torch.Tensor) -> torch.Tensor:
-    """The pipeline's `latents` argument from `[B, C, h, w]`: on the denoiser's device and dtype;
+def latents_argument(latents: torch.Tensor, family: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The pipeline's `latents` argument from `[B, C, h, w]`, on the denoiser's `device` and `dtype`:
     FluxFill takes them packed `[B, h*w/4, C*4]`."""
-    denoiser = pipe.unet if family in ("sdxl", "sd2") else pipe.transformer
-    latents = latents.to(pipe.device, denoiser.dtype)
+    latents = latents.to(device, dtype)
     return pack_flux_latents(latents) if family == "flux-fill" else latents
 
 

@@ -63,12 +63,13 @@ class Server:
         dtype = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         node_args = ["--model", opts.model, "--device", device, "--dtype", dtype, "--mode", opts.mode,
                      "--max-batch", str(opts.max_batch), "--helpers", str(opts.helpers),
+                     "--helper-threads", str(opts.helper_threads),
                      "--threads", str(opts.worker_threads)]
         self.supervisor = Supervisor(opts.workers, node_args, self.router.address, self.router.worker_exited,
                                      restart=opts.restart, gpus=device == "cuda")
         self._await_workers(ready_timeout_s)
         limits = Limits(max_upload_bytes=int(opts.max_upload_mb * (1 << 20)), max_pixels=opts.max_pixels,
-                        max_steps=opts.max_steps, default_steps=opts.steps, api_key=api_key)
+                        max_steps=opts.max_steps, default_steps=opts.steps, max_work=opts.max_work, api_key=api_key)
         app = create_app(self.router, limits, opts.model)
         listener = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -113,8 +114,9 @@ class MaskAwareContext:
                   different steps: continuous batching)
     cache:        where recorded activations are read and written
     block_plan:   per block in the adapter's execution order (Flux: double-stream, then single-stream): True = use the
-                  cache, False = compute all tokens with the unmodified block (no cache traffic).
-                  None = every block uses the cache. Ignored in RECORD mode.
+                  cache, False = compute all tokens with the unmodified block (no cache traffic; recording
+                  requests keep its output only). None = every block uses the cache (RECORD: the masked
+                  path, which keeps outputs, keys and values).
     records:      [B] whether request b is a recording (every token computed; its activations written to
                   `record_to` under its template id and step) beside the edits of a Y/KV forward: a
                   template records as a member of the running batch. All True in RECORD mode.
@@ -129,7 +131,8 @@ class MaskAwareContext:
     block_plan: tuple[bool, ...] | None = None
     records: tuple[bool, ...] | None = None
     record_to: ActivationCache | None = None
-    layout: TokenLayout = field(init=False, repr=False)
+    image_counts: tuple[int, ...] = field(init=False, repr=False)  # masked image tokens per request
+    num_image_tokens: int = field(init=False, repr=False)
 
     def __post_init__(self):
         num_requests = self.batch.batch_size
@@ -140,19 +143,33 @@ class MaskAwareContext:
         object.__setattr__(self, "steps", tuple(int(s) for s in self.steps))
         if self.block_plan is not None:
             object.__setattr__(self, "block_plan", tuple(bool(p) for p in self.block_plan))
-        object.__setattr__(self, "layout", TokenLayout.from_batch(self.batch))
-        if self.mode is CacheMode.RECORD and any(c != self.layout.num_image_tokens for c in self.layout.image_counts):
+        image_lens = {seq_len - self.batch.prefix for seq_len in self.batch.seq_lens}
+        if len(image_lens) > 1:
+            # One forward of a Flux transformer takes one [B, L, C] latent: every request has the same L.
+            raise ValueError(f"requests of one batch must have the same number of image tokens, got {image_lens}")
+        object.__setattr__(self, "num_image_tokens", image_lens.pop() if image_lens else 0)
+        object.__setattr__(self, "image_counts", tuple(c - self.batch.prefix for c in self.batch.query_counts()))
+        if self.mode is CacheMode.RECORD and any(c != self.num_image_tokens for c in self.image_counts):
             raise ValueError("a RECORD context computes every image token; build it with `MaskAwareContext.record`")
-        all_masked = [c == self.layout.num_image_tokens for c in self.layout.image_counts]
-        set_recording(self, all_masked)
+        set_recording(self, [c == self.num_image_tokens for c in self.image_counts])
+
+    @cached_property
+    def layout(self) -> TokenLayout:
+        """The index tensors of the masked blocks, derived on first use: a forward whose blocks all
+        run unmodified (recordings, full masks) never builds them."""
+        return TokenLayout.from_batch(self.batch)
 
     @classmethod
     def record(cls, template_ids: Sequence[str], steps: Sequence[int], num_text_tokens: int,
-               num_image_tokens: int, cache: ActivationCache, device: torch.device | str = "cpu") -> MaskAwareContext:
-        """Full compute of every token, keeping every block's activations for `template_ids`."""
+               num_image_tokens: int, cache: ActivationCache, device: torch.device | str = "cpu",
+               block_plan: Sequence[bool] | None = None) -> MaskAwareContext:
+        """Full compute of every token, keeping every block's activations for `template_ids`; blocks
+        whose `block_plan` entry is False run unmodified and keep their output only (all Y-cache
+        edits read)."""
         all_tokens = [torch.arange(num_image_tokens)] * len(template_ids)
         batch = RaggedBatch.from_masked_indices(all_tokens, num_image_tokens, prefix=num_text_tokens, device=device)
-        return cls(CacheMode.RECORD, batch, tuple(template_ids), tuple(steps), cache)
+        return cls(CacheMode.RECORD, batch, tuple(template_ids), tuple(steps), cache,
+                   None if block_plan is None else tuple(block_plan))
 
     @classmethod
     def edit(cls, mode: CacheMode, masked_idx: Sequence[torch.Tensor], template_ids: Sequence[str],
@@ -183,18 +200,19 @@ class MaskAwareContext:
                              f"{layout.num_image_tokens} image tokens, the model got {batch} x ({num_text} + {num_image})")
 
     def uses_cache(self, block: int) -> bool:
-        """Whether `block` runs mask-aware (reads the cache) rather than in full."""
+        """Whether `block` runs mask-aware (reads the cache, or in RECORD mode keeps keys and values)
+        rather than unmodified."""
         return self.block_plan is None or self.block_plan[block]
 
     def request_reuses_tokens(self, request: int) -> bool:
         """Whether any image token of `request` is unmasked (and so comes from the cache)."""
-        return self.layout.image_counts[request] < self.layout.num_image_tokens
+        return self.image_counts[request] < self.num_image_tokens
 
 
 def set_recording(context, all_masked: Sequence[bool]) -> None:
     """Fill and check a context's `records` / `record_to` (MaskAwareContext and UNetMaskAwareContext):
-    a recording request computes every token, and a forward that records runs every block mask-aware,
-    since the unmodified blocks keep no activations."""
+    a recording request computes every token; blocks that run unmodified keep its output only, so a
+    KV-cache recording runs every block mask-aware."""
     num_requests = len(all_masked)
     if context.mode is CacheMode.RECORD:
         object.__setattr__(context, "records", (True,) * num_requests)
@@ -210,5 +228,6 @@ def set_recording(context, all_masked: Sequence[bool]) -> None:
         raise ValueError("a context with recording requests needs record_to (where they write)")
     if any(r and not masked for r, masked in zip(records, all_masked)):
         raise ValueError("a recording request computes every token: mask all of them")
-    if context.block_plan is not None and not all(context.block_plan):
-        raise ValueError("a forward that records runs every block mask-aware: no block plan with full blocks")
+    if context.mode is CacheMode.KV_CACHE and context.block_plan is not None and not all(context.block_plan):
+        raise ValueError("a KV-cache recording needs every block's keys and values: no block plan with full "
+                         "blocks (they keep outputs only)")

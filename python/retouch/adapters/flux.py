@@ -83,9 +83,12 @@ def _dispatch(adapter: FluxMaskAwareAdapter, block: torch.nn.Module, index: int,
               temb: torch.Tensor, image_rotary_emb: RotaryEmbedding | None = None,
               joint_attention_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     context = adapter.active_context
-    if context is None or (context.mode is not CacheMode.RECORD and not context.uses_cache(index)):
-        return original_forward(block, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
-                                joint_attention_kwargs)
+    if context is None or not context.uses_cache(index):
+        outputs = original_forward(block, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                   joint_attention_kwargs)
+        if context is not None and context.recording_requests:  # an unmodified block keeps its output only
+            record_activations(context, index, {OUT: outputs[1]})
+        return outputs
     if joint_attention_kwargs:
         raise NotImplementedError("mask-aware Flux takes no joint_attention_kwargs (IP-Adapter, LoRA scale), "
                                   f"got {sorted(joint_attention_kwargs)}")

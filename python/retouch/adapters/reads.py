@@ -46,7 +46,7 @@ def forward_reads(adapter: MaskAwareAdapter, context: Context,
         block_levels = tuple(adapter.block_levels)
     else:
         rows = tuple(_row(template_id, step) for template_id, step in zip(context.template_ids, context.steps))
-        num_text, num_image = context.layout.num_text_tokens, context.layout.num_image_tokens
+        num_text, num_image = context.batch.prefix, context.num_image_tokens
         reused = tuple(_unmasked(idx[num_text:] - num_text, num_image) for idx in context.batch.query_idx)
         levels = (LevelRows(num_image, reused),)
         block_levels = (0,) * adapter.num_blocks
@@ -76,9 +76,8 @@ def row_tokens(context: Context, kinds: Sequence[str], cross_keys: int = 77) -> 
                       for count in batch.query_counts()] for batch in context.levels]
         return [{kind: per_level[int(kind.removeprefix("level"))][row] for kind in kinds}
                 for row in range(context.num_rows)]
-    layout = context.layout
-    return [{kind: RequestTokens(text=layout.num_text_tokens, image=layout.num_image_tokens, masked=count)
-             for kind in kinds} for count in layout.image_counts]
+    return [{kind: RequestTokens(text=context.batch.prefix, image=context.num_image_tokens, masked=count)
+             for kind in kinds} for count in context.image_counts]
 
 
 def staged_context(build: Callable[[ActivationCache], Context], engine: CopyEngine, adapter: MaskAwareAdapter,

@@ -64,16 +64,15 @@ class ImageAttentionLayout:
 
     @classmethod
     def from_context(cls, context: MaskAwareContext) -> ImageAttentionLayout:
-        layout = context.layout
         device = context.batch.cu_seqlens_q.device
-        counts = torch.tensor((0,) + layout.image_counts, dtype=torch.int64)
-        image_lens = torch.full((context.batch.batch_size + 1,), layout.num_image_tokens, dtype=torch.int64)
+        counts = torch.tensor((0,) + context.image_counts, dtype=torch.int64)
+        image_lens = torch.full((context.batch.batch_size + 1,), context.num_image_tokens, dtype=torch.int64)
         image_lens[0] = 0
         return cls(
             cu_seqlens_q=counts.cumsum(0).to(device, torch.int32),
-            max_seqlen_q=max(layout.image_counts, default=0),
+            max_seqlen_q=max(context.image_counts, default=0),
             cu_seqlens_k_image=image_lens.cumsum(0).to(device, torch.int32),
-            max_seqlen_k_image=layout.num_image_tokens,
+            max_seqlen_k_image=context.num_image_tokens,
         )
 
 
@@ -130,8 +129,11 @@ def _dispatch(adapter: SD3MaskAwareAdapter, block: JointTransformerBlock, index:
               hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
               joint_attention_kwargs: dict | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     context = adapter.active_context
-    if context is None or (context.mode is not CacheMode.RECORD and not context.uses_cache(index)):
-        return original_forward(block, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
+    if context is None or not context.uses_cache(index):
+        outputs = original_forward(block, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
+        if context is not None and context.recording_requests:  # an unmodified block keeps its output only
+            record_activations(context, index, {OUT: outputs[1]})
+        return outputs
     if joint_attention_kwargs:
         raise NotImplementedError("mask-aware SD3 takes no joint_attention_kwargs (IP-Adapter), "
                                   f"got {sorted(joint_attention_kwargs)}")

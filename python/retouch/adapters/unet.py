@@ -67,7 +67,8 @@ class UNetMaskAwareContext:
     steps:           [B] the denoising step of each request
     cache:           where recorded activations are read and written
     block_plan:      per transformer block in execution order (down, mid, up): True = use the cache,
-                     False = the unmodified block. None = every block uses the cache. Ignored in RECORD.
+                     False = the unmodified block (recording rows keep its output only). None = every
+                     block uses the cache.
     guidance_copies: 1, or 2 for a classifier-free-guidance batch [uncond; cond]
     records:         [B] whether request b records (every token computed, written to `record_to`)
                      beside the edits of a Y/KV forward; all True in RECORD mode
@@ -118,12 +119,14 @@ class UNetMaskAwareContext:
 
     @classmethod
     def record(cls, template_ids: Sequence[str], steps: Sequence[int], image_size: tuple[int, int], num_levels: int,
-               cache: ActivationCache, guidance_copies: int = 1,
-               device: torch.device | str = "cpu") -> UNetMaskAwareContext:
-        """Full compute of every token of an `image_size` (H, W pixels) edit, keeping every block's activations."""
+               cache: ActivationCache, guidance_copies: int = 1, device: torch.device | str = "cpu",
+               block_plan: Sequence[bool] | None = None) -> UNetMaskAwareContext:
+        """Full compute of every token of an `image_size` (H, W pixels) edit, keeping every block's activations;
+        blocks whose `block_plan` entry is False run unmodified and keep their output only."""
         masks = [torch.ones(image_size, dtype=torch.bool)] * len(template_ids)
         levels = _levels_from_pixel_masks(masks, num_levels, 0, guidance_copies, device)
-        return cls(CacheMode.RECORD, levels, tuple(template_ids), tuple(steps), cache, None, guidance_copies)
+        return cls(CacheMode.RECORD, levels, tuple(template_ids), tuple(steps), cache,
+                   None if block_plan is None else tuple(block_plan), guidance_copies)
 
     @classmethod
     def edit(cls, mode: CacheMode, pixel_masks: Sequence, template_ids: Sequence[str], steps: Sequence[int],
@@ -265,9 +268,12 @@ def _dispatch(adapter: UNetMaskAwareAdapter, block: BasicTransformerBlock, index
               timestep: torch.Tensor | None = None, cross_attention_kwargs: dict | None = None,
               class_labels: torch.Tensor | None = None, added_cond_kwargs: dict | None = None) -> torch.Tensor:
     context = adapter.active_context
-    if context is None or (context.mode is not CacheMode.RECORD and not context.uses_cache(index)):
-        return original_forward(block, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
-                                timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
+    if context is None or not context.uses_cache(index):
+        output = original_forward(block, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                                  timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
+        if context is not None and context.recording_rows:  # an unmodified block keeps its output only
+            _record_rows(context, index, {OUT: output})
+        return output
     if attention_mask is not None or encoder_attention_mask is not None or cross_attention_kwargs:
         raise NotImplementedError("mask-aware UNet blocks take no attention masks or cross_attention_kwargs")
     if encoder_hidden_states is None:
