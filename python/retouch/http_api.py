@@ -2,7 +2,9 @@
 
     POST   /v1/templates          register a template image (202; recording progress via GET)
     GET    /v1/templates[/{id}]   status and progress          DELETE /v1/templates/{id}
-    POST   /v1/edits              template_id (or image) + mask + prompt -> PNG or b64_json
+    POST   /v1/edits              template_id (or a one-off image) + mask + prompt -> PNG or b64_json
+    GET    /v1/edits/{id}         an edit in flight (X-Request-Id): parked, queued, running step k of n
+    DELETE /v1/edits/{id}         cancel it
     POST   /v1/images/edits       the OpenAI Images API's edit form (alpha 0 = repaint)
     GET    /metrics  /healthz  /readyz
 
