@@ -86,14 +86,16 @@ def test_editor_keeps_size_unmasked_pixels_and_recomputes_every_masked_pixel(edi
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_every_size_the_padding_reaches_edits_to_the_last_row_and_column(editors, model, size, data):
     # The pixels next to the padding: a mask on the last row and column of an odd-sized image.
-    editor = editors(model, "y")
-    mask = data.draw(masks(size, kinds=("corner", "border")))
-    template = random_image(size, 7)
+    assert_kept_and_recomputed(editors(model, "y"), random_image(size, 7), data.draw(masks(size, ("corner", "border"))))
+
+
+def assert_kept_and_recomputed(editor: MaskAwareEditor, template, mask) -> None:
+    """Invariants 1-3 short of the blend: size, unmasked pixels exact, masked pixels recomputed."""
     template_id = editor.register_template(template, prompt="a scene", steps=STEPS, seed=7)
     request = EditRequest(template_id, mask, "a red hat", seed=8)
     answer = editor.edit_many([request])[0]
     keep = np.asarray(mask) == 0
-    assert answer.size == size and np.array_equal(pixels(answer)[keep], pixels(template)[keep])
+    assert answer.size == template.size and np.array_equal(pixels(answer)[keep], pixels(template)[keep])
     assert recomputed_pixels(editor, request)[~keep].all()
 
 
@@ -130,13 +132,6 @@ def test_engine_keeps_size_and_unmasked_pixels_in_a_batch_of_masks(engines, mode
 @pytest.mark.parametrize("model", ["tiny-flux-fill", "tiny-sdxl-inpaint"])
 @pytest.mark.parametrize("size", [(1, 1), (1, 190), (257, 3)])
 def test_extreme_shapes(editors, model, size):
-    editor = editors(model, "y")
-    template = random_image(size, 1)
     mask = Image.new("L", size, 0)
     mask.putpixel((size[0] - 1, size[1] - 1), 255)
-    template_id = editor.register_template(template, prompt="a scene", steps=STEPS, seed=1)
-    request = EditRequest(template_id, mask, "a red hat", seed=2)
-    answer = editor.edit_many([request])[0]
-    keep = np.asarray(mask) == 0
-    assert answer.size == size and np.array_equal(pixels(answer)[keep], pixels(template)[keep])
-    assert recomputed_pixels(editor, request)[~keep].all()
+    assert_kept_and_recomputed(editors(model, "y"), random_image(size, 1), mask)
