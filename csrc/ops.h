@@ -4,6 +4,7 @@
 #include <string_view>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
 
 namespace retouch {
 
@@ -16,6 +17,14 @@ void scatter_rows_cpu(at::Tensor& dst, const at::Tensor& row_idx, const at::Tens
 // method: "auto" | "kernel" | "memcpy" (how a CUDA dst is filled; a CPU dst has one way).
 void gather_host_rows_cpu(at::Tensor& dst, const at::Tensor& src, const at::Tensor& src_offsets,
                           const at::Tensor& dst_rows, std::string_view method);
+
+// Composite ops of the mask-aware blocks (block_ops.cpp), any device.
+// diffusers' Flux RoPE on pairs: x: [..., S, heads, d]; cos, sin: [S, d] (fp32) -> x's shape and dtype.
+at::Tensor rope_pairs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// Each request's queries against its keys by SDPA. q: [T_q, heads, d]; k, v: [T_k, heads, d]; lengths:
+// [B] int64 CPU tensors (a planned forward's), so nothing is read back from the device.
+at::Tensor sdpa_ragged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths_q,
+                       const at::Tensor& lengths_k, double scale);
 
 #ifdef RETOUCH_WITH_CUDA
 at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_idx);

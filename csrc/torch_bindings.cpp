@@ -10,6 +10,14 @@ TORCH_LIBRARY(retouch, m) {
   m.def("gather_rows(Tensor src, Tensor row_idx) -> Tensor");
   m.def("scatter_rows_(Tensor(a!) dst, Tensor row_idx, Tensor src) -> ()");
   m.def("gather_host_rows_(Tensor(a!) dst, Tensor src, Tensor src_offsets, Tensor dst_rows, str method) -> ()");
+  m.def("rope_pairs(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("sdpa_ragged(Tensor q, Tensor k, Tensor v, Tensor lengths_q, Tensor lengths_k, float scale) -> Tensor");
+}
+
+// Built from ATen ops: one implementation for every device.
+TORCH_LIBRARY_IMPL(retouch, CompositeExplicitAutograd, m) {
+  m.impl("rope_pairs", &retouch::rope_pairs);
+  m.impl("sdpa_ragged", &retouch::sdpa_ragged);
 }
 
 TORCH_LIBRARY_IMPL(retouch, CPU, m) {

@@ -42,6 +42,8 @@ from triton.compiler.errors import CompileTimeAssertionFailure
 from triton.runtime.errors import OutOfResources, PTXASError
 from triton.runtime.interpreter import InterpretedFunction
 
+from retouch.kernels.reference import sdpa_ragged_ref
+
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 
@@ -310,9 +312,10 @@ class RaggedPlan:
         return self.cu_seqlens_q.numel() - 1
 
 
-def _plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, cu_q: list[int], cu_k: list[int],
-          max_seqlen_q: int, max_seqlen_k: int, config: LaunchConfig) -> RaggedPlan:
-    """The plan from cu_seqlens already validated (`cu_q, cu_k`: their host copies)."""
+def plan_from_host(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, cu_q: list[int], cu_k: list[int],
+                   max_seqlen_q: int, max_seqlen_k: int, config: LaunchConfig) -> RaggedPlan:
+    """The plan of `cu_seqlens_q, cu_seqlens_k` (on the device) from their host copies `cu_q, cu_k`, which
+    the caller vouches for: nothing is read back from the device."""
     longest_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
     longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
     if max_seqlen_q < longest_q:
@@ -321,6 +324,21 @@ def _plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, cu_q: list[int
         raise ValueError(f"max_seqlen_k = {max_seqlen_k} is below the longest key run {longest_k}")
     block_request, block_in_request = query_block_map(cu_seqlens_q, cu_q[-1], config.block_m, max_seqlen_q)
     return RaggedPlan(cu_seqlens_q, cu_seqlens_k, cu_q[-1], cu_k[-1], config, block_request, block_in_request)
+
+
+def plan_from_shapes(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+                     config: LaunchConfig) -> RaggedPlan:
+    """The plan of a layout known only on the device, bounded by its totals: no request is longer than
+    `total_q`, so the block map needs nothing read back (what a compiled or captured block builds; its
+    spare programs return at once)."""
+    block_request, block_in_request = query_block_map(cu_seqlens_q, total_q, config.block_m, max(total_q, 1))
+    return RaggedPlan(cu_seqlens_q, cu_seqlens_k, total_q, total_k, config, block_request, block_in_request)
+
+
+def launch_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RaggedPlan,
+                   softmax_scale: float | None) -> torch.Tensor:
+    """The kernel over a plan, with no checks at all (inside a traced op, whose fake has checked shapes)."""
+    return _launch(q, k, v, plan, softmax_scale)
 
 
 def plan_ragged_attention(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
@@ -333,7 +351,7 @@ def plan_ragged_attention(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
     if len(cu_q) != len(cu_k):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of requests, "
                          f"got {len(cu_q) - 1} and {len(cu_k) - 1}")
-    return _plan(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, config)
+    return plan_from_host(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, config)
 
 
 def _kernel_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, plan: RaggedPlan,
@@ -390,7 +408,7 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     _check_kernel_inputs(q)
     if config is None:
         config = launch_config(q.shape[-1], q.dtype, device_capability(q.device))
-    plan = _plan(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, config)
+    plan = plan_from_host(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, config)
     return _launch(q, k, v, plan, softmax_scale)
 
 
@@ -527,7 +545,7 @@ class RaggedAttentionTuner:
         _check_kernel_inputs(q)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         # The query block map depends on BLOCK_M: one plan per candidate.
-        plans = {config: _plan(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, config)
+        plans = {config: plan_from_host(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, config)
                  for config in self.candidates}
         precompile_error = _precompile([lambda plan=plan: _launch(q, k, v, plan, softmax_scale, out, warmup=True)
                                         for plan in plans.values()])
@@ -587,14 +605,6 @@ def ragged_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     Same shapes and semantics as `ragged_attention`; one SDPA call per request with queries.
     """
     cu_q, cu_k = check_ragged_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    scale = _default_scale(q.shape[-1], softmax_scale)
-    out = torch.zeros_like(q)
-    for b in range(len(cu_q) - 1):
-        (q0, q1), (k0, k1) = (cu_q[b], cu_q[b + 1]), (cu_k[b], cu_k[b + 1])
-        if q1 == q0 or k1 == k0:
-            continue
-        # [1, H, n, D]: SDPA's fused CPU (flash) kernel takes only 4-D inputs; 3-D ones fall back to
-        # the unfused math path, measured 2x slower on flux-small.
-        qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q[q0:q1], k[k0:k1], v[k0:k1]))
-        out[q0:q1] = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, scale=scale)[0].transpose(0, 1)
-    return out
+    lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    return sdpa_ragged_ref(q, k, v, lengths_q, lengths_k, _default_scale(q.shape[-1], softmax_scale))

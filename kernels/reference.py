@@ -24,3 +24,30 @@ def gather_host_rows_ref(dst: torch.Tensor, src: torch.Tensor, src_offsets: torc
     byte_idx = src_offsets.long()[:, None] + torch.arange(row_bytes)
     rows = src[byte_idx].to(dst.device)  # [n, row_bytes] uint8
     dst.view(torch.uint8).index_copy_(0, dst_rows.long().to(dst.device), rows)
+
+
+def rope_pairs_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' Flux RoPE (`apply_rotary_emb`, use_real, pairs (2i, 2i+1)): `x: [..., S, heads, d]`,
+    `cos, sin: [S, d]` -> x's shape and dtype."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    if x.numel() == 0:  # diffusers cannot reshape an empty tensor
+        return x.clone()
+    batch = x.shape[:-3].numel()
+    flat = x.reshape(batch, *x.shape[-3:])
+    return apply_rotary_emb(flat, (cos, sin), sequence_dim=1).reshape(x.shape)
+
+
+def sdpa_ragged_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths_q, lengths_k,
+                    scale: float) -> torch.Tensor:
+    """Each request's queries against its keys: `q: [T_q, heads, d]`, `k, v: [T_k, heads, d]` split by
+    the host `lengths_*`; a request without keys gets zeros."""
+    outputs = []
+    for qb, kb, vb in zip(q.split(list(lengths_q)), k.split(list(lengths_k)), v.split(list(lengths_k))):
+        if kb.shape[0] == 0:
+            outputs.append(torch.zeros_like(qb))
+            continue
+        out = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (qb, kb, vb)),
+                                                               scale=scale)
+        outputs.append(out[0].transpose(0, 1))
+    return torch.cat(outputs)

@@ -188,7 +188,8 @@ def test_guided_sd3_records_both_halves():
 @pytest.mark.parametrize("model", ["tiny-flux-fill", "tiny-sdxl-inpaint"])
 def test_a_kv_recording_serves_y_cache_edits_after_switching(model):
     # A KV-cache recording holds every block's output too, so after switch_cache_mode("y") its edits
-    # must equal those of an editor that recorded in Y-cache mode from the start.
+    # must equal those of an editor that recorded in Y-cache mode from the start: up to summation
+    # order, since a KV recording runs the masked path and a Y recording the unmodified blocks.
     mask = square_mask((16, 40, 79, 95))
     latents = []
     for recorded_in in ("kv", "y"):
@@ -197,7 +198,7 @@ def test_a_kv_recording_serves_y_cache_edits_after_switching(model):
         editor.switch_cache_mode("y")
         assert editor.mode_name == "y"
         latents.append(editor.edit(template_id, mask, "a red hat", seed=5, output_type="latent"))
-    assert torch.equal(latents[0], latents[1])
+    assert max_diff(latents[0], latents[1]) <= LATENT_ATOL
     with pytest.raises(InputError, match="cache mode"):
         editor.switch_cache_mode("z")
 

@@ -33,6 +33,7 @@ EDIT_STEPS = 4
 # inpainting UNets' conv_in takes 9 channels instead of 4 (+5 x 320 x 3 x 3).
 PUBLISHED_DENOISER_PARAMETERS = {
     "flux-size": 11_902_391_360,  # FLUX.1-Fill-dev transformer
+    "sd3-size": 2_028_328_000,  # stable-diffusion-3-medium transformer
     "sdxl-size": 2_567_478_084,  # stable-diffusion-xl-1.0-inpainting-0.1 UNet
     "sd2-size": 865_925_124,  # stable-diffusion-2-inpainting UNet
 }
@@ -329,7 +330,7 @@ def test_denoiser_inputs_match_vae_and_text_encoders(spec):
 def test_every_spec_is_listed_once_with_a_description():
     specs = models.list_models()
     assert [spec.name for spec in specs] == TINY_NAMES + BENCH_NAMES
-    assert set(BENCH_NAMES) == {"flux-small", "flux-size", "sdxl-size", "sd2-size"}
+    assert set(BENCH_NAMES) == {"flux-small", "flux-size", "sd3-size", "sdxl-size", "sd2-size"}
     assert all(spec.description and "\n" not in spec.description for spec in specs)
     assert all(models.get_spec(spec.name) is spec for spec in specs)
 

@@ -8,15 +8,20 @@ each with a fake (meta) implementation, so torch.compile and CUDA graphs can see
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import itertools
 import threading
+from collections.abc import Sequence
 
 import torch
 import torch.utils.flop_counter
 
 from retouch.errors import RetouchError
-from retouch.kernels.ragged_attention import (RaggedPlan, device_capability, launch_config, plan_ragged_attention,
+from retouch.kernels.ragged_attention import (RaggedPlan, device_capability, launch_config, launch_planned,
+                                              plan_from_host, plan_from_shapes, plan_ragged_attention,
                                               ragged_attention_with_plan)
+from retouch.kernels.reference import rope_pairs_ref
 from retouch.kernels.ragged_attention import ragged_attention_sdpa as _ragged_attention_sdpa
 from retouch.kernels.row_copy import gather_rows_triton, scatter_rows_triton
 
@@ -153,6 +158,115 @@ def _ragged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     return _ragged_attention_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """One forward's ragged attention layout, decided before its first block (its planning): every
+    block's call reads it and none reads tensor values back, so a planned forward makes no host sync.
+
+    lengths_q, lengths_k:         tokens per request, host ints (the ragged descriptor's own)
+    host_lengths_q, host_lengths_k: the same as [B] int64 CPU tensors (what the SDPA path reads: under
+                                  torch.compile they are graph inputs, so new lengths are no new graph)
+    cu_seqlens_q, cu_seqlens_k:   their prefix sums, [B+1] int32 on the device
+    backend:                      resolved ("sdpa", "triton" or "flash_attn")
+    triton:                       the Triton kernel's block map (backend "triton")
+    """
+
+    lengths_q: tuple[int, ...]
+    lengths_k: tuple[int, ...]
+    host_lengths_q: torch.Tensor
+    host_lengths_k: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    backend: str
+    triton: RaggedPlan | None = None
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(self.lengths_q, default=0)
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return max(self.lengths_k, default=0)
+
+
+def plan_attention(lengths_q: Sequence[int], lengths_k: Sequence[int], device: torch.device | str,
+                   dtype: torch.dtype, head_dim: int, backend: str = "auto",
+                   cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None) -> AttentionPlan:
+    """The plan of `planned_attention` calls over requests of `lengths_q` queries and `lengths_k` keys
+    (host ints; `cu_seqlens_*`: their prefix sums on `device` if already made). Reads nothing back."""
+    lengths_q, lengths_k = tuple(int(n) for n in lengths_q), tuple(int(n) for n in lengths_k)
+    if len(lengths_q) != len(lengths_k) or not lengths_q:
+        raise ValueError(f"lengths_q and lengths_k must describe the same requests (>= 1), got {len(lengths_q)} "
+                         f"and {len(lengths_k)}")
+    if min(lengths_q + lengths_k) < 0:
+        raise ValueError("sequence lengths must be >= 0")
+    device = torch.device(device)
+    backend = resolve_attention_backend(backend, torch.empty(0, device=device, dtype=dtype))
+    cu_q = [0, *itertools.accumulate(lengths_q)]
+    cu_k = [0, *itertools.accumulate(lengths_k)]
+    if cu_seqlens_q is None:
+        cu_seqlens_q = torch.tensor(cu_q, dtype=torch.int32, device=device)
+    if cu_seqlens_k is None:
+        cu_seqlens_k = torch.tensor(cu_k, dtype=torch.int32, device=device)
+    triton_plan = None
+    if backend == "triton":
+        config = launch_config(head_dim, dtype, device_capability(device))
+        triton_plan = plan_from_host(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max(lengths_q), max(lengths_k), config)
+    return AttentionPlan(lengths_q, lengths_k, torch.tensor(lengths_q), torch.tensor(lengths_k), cu_seqlens_q,
+                         cu_seqlens_k, backend, triton_plan)
+
+
+def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+                      softmax_scale: float | None = None) -> torch.Tensor:
+    """`ragged_attention` over a planned layout: `q: [T_q, heads, d]`, `k, v: [T_k, heads, d]` packed as
+    `plan` says -> `[T_q, heads, d]`. No host sync: the plan holds every length it needs.
+
+    Traced by torch.compile, only the plan's tensors are read (graph inputs: a new layout is new data,
+    not a new graph) and the lengths' maxima are bounded by the token totals (`plan_from_shapes`)."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if torch.compiler.is_compiling():
+        if plan.backend == "sdpa":
+            return torch.ops.retouch.sdpa_ragged(q, k, v, plan.host_lengths_q, plan.host_lengths_k, scale)
+        return torch.ops.retouch.ragged_attention_bounded(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, scale,
+                                                          plan.backend)
+    if plan.backend == "triton":
+        return ragged_attention_with_plan(q, k, v, plan.triton, scale)
+    if plan.backend == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
+                                      plan.max_seqlen_k, softmax_scale=scale)
+    return torch.ops.retouch.sdpa_ragged(q, k, v, plan.host_lengths_q, plan.host_lengths_k, scale)
+
+
+@torch.library.custom_op("retouch::ragged_attention_bounded", mutates_args=())
+def _ragged_attention_bounded_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                 cu_seqlens_k: torch.Tensor, softmax_scale: float, backend: str) -> torch.Tensor:
+    """The GPU backends over a layout on the device, each request's length bounded by the totals."""
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                      softmax_scale=softmax_scale)
+    config = launch_config(q.shape[-1], q.dtype, device_capability(q.device))
+    plan = plan_from_shapes(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], config)
+    return launch_planned(q, k, v, plan, softmax_scale)
+
+
+@_ragged_attention_bounded_op.register_fake
+def _ragged_attention_bounded_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, backend):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' Flux RoPE in one op: `x: [..., S, heads, d]`, `cos, sin: [S, d]` (the per-token rows of
+    the position tables) -> x's shape and dtype. Traced as its reference under torch.compile, whose
+    fusion does better than an opaque op."""
+    if torch.compiler.is_compiling():
+        return rope_pairs_ref(x, cos, sin)
+    return torch.ops.retouch.rope_pairs(x, cos, sin)
+
+
 class RecentPlans:
     """The Triton kernel's plans of the last few batches. Every masked block of a forward passes the
     same cu_seqlens tensors, so validating them (a host sync on a GPU) and building the query block
@@ -200,6 +314,14 @@ def ragged_attention_flops(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, out_val=N
     return 4 * q.shape[1] * q.shape[2] * int((lengths_q * lengths_k).sum())
 
 
+if _C is not None:
+
+    @torch.utils.flop_counter.register_flop_formula(torch.ops.retouch.sdpa_ragged, get_raw=True)
+    def sdpa_ragged_flops(q, k, v, lengths_q, lengths_k, *args, out_val=None, **kwargs) -> int:
+        """As `ragged_attention_flops`, from the host lengths."""
+        return 4 * q.shape[1] * q.shape[2] * int((lengths_q * lengths_k).sum())
+
+
 @torch.library.custom_op("retouch::gather_rows_triton", mutates_args=())
 def _gather_rows_triton_op(src: torch.Tensor, row_idx: torch.Tensor) -> torch.Tensor:
     return gather_rows_triton(src, row_idx)
@@ -229,6 +351,14 @@ if _C is not None:
     @torch.library.register_fake("retouch::scatter_rows_")
     def _scatter_rows_fake(dst: torch.Tensor, row_idx: torch.Tensor, src: torch.Tensor) -> None:
         return None
+
+    @torch.library.register_fake("retouch::rope_pairs")
+    def _rope_pairs_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("retouch::sdpa_ragged")
+    def _sdpa_ragged_fake(q, k, v, lengths_q, lengths_k, scale) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("retouch::gather_host_rows_")
     def _gather_host_rows_fake(dst: torch.Tensor, src: torch.Tensor, src_offsets: torch.Tensor,

@@ -77,15 +77,19 @@ class Target:
         return run
 
 
-def build_target(model: str, device: torch.device, dtype: torch.dtype) -> Target:
+def build_target(model: str, device: torch.device, dtype: torch.dtype, narrow: bool = False,
+                 text_tokens: int | None = None) -> Target:
+    """`narrow`: the model's depth and block structure at a tiny width (`retouch.models.narrow`);
+    `text_tokens`: the prompt's tokens (default: what the model's pipeline pads prompts to)."""
     spec = get_spec(model)
-    denoiser = build_denoiser(model, device=device, dtype=dtype).eval()
+    denoiser = build_denoiser(model, device=device, dtype=dtype, narrow=narrow).eval()
     family = spec.family
     if family in ("flux-fill", "flux-inpaint", "sd3"):
         is_flux = family != "sd3"
         adapter = (patch_flux if is_flux else patch_sd3)(denoiser)
         max_sequence = int(spec.call_defaults.get("max_sequence_length", 512))
         num_text = max_sequence if is_flux else SD3_CLIP_TOKENS + max_sequence
+        num_text = num_text if text_tokens is None else text_tokens
         if is_flux:
             kinds = ["double"] * len(adapter.double_blocks) + ["single"] * len(adapter.single_blocks)
         else:
@@ -116,7 +120,7 @@ def build_target(model: str, device: torch.device, dtype: torch.dtype) -> Target
     kinds = [f"level{level}" for level in adapter.block_levels]
 
     def unet_inputs(batch, side):
-        raw = random_unet_inputs(denoiser, batch, (side * 8, side * 8), UNET_TEXT_TOKENS, seed=0)
+        raw = random_unet_inputs(denoiser, batch, (side * 8, side * 8), text_tokens or UNET_TEXT_TOKENS, seed=0)
         moved = {k: v.to(device, dtype) if torch.is_tensor(v) and v.is_floating_point() else v
                  for k, v in raw.items() if k != "added_cond_kwargs"}
         if "added_cond_kwargs" in raw:

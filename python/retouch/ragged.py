@@ -10,6 +10,7 @@ requests are packed, request after request, into `[T, H]` with `cu_seqlens_q` (n
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,8 @@ class RaggedBatch:
     """Per-request token selections of a batch, in the forms the ops need.
 
     seq_lens:       [B] tokens per request (prefix + image), python ints
-    query_idx:      B tensors, request b's computed token positions in [0, L_b), sorted
+    query_idx:      B tensors, request b's computed token positions in [0, L_b), sorted (`padded`: with
+                    repeats at the end of one request)
     query_rows:     [T] int64, their rows in the [sum L_b, H] matrix (for gather/scatter)
     reused_rows:    [sum L_b - T] int64, the other rows (taken from the cache)
     cu_seqlens_q:   [B+1] int32, prefix sums of the query counts
@@ -83,6 +85,30 @@ class RaggedBatch:
             max_seqlen_k=max(seq_lens, default=0),
         )
 
+    def padded(self, num_queries: int) -> RaggedBatch:
+        """This batch computing `num_queries` tokens (>= its own): the last request that computes an
+        image token computes its last one again for each padding row. A repeated row computes the value
+        of its original (same input, same keys) and writes it to the same place, so padding changes no
+        result; it gives a captured graph one shape per bucket of token counts. A batch without image
+        queries is returned as it is (there is nothing to repeat)."""
+        extra = num_queries - self.num_query_tokens
+        if extra < 0:
+            raise ValueError(f"cannot pad {self.num_query_tokens} query tokens down to {num_queries}")
+        padded_request = next((b for b in reversed(range(self.batch_size))
+                               if len(self.query_idx[b]) > self.prefix), None)
+        if extra == 0 or padded_request is None:
+            return self
+        query_idx = list(self.query_idx)
+        query_idx[padded_request] = torch.cat([query_idx[padded_request], query_idx[padded_request][-1:].expand(extra)])
+        # The request's rows end where the next request's begin: repeats go there (no value is read back).
+        end = sum(len(idx) for idx in self.query_idx[:padded_request + 1])
+        rows = self.query_rows
+        query_rows = torch.cat([rows[:end], rows[end - 1:end].expand(extra), rows[end:]])
+        counts = [len(idx) for idx in query_idx]
+        device = rows.device
+        return dataclasses.replace(self, query_idx=tuple(query_idx), query_rows=query_rows,
+                                   cu_seqlens_q=_prefix_sums(counts, device), max_seqlen_q=max(counts))
+
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens)
@@ -93,6 +119,16 @@ class RaggedBatch:
 
     def query_counts(self) -> list[int]:
         return [len(idx) for idx in self.query_idx]
+
+
+def token_bucket(count: int, granularity: int = 64) -> int:
+    """The padded size of `count` query tokens for captured graphs (`RaggedBatch.padded`): multiples of
+    `granularity` up to 16 of them, then eighths of a power of two. At most one granule or an eighth
+    is padding: 33 buckets (graphs) cover up to a 4096-token image with a 512-token prompt."""
+    if count <= 16 * granularity:
+        return max(granularity, -(-count // granularity) * granularity)
+    step = 1 << (count.bit_length() - 4)  # an eighth of the power of two at or below count
+    return -(-count // step) * step
 
 
 def _prefix_sums(counts: Sequence[int], device) -> torch.Tensor:

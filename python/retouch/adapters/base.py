@@ -4,13 +4,16 @@ a time, and restoring the blocks. Model adapters (flux.py, sd3.py, unet.py) subc
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.fx.experimental._config
 
 from retouch import ops
+from retouch.adapters.context import TokenLayout
 from retouch.cache.staging import StagedActivations
+from retouch.ragged import RaggedBatch, token_bucket
 
 
 class MaskAwareAdapter:
@@ -27,6 +30,9 @@ class MaskAwareAdapter:
         self.blocks = list(blocks)
         self.attention_backend = attention_backend
         self._context = None
+        self._memo: dict = {}  # what the blocks of the active context share (see memo)
+        self._compiled: dict | None = None  # block core -> its torch.compile'd version (see compile)
+        self.token_bucket: Callable[[int], int] | None = None  # see pad_tokens
         # The copy engine gates its copies on compute reaching blocks (staged memory stays bounded).
         self._start_hooks = [block.register_forward_pre_hook(functools.partial(self._block_starts, index))
                              for index, block in enumerate(self.blocks)]
@@ -48,21 +54,68 @@ class MaskAwareAdapter:
             raise ValueError(f"block_plan has {len(context.block_plan)} entries for {self.num_blocks} blocks")
         self.check_context(context)
         self._context = context
-        self.enter(context)
+        self._memo = {}
         try:
             yield context
         finally:
             self._context = None
-            self.exit()
+            self._memo = {}
+
+    def memo(self, key, compute):
+        """`compute()` once per key while the active context lasts: what every block of a forward
+        would otherwise derive again (attention plans, gathered position tables)."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def compile(self, cuda_graphs: bool = False, **options) -> None:
+        """Run the blocks through torch.compile from now on: the tensor cores of masked blocks and the class
+        forward of blocks that run in full (`options`: torch.compile's). Token counts and batch sizes are
+        dynamic, sizes 0 and 1 included: one graph per core and cache mode serves every mask and batch
+        composition after the first forwards of a batch of one and of more.
+
+        `cuda_graphs`: inductor's CUDA graphs too (mode "reduce-overhead"), with the computed tokens padded
+        to `retouch.ragged.token_bucket` sizes, so one graph is captured per batch size and bucket. Graphs
+        are captured on CUDA devices only (elsewhere this is the padded compiled path)."""
+        if cuda_graphs:
+            options = {"mode": "reduce-overhead", **options}
+            self.pad_tokens(token_bucket)
+        self._compile_options = {"dynamic": True, **options}
+        self._compiled = {}
+
+    @property
+    def compiling(self) -> bool:
+        return self._compiled is not None
+
+    def core(self, function):
+        """`function` (a block core: tensors and modules in, tensors out), compiled if `compile` was called."""
+        if self._compiled is None:
+            return function
+        if function not in self._compiled:
+            self._compiled[function] = _size_oblivious(torch.compile(function, **self._compile_options))
+        return self._compiled[function]
+
+    def pad_tokens(self, bucket: Callable[[int], int] | None) -> None:
+        """Compute `bucket(T)` query tokens where a forward's masked blocks have T (`RaggedBatch.padded`:
+        repeats of a computed token, which change no result), so that the cores see one shape per bucket:
+        what CUDA graphs capture. None: no padding."""
+        self.token_bucket = bucket
+
+    def computed_batch(self, batch: RaggedBatch) -> RaggedBatch:
+        """The tokens the masked blocks compute for `batch`: itself, or padded to its bucket."""
+        if self.token_bucket is None:
+            return batch
+        return self.memo(("padded", id(batch)), lambda: batch.padded(self.token_bucket(batch.num_query_tokens)))
+
+    def computed_layout(self, context) -> TokenLayout:
+        """The index layout of `computed_batch(context.batch)` (a `MaskAwareContext`'s)."""
+        if self.token_bucket is None:
+            return context.layout
+        return self.memo(("layout", id(context.batch)),
+                         lambda: TokenLayout.from_batch(self.computed_batch(context.batch)))
 
     def check_context(self, context) -> None:
         """Model-specific checks of a context before it becomes active."""
-
-    def enter(self, context) -> None:
-        """Per-context state derived once for all blocks (e.g. index layouts)."""
-
-    def exit(self) -> None:
-        """Forget what `enter` derived."""
 
     def _block_starts(self, index: int, module, args) -> None:
         context = self._context
@@ -80,3 +133,12 @@ class MaskAwareAdapter:
             hook.remove()
         for block in self.blocks:
             block.__dict__.pop("forward", None)
+
+
+def _size_oblivious(compiled):
+    """Traces with sizes of 0 and 1 treated like any other (a one-token mask is no new graph)."""
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False):
+            return compiled(*args, **kwargs)
+    return call

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
-from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import (
     FluxAttnProcessor,
     FluxSingleTransformerBlock,
@@ -37,7 +37,9 @@ from diffusers.models.transformers.transformer_flux import (
 
 from retouch import ops
 from retouch.adapters.base import MaskAwareAdapter
-from retouch.adapters.cache_rows import block_output, record_activations, recorded_rows, rows_with_recorded
+from retouch.adapters.block_math import (feed_forward, heads, modulation, output, pack_queries, split_queries,
+                                         with_rows)
+from retouch.adapters.cache_rows import block_output, record_activations, recorded_rows
 from retouch.adapters.context import KEY, OUT, VALUE, CacheMode, MaskAwareContext
 
 RotaryEmbedding = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [text + image tokens, head_dim]
@@ -84,8 +86,8 @@ def _dispatch(adapter: FluxMaskAwareAdapter, block: torch.nn.Module, index: int,
               joint_attention_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     context = adapter.active_context
     if context is None or not context.uses_cache(index):
-        outputs = original_forward(block, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
-                                   joint_attention_kwargs)
+        outputs = adapter.core(original_forward)(block, hidden_states, encoder_hidden_states, temb,
+                                                 image_rotary_emb, joint_attention_kwargs)
         if context is not None and context.recording_requests:  # an unmodified block keeps its output only
             record_activations(context, index, {OUT: outputs[1]})
         return outputs
@@ -99,75 +101,130 @@ def _dispatch(adapter: FluxMaskAwareAdapter, block: torch.nn.Module, index: int,
                           image_rotary_emb)
 
 
+# ---- what every masked block of one forward shares ----
+
+class FluxRows(NamedTuple):
+    """One forward's index and position tensors, derived at its first masked block and shared by all.
+    Tensors only: a compiled block core takes them as inputs, so a new mask is new data, not a new
+    graph. Position tables are (cos, sin) rows: of the packed queries [T_q, d], of the masked image
+    tokens [T_img, d], of the text [P, d] and of every token [P + L, d]."""
+
+    query_rows: torch.Tensor  # [T_q] rows of the query tokens in the [B * (P + L), H] joint matrix
+    image_query_rows: torch.Tensor  # [T_img] rows of the masked image tokens in the [B * L, H] image matrix
+    text_query_slots: torch.Tensor  # [B * P] where each text token sits among the T_q queries
+    image_query_slots: torch.Tensor  # [T_img] where each masked image token does
+    request_queries: torch.Tensor | None  # [T_q] each query's request; None: a batch of one, eager
+    request_image_queries: torch.Tensor | None  # [T_img]
+    rope_queries: RotaryEmbedding
+    rope_image_queries: RotaryEmbedding
+    rope_text: RotaryEmbedding
+    rope_all: RotaryEmbedding
+
+
+def _forward_rows(adapter: FluxMaskAwareAdapter, context: MaskAwareContext, image_rotary_emb: RotaryEmbedding,
+                  dtype: torch.dtype, head_dim: int) -> tuple[FluxRows, ops.AttentionPlan]:
+    """The forward's rows and its attention plan (`retouch.ops.plan_attention`: no host sync after it),
+    once per forward: the transformer computes its position tables once per forward, so they name it."""
+    def plan() -> tuple[FluxRows, ops.AttentionPlan]:
+        layout, batch = adapter.computed_layout(context), adapter.computed_batch(context.batch)
+        cos, sin = image_rotary_emb
+        attention = ops.plan_attention(batch.query_counts(), batch.seq_lens, batch.cu_seqlens_q.device, dtype,
+                                       head_dim, adapter.attention_backend, batch.cu_seqlens_q, batch.cu_seqlens_k)
+        gathered = adapter.compiling or batch.batch_size > 1  # a compiled core takes one path
+        rows = FluxRows(batch.query_rows, layout.image_query_rows, layout.text_query_slots, layout.image_query_slots,
+                        layout.query_request if gathered else None, layout.image_query_request if gathered else None,
+                        (cos[layout.query_positions], sin[layout.query_positions]),
+                        (cos[layout.image_query_positions], sin[layout.image_query_positions]),
+                        (cos[:layout.num_text_tokens], sin[:layout.num_text_tokens]), (cos, sin))
+        return rows, attention
+    return adapter.memo(("flux", id(image_rotary_emb[0])), plan)
+
+
 # ---- the double-stream block (separate text and image weights, joint attention) ----
 
 def _double_block_forward(block: FluxTransformerBlock, adapter: FluxMaskAwareAdapter, context: MaskAwareContext,
                           index: int, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                           temb: torch.Tensor, image_rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden_states: [B, L, H] image tokens, encoder_hidden_states: [B, P, H] text -> (text, image) outputs."""
-    layout, attn = context.layout, block.attn
-    batch, num_image, hidden = hidden_states.shape
-    num_text = layout.num_text_tokens
-    cos, sin = image_rotary_emb
-
-    # Text stream: every token, the block's own ops on [B, P, H].
-    norm_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(encoder_hidden_states, emb=temb)
-    text_q = attn.norm_added_q(_heads(attn, attn.add_q_proj(norm_text)))
-    text_k = attn.norm_added_k(_heads(attn, attn.add_k_proj(norm_text)))
-    text_v = _heads(attn, attn.add_v_proj(norm_text))
-    text_q = apply_rotary_emb(text_q, (cos[:num_text], sin[:num_text]), sequence_dim=1)
-    text_k = apply_rotary_emb(text_k, (cos[:num_text], sin[:num_text]), sequence_dim=1)
-
-    # Image stream: the masked tokens, packed across the batch.
-    modulation = block.norm1.linear(block.norm1.silu(temb))  # AdaLayerNormZero's, per request: [B, 6H]
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulation.chunk(6, dim=1)
-    request = layout.image_query_request
-    image_rows = ops.gather_rows(hidden_states.reshape(-1, hidden), layout.image_query_rows)  # [T_img, H]
-    if context.mode is CacheMode.Y_CACHE:
-        # K and V from every image token: unmasked rows of the input are recorded outputs (Fig. 5).
-        norm_image = block.norm1.norm(hidden_states) * (1 + scale_msa[:, None]) + shift_msa[:, None]
-        image_k = apply_rotary_emb(attn.norm_k(_heads(attn, attn.to_k(norm_image))),
-                                   (cos[num_text:], sin[num_text:]), sequence_dim=1)
-        image_v = _heads(attn, attn.to_v(norm_image))
-        norm_rows = ops.gather_rows(norm_image.reshape(-1, hidden), layout.image_query_rows)
-        image_q = attn.norm_q(_heads(attn, attn.to_q(norm_rows)))
-    else:
-        norm_rows = block.norm1.norm(image_rows) * (1 + scale_msa[request]) + shift_msa[request]
-        image_q = attn.norm_q(_heads(attn, attn.to_q(norm_rows)))
-        k_rows = _rope_rows(attn.norm_k(_heads(attn, attn.to_k(norm_rows))), image_rotary_emb,
-                            layout.image_query_positions)
-        v_rows = _heads(attn, attn.to_v(norm_rows))
-        # Unmasked keys/values from the cache (Fig. 7), computed ones written over the masked rows.
-        image_k = rows_with_recorded(context, index, KEY, k_rows, layout.image_query_rows, (batch, num_image))
-        image_v = rows_with_recorded(context, index, VALUE, v_rows, layout.image_query_rows, (batch, num_image))
-    image_q = _rope_rows(image_q, image_rotary_emb, layout.image_query_positions)
-
-    # Joint attention: per request, [text; masked image] queries against [text; all image] keys.
-    num_queries = layout.query_positions.numel()
-    query = image_q.new_empty((num_queries, *image_q.shape[1:]))
-    query.index_copy_(0, layout.text_query_slots, text_q.reshape(-1, *text_q.shape[2:]))
-    query.index_copy_(0, layout.image_query_slots, image_q)
-    key = torch.cat([text_k, image_k], dim=1).flatten(0, 1)
-    value = torch.cat([text_v, image_v], dim=1).flatten(0, 1)
-    attn_out = _ragged_attention(adapter, query, key, value, context).flatten(1).to(query.dtype)
-    text_attn = attn.to_add_out(attn_out.index_select(0, layout.text_query_slots).reshape(batch, num_text, -1))
-    image_attn = attn.to_out[1](attn.to_out[0](attn_out.index_select(0, layout.image_query_slots)))
-
-    # Image residuals and feed-forward, modulated per request (same op order as FluxTransformerBlock).
-    image_rows = image_rows + gate_msa[request] * image_attn
-    norm_rows = block.norm2(image_rows) * (1 + scale_mlp[request]) + shift_mlp[request]
-    image_rows = image_rows + gate_mlp[request] * block.ff(norm_rows)
-
-    encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * text_attn
-    norm_text = block.norm2_context(encoder_hidden_states) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
-    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * block.ff_context(norm_text)
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-
-    image_out = block_output(adapter, context, index, hidden_states, image_rows, layout.image_query_rows)
+    """hidden_states: [B, L, H] image tokens, encoder_hidden_states: [B, P, H] text -> (text, image) outputs.
+    Eager around a tensors-only core: the recorded keys and values are read before it, the block's
+    output filled and its activations recorded after it."""
+    rows, attention = _forward_rows(adapter, context, image_rotary_emb, hidden_states.dtype, block.attn.head_dim)
+    recorded_k = recorded_v = None
+    if context.mode is not CacheMode.Y_CACHE:
+        like = hidden_states.new_empty((0, block.attn.heads, block.attn.head_dim))
+        recorded_k = recorded_rows(context, index, KEY, like, hidden_states.shape[1])
+        recorded_v = recorded_rows(context, index, VALUE, like, hidden_states.shape[1])
+    encoder_hidden_states, image_rows, image_k, image_v = adapter.core(double_block_core)(
+        block, hidden_states, encoder_hidden_states, temb, rows, recorded_k, recorded_v, attention)
+    image_out = block_output(adapter, context, index, hidden_states, image_rows, rows.image_query_rows)
     if context.recording_requests:
         record_activations(context, index, {OUT: image_out, KEY: image_k, VALUE: image_v})
     return encoder_hidden_states, image_out
+
+
+def double_block_core(block: FluxTransformerBlock, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                      temb: torch.Tensor, rows: FluxRows, recorded_k: torch.Tensor | None,
+                      recorded_v: torch.Tensor | None, attention: ops.AttentionPlan):
+    """FluxTransformerBlock's math on the masked image tokens and the text: -> (text output [B, P, H],
+    masked image rows [T_img, H], image keys and values [B, L, heads, d]). Y-cache without recorded
+    keys (K and V from every token: unmasked rows of the input are recorded outputs, Fig. 5); KV-cache
+    with them (Fig. 7): computed rows are written over the masked rows of `recorded_k/v`."""
+    attn = block.attn
+    hidden = hidden_states.shape[-1]
+
+    # Text stream: every token, the block's own ops on [B, P, H].
+    norm_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context.forward(encoder_hidden_states,
+                                                                                             emb=temb)
+    text_q = attn.norm_added_q.forward(heads(attn, attn.add_q_proj.forward(norm_text)))
+    text_k = attn.norm_added_k.forward(heads(attn, attn.add_k_proj.forward(norm_text)))
+    text_v = heads(attn, attn.add_v_proj.forward(norm_text))
+
+    # Image stream: the masked tokens, packed across the batch, modulated per request
+    # (AdaLayerNormZero: shift, scale, gate for attention, then for the feed-forward).
+    per_request, modulation_rows = modulation(block.norm1, temb, 6, (1, 4), rows.request_image_queries)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulation_rows.chunk(6, dim=-1)
+    image_rows = ops.gather_rows(hidden_states.reshape(-1, hidden), rows.image_query_rows)  # [T_img, H]
+    if recorded_k is None:
+        all_shift, all_scale = per_request.chunk(6, dim=-1)[:2]
+        norm_image = torch.addcmul(all_shift, block.norm1.norm.forward(hidden_states), all_scale)
+        image_k = attn.norm_k.forward(heads(attn, attn.to_k.forward(norm_image)))
+        image_v = heads(attn, attn.to_v.forward(norm_image))
+        norm_rows = ops.gather_rows(norm_image.reshape(-1, hidden), rows.image_query_rows)
+        key = ops.rope_pairs(torch.cat([text_k, image_k], dim=1), *rows.rope_all)
+    else:
+        norm_rows = torch.addcmul(shift_msa, block.norm1.norm.forward(image_rows), scale_msa)
+        k_rows = ops.rope_pairs(attn.norm_k.forward(heads(attn, attn.to_k.forward(norm_rows))),
+                                *rows.rope_image_queries)
+        v_rows = heads(attn, attn.to_v.forward(norm_rows))
+        image_k = with_rows(recorded_k, rows.image_query_rows, k_rows)
+        image_v = with_rows(recorded_v, rows.image_query_rows, v_rows)
+        key = torch.cat([ops.rope_pairs(text_k, *rows.rope_text), image_k], dim=1)
+    value = torch.cat([text_v, image_v], dim=1)
+    image_q = attn.norm_q.forward(heads(attn, attn.to_q.forward(norm_rows)))
+
+    # Joint attention: per request, [text; masked image] queries against [text; all image] keys.
+    batched = rows.request_queries is not None
+    query = ops.rope_pairs(pack_queries(text_q, image_q, rows.text_query_slots, rows.image_query_slots, batched),
+                           *rows.rope_queries)
+    attn_out = _attend(query, key, value, attention)
+    text_out, image_out_rows = split_queries(attn_out, rows.text_query_slots, rows.image_query_slots, text_q.shape[0],
+                                             text_q.shape[1], batched)
+    text_attn = attn.to_add_out.forward(text_out)
+    image_attn = output(attn, image_out_rows)
+
+    # Image residuals and feed-forward, modulated per request (FluxTransformerBlock's math).
+    image_rows = torch.addcmul(image_rows, gate_msa, image_attn)
+    norm_rows = torch.addcmul(shift_mlp, block.norm2.forward(image_rows), scale_mlp)
+    image_rows = torch.addcmul(image_rows, gate_mlp, feed_forward(block.ff, norm_rows))
+
+    encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_msa.unsqueeze(1), text_attn)
+    norm_text = block.norm2_context.forward(encoder_hidden_states) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
+    encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_mlp.unsqueeze(1),
+                                          feed_forward(block.ff_context, norm_text))
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    num_text = text_q.shape[1]
+    return encoder_hidden_states, image_rows, key[:, num_text:], value[:, num_text:]
 
 
 # ---- the single-stream block (shared weights for text and image, joint attention) ----
@@ -178,75 +235,73 @@ def _single_block_forward(block: FluxSingleTransformerBlock, adapter: FluxMaskAw
                           image_rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `_double_block_forward`. Text and image share weights here, so the query tokens
     (text and masked image) are packed together, in `RaggedBatch.query_rows` order."""
-    layout, attn, ragged = context.layout, block.attn, context.batch
-    batch, num_image, hidden = hidden_states.shape
-    num_text = layout.num_text_tokens
+    rows, attention = _forward_rows(adapter, context, image_rotary_emb, hidden_states.dtype, block.attn.head_dim)
+    recorded_k = recorded_v = None
+    if context.mode is not CacheMode.Y_CACHE:
+        like = hidden_states.new_empty((0, block.attn.heads, block.attn.head_dim))
+        recorded_k = recorded_rows(context, index, KEY, like, hidden_states.shape[1])
+        recorded_v = recorded_rows(context, index, VALUE, like, hidden_states.shape[1])
+    text_out, image_rows, image_k, image_v = adapter.core(single_block_core)(
+        block, hidden_states, encoder_hidden_states, temb, rows, recorded_k, recorded_v, attention)
+    image_out = block_output(adapter, context, index, hidden_states, image_rows, rows.image_query_rows)
+    if context.recording_requests:
+        record_activations(context, index, {OUT: image_out, KEY: image_k, VALUE: image_v})
+    return text_out, image_out
+
+
+def single_block_core(block: FluxSingleTransformerBlock, hidden_states: torch.Tensor,
+                      encoder_hidden_states: torch.Tensor, temb: torch.Tensor, rows: FluxRows,
+                      recorded_k: torch.Tensor | None, recorded_v: torch.Tensor | None,
+                      attention: ops.AttentionPlan):
+    """FluxSingleTransformerBlock's math on the query tokens -> (text output [B, P, H], masked image
+    rows [T_img, H], image keys and values [B, L, heads, d]); Y-cache or KV-cache as in
+    `double_block_core`."""
+    attn = block.attn
+    batch, _, hidden = hidden_states.shape
+    num_text = encoder_hidden_states.shape[1]
     joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)  # [B, P + L, H]
 
-    shift, scale, gate = block.norm.linear(block.norm.silu(temb)).chunk(3, dim=1)
-    request = layout.query_request
-    rows = ops.gather_rows(joint.reshape(-1, hidden), ragged.query_rows)  # [T_q, H]
-    if context.mode is CacheMode.Y_CACHE:
-        norm_joint = block.norm.norm(joint) * (1 + scale[:, None]) + shift[:, None]
-        key = apply_rotary_emb(attn.norm_k(_heads(attn, attn.to_k(norm_joint))), image_rotary_emb, sequence_dim=1)
-        value = _heads(attn, attn.to_v(norm_joint))
-        norm_rows = ops.gather_rows(norm_joint.reshape(-1, hidden), ragged.query_rows)
+    per_request, modulation_rows = modulation(block.norm, temb, 3, (1,), rows.request_queries)
+    shift, scale, gate = modulation_rows.chunk(3, dim=-1)
+    query_rows = ops.gather_rows(joint.reshape(-1, hidden), rows.query_rows)  # [T_q, H]
+    if recorded_k is None:
+        all_shift, all_scale, _ = per_request.chunk(3, dim=-1)
+        norm_joint = torch.addcmul(all_shift, block.norm.norm.forward(joint), all_scale)
+        key = ops.rope_pairs(attn.norm_k.forward(heads(attn, attn.to_k.forward(norm_joint))), *rows.rope_all)
+        value = heads(attn, attn.to_v.forward(norm_joint))
+        norm_rows = ops.gather_rows(norm_joint.reshape(-1, hidden), rows.query_rows)
     else:
-        norm_rows = block.norm.norm(rows) * (1 + scale[request]) + shift[request]
-        k_rows = _rope_rows(attn.norm_k(_heads(attn, attn.to_k(norm_rows))), image_rotary_emb, layout.query_positions)
-        v_rows = _heads(attn, attn.to_v(norm_rows))
+        norm_rows = torch.addcmul(shift, block.norm.norm.forward(query_rows), scale)
+        k_rows = ops.rope_pairs(attn.norm_k.forward(heads(attn, attn.to_k.forward(norm_rows))), *rows.rope_queries)
+        v_rows = heads(attn, attn.to_v.forward(norm_rows))
         # Every text row is a query row, so only image rows come from the cache.
-        key = _joint_rows_with(context, index, KEY, k_rows, num_text)
-        value = _joint_rows_with(context, index, VALUE, v_rows, num_text)
-    query = _rope_rows(attn.norm_q(_heads(attn, attn.to_q(norm_rows))), image_rotary_emb, layout.query_positions)
-    mlp_rows = block.act_mlp(block.proj_mlp(norm_rows))
-    attn_rows = _ragged_attention(adapter, query, key.flatten(0, 1), value.flatten(0, 1), context)
-    attn_rows = attn_rows.flatten(1).to(query.dtype)
+        key = _joint_with_rows(recorded_k, num_text, rows.query_rows, k_rows)
+        value = _joint_with_rows(recorded_v, num_text, rows.query_rows, v_rows)
+    query = ops.rope_pairs(attn.norm_q.forward(heads(attn, attn.to_q.forward(norm_rows))), *rows.rope_queries)
+    mlp_rows = block.act_mlp.forward(block.proj_mlp.forward(norm_rows))
+    attn_rows = _attend(query, key, value, attention)
 
-    rows = rows + gate[request] * block.proj_out(torch.cat([attn_rows, mlp_rows], dim=1))
-    if rows.dtype == torch.float16:
-        rows = rows.clip(-65504, 65504)
-
-    text_rows = rows.index_select(0, layout.text_query_slots)
-    image_rows = rows.index_select(0, layout.image_query_slots)
-    image_out = block_output(adapter, context, index, hidden_states, image_rows, layout.image_query_rows)
-    if context.recording_requests:
-        record_activations(context, index, {OUT: image_out, KEY: key[:, num_text:], VALUE: value[:, num_text:]})
-    return text_rows.reshape(batch, num_text, hidden), image_out
+    query_rows = torch.addcmul(query_rows, gate, block.proj_out.forward(torch.cat([attn_rows, mlp_rows], dim=1)))
+    if query_rows.dtype == torch.float16:
+        query_rows = query_rows.clip(-65504, 65504)
+    text_rows, image_rows = split_queries(query_rows, rows.text_query_slots, rows.image_query_slots, batch, num_text,
+                                          rows.request_queries is not None)
+    return text_rows, image_rows, key[:, num_text:], value[:, num_text:]
 
 
 # ---- shared pieces ----
 
-def _heads(attn, projected: torch.Tensor) -> torch.Tensor:
-    """[..., heads * head_dim] -> [..., heads, head_dim], as FluxAttnProcessor splits heads."""
-    return projected.unflatten(-1, (-1, attn.head_dim))
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attention: ops.AttentionPlan) -> torch.Tensor:
+    """query: [T_q, heads, d] packed per request; key/value: [B, P + L, heads, d] -> [T_q, heads * d]."""
+    return ops.planned_attention(query, key.flatten(0, 1), value.flatten(0, 1), attention).flatten(1)
 
 
-def _rope_rows(rows: torch.Tensor, image_rotary_emb: RotaryEmbedding, positions: torch.Tensor) -> torch.Tensor:
-    """RoPE on packed tokens `rows: [T, heads, head_dim]` at sequence `positions: [T]`; the same
-    elementwise math as diffusers' apply_rotary_emb, with the tables gathered per token."""
-    if rows.shape[0] == 0:  # apply_rotary_emb cannot reshape an empty tensor
-        return rows
-    cos, sin = image_rotary_emb
-    return apply_rotary_emb(rows.unsqueeze(0), (cos[positions], sin[positions]), sequence_dim=1).squeeze(0)
-
-
-def _ragged_attention(adapter: FluxMaskAwareAdapter, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      context: MaskAwareContext) -> torch.Tensor:
-    """query: [T_q, heads, d] packed per request; key/value: [B * (P + L), heads, d] -> [T_q, heads, d]."""
-    batch = context.batch
-    return ops.ragged_attention(query, key, value, batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q,
-                                batch.max_seqlen_k, backend=adapter.attention_backend)
-
-
-def _joint_rows_with(context: MaskAwareContext, block: int, name: str, computed: torch.Tensor,
-                     num_text: int) -> torch.Tensor:
-    """[B, P + L, ...]: recorded `name` at unmasked image tokens, `computed: [T_q, ...]` at query tokens."""
-    image = recorded_rows(context, block, name, computed, context.layout.num_image_tokens)
-    full = torch.cat([image.new_empty((image.shape[0], num_text, *image.shape[2:])), image], dim=1)
-    ops.scatter_rows_(full.view(-1, full[0, 0].numel()), context.batch.query_rows,
-                      computed.flatten(1))
-    return full
+def _joint_with_rows(recorded: torch.Tensor, num_text: int, query_rows: torch.Tensor,
+                     computed: torch.Tensor) -> torch.Tensor:
+    """[B, P + L, ...]: recorded image rows, `computed: [T_q, ...]` at the query tokens (every text token)."""
+    full = torch.cat([recorded.new_empty((recorded.shape[0], num_text, *recorded.shape[2:])), recorded], dim=1)
+    return with_rows(full, query_rows, computed)
 
 
 __all__ = ["FluxMaskAwareAdapter", "patch_flux"]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from diffusers.models.attention import JointTransformerBlock
@@ -40,40 +40,34 @@ from diffusers.models.attention_processor import JointAttnProcessor2_0
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from retouch import ops
-from retouch.adapters.context import DUAL_KEY, DUAL_VALUE, KEY, OUT, VALUE, CacheMode, MaskAwareContext
-# Cache-row helpers shared with Flux (they take any adapter with `needs_all_output_rows`).
 from retouch.adapters.base import MaskAwareAdapter
-from retouch.adapters.cache_rows import block_output, record_activations, rows_with_recorded
+from retouch.adapters.block_math import (feed_forward, head_dim, heads, modulation, output, pack_queries, split_queries,
+                                         with_rows)
+from retouch.adapters.cache_rows import block_output, record_activations, recorded_rows
+from retouch.adapters.context import DUAL_KEY, DUAL_VALUE, KEY, OUT, VALUE, CacheMode, MaskAwareContext
 
-# SD3.5 dual attention (attn2, image tokens only): its image-token keys and values after qk-norm.
+
+class SD3Rows(NamedTuple):
+    """One forward's index tensors, shared by its masked blocks (tensors only: a compiled core takes them
+    as inputs, so a new mask is new data, not a new graph)."""
+
+    image_query_rows: torch.Tensor  # [T_img] rows of the masked image tokens in the [B * L, H] image matrix
+    text_query_slots: torch.Tensor  # [B * P] where each text token sits among the T_q queries
+    image_query_slots: torch.Tensor  # [T_img] where each masked image token does
+    request_image_queries: torch.Tensor | None  # [T_img] each masked token's request; None: a batch of one, eager
 
 
-@dataclass(frozen=True)
-class ImageAttentionLayout:
-    """Sequence lengths of the attentions whose queries are the masked image tokens only (derived once
-    per context): the context_pre_only block's joint attention and SD3.5's image-only attn2.
+class SD3Plans(NamedTuple):
+    """The ragged attentions of one forward (`retouch.ops.plan_attention`), planned before its first block.
 
-    cu_seqlens_q:        [B+1] int32, prefix sums of masked image tokens per request
-    cu_seqlens_k_image:  [B+1] int32, prefix sums of L (attn2 keys: the request's image tokens)
+    joint:       text and masked image queries against each request's [image; text] keys
+    image_joint: masked image queries only (the context_pre_only block) against the same keys
+    image_only:  masked image queries against the request's image tokens (SD3.5's attn2)
     """
 
-    cu_seqlens_q: torch.Tensor
-    max_seqlen_q: int
-    cu_seqlens_k_image: torch.Tensor
-    max_seqlen_k_image: int
-
-    @classmethod
-    def from_context(cls, context: MaskAwareContext) -> ImageAttentionLayout:
-        device = context.batch.cu_seqlens_q.device
-        counts = torch.tensor((0,) + context.image_counts, dtype=torch.int64)
-        image_lens = torch.full((context.batch.batch_size + 1,), context.num_image_tokens, dtype=torch.int64)
-        image_lens[0] = 0
-        return cls(
-            cu_seqlens_q=counts.cumsum(0).to(device, torch.int32),
-            max_seqlen_q=max(context.image_counts, default=0),
-            cu_seqlens_k_image=image_lens.cumsum(0).to(device, torch.int32),
-            max_seqlen_k_image=context.num_image_tokens,
-        )
+    joint: ops.AttentionPlan
+    image_joint: ops.AttentionPlan
+    image_only: ops.AttentionPlan
 
 
 class SD3MaskAwareAdapter(MaskAwareAdapter):
@@ -84,19 +78,7 @@ class SD3MaskAwareAdapter(MaskAwareAdapter):
 
     def __init__(self, transformer: SD3Transformer2DModel, attention_backend: str = "auto"):
         self.transformer = transformer
-        self._image_attention: ImageAttentionLayout | None = None
         super().__init__(transformer.transformer_blocks, attention_backend)
-
-    @property
-    def image_attention(self) -> ImageAttentionLayout | None:
-        """The active context's `ImageAttentionLayout`."""
-        return self._image_attention
-
-    def enter(self, context: MaskAwareContext) -> None:
-        self._image_attention = ImageAttentionLayout.from_context(context)
-
-    def exit(self) -> None:
-        self._image_attention = None
 
 
 def patch_sd3(transformer: SD3Transformer2DModel, attention_backend: str = "auto") -> SD3MaskAwareAdapter:
@@ -130,7 +112,8 @@ def _dispatch(adapter: SD3MaskAwareAdapter, block: JointTransformerBlock, index:
               joint_attention_kwargs: dict | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     context = adapter.active_context
     if context is None or not context.uses_cache(index):
-        outputs = original_forward(block, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
+        outputs = adapter.core(original_forward)(block, hidden_states, encoder_hidden_states, temb,
+                                                 joint_attention_kwargs)
         if context is not None and context.recording_requests:  # an unmodified block keeps its output only
             record_activations(context, index, {OUT: outputs[1]})
         return outputs
@@ -141,134 +124,144 @@ def _dispatch(adapter: SD3MaskAwareAdapter, block: JointTransformerBlock, index:
     return _joint_block_forward(block, adapter, context, index, hidden_states, encoder_hidden_states, temb)
 
 
+def _forward_plan(adapter: SD3MaskAwareAdapter, context: MaskAwareContext, dtype: torch.dtype,
+                  width: int) -> tuple[SD3Rows, SD3Plans]:
+    """The rows and attention plans every masked block of the active context shares, made once."""
+    def plan() -> tuple[SD3Rows, SD3Plans]:
+        layout, batch = adapter.computed_layout(context), adapter.computed_batch(context.batch)
+        device = batch.cu_seqlens_q.device
+        image_counts = layout.image_counts
+        planned = functools.partial(ops.plan_attention, device=device, dtype=dtype, head_dim=width,
+                                    backend=adapter.attention_backend)
+        plans = SD3Plans(
+            joint=planned(batch.query_counts(), batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q,
+                          cu_seqlens_k=batch.cu_seqlens_k),
+            image_joint=planned(image_counts, batch.seq_lens, cu_seqlens_k=batch.cu_seqlens_k),
+            image_only=planned(image_counts, [context.num_image_tokens] * batch.batch_size))
+        batched = adapter.compiling or batch.batch_size > 1  # a compiled core takes one path
+        rows = SD3Rows(layout.image_query_rows, layout.text_query_slots, layout.image_query_slots,
+                       layout.image_query_request if batched else None)
+        return rows, plans
+    return adapter.memo(("sd3", dtype, width), plan)
+
+
 # ---- the joint block (separate text and image weights, joint attention; optional attn2 on the image) ----
 
 def _joint_block_forward(block: JointTransformerBlock, adapter: SD3MaskAwareAdapter, context: MaskAwareContext,
                          index: int, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                          temb: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """hidden_states: [B, L, H] image tokens, encoder_hidden_states: [B, P, H] text -> (text or None, image)."""
-    layout, attn = context.layout, block.attn
-    batch, num_image, hidden = hidden_states.shape
-    image_shape = (batch, num_image)
+    """hidden_states: [B, L, H] image tokens, encoder_hidden_states: [B, P, H] text -> (text or None, image).
+    Eager around a tensors-only core: the recorded keys and values are read before it, the block's
+    output filled and its activations recorded after it."""
+    rows, plans = _forward_plan(adapter, context, hidden_states.dtype, head_dim(block.attn))
+    recorded = None
+    if context.mode is not CacheMode.Y_CACHE:
+        like = hidden_states.new_empty((0, block.attn.heads, head_dim(block.attn)))
+        names = (KEY, VALUE, DUAL_KEY, DUAL_VALUE) if block.use_dual_attention else (KEY, VALUE)
+        recorded = tuple(recorded_rows(context, index, name, like, hidden_states.shape[1]) for name in names)
+    encoder_hidden_states, image_rows, keys = adapter.core(joint_block_core)(
+        block, hidden_states, encoder_hidden_states, temb, rows, recorded, plans)
+    image_out = block_output(adapter, context, index, hidden_states, image_rows, rows.image_query_rows)
+    if context.recording_requests:
+        record_activations(context, index, {OUT: image_out, **dict(zip((KEY, VALUE, DUAL_KEY, DUAL_VALUE), keys))})
+    return encoder_hidden_states, image_out
+
+
+def joint_block_core(block: JointTransformerBlock, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                     temb: torch.Tensor, rows: SD3Rows, recorded: tuple[torch.Tensor, ...] | None, plans: SD3Plans):
+    """JointTransformerBlock's math on the masked image tokens and the text -> (text output [B, P, H] or
+    None, masked image rows [T_img, H], image (keys, values[, attn2 keys, attn2 values]) [B, L, heads, d]).
+    Y-cache without `recorded` (K and V from every token: unmasked rows of the input are recorded
+    outputs, Fig. 5); KV-cache with the recorded keys and values (Fig. 7), whose masked rows are
+    overwritten by computed ones."""
+    attn, dual = block.attn, block.use_dual_attention
+    hidden = hidden_states.shape[-1]
+    batched = rows.request_image_queries is not None
 
     # Text stream: every token, the block's own ops on [B, P, H].
     if block.context_pre_only:
-        norm_text = block.norm1_context(encoder_hidden_states, temb)
+        norm_text = block.norm1_context.forward(encoder_hidden_states, temb)
     else:
-        norm_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(encoder_hidden_states,
-                                                                                          emb=temb)
-    text_k = _qk_norm(attn.norm_added_k, _heads(attn, attn.add_k_proj(norm_text)))
-    text_v = _heads(attn, attn.add_v_proj(norm_text))
+        norm_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context.forward(encoder_hidden_states,
+                                                                                                 emb=temb)
+    text_k = _qk_norm(attn.norm_added_k, heads(attn, attn.add_k_proj.forward(norm_text)))
+    text_v = heads(attn, attn.add_v_proj.forward(norm_text))
 
-    # Image stream: the masked tokens, packed across the batch; modulation per request ([B, 6H] or [B, 9H]).
-    modulation = block.norm1.linear(block.norm1.silu(temb)).chunk(9 if block.use_dual_attention else 6, dim=1)
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulation[:6]
-    request = layout.image_query_request
-    image_rows = ops.gather_rows(hidden_states.reshape(-1, hidden), layout.image_query_rows)  # [T_img, H]
-    keys2 = None
-    if context.mode is CacheMode.Y_CACHE:
-        # K and V from every image token: unmasked rows of the input are recorded outputs (Fig. 5).
-        normed = block.norm1.norm(hidden_states)
-        norm_image = normed * (1 + scale_msa[:, None]) + shift_msa[:, None]
-        image_k = _qk_norm(attn.norm_k, _heads(attn, attn.to_k(norm_image)))
-        image_v = _heads(attn, attn.to_v(norm_image))
-        norm_rows = ops.gather_rows(norm_image.reshape(-1, hidden), layout.image_query_rows)
-        if block.use_dual_attention:
-            shift_msa2, scale_msa2 = modulation[6:8]
-            norm_image2 = normed * (1 + scale_msa2[:, None]) + shift_msa2[:, None]
-            keys2 = (_qk_norm(block.attn2.norm_k, _heads(block.attn2, block.attn2.to_k(norm_image2))),
-                     _heads(block.attn2, block.attn2.to_v(norm_image2)))
-            norm_rows2 = ops.gather_rows(norm_image2.reshape(-1, hidden), layout.image_query_rows)
+    # Image stream: the masked tokens, packed across the batch, modulated per request (AdaLayerNormZero:
+    # shift, scale, gate for attention, then the feed-forward, then SD3.5's attn2).
+    chunks = 9 if dual else 6
+    per_request, modulation_rows = modulation(block.norm1, temb, chunks, (1, 4, 7) if dual else (1, 4),
+                                              rows.request_image_queries)
+    modulated = modulation_rows.chunk(chunks, dim=-1)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulated[:6]
+    image_rows = ops.gather_rows(hidden_states.reshape(-1, hidden), rows.image_query_rows)  # [T_img, H]
+    keys2 = ()
+    if recorded is None:
+        every = per_request.chunk(chunks, dim=-1)
+        normed = block.norm1.norm.forward(hidden_states)
+        norm_image = torch.addcmul(every[0], normed, every[1])
+        image_k = _qk_norm(attn.norm_k, heads(attn, attn.to_k.forward(norm_image)))
+        image_v = heads(attn, attn.to_v.forward(norm_image))
+        norm_rows = ops.gather_rows(norm_image.reshape(-1, hidden), rows.image_query_rows)
+        if dual:
+            attn2 = block.attn2
+            norm_image2 = torch.addcmul(every[6], normed, every[7])
+            keys2 = (_qk_norm(attn2.norm_k, heads(attn2, attn2.to_k.forward(norm_image2))),
+                     heads(attn2, attn2.to_v.forward(norm_image2)))
+            norm_rows2 = ops.gather_rows(norm_image2.reshape(-1, hidden), rows.image_query_rows)
     else:
-        normed_rows = block.norm1.norm(image_rows)
-        norm_rows = normed_rows * (1 + scale_msa[request]) + shift_msa[request]
-        k_rows = _qk_norm(attn.norm_k, _heads(attn, attn.to_k(norm_rows)))
-        v_rows = _heads(attn, attn.to_v(norm_rows))
-        # Unmasked keys/values from the cache (Fig. 7), computed ones written over the masked rows.
-        image_k = rows_with_recorded(context, index, KEY, k_rows, layout.image_query_rows, image_shape)
-        image_v = rows_with_recorded(context, index, VALUE, v_rows, layout.image_query_rows, image_shape)
-        if block.use_dual_attention:
-            shift_msa2, scale_msa2 = modulation[6:8]
-            norm_rows2 = normed_rows * (1 + scale_msa2[request]) + shift_msa2[request]
-            k2_rows = _qk_norm(block.attn2.norm_k, _heads(block.attn2, block.attn2.to_k(norm_rows2)))
-            v2_rows = _heads(block.attn2, block.attn2.to_v(norm_rows2))
-            keys2 = (rows_with_recorded(context, index, DUAL_KEY, k2_rows, layout.image_query_rows, image_shape),
-                     rows_with_recorded(context, index, DUAL_VALUE, v2_rows, layout.image_query_rows, image_shape))
-    image_q = _qk_norm(attn.norm_q, _heads(attn, attn.to_q(norm_rows)))
+        normed_rows = block.norm1.norm.forward(image_rows)
+        norm_rows = torch.addcmul(shift_msa, normed_rows, scale_msa)
+        image_k = with_rows(recorded[0], rows.image_query_rows,
+                            _qk_norm(attn.norm_k, heads(attn, attn.to_k.forward(norm_rows))))
+        image_v = with_rows(recorded[1], rows.image_query_rows, heads(attn, attn.to_v.forward(norm_rows)))
+        if dual:
+            attn2 = block.attn2
+            norm_rows2 = torch.addcmul(modulated[6], normed_rows, modulated[7])
+            keys2 = (with_rows(recorded[2], rows.image_query_rows,
+                               _qk_norm(attn2.norm_k, heads(attn2, attn2.to_k.forward(norm_rows2)))),
+                     with_rows(recorded[3], rows.image_query_rows, heads(attn2, attn2.to_v.forward(norm_rows2))))
+    image_q = _qk_norm(attn.norm_q, heads(attn, attn.to_q.forward(norm_rows)))
 
     # Joint attention: per request, queries against [all image; text] keys (JointAttnProcessor2_0's order).
     key = torch.cat([image_k, text_k], dim=1).flatten(0, 1)
     value = torch.cat([image_v, text_v], dim=1).flatten(0, 1)
     if block.context_pre_only:
         # The text output of this block is discarded, so only masked image tokens are queries.
-        image_attn = _image_query_attention(adapter, context, image_q, key, value, joint=True)
+        image_attn = ops.planned_attention(image_q, key, value, plans.image_joint).flatten(1)
         text_attn = None
     else:
-        text_q = _qk_norm(attn.norm_added_q, _heads(attn, attn.add_q_proj(norm_text)))
-        num_text = layout.num_text_tokens
-        query = image_q.new_empty((layout.query_positions.numel(), *image_q.shape[1:]))
-        query.index_copy_(0, layout.text_query_slots, text_q.reshape(-1, *text_q.shape[2:]))
-        query.index_copy_(0, layout.image_query_slots, image_q)
-        batch_tokens = context.batch
-        attn_out = ops.ragged_attention(query, key, value, batch_tokens.cu_seqlens_q, batch_tokens.cu_seqlens_k,
-                                        batch_tokens.max_seqlen_q, batch_tokens.max_seqlen_k,
-                                        backend=adapter.attention_backend).flatten(1).to(query.dtype)
-        text_attn = attn.to_add_out(attn_out.index_select(0, layout.text_query_slots).reshape(batch, num_text, -1))
-        image_attn = attn_out.index_select(0, layout.image_query_slots)
-    image_attn = attn.to_out[1](attn.to_out[0](image_attn))
+        text_q = _qk_norm(attn.norm_added_q, heads(attn, attn.add_q_proj.forward(norm_text)))
+        query = pack_queries(text_q, image_q, rows.text_query_slots, rows.image_query_slots, batched)
+        attn_out = ops.planned_attention(query, key, value, plans.joint).flatten(1)
+        text_out, image_attn = split_queries(attn_out, rows.text_query_slots, rows.image_query_slots,
+                                             text_q.shape[0], text_q.shape[1], batched)
+        text_attn = attn.to_add_out.forward(text_out)
 
-    # Image residuals and feed-forward, modulated per request (same op order as JointTransformerBlock).
-    image_rows = image_rows + gate_msa[request] * image_attn
-    if block.use_dual_attention:
-        attn2, gate_msa2 = block.attn2, modulation[8]
-        query2 = _qk_norm(attn2.norm_q, _heads(attn2, attn2.to_q(norm_rows2)))
-        image_attn2 = _image_query_attention(adapter, context, query2, keys2[0].flatten(0, 1),
-                                             keys2[1].flatten(0, 1), joint=False)
-        image_rows = image_rows + gate_msa2[request] * attn2.to_out[1](attn2.to_out[0](image_attn2))
-    norm_rows = block.norm2(image_rows) * (1 + scale_mlp[request]) + shift_mlp[request]
-    image_rows = image_rows + gate_mlp[request] * block.ff(norm_rows)
+    # Image residuals and feed-forward, modulated per request (JointTransformerBlock's order).
+    image_rows = torch.addcmul(image_rows, gate_msa, output(attn, image_attn))
+    if dual:
+        query2 = _qk_norm(attn2.norm_q, heads(attn2, attn2.to_q.forward(norm_rows2)))
+        image_attn2 = ops.planned_attention(query2, keys2[0].flatten(0, 1), keys2[1].flatten(0, 1),
+                                            plans.image_only).flatten(1)
+        image_rows = torch.addcmul(image_rows, modulated[8], output(attn2, image_attn2))
+    norm_rows = torch.addcmul(shift_mlp, block.norm2.forward(image_rows), scale_mlp)
+    image_rows = torch.addcmul(image_rows, gate_mlp, feed_forward(block.ff, norm_rows))
 
     if block.context_pre_only:
         encoder_hidden_states = None
     else:
-        encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * text_attn
-        norm_text = block.norm2_context(encoder_hidden_states) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
-        encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * block.ff_context(norm_text)
-
-    image_out = block_output(adapter, context, index, hidden_states, image_rows, layout.image_query_rows)
-    if context.recording_requests:
-        recorded = {OUT: image_out, KEY: image_k, VALUE: image_v}
-        if keys2 is not None:
-            recorded.update({DUAL_KEY: keys2[0], DUAL_VALUE: keys2[1]})
-        record_activations(context, index, recorded)
-    return encoder_hidden_states, image_out
-
-
-# ---- shared pieces ----
-
-def _heads(attn, projected: torch.Tensor) -> torch.Tensor:
-    """[..., heads * head_dim] -> [..., heads, head_dim], as JointAttnProcessor2_0 splits heads."""
-    return projected.unflatten(-1, (attn.heads, -1))
+        encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_msa.unsqueeze(1), text_attn)
+        norm_text = block.norm2_context.forward(encoder_hidden_states)
+        norm_text = norm_text * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
+        encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_mlp.unsqueeze(1),
+                                              feed_forward(block.ff_context, norm_text))
+    return encoder_hidden_states, image_rows, (image_k, image_v, *keys2)
 
 
 def _qk_norm(norm: torch.nn.Module | None, heads: torch.Tensor) -> torch.Tensor:
     """An optional qk norm (RMSNorm or LayerNorm over head_dim, so per token and head)."""
-    return heads if norm is None else norm(heads)
+    return heads if norm is None else norm.forward(heads)
 
 
-def _image_query_attention(adapter: SD3MaskAwareAdapter, context: MaskAwareContext, query: torch.Tensor,
-                           key: torch.Tensor, value: torch.Tensor, joint: bool) -> torch.Tensor:
-    """Masked image queries `query: [T_img, heads, d]` against each request's keys: [image; text] tokens
-    (`joint`, key/value: [B * (L + P), heads, d]) or its image tokens (key/value: [B * L, heads, d])
-    -> [T_img, heads * d]."""
-    lens = adapter.image_attention
-    if joint:
-        cu_seqlens_k, max_seqlen_k = context.batch.cu_seqlens_k, context.batch.max_seqlen_k
-    else:
-        cu_seqlens_k, max_seqlen_k = lens.cu_seqlens_k_image, lens.max_seqlen_k_image
-    out = ops.ragged_attention(query, key, value, lens.cu_seqlens_q, cu_seqlens_k, lens.max_seqlen_q, max_seqlen_k,
-                               backend=adapter.attention_backend)
-    return out.flatten(1).to(query.dtype)
-
-
-__all__ = ["ImageAttentionLayout", "SD3MaskAwareAdapter", "patch_sd3"]
+__all__ = ["SD3MaskAwareAdapter", "patch_sd3"]

@@ -44,6 +44,7 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 
 from retouch import ops
 from retouch.adapters.base import MaskAwareAdapter
+from retouch.adapters.block_math import feed_forward, head_dim, heads, output, with_rows
 from retouch.adapters.context import KEY, OUT, VALUE, CacheMode, set_recording
 from retouch.cache import UNCOND_PREFIX, ActivationCache  # UNCOND_PREFIX: the unconditional half of a guidance batch
 from retouch.masks import UNET_LATENT_STRIDE, masked_token_indices, token_mask
@@ -269,8 +270,9 @@ def _dispatch(adapter: UNetMaskAwareAdapter, block: BasicTransformerBlock, index
               class_labels: torch.Tensor | None = None, added_cond_kwargs: dict | None = None) -> torch.Tensor:
     context = adapter.active_context
     if context is None or not context.uses_cache(index):
-        output = original_forward(block, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
-                                  timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
+        output = adapter.core(original_forward)(block, hidden_states, attention_mask, encoder_hidden_states,
+                                                encoder_attention_mask, timestep, cross_attention_kwargs,
+                                                class_labels, added_cond_kwargs)
         if context is not None and context.recording_rows:  # an unmodified block keeps its output only
             _record_rows(context, index, {OUT: output})
         return output
@@ -305,7 +307,7 @@ def _record_forward(block: BasicTransformerBlock, context: UNetMaskAwareContext,
     attn = block.attn1
     batch, num_tokens, _ = hidden_states.shape
     norm_hidden = block.norm1(hidden_states)
-    query, key, value = (_heads(attn, proj(norm_hidden)) for proj in (attn.to_q, attn.to_k, attn.to_v))
+    query, key, value = (heads(attn, proj(norm_hidden)) for proj in (attn.to_q, attn.to_k, attn.to_v))
     attn_out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
     attn_out = attn_out.transpose(1, 2).reshape(batch, num_tokens, -1).to(query.dtype)
     hidden_states = attn.to_out[1](attn.to_out[0](attn_out)) + hidden_states
@@ -315,73 +317,84 @@ def _record_forward(block: BasicTransformerBlock, context: UNetMaskAwareContext,
     return hidden_states
 
 
+def _level_plan(adapter: UNetMaskAwareAdapter, context: UNetMaskAwareContext, level: int, num_text: int,
+                dtype: torch.dtype, width: int) -> tuple[ops.AttentionPlan, ops.AttentionPlan]:
+    """A level's self- and cross-attention plans, made once per active context: each row's masked tokens
+    against its L tokens, and against its `num_text` text tokens."""
+    def plan() -> tuple[ops.AttentionPlan, ops.AttentionPlan]:
+        ragged = adapter.computed_batch(context.levels[level])
+        counts, device = ragged.query_counts(), ragged.cu_seqlens_q.device
+        planned = functools.partial(ops.plan_attention, device=device, dtype=dtype, head_dim=width,
+                                    backend=adapter.attention_backend, cu_seqlens_q=ragged.cu_seqlens_q)
+        return (planned(counts, ragged.seq_lens, cu_seqlens_k=ragged.cu_seqlens_k),
+                planned(counts, [num_text] * ragged.batch_size))
+    return adapter.memo(("unet", level, num_text, dtype, width), plan)
+
+
 def _masked_forward(block: BasicTransformerBlock, adapter: UNetMaskAwareAdapter, context: UNetMaskAwareContext,
                     index: int, level: int, hidden_states: torch.Tensor,
                     encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-    """hidden_states: [R, L, C] (R rows of the UNet batch), encoder_hidden_states: [R, S, D] -> [R, L, C]."""
+    """hidden_states: [R, L, C] (R rows of the UNet batch), encoder_hidden_states: [R, S, D] -> [R, L, C].
+    Eager around a tensors-only core: recorded keys and values are read before it, the block's output
+    filled and its activations recorded after it."""
     attn = block.attn1
-    batch, num_tokens, hidden = hidden_states.shape
-    ragged = context.levels[level]
-    rows = ops.gather_rows(hidden_states.reshape(-1, hidden), ragged.query_rows)  # [T, C]
-    if context.mode is CacheMode.Y_CACHE:
-        # K and V from every token of the input: unmasked rows are recorded (or fully computed) ones.
-        norm_hidden = block.norm1(hidden_states)
-        key, value = _heads(attn, attn.to_k(norm_hidden)), _heads(attn, attn.to_v(norm_hidden))
-        norm_rows = ops.gather_rows(norm_hidden.reshape(-1, hidden), ragged.query_rows)
-    else:
-        norm_rows = block.norm1(rows)
-        key = _rows_with(context, index, level, KEY, _heads(attn, attn.to_k(norm_rows)), ragged.query_rows)
-        value = _rows_with(context, index, level, VALUE, _heads(attn, attn.to_v(norm_rows)), ragged.query_rows)
-    query = _heads(attn, attn.to_q(norm_rows))
-    attn_out = ops.ragged_attention(query, key.flatten(0, 1), value.flatten(0, 1), ragged.cu_seqlens_q,
-                                    ragged.cu_seqlens_k, ragged.max_seqlen_q, ragged.max_seqlen_k,
-                                    backend=adapter.attention_backend)
-    rows = attn.to_out[1](attn.to_out[0](attn_out.flatten(1).to(query.dtype))) + rows
-
-    # Cross-attention: each request's masked queries against all of its text tokens.
-    rows = _cross_attention(block.attn2, adapter, ragged, block.norm2(rows), encoder_hidden_states) + rows
-    rows = block.ff(block.norm3(rows)) + rows
-
+    query_rows = adapter.computed_batch(context.levels[level]).query_rows
+    plans = _level_plan(adapter, context, level, encoder_hidden_states.shape[1], hidden_states.dtype, head_dim(attn))
+    recorded = None
+    if context.mode is CacheMode.KV_CACHE:
+        like = hidden_states.new_empty((0, attn.heads, head_dim(attn)))
+        recorded = (_recorded(context, index, level, KEY, like), _recorded(context, index, level, VALUE, like))
+    rows, key, value = adapter.core(transformer_block_core)(block, hidden_states, encoder_hidden_states, query_rows,
+                                                            recorded, plans)
     if context.mode is CacheMode.KV_CACHE and not adapter.needs_all_output_rows(context, index):
         # Nothing reads the unmasked rows before the next cached block of this Transformer2DModel.
-        out = hidden_states.contiguous().clone()
-        ops.scatter_rows_(out.view(-1, hidden), ragged.query_rows, rows)
+        out = with_rows(hidden_states.contiguous().clone(), query_rows, rows)
     else:
-        out = _rows_with(context, index, level, OUT, rows, ragged.query_rows)
+        out = with_rows(_recorded(context, index, level, OUT, rows), query_rows, rows)
     if context.recording_rows:  # their rows computed every token: out, key and value are whole
         _record_rows(context, index, {OUT: out, KEY: key, VALUE: value})
     return out
 
 
-def _cross_attention(attn, adapter: UNetMaskAwareAdapter, ragged: RaggedBatch, norm_rows: torch.Tensor,
-                     encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-    """norm_rows: [T, C] packed masked tokens; encoder_hidden_states: [R, S, D] -> [T, C]."""
-    batch, num_text, _ = encoder_hidden_states.shape
-    query = _heads(attn, attn.to_q(norm_rows))
-    key = _heads(attn, attn.to_k(encoder_hidden_states)).flatten(0, 1)
-    value = _heads(attn, attn.to_v(encoder_hidden_states)).flatten(0, 1)
-    cu_seqlens_text = torch.arange(0, (batch + 1) * num_text, num_text, dtype=torch.int32,
-                                   device=ragged.cu_seqlens_q.device)
-    out = ops.ragged_attention(query, key, value, ragged.cu_seqlens_q, cu_seqlens_text, ragged.max_seqlen_q,
-                               num_text, backend=adapter.attention_backend)
-    return attn.to_out[1](attn.to_out[0](out.flatten(1).to(query.dtype)))
+def transformer_block_core(block: BasicTransformerBlock, hidden_states: torch.Tensor,
+                           encoder_hidden_states: torch.Tensor, query_rows: torch.Tensor,
+                           recorded: tuple[torch.Tensor, torch.Tensor] | None,
+                           plans: tuple[ops.AttentionPlan, ops.AttentionPlan]):
+    """BasicTransformerBlock's math on the masked tokens (`query_rows` of the [R * L, C] matrix) ->
+    (their output rows [T, C], self-attention keys and values [R, L, heads, d]). Y-cache without
+    `recorded` (K and V from every token of the input, Fig. 5); KV-cache with the recorded keys and
+    values (Fig. 7), whose masked rows are overwritten by computed ones."""
+    attn = block.attn1
+    hidden = hidden_states.shape[-1]
+    rows = ops.gather_rows(hidden_states.reshape(-1, hidden), query_rows)  # [T, C]
+    if recorded is None:
+        norm_hidden = block.norm1.forward(hidden_states)
+        key, value = heads(attn, attn.to_k.forward(norm_hidden)), heads(attn, attn.to_v.forward(norm_hidden))
+        norm_rows = ops.gather_rows(norm_hidden.reshape(-1, hidden), query_rows)
+    else:
+        norm_rows = block.norm1.forward(rows)
+        key = with_rows(recorded[0], query_rows, heads(attn, attn.to_k.forward(norm_rows)))
+        value = with_rows(recorded[1], query_rows, heads(attn, attn.to_v.forward(norm_rows)))
+    query = heads(attn, attn.to_q.forward(norm_rows))
+    attn_out = ops.planned_attention(query, key.flatten(0, 1), value.flatten(0, 1), plans[0])
+    rows = output(attn, attn_out.flatten(1)) + rows
+
+    # Cross-attention: each row's masked queries against all of its text tokens.
+    cross = block.attn2
+    query = heads(cross, cross.to_q.forward(block.norm2.forward(rows)))
+    text_k = heads(cross, cross.to_k.forward(encoder_hidden_states)).flatten(0, 1)
+    text_v = heads(cross, cross.to_v.forward(encoder_hidden_states)).flatten(0, 1)
+    rows = output(cross, ops.planned_attention(query, text_k, text_v, plans[1]).flatten(1)) + rows
+    rows = feed_forward(block.ff, block.norm3.forward(rows)) + rows
+    return rows, key, value
 
 
-def _heads(attn, projected: torch.Tensor) -> torch.Tensor:
-    """[..., heads * head_dim] -> [..., heads, head_dim], as AttnProcessor2_0 splits heads."""
-    return projected.unflatten(-1, (attn.heads, -1))
-
-
-def _rows_with(context: UNetMaskAwareContext, index: int, level: int, name: str, computed: torch.Tensor,
-               query_rows: torch.Tensor) -> torch.Tensor:
-    """[R, L, ...]: recorded `name` at unmasked tokens, `computed: [T, ...]` at masked ones. Rows with every
-    token masked read nothing (all their rows are overwritten)."""
+def _recorded(context: UNetMaskAwareContext, index: int, level: int, name: str, like: torch.Tensor) -> torch.Tensor:
+    """[R, L, ...] recorded `name` of each row's template, step and guidance copy. Rows with every token
+    masked read nothing (all their rows are overwritten)."""
     keys = [context.cache_key(row, name) if context.row_reuses_tokens(level, row) else None
             for row in range(context.num_rows)]
-    num_tokens = context.level_tokens[level]
-    full = context.cache.read_rows(index, name, keys, computed, num_tokens)
-    ops.scatter_rows_(full.view(context.num_rows * num_tokens, -1), query_rows, computed.flatten(1))
-    return full
+    return context.cache.read_rows(index, name, keys, like, context.level_tokens[level])
 
 
 __all__ = ["UNetMaskAwareAdapter", "UNetMaskAwareContext", "level_grid", "patch_unet"]

@@ -5,6 +5,7 @@ component name, so a denoiser built alone is identical to the one inside the ful
 given (name, device type, dtype) gives the same weights in every process.
 """
 
+import dataclasses
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ import torch
 import transformers
 from diffusers import AutoencoderKL, DiffusionPipeline
 
+from .narrow import narrow_denoiser_config
 from .quiet import quiet_libraries
 from .registry import get_spec
 from .spec import ModelSpec, TextEncoderSpec
@@ -21,14 +23,17 @@ from .tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 
 def build_denoiser(
-    name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, narrow: bool = False
 ) -> torch.nn.Module:
     """The model's transformer or UNet with random weights, created directly on `device` in `dtype`.
 
     device="meta" allocates nothing (FLUX.1-size is 11.9 B parameters): use it to inspect shapes and
     count parameters. On a GPU the random init runs there, seconds even for the largest spec.
+    `narrow`: its depth and block structure at a tiny width (`retouch.models.narrow`).
     """
     spec = get_spec(name)
+    if narrow:
+        spec = dataclasses.replace(spec, denoiser_config=narrow_denoiser_config(spec.family, spec.denoiser_config))
     with quiet_libraries():
         return _build_denoiser(spec, torch.device(device), dtype)
 

@@ -52,6 +52,40 @@ FLUX_SCHEDULER = {
     "max_image_seq_len": 4096,
 }
 
+# stabilityai/stable-diffusion-3-medium-diffusers transformer/config.json: the MMDiT (2 B), 24 joint
+# blocks of 24 x 64 heads; the inpaint pipeline feeds it 16 latent channels (it blends the rest).
+SD3_MEDIUM_TRANSFORMER = {
+    "sample_size": 128,
+    "patch_size": 2,
+    "in_channels": 16,
+    "out_channels": 16,
+    "num_layers": 24,
+    "attention_head_dim": 64,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "caption_projection_dim": 1536,
+    "pooled_projection_dim": 2048,
+    "pos_embed_max_size": 192,
+}
+
+# stabilityai/stable-diffusion-3-medium-diffusers vae/config.json.
+SD3_VAE = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "latent_channels": 16,
+    "sample_size": 1024,
+    "scaling_factor": 1.5305,
+    "shift_factor": 0.0609,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "force_upcast": True,
+}
+
 # stabilityai/stable-diffusion-3-medium-diffusers scheduler/scheduler_config.json.
 SD3_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
 

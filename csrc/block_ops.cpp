@@ -1,0 +1,72 @@
+// Composite ops of the mask-aware blocks: each replaces a chain of small tensor ops that the blocks
+// issued one by one from Python (host overhead per op), with the same math, issued from C++. They are
+// built from ATen ops, so one implementation serves every device (CompositeExplicitAutograd).
+// References: retouch/kernels/reference.py (rope_pairs_ref, sdpa_ragged_ref).
+#include <ATen/ATen.h>
+
+#include "ops.h"
+
+namespace retouch {
+
+at::Tensor rope_pairs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() >= 3, "rope_pairs: x must be [..., S, heads, head_dim], got ", x.sizes());
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes(), "rope_pairs: cos and sin must be [S, head_dim], got ",
+              cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK(cos.size(0) == x.size(-3) && cos.size(1) == x.size(-1), "rope_pairs: tables ", cos.sizes(),
+              " do not match x ", x.sizes(), " (S = dim -3, head_dim = dim -1)");
+  TORCH_CHECK(x.size(-1) % 2 == 0, "rope_pairs: head_dim must be even, got ", x.size(-1));
+  // diffusers' apply_rotary_emb (use_real, unbind_dim -1): pairs (2i, 2i+1) rotate as complex numbers.
+  const auto pairs = x.unflatten(-1, {-1, 2});
+  const auto rotated = at::stack({pairs.select(-1, 1).neg(), pairs.select(-1, 0)}, -1).flatten(-2);
+  const auto c = cos.unsqueeze(-2);
+  const auto s = sin.unsqueeze(-2);
+  return (x.to(at::kFloat) * c + rotated.to(at::kFloat) * s).to(x.scalar_type());
+}
+
+at::Tensor sdpa_ragged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths_q_t,
+                       const at::Tensor& lengths_k_t, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
+              "sdpa_ragged: q must be [T_q, heads, d] and k, v [T_k, heads, d]");
+  for (const auto* lengths : {&lengths_q_t, &lengths_k_t}) {
+    // Host memory: reading it is no device sync, and under torch.compile the lengths stay graph inputs
+    // (a new batch composition is new data, not a new graph).
+    TORCH_CHECK(lengths->device().is_cpu() && lengths->scalar_type() == at::kLong && lengths->dim() == 1,
+                "sdpa_ragged: lengths must be 1-D int64 CPU tensors");
+  }
+  const auto lq = lengths_q_t.contiguous(), lk = lengths_k_t.contiguous();
+  const at::IntArrayRef lengths_q(lq.data_ptr<int64_t>(), lq.numel());
+  const at::IntArrayRef lengths_k(lk.data_ptr<int64_t>(), lk.numel());
+  TORCH_CHECK(lengths_q.size() == lengths_k.size() && !lengths_q.empty(),
+              "sdpa_ragged: lengths_q and lengths_k must describe the same requests");
+  int64_t total_q = 0, total_k = 0;
+  for (size_t b = 0; b < lengths_q.size(); ++b) {
+    TORCH_CHECK(lengths_q[b] >= 0 && lengths_k[b] >= 0, "sdpa_ragged: lengths must be >= 0");
+    total_q += lengths_q[b];
+    total_k += lengths_k[b];
+  }
+  TORCH_CHECK(total_q == q.size(0) && total_k == k.size(0), "sdpa_ragged: lengths sum to ", total_q, " queries and ",
+              total_k, " keys, the tensors have ", q.size(0), " and ", k.size(0));
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(lengths_q.size());
+  int64_t q0 = 0, k0 = 0;
+  for (size_t b = 0; b < lengths_q.size(); ++b) {
+    const int64_t nq = lengths_q[b], nk = lengths_k[b];
+    const auto qb = q.narrow(0, q0, nq);
+    if (nk == 0) {
+      outputs.push_back(at::zeros_like(qb));  // an empty softmax is defined as zeros
+    } else if (nq > 0) {
+      // [1, heads, n, d]: the fused CPU (flash) kernel takes 4-D inputs only.
+      const auto kb = k.narrow(0, k0, nk), vb = v.narrow(0, k0, nk);
+      const auto out = at::scaled_dot_product_attention(qb.transpose(0, 1).unsqueeze(0), kb.transpose(0, 1).unsqueeze(0),
+                                                        vb.transpose(0, 1).unsqueeze(0), std::nullopt, 0.0, false, scale);
+      outputs.push_back(out.squeeze(0).transpose(0, 1));
+    } else {
+      outputs.push_back(qb);
+    }
+    q0 += nq;
+    k0 += nk;
+  }
+  return outputs.size() == 1 ? outputs[0].contiguous() : at::cat(outputs);
+}
+
+}  // namespace retouch

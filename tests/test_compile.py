@@ -1,0 +1,116 @@
+"""torch.compile of the mask-aware blocks (`MaskAwareAdapter.compile`, inductor on the CPU): the
+compiled forward equals the eager one within fp32 tolerance for every cache mode and batch shape, and
+after a warm-up over the shapes a graph specializes on (a batch of one or more, each cache mode) no new
+mask, ratio or batch composition compiles again (`torch._dynamo.config.error_on_recompile`).
+
+Tolerance: inductor fuses and reorders the elementwise ops and reductions of a block (e.g. layer norm's
+mean and variance in one pass), a few fp32 ulps per op; COMPILED_ULPS units of fp32 eps at the output's
+scale is ~4x the worst seen over these cases.
+"""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from forward_cases import EDIT_MODES, Forwards
+from retouch.cache import InMemoryActivationCache
+from retouch.ragged import token_bucket
+from replay_checks import assert_close_ulps
+
+COMPILED_ULPS = 64
+# One graph per (core, cache mode, batch of one or more): warm-up visits each.
+WARM_UP = [[0.2], [0.1, 0.5]]
+# New masks, ratios and compositions (empty and recording requests, three requests): no new graph.
+AFTER_WARM_UP = [[0.6], [0.01], [0.0], [0.9, 0.3, 0.0], [1.0, 0.4], [0.25, 0.25]]
+MODELS = ["tiny-flux-fill", "tiny-sd3-inpaint", "tiny-sdxl-inpaint"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def compiled_forwards(request):
+    """(forwards, eager outputs per (mode, case)), the adapter compiled after the eager outputs were taken."""
+    forwards = Forwards(request.param)
+    cases = [(mode, tuple(case)) for mode in EDIT_MODES for case in WARM_UP + AFTER_WARM_UP]
+    eager = {case: forwards.forward(forwards.context(*case)) for case in cases}
+    forwards.eager_stock = forwards.forward(batch=2)
+    forwards.adapter.compile()
+    torch._dynamo.reset()
+    return forwards, eager
+
+
+def test_compiled_equals_eager_and_never_recompiles(compiled_forwards):
+    forwards, eager = compiled_forwards
+    for mode in EDIT_MODES:
+        for case in WARM_UP:
+            assert_close_ulps(forwards.forward(forwards.context(mode, case)), eager[mode, tuple(case)], COMPILED_ULPS)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # the cores ran compiled
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for mode in EDIT_MODES:
+            for case in AFTER_WARM_UP:
+                actual = forwards.forward(forwards.context(mode, case))
+                assert_close_ulps(actual, eager[mode, tuple(case)], COMPILED_ULPS)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+# ---- the adapter invariants, compiled ----
+
+@pytest.mark.parametrize("mode", EDIT_MODES, ids=lambda mode: mode.name)
+def test_compiled_replay_identity(compiled_forwards, mode):
+    """An edit of a template on the inputs it was recorded from returns the recorded output."""
+    forwards, _ = compiled_forwards
+    cache = InMemoryActivationCache()
+    recorded = forwards.record(cache)
+    replayed = forwards.forward(forwards.context(mode, [0.3], cache=cache))
+    assert_close_ulps(replayed, recorded, COMPILED_ULPS)
+
+
+@pytest.mark.parametrize("mode", EDIT_MODES, ids=lambda mode: mode.name)
+def test_compiled_all_masked_equals_stock(compiled_forwards, mode):
+    """Every token masked (the request records itself) against the model's own forward, eager."""
+    forwards, _ = compiled_forwards
+    all_masked = forwards.forward(forwards.context(mode, [1.0, 1.0]))
+    assert_close_ulps(all_masked, forwards.eager_stock, COMPILED_ULPS)
+
+
+def test_compiled_all_full_plan_is_the_compiled_stock_forward(compiled_forwards):
+    """Every block in full under a context: bit for bit the compiled blocks without one."""
+    forwards, _ = compiled_forwards
+    plan = [False] * forwards.adapter.num_blocks
+    in_full = forwards.forward(forwards.context(EDIT_MODES[0], [0.3, 0.5], block_plan=plan))
+    assert torch.equal(in_full, forwards.forward(batch=2))
+
+
+def test_compiled_padded_path_equals_eager(compiled_forwards):
+    """The CUDA-graph path's shapes (tokens padded to `token_bucket` sizes) through the same graphs."""
+    forwards, eager = compiled_forwards
+    forwards.adapter.pad_tokens(token_bucket)
+    try:
+        for mode in EDIT_MODES:  # padded index tensors are made inside the forward: new guards, once
+            for case in WARM_UP:
+                assert_close_ulps(forwards.forward(forwards.context(mode, case)), eager[mode, tuple(case)],
+                                  COMPILED_ULPS)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for mode in EDIT_MODES:
+                for case in AFTER_WARM_UP:
+                    actual = forwards.forward(forwards.context(mode, case))
+                    assert_close_ulps(actual, eager[mode, tuple(case)], COMPILED_ULPS)
+    finally:
+        forwards.adapter.pad_tokens(None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are captured on a GPU")
+@pytest.mark.parametrize("model", MODELS)
+def test_cuda_graphs_capture_and_replay(model):
+    """On a GPU: `compile(cuda_graphs=True)` captures every core (no cudagraph skip) and replays equal
+    the eager forward, over new masks of the same buckets."""
+    forwards = Forwards(model, device="cuda")
+    cases = [(mode, tuple(case)) for mode in EDIT_MODES for case in WARM_UP + AFTER_WARM_UP]
+    eager = {case: forwards.forward(forwards.context(*case)) for case in cases}
+    forwards.adapter.compile(cuda_graphs=True)
+    torch._dynamo.reset()
+    counters.clear()
+    for _ in range(2):  # the first forwards of a shape record its graph, later ones replay it
+        for case in cases:
+            assert_close_ulps(forwards.forward(forwards.context(*case)), eager[case], COMPILED_ULPS)
+    assert counters["inductor"]["cudagraph_skips"] == 0
