@@ -42,7 +42,7 @@ def build_cuda() -> bool:
 
 def native_extension():
     cpu_sources = [s for s in relative_sources("csrc/*.cpp") if not s.endswith("_cuda.cpp")]
-    compile_args = {"cxx": ["-O3"]}
+    compile_args = {"cxx": ["-O3", "-ffp-contract=off"]}  # kernels round as their references do
     if not build_cuda():
         return CppExtension("retouch._C", cpu_sources, extra_compile_args=compile_args)
     cuda_sources = relative_sources("csrc/*_cuda.cpp") + relative_sources("csrc/**/*.cu")

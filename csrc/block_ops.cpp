@@ -1,26 +1,80 @@
-// Composite ops of the mask-aware blocks: each replaces a chain of small tensor ops that the blocks
-// issued one by one from Python (host overhead per op), with the same math, issued from C++. They are
-// built from ATen ops, so one implementation serves every device (CompositeExplicitAutograd).
+// Ops of the mask-aware blocks: each replaces a chain of small tensor ops that the blocks issued one by
+// one from Python (host overhead per op), with the same math. The composites are built from ATen ops,
+// so they serve every device (CompositeExplicitAutograd); rope_pairs has a one-pass CPU kernel, and a
+// Triton one on CUDA (retouch/kernels/rope.py, registered in retouch/ops.py).
 // References: retouch/kernels/reference.py (rope_pairs_ref, sdpa_ragged_ref).
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 
 #include "ops.h"
 
 namespace retouch {
 
-at::Tensor rope_pairs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+namespace {
+
+void check_rope_inputs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() >= 3, "rope_pairs: x must be [..., S, heads, head_dim], got ", x.sizes());
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes(), "rope_pairs: cos and sin must be [S, head_dim], got ",
               cos.sizes(), " and ", sin.sizes());
   TORCH_CHECK(cos.size(0) == x.size(-3) && cos.size(1) == x.size(-1), "rope_pairs: tables ", cos.sizes(),
               " do not match x ", x.sizes(), " (S = dim -3, head_dim = dim -1)");
   TORCH_CHECK(x.size(-1) % 2 == 0, "rope_pairs: head_dim must be even, got ", x.size(-1));
+  TORCH_CHECK(x.device() == cos.device() && x.device() == sin.device(), "rope_pairs: x, cos and sin must share a device");
+}
+
+// One pass over x: each (2i, 2i+1) pair rotates in fp32, each product rounded as the reference's
+// separate tensor ops round it (the build does not contract them into FMAs: -ffp-contract=off).
+template <typename scalar_t>
+void rope_pairs_loop(const scalar_t* x, const float* cos, const float* sin, scalar_t* out, int64_t outer,
+                     int64_t seq, int64_t heads, int64_t dim) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, heads * dim));
+  at::parallel_for(0, outer * seq, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      const float* c = cos + (token % seq) * dim;
+      const float* s = sin + (token % seq) * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* xi = x + (token * heads + h) * dim;
+        scalar_t* oi = out + (token * heads + h) * dim;
+        for (int64_t i = 0; i < dim; i += 2) {
+          const float x0 = static_cast<float>(xi[i]), x1 = static_cast<float>(xi[i + 1]);
+          oi[i] = static_cast<scalar_t>(x0 * c[i] + (-x1) * s[i]);
+          oi[i + 1] = static_cast<scalar_t>(x1 * c[i + 1] + x0 * s[i + 1]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor rope_pairs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rope_inputs(x, cos, sin);
   // diffusers' apply_rotary_emb (use_real, unbind_dim -1): pairs (2i, 2i+1) rotate as complex numbers.
   const auto pairs = x.unflatten(-1, {-1, 2});
   const auto rotated = at::stack({pairs.select(-1, 1).neg(), pairs.select(-1, 0)}, -1).flatten(-2);
   const auto c = cos.unsqueeze(-2);
   const auto s = sin.unsqueeze(-2);
   return (x.to(at::kFloat) * c + rotated.to(at::kFloat) * s).to(x.scalar_type());
+}
+
+at::Tensor rope_pairs_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rope_inputs(x, cos, sin);
+  if (cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat) {
+    return rope_pairs(x, cos, sin);  // the tables Flux builds are fp32; others take the composite
+  }
+  const auto xc = x.contiguous();
+  const auto cc = cos.contiguous(), sc = sin.contiguous();
+  auto out = at::empty_like(xc, at::MemoryFormat::Contiguous);
+  const int64_t dim = x.size(-1), heads = x.size(-2), seq = x.size(-3);
+  const int64_t outer = seq * heads * dim == 0 ? 0 : x.numel() / (seq * heads * dim);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_pairs_cpu", [&] {
+    rope_pairs_loop<scalar_t>(xc.const_data_ptr<scalar_t>(), cc.const_data_ptr<float>(), sc.const_data_ptr<float>(),
+                              out.mutable_data_ptr<scalar_t>(), outer, seq, heads, dim);
+  });
+  return out;
 }
 
 at::Tensor sdpa_ragged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths_q_t,

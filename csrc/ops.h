@@ -21,6 +21,7 @@ void gather_host_rows_cpu(at::Tensor& dst, const at::Tensor& src, const at::Tens
 // Composite ops of the mask-aware blocks (block_ops.cpp), any device.
 // diffusers' Flux RoPE on pairs: x: [..., S, heads, d]; cos, sin: [S, d] (fp32) -> x's shape and dtype.
 at::Tensor rope_pairs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor rope_pairs_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // Each request's queries against its keys by SDPA. q: [T_q, heads, d]; k, v: [T_k, heads, d]; lengths:
 // [B] int64 CPU tensors (a planned forward's), so nothing is read back from the device.
 at::Tensor sdpa_ragged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths_q,

@@ -14,7 +14,8 @@ TORCH_LIBRARY(retouch, m) {
   m.def("sdpa_ragged(Tensor q, Tensor k, Tensor v, Tensor lengths_q, Tensor lengths_k, float scale) -> Tensor");
 }
 
-// Built from ATen ops: one implementation for every device.
+// Built from ATen ops: one implementation for every device (a device's own kernel, below or registered
+// from Python, takes precedence).
 TORCH_LIBRARY_IMPL(retouch, CompositeExplicitAutograd, m) {
   m.impl("rope_pairs", &retouch::rope_pairs);
   m.impl("sdpa_ragged", &retouch::sdpa_ragged);
@@ -24,6 +25,7 @@ TORCH_LIBRARY_IMPL(retouch, CPU, m) {
   m.impl("gather_rows", &retouch::gather_rows_cpu);
   m.impl("scatter_rows_", &retouch::scatter_rows_cpu);
   m.impl("gather_host_rows_", &retouch::gather_host_rows_cpu);
+  m.impl("rope_pairs", &retouch::rope_pairs_cpu);
 }
 
 #ifdef RETOUCH_WITH_CUDA
