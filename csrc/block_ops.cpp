@@ -1,13 +1,16 @@
 // Ops of the mask-aware blocks: each replaces a chain of small tensor ops that the blocks issued one by
 // one from Python (host overhead per op), with the same math. The composites are built from ATen ops,
-// so they serve every device (CompositeExplicitAutograd); rope_pairs has a one-pass CPU kernel, and a
-// Triton one on CUDA (retouch/kernels/rope.py, registered in retouch/ops.py).
-// References: retouch/kernels/reference.py (rope_pairs_ref, sdpa_ragged_ref).
+// so they serve every device (CompositeExplicitAutograd); rope_pairs and rms_norm_rope have one-pass CPU
+// kernels here, and a Triton one on CUDA (kernels/norm_rope.py, registered in retouch/ops.py).
+// References: kernels/reference.py (rope_pairs_ref, rms_norm_rope_ref, sdpa_ragged_ref).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <optional>
+#include <vector>
 
 #include "ops.h"
 
@@ -48,7 +51,85 @@ void rope_pairs_loop(const scalar_t* x, const float* cos, const float* sin, scal
   });
 }
 
+// One pass per (token, head) row: RMSNorm in fp32, rounded to x's dtype as torch.rms_norm's output is,
+// then (with tables) RoPE on the rounded values, as the two separate ops compute them.
+template <typename scalar_t>
+void rms_norm_rope_loop(const scalar_t* x, const scalar_t* weight, float eps, const float* cos, const float* sin,
+                        scalar_t* out, int64_t rows, int64_t seq, int64_t heads, int64_t dim) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, dim));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> normed(dim);
+    for (int64_t row = begin; row < end; ++row) {
+      const scalar_t* xi = x + row * dim;
+      scalar_t* oi = out + row * dim;
+      float squares = 0.f;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float v = static_cast<float>(xi[i]);
+        squares += v * v;
+      }
+      const float rstd = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+      for (int64_t i = 0; i < dim; ++i) {
+        float v = static_cast<float>(xi[i]) * rstd;
+        if (weight != nullptr) v = v * static_cast<float>(weight[i]);
+        normed[i] = static_cast<float>(static_cast<scalar_t>(v));
+      }
+      if (cos == nullptr) {
+        for (int64_t i = 0; i < dim; ++i) oi[i] = static_cast<scalar_t>(normed[i]);
+        continue;
+      }
+      const int64_t position = (row / heads) % seq;
+      const float* c = cos + position * dim;
+      const float* s = sin + position * dim;
+      for (int64_t i = 0; i < dim; i += 2) {
+        const float x0 = normed[i], x1 = normed[i + 1];
+        oi[i] = static_cast<scalar_t>(x0 * c[i] + (-x1) * s[i]);
+        oi[i + 1] = static_cast<scalar_t>(x1 * c[i + 1] + x0 * s[i + 1]);
+      }
+    }
+  });
+}
+
+void check_norm_inputs(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                       const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin) {
+  TORCH_CHECK(x.dim() >= 1, "rms_norm_rope: x must have a last (normalised) dimension");
+  TORCH_CHECK(!weight.has_value() || (weight->dim() == 1 && weight->size(0) == x.size(-1)),
+              "rms_norm_rope: weight must be [", x.size(-1), "]");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "rms_norm_rope: give both cos and sin, or neither");
+  if (cos.has_value()) check_rope_inputs(x, *cos, *sin);
+}
+
 }  // namespace
+
+at::Tensor rms_norm_rope(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps,
+                         const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin) {
+  check_norm_inputs(x, weight, cos, sin);
+  const auto normed = at::rms_norm(x, {x.size(-1)}, weight, eps);
+  return cos.has_value() ? rope_pairs(normed, *cos, *sin) : normed;
+}
+
+at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps,
+                             const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin) {
+  check_norm_inputs(x, weight, cos, sin);
+  const bool fp32_tables = !cos.has_value() || (cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat);
+  if (!fp32_tables || (weight.has_value() && weight->scalar_type() != x.scalar_type())) {
+    return rms_norm_rope(x, weight, eps, cos, sin);  // mixed dtypes: the composite's promotion rules
+  }
+  const auto xc = x.contiguous();
+  const auto wc = weight.has_value() ? weight->contiguous() : at::Tensor();
+  const auto cc = cos.has_value() ? cos->contiguous() : at::Tensor();
+  const auto sc = sin.has_value() ? sin->contiguous() : at::Tensor();
+  auto out = at::empty_like(xc, at::MemoryFormat::Contiguous);
+  const int64_t dim = x.size(-1);
+  const int64_t rows = dim == 0 ? 0 : x.numel() / dim;
+  const int64_t heads = cos.has_value() ? x.size(-2) : 1, seq = cos.has_value() ? x.size(-3) : 1;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_rope_cpu", [&] {
+    rms_norm_rope_loop<scalar_t>(xc.const_data_ptr<scalar_t>(), wc.defined() ? wc.const_data_ptr<scalar_t>() : nullptr,
+                                 static_cast<float>(eps), cc.defined() ? cc.const_data_ptr<float>() : nullptr,
+                                 sc.defined() ? sc.const_data_ptr<float>() : nullptr, out.mutable_data_ptr<scalar_t>(),
+                                 rows, seq, heads, dim);
+  });
+  return out;
+}
 
 at::Tensor rope_pairs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_rope_inputs(x, cos, sin);

@@ -1,6 +1,7 @@
 // Declarations of every native op. Each is registered once, with its schema, in torch_bindings.cpp.
 #pragma once
 
+#include <optional>
 #include <string_view>
 
 #include <ATen/core/Tensor.h>
@@ -22,6 +23,11 @@ void gather_host_rows_cpu(at::Tensor& dst, const at::Tensor& src, const at::Tens
 // diffusers' Flux RoPE on pairs: x: [..., S, heads, d]; cos, sin: [S, d] (fp32) -> x's shape and dtype.
 at::Tensor rope_pairs(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor rope_pairs_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// torch.rms_norm over the last dimension, then (given tables) rope_pairs: the q/k norms of attention.
+at::Tensor rms_norm_rope(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps,
+                         const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin);
+at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps,
+                             const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin);
 // Each request's queries against its keys by SDPA. q: [T_q, heads, d]; k, v: [T_k, heads, d]; lengths:
 // [B] int64 CPU tensors (a planned forward's), so nothing is read back from the device.
 at::Tensor sdpa_ragged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths_q,

@@ -11,6 +11,7 @@ TORCH_LIBRARY(retouch, m) {
   m.def("scatter_rows_(Tensor(a!) dst, Tensor row_idx, Tensor src) -> ()");
   m.def("gather_host_rows_(Tensor(a!) dst, Tensor src, Tensor src_offsets, Tensor dst_rows, str method) -> ()");
   m.def("rope_pairs(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("rms_norm_rope(Tensor x, Tensor? weight, float eps, Tensor? cos, Tensor? sin) -> Tensor");
   m.def("sdpa_ragged(Tensor q, Tensor k, Tensor v, Tensor lengths_q, Tensor lengths_k, float scale) -> Tensor");
 }
 
@@ -18,6 +19,7 @@ TORCH_LIBRARY(retouch, m) {
 // from Python, takes precedence).
 TORCH_LIBRARY_IMPL(retouch, CompositeExplicitAutograd, m) {
   m.impl("rope_pairs", &retouch::rope_pairs);
+  m.impl("rms_norm_rope", &retouch::rms_norm_rope);
   m.impl("sdpa_ragged", &retouch::sdpa_ragged);
 }
 
@@ -26,6 +28,7 @@ TORCH_LIBRARY_IMPL(retouch, CPU, m) {
   m.impl("scatter_rows_", &retouch::scatter_rows_cpu);
   m.impl("gather_host_rows_", &retouch::gather_host_rows_cpu);
   m.impl("rope_pairs", &retouch::rope_pairs_cpu);
+  m.impl("rms_norm_rope", &retouch::rms_norm_rope_cpu);
 }
 
 #ifdef RETOUCH_WITH_CUDA

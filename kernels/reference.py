@@ -38,6 +38,14 @@ def rope_pairs_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return apply_rotary_emb(flat, (cos, sin), sequence_dim=1).reshape(x.shape)
 
 
+def rms_norm_rope_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None,
+                      sin: torch.Tensor | None) -> torch.Tensor:
+    """An attention q/k norm (`torch.rms_norm` over the last dimension) and then, given tables, the Flux
+    RoPE of `rope_pairs_ref`: `x: [..., S, heads, d]`, `cos, sin: [S, d]` (or None)."""
+    normed = torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    return normed if cos is None else rope_pairs_ref(normed, cos, sin)
+
+
 def sdpa_ragged_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths_q, lengths_k,
                     scale: float) -> torch.Tensor:
     """Each request's queries against its keys: `q: [T_q, heads, d]`, `k, v: [T_k, heads, d]` split by

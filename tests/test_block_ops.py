@@ -1,11 +1,13 @@
-"""The composite ops of the mask-aware blocks (csrc/block_ops.cpp) and the planned attention, against
-their references over shapes, dtypes and ragged batches (empty requests, one token, no keys)."""
+"""The ops of the mask-aware blocks (csrc/block_ops.cpp, the Triton kernels/norm_rope.py under the
+interpreter) and the planned attention, against their references over shapes, dtypes and ragged batches
+(empty requests, one token, no keys)."""
 
 import pytest
 import torch
 
 from retouch import ops
-from retouch.kernels.reference import rope_pairs_ref, sdpa_ragged_ref
+from retouch.kernels.norm_rope import norm_rope_triton
+from retouch.kernels.reference import rms_norm_rope_ref, rope_pairs_ref, sdpa_ragged_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(0, 1, 8), (1, 1, 8), (7, 2, 16), (33, 3, 128), (2, 5, 1, 64), (1, 40, 4, 32)]  # [..., S, heads, d]
@@ -22,6 +24,71 @@ def test_rope_pairs_is_diffusers_rope_bit_for_bit(shape, dtype):
     out = ops.rope_pairs(x, cos, sin)
     assert out.dtype == dtype and out.shape == x.shape
     assert torch.equal(out, rope_pairs_ref(x, cos, sin))
+
+
+def flux_tables(shape, generator):
+    angles = torch.rand(shape[-3], shape[-1] // 2, generator=generator) * 6.28
+    return angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+
+
+# One rounding per output element apart from the norm's sum of squares, whose order differs.
+NORM_TOLERANCE = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+                  torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def assert_triton_close(out: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """Triton's interpreter rounds fp32 -> bf16 by truncation (a GPU rounds to nearest), so its bf16
+    rows may differ by an ulp per rounding: two roundings at the output's scale."""
+    if out.dtype == torch.bfloat16 and out.numel():
+        atol = 2 * torch.finfo(torch.bfloat16).eps * expected.float().abs().max().item()
+        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0, msg=name)
+    else:
+        torch.testing.assert_close(out, expected, **NORM_TOLERANCE[out.dtype], msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("rope", [True, False], ids=["norm+rope", "norm"])
+@pytest.mark.parametrize("weighted", [True, False], ids=["weight", "no-weight"])
+def test_rms_norm_rope_equals_norm_then_rope(shape, dtype, rope, weighted):
+    generator = torch.Generator().manual_seed(sum(shape) + 2 * rope + weighted)
+    x = (3 * torch.randn(shape, generator=generator)).to(dtype)
+    weight = torch.randn(shape[-1], generator=generator).to(dtype) if weighted else None
+    cos, sin = flux_tables(shape, generator) if rope else (None, None)
+    expected = rms_norm_rope_ref(x, weight, 1e-6, cos, sin)
+    composite = torch.ops.retouch.rms_norm_rope.default.redispatch(
+        torch._C.DispatchKeySet("CompositeExplicitAutograd"), x, weight, 1e-6, cos, sin)
+    for name, out in {"op": ops.rms_norm_rope(x, weight, 1e-6, cos, sin), "composite": composite}.items():
+        assert out.dtype == dtype and out.shape == x.shape, name
+        torch.testing.assert_close(out, expected, **NORM_TOLERANCE[dtype], msg=name)
+    triton_out = norm_rope_triton(x, weight, 1e-6, cos, sin, block_rows=4)
+    assert triton_out.dtype == dtype and triton_out.shape == x.shape
+    assert_triton_close(triton_out, expected, "triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES[:4], ids=str)
+def test_triton_rope_is_diffusers_rope(shape, dtype):
+    generator = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(shape, generator=generator).to(dtype)
+    cos, sin = flux_tables(shape, generator)
+    out, expected = norm_rope_triton(x, None, None, cos, sin, block_rows=4), rope_pairs_ref(x, cos, sin)
+    if dtype == torch.bfloat16:
+        assert_triton_close(out, expected, "triton")
+    else:
+        assert torch.equal(out, expected)  # the same roundings, one per element
+
+
+def test_rms_norm_rope_checks_its_inputs():
+    x = torch.zeros(4, 2, 8)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm_rope(x, torch.ones(7), 1e-6)
+    with pytest.raises(RuntimeError, match="tables"):
+        ops.rms_norm_rope(x, None, 1e-6, torch.zeros(3, 8), torch.zeros(3, 8))
+    with pytest.raises(RuntimeError, match="both"):
+        torch.ops.retouch.rms_norm_rope(x, None, 1e-6, torch.zeros(4, 8), None)
+    with pytest.raises(ValueError, match="tables"):
+        norm_rope_triton(x, None, 1e-6, torch.zeros(3, 8), torch.zeros(3, 8))
 
 
 def test_rope_pairs_checks_its_inputs():
@@ -74,5 +141,7 @@ def test_the_composite_ops_pass_opcheck():
     # Schema, fake (meta) kernels and dispatch are consistent: what torch.compile relies on.
     x, table = torch.randn(6, 2, 8), torch.randn(6, 8)
     torch.library.opcheck(torch.ops.retouch.rope_pairs, (x, table, table))
+    torch.library.opcheck(torch.ops.retouch.rms_norm_rope, (x, torch.randn(8), 1e-6, table, table))
+    torch.library.opcheck(torch.ops.retouch.rms_norm_rope, (x, None, 1e-5, None, None))
     q, k = torch.randn(5, 2, 8), torch.randn(9, 2, 8)
     torch.library.opcheck(torch.ops.retouch.sdpa_ragged, (q, k, k, torch.tensor([2, 3]), torch.tensor([4, 5]), 0.5))

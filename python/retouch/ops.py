@@ -21,7 +21,8 @@ from retouch.errors import RetouchError
 from retouch.kernels.ragged_attention import (RaggedPlan, device_capability, launch_config, launch_planned,
                                               plan_from_host, plan_from_shapes, plan_ragged_attention,
                                               ragged_attention_with_plan)
-from retouch.kernels.reference import rope_pairs_ref
+from retouch.kernels.norm_rope import norm_rope_triton
+from retouch.kernels.reference import rms_norm_rope_ref, rope_pairs_ref
 from retouch.kernels.ragged_attention import ragged_attention_sdpa as _ragged_attention_sdpa
 from retouch.kernels.row_copy import gather_rows_triton, scatter_rows_triton
 
@@ -262,9 +263,19 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """diffusers' Flux RoPE in one op: `x: [..., S, heads, d]`, `cos, sin: [S, d]` (the per-token rows of
     the position tables) -> x's shape and dtype. Traced as its reference under torch.compile, whose
     fusion does better than an opaque op."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _C is None:
         return rope_pairs_ref(x, cos, sin)
     return torch.ops.retouch.rope_pairs(x, cos, sin)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None = None,
+                  sin: torch.Tensor | None = None) -> torch.Tensor:
+    """An attention q/k norm (`torch.rms_norm` over the last dimension) and, given tables, `rope_pairs` of
+    its output, in one op: one pass over the rows instead of the norm's seven ops and the rotation's own.
+    Traced as its reference under torch.compile, as `rope_pairs` is."""
+    if torch.compiler.is_compiling() or _C is None:
+        return rms_norm_rope_ref(x, weight, eps, cos, sin)
+    return torch.ops.retouch.rms_norm_rope(x, weight, eps, cos, sin)
 
 
 class RecentPlans:
@@ -355,6 +366,24 @@ if _C is not None:
     @torch.library.register_fake("retouch::rope_pairs")
     def _rope_pairs_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(x)
+
+    @torch.library.register_fake("retouch::rms_norm_rope")
+    def _rms_norm_rope_fake(x, weight, eps, cos, sin) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    # On CUDA both run the Triton kernel (kernels/norm_rope.py); the CPU has C++ kernels, other devices
+    # the composites.
+    @torch.library.register_kernel("retouch::rope_pairs", "cuda")
+    def _rope_pairs_cuda(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+            return rope_pairs_ref(x, cos, sin)  # the kernel takes the fp32 tables Flux builds
+        return norm_rope_triton(x, None, None, cos, sin)
+
+    @torch.library.register_kernel("retouch::rms_norm_rope", "cuda")
+    def _rms_norm_rope_cuda(x, weight, eps, cos, sin) -> torch.Tensor:
+        if cos is not None and (cos.dtype != torch.float32 or sin.dtype != torch.float32):
+            return rms_norm_rope_ref(x, weight, eps, cos, sin)
+        return norm_rope_triton(x, weight, eps, cos, sin)
 
     @torch.library.register_fake("retouch::sdpa_ragged")
     def _sdpa_ragged_fake(q, k, v, lengths_q, lengths_k, scale) -> torch.Tensor:
