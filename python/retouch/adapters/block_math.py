@@ -2,12 +2,19 @@
 output and feed-forward projections, and packing queries of text and masked image tokens.
 
 Submodules are called through `.forward`: nn.Module.__call__ costs a few microseconds of hook checks per
-call, which on a masked block of a few dozen ops is host time the GPU waits for.
+call, which on a masked block of a few dozen ops is host time the GPU waits for. For the same reason the
+cores read submodules from `module._modules` (a dict) rather than as attributes (nn.Module.__getattr__,
+~0.7 us a lookup, about fifty per block), and `linear` runs an nn.Linear's math without its frame; both
+read the live dicts, so a module or weight replaced later (a LoRA layer, a reload) is what they see.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from diffusers.models.activations import GELU
+from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 
 from retouch import ops
 
@@ -15,6 +22,48 @@ from retouch import ops
 def heads(attn: torch.nn.Module, projected: torch.Tensor) -> torch.Tensor:
     """[..., heads * head_dim] -> [..., heads, head_dim], as diffusers' attention processors split heads."""
     return projected.unflatten(-1, (attn.heads, -1))
+
+
+def linear(lin: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`lin.forward(x)`: an exact nn.Linear by `F.linear` on its current parameters; any other module
+    (a LoRA layer, a quantised linear) by its own forward."""
+    if type(lin) is torch.nn.Linear:
+        params = lin._parameters
+        return torch.nn.functional.linear(x, params["weight"], params["bias"])
+    return lin.forward(x)
+
+
+def layer_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm.forward(x)`: an exact nn.LayerNorm by `torch.layer_norm` on its current parameters."""
+    if type(norm) is torch.nn.LayerNorm:
+        params = norm._parameters
+        return torch.layer_norm(x, norm.normalized_shape, params.get("weight"), params.get("bias"), norm.eps)
+    return norm.forward(x)
+
+
+def norm_rope(norm: torch.nn.Module | None, x: torch.Tensor,
+              tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """An attention q/k norm over head_dim (`norm` None: none) and, given `(cos, sin)` rows, Flux's RoPE
+    of its output: `x: [..., S, heads, d]`. RMSNorms (torch's, and diffusers' without bias whose weight
+    has x's dtype) run with the rotation as one `retouch::rms_norm_rope`; other norms as they are."""
+    eps = _rms_norm_eps(norm, x.dtype)
+    if eps is not None:
+        return ops.rms_norm_rope(x, norm._parameters.get("weight"), eps, *(tables or (None, None)))
+    if norm is not None:
+        x = norm.forward(x)
+    return x if tables is None else ops.rope_pairs(x, *tables)
+
+
+def _rms_norm_eps(norm: torch.nn.Module | None, dtype: torch.dtype) -> float | None:
+    """The epsilon of an RMSNorm that `torch.rms_norm` computes (up to rounding), else None."""
+    if isinstance(norm, torch.nn.RMSNorm) and norm.normalized_shape == (norm.normalized_shape[-1],):
+        return torch.finfo(dtype).eps if norm.eps is None else norm.eps
+    # diffusers' RMSNorm rounds once more in half precision (before its weight), within an ulp of the
+    # fused op; with an fp32 weight on half-precision rows it returns fp32, which the fused op does not.
+    if isinstance(norm, DiffusersRMSNorm) and norm._parameters.get("bias") is None:
+        weight = norm._parameters.get("weight")
+        return norm.eps if weight is None or weight.dtype == dtype else None
+    return None
 
 
 def head_dim(attn: torch.nn.Module) -> int:
@@ -28,25 +77,46 @@ def modulation(norm: torch.nn.Module, temb: torch.Tensor, chunks: int, scales: t
     each scale s becomes the 1 + s the norms multiply by: per request `[B, 1, chunks * H]` (every token),
     and per packed row `[T, chunks * H]` (`[B, chunks * H]` when `request` is None: a batch of one
     broadcasts)."""
-    values = norm.linear.forward(norm.silu.forward(temb))
-    offset = values.new_zeros(chunks, values.shape[-1] // chunks)
-    offset[list(scales)] = 1
-    values = values + offset.flatten()
+    parts = norm._modules
+    values = linear(parts["linear"], torch.nn.functional.silu(temb) if type(parts["silu"]) is torch.nn.SiLU
+                    else parts["silu"].forward(temb))
+    if torch.compiler.is_compiling():
+        offset = _scale_offset.__wrapped__(chunks, scales, values.shape[-1], values.dtype, values.device)
+    else:  # built once: three ops fewer per block
+        offset = _scale_offset(chunks, scales, values.shape[-1], values.dtype, values.device)
+    values = values + offset
     rows = values if request is None else values.index_select(0, request)
     return values.unsqueeze(1), rows
 
 
+@functools.lru_cache(maxsize=64)
+def _scale_offset(chunks: int, scales: tuple[int, ...], width: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """[chunks * H]: 1 in the scale chunks, 0 elsewhere. Never written to (added out of place)."""
+    with torch.inference_mode(False):  # an ordinary tensor, whichever mode the first block ran in
+        offset = torch.zeros(chunks, width // chunks, dtype=dtype, device=device)
+        offset[list(scales)] = 1
+        return offset.flatten()
+
+
 def output(attn: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
     """attn.to_out: its linear, and its dropout only when training (the identity in inference)."""
-    rows = attn.to_out[0].forward(rows)
-    return attn.to_out[1](rows) if attn.training else rows
+    to_out = attn._modules["to_out"]._modules
+    rows = linear(to_out["0"], rows)
+    return to_out["1"](rows) if attn.training else rows
 
 
 def feed_forward(ff: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
     """diffusers' FeedForward: its activation projection and output linear, dropouts only when training."""
-    if ff.training or len(ff.net) != 3:
+    net = ff._modules["net"]._modules
+    if ff.training or len(net) != 3:
         return ff(rows)
-    return ff.net[2].forward(ff.net[0].forward(rows))
+    activation = net["0"]
+    if type(activation) is GELU:  # its projection, then F.gelu (what GELU.forward does off MPS)
+        hidden = torch.nn.functional.gelu(linear(activation._modules["proj"], rows), approximate=activation.approximate)
+    else:
+        hidden = activation.forward(rows)
+    return linear(net["2"], hidden)
 
 
 def pack_queries(text: torch.Tensor, image_rows: torch.Tensor, text_slots: torch.Tensor,

@@ -37,8 +37,8 @@ from diffusers.models.transformers.transformer_flux import (
 
 from retouch import ops
 from retouch.adapters.base import MaskAwareAdapter
-from retouch.adapters.block_math import (feed_forward, heads, modulation, output, pack_queries, split_queries,
-                                         with_rows)
+from retouch.adapters.block_math import (feed_forward, heads, layer_norm, linear, modulation, norm_rope, output,
+                                         pack_queries, split_queries, with_rows)
 from retouch.adapters.cache_rows import block_output, record_activations, recorded_rows
 from retouch.adapters.context import KEY, OUT, VALUE, CacheMode, MaskAwareContext
 
@@ -107,7 +107,7 @@ class FluxRows(NamedTuple):
     """One forward's index and position tensors, derived at its first masked block and shared by all.
     Tensors only: a compiled block core takes them as inputs, so a new mask is new data, not a new
     graph. Position tables are (cos, sin) rows: of the packed queries [T_q, d], of the masked image
-    tokens [T_img, d], of the text [P, d] and of every token [P + L, d]."""
+    tokens [T_img, d], of the text [P, d], of every image token [L, d] and of every token [P + L, d]."""
 
     query_rows: torch.Tensor  # [T_q] rows of the query tokens in the [B * (P + L), H] joint matrix
     image_query_rows: torch.Tensor  # [T_img] rows of the masked image tokens in the [B * L, H] image matrix
@@ -118,6 +118,7 @@ class FluxRows(NamedTuple):
     rope_queries: RotaryEmbedding
     rope_image_queries: RotaryEmbedding
     rope_text: RotaryEmbedding
+    rope_image: RotaryEmbedding
     rope_all: RotaryEmbedding
 
 
@@ -135,7 +136,8 @@ def _forward_rows(adapter: FluxMaskAwareAdapter, context: MaskAwareContext, imag
                         layout.query_request if gathered else None, layout.image_query_request if gathered else None,
                         (cos[layout.query_positions], sin[layout.query_positions]),
                         (cos[layout.image_query_positions], sin[layout.image_query_positions]),
-                        (cos[:layout.num_text_tokens], sin[:layout.num_text_tokens]), (cos, sin))
+                        (cos[:layout.num_text_tokens], sin[:layout.num_text_tokens]),
+                        (cos[layout.num_text_tokens:], sin[layout.num_text_tokens:]), (cos, sin))
         return rows, attention
     return adapter.memo(("flux", id(image_rotary_emb[0])), plan)
 
@@ -148,10 +150,11 @@ def _double_block_forward(block: FluxTransformerBlock, adapter: FluxMaskAwareAda
     """hidden_states: [B, L, H] image tokens, encoder_hidden_states: [B, P, H] text -> (text, image) outputs.
     Eager around a tensors-only core: the recorded keys and values are read before it, the block's
     output filled and its activations recorded after it."""
-    rows, attention = _forward_rows(adapter, context, image_rotary_emb, hidden_states.dtype, block.attn.head_dim)
+    attn = block._modules["attn"]
+    rows, attention = _forward_rows(adapter, context, image_rotary_emb, hidden_states.dtype, attn.head_dim)
     recorded_k = recorded_v = None
     if context.mode is not CacheMode.Y_CACHE:
-        like = hidden_states.new_empty((0, block.attn.heads, block.attn.head_dim))
+        like = hidden_states.new_empty((0, attn.heads, attn.head_dim))
         recorded_k = recorded_rows(context, index, KEY, like, hidden_states.shape[1])
         recorded_v = recorded_rows(context, index, VALUE, like, hidden_states.shape[1])
     encoder_hidden_states, image_rows, image_k, image_v = adapter.core(double_block_core)(
@@ -169,58 +172,61 @@ def double_block_core(block: FluxTransformerBlock, hidden_states: torch.Tensor, 
     masked image rows [T_img, H], image keys and values [B, L, heads, d]). Y-cache without recorded
     keys (K and V from every token: unmasked rows of the input are recorded outputs, Fig. 5); KV-cache
     with them (Fig. 7): computed rows are written over the masked rows of `recorded_k/v`."""
-    attn = block.attn
+    parts = block._modules
+    attn = parts["attn"]
+    mods = attn._modules
     hidden = hidden_states.shape[-1]
 
-    # Text stream: every token, the block's own ops on [B, P, H].
-    norm_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context.forward(encoder_hidden_states,
-                                                                                             emb=temb)
-    text_q = attn.norm_added_q.forward(heads(attn, attn.add_q_proj.forward(norm_text)))
-    text_k = attn.norm_added_k.forward(heads(attn, attn.add_k_proj.forward(norm_text)))
-    text_v = heads(attn, attn.add_v_proj.forward(norm_text))
+    # Text stream: every token, [B, P, H], modulated per request as the image rows are.
+    text_modulation, _ = modulation(parts["norm1_context"], temb, 6, (1, 4), None)
+    c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = text_modulation.chunk(6, dim=-1)
+    norm_text = torch.addcmul(c_shift_msa, layer_norm(parts["norm1_context"]._modules["norm"], encoder_hidden_states),
+                              c_scale_msa)
+    # q/k norms and RoPE in one op per stream (`norm_rope`): the text rows with the text's tables, the
+    # image rows with theirs, then packed.
+    text_q = norm_rope(mods["norm_added_q"], heads(attn, linear(mods["add_q_proj"], norm_text)), rows.rope_text)
+    text_k = norm_rope(mods["norm_added_k"], heads(attn, linear(mods["add_k_proj"], norm_text)), rows.rope_text)
+    text_v = heads(attn, linear(mods["add_v_proj"], norm_text))
 
     # Image stream: the masked tokens, packed across the batch, modulated per request
     # (AdaLayerNormZero: shift, scale, gate for attention, then for the feed-forward).
-    per_request, modulation_rows = modulation(block.norm1, temb, 6, (1, 4), rows.request_image_queries)
+    per_request, modulation_rows = modulation(parts["norm1"], temb, 6, (1, 4), rows.request_image_queries)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulation_rows.chunk(6, dim=-1)
     image_rows = ops.gather_rows(hidden_states.reshape(-1, hidden), rows.image_query_rows)  # [T_img, H]
     if recorded_k is None:
         all_shift, all_scale = per_request.chunk(6, dim=-1)[:2]
-        norm_image = torch.addcmul(all_shift, block.norm1.norm.forward(hidden_states), all_scale)
-        image_k = attn.norm_k.forward(heads(attn, attn.to_k.forward(norm_image)))
-        image_v = heads(attn, attn.to_v.forward(norm_image))
+        norm_image = torch.addcmul(all_shift, layer_norm(parts["norm1"]._modules["norm"], hidden_states), all_scale)
+        image_k = norm_rope(mods["norm_k"], heads(attn, linear(mods["to_k"], norm_image)), rows.rope_image)
+        image_v = heads(attn, linear(mods["to_v"], norm_image))
         norm_rows = ops.gather_rows(norm_image.reshape(-1, hidden), rows.image_query_rows)
-        key = ops.rope_pairs(torch.cat([text_k, image_k], dim=1), *rows.rope_all)
+        key = torch.cat([text_k, image_k], dim=1)
     else:
-        norm_rows = torch.addcmul(shift_msa, block.norm1.norm.forward(image_rows), scale_msa)
-        k_rows = ops.rope_pairs(attn.norm_k.forward(heads(attn, attn.to_k.forward(norm_rows))),
-                                *rows.rope_image_queries)
-        v_rows = heads(attn, attn.to_v.forward(norm_rows))
+        norm_rows = torch.addcmul(shift_msa, layer_norm(parts["norm1"]._modules["norm"], image_rows), scale_msa)
+        k_rows = norm_rope(mods["norm_k"], heads(attn, linear(mods["to_k"], norm_rows)), rows.rope_image_queries)
+        v_rows = heads(attn, linear(mods["to_v"], norm_rows))
         image_k = with_rows(recorded_k, rows.image_query_rows, k_rows)
         image_v = with_rows(recorded_v, rows.image_query_rows, v_rows)
-        key = torch.cat([ops.rope_pairs(text_k, *rows.rope_text), image_k], dim=1)
+        key = torch.cat([text_k, image_k], dim=1)
     value = torch.cat([text_v, image_v], dim=1)
-    image_q = attn.norm_q.forward(heads(attn, attn.to_q.forward(norm_rows)))
+    image_q = norm_rope(mods["norm_q"], heads(attn, linear(mods["to_q"], norm_rows)), rows.rope_image_queries)
 
     # Joint attention: per request, [text; masked image] queries against [text; all image] keys.
     batched = rows.request_queries is not None
-    query = ops.rope_pairs(pack_queries(text_q, image_q, rows.text_query_slots, rows.image_query_slots, batched),
-                           *rows.rope_queries)
+    query = pack_queries(text_q, image_q, rows.text_query_slots, rows.image_query_slots, batched)
     attn_out = _attend(query, key, value, attention)
     text_out, image_out_rows = split_queries(attn_out, rows.text_query_slots, rows.image_query_slots, text_q.shape[0],
                                              text_q.shape[1], batched)
-    text_attn = attn.to_add_out.forward(text_out)
+    text_attn = linear(mods["to_add_out"], text_out)
     image_attn = output(attn, image_out_rows)
 
     # Image residuals and feed-forward, modulated per request (FluxTransformerBlock's math).
     image_rows = torch.addcmul(image_rows, gate_msa, image_attn)
-    norm_rows = torch.addcmul(shift_mlp, block.norm2.forward(image_rows), scale_mlp)
-    image_rows = torch.addcmul(image_rows, gate_mlp, feed_forward(block.ff, norm_rows))
+    norm_rows = torch.addcmul(shift_mlp, layer_norm(parts["norm2"], image_rows), scale_mlp)
+    image_rows = torch.addcmul(image_rows, gate_mlp, feed_forward(parts["ff"], norm_rows))
 
-    encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_msa.unsqueeze(1), text_attn)
-    norm_text = block.norm2_context.forward(encoder_hidden_states) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
-    encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_mlp.unsqueeze(1),
-                                          feed_forward(block.ff_context, norm_text))
+    encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_msa, text_attn)
+    norm_text = torch.addcmul(c_shift_mlp, layer_norm(parts["norm2_context"], encoder_hidden_states), c_scale_mlp)
+    encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_mlp, feed_forward(parts["ff_context"], norm_text))
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     num_text = text_q.shape[1]
@@ -235,10 +241,11 @@ def _single_block_forward(block: FluxSingleTransformerBlock, adapter: FluxMaskAw
                           image_rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `_double_block_forward`. Text and image share weights here, so the query tokens
     (text and masked image) are packed together, in `RaggedBatch.query_rows` order."""
-    rows, attention = _forward_rows(adapter, context, image_rotary_emb, hidden_states.dtype, block.attn.head_dim)
+    attn = block._modules["attn"]
+    rows, attention = _forward_rows(adapter, context, image_rotary_emb, hidden_states.dtype, attn.head_dim)
     recorded_k = recorded_v = None
     if context.mode is not CacheMode.Y_CACHE:
-        like = hidden_states.new_empty((0, block.attn.heads, block.attn.head_dim))
+        like = hidden_states.new_empty((0, attn.heads, attn.head_dim))
         recorded_k = recorded_rows(context, index, KEY, like, hidden_states.shape[1])
         recorded_v = recorded_rows(context, index, VALUE, like, hidden_states.shape[1])
     text_out, image_rows, image_k, image_v = adapter.core(single_block_core)(
@@ -256,32 +263,34 @@ def single_block_core(block: FluxSingleTransformerBlock, hidden_states: torch.Te
     """FluxSingleTransformerBlock's math on the query tokens -> (text output [B, P, H], masked image
     rows [T_img, H], image keys and values [B, L, heads, d]); Y-cache or KV-cache as in
     `double_block_core`."""
-    attn = block.attn
+    parts = block._modules
+    attn = parts["attn"]
+    mods = attn._modules
     batch, _, hidden = hidden_states.shape
     num_text = encoder_hidden_states.shape[1]
     joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)  # [B, P + L, H]
 
-    per_request, modulation_rows = modulation(block.norm, temb, 3, (1,), rows.request_queries)
+    per_request, modulation_rows = modulation(parts["norm"], temb, 3, (1,), rows.request_queries)
     shift, scale, gate = modulation_rows.chunk(3, dim=-1)
     query_rows = ops.gather_rows(joint.reshape(-1, hidden), rows.query_rows)  # [T_q, H]
     if recorded_k is None:
         all_shift, all_scale, _ = per_request.chunk(3, dim=-1)
-        norm_joint = torch.addcmul(all_shift, block.norm.norm.forward(joint), all_scale)
-        key = ops.rope_pairs(attn.norm_k.forward(heads(attn, attn.to_k.forward(norm_joint))), *rows.rope_all)
-        value = heads(attn, attn.to_v.forward(norm_joint))
+        norm_joint = torch.addcmul(all_shift, layer_norm(parts["norm"]._modules["norm"], joint), all_scale)
+        key = norm_rope(mods["norm_k"], heads(attn, linear(mods["to_k"], norm_joint)), rows.rope_all)
+        value = heads(attn, linear(mods["to_v"], norm_joint))
         norm_rows = ops.gather_rows(norm_joint.reshape(-1, hidden), rows.query_rows)
     else:
-        norm_rows = torch.addcmul(shift, block.norm.norm.forward(query_rows), scale)
-        k_rows = ops.rope_pairs(attn.norm_k.forward(heads(attn, attn.to_k.forward(norm_rows))), *rows.rope_queries)
-        v_rows = heads(attn, attn.to_v.forward(norm_rows))
+        norm_rows = torch.addcmul(shift, layer_norm(parts["norm"]._modules["norm"], query_rows), scale)
+        k_rows = norm_rope(mods["norm_k"], heads(attn, linear(mods["to_k"], norm_rows)), rows.rope_queries)
+        v_rows = heads(attn, linear(mods["to_v"], norm_rows))
         # Every text row is a query row, so only image rows come from the cache.
         key = _joint_with_rows(recorded_k, num_text, rows.query_rows, k_rows)
         value = _joint_with_rows(recorded_v, num_text, rows.query_rows, v_rows)
-    query = ops.rope_pairs(attn.norm_q.forward(heads(attn, attn.to_q.forward(norm_rows))), *rows.rope_queries)
-    mlp_rows = block.act_mlp.forward(block.proj_mlp.forward(norm_rows))
+    query = norm_rope(mods["norm_q"], heads(attn, linear(mods["to_q"], norm_rows)), rows.rope_queries)
+    mlp_rows = parts["act_mlp"].forward(linear(parts["proj_mlp"], norm_rows))
     attn_rows = _attend(query, key, value, attention)
 
-    query_rows = torch.addcmul(query_rows, gate, block.proj_out.forward(torch.cat([attn_rows, mlp_rows], dim=1)))
+    query_rows = torch.addcmul(query_rows, gate, linear(parts["proj_out"], torch.cat([attn_rows, mlp_rows], dim=1)))
     if query_rows.dtype == torch.float16:
         query_rows = query_rows.clip(-65504, 65504)
     text_rows, image_rows = split_queries(query_rows, rows.text_query_slots, rows.image_query_slots, batch, num_text,

@@ -41,8 +41,8 @@ from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from retouch import ops
 from retouch.adapters.base import MaskAwareAdapter
-from retouch.adapters.block_math import (feed_forward, head_dim, heads, modulation, output, pack_queries, split_queries,
-                                         with_rows)
+from retouch.adapters.block_math import (feed_forward, head_dim, heads, modulation, norm_rope, output, pack_queries,
+                                         split_queries, with_rows)
 from retouch.adapters.cache_rows import block_output, record_activations, recorded_rows
 from retouch.adapters.context import DUAL_KEY, DUAL_VALUE, KEY, OUT, VALUE, CacheMode, MaskAwareContext
 
@@ -261,7 +261,7 @@ def joint_block_core(block: JointTransformerBlock, hidden_states: torch.Tensor, 
 
 def _qk_norm(norm: torch.nn.Module | None, heads: torch.Tensor) -> torch.Tensor:
     """An optional qk norm (RMSNorm or LayerNorm over head_dim, so per token and head)."""
-    return heads if norm is None else norm.forward(heads)
+    return norm_rope(norm, heads)
 
 
 __all__ = ["SD3MaskAwareAdapter", "patch_sd3"]
