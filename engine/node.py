@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--helpers", type=int, default=1)
     parser.add_argument("--helper-threads", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--compile", action="store_true", help="run the blocks through torch.compile")
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs of the compiled blocks")
     args = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group; the parent drains and stops this process itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -254,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     config = EngineConfig(mode=args.mode, max_batch=args.max_batch, helpers=args.helpers,
                           helper_threads=args.helper_threads)
-    engine = Engine.load(args.model, config, device=args.device, dtype=getattr(torch, args.dtype))
+    engine = Engine.load(args.model, config, device=args.device, dtype=getattr(torch, args.dtype),
+                         compile=args.compile, cuda_graphs=args.cuda_graphs)
     # The step loop runs on this, the main thread, which loaded the model (see Engine.start); the
     # node's socket gets a thread of its own and closes the engine when told to stop.
     engine.start(own_thread=False)

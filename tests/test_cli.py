@@ -146,6 +146,8 @@ BAD_EDITS = {
     "mask without alpha": ({}, ["--mask-alpha"], "no alpha channel"),
     "mask-aware without paste-back": ({}, ["--mask-aware", "--no-paste-back"], "--no-paste-back applies to the baseline"),
     "negative dilation": ({"--dilation": "-1"}, [], "--dilation"),
+    "compile without mask-aware": ({}, ["--compile"], "add --mask-aware"),
+    "cuda graphs on the cpu": ({}, ["--mask-aware", "--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA"),
 }
 
 
@@ -177,6 +179,7 @@ def test_simulate_prints_every_policy(cli):
     (["--model", "no-such-model"], "unknown model"),
     (["--model", "tiny-flux-fill", "--workers", "0"], "--workers must be >= 1"),
     (["--model", "tiny-flux-fill", "--policy", "random"], "invalid choice"),
+    (["--model", "tiny-flux-fill", "--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA device"),
 ])
 def test_serve_refuses_bad_options_before_starting_anything(cli, args, message):
     result = cli("serve", *args)

@@ -114,3 +114,42 @@ def test_cuda_graphs_capture_and_replay(model):
         for case in cases:
             assert_close_ulps(forwards.forward(forwards.context(*case)), eager[case], COMPILED_ULPS)
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+# ---- the opt-in flag: editor, CLI and server options ----
+
+def test_a_compiled_editor_edits_as_the_eager_one():
+    """`MaskAwareEditor(compile=True)` (what `--compile` sets) through the whole pipeline: a ragged batch
+    of edits equals the eager editor's within the compiled tolerance."""
+    from editor_inputs import square_mask, template_image
+    from PIL import Image
+
+    from retouch import load
+    from retouch.editor import EditRequest
+
+    latents = []
+    for compiled in (False, True):
+        editor = load("tiny-flux-fill", compile=compiled)
+        assert editor.compiled == compiled
+        template = editor.register_template(template_image(), prompt="a scene", steps=2, seed=0)
+        requests = [EditRequest(template, square_mask(), "a red hat", seed=1),
+                    EditRequest(template, Image.new("L", (128, 128), 0), "nothing", seed=2)]
+        latents.append(editor.edit_many(requests, output_type="latent"))
+    for eager, compiled in zip(*latents):
+        assert_close_ulps(compiled, eager, COMPILED_ULPS)
+
+
+def test_cuda_graphs_are_refused_off_cuda():
+    from retouch import load
+    from retouch.config import EditOptions, ServeOptions
+    from retouch.errors import InputError
+
+    with pytest.raises(InputError, match="cuda_graphs needs a CUDA device"):
+        load("tiny-flux-fill", cuda_graphs=True)
+    edit = dict(model="m", image="i.png", mask="m.png", prompt="p")
+    with pytest.raises(InputError, match="add --mask-aware"):
+        EditOptions(**edit, compile=True)
+    with pytest.raises(InputError, match="--cuda-graphs needs a CUDA device"):
+        EditOptions(**edit, mask_aware=True, cuda_graphs=True, device="cpu")
+    with pytest.raises(InputError, match="--cuda-graphs needs a CUDA device"):
+        ServeOptions(model="m", cuda_graphs=True, device="cpu")

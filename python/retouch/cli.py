@@ -76,7 +76,8 @@ def _mask_aware_edit(opts: EditOptions, model, image, mask, load_seconds: float)
 
     if not opts.paste_back:
         raise RetouchError("--no-paste-back applies to the baseline edit; mask-aware edits keep unmasked pixels")
-    editor = MaskAwareEditor(model, cache_mode=opts.cache_mode, dilation=opts.dilation)
+    editor = MaskAwareEditor(model, cache_mode=opts.cache_mode, dilation=opts.dilation, compile=opts.compile,
+                             cuda_graphs=opts.cuda_graphs)
     started = time.perf_counter()
     template_id = editor.register_template(image, prompt=opts.prompt, steps=opts.steps or DEFAULT_STEPS,
                                            seed=opts.seed, guidance=opts.guidance)

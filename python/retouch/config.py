@@ -41,6 +41,9 @@ class EditOptions:
     cache_mode: str = option("y", help="mask-aware cache: y (block outputs, Fig. 5) or kv (keys/values, Fig. 7)",
                              choices=("y", "kv"))
     dilation: int = option(0, help="mask-aware: also recompute tokens within this many tokens of the mask")
+    compile: bool = option(False, help="mask-aware: run the blocks through torch.compile (the first steps compile)")
+    cuda_graphs: bool = option(False, help="mask-aware, CUDA: replay CUDA graphs of the compiled blocks (implies "
+                               "--compile)")
     device: str = option("auto", help="where to run", choices=DEVICES)
     dtype: str = option("auto", help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)", choices=DTYPES)
 
@@ -53,6 +56,10 @@ class EditOptions:
             raise InputError(f"--strength must be in (0, 1], got {self.strength}")
         if self.dilation < 0:
             raise InputError(f"--dilation must be >= 0, got {self.dilation}")
+        if (self.compile or self.cuda_graphs) and not self.mask_aware:
+            raise InputError("--compile and --cuda-graphs apply to mask-aware edits (add --mask-aware)")
+        if self.cuda_graphs and self.device == "cpu":
+            raise InputError("--cuda-graphs needs a CUDA device (--device cuda or auto)")
         if self.mask_aware and self.strength != 1.0:
             raise InputError("--strength applies to the baseline edit; mask-aware edits repaint at full strength")
         if self.guidance is not None and self.guidance < 0:
@@ -150,6 +157,9 @@ class ServeOptions:
     heartbeat_s: float = option(0.5, help="seconds between worker heartbeats")
     dead_after_s: float = option(5.0, help="a worker silent this long is removed and its requests re-routed")
     restart: bool = option(True, help="start a replacement when a worker process exits")
+    compile: bool = option(False, help="workers run the blocks through torch.compile (their first steps compile)")
+    cuda_graphs: bool = option(False, help="workers replay CUDA graphs of the compiled blocks (CUDA only; implies "
+                               "--compile)")
 
     def __post_init__(self):
         for name in ("workers", "max_batch", "steps", "max_steps", "max_queue", "max_pixels", "max_work"):
@@ -158,6 +168,8 @@ class ServeOptions:
         for name in ("worker_threads", "helper_threads"):
             if getattr(self, name) < 0:
                 raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.cuda_graphs and self.device == "cpu":
+            raise InputError("--cuda-graphs needs a CUDA device (--device cuda or auto)")
         if self.helpers < 1 and self.mode == "disagg":
             raise InputError("--helpers must be >= 1 in disagg mode")
         if not 0 <= self.port < 65536:

@@ -115,13 +115,18 @@ class MaskAwareEditor:
     def __init__(self, model: LoadedModel, cache: ActivationCache | None = None, cache_mode: str = "y",
                  dilation: int = 0, block_plan: Sequence[bool] | None = None, attention_backend: str = "auto",
                  copy_engine: CopyEngine | None = None, cost_model: CostModel | None = None,
-                 planner: str = "optimal"):
+                 planner: str = "optimal", compile: bool = False, cuda_graphs: bool = False):  # noqa: A002
         """`cache`: where templates are recorded; by default a `CacheStore` (pinned host arena) whose
         rows reach each edit through `copy_engine` (one per device). Any other `ActivationCache` (e.g.
         an `InMemoryActivationCache` on the GPU: the no-transfer ideal) is read directly.
 
         Which blocks read the cache: `block_plan` if given; else, with a `cost_model` (`retouch
-        profile`), the `planner`'s plan for each batch ("optimal" or the paper's "algorithm1"); else all."""
+        profile`), the `planner`'s plan for each batch ("optimal" or the paper's "algorithm1"); else all.
+
+        `compile`: the blocks run through torch.compile (`MaskAwareAdapter.compile`: the first forwards of
+        a batch of one and of more compile, later masks and batches reuse the graphs). `cuda_graphs`
+        (CUDA only; implies `compile`): computed tokens are padded to buckets and each step replays a
+        captured CUDA graph."""
         if model.family not in SUPPORTED_FAMILIES:
             raise ModelError(f"mask-aware editing supports {', '.join(SUPPORTED_FAMILIES)} so far; "
                              f"{model.name} is {model.family} (use the baseline edit)")
@@ -131,6 +136,8 @@ class MaskAwareEditor:
             raise InputError(f"dilation must be >= 0 tokens, got {dilation}")
         if planner not in PLANNERS:
             raise InputError(f"planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
+        if cuda_graphs and model.pipe.device.type != "cuda":
+            raise InputError(f"cuda_graphs needs a CUDA device; the model is on {model.pipe.device.type}")
         self.model = model
         self.pipe = model.pipe
         # Read once, not per step: diffusers' pipe.device and model.dtype walk every module (~2 ms a call),
@@ -153,6 +160,9 @@ class MaskAwareEditor:
             self.denoiser = self.pipe.transformer
             patch = patch_sd3 if model.family == "sd3" else patch_flux
             self.adapter = patch(self.denoiser, attention_backend=attention_backend)
+        self.compiled = compile or cuda_graphs
+        if self.compiled:
+            self.adapter.compile(cuda_graphs=cuda_graphs)
         self.dtype = self.denoiser.dtype
         self.copy_engine = None
         if isinstance(self.cache, CacheStore):

@@ -65,6 +65,7 @@ class Server:
                      "--max-batch", str(opts.max_batch), "--helpers", str(opts.helpers),
                      "--helper-threads", str(opts.helper_threads),
                      "--threads", str(opts.worker_threads)]
+        node_args += ["--compile"] * opts.compile + ["--cuda-graphs"] * opts.cuda_graphs
         self.supervisor = Supervisor(opts.workers, node_args, self.router.address, self.router.worker_exited,
                                      restart=opts.restart, gpus=device == "cuda")
         self._await_workers(ready_timeout_s)
