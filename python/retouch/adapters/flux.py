@@ -184,8 +184,8 @@ def double_block_core(block: FluxTransformerBlock, hidden_states: torch.Tensor, 
                               c_scale_msa)
     # q/k norms and RoPE in one op per stream (`norm_rope`): the text rows with the text's tables, the
     # image rows with theirs, then packed.
-    text_q = norm_rope(mods["norm_added_q"], heads(attn, linear(mods["add_q_proj"], norm_text)), rows.rope_text)
-    text_k = norm_rope(mods["norm_added_k"], heads(attn, linear(mods["add_k_proj"], norm_text)), rows.rope_text)
+    text_q = norm_rope(mods.get("norm_added_q"), heads(attn, linear(mods["add_q_proj"], norm_text)), rows.rope_text)
+    text_k = norm_rope(mods.get("norm_added_k"), heads(attn, linear(mods["add_k_proj"], norm_text)), rows.rope_text)
     text_v = heads(attn, linear(mods["add_v_proj"], norm_text))
 
     # Image stream: the masked tokens, packed across the batch, modulated per request
@@ -196,19 +196,19 @@ def double_block_core(block: FluxTransformerBlock, hidden_states: torch.Tensor, 
     if recorded_k is None:
         all_shift, all_scale = per_request.chunk(6, dim=-1)[:2]
         norm_image = torch.addcmul(all_shift, layer_norm(parts["norm1"]._modules["norm"], hidden_states), all_scale)
-        image_k = norm_rope(mods["norm_k"], heads(attn, linear(mods["to_k"], norm_image)), rows.rope_image)
+        image_k = norm_rope(mods.get("norm_k"), heads(attn, linear(mods["to_k"], norm_image)), rows.rope_image)
         image_v = heads(attn, linear(mods["to_v"], norm_image))
         norm_rows = ops.gather_rows(norm_image.reshape(-1, hidden), rows.image_query_rows)
         key = torch.cat([text_k, image_k], dim=1)
     else:
         norm_rows = torch.addcmul(shift_msa, layer_norm(parts["norm1"]._modules["norm"], image_rows), scale_msa)
-        k_rows = norm_rope(mods["norm_k"], heads(attn, linear(mods["to_k"], norm_rows)), rows.rope_image_queries)
+        k_rows = norm_rope(mods.get("norm_k"), heads(attn, linear(mods["to_k"], norm_rows)), rows.rope_image_queries)
         v_rows = heads(attn, linear(mods["to_v"], norm_rows))
         image_k = with_rows(recorded_k, rows.image_query_rows, k_rows)
         image_v = with_rows(recorded_v, rows.image_query_rows, v_rows)
         key = torch.cat([text_k, image_k], dim=1)
     value = torch.cat([text_v, image_v], dim=1)
-    image_q = norm_rope(mods["norm_q"], heads(attn, linear(mods["to_q"], norm_rows)), rows.rope_image_queries)
+    image_q = norm_rope(mods.get("norm_q"), heads(attn, linear(mods["to_q"], norm_rows)), rows.rope_image_queries)
 
     # Joint attention: per request, [text; masked image] queries against [text; all image] keys.
     batched = rows.request_queries is not None
@@ -226,7 +226,8 @@ def double_block_core(block: FluxTransformerBlock, hidden_states: torch.Tensor, 
 
     encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_msa, text_attn)
     norm_text = torch.addcmul(c_shift_mlp, layer_norm(parts["norm2_context"], encoder_hidden_states), c_scale_mlp)
-    encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_mlp, feed_forward(parts["ff_context"], norm_text))
+    encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_mlp,
+                                          feed_forward(parts["ff_context"], norm_text))
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     num_text = text_q.shape[1]
@@ -276,17 +277,17 @@ def single_block_core(block: FluxSingleTransformerBlock, hidden_states: torch.Te
     if recorded_k is None:
         all_shift, all_scale, _ = per_request.chunk(3, dim=-1)
         norm_joint = torch.addcmul(all_shift, layer_norm(parts["norm"]._modules["norm"], joint), all_scale)
-        key = norm_rope(mods["norm_k"], heads(attn, linear(mods["to_k"], norm_joint)), rows.rope_all)
+        key = norm_rope(mods.get("norm_k"), heads(attn, linear(mods["to_k"], norm_joint)), rows.rope_all)
         value = heads(attn, linear(mods["to_v"], norm_joint))
         norm_rows = ops.gather_rows(norm_joint.reshape(-1, hidden), rows.query_rows)
     else:
         norm_rows = torch.addcmul(shift, layer_norm(parts["norm"]._modules["norm"], query_rows), scale)
-        k_rows = norm_rope(mods["norm_k"], heads(attn, linear(mods["to_k"], norm_rows)), rows.rope_queries)
+        k_rows = norm_rope(mods.get("norm_k"), heads(attn, linear(mods["to_k"], norm_rows)), rows.rope_queries)
         v_rows = heads(attn, linear(mods["to_v"], norm_rows))
         # Every text row is a query row, so only image rows come from the cache.
         key = _joint_with_rows(recorded_k, num_text, rows.query_rows, k_rows)
         value = _joint_with_rows(recorded_v, num_text, rows.query_rows, v_rows)
-    query = norm_rope(mods["norm_q"], heads(attn, linear(mods["to_q"], norm_rows)), rows.rope_queries)
+    query = norm_rope(mods.get("norm_q"), heads(attn, linear(mods["to_q"], norm_rows)), rows.rope_queries)
     mlp_rows = parts["act_mlp"].forward(linear(parts["proj_mlp"], norm_rows))
     attn_rows = _attend(query, key, value, attention)
 

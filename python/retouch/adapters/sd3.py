@@ -41,8 +41,8 @@ from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from retouch import ops
 from retouch.adapters.base import MaskAwareAdapter
-from retouch.adapters.block_math import (feed_forward, head_dim, heads, modulation, norm_rope, output, pack_queries,
-                                         split_queries, with_rows)
+from retouch.adapters.block_math import (feed_forward, head_dim, heads, layer_norm, linear, modulation, norm_rope,
+                                         output, pack_queries, split_queries, with_rows)
 from retouch.adapters.cache_rows import block_output, record_activations, recorded_rows
 from retouch.adapters.context import DUAL_KEY, DUAL_VALUE, KEY, OUT, VALUE, CacheMode, MaskAwareContext
 
@@ -174,23 +174,25 @@ def joint_block_core(block: JointTransformerBlock, hidden_states: torch.Tensor, 
     Y-cache without `recorded` (K and V from every token: unmasked rows of the input are recorded
     outputs, Fig. 5); KV-cache with the recorded keys and values (Fig. 7), whose masked rows are
     overwritten by computed ones."""
-    attn, dual = block.attn, block.use_dual_attention
+    parts = block._modules  # submodules without nn.Module.__getattr__ (block_math)
+    attn, dual = parts["attn"], block.use_dual_attention
+    mods = attn._modules
     hidden = hidden_states.shape[-1]
     batched = rows.request_image_queries is not None
 
     # Text stream: every token, the block's own ops on [B, P, H].
     if block.context_pre_only:
-        norm_text = block.norm1_context.forward(encoder_hidden_states, temb)
+        norm_text = parts["norm1_context"].forward(encoder_hidden_states, temb)
     else:
-        norm_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context.forward(encoder_hidden_states,
-                                                                                                 emb=temb)
-    text_k = _qk_norm(attn.norm_added_k, heads(attn, attn.add_k_proj.forward(norm_text)))
-    text_v = heads(attn, attn.add_v_proj.forward(norm_text))
+        norm_text, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = parts["norm1_context"].forward(
+            encoder_hidden_states, emb=temb)
+    text_k = _qk_norm(mods.get("norm_added_k"), heads(attn, linear(mods["add_k_proj"], norm_text)))
+    text_v = heads(attn, linear(mods["add_v_proj"], norm_text))
 
     # Image stream: the masked tokens, packed across the batch, modulated per request (AdaLayerNormZero:
     # shift, scale, gate for attention, then the feed-forward, then SD3.5's attn2).
     chunks = 9 if dual else 6
-    per_request, modulation_rows = modulation(block.norm1, temb, chunks, (1, 4, 7) if dual else (1, 4),
+    per_request, modulation_rows = modulation(parts["norm1"], temb, chunks, (1, 4, 7) if dual else (1, 4),
                                               rows.request_image_queries)
     modulated = modulation_rows.chunk(chunks, dim=-1)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulated[:6]
@@ -198,30 +200,33 @@ def joint_block_core(block: JointTransformerBlock, hidden_states: torch.Tensor, 
     keys2 = ()
     if recorded is None:
         every = per_request.chunk(chunks, dim=-1)
-        normed = block.norm1.norm.forward(hidden_states)
+        normed = layer_norm(parts["norm1"]._modules["norm"], hidden_states)
         norm_image = torch.addcmul(every[0], normed, every[1])
-        image_k = _qk_norm(attn.norm_k, heads(attn, attn.to_k.forward(norm_image)))
-        image_v = heads(attn, attn.to_v.forward(norm_image))
+        image_k = _qk_norm(mods.get("norm_k"), heads(attn, linear(mods["to_k"], norm_image)))
+        image_v = heads(attn, linear(mods["to_v"], norm_image))
         norm_rows = ops.gather_rows(norm_image.reshape(-1, hidden), rows.image_query_rows)
         if dual:
-            attn2 = block.attn2
+            attn2 = parts["attn2"]
+            mods2 = attn2._modules
             norm_image2 = torch.addcmul(every[6], normed, every[7])
-            keys2 = (_qk_norm(attn2.norm_k, heads(attn2, attn2.to_k.forward(norm_image2))),
-                     heads(attn2, attn2.to_v.forward(norm_image2)))
+            keys2 = (_qk_norm(mods2.get("norm_k"), heads(attn2, linear(mods2["to_k"], norm_image2))),
+                     heads(attn2, linear(mods2["to_v"], norm_image2)))
             norm_rows2 = ops.gather_rows(norm_image2.reshape(-1, hidden), rows.image_query_rows)
     else:
-        normed_rows = block.norm1.norm.forward(image_rows)
+        normed_rows = layer_norm(parts["norm1"]._modules["norm"], image_rows)
         norm_rows = torch.addcmul(shift_msa, normed_rows, scale_msa)
         image_k = with_rows(recorded[0], rows.image_query_rows,
-                            _qk_norm(attn.norm_k, heads(attn, attn.to_k.forward(norm_rows))))
-        image_v = with_rows(recorded[1], rows.image_query_rows, heads(attn, attn.to_v.forward(norm_rows)))
+                            _qk_norm(mods.get("norm_k"), heads(attn, linear(mods["to_k"], norm_rows))))
+        image_v = with_rows(recorded[1], rows.image_query_rows, heads(attn, linear(mods["to_v"], norm_rows)))
         if dual:
-            attn2 = block.attn2
+            attn2 = parts["attn2"]
+            mods2 = attn2._modules
             norm_rows2 = torch.addcmul(modulated[6], normed_rows, modulated[7])
             keys2 = (with_rows(recorded[2], rows.image_query_rows,
-                               _qk_norm(attn2.norm_k, heads(attn2, attn2.to_k.forward(norm_rows2)))),
-                     with_rows(recorded[3], rows.image_query_rows, heads(attn2, attn2.to_v.forward(norm_rows2))))
-    image_q = _qk_norm(attn.norm_q, heads(attn, attn.to_q.forward(norm_rows)))
+                               _qk_norm(mods2.get("norm_k"), heads(attn2, linear(mods2["to_k"], norm_rows2)))),
+                     with_rows(recorded[3], rows.image_query_rows,
+                               heads(attn2, linear(mods2["to_v"], norm_rows2))))
+    image_q = _qk_norm(mods.get("norm_q"), heads(attn, linear(mods["to_q"], norm_rows)))
 
     # Joint attention: per request, queries against [all image; text] keys (JointAttnProcessor2_0's order).
     key = torch.cat([image_k, text_k], dim=1).flatten(0, 1)
@@ -231,31 +236,31 @@ def joint_block_core(block: JointTransformerBlock, hidden_states: torch.Tensor, 
         image_attn = ops.planned_attention(image_q, key, value, plans.image_joint).flatten(1)
         text_attn = None
     else:
-        text_q = _qk_norm(attn.norm_added_q, heads(attn, attn.add_q_proj.forward(norm_text)))
+        text_q = _qk_norm(mods.get("norm_added_q"), heads(attn, linear(mods["add_q_proj"], norm_text)))
         query = pack_queries(text_q, image_q, rows.text_query_slots, rows.image_query_slots, batched)
         attn_out = ops.planned_attention(query, key, value, plans.joint).flatten(1)
         text_out, image_attn = split_queries(attn_out, rows.text_query_slots, rows.image_query_slots,
                                              text_q.shape[0], text_q.shape[1], batched)
-        text_attn = attn.to_add_out.forward(text_out)
+        text_attn = linear(mods["to_add_out"], text_out)
 
     # Image residuals and feed-forward, modulated per request (JointTransformerBlock's order).
     image_rows = torch.addcmul(image_rows, gate_msa, output(attn, image_attn))
     if dual:
-        query2 = _qk_norm(attn2.norm_q, heads(attn2, attn2.to_q.forward(norm_rows2)))
+        query2 = _qk_norm(mods2.get("norm_q"), heads(attn2, linear(mods2["to_q"], norm_rows2)))
         image_attn2 = ops.planned_attention(query2, keys2[0].flatten(0, 1), keys2[1].flatten(0, 1),
                                             plans.image_only).flatten(1)
         image_rows = torch.addcmul(image_rows, modulated[8], output(attn2, image_attn2))
-    norm_rows = torch.addcmul(shift_mlp, block.norm2.forward(image_rows), scale_mlp)
-    image_rows = torch.addcmul(image_rows, gate_mlp, feed_forward(block.ff, norm_rows))
+    norm_rows = torch.addcmul(shift_mlp, layer_norm(parts["norm2"], image_rows), scale_mlp)
+    image_rows = torch.addcmul(image_rows, gate_mlp, feed_forward(parts["ff"], norm_rows))
 
     if block.context_pre_only:
         encoder_hidden_states = None
     else:
         encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_msa.unsqueeze(1), text_attn)
-        norm_text = block.norm2_context.forward(encoder_hidden_states)
+        norm_text = layer_norm(parts["norm2_context"], encoder_hidden_states)
         norm_text = norm_text * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
         encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_mlp.unsqueeze(1),
-                                              feed_forward(block.ff_context, norm_text))
+                                              feed_forward(parts["ff_context"], norm_text))
     return encoder_hidden_states, image_rows, (image_k, image_v, *keys2)
 
 

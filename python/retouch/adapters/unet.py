@@ -44,7 +44,7 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
 
 from retouch import ops
 from retouch.adapters.base import MaskAwareAdapter
-from retouch.adapters.block_math import feed_forward, head_dim, heads, output, with_rows
+from retouch.adapters.block_math import feed_forward, head_dim, heads, layer_norm, linear, output, with_rows
 from retouch.adapters.context import KEY, OUT, VALUE, CacheMode, set_recording
 from retouch.cache import UNCOND_PREFIX, ActivationCache  # UNCOND_PREFIX: the unconditional half of a guidance batch
 from retouch.masks import UNET_LATENT_STRIDE, masked_token_indices, token_mask
@@ -364,28 +364,32 @@ def transformer_block_core(block: BasicTransformerBlock, hidden_states: torch.Te
     (their output rows [T, C], self-attention keys and values [R, L, heads, d]). Y-cache without
     `recorded` (K and V from every token of the input, Fig. 5); KV-cache with the recorded keys and
     values (Fig. 7), whose masked rows are overwritten by computed ones."""
-    attn = block.attn1
+    parts = block._modules  # submodules without nn.Module.__getattr__ (block_math)
+    attn = parts["attn1"]
+    mods = attn._modules
     hidden = hidden_states.shape[-1]
     rows = ops.gather_rows(hidden_states.reshape(-1, hidden), query_rows)  # [T, C]
     if recorded is None:
-        norm_hidden = block.norm1.forward(hidden_states)
-        key, value = heads(attn, attn.to_k.forward(norm_hidden)), heads(attn, attn.to_v.forward(norm_hidden))
+        norm_hidden = layer_norm(parts["norm1"], hidden_states)
+        key = heads(attn, linear(mods["to_k"], norm_hidden))
+        value = heads(attn, linear(mods["to_v"], norm_hidden))
         norm_rows = ops.gather_rows(norm_hidden.reshape(-1, hidden), query_rows)
     else:
-        norm_rows = block.norm1.forward(rows)
-        key = with_rows(recorded[0], query_rows, heads(attn, attn.to_k.forward(norm_rows)))
-        value = with_rows(recorded[1], query_rows, heads(attn, attn.to_v.forward(norm_rows)))
-    query = heads(attn, attn.to_q.forward(norm_rows))
+        norm_rows = layer_norm(parts["norm1"], rows)
+        key = with_rows(recorded[0], query_rows, heads(attn, linear(mods["to_k"], norm_rows)))
+        value = with_rows(recorded[1], query_rows, heads(attn, linear(mods["to_v"], norm_rows)))
+    query = heads(attn, linear(mods["to_q"], norm_rows))
     attn_out = ops.planned_attention(query, key.flatten(0, 1), value.flatten(0, 1), plans[0])
     rows = output(attn, attn_out.flatten(1)) + rows
 
     # Cross-attention: each row's masked queries against all of its text tokens.
-    cross = block.attn2
-    query = heads(cross, cross.to_q.forward(block.norm2.forward(rows)))
-    text_k = heads(cross, cross.to_k.forward(encoder_hidden_states)).flatten(0, 1)
-    text_v = heads(cross, cross.to_v.forward(encoder_hidden_states)).flatten(0, 1)
+    cross = parts["attn2"]
+    cross_mods = cross._modules
+    query = heads(cross, linear(cross_mods["to_q"], layer_norm(parts["norm2"], rows)))
+    text_k = heads(cross, linear(cross_mods["to_k"], encoder_hidden_states)).flatten(0, 1)
+    text_v = heads(cross, linear(cross_mods["to_v"], encoder_hidden_states)).flatten(0, 1)
     rows = output(cross, ops.planned_attention(query, text_k, text_v, plans[1]).flatten(1)) + rows
-    rows = feed_forward(block.ff, block.norm3.forward(rows)) + rows
+    rows = feed_forward(parts["ff"], layer_norm(parts["norm3"], rows)) + rows
     return rows, key, value
 
 
