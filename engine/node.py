@@ -23,6 +23,7 @@ import argparse
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -258,6 +259,10 @@ def main(argv: list[str] | None = None) -> None:
                           helper_threads=args.helper_threads)
     engine = Engine.load(args.model, config, device=args.device, dtype=getattr(torch, args.dtype),
                          compile=args.compile, cuda_graphs=args.cuda_graphs)
+    if args.compile or args.cuda_graphs:
+        # Before the worker says hello: the router sends it nothing while it compiles.
+        print(f"{args.name}: compiling the mask-aware blocks (once per process)", file=sys.stderr, flush=True)
+        engine.editor.warm_up()
     # The step loop runs on this, the main thread, which loaded the model (see Engine.start); the
     # node's socket gets a thread of its own and closes the engine when told to stop.
     engine.start(own_thread=False)

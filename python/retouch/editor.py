@@ -318,6 +318,22 @@ class MaskAwareEditor:
         self.mode = CACHE_MODES[cache_mode]
         self.mode_name = cache_mode
 
+    def warm_up(self) -> None:
+        """Compile now what the first edits would compile (an editor built with `compile`): a small
+        template recorded, edited alone and in a batch of two (the graphs of a batch of one and of more),
+        then dropped. Token counts are dynamic in the graphs, so other sizes and masks reuse them."""
+        image = Image.new("RGB", (64, 64), (127, 127, 127))
+        template_id = self.register_template(image, prompt="warm-up", steps=1)
+        corner = Image.new("L", image.size, 0)
+        corner.paste(255, (0, 0, 32, 32))
+        try:
+            self.edit_many([EditRequest(template_id, corner, "warm-up")], output_type="latent")
+            self.edit_many([EditRequest(template_id, corner, "warm-up"),
+                            EditRequest(template_id, Image.new("L", image.size, 255), "warm-up", seed=1)],
+                           output_type="latent")
+        finally:
+            self.drop_template(template_id)
+
     def drop_template(self, template_id: str) -> None:
         self.templates.pop(template_id, None)
         self.cache.drop(template_id)
