@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure of retouch, in parts that each fit one 10-minute call of a lent GPU machine.
 #
-#   bench/run_gpu.sh PART...        PART: tests kernels flux unet throughput serving | all
+#   bench/run_gpu.sh PART...        PART: tests kernels flux unet throughput serving compile | all
 #
 #   tests    build retouch._C with CUDA, run the test suite on the GPU (kernels, adapters, engine)
 #   kernels  attention.json (ragged attention vs SDPA/FlexAttention/flash-attn), gather.json (host->device
@@ -11,6 +11,9 @@
 #   unet     cost + image_latency for sdxl-size and sd2-size
 #   throughput  throughput.json (Fig. 14: images/s vs batch size, retouch vs the diffusers pipeline)
 #   serving  serving.json (Fig. 12: mean and p95 latency vs Poisson RPS, retouch vs diffusers static batching)
+#   compile  the compile, host-sync and CUDA-graph tests on the GPU; overhead_flux-size.json (host time and ops
+#            per forward, eager and compiled, vs the compiled stock model); step_compiled.json (one step,
+#            compiled mask-aware blocks vs the compiled stock model)
 #
 # Results go to bench/results/<device>/ (RESULTS=dir overrides), with a log per part; each JSON
 # records its exact command, the package versions and the device. Where $OUT is set (the device
@@ -34,6 +37,7 @@ if [ "${RETOUCH_GPU_SMOKE:-0}" = 1 ]; then
   PROFILE_UNET=(--grids 8,12,16 --batch-sizes 1,2 --mask-ratios 0.3,1.0 --load-mib 0.25,1 --repeats 1)
   OVERLAP=(--steps 2 --repeats 1) THROUGHPUT=(--steps 2 --size 64 --batch-sizes 1 2 --repeats 1)
   SERVING=(--steps 2 --size 64 --rps 2 --requests 4)
+  OVERHEAD=(--grid 2 --text-tokens 2 --mask-ratios 0.2 --repeats 1) STEP=(--mask-ratio 0.2 --repeats 1)
 else
   if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -46,6 +50,7 @@ else
   SERVING=(--size 1024 --steps 8 --max-batch 8 --rps 0.5 1 2 4 --requests 16)
   PROFILE_FLUX=(--grids 16,32,48,64 --batch-sizes 1,2,4 --mask-ratios 0.1,0.3,0.6,1.0 --load-mib 1,16,64,256)
   PROFILE_UNET=(--grids 32,64,96,128 --batch-sizes 1,2,4)
+  OVERHEAD=(--compile) STEP=(--mask-ratio 0.1,0.2,0.5)
 fi
 RESULTS=${RESULTS:-bench/results/$device}
 mkdir -p "$RESULTS"
@@ -117,10 +122,20 @@ part_serving() {
   bench serving serving.json --model "$FLUX" --device "$DEV" $(planner "$FLUX") "${SERVING[@]}"
 }
 
+part_compile() {
+  if [ "$DEV" = cuda ]; then
+    "$PYTHON" -m pytest -q -x tests/test_compile.py tests/test_host_syncs.py tests/test_block_ops.py \
+      tests/test_token_padding.py
+  fi
+  # The narrow model (flux-size depth, tiny width) in both modes: host time is what it measures.
+  bench overhead overhead_flux-size.json --model flux-size --device "$DEV" "${OVERHEAD[@]}"
+  bench step step_compiled.json --model "$FLUX" --device "$DEV" --compile "${STEP[@]}"
+}
+
 parts=("$@")
-[ "${parts[*]}" = all ] && parts=(tests kernels flux unet throughput serving)
+[ "${parts[*]}" = all ] && parts=(tests kernels flux unet throughput serving compile)
 for part in "${parts[@]}"; do
-  declare -F "part_$part" >/dev/null || { echo "unknown part $part (tests kernels flux unet throughput serving all)"; exit 2; }
+  declare -F "part_$part" >/dev/null || { echo "unknown part $part (tests kernels flux unet throughput serving compile all)"; exit 2; }
 done
 build
 failed=()

@@ -1,11 +1,14 @@
 """One denoising step of a Flux denoiser: full compute vs mask-aware (Y-cache, KV-cache), over mask ratios.
 
-    retouch bench step --model flux-small --mask-ratio 0.2 [--device cuda] [--out F.json]
+    retouch bench step --model flux-small --mask-ratio 0.2 [--device cuda] [--compile] [--out F.json]
 
 The template is recorded once (one step); each ratio's mask (a centred rectangle of tokens: real
 masks are contiguous) is then timed in all modes, interleaved round-robin after a warm-up so that
 background load falls on every variant alike. Prints one JSON object; quote the speedups (absolute
-times only from a GPU). Progress goes to stderr.
+times only from a GPU). `--compile` races the compiled stock model (an unpatched copy under
+torch.compile, what users pick over eager) against the compiled mask-aware blocks
+(`MaskAwareAdapter.compile`); compilation happens in the warm-up, outside the timed runs. Progress
+goes to stderr.
 """
 
 from __future__ import annotations
@@ -64,18 +67,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--compile", action="store_true",
+                        help="compiled stock model against compiled mask-aware blocks")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     transformer, adapter, inputs, cache, grid, num_text = flux_setup(args.model, device, dtype, args.resolution)
+    full = transformer
+    if args.compile:
+        full = torch.compile(build_denoiser(args.model, device=device, dtype=dtype).eval())
+        adapter.compile()
     num_image = grid[0] * grid[1]
     results = []
     with torch.inference_mode():
         for ratio in [float(r) for r in args.ratios.split(",")]:
             masked = centred_token_rectangle(grid, ratio)
-            runs = {"full": lambda: transformer(**inputs)}
+            runs = {"full": lambda: full(**inputs)}
             for mode, cache_mode in MODES.items():
                 context = MaskAwareContext.edit(cache_mode, [masked], ["template"], [0], num_text, num_image, cache,
                                                 device=device)
@@ -89,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                               for row in results[-2:]), file=sys.stderr)
 
     report = {"bench": "step", "command": "retouch bench step " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "model": args.model, "device": str(device),
+              "model": args.model, "device": str(device), "compiled": args.compile,
+              "baseline": "the stock model under torch.compile" if args.compile else "the stock model, eager",
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).removeprefix("torch."), "image_tokens": num_image, "text_tokens": num_text,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "results": results}
