@@ -111,8 +111,9 @@ at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const std::optional<at::Tensor
                              const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin) {
   check_norm_inputs(x, weight, cos, sin);
   const bool fp32_tables = !cos.has_value() || (cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat);
-  if (!fp32_tables || (weight.has_value() && weight->scalar_type() != x.scalar_type())) {
-    return rms_norm_rope(x, weight, eps, cos, sin);  // mixed dtypes: the composite's promotion rules
+  if (!fp32_tables || (weight.has_value() && weight->scalar_type() != x.scalar_type()) ||
+      x.scalar_type() == at::kDouble) {
+    return rms_norm_rope(x, weight, eps, cos, sin);  // mixed dtypes, fp64: the composite's arithmetic
   }
   const auto xc = x.contiguous();
   const auto wc = weight.has_value() ? weight->contiguous() : at::Tensor();

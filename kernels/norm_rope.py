@@ -8,6 +8,8 @@ rows of `head_dim` elements; even and odd elements load as two vectors, so a pai
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -39,7 +41,8 @@ def norm_rope_kernel(
     x1 = tl.load(x_ptr + even + 1, mask=live, other=0.0).to(tl.float32)
     if NORM:
         squares = tl.sum(x0 * x0 + x1 * x1, axis=1)[:, None]
-        rstd = 1.0 / tl.sqrt(squares / (2 * HALF_D) + eps)
+        # Correctly rounded, as torch's CPU ops are (tl.sqrt and / are approximate on GPUs).
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(squares, 2.0 * HALF_D) + eps))
         x0 = x0 * rstd
         x1 = x1 * rstd
         if HAS_WEIGHT:
@@ -87,9 +90,12 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float | 
     heads = x.shape[-2] if cos is not None else 1
     seq = x.shape[-3] if cos is not None else 1
     grid = (triton.cdiv(rows, block_rows),)
-    norm_rope_kernel[grid](
-        x, out, x if weight is None else weight.contiguous(), x if cos is None else cos.contiguous(),
-        x if sin is None else sin.contiguous(), rows, heads, seq, 0.0 if eps is None else float(eps),
-        HALF_D=dim // 2, BLOCK_PAIRS=triton.next_power_of_2(dim // 2), BLOCK_ROWS=block_rows,
-        NORM=eps is not None, HAS_WEIGHT=weight is not None, ROPE=cos is not None)
+    # enable_fp_fusion=False: no FMA contraction, so each product rounds as the reference's separate
+    # tensor ops round it (the CPU kernel is built with -ffp-contract=off for the same reason).
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        norm_rope_kernel[grid](
+            x, out, x if weight is None else weight.contiguous(), x if cos is None else cos.contiguous(),
+            x if sin is None else sin.contiguous(), rows, heads, seq, 0.0 if eps is None else float(eps),
+            HALF_D=dim // 2, BLOCK_PAIRS=triton.next_power_of_2(dim // 2), BLOCK_ROWS=block_rows,
+            NORM=eps is not None, HAS_WEIGHT=weight is not None, ROPE=cos is not None, enable_fp_fusion=False)
     return out

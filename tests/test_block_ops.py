@@ -145,3 +145,29 @@ def test_the_composite_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.retouch.rms_norm_rope, (x, None, 1e-5, None, None))
     q, k = torch.randn(5, 2, 8), torch.randn(9, 2, 8)
     torch.library.opcheck(torch.ops.retouch.sdpa_ragged, (q, k, k, torch.tensor([2, 3]), torch.tensor([4, 5]), 0.5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_blocks_norm_helpers_compute_what_the_modules_do(dtype):
+    """`block_math.norm_rope` and `layer_norm`/`linear` stand in for the modules' forwards: torch's
+    RMSNorm (its eps=None default is fp32's eps, whatever the dtype), diffusers' RMSNorm, LayerNorm
+    without affine parameters, and a module whose forward a hook replaced runs that forward."""
+    from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
+
+    from retouch.adapters.block_math import layer_norm, linear, norm_rope
+
+    generator = torch.Generator().manual_seed(3)
+    x = (4 * torch.randn(5, 3, 16, generator=generator)).to(dtype)
+    for norm in (torch.nn.RMSNorm(16, eps=None), torch.nn.RMSNorm(16, eps=1e-3, elementwise_affine=False),
+                 DiffusersRMSNorm(16, eps=1e-6), DiffusersRMSNorm(16, eps=1e-6, elementwise_affine=False)):
+        with torch.no_grad():
+            if getattr(norm, "weight", None) is not None:
+                norm.weight.copy_(torch.rand(16, generator=generator) + 0.5)
+        norm = norm.to(dtype)
+        torch.testing.assert_close(norm_rope(norm, x), norm(x), **NORM_TOLERANCE[dtype], msg=repr(norm))
+    plain = torch.nn.LayerNorm(16, elementwise_affine=False, eps=1e-6).to(dtype)
+    assert torch.equal(layer_norm(plain, x), plain(x))
+    lin = torch.nn.Linear(16, 4).to(dtype)
+    assert torch.equal(linear(lin, x), lin(x))
+    lin.forward = lambda rows: torch.full((*rows.shape[:-1], 4), 7.0, dtype=dtype)  # an offload/casting hook
+    assert torch.equal(linear(lin, x), torch.full((5, 3, 4), 7.0, dtype=dtype))

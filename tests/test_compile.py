@@ -161,3 +161,10 @@ def test_cuda_graphs_are_refused_off_cuda():
         EditOptions(**edit, mask_aware=True, cuda_graphs=True, device="cpu")
     with pytest.raises(InputError, match="--cuda-graphs needs a CUDA device"):
         ServeOptions(model="m", cuda_graphs=True, device="cpu")
+    if not torch.cuda.is_available():  # device "auto" resolves to the CPU here: refused before anything starts
+        from retouch.server import Server
+
+        server = Server(ServeOptions(model="tiny-flux-fill", cuda_graphs=True))
+        with pytest.raises(InputError, match="--cuda-graphs needs a CUDA device"):
+            server.start()
+        assert getattr(server, "router", None) is None

@@ -365,7 +365,7 @@ if _C is not None:
 
     @torch.library.register_fake("retouch::rope_pairs")
     def _rope_pairs_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(x)
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("retouch::rms_norm_rope")
     def _rms_norm_rope_fake(x, weight, eps, cos, sin) -> torch.Tensor:
@@ -375,14 +375,20 @@ if _C is not None:
     # the composites.
     @torch.library.register_kernel("retouch::rope_pairs", "cuda")
     def _rope_pairs_cuda(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        if cos.device != x.device or sin.device != x.device:
+            raise RuntimeError(f"rope_pairs: x, cos and sin must share a device, got {x.device}, {cos.device}")
+        if cos.dtype != torch.float32 or sin.dtype != torch.float32 or x.dtype == torch.float64:
             return rope_pairs_ref(x, cos, sin)  # the kernel takes the fp32 tables Flux builds
         return norm_rope_triton(x, None, None, cos, sin)
 
     @torch.library.register_kernel("retouch::rms_norm_rope", "cuda")
     def _rms_norm_rope_cuda(x, weight, eps, cos, sin) -> torch.Tensor:
-        if cos is not None and (cos.dtype != torch.float32 or sin.dtype != torch.float32):
-            return rms_norm_rope_ref(x, weight, eps, cos, sin)
+        tensors = [t for t in (weight, cos, sin) if t is not None]
+        if any(t.device != x.device for t in tensors):
+            raise RuntimeError(f"rms_norm_rope: every tensor must be on {x.device}")
+        if ((cos is not None and (cos.dtype != torch.float32 or sin.dtype != torch.float32))
+                or (weight is not None and weight.dtype != x.dtype) or x.dtype == torch.float64):
+            return rms_norm_rope_ref(x, weight, eps, cos, sin)  # the composite's promotion rules, as on the CPU
         return norm_rope_triton(x, weight, eps, cos, sin)
 
     @torch.library.register_fake("retouch::sdpa_ragged")

@@ -24,7 +24,7 @@ from retouch.engine.reference_costs import h800_flux
 from retouch.engine.router import Router, RouterConfig
 from retouch.engine.step_cost import StepCost
 from retouch.engine.supervisor import Supervisor
-from retouch.errors import RetouchError
+from retouch.errors import InputError, RetouchError
 from retouch.http_api import Limits, create_app
 
 
@@ -50,16 +50,22 @@ class Server:
         self._http_thread: threading.Thread | None = None
         self.url = ""
 
-    def start(self, ready_timeout_s: float = 600.0) -> Server:
+    def start(self, ready_timeout_s: float | None = None) -> Server:
+        """Router, workers, then HTTP. `ready_timeout_s`: how long workers may take to load (and, with
+        --compile, to compile: default 30 min then, else 10)."""
         opts = self.opts
         api_key = opts.api_key or os.environ.get("RETOUCH_API_KEY") or None
-        self.router = Router(RouterConfig(opts.router_address, opts.policy, opts.heartbeat_s, opts.dead_after_s,
-                                          opts.max_queue), step_cost(opts)).start()
         device = opts.device
         if device == "auto":
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if opts.cuda_graphs and device != "cuda":
+            raise InputError("--cuda-graphs needs a CUDA device; none is here")
+        if ready_timeout_s is None:
+            ready_timeout_s = 1800.0 if opts.compile or opts.cuda_graphs else 600.0
+        self.router = Router(RouterConfig(opts.router_address, opts.policy, opts.heartbeat_s, opts.dead_after_s,
+                                          opts.max_queue), step_cost(opts)).start()
         dtype = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         node_args = ["--model", opts.model, "--device", device, "--dtype", dtype, "--mode", opts.mode,
                      "--max-batch", str(opts.max_batch), "--helpers", str(opts.helpers),

@@ -156,7 +156,10 @@ def _size_oblivious(compiled):
     return call
 
 
-_tracing = threading.local()  # .inside: nesting depth of _size_oblivious calls; .patches: applied settings
+_tracing = threading.local()  # .inside: nesting depth of _size_oblivious calls in this thread
+# Settings applied by a start callback. Dynamo pairs start and end with one process-wide counter, so
+# an end may run in another thread than its start: the stack is process-wide too.
+_applied: list = []
 
 
 def _on_compile_start(args) -> None:
@@ -164,12 +167,11 @@ def _on_compile_start(args) -> None:
     if getattr(_tracing, "inside", 0):
         patch = torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False)
         patch.__enter__()
-    _tracing.__dict__.setdefault("patches", []).append(patch)
+    _applied.append(patch)
 
 
 def _on_compile_end(args) -> None:
-    patches = getattr(_tracing, "patches", None)
-    patch = patches.pop() if patches else None
+    patch = _applied.pop() if _applied else None
     if patch is not None:
         patch.__exit__(None, None, None)
 

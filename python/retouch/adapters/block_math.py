@@ -26,8 +26,9 @@ def heads(attn: torch.nn.Module, projected: torch.Tensor) -> torch.Tensor:
 
 def linear(lin: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`lin.forward(x)`: an exact nn.Linear by `F.linear` on its current parameters; any other module
-    (a LoRA layer, a quantised linear) by its own forward."""
-    if type(lin) is torch.nn.Linear:
+    (a LoRA layer, a quantised linear) or one whose forward a hook replaced (accelerate's offload,
+    diffusers' layerwise casting) by its own forward."""
+    if type(lin) is torch.nn.Linear and "forward" not in lin.__dict__:  # no offload or casting hook on it
         params = lin._parameters
         return torch.nn.functional.linear(x, params["weight"], params["bias"])
     return lin.forward(x)
@@ -35,7 +36,7 @@ def linear(lin: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def layer_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`norm.forward(x)`: an exact nn.LayerNorm by `torch.layer_norm` on its current parameters."""
-    if type(norm) is torch.nn.LayerNorm:
+    if type(norm) is torch.nn.LayerNorm and "forward" not in norm.__dict__:
         params = norm._parameters
         return torch.layer_norm(x, norm.normalized_shape, params.get("weight"), params.get("bias"), norm.eps)
     return norm.forward(x)
@@ -57,7 +58,10 @@ def norm_rope(norm: torch.nn.Module | None, x: torch.Tensor,
 def _rms_norm_eps(norm: torch.nn.Module | None, dtype: torch.dtype) -> float | None:
     """The epsilon of an RMSNorm that `torch.rms_norm` computes (up to rounding), else None."""
     if isinstance(norm, torch.nn.RMSNorm) and norm.normalized_shape == (norm.normalized_shape[-1],):
-        return torch.finfo(dtype).eps if norm.eps is None else norm.eps
+        if norm.eps is not None:
+            return norm.eps
+        # torch.rms_norm's default: the eps of the dtype it computes in (fp32 for half precision)
+        return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
     # diffusers' RMSNorm rounds once more in half precision (before its weight), within an ulp of the
     # fused op; with an fp32 weight on half-precision rows it returns fp32, which the fused op does not.
     if isinstance(norm, DiffusersRMSNorm) and norm._parameters.get("bias") is None:
