@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from retouch.bench.report import environment, pyplot, write_json
+from retouch.bench.report import environment, mask_ratios, pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.models import get_spec
 from retouch.profile import VARIANTS, build_target
@@ -35,16 +35,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--resolution", type=int, default=None, help="pixels per side (default: the model's)")
     parser.add_argument("--batch", type=int, default=1, help="requests per forward")
-    parser.add_argument("--mask-ratios", default="0.05,0.1,0.2,0.3,0.5,0.7,0.9,1.0")
+    parser.add_argument("--mask-ratios", type=mask_ratios, default="0.05,0.1,0.2,0.3,0.5,0.7,0.9,1.0")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
-    try:
-        ratios = [float(r) for r in args.mask_ratios.split(",")]
-    except ValueError:
-        parser.error("--mask-ratios must be comma-separated numbers")
-    if not all(0 < r <= 1 for r in ratios) or args.batch < 1 or args.repeats < 1:
-        parser.error("mask ratios must lie in (0, 1]; --batch and --repeats must be >= 1")
+    if args.batch < 1 or args.repeats < 1:
+        parser.error("--batch and --repeats must be >= 1")
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -58,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for kind, index in target.representative.items():
         block_args, block_kwargs = captured[index]
-        for ratio in ratios:
+        for ratio in args.mask_ratios:
             runs = {"full": target.block_run(index, block_args, block_kwargs, None)}
             for variant, name in MODES.items():
                 context = target.edit_context(VARIANTS[variant], args.batch, side, ratio, cache)

@@ -1,7 +1,9 @@
-"""Writing benchmark results: the JSON, the environment it was measured in, and matplotlib for the PNG."""
+"""Writing benchmark results: the JSON, the environment it was measured in, and matplotlib for the PNG;
+and the `--mask-ratios` argument the benchmarks share."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -14,6 +16,17 @@ import torch
 
 # Packages whose versions decide a benchmark's figures; a missing one is recorded as None.
 _PACKAGES = ("torch", "triton", "diffusers", "transformers", "flash-attn", "numpy")
+
+
+def mask_ratios(text: str) -> list[float]:
+    """argparse `type` of `--mask-ratios`: comma-separated numbers, each in (0, 1]."""
+    try:
+        ratios = [float(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be comma-separated numbers") from None
+    if not all(0 < r <= 1 for r in ratios):
+        raise argparse.ArgumentTypeError("mask ratios must lie in (0, 1]")
+    return ratios
 
 
 def write_json(report: dict, out: Path) -> None:

@@ -96,3 +96,14 @@ def test_batching_compares_every_mode_on_the_same_arrivals(tmp_path):
     assert report["disagg_p95_over_static_p95"] == report["modes"]["disagg"]["p95_s"] / report["modes"]["static"]["p95_s"]
     assert 0 < report["mean_mask_ratio"] < 1
     assert json.loads(out.read_text())["requests"] == 6 and out.with_suffix(".png").exists()
+
+
+@pytest.mark.parametrize("bench", ["overhead", "block", "image"])
+@pytest.mark.parametrize("ratios, message", [("0.2,x", "comma-separated numbers"), ("0.2,1.5", "must lie in (0, 1]"),
+                                             ("0", "must lie in (0, 1]")])
+def test_mask_ratios_are_checked_before_anything_runs(bench, ratios, message, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exited:
+        importlib.import_module(f"retouch.bench.{bench}").main(["--mask-ratios", ratios])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
