@@ -65,8 +65,9 @@ def patch_flux(transformer: FluxTransformer2DModel, attention_backend: str = "au
     or Triton on CUDA, per-request SDPA on the CPU).
     """
     adapter = FluxMaskAwareAdapter(transformer, attention_backend)
-    blocks = [(block, _double_block_forward) for block in adapter.double_blocks]
-    blocks += [(block, _single_block_forward) for block in adapter.single_blocks]
+    double = functools.partial(_masked_block_forward, double_block_core)
+    single = functools.partial(_masked_block_forward, single_block_core)
+    blocks = [(block, double) for block in adapter.double_blocks] + [(block, single) for block in adapter.single_blocks]
     for index, (block, masked_forward) in enumerate(blocks):
         if "forward" in block.__dict__:
             raise RuntimeError(f"block {index} of the transformer is already patched")
@@ -142,14 +143,14 @@ def _forward_rows(adapter: FluxMaskAwareAdapter, context: MaskAwareContext, imag
     return adapter.memo(("flux", id(image_rotary_emb[0])), plan)
 
 
-# ---- the double-stream block (separate text and image weights, joint attention) ----
-
-def _double_block_forward(block: FluxTransformerBlock, adapter: FluxMaskAwareAdapter, context: MaskAwareContext,
-                          index: int, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                          temb: torch.Tensor, image_rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden_states: [B, L, H] image tokens, encoder_hidden_states: [B, P, H] text -> (text, image) outputs.
-    Eager around a tensors-only core: the recorded keys and values are read before it, the block's
-    output filled and its activations recorded after it."""
+def _masked_block_forward(core: Callable, block: torch.nn.Module, adapter: FluxMaskAwareAdapter,
+                          context: MaskAwareContext, index: int, hidden_states: torch.Tensor,
+                          encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                          image_rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden_states: [B, L, H] image tokens, encoder_hidden_states: [B, P, H] text -> (text, image) outputs
+    of a double- or single-stream block, whose tensors-only `core` (`double_block_core`,
+    `single_block_core`) runs inside this eager wrapper: the recorded keys and values are read before
+    it, the block's output filled and its activations recorded after it."""
     attn = block._modules["attn"]
     rows, attention = _forward_rows(adapter, context, image_rotary_emb, hidden_states.dtype, attn.head_dim)
     recorded_k = recorded_v = None
@@ -157,13 +158,15 @@ def _double_block_forward(block: FluxTransformerBlock, adapter: FluxMaskAwareAda
         like = hidden_states.new_empty((0, attn.heads, attn.head_dim))
         recorded_k = recorded_rows(context, index, KEY, like, hidden_states.shape[1])
         recorded_v = recorded_rows(context, index, VALUE, like, hidden_states.shape[1])
-    encoder_hidden_states, image_rows, image_k, image_v = adapter.core(double_block_core)(
+    text_out, image_rows, image_k, image_v = adapter.core(core)(
         block, hidden_states, encoder_hidden_states, temb, rows, recorded_k, recorded_v, attention)
     image_out = block_output(adapter, context, index, hidden_states, image_rows, rows.image_query_rows)
     if context.recording_requests:
         record_activations(context, index, {OUT: image_out, KEY: image_k, VALUE: image_v})
-    return encoder_hidden_states, image_out
+    return text_out, image_out
 
+
+# ---- the double-stream block (separate text and image weights, joint attention) ----
 
 def double_block_core(block: FluxTransformerBlock, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                       temb: torch.Tensor, rows: FluxRows, recorded_k: torch.Tensor | None,
@@ -235,27 +238,6 @@ def double_block_core(block: FluxTransformerBlock, hidden_states: torch.Tensor, 
 
 
 # ---- the single-stream block (shared weights for text and image, joint attention) ----
-
-def _single_block_forward(block: FluxSingleTransformerBlock, adapter: FluxMaskAwareAdapter,
-                          context: MaskAwareContext, index: int, hidden_states: torch.Tensor,
-                          encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
-                          image_rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `_double_block_forward`. Text and image share weights here, so the query tokens
-    (text and masked image) are packed together, in `RaggedBatch.query_rows` order."""
-    attn = block._modules["attn"]
-    rows, attention = _forward_rows(adapter, context, image_rotary_emb, hidden_states.dtype, attn.head_dim)
-    recorded_k = recorded_v = None
-    if context.mode is not CacheMode.Y_CACHE:
-        like = hidden_states.new_empty((0, attn.heads, attn.head_dim))
-        recorded_k = recorded_rows(context, index, KEY, like, hidden_states.shape[1])
-        recorded_v = recorded_rows(context, index, VALUE, like, hidden_states.shape[1])
-    text_out, image_rows, image_k, image_v = adapter.core(single_block_core)(
-        block, hidden_states, encoder_hidden_states, temb, rows, recorded_k, recorded_v, attention)
-    image_out = block_output(adapter, context, index, hidden_states, image_rows, rows.image_query_rows)
-    if context.recording_requests:
-        record_activations(context, index, {OUT: image_out, KEY: image_k, VALUE: image_v})
-    return text_out, image_out
-
 
 def single_block_core(block: FluxSingleTransformerBlock, hidden_states: torch.Tensor,
                       encoder_hidden_states: torch.Tensor, temb: torch.Tensor, rows: FluxRows,
