@@ -154,9 +154,7 @@ class Node:
         metrics = self.engine.metrics()
         cache = self.engine.editor.cache
         if isinstance(cache, CacheStore):
-            counters = cache.metrics()
-            metrics.update(cache_hits=counters["hits"], cache_misses=counters["misses"],
-                           cache_host_bytes=counters["host_bytes_used"], cache_disk_bytes=counters.get("disk_bytes_used", 0))
+            metrics["cache"] = cache.metrics()  # CacheStore.metrics: cumulative counters and tier occupancy
         return {"kind": "heartbeat", "running": running, "queued": queued, "metrics": metrics}
 
     # ---- other threads ----

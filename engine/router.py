@@ -30,6 +30,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -150,8 +151,11 @@ class RouterConfig:
 
 
 class Router:
-    def __init__(self, config: RouterConfig = RouterConfig(), cost: StepCost | None = None):
+    def __init__(self, config: RouterConfig = RouterConfig(), cost: StepCost | None = None,
+                 on_decision: Callable[[float], None] | None = None):
+        """`on_decision(seconds)`: told the policy's time of every routing decision (metrics)."""
         self.config = config
+        self.on_decision = on_decision
         self.policy = make_policy(config.policy, cost)
         self.cluster = ClusterLoad(cost)
         self.context = zmq.Context()
@@ -370,7 +374,10 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - a policy bug answers the request, it does not lose it
             self._answer(pending, EditAnswer(None, 500, "RoutingError", f"{type(exc).__name__}: {exc}"))
             return
-        self.decision_s.append(time.perf_counter() - started)
+        decided = time.perf_counter() - started
+        self.decision_s.append(decided)
+        if self.on_decision is not None:
+            self.on_decision(decided)
         worker = next(w for w in self.workers.values() if w.slot == slot)
         pending.worker, pending.routes, pending.records = worker.name, pending.routes + 1, records
         pending.steps_left = None
