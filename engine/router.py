@@ -86,6 +86,7 @@ class TemplateRecord:
     guidance: float | None
     replicas: int  # 0: every worker
     one_off: bool = False  # recorded by its first edit, never registered on its own
+    owner: str = ""  # the tenant (API key) that registered it: others neither see nor use it
     created: float = field(default_factory=time.time)
     states: dict[str, str] = field(default_factory=dict)  # worker -> recording | ready | failed
     progress: dict[str, int] = field(default_factory=dict)  # worker -> recorded steps
@@ -289,20 +290,24 @@ class Router:
         self._wake()
         return record
 
-    def template(self, template_id: str) -> dict | None:
+    def template(self, template_id: str, owner: str | None = None) -> dict | None:
+        """The template as JSON; None if unknown or (`owner` given) another tenant's."""
         with self._lock:
-            record = self.templates.get(template_id)
+            record = self._owned(template_id, owner)
             return None if record is None else record.to_json(set(self.workers))
 
-    def list_templates(self) -> list[dict]:
+    def list_templates(self, owner: str | None = None) -> list[dict]:
+        """Every template, or (`owner` given) that tenant's."""
         with self._lock:
-            return [record.to_json(set(self.workers)) for record in self.templates.values()]
+            return [record.to_json(set(self.workers)) for record in self.templates.values()
+                    if owner is None or record.owner == owner]
 
-    def drop_template(self, template_id: str) -> bool:
+    def drop_template(self, template_id: str, owner: str | None = None) -> bool:
+        """Forget a template (False if unknown or, `owner` given, another tenant's)."""
         with self._lock:
-            record = self.templates.pop(template_id, None)
-            if record is None:
+            if self._owned(template_id, owner) is None:
                 return False
+            record = self.templates.pop(template_id)
             for name in record.states:
                 if name in self.workers:
                     self._send(self.workers[name], {"kind": "drop", "template": template_id})
@@ -311,6 +316,12 @@ class Router:
                              EditAnswer(None, 404, "NotFound", f"template {template_id!r} was deleted"))
         self._wake()
         return True
+
+    def _owned(self, template_id: str, owner: str | None) -> TemplateRecord | None:
+        record = self.templates.get(template_id)
+        if record is None or (owner is not None and record.owner != owner):
+            return None
+        return record
 
     def worker_exited(self, name: str) -> None:
         """The supervisor saw the worker's process end: remove it now rather than after the timeout."""
