@@ -1,0 +1,70 @@
+"""A worker driven by the test: a DEALER socket that speaks the router's wire protocol (hello,
+heartbeat, template, result, ping) and keeps what the router sends it in an inbox."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from retouch.engine import wire
+from retouch.engine.router import Router
+
+TIMEOUT_S = 10.0
+
+
+class ScriptedWorker:
+    def __init__(self, context: zmq.Context, router: Router, name: str, max_batch: int = 4):
+        self.name = name
+        self.inbox: list[dict] = []
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, f"{name}:1".encode())
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(router.address)
+        self.send({"kind": "hello", "max_batch": max_batch, "pid": 1})
+        assert self.receive("welcome")
+
+    def send(self, header: dict, blobs: dict | None = None) -> None:
+        self.socket.send_multipart(wire.encode({**header, "worker": self.name}, blobs=blobs))
+
+    def receive(self, kind: str, keepalive: list[ScriptedWorker] = ()) -> dict:
+        """The next message of `kind` (others stay in the inbox); `keepalive` workers heartbeat meanwhile."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            for index, message in enumerate(self.inbox):
+                if message["kind"] == kind:
+                    return self.inbox.pop(index)
+            for worker in keepalive:
+                worker.send({"kind": "heartbeat", "running": [], "queued": []})
+            if self.socket.poll(50):
+                header, _, blobs = wire.decode(self.socket.recv_multipart())
+                self.inbox.append({**header, "blobs": blobs})
+        raise AssertionError(f"{self.name} got no {kind!r} message")
+
+    def pending_kinds(self) -> list[str]:
+        while self.socket.poll(0):
+            header, _, blobs = wire.decode(self.socket.recv_multipart())
+            self.inbox.append({**header, "blobs": blobs})
+        return [message["kind"] for message in self.inbox]
+
+    def sync(self) -> None:
+        """Return once the router has handled everything this worker sent."""
+        self.send({"kind": "ping"})
+        self.receive("pong")
+
+    def register(self, template: str, ok: bool = True) -> None:
+        message = self.receive("register")
+        assert message["template"] == template
+        self.send({"kind": "template", "template": template, "ok": ok, "message": "out of memory"})
+        self.sync()
+
+    def answer(self, request: int, png: bytes = b"png") -> None:
+        self.send({"kind": "result", "request": request, "status": 200}, {"png": png})
+
+    def fail(self, request: int, status: int = 500, error: str = "RuntimeError", message: str = "it broke") -> None:
+        self.send({"kind": "result", "request": request, "status": status, "error": error, "message": message})
+
+    def heartbeat(self, metrics: dict, running: list = (), queued: list = ()) -> None:
+        """A heartbeat carrying `metrics` (the worker's summary, with "cache": CacheStore.metrics())."""
+        self.send({"kind": "heartbeat", "running": list(running), "queued": list(queued), "metrics": metrics})
+        self.sync()
