@@ -11,6 +11,14 @@
 Every bad input is answered at once with a 4xx and a JSON body naming the field, in the OpenAI
 error shape: {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}.
 Accepted edits are answered exactly once (the router guarantees it across worker failures).
+
+Tenants: with API keys (`Limits.api_keys`), each key is a tenant (`tenant_of`). Templates and edits
+in flight belong to the tenant that made them; another key sees them as unknown (404). Without keys
+everything belongs to the tenant "".
+
+Nothing heavy runs on the event loop: decoding, mask conversion, hashing and base64 run in worker
+threads, and large JSON answers are streamed a chunk at a time (`b64_json_response`), so /healthz
+and other requests are answered while hundreds of MB of images go out.
 """
 
 from __future__ import annotations
@@ -18,28 +26,33 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import hmac
 import io
+import json
+import logging
 import math
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import InitVar, dataclass
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from retouch import prometheus
-from retouch.engine.policies import RequestLoad
-from retouch.engine.router import EditTask, QueueFull, Router, TemplateRecord, Unavailable
-from retouch.errors import InputError
 from retouch.canvas import Canvas
+from retouch.engine.policies import RequestLoad
+from retouch.engine.router import EditAnswer, EditTask, QueueFull, Router, TemplateRecord, Unavailable
+from retouch.errors import InputError
+from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.images import ImageTooLarge, as_image, as_mask, decode_image, has_alpha, png_bytes
 from retouch.masks import FLUX_STRIDE, token_mask
+from retouch.serve_metrics import ServeMetrics
 
 TOKEN_STRIDE = FLUX_STRIDE  # the policies' token grid: 16 px per token (Flux/SD3 latents, patchified)
 # What one request may ask for, in pixel-steps (width x height x steps, times n images): a 4096x4096
@@ -47,6 +60,12 @@ TOKEN_STRIDE = FLUX_STRIDE  # the policies' token grid: 16 px per token (Flux/SD
 DEFAULT_MAX_WORK = 4096 * 4096 * 28
 DISCONNECT_POLL_S = 0.25  # how often a waiting edit checks whether its client is still there
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# PNG bytes base64-encoded per step of a streamed answer: a multiple of 3 (chunks concatenate), and
+# ~1 ms of encoding, so no step holds the GIL long.
+B64_CHUNK = 3 << 18
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+logger = logging.getLogger("retouch.http")
 
 
 @dataclass(frozen=True)
@@ -58,7 +77,33 @@ class Limits:
     max_n: int = 10
     max_work: int = DEFAULT_MAX_WORK
     request_timeout_s: float = 600.0
-    api_key: str | None = None
+    max_prompt_chars: int = 4000  # longer prompts are refused (422) before any work
+    api_keys: tuple[str, ...] = ()  # each key is a tenant; none: no authentication
+    docs: bool = True  # /docs, /redoc, /openapi.json (behind the key when there are keys)
+    # Connections (`http_connections.guarded_protocol`): request headers must arrive within
+    # header_timeout_s, the body within body_timeout_s after them; at most max_connections open.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 120.0
+    max_connections: int = 1024
+    max_inflight_bytes: int = 1 << 30  # request bodies being handled at once (503 beyond)
+    api_key: InitVar[str | None] = None  # one key: the same as api_keys=(key,)
+
+    def __post_init__(self, api_key: str | None):
+        if api_key:
+            object.__setattr__(self, "api_keys", (*self.api_keys, api_key))
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if any(not isinstance(key, str) or not key.strip() or key != key.strip() for key in self.api_keys):
+            raise ValueError("API keys must be non-empty strings without surrounding whitespace")
+        for name in ("max_upload_bytes", "max_pixels", "max_steps", "default_steps", "max_n", "max_work",
+                     "max_prompt_chars", "max_connections", "max_inflight_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_inflight_bytes < self.max_upload_bytes:
+            raise ValueError(f"max_inflight_bytes ({self.max_inflight_bytes}) must hold one upload "
+                             f"(max_upload_bytes {self.max_upload_bytes})")
 
 
 class ApiError(Exception):
@@ -71,6 +116,83 @@ class ApiError(Exception):
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
                                        "code": self.code}}, status_code=self.status, headers=self.headers)
+
+
+# ---- middleware (plain ASGI rather than Starlette's BaseHTTPMiddleware, which hides a client's
+# disconnect from the endpoint: an edit whose client went away must be cancelled) ----
+
+class CountAnswers:
+    """Outermost: counts every answer by endpoint and status, those of the middleware inside it
+    included; answers an ApiError raised before any answer (BodyLimit while the body streams in), and
+    a bug with a JSON 500."""
+
+    def __init__(self, app, metrics: ServeMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except ApiError as exc:
+            if status is not None:
+                raise
+            await exc.response()(scope, receive, counted)
+        except Exception:
+            if status is not None:
+                raise
+            logger.exception("%s %s failed", scope["method"], scope["path"])
+            await ApiError(500, "internal server error", None, "internal_error").response()(scope, receive, counted)
+        finally:
+            if status is not None:
+                self.metrics.count(scope["path"], status)
+
+
+def tenant_of(api_key: str) -> str:
+    """A tenant's stable id: not the key itself (ids end up in logs and template ids)."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+class Authenticate:
+    """Refuses /v1 and the API docs without one of `api_keys` (`Authorization: Bearer KEY`, the
+    scheme in any case), and names the request's tenant in `request.state.tenant` ("" without keys)."""
+
+    def __init__(self, app, api_keys: tuple[str, ...]):
+        self.app = app
+        self.keys = [(key.encode(), tenant_of(key)) for key in api_keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        tenant = ""
+        path = scope["path"]
+        if self.keys and (path.startswith("/v1/") or path in DOCS_PATHS):
+            tenant = self.tenant(dict(scope["headers"]).get(b"authorization", b""))
+            if tenant is None:
+                refused = ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", "authorization",
+                                   "invalid_api_key")
+                return await refused.response()(scope, receive, send)
+        scope.setdefault("state", {})["tenant"] = tenant
+        await self.app(scope, receive, send)
+
+    def tenant(self, authorization: bytes) -> str | None:
+        scheme, _, credentials = authorization.strip().partition(b" ")
+        if scheme.lower() != b"bearer":
+            return None
+        credentials = credentials.strip()
+        match = None
+        for key, tenant in self.keys:  # every key compared, in constant time each
+            if hmac.compare_digest(key, credentials):
+                match = tenant
+        return match
 
 
 class BodyLimit:
@@ -100,79 +222,9 @@ class BodyLimit:
         return await self.app(scope, limited, send)
 
 
-class CountAndAuthenticate:
-    """Counts every answer by endpoint and status, and refuses /v1 requests without the API key.
-    Plain ASGI rather than Starlette's BaseHTTPMiddleware, which hides a client's disconnect from the
-    endpoint (an edit whose client went away must be cancelled)."""
-
-    def __init__(self, app, metrics: Metrics, api_key: str | None):
-        self.app, self.metrics, self.api_key = app, metrics, api_key
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        if self.api_key and path.startswith("/v1/"):
-            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if authorization != f"Bearer {self.api_key}":
-                self.metrics.requests.inc(_endpoint(path), "401")
-                refused = ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", "authorization",
-                                   "invalid_api_key")
-                return await refused.response()(scope, receive, send)
-        status = None
-
-        async def counted(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counted)
-        except ApiError as exc:  # raised while the body streamed in (BodyLimit), before any answer
-            if status is not None:
-                raise
-            await exc.response()(scope, receive, counted)
-        finally:
-            if status is not None:
-                self.metrics.requests.inc(_endpoint(path), str(status))
-
-
-class Metrics:
-    def __init__(self):
-        self.requests = prometheus.Counter("retouch_requests_total", "HTTP requests by endpoint and status",
-                                           ("endpoint", "status"))
-        self.latency = prometheus.Histogram("retouch_request_seconds", "end-to-end edit latency by outcome",
-                                            ("endpoint", "outcome"))
-
-    def render(self, snapshot: dict) -> str:
-        workers = snapshot["workers"]
-        decisions = sorted(snapshot["decision_s"])
-        lines = [*self.requests.render(), *self.latency.render()]
-        lines += prometheus.gauge("retouch_queue_depth", "edits accepted and not yet answered",
-                                  [({}, snapshot["pending"])])
-        lines += prometheus.gauge("retouch_parked_edits", "edits waiting for their template's recording",
-                                  [({}, snapshot["parked"])])
-        lines += prometheus.gauge("retouch_workers", "live workers", [({}, len(workers))])
-        lines += prometheus.gauge("retouch_templates", "registered templates", [({}, snapshot["templates"])])
-        for field, help_text in (("running", "requests in the worker's running batch"),
-                                 ("queued", "requests queued at the worker"),
-                                 ("mean_batch_size", "mean batch size over the worker's steps"),
-                                 ("mean_step_s", "mean seconds per denoising step"),
-                                 ("interruptions", "pre/post-processing tasks run mid-denoising"),
-                                 ("cache_hits", "template activation cache hits"),
-                                 ("cache_misses", "template activation cache misses"),
-                                 ("cache_host_bytes", "bytes of activations in pinned host memory"),
-                                 ("cache_disk_bytes", "bytes of activations on disk")):
-            samples = [({"worker": name}, w[field]) for name, w in sorted(workers.items()) if field in w]
-            lines += prometheus.gauge(f"retouch_worker_{field}", help_text, samples)
-        lines += prometheus.gauge("retouch_router_events_total", "router events",
-                                  [({"event": k}, v) for k, v in sorted(snapshot["counters"].items())], "counter")
-        quantiles = [({"quantile": str(q)}, decisions[min(len(decisions) - 1, int(q * len(decisions)))])
-                     for q in (0.5, 0.95, 0.99)] if decisions else []
-        lines += prometheus.gauge("retouch_router_decision_seconds", "routing policy time per request "
-                                  "(last 10000 decisions)", quantiles, "summary")
-        return "\n".join(lines) + "\n"
+def server_busy() -> JSONResponse:
+    return ApiError(503, "the server is handling as many request bodies as it holds at once; retry later",
+                    "body", "server_busy", {"Retry-After": "1"}).response()
 
 
 # ---- parsing the form ----
@@ -199,6 +251,17 @@ class Form:
         if isinstance(value, UploadFile):
             raise ApiError(400, f"{name} must be a text field, not a file", name)
         return value
+
+    def prompt(self, max_chars: int, required: str | None) -> str:
+        """The prompt, stripped; 400 with `required` as the message if it must be there and is not,
+        422 if it is over `max_chars` (a prompt that long only ends up copied into logs)."""
+        prompt = (self.text("prompt") or "").strip()
+        if not prompt and required:
+            raise ApiError(400, required, "prompt")
+        if len(prompt) > max_chars:
+            raise ApiError(422, f"prompt is {len(prompt)} characters, over the limit of {max_chars}", "prompt",
+                           "prompt_too_long")
+        return prompt
 
     def integer(self, name: str, default: int | None, low: int, high: int) -> int | None:
         return self._parsed(name, int, "an integer", default, low, high)
@@ -238,22 +301,38 @@ async def read_upload(upload: UploadFile, name: str, max_pixels: int) -> Upload:
         raise ApiError(400, str(exc), name, "invalid_image") from None
 
 
-def template_id_of(image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None) -> str:
+async def read_mask_upload(upload: UploadFile, max_pixels: int, alpha: bool = False) -> Image.Image:
+    image = (await read_upload(upload, "mask", max_pixels)).image
+    return await anyio.to_thread.run_sync(lambda: read_mask(image, alpha))
+
+
+def template_id_of(image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None,
+                   owner: str) -> str:
+    """A registered template's id: its content, recording parameters and tenant (two tenants
+    registering the same image never share a record). Hashes the pixels: call it off the loop."""
     digest = hashlib.sha256(image.tobytes())
-    digest.update(f"|{image.size}|{prompt}|{steps}|{seed}|{guidance}".encode())
+    digest.update(f"|{owner}|{image.size}|{prompt}|{steps}|{seed}|{guidance}".encode())
     return "tpl-" + digest.hexdigest()[:24]
 
 
-def one_off_id_of(image: Image.Image, steps: int, guidance: float | None) -> str:
-    """A one-off image's template: its content and schedule, not the prompt, seed or mask of the
-    request that first sent it."""
+def one_off_id_of(image: Image.Image, steps: int, guidance: float | None, owner: str) -> str:
+    """A one-off image's template: its content, schedule and tenant, not the prompt, seed or mask of
+    the request that first sent it. Hashes the pixels: call it off the loop."""
     digest = hashlib.sha256(image.tobytes())
-    digest.update(f"|{image.size}|{steps}|{guidance}".encode())
+    digest.update(f"|{owner}|{image.size}|{steps}|{guidance}".encode())
     return "img-" + digest.hexdigest()[:24]
 
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready; its edits were cancelled."""
+
+
+class EditFailed(Exception):
+    """One of a request's edits was answered with an error; its siblings were cancelled."""
+
+    def __init__(self, answer: EditAnswer):
+        super().__init__(answer.message)
+        self.answer = answer
 
 
 def request_load(mask: Image.Image, steps: int, text_tokens: int = 0) -> RequestLoad:
@@ -263,11 +342,48 @@ def request_load(mask: Image.Image, steps: int, text_tokens: int = 0) -> Request
     return RequestLoad(image_tokens=grid.numel(), masked_tokens=int(grid.sum()), steps=steps, text_tokens=text_tokens)
 
 
+def mask_payload(mask: Image.Image, steps: int) -> tuple[bytes, RequestLoad] | None:
+    """What the router carries of a mask (raw "L" pixels and the policies' load); None when nothing
+    is to be repainted. Runs in a worker thread: a 4096x4096 mask is 16 MB of pixels."""
+    if mask.getbbox() is None:
+        return None
+    return mask.tobytes(), request_load(mask, steps)
+
+
+def b64_json_response(envelope: dict, pngs: list[bytes], headers: dict) -> StreamingResponse:
+    """`{**envelope, "data": [{"b64_json": ...}, ...]}` streamed: each chunk of base64 is encoded in a
+    worker thread, and the loop only passes chunks on (n images at 4096x4096 come to hundreds of MB,
+    which one json.dumps would build in one step). The length is known up front: Content-Length."""
+    head = json.dumps(envelope)[:-1].encode() + (b', "data": [' if envelope else b'"data": [')
+    opening, closing, tail = b'{"b64_json": "', b'"}', b"]}"
+    length = len(head) + len(tail) + 2 * max(0, len(pngs) - 1)
+    length += sum(len(opening) + 4 * math.ceil(len(png) / 3) + len(closing) for png in pngs)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield head
+        for index, png in enumerate(pngs):
+            yield (b", " if index else b"") + opening
+            view = memoryview(png)
+            for start in range(0, len(png), B64_CHUNK):
+                yield await anyio.to_thread.run_sync(base64.b64encode, view[start:start + B64_CHUNK])
+            yield closing
+        yield tail
+
+    return StreamingResponse(chunks(), media_type="application/json",
+                             headers={**headers, "Content-Length": str(length)})
+
+
+def resized_png(png: bytes, size: tuple[int, int]) -> bytes:
+    return png_bytes(Image.open(io.BytesIO(png)).resize(size, Image.Resampling.LANCZOS))
+
+
 # ---- the app ----
 
 def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> FastAPI:
-    app = FastAPI(title="retouch", summary="mask-aware generative image editing", version="0.1")
-    metrics = Metrics()
+    docs = {} if limits.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="retouch", summary="mask-aware generative image editing", version="0.1", **docs)
+    metrics = ServeMetrics(router)
+    router.on_decision = metrics.decisions.observe
     app.state.router, app.state.limits, app.state.metrics = router, limits, metrics
 
     @app.exception_handler(ApiError)
@@ -288,8 +404,14 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     async def http_error(request: Request, exc: StarletteHTTPException):
         return ApiError(exc.status_code, str(exc.detail)).response()
 
-    app.add_middleware(CountAndAuthenticate, metrics=metrics, api_key=limits.api_key)
+    # Added innermost first: CountAnswers sees every answer, Authenticate's 401 and BodyLimit's 413
+    # included; a request is authenticated before its body is reserved.
+    app.add_middleware(ReserveBody, budget=BodyBudget(limits.max_inflight_bytes),
+                       unknown_length_bytes=limits.max_upload_bytes, refusal=server_busy,
+                       on_change=metrics.inflight_body_bytes.set)
     app.add_middleware(BodyLimit, max_bytes=limits.max_upload_bytes)
+    app.add_middleware(Authenticate, api_keys=limits.api_keys)
+    app.add_middleware(CountAnswers, metrics=metrics)
 
     async def read_form(request: Request) -> Form:
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -306,20 +428,24 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         except Exception as exc:  # noqa: BLE001 - a malformed body is the client's error
             raise ApiError(400, f"malformed multipart body: {exc}", "body") from None
 
-    def template_or_404(template_id: str) -> dict:
-        record = router.template(template_id)
+    def template_or_404(template_id: str, tenant: str) -> dict:
+        """The tenant's template; another tenant's is as unknown as one that never was."""
+        record = router.template(template_id, tenant)
         if record is None:
             raise ApiError(404, f"unknown template_id {template_id!r}; register it with POST /v1/templates",
                            "template_id", "template_not_found")
         return record
 
-    async def register(image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None) -> dict:
-        image = as_image(image)
-        template_id = template_id_of(image, prompt, steps, seed, guidance)
-        png = await anyio.to_thread.run_sync(png_bytes, image)
-        router.register_template(TemplateRecord(template_id, png, image.size, prompt, steps, seed, guidance,
-                                                replicas=0))
-        return router.template(template_id)
+    async def register(tenant: str, image: Image.Image, prompt: str, steps: int, seed: int,
+                       guidance: float | None) -> dict:
+        def identify() -> tuple[str, bytes, tuple[int, int]]:
+            rgb = as_image(image)
+            return template_id_of(rgb, prompt, steps, seed, guidance, tenant), png_bytes(rgb), rgb.size
+
+        template_id, png, size = await anyio.to_thread.run_sync(identify)
+        router.register_template(TemplateRecord(template_id, png, size, prompt, steps, seed, guidance, replicas=0,
+                                                owner=tenant))
+        return template_or_404(template_id, tenant)
 
     # ---- templates ----
 
@@ -329,39 +455,41 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         upload = form.file("image")
         if upload is None:
             raise ApiError(400, "image is required (a file field)", "image")
-        image = (await read_upload(upload, "image", limits.max_pixels)).image
-        prompt = form.text("prompt", "")
+        prompt = form.prompt(limits.max_prompt_chars, required=None)
         steps = form.integer("steps", limits.default_steps, 1, limits.max_steps)
         seed = form.integer("seed", 0, 0, 2**63 - 1)
         guidance = form.number("guidance", 0.0, 100.0)
+        image = (await read_upload(upload, "image", limits.max_pixels)).image
         check_work(image.size, steps, 1, "image")
-        record = await register(image, prompt, steps, seed, guidance)
+        record = await register(request.state.tenant, image, prompt, steps, seed, guidance)
         return JSONResponse(record, status_code=200 if record["status"] == "ready" else 202,
                             headers={"Location": f"/v1/templates/{record['id']}"})
 
     @app.get("/v1/templates")
-    async def list_templates():
-        return {"data": router.list_templates()}
+    async def list_templates(request: Request):
+        return {"data": router.list_templates(request.state.tenant)}
 
     @app.get("/v1/templates/{template_id}")
-    async def get_template(template_id: str, wait: float = 0.0):
+    async def get_template(request: Request, template_id: str, wait: float = 0.0):
         """`?wait=S` long-polls: answers once the template is no longer recording, or after S seconds."""
-        record = template_or_404(template_id)
+        tenant = request.state.tenant
+        record = template_or_404(template_id, tenant)
         if record["status"] == "recording" and wait > 0:
             await anyio.to_thread.run_sync(lambda: router.wait_until(
-                lambda r: (r.template(template_id) or {}).get("status") != "recording", min(wait, 60.0)))
-            record = template_or_404(template_id)
+                lambda r: (r.template(template_id, tenant) or {}).get("status") != "recording", min(wait, 60.0)))
+            record = template_or_404(template_id, tenant)
         return record
 
     @app.delete("/v1/templates/{template_id}")
-    async def delete_template(template_id: str):
-        if not router.drop_template(template_id):
-            template_or_404(template_id)
+    async def delete_template(request: Request, template_id: str):
+        if not router.drop_template(template_id, request.state.tenant):
+            template_or_404(template_id, request.state.tenant)
         return {"id": template_id, "deleted": True}
 
     # ---- edits ----
 
-    in_flight: dict[str, list[int]] = {}  # X-Request-Id -> router request ids of an edit being answered
+    # (tenant, X-Request-Id) -> router request ids of an edit being answered
+    in_flight: dict[tuple[str, str], list[int]] = {}
 
     def check_work(size: tuple[int, int], steps: int, n: int, param: str) -> None:
         work = size[0] * size[1] * steps * n
@@ -370,13 +498,14 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(413, f"this request asks for {work} pixel-steps ({size[0]}x{size[1]} pixels x {steps} "
                            f"steps{images}), over the limit of {limits.max_work} (--max-work)", param, "too_much_work")
 
-    async def edit_target(form: Form, steps: int | None, guidance: float | None, upload: Upload | None,
-                          mask: Image.Image, n: int) -> tuple[str, TemplateRecord | None, int]:
+    async def edit_target(request: Request, form: Form, steps: int | None, guidance: float | None,
+                          upload: Upload | None, mask: Image.Image, n: int) -> tuple[str, TemplateRecord | None, int]:
         """What an edit repaints, checked before anything is created: (template id, the one-off
         image's record to create with the edit or None, steps)."""
+        tenant = request.state.tenant
         template_id = form.text("template_id")
         if template_id:
-            template = template_or_404(template_id)
+            template = template_or_404(template_id, tenant)
             check_mask_size(mask, (template["width"], template["height"]), "the template")
             if template["status"] == "failed":
                 raise ApiError(422, f"template {template_id!r} failed to record: {template['error']}", "template_id")
@@ -395,26 +524,27 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         check_work(upload.image.size, steps, n, "n" if n > 1 else "image")
         # A one-off image: its first edit records it as it runs, and later edits of the same image
         # (whatever their prompt, seed or mask) find that recording. It travels as the client sent it.
-        image = as_image(upload.image)
-        template_id = one_off_id_of(image, steps, guidance)
-        if router.template(template_id) is not None:
+        template_id = await anyio.to_thread.run_sync(
+            lambda: one_off_id_of(as_image(upload.image), steps, guidance, tenant))
+        if router.template(template_id, tenant) is not None:
             return template_id, None, steps
-        return template_id, TemplateRecord(template_id, upload.data, image.size, "", steps, 0, guidance, replicas=1,
-                                           one_off=True), steps
+        return template_id, TemplateRecord(template_id, upload.data, upload.image.size, "", steps, 0, guidance,
+                                           replicas=1, one_off=True, owner=tenant), steps
 
     async def edit(request: Request, endpoint: str, template_id: str, one_off: TemplateRecord | None,
                    steps: int, mask: Image.Image, prompt: str, seed: int, n: int = 1) -> list[bytes]:
-        """Run `n` edits (seeds seed, seed+1, ...) of a validated request; PNG bytes each. A client
-        that goes away cancels them: they leave their worker's batch at its next step."""
-        if mask.getbbox() is None:  # nothing to repaint: the answer is the template itself
+        """Run `n` edits (seeds seed, seed+1, ...) of a validated request, all or none; PNG bytes
+        each. A client that goes away cancels them: they leave their worker's batch at its next step."""
+        payload = await anyio.to_thread.run_sync(mask_payload, mask, steps)
+        if payload is None:  # nothing to repaint: the answer is the template itself
             record = one_off if one_off is not None else router.templates.get(template_id)
             if not record.one_off:
                 return [record.image] * n
             # A one-off's image is the client's upload, in whatever format it came.
             png = await anyio.to_thread.run_sync(lambda: png_bytes(as_image(decode_image(record.image, "image"))))
             return [png] * n
-        load = await anyio.to_thread.run_sync(request_load, mask, steps)
-        tasks = [EditTask(template_id, mask.tobytes(), mask.size, prompt, seed + i, load) for i in range(n)]
+        mask_bytes, load = payload
+        tasks = [EditTask(template_id, mask_bytes, mask.size, prompt, seed + i, load) for i in range(n)]
         started = time.perf_counter()
         try:
             ids, futures = router.submit_many(tasks, one_off)
@@ -424,39 +554,57 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(503, str(exc), None, "unavailable", {"Retry-After": "5"}) from None
         except KeyError:
             raise ApiError(404, f"template {template_id!r} was deleted", "template_id", "template_not_found") from None
-        key = request.state.request_id
+        key = (request.state.tenant, request.state.request_id)
         in_flight[key] = ids
+        outcome = "error"
         try:
             answers = await answers_or_cancel(request, ids, futures)
+            outcome = "ok"
         except TimeoutError:
-            metrics.latency.observe(time.perf_counter() - started, endpoint, "timeout")
+            outcome = "timeout"
             raise ApiError(504, f"the edit took longer than {limits.request_timeout_s:.0f} s", None,
                            "timeout") from None
+        except ClientGone:
+            outcome = "client_gone"
+            raise
+        except EditFailed as failure:
+            failed = failure.answer
+            raise ApiError(failed.status, failed.message or "the edit failed", None,
+                           "cancelled" if failed.error == "Cancelled" else failed.error) from None
         finally:
             in_flight.pop(key, None)
-        failed = next((a for a in answers if a.status != 200), None)
-        metrics.latency.observe(time.perf_counter() - started, endpoint, "ok" if failed is None else "error")
-        if failed is not None:
-            raise ApiError(failed.status, failed.message or "the edit failed", None,
-                           "cancelled" if failed.error == "Cancelled" else failed.error)
+            metrics.latency.labels(endpoint, outcome).observe(time.perf_counter() - started)
         return [a.png for a in answers]
 
-    async def answers_or_cancel(request: Request, ids: list[int], futures: list) -> list:
-        """The router's answers; if the client disconnects or the timeout passes first, the edits are
-        cancelled (ClientGone, TimeoutError)."""
-        waiting = [asyncio.wrap_future(f) for f in futures]
+    async def answers_or_cancel(request: Request, ids: list[int], futures: list) -> list[EditAnswer]:
+        """The router's answers, in order. The first that is not a success cancels the others at once
+        (EditFailed: their images would be thrown away); so do a client that disconnects (ClientGone)
+        and the timeout (TimeoutError)."""
+        waiting = {asyncio.wrap_future(f): index for index, f in enumerate(futures)}
+        answers: list[EditAnswer | None] = [None] * len(futures)
+        remaining = set(waiting)
         deadline = time.monotonic() + limits.request_timeout_s
-        while True:
-            _, pending = await asyncio.wait(waiting, timeout=DISCONNECT_POLL_S)
-            if not pending:
-                return [w.result() for w in waiting]
+        while remaining:
+            done, remaining = await asyncio.wait(remaining, timeout=DISCONNECT_POLL_S,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                answer = answers[waiting[future]] = future.result()
+                if answer.status != 200:
+                    cancel(ids, "another image of the same request failed")
+                    raise EditFailed(answer)
+            if not remaining:
+                break
             gone = await request.is_disconnected()
             if gone or time.monotonic() > deadline:
-                for request_id in ids:
-                    router.cancel(request_id, "the client went away" if gone else "it timed out")
+                cancel(ids, "the client went away" if gone else "it timed out")
                 if gone:
                     raise ClientGone()
                 raise TimeoutError
+        return answers
+
+    def cancel(ids: list[int], why: str) -> None:
+        for request_id in ids:
+            router.cancel(request_id, why)
 
     def client_request_id(request: Request) -> str:
         """The client's X-Request-Id (GET/DELETE /v1/edits/{id} while it runs), or a new one."""
@@ -465,7 +613,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             return f"edit-{uuid.uuid4().hex}"
         if not REQUEST_ID.fullmatch(key):
             raise ApiError(400, "X-Request-Id must be 1-64 letters, digits, '.', '_' or '-'", "x-request-id")
-        if key in in_flight:
+        if (request.state.tenant, key) in in_flight:
             raise ApiError(409, f"an edit with X-Request-Id {key!r} is already running", "x-request-id",
                            "duplicate_request_id")
         return key
@@ -474,9 +622,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     async def create_edit(request: Request):
         request.state.request_id = client_request_id(request)
         form = await read_form(request)
-        prompt = (form.text("prompt") or "").strip()
-        if not prompt:
-            raise ApiError(400, "prompt is required: say what to paint into the masked region", "prompt")
+        prompt = form.prompt(limits.max_prompt_chars, "prompt is required: say what to paint into the masked region")
         response_format = form.text("response_format", "png")
         if response_format not in ("png", "b64_json"):
             raise ApiError(400, f"response_format must be png or b64_json, got {response_format!r}",
@@ -489,14 +635,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(400, "mask is required (a file field; white = repaint)", "mask")
         upload = form.file("image")
         image = None if upload is None else await read_upload(upload, "image", limits.max_pixels)
-        mask = read_mask((await read_upload(mask_upload, "mask", limits.max_pixels)).image)
-        template_id, one_off, steps = await edit_target(form, steps, guidance, image, mask, 1)
+        mask = await read_mask_upload(mask_upload, limits.max_pixels)
+        template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1)
         [png] = await edit(request, "/v1/edits", template_id, one_off, steps, mask, prompt, seed)
         headers = {"X-Template-Id": template_id, "X-Request-Id": request.state.request_id}
         if response_format == "png":
             return Response(png, media_type="image/png", headers=headers)
-        return JSONResponse({"created": int(time.time()), "template_id": template_id,
-                             "data": [{"b64_json": base64.b64encode(png).decode()}]}, headers=headers)
+        return b64_json_response({"created": int(time.time()), "template_id": template_id}, [png], headers)
 
     @app.post("/v1/images/edits")
     async def openai_edit(request: Request):
@@ -505,9 +650,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         `response_format` (b64_json); retouch's extra `template_id` reuses a registered template."""
         request.state.request_id = client_request_id(request)
         form = await read_form(request)
-        prompt = (form.text("prompt") or "").strip()
-        if not prompt:
-            raise ApiError(400, "prompt is required", "prompt")
+        prompt = form.prompt(limits.max_prompt_chars, "prompt is required")
         n = form.integer("n", 1, 1, limits.max_n)
         response_format = form.text("response_format", "b64_json")
         if response_format != "b64_json":
@@ -520,47 +663,46 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         image = None if upload is None else await read_upload(upload, "image", limits.max_pixels)
         mask_upload = form.file("mask")
         if mask_upload is not None:
-            mask = read_mask((await read_upload(mask_upload, "mask", limits.max_pixels)).image, alpha=True)
+            mask = await read_mask_upload(mask_upload, limits.max_pixels, alpha=True)
         elif image is not None and has_alpha(image.image):
-            mask = read_mask(image.image, alpha=True)
+            mask = await anyio.to_thread.run_sync(lambda: read_mask(image.image, alpha=True))
         else:
             raise ApiError(400, "send a mask, or an image with transparency (alpha 0 = repaint)", "mask")
-        template_id, one_off, steps = await edit_target(form, None, None, image, mask, n)
+        template_id, one_off, steps = await edit_target(request, form, None, None, image, mask, n)
         pngs = await edit(request, "/v1/images/edits", template_id, one_off, steps, mask, prompt, seed, n)
         if target is not None:
-            pngs = await anyio.to_thread.run_sync(
-                lambda: [png_bytes(Image.open(io.BytesIO(p)).resize(target, Image.Resampling.LANCZOS)) for p in pngs])
-        return JSONResponse({"created": int(time.time()),
-                             "data": [{"b64_json": base64.b64encode(p).decode()} for p in pngs]},
-                            headers={"X-Request-Id": request.state.request_id})
+            pngs = [await anyio.to_thread.run_sync(resized_png, png, target) for png in pngs]
+        return b64_json_response({"created": int(time.time())}, pngs, {"X-Request-Id": request.state.request_id})
+
+    def edit_in_flight(request: Request, request_id: str) -> list[int]:
+        ids = in_flight.get((request.state.tenant, request_id))
+        if ids is None:
+            raise ApiError(404, f"no edit with X-Request-Id {request_id!r} is running (unknown, or answered)",
+                           "request_id", "edit_not_found")
+        return ids
 
     @app.get("/v1/edits/{request_id}")
-    async def edit_status(request_id: str):
+    async def edit_status(request: Request, request_id: str):
         """An edit in flight (by its X-Request-Id): per image, parked, queued at a worker, or running
         step k of n."""
-        ids = in_flight.get(request_id)
-        if ids is None:
-            raise ApiError(404, f"no edit with X-Request-Id {request_id!r} is running (unknown, or answered)",
-                           "request_id", "edit_not_found")
-        images = [router.request_status(i) or {"status": "done"} for i in ids]
-        return {"id": request_id, "images": images}
+        ids = edit_in_flight(request, request_id)
+        return {"id": request_id, "images": [router.request_status(i) or {"status": "done"} for i in ids]}
 
     @app.delete("/v1/edits/{request_id}")
-    async def cancel_edit(request_id: str):
+    async def cancel_edit(request: Request, request_id: str):
         """Cancel an edit in flight: it leaves its worker's batch at the next step; its POST is answered
         409 (code "cancelled")."""
-        ids = in_flight.get(request_id)
-        if ids is None:
-            raise ApiError(404, f"no edit with X-Request-Id {request_id!r} is running (unknown, or answered)",
-                           "request_id", "edit_not_found")
+        ids = edit_in_flight(request, request_id)
         cancelled = [router.cancel(i, "DELETE /v1/edits") for i in ids]
         return {"id": request_id, "cancelled": any(cancelled)}
 
     # ---- operations ----
 
     @app.get("/metrics")
-    async def metrics_text():
-        return PlainTextResponse(metrics.render(router.snapshot()), media_type="text/plain; version=0.0.4")
+    async def metrics_exposition(request: Request):
+        """Prometheus text 0.0.4, or OpenMetrics when the scraper's Accept asks for it."""
+        body, content_type = await anyio.to_thread.run_sync(metrics.exposition, request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
 
     @app.get("/healthz")
     async def healthz():
@@ -576,9 +718,6 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     return app
 
 
-ENDPOINTS = ("/v1/templates", "/v1/edits", "/v1/images/edits", "/metrics", "/healthz", "/readyz")
-
-
 def read_mask(upload: Image.Image, alpha: bool = False) -> Image.Image:
     """The uploaded mask as `retouch.images.as_mask` reads it; 400 naming the field if it cannot be."""
     try:
@@ -591,14 +730,6 @@ def check_mask_size(mask: Image.Image, size: tuple[int, int], what: str) -> None
     if mask.size != tuple(size):
         raise ApiError(422, f"mask is {mask.width}x{mask.height} but {what} is {size[0]}x{size[1]}; they must match",
                        "mask", "mask_size")
-
-
-def _endpoint(path: str) -> str:
-    """A label per route, not per URL: unknown paths must not grow the series."""
-    for prefix in ("/v1/templates/", "/v1/edits/"):
-        if path.startswith(prefix):
-            return prefix + "{id}"
-    return path if path in ENDPOINTS else "other"
 
 
 def _parse_size(size: str, max_pixels: int) -> tuple[int, int]:

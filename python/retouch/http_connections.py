@@ -1,0 +1,153 @@
+"""Connections and request bodies that must not hold the server: slow or abusive clients.
+
+uvicorn's h11 protocol (0.54) has no read timeouts: a client that connects and sends nothing, half
+its headers, or headers and part of a body holds a connection (and, with a body, a handler) forever.
+`guarded_protocol` closes such connections and refuses connections beyond a maximum:
+
+    uvicorn.Config(app, http=guarded_protocol(header_timeout_s=10, body_timeout_s=120, max_connections=1024))
+
+`ReserveBody` is an ASGI middleware that keeps the bytes of request bodies in flight under a
+budget: a request reserves its Content-Length (a body of unknown length, the most an upload may be)
+when it starts, and gets 503 when that would exceed the budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger("retouch.http")
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with deadlines on reading a request (h11's `their_state` tells the
+    phase: IDLE = headers, SEND_BODY = body, DONE = read) and a cap on open connections.
+
+    headers: complete `header_timeout_s` after the connection opened or, on a kept-alive
+             connection, after the first byte of the next request (an idle kept-alive connection is
+             closed by uvicorn's own `timeout_keep_alive`).
+    body:    complete `body_timeout_s` after its headers.
+    A connection beyond `max_connections` is closed as soon as it is accepted."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 120.0
+    max_connections: int = 1024
+
+    _deadline: asyncio.TimerHandle | None = None
+    _phase: str | None = None  # "headers", "body" or None: which deadline is armed
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:  # this one is already counted
+            logger.debug("refusing a connection: %d open", len(self.connections) - 1)
+            transport.abort()
+            return
+        self._arm("headers")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._arm(None)
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.transport.is_closing():
+            self._arm(None)
+            return
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            # Between requests nothing is armed until bytes of the next one arrive.
+            started = self._phase == "headers" or bool(self.conn.trailing_data[0])
+            self._arm("headers" if started else None)
+        elif state is h11.SEND_BODY:
+            self._arm("body")
+        else:
+            self._arm(None)
+
+    def _arm(self, phase: str | None) -> None:
+        if phase == self._phase:
+            return
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._phase = phase
+        if phase is not None:
+            timeout = self.header_timeout_s if phase == "headers" else self.body_timeout_s
+            self._deadline = self.loop.call_later(timeout, self._timed_out, phase)
+
+    def _timed_out(self, phase: str) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            logger.debug("closing a connection whose request %s did not arrive in time", phase)
+            # Closing reaches a handler reading the body as a disconnect.
+            self.transport.close()
+
+
+def guarded_protocol(header_timeout_s: float, body_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+    """An h11 protocol class for `uvicorn.Config(http=...)` with these read deadlines and cap."""
+    if header_timeout_s <= 0 or body_timeout_s <= 0:
+        raise ValueError(f"timeouts must be positive, got {header_timeout_s} and {body_timeout_s}")
+    if max_connections < 1:
+        raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {
+        "header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s, "max_connections": max_connections})
+
+
+@dataclass
+class BodyBudget:
+    """Bytes of request bodies the server is handling at once. Touched only from the event loop."""
+
+    max_bytes: int
+    reserved: int = 0
+
+    def reserve(self, nbytes: int) -> bool:
+        if self.reserved + nbytes > self.max_bytes:
+            return False
+        self.reserved += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.reserved -= nbytes
+
+
+def body_bytes(headers: list[tuple[bytes, bytes]], unknown_length_bytes: int) -> int:
+    """What a request's body may bring: its Content-Length; `unknown_length_bytes` for a chunked body;
+    0 without either (no body)."""
+    fields = dict(headers)
+    length = fields.get(b"content-length")
+    if length is not None and length.isdigit():
+        return int(length)
+    return unknown_length_bytes if b"transfer-encoding" in fields else 0
+
+
+class ReserveBody:
+    """Reserve each request's body in `budget` for as long as the request is handled; answer with
+    `refusal()` (an ASGI app: 503 and Retry-After) when it does not fit."""
+
+    def __init__(self, app, budget: BodyBudget, unknown_length_bytes: int, refusal: Callable,
+                 on_change: Callable[[int], None] | None = None):
+        self.app, self.budget, self.unknown_length_bytes = app, budget, unknown_length_bytes
+        self.refusal, self.on_change = refusal, on_change
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        nbytes = body_bytes(scope["headers"], self.unknown_length_bytes)
+        if nbytes == 0:
+            return await self.app(scope, receive, send)
+        if not self.budget.reserve(nbytes):
+            return await self.refusal()(scope, receive, send)
+        self._changed()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.budget.release(nbytes)
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.budget.reserved)

@@ -1,0 +1,143 @@
+"""The HTTP frontend's Prometheus metrics, with prometheus_client.
+
+One `CollectorRegistry` per app (never the process-wide one: several apps share a test process).
+What the frontend counts itself (answers by endpoint and status, edit latency, routing decision
+time) lives in client metrics; what the router knows (queue, workers, their template caches) is read
+from `router.snapshot()` when scraped (`RouterCollector`), so nothing is copied between scrapes.
+
+    metrics = ServeMetrics(router)
+    body, content_type = metrics.exposition(request.headers.get("accept", ""))
+
+A worker's counters (steps, completed, cache hits, ...) are cumulative in its process and arrive in
+its heartbeat; they are exposed as counters that restart from zero when the worker does, which
+Prometheus' rate() reads as a counter reset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from retouch.engine.router import Router
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
+# A policy decision takes microseconds (least-requests) to a millisecond or so (mask-aware, many workers).
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+
+# Routes, not URLs: a label per route keeps unknown paths and template ids from growing the series.
+ENDPOINTS = ("/v1/templates", "/v1/edits", "/v1/images/edits", "/metrics", "/healthz", "/readyz",
+             "/openapi.json", "/docs", "/redoc")
+ROUTES_WITH_ID = ("/v1/templates/", "/v1/edits/")
+
+# (heartbeat key, help) per worker; the keys of engine.metrics.WorkerMetrics.summary and of the
+# router's own per-worker view.
+WORKER_GAUGES = (("running", "requests in the worker's running batch"),
+                 ("queued", "requests queued at the worker"),
+                 ("assigned", "requests the router has sent the worker and not yet had answered"),
+                 ("mean_batch_size", "mean batch size over the worker's steps"),
+                 ("mean_step_s", "mean seconds per denoising step"))
+WORKER_COUNTERS = (("steps", "denoising steps run"),
+                   ("completed", "edits completed"),
+                   ("failed", "edits failed"),
+                   ("cancelled", "edits cancelled"),
+                   ("recorded", "templates recorded"),
+                   ("interruptions", "pre/post-processing tasks run mid-denoising"))
+# The keys of cache.store.CacheStore.metrics.
+CACHE_COUNTERS = (("hits", "template activation lookups found in host memory"),
+                  ("misses", "template activation lookups not found"),
+                  ("disk_hits", "template activation lookups read back from disk"),
+                  ("evictions", "templates evicted from host memory"),
+                  ("prefetches", "templates prefetched from disk"),
+                  ("prefetch_bytes", "bytes prefetched from disk"),
+                  ("prefetch_seconds", "seconds spent prefetching"),
+                  ("disk_reads", "activation files read"),
+                  ("disk_writes", "activation files written"),
+                  ("disk_bytes_read", "bytes read from the disk tier"),
+                  ("disk_bytes_written", "bytes written to the disk tier"),
+                  ("disk_evictions", "templates evicted from the disk tier"),
+                  ("corrupt_files", "activation files found corrupt and dropped"),
+                  ("registrations", "templates registered in the cache"))
+CACHE_GAUGES = (("host_bytes_used", "bytes of activations in pinned host memory"),
+                ("host_bytes_budget", "the host tier's budget in bytes"),
+                ("host_templates", "templates resident in host memory"),
+                ("disk_bytes_used", "bytes of activations on disk"),
+                ("disk_bytes_budget", "the disk tier's budget in bytes"))
+
+
+def endpoint_label(path: str) -> str:
+    for prefix in ROUTES_WITH_ID:
+        if path.startswith(prefix):
+            return prefix + "{id}"
+    return path if path in ENDPOINTS else "other"
+
+
+class ServeMetrics:
+    """The app's registry: `requests` (every HTTP answer), `latency` (edits, by outcome),
+    `decisions` (the router's policy time: `router.on_decision = metrics.decisions.observe`),
+    `inflight_body_bytes` (request bodies reserved), and the router's state at scrape time."""
+
+    def __init__(self, router: Router):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("retouch_http_requests", "HTTP answers by endpoint and status",
+                                ("endpoint", "status"), registry=self.registry)
+        self.latency = Histogram("retouch_request_seconds", "end-to-end edit latency by outcome",
+                                 ("endpoint", "outcome"), buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.decisions = Histogram("retouch_router_decision_seconds", "routing policy time per decision",
+                                   buckets=DECISION_BUCKETS, registry=self.registry)
+        self.inflight_body_bytes = Gauge("retouch_http_inflight_body_bytes",
+                                         "request body bytes reserved by requests being handled",
+                                         registry=self.registry)
+        self.registry.register(RouterCollector(router))
+
+    def count(self, path: str, status: int) -> None:
+        self.requests.labels(endpoint_label(path), str(status)).inc()
+
+    def exposition(self, accept: str) -> tuple[bytes, str]:
+        """The metrics in the format the scraper asked for (`Accept`): OpenMetrics or Prometheus
+        text 0.0.4; (body, content type)."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
+
+
+class RouterCollector:
+    """Gauges and counters read from `router.snapshot()` when scraped. A worker's heartbeat may
+    lack any key (a worker without a CacheStore sends no "cache"); what is missing, or not a number,
+    is left out rather than failing the scrape."""
+
+    def __init__(self, router: Router):
+        self.router = router
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.router.snapshot()
+        workers = sorted(snapshot["workers"].items())
+        for name, help_text, value in (("retouch_queue_depth", "edits accepted and not yet answered",
+                                        snapshot["pending"]),
+                                       ("retouch_parked_edits", "edits waiting for their template's recording",
+                                        snapshot["parked"]),
+                                       ("retouch_workers", "live workers", len(workers)),
+                                       ("retouch_templates", "registered templates and one-off images",
+                                        snapshot["templates"])):
+            yield GaugeMetricFamily(name, help_text, value=value)
+        events = CounterMetricFamily("retouch_router_events", "router events (routed, rerouted, ...)",
+                                     labels=("event",))
+        for event, value in sorted(snapshot["counters"].items()):
+            events.add_metric((event,), value)
+        yield events
+        yield from _per_worker("retouch_worker_", workers, WORKER_GAUGES, WORKER_COUNTERS)
+        caches = [(name, report["cache"]) for name, report in workers if isinstance(report.get("cache"), dict)]
+        yield from _per_worker("retouch_worker_cache_", caches, CACHE_GAUGES, CACHE_COUNTERS)
+
+
+def _per_worker(prefix: str, reports: list[tuple[str, dict]], gauges: Iterable[tuple[str, str]],
+                counters: Iterable[tuple[str, str]]) -> Iterator[Metric]:
+    for kind, fields in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+        for key, help_text in fields:
+            family = kind(prefix + key, help_text, labels=("worker",))
+            for name, report in reports:
+                value = report.get(key)
+                if isinstance(value, (int, float)):
+                    family.add_metric((name,), value)
+            yield family

@@ -1,0 +1,131 @@
+"""/metrics through prometheus_client: every HTTP answer counted (refusals by the middleware
+included), edit latency and routing decisions as histograms, and the router's and each worker's
+state (its template cache included) read from a scripted worker's heartbeat. Both exposition formats
+are parsed by prometheus_client's own parsers, OpenMetrics by its strict one."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import httpx
+import zmq
+from PIL import Image
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families as parse_text
+from scripted_worker import ScriptedWorker
+
+from retouch.engine.router import Router, RouterConfig
+from retouch.http_api import Limits, create_app
+
+KEY = "sk-metrics"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_UPLOAD = 64 << 10
+OPENMETRICS = "application/openmetrics-text; version=1.0.0"
+# A worker's heartbeat: engine.metrics summary keys, and CacheStore.metrics() under "cache".
+WORKER_REPORT = {"steps": 12, "completed": 5, "failed": 1, "cancelled": 2, "recorded": 1, "interruptions": 3,
+                 "mean_batch_size": 1.5, "mean_step_s": 0.25,
+                 "cache": {"hits": 7, "misses": 2, "disk_hits": 1, "evictions": 0, "prefetches": 1,
+                           "prefetch_bytes": 4096, "disk_reads": 1, "disk_writes": 2, "disk_bytes_read": 4096,
+                           "disk_bytes_written": 8192, "corrupt_files": 0, "registrations": 1,
+                           "host_bytes_used": 1 << 20, "host_bytes_budget": 1 << 30, "host_templates": 1,
+                           "disk_bytes_used": 8192, "disk_bytes_budget": 1 << 32}}
+CACHE_GAUGES = {"host_bytes_used", "host_bytes_budget", "host_templates", "disk_bytes_used", "disk_bytes_budget"}
+
+
+def png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def samples(families) -> dict[tuple[str, frozenset], float]:
+    return {(s.name, frozenset(s.labels.items())): s.value for family in families for s in family.samples}
+
+
+def sample(found: dict, name: str, **labels) -> float:
+    return found[(name, frozenset(labels.items()))]
+
+
+async def traffic(router: Router, context: zmq.Context) -> dict:
+    app = create_app(router, Limits(api_keys=(KEY,), default_steps=2, max_upload_bytes=MAX_UPLOAD))
+    cached, plain = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+    await asyncio.to_thread(cached.heartbeat, WORKER_REPORT)
+    await asyncio.to_thread(plain.heartbeat, {"steps": 3})  # no CacheStore: no "cache"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+        registered = await client.post("/v1/templates", headers=AUTH, data={"steps": "2"},
+                                       files={"image": ("t.png", png(Image.new("RGB", (32, 32), "red")), "image/png")})
+        template_id = registered.json()["id"]
+        await asyncio.to_thread(cached.register, template_id)
+        mask = {"mask": ("m.png", png(Image.new("L", (32, 32), 255)), "image/png")}
+        edit = asyncio.create_task(client.post("/v1/edits", headers=AUTH, files=mask,
+                                               data={"template_id": template_id, "prompt": "a cat"}))
+        message = await asyncio.to_thread(cached.receive, "edit")
+        await asyncio.to_thread(cached.answer, message["request"], png(Image.new("RGB", (32, 32), "blue")))
+        statuses = {"edit": (await edit).status_code,
+                    "no prompt": (await client.post("/v1/edits", headers=AUTH, files=mask,
+                                                    data={"template_id": template_id})).status_code,
+                    "no key": (await client.get("/v1/templates")).status_code,
+                    "unknown template": (await client.get("/v1/templates/tpl-nope", headers=AUTH)).status_code,
+                    "over Content-Length": (await client.post("/v1/edits", headers=AUTH, files={
+                        "mask": ("m.png", bytes(MAX_UPLOAD + 1), "image/png")})).status_code}
+
+        async def streamed():  # no Content-Length: refused while it streams in
+            yield b'--b\r\nContent-Disposition: form-data; name="mask"; filename="m.png"\r\n\r\n'
+            for _ in range(4):
+                yield bytes(MAX_UPLOAD // 2)
+
+        statuses["streamed over"] = (await client.post("/v1/edits", content=streamed(), headers={
+            **AUTH, "content-type": "multipart/form-data; boundary=b"})).status_code
+        openmetrics = await client.get("/metrics", headers={"Accept": OPENMETRICS})
+        text = await client.get("/metrics")
+    return {"statuses": statuses, "openmetrics": openmetrics, "text": text}
+
+
+def test_metrics_count_every_answer_and_expose_router_and_worker_state():
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
+                                 dead_after_s=60.0)).start()
+    context = zmq.Context()
+    try:
+        outcome = asyncio.run(traffic(router, context))
+    finally:
+        router.close(drain_s=0)
+        context.destroy(linger=0)
+    assert outcome["statuses"] == {"edit": 200, "no prompt": 400, "no key": 401, "unknown template": 404,
+                                   "over Content-Length": 413, "streamed over": 413}
+
+    scraped = outcome["openmetrics"]
+    assert scraped.headers["content-type"].startswith("application/openmetrics-text")
+    found = samples(parse_openmetrics(scraped.text))
+    requests = "retouch_http_requests_total"
+    assert sample(found, requests, endpoint="/v1/edits", status="200") == 1
+    assert sample(found, requests, endpoint="/v1/edits", status="400") == 1
+    assert sample(found, requests, endpoint="/v1/edits", status="413") == 2
+    assert sample(found, requests, endpoint="/v1/templates", status="401") == 1
+    assert sample(found, requests, endpoint="/v1/templates/{id}", status="404") == 1
+    assert sample(found, requests, endpoint="/v1/templates", status="202") == 1
+    assert sample(found, "retouch_request_seconds_count", endpoint="/v1/edits", outcome="ok") == 1
+    assert sample(found, "retouch_request_seconds_sum", endpoint="/v1/edits", outcome="ok") > 0
+    assert sample(found, "retouch_router_decision_seconds_count") == 1
+    assert sample(found, "retouch_workers") == 2 and sample(found, "retouch_queue_depth") == 0
+    assert sample(found, "retouch_router_events_total", event="routed") == 1
+    assert sample(found, "retouch_http_inflight_body_bytes") == 0
+
+    for key in ("mean_batch_size", "mean_step_s"):
+        assert sample(found, f"retouch_worker_{key}", worker="w0") == WORKER_REPORT[key]
+    for key in ("steps", "completed", "failed", "cancelled", "recorded", "interruptions"):
+        assert sample(found, f"retouch_worker_{key}_total", worker="w0") == WORKER_REPORT[key]
+    for key, value in WORKER_REPORT["cache"].items():
+        name = f"retouch_worker_cache_{key}" + ("" if key in CACHE_GAUGES else "_total")
+        assert sample(found, name, worker="w0") == value, name
+    assert sample(found, "retouch_worker_steps_total", worker="w1") == 3
+    assert sample(found, "retouch_worker_queued", worker="w1") == 0
+    assert not any(name.startswith("retouch_worker_cache_") and ("worker", "w1") in labels
+                   for name, labels in found)
+
+    text = outcome["text"]
+    assert text.headers["content-type"].startswith("text/plain; version=0.0.4")
+    plain = samples(parse_text(text.text))
+    assert sample(plain, requests, endpoint="/v1/edits", status="413") == 2
+    assert sample(plain, "retouch_worker_cache_hits_total", worker="w0") == 7
+    assert sample(plain, "retouch_request_seconds_count", endpoint="/v1/edits", outcome="ok") == 1
