@@ -1,5 +1,6 @@
-"""The frontend's limits without any worker: API key, back-pressure (429 with Retry-After) and the
-answer to requests the server shuts down before running."""
+"""The frontend's limits: API key, back-pressure (429 with Retry-After), the answer to requests the
+server shuts down before running, and n images of one request admitted and ended together (against
+a scripted worker)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import asyncio
 import io
 
 import httpx
+import zmq
 from PIL import Image
+from scripted_worker import ScriptedWorker
 
 from retouch.engine.router import Router, RouterConfig
 from retouch.http_api import Limits, create_app
@@ -23,7 +26,7 @@ def png(image: Image.Image) -> bytes:
 
 async def scenario() -> dict:
     router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", max_queue=1)).start()
-    app = create_app(router, Limits(api_key=KEY, default_steps=2))
+    app = create_app(router, Limits(api_keys=(KEY,), default_steps=2))
     auth = {"Authorization": f"Bearer {KEY}"}
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://retouch") as client:
@@ -57,3 +60,58 @@ def test_api_key_back_pressure_and_shutdown():
     assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
     assert busy.json()["error"]["code"] == "queue_full"
     assert outcome["shut down"].status_code == 503 and "shut down" in outcome["shut down"].json()["error"]["message"]
+
+
+async def n_images(max_queue: int, fail_one: bool) -> dict:
+    """POST /v1/images/edits with n=3 of a template a scripted worker holds; `fail_one`: the worker
+    answers the first of the three with a 500 and never the others."""
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
+                                 dead_after_s=60.0, max_queue=max_queue)).start()
+    context = zmq.Context()
+    app = create_app(router, Limits(default_steps=2, request_timeout_s=20))
+    outcome = {}
+    try:
+        worker = ScriptedWorker(context, router, "w0")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            registered = await client.post("/v1/templates", data={"steps": "2"}, files={
+                "image": ("t.png", png(Image.new("RGB", (32, 32), "red")), "image/png")})
+            await asyncio.to_thread(worker.register, registered.json()["id"])
+            mask = png(Image.new("RGBA", (32, 32), (0, 0, 0, 0)))  # alpha 0 = repaint
+            answer = asyncio.create_task(client.post("/v1/images/edits", files={"mask": ("m.png", mask, "image/png")},
+                                                     data={"template_id": registered.json()["id"], "n": "3",
+                                                           "prompt": "a cat"}))
+            if fail_one:
+                edits = [(await asyncio.to_thread(worker.receive, "edit"))["request"] for _ in range(3)]
+                await asyncio.to_thread(worker.fail, edits[0], 500, "RuntimeError", "out of memory")
+                outcome["answer"] = await answer
+                outcome["cancelled"] = sorted([(await asyncio.to_thread(worker.receive, "cancel"))["request"]
+                                               for _ in range(2)])
+                outcome["siblings"] = sorted(edits[1:])
+            else:
+                outcome["answer"] = await answer
+            outcome["pending"] = router.snapshot()["pending"]
+            await asyncio.to_thread(worker.sync)  # whatever the router sent before the pong has arrived
+            outcome["worker got"] = worker.pending_kinds()
+            outcome["counters"] = router.snapshot()["counters"]
+    finally:
+        router.close(drain_s=0)
+        context.destroy(linger=0)
+    return outcome
+
+
+def test_n_images_over_the_queue_are_refused_all_together():
+    outcome = asyncio.run(n_images(max_queue=2, fail_one=False))
+    answer = outcome["answer"]
+    assert answer.status_code == 429 and answer.json()["error"]["code"] == "queue_full"
+    assert outcome["pending"] == 0 and "edit" not in outcome["worker got"]
+    assert outcome["counters"]["routed"] == 0
+
+
+def test_one_failed_image_cancels_its_siblings_at_once():
+    outcome = asyncio.run(n_images(max_queue=8, fail_one=True))
+    answer = outcome["answer"]  # answered while the worker still held the other two
+    assert answer.status_code == 500, answer.text
+    assert answer.json()["error"] == {"message": "out of memory", "type": "server_error", "param": None,
+                                      "code": "RuntimeError"}
+    assert outcome["cancelled"] == outcome["siblings"]
+    assert outcome["pending"] == 0 and outcome["counters"]["cancelled"] == 2
