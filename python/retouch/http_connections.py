@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,7 +33,10 @@ class GuardedH11Protocol(H11Protocol):
              connection, after the first byte of the next request (an idle kept-alive connection is
              closed by uvicorn's own `timeout_keep_alive`).
     body:    complete `body_timeout_s` after its headers.
-    A connection beyond `max_connections` is closed as soon as it is accepted."""
+    A connection beyond `max_connections` is closed as soon as it is accepted.
+    Every connection gets TCP_NODELAY: asyncio sets it only on sockets whose `proto` says TCP, and a
+    listener made with socket.socket(AF_INET) has proto 0; without it an answer's body waits for the
+    ACK of its headers, and the client's delayed ACK adds 40 ms to every small answer."""
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 120.0
@@ -45,8 +49,11 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:  # this one is already counted
             logger.debug("refusing a connection: %d open", len(self.connections) - 1)
-            transport.abort()
+            transport.close()
             return
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._arm("headers")
 
     def connection_lost(self, exc: Exception | None) -> None:

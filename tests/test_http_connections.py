@@ -1,0 +1,258 @@
+"""Slow, abusive and heavy clients against a real uvicorn server on loopback: connections that send
+nothing, half their headers or part of a body are closed after their deadline while /healthz keeps
+answering; connections beyond the cap are refused; request bodies beyond the in-flight budget get 503;
+and hundreds of MB of b64_json answers go out without holding the event loop.
+
+The only timings here are the /healthz latency checks (100 ms) the serving requirements name."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+import zmq
+from PIL import Image
+from scripted_worker import ScriptedWorker
+
+from retouch.engine.router import Router, RouterConfig
+from retouch.http_api import Limits, create_app
+from retouch.http_connections import guarded_protocol
+
+HEALTHZ_WITHIN_S = 0.1
+DEADLINE_S = 30.0  # for conditions polled by the tests; never reached when things work
+
+
+def png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+@contextmanager
+def serving(app, limits: Limits) -> Iterator[tuple[str, int]]:
+    """`app` under uvicorn with the guarded protocol, on a thread, as `retouch serve` runs it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(2048)  # connections wait in the backlog until uvicorn accepts: no start-up race
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5,
+        http=guarded_protocol(limits.header_timeout_s, limits.body_timeout_s, limits.max_connections)))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=DEADLINE_S)
+
+
+@contextmanager
+def router_without_workers() -> Iterator[Router]:
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
+    try:
+        yield router
+    finally:
+        router.close(drain_s=0)
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Read what the server sent: True once it closed the connection (EOF or reset)."""
+    try:
+        data = sock.recv(1 << 16)
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    assert not data, f"the server answered {data[:80]!r} instead of closing"
+    return True
+
+
+def wait_closed(sockets: list[socket.socket]) -> list[socket.socket]:
+    """Those of `sockets` the server has not closed by DEADLINE_S."""
+    open_ = list(sockets)
+    deadline = time.monotonic() + DEADLINE_S
+    while open_ and time.monotonic() < deadline:
+        readable, _, _ = select.select(open_, [], [], 0.5)
+        for sock in readable:
+            if closed_by_server(sock):
+                open_.remove(sock)
+    return open_
+
+
+def half_open(address: tuple[str, int], kind: int) -> socket.socket:
+    """0: sends nothing; 1: half its headers; 2: headers and part of a multipart body."""
+    sock = socket.create_connection(address)
+    if kind == 1:
+        sock.sendall(b"POST /v1/edits HTTP/1.1\r\nHost: retouch\r\nContent-Ty")
+    elif kind == 2:
+        sock.sendall(b"POST /v1/edits HTTP/1.1\r\nHost: retouch\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+                     b"Content-Length: 100000\r\n\r\n--b\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nx")
+    return sock
+
+
+def test_half_open_connections_are_closed_after_their_deadline_and_do_not_block_others():
+    limits = Limits(header_timeout_s=1.0, body_timeout_s=1.0)
+    with router_without_workers() as router, serving(create_app(router, limits), limits) as address:
+        sockets = [half_open(address, i % 3) for i in range(200)]
+        polls_while_open = []
+        with httpx.Client(base_url=f"http://{address[0]}:{address[1]}") as client:
+            while True:
+                started = time.perf_counter()
+                assert client.get("/healthz").status_code == 200
+                latency = time.perf_counter() - started
+                readable, _, _ = select.select(sockets, [], [], 0)
+                if readable:  # the deadlines have started closing them
+                    break
+                polls_while_open.append(latency)
+            assert polls_while_open, "the half-open connections were closed before any poll"
+            assert max(polls_while_open) < HEALTHZ_WITHIN_S, polls_while_open
+            assert wait_closed(sockets) == []
+            assert client.get("/healthz").status_code == 200
+        for sock in sockets:
+            sock.close()
+
+
+def test_connections_beyond_the_cap_are_refused_until_one_closes():
+    limits = Limits(header_timeout_s=60.0, max_connections=8)
+    with router_without_workers() as router, serving(create_app(router, limits), limits) as address:
+        held = [socket.create_connection(address) for _ in range(8)]
+        refused = socket.create_connection(address)
+        assert wait_closed([refused]) == []
+        readable, _, _ = select.select(held, [], [], 0)
+        assert readable == []  # the eight are still open
+        held.pop().close()
+        deadline = time.monotonic() + DEADLINE_S
+        while True:  # the server sees the close on its own time: retry until a connection is taken
+            assert time.monotonic() < deadline, "no connection was taken after one closed"
+            with socket.create_connection(address) as sock:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: retouch\r\nConnection: close\r\n\r\n")
+                try:
+                    answer = sock.recv(1 << 16)
+                except ConnectionResetError:
+                    answer = b""
+            if answer:
+                assert answer.startswith(b"HTTP/1.1 200")
+                break
+        for sock in [refused, *held]:
+            sock.close()
+
+
+async def over_the_body_budget() -> dict:
+    limits = Limits(max_upload_bytes=1 << 20, max_inflight_bytes=1 << 20)
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
+    app = create_app(router, limits)
+    go_on = asyncio.Event()
+
+    async def slow_body():  # chunked: reserves max_upload_bytes until the request ends
+        yield b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n\r\n'
+        await go_on.wait()
+        yield b"x\r\n--b--\r\n"
+
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            holding = asyncio.create_task(client.post("/v1/edits", content=slow_body(), headers={
+                "content-type": "multipart/form-data; boundary=b"}))
+            while app.state.metrics.inflight_body_bytes._value.get() == 0:
+                await asyncio.sleep(0)  # let the first request reach the budget
+            outcome = {"busy": await client.post("/v1/edits", data={"prompt": "x"}),
+                       "bodiless while busy": await client.get("/healthz")}
+            go_on.set()
+            outcome["holding"] = await holding
+            outcome["after"] = await client.post("/v1/edits", data={"prompt": "x"})
+            outcome["metrics"] = (await client.get("/metrics")).text
+    finally:
+        await asyncio.to_thread(router.close, 0)
+    return outcome
+
+
+def test_request_bodies_beyond_the_in_flight_budget_get_503():
+    outcome = asyncio.run(over_the_body_budget())
+    busy = outcome["busy"]
+    assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
+    assert busy.json()["error"]["param"] == "body" and busy.json()["error"]["code"] == "server_busy"
+    assert outcome["bodiless while busy"].status_code == 200
+    assert outcome["holding"].status_code == 400  # its mask is missing: it got through
+    assert outcome["after"].status_code == 415  # not multipart, but past the budget: released
+    assert 'retouch_http_requests_total{endpoint="/v1/edits",status="503"} 1.0' in outcome["metrics"]
+    assert "retouch_http_inflight_body_bytes 0.0" in outcome["metrics"]
+
+
+IMAGES = 10
+ANSWER_BYTES = 8 << 20  # per image: what a 4096x4096 PNG may weigh; the router does not decode it
+
+
+def big_request(address: tuple[str, int], template_id: str) -> bytes:
+    """The raw HTTP of POST /v1/images/edits, n=10, b64_json, Connection: close."""
+    mask = png(Image.new("RGBA", (64, 64), (0, 0, 0, 0)))
+    request = httpx.Client().build_request(
+        "POST", f"http://{address[0]}:{address[1]}/v1/images/edits", headers={"Connection": "close"},
+        data={"template_id": template_id, "prompt": "a cat", "n": str(IMAGES), "response_format": "b64_json"},
+        files={"mask": ("m.png", mask, "image/png")})
+    head = f"POST {request.url.raw_path.decode()} HTTP/1.1\r\n" + "".join(
+        f"{k}: {v}\r\n" for k, v in request.headers.items()) + "\r\n"
+    return head.encode() + request.read()
+
+
+def read_all(sock: socket.socket, into: bytearray) -> None:
+    """Receive until the server closes, with the GIL released in recv and little Python per MB."""
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
+    while received := sock.recv_into(buffer):
+        into += view[:received]
+
+
+def test_large_b64_json_answers_leave_the_event_loop_free():
+    limits = Limits(default_steps=2)
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
+                                 dead_after_s=60.0)).start()
+    context = zmq.Context()
+    blob = os.urandom(ANSWER_BYTES)
+    try:
+        worker = ScriptedWorker(context, router, "w0")
+        with serving(create_app(router, limits), limits) as address, \
+                httpx.Client(base_url=f"http://{address[0]}:{address[1]}") as client:
+            registered = client.post("/v1/templates", data={"steps": "2"},
+                                     files={"image": ("t.png", png(Image.new("RGB", (64, 64), "red")), "image/png")})
+            worker.register(registered.json()["id"])
+
+            def answer_all():
+                for _ in range(IMAGES):
+                    worker.answer(worker.receive("edit")["request"], blob)
+
+            answering = threading.Thread(target=answer_all)
+            answering.start()
+            response = bytearray()
+            big = socket.create_connection(address)
+            big.sendall(big_request(address, registered.json()["id"]))
+            reading = threading.Thread(target=read_all, args=(big, response))
+            reading.start()
+            latencies, while_sending = [], 0
+            while reading.is_alive():
+                answered = not answering.is_alive() and router.snapshot()["pending"] == 0
+                started = time.perf_counter()
+                assert client.get("/healthz").status_code == 200
+                latencies.append(time.perf_counter() - started)
+                while_sending += answered and reading.is_alive()
+            reading.join()
+            answering.join()
+            big.close()
+    finally:
+        router.close(drain_s=0)
+        context.destroy(linger=0)
+    assert while_sending > 0, "no poll happened while the answers were encoded and sent"
+    assert max(latencies) < HEALTHZ_WITHIN_S, f"worst /healthz {max(latencies) * 1000:.0f} ms over {len(latencies)}"
+
+    head, _, body = bytes(response).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert f"content-length: {len(body)}".encode() in head.lower()
+    data = json.loads(body)["data"]
+    assert len(data) == IMAGES and all(base64.b64decode(item["b64_json"]) == blob for item in data)
