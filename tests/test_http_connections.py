@@ -46,7 +46,8 @@ def serving(app, limits: Limits) -> Iterator[tuple[str, int]]:
     listener.bind(("127.0.0.1", 0))
     listener.listen(2048)  # connections wait in the backlog until uvicorn accepts: no start-up race
     server = uvicorn.Server(uvicorn.Config(
-        app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5,
+        # A keep-alive longer than any test: only the guarded protocol's deadlines close connections.
+        app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=600,
         http=guarded_protocol(limits.header_timeout_s, limits.body_timeout_s, limits.max_connections)))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
@@ -66,58 +67,64 @@ def router_without_workers() -> Iterator[Router]:
         router.close(drain_s=0)
 
 
-def closed_by_server(sock: socket.socket) -> bool:
-    """Read what the server sent: True once it closed the connection (EOF or reset)."""
-    try:
-        data = sock.recv(1 << 16)
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    assert not data, f"the server answered {data[:80]!r} instead of closing"
-    return True
-
-
-def wait_closed(sockets: list[socket.socket]) -> list[socket.socket]:
-    """Those of `sockets` the server has not closed by DEADLINE_S."""
-    open_ = list(sockets)
+def wait_closed(sockets: list[socket.socket]) -> tuple[list[socket.socket], dict[socket.socket, bytes]]:
+    """Read from `sockets` until the server closes them (EOF or reset) or DEADLINE_S passes: those
+    still open, and what each received."""
+    open_, received = list(sockets), {sock: b"" for sock in sockets}
     deadline = time.monotonic() + DEADLINE_S
     while open_ and time.monotonic() < deadline:
         readable, _, _ = select.select(open_, [], [], 0.5)
         for sock in readable:
-            if closed_by_server(sock):
+            try:
+                data = sock.recv(1 << 16)
+            except (ConnectionResetError, BrokenPipeError):
+                data = b""
+            received[sock] += data
+            if not data:
                 open_.remove(sock)
-    return open_
+    return open_, received
 
 
 def half_open(address: tuple[str, int], kind: int) -> socket.socket:
-    """0: sends nothing; 1: half its headers; 2: headers and part of a multipart body."""
+    """0: sends nothing; 1: half its headers; 2: headers and part of a multipart body; 3: a whole
+    request, then half the headers of the next on the kept-alive connection."""
     sock = socket.create_connection(address)
     if kind == 1:
         sock.sendall(b"POST /v1/edits HTTP/1.1\r\nHost: retouch\r\nContent-Ty")
     elif kind == 2:
         sock.sendall(b"POST /v1/edits HTTP/1.1\r\nHost: retouch\r\nContent-Type: multipart/form-data; boundary=b\r\n"
                      b"Content-Length: 100000\r\n\r\n--b\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nx")
+    elif kind == 3:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: retouch\r\n\r\nGET /healthz HTTP/1.1\r\nHo")
     return sock
 
 
 def test_half_open_connections_are_closed_after_their_deadline_and_do_not_block_others():
     limits = Limits(header_timeout_s=1.0, body_timeout_s=1.0)
     with router_without_workers() as router, serving(create_app(router, limits), limits) as address:
-        sockets = [half_open(address, i % 3) for i in range(200)]
+        kinds = [i % 4 for i in range(200)]
+        sockets = [half_open(address, kind) for kind in kinds]
+        silent = [sock for sock, kind in zip(sockets, kinds) if kind != 3]  # kind 3 had one answer
         polls_while_open = []
         with httpx.Client(base_url=f"http://{address[0]}:{address[1]}") as client:
             while True:
                 started = time.perf_counter()
                 assert client.get("/healthz").status_code == 200
                 latency = time.perf_counter() - started
-                readable, _, _ = select.select(sockets, [], [], 0)
+                readable, _, _ = select.select(silent, [], [], 0)
                 if readable:  # the deadlines have started closing them
                     break
                 polls_while_open.append(latency)
             assert polls_while_open, "the half-open connections were closed before any poll"
             assert max(polls_while_open) < HEALTHZ_WITHIN_S, polls_while_open
-            assert wait_closed(sockets) == []
+            still_open, received = wait_closed(sockets)
+            assert still_open == []
             assert client.get("/healthz").status_code == 200
-        for sock in sockets:
+        for sock, kind in zip(sockets, kinds):
+            if kind == 3:
+                assert received[sock].startswith(b"HTTP/1.1 200") and received[sock].count(b"HTTP/1.1") == 1
+            else:
+                assert received[sock] == b"", received[sock][:80]
             sock.close()
 
 
@@ -126,7 +133,7 @@ def test_connections_beyond_the_cap_are_refused_until_one_closes():
     with router_without_workers() as router, serving(create_app(router, limits), limits) as address:
         held = [socket.create_connection(address) for _ in range(8)]
         refused = socket.create_connection(address)
-        assert wait_closed([refused]) == []
+        assert wait_closed([refused]) == ([], {refused: b""})
         readable, _, _ = select.select(held, [], [], 0)
         assert readable == []  # the eight are still open
         held.pop().close()
@@ -161,7 +168,9 @@ async def over_the_body_budget() -> dict:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
             holding = asyncio.create_task(client.post("/v1/edits", content=slow_body(), headers={
                 "content-type": "multipart/form-data; boundary=b"}))
-            while app.state.metrics.inflight_body_bytes._value.get() == 0:
+            deadline = time.monotonic() + DEADLINE_S
+            while not app.state.metrics.registry.get_sample_value("retouch_http_inflight_body_bytes"):
+                assert time.monotonic() < deadline, "the first request never reserved its body"
                 await asyncio.sleep(0)  # let the first request reach the budget
             outcome = {"busy": await client.post("/v1/edits", data={"prompt": "x"}),
                        "bodiless while busy": await client.get("/healthz")}

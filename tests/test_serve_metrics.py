@@ -129,3 +129,28 @@ def test_metrics_count_every_answer_and_expose_router_and_worker_state():
     assert sample(plain, requests, endpoint="/v1/edits", status="413") == 2
     assert sample(plain, "retouch_worker_cache_hits_total", worker="w0") == 7
     assert sample(plain, "retouch_request_seconds_count", endpoint="/v1/edits", outcome="ok") == 1
+
+
+async def a_bug() -> dict:
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
+    app = create_app(router, Limits())
+
+    def broken(owner=None):
+        raise RuntimeError("a bug")
+
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            router.list_templates = broken
+            answer = await client.get("/v1/templates")
+            del router.list_templates
+            scraped = await client.get("/metrics", headers={"Accept": OPENMETRICS})
+    finally:
+        await asyncio.to_thread(router.close, 0)
+    return {"answer": answer, "metrics": samples(parse_openmetrics(scraped.text))}
+
+
+def test_a_bug_is_answered_with_a_json_500_and_counted():
+    outcome = asyncio.run(a_bug())
+    assert outcome["answer"].status_code == 500
+    assert outcome["answer"].json()["error"]["code"] == "internal_error"
+    assert sample(outcome["metrics"], "retouch_http_requests_total", endpoint="/v1/templates", status="500") == 1

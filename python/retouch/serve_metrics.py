@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from retouch.engine.router import Router
 
@@ -102,7 +103,7 @@ class ServeMetrics:
         return encoder(self.registry), content_type
 
 
-class RouterCollector:
+class RouterCollector(Collector):
     """Gauges and counters read from `router.snapshot()` when scraped. A worker's heartbeat may
     lack any key (a worker without a CacheStore sends no "cache"); what is missing, or not a number,
     is left out rather than failing the scrape."""
