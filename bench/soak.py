@@ -59,9 +59,12 @@ The report (times in seconds from the start of the load, sizes in bytes):
                                              workers_ready_end (connected to the router)
     router_counters server_answers           the router's counters; the server's own count of its HTTP
                                              answers (/metrics: {endpoint: {status: n}}, 499 = client gone)
+    router_templates_end                     templates the router holds at the end: the 3 registered and
+                                             every one-off image it has seen
     rss                                      this process (router, HTTP frontend *and* the bench's clients) at
                                              start/end, growth, growth_second_half (end minus the middle of the
-                                             load: past warm-up); workers = live workers + their helpers
+                                             load: past warm-up); workers = live workers + their helpers;
+                                             per_worker_start/end: {name: [worker RSS, its helpers' RSS]}
     fds                                      open descriptors of this process and of the workers at start/end
     recovery_s                               from the end of the load until every worker was back with every
                                              template (null: not within --timeout)
@@ -759,10 +762,13 @@ def process_report(server, watch: ProcessWatch, start: dict, end: dict, duration
                          "workers_live_end": len(supervisor.pids()),
                          "workers_ready_end": len(server.router.snapshot()["workers"])},
             "router_counters": server.router.snapshot()["counters"],
+            "router_templates_end": server.router.snapshot()["templates"],
             "rss": {"router_start": start["router_rss"], "router_end": end["router_rss"],
                     "router_growth": end["router_rss"] - start["router_rss"],
                     "router_growth_second_half": end["router_rss"] - middle_rss,
-                    "workers_start": start["workers_rss"], "workers_end": end["workers_rss"]},
+                    "workers_start": start["workers_rss"], "workers_end": end["workers_rss"],
+                    "per_worker_start": {n: [w["rss"], w["helpers_rss"]] for n, w in start["workers"].items()},
+                    "per_worker_end": {n: [w["rss"], w["helpers_rss"]] for n, w in end["workers"].items()}},
             "fds": {"router_start": start["router_fds"], "router_end": end["router_fds"],
                     "workers_start": start["workers_fds"], "workers_end": end["workers_fds"],
                     "per_worker_start": {n: w["fds"] for n, w in start["workers"].items()},
