@@ -62,7 +62,7 @@ class Engine:
             self.helpers = HelperPool(self.model_name, str(self.editor.device), self.editor.dtype,
                                       self.editor.dilation, self.config.helpers, self._on_helper_message,
                                       build_in_memory=self.editor.model.built_in_memory,
-                                      threads=self.config.helper_threads)
+                                      threads=self.config.helper_threads, run_dir=self.config.run_dir)
         self._running = True
         self._loop_done.clear()
         if own_thread:
@@ -214,10 +214,10 @@ class Engine:
             self._jobs[job.id] = job
         job.future.add_done_callback(lambda _: self._forget_job(job))
         if job.recording is not None:
-            self.helpers.send(processing.recording_message(job.id, job.recording, job.records))
+            self.helpers.send(job.id, processing.recording_message(job.id, job.recording, job.records))
         else:
             template = self.editor.templates[job.request.template_id]
-            self.helpers.send(processing.prepare_message(job.id, job.request, template))
+            self.helpers.send(job.id, processing.prepare_message(job.id, job.request, template))
 
     def _forget_job(self, job: Job) -> None:
         with self._jobs_lock:
@@ -233,7 +233,7 @@ class Engine:
     # ---- the disaggregated mode's helpers ----
 
     def _send_to_postprocess(self, job: Job) -> None:
-        self.helpers.send(processing.finish_message(job.id, job.template, job.request.mask, job.row.latents))
+        self.helpers.send(job.id, processing.finish_message(job.id, job.template, job.request.mask, job.row.latents))
 
     def _on_helper_message(self, header: dict, tensors: dict, blobs: dict) -> None:
         """On the helpers' receiver thread: a prepared edit joins the loop's inbox; a finished image

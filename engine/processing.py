@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from PIL import Image
 from retouch.canvas import Canvas
 from retouch.editor import EditInputs, EditRequest, MaskAwareEditor, Template, finish
 from retouch.engine import recipes, wire
+from retouch.engine.process_tree import child_env, die_with_parent
 from retouch.engine.recipes import Prepared
 
 
@@ -156,58 +158,109 @@ def handle(editor: MaskAwareEditor, frames: list) -> list:
 
 # ---- the helper processes ----
 
+MAX_SOCKET_DIR = 96  # leaves room for "/tasks-NN" within the 107 bytes of a Unix socket path
+
+
 class HelperPool:
     """`count` helper processes doing pre/post-processing; `on_message(header, tensors, blobs)` is
-    called on a receiver thread with every answer."""
+    called on a receiver thread with every answer.
+
+    Each helper has a task socket of its own, so the pool knows which jobs a helper holds. A helper
+    that dies (killed, out of memory) is replaced, and the jobs it held are sent again to a live
+    helper (a job that has outlived `MAX_JOB_SENDS` helpers is answered with an error instead: it may
+    be what kills them). Helpers die with the worker (`process_tree.die_with_parent`)."""
+
+    MAX_JOB_SENDS = 3
 
     def __init__(self, model: str, device: str, dtype: torch.dtype, dilation: int, count: int,
                  on_message: Callable[[dict, dict, dict], None], start_timeout_s: float = 600.0,
-                 build_in_memory: bool = False, threads: int = 0):
+                 build_in_memory: bool = False, threads: int = 0, run_dir: str | None = None,
+                 poll_s: float = 0.2):
         """`build_in_memory`: the helpers build the built-in `model` on their device as the parent did
         (`retouch.models.loading.build_loaded`) instead of loading its export: the same seeds, the
-        same weights. `threads`: torch CPU threads of each helper (0: torch's default)."""
+        same weights. `threads`: torch CPU threads of each helper (0: torch's default). `run_dir`:
+        where their sockets' folder goes (default: the system's temporary folder)."""
         if count < 1:
             raise ValueError(f"the disaggregated mode needs at least one helper process, got {count}")
-        self._dir = tempfile.TemporaryDirectory(prefix="retouch-helpers-")
+        self._dir = tempfile.TemporaryDirectory(prefix="retouch-helpers-", dir=run_dir)
+        if len(self._dir.name) > MAX_SOCKET_DIR:  # a Unix socket's path has 108 bytes at most
+            self._dir.cleanup()
+            raise RuntimeError(f"the helpers' socket folder {self._dir.name} is too long for a Unix socket path; "
+                               "point TMPDIR (or the worker's --run-dir) at a shorter folder")
         self.context = zmq.Context()
-        self.tasks = self.context.socket(zmq.PUSH)
         self.results = self.context.socket(zmq.PULL)
-        tasks_address, results_address = f"ipc://{self._dir.name}/tasks", f"ipc://{self._dir.name}/results"
-        self.tasks.bind(tasks_address)
-        self.results.bind(results_address)
-        self._send_lock = threading.Lock()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.processes = [subprocess.Popen(
-            [sys.executable, "-m", "retouch.engine.processing", "--model", model, "--device", device,
-             "--dtype", str(dtype).removeprefix("torch."), "--dilation", str(dilation),
-             "--tasks", tasks_address, "--results", results_address, "--threads", str(threads)]
-            + (["--build-in-memory"] if build_in_memory else []), env=env) for _ in range(count)]
-        self._await_hellos(count, start_timeout_s)
+        self._results_address = f"ipc://{self._dir.name}/results"
+        self.results.bind(self._results_address)
+        self.tasks = []
+        for index in range(count):
+            socket = self.context.socket(zmq.PUSH)
+            socket.bind(f"ipc://{self._dir.name}/tasks-{index}")
+            self.tasks.append(socket)
+        self._command = [sys.executable, "-m", "retouch.engine.processing", "--model", model, "--device", device,
+                         "--dtype", str(dtype).removeprefix("torch."), "--dilation", str(dilation),
+                         "--results", self._results_address, "--threads", str(threads)]
+        self._command += ["--build-in-memory"] if build_in_memory else []
+        self._env = child_env()
+        self._lock = threading.Lock()  # the task sockets and the books below
+        self._outstanding: dict[int, tuple[int, list, int]] = {}  # job -> (helper, frames, times sent)
+        self._alive = [False] * count  # said hello and not dead since
+        self._backlog: list[int] = []  # jobs waiting for a live helper
+        self.restarts = 0
+        self.processes: list[subprocess.Popen] = []
         self.on_message = on_message
+        self._poll_s = poll_s
+        self._closing, self._spawned, self._running = threading.Event(), threading.Event(), threading.Event()
+        # Helpers are started from the watcher thread only: their parent-death signal follows the
+        # thread that forked them, and this one lives as long as the pool.
+        self._watcher = threading.Thread(target=self._watch, args=(count,), name="retouch-helper-watch", daemon=True)
+        self._watcher.start()
+        self._spawned.wait()
+        self._await_hellos(count, start_timeout_s)
         self._receiver = threading.Thread(target=self._receive, name="retouch-helper-results", daemon=True)
         self._receiver.start()
+        self._running.set()
+
+    def _spawn(self, index: int) -> subprocess.Popen:
+        return subprocess.Popen(self._command + ["--tasks", f"ipc://{self._dir.name}/tasks-{index}",
+                                                 "--index", str(index)], env=self._env)
 
     def _await_hellos(self, count: int, timeout_s: float) -> None:
-        ready = 0
         poller = zmq.Poller()
         poller.register(self.results, zmq.POLLIN)
-        waited = 0.0
-        while ready < count:
+        deadline = time.monotonic() + timeout_s
+        while not all(self._alive):
             if any(p.poll() is not None for p in self.processes):
                 self.close()
                 raise RuntimeError("a pre/post-processing helper process exited while loading the model")
             if poller.poll(1000):
                 header, _, _ = wire.decode(self.results.recv_multipart())
-                ready += header.get("kind") == "hello"
-            else:
-                waited += 1.0
-                if waited > timeout_s:
-                    self.close()
-                    raise TimeoutError(f"helper processes not ready after {timeout_s:.0f} s")
+                if header.get("kind") == "hello":
+                    self._alive[int(header["index"])] = True
+            elif time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"helper processes not ready after {timeout_s:.0f} s")
 
-    def send(self, frames: list) -> None:
-        with self._send_lock:
-            self.tasks.send_multipart(frames, copy=False)
+    def send(self, job: int, frames: list) -> None:
+        """Send job `job` to the live helper holding the fewest jobs."""
+        with self._lock:
+            self._outstanding[job] = (-1, frames, 0)
+            self._dispatch(job)
+
+    def _dispatch(self, job: int) -> None:
+        """With the lock held: send `job` to a live helper, or keep it until one is."""
+        held = [0] * len(self._alive)
+        for helper, _, _ in self._outstanding.values():
+            if helper >= 0:
+                held[helper] += 1
+        _, frames, sent = self._outstanding[job]
+        for helper in sorted((i for i, alive in enumerate(self._alive) if alive), key=held.__getitem__):
+            try:  # never block: a helper that just died (or has not connected yet) has no pipe
+                self.tasks[helper].send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            self._outstanding[job] = (helper, frames, sent + 1)
+            return
+        self._backlog.append(job)
 
     def _receive(self) -> None:
         while True:
@@ -216,11 +269,58 @@ class HelperPool:
             except zmq.ZMQError:  # closed
                 return
             header, tensors, blobs = wire.decode([frame.buffer for frame in frames])
-            if header.get("kind") == "stop":
+            kind = header.get("kind")
+            if kind == "stop":
                 return
+            if kind == "hello":  # a replacement is ready: it takes what waited for it
+                with self._lock:
+                    self._alive[int(header["index"])] = True
+                    backlog, self._backlog = self._backlog, []
+                    for job in backlog:
+                        self._dispatch(job)
+                continue
+            with self._lock:
+                if self._outstanding.pop(header.get("job"), None) is None:
+                    continue  # answered already (sent again after its helper died, answered twice)
             self.on_message(header, tensors, blobs)
 
+    def _watch(self, count: int) -> None:
+        self.processes = [self._spawn(index) for index in range(count)]
+        self._spawned.set()
+        while not (self._running.is_set() or self._closing.is_set()):
+            self._closing.wait(self._poll_s)
+        while not self._closing.wait(self._poll_s):
+            with self._lock:
+                backlog, self._backlog = self._backlog, []
+                for job in backlog:
+                    self._dispatch(job)
+            for index, process in enumerate(self.processes):
+                if process.poll() is None or self._closing.is_set():
+                    continue
+                print(f"retouch: helper {index} exited with {process.returncode}; starting a replacement",
+                      file=sys.stderr)
+                failed = []
+                with self._lock:
+                    self._alive[index] = False
+                    self.restarts += 1
+                    self.processes[index] = self._spawn(index)
+                    for job, (helper, frames, sent) in list(self._outstanding.items()):
+                        if helper != index:
+                            continue
+                        if sent >= self.MAX_JOB_SENDS:
+                            del self._outstanding[job]
+                            failed.append(job)
+                        else:
+                            self._outstanding[job] = (-1, frames, sent)
+                            self._dispatch(job)
+                for job in failed:
+                    self.on_message({"kind": "error", "job": job, "error": "HelperError",
+                                     "message": f"{self.MAX_JOB_SENDS} helper processes died running it"}, {}, {})
+
     def close(self) -> None:
+        self._closing.set()
+        if getattr(self, "_watcher", None) is not None:
+            self._watcher.join(timeout=10)
         for process in self.processes:
             if process.poll() is None:
                 process.terminate()
@@ -229,12 +329,14 @@ class HelperPool:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait()
         if getattr(self, "_receiver", None) is not None:
             with self.context.socket(zmq.PUSH) as wake:  # unblocks the receiver
-                wake.connect(self.results.getsockopt_string(zmq.LAST_ENDPOINT))
+                wake.connect(self._results_address)
                 wake.send_multipart(wire.encode({"kind": "stop"}))
             self._receiver.join(timeout=10)
-        self.tasks.close(linger=0)
+        for socket in self.tasks:
+            socket.close(linger=0)
         self.results.close(linger=0)
         self.context.term()
         self._dir.cleanup()
@@ -254,7 +356,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", required=True)
     parser.add_argument("--build-in-memory", action="store_true", help="build the built-in model, do not load it")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--index", type=int, default=0, help="which of the pool's helpers this is")
     args = parser.parse_args(argv)
+    die_with_parent()  # a helper without its worker is ~700 MB of nothing
     # Ctrl-C reaches the whole process group; the parent drains and stops this process itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.threads:
@@ -271,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     tasks, results = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     tasks.connect(args.tasks)
     results.connect(args.results)
-    results.send_multipart(wire.encode({"kind": "hello", "pid": os.getpid()}))
+    results.send_multipart(wire.encode({"kind": "hello", "pid": os.getpid(), "index": args.index}))
     while True:
         frames = tasks.recv_multipart(copy=False)
         results.send_multipart(handle(editor, [frame.buffer for frame in frames]), copy=False)

@@ -1,18 +1,26 @@
-"""Worker processes on this host: start them, notice when one exits, start a replacement.
+"""Worker processes on this host: start them, notice when one exits, start a replacement, and leave
+nothing behind.
 
 The router learns of an exit at once (`on_exit`), so the dead worker's requests are routed again
 without waiting for its heartbeats to stop. Replacements get a fresh name (w0, then w0.1, ...) so
 nothing addressed to the old process can reach the new one.
+
+Each worker leads its own process group (its helper processes join it) and has a folder of its own
+under the server's run folder (its helpers' sockets). When a worker exits, however it exits, the
+supervisor kills what is left of its group, reaps it and removes its folder (`engine.process_tree`).
 """
 
 from __future__ import annotations
 
-import os
+import shutil
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from retouch.engine.process_tree import child_env, kill_group
 
 
 @dataclass
@@ -20,49 +28,67 @@ class WorkerProcess:
     slot: int
     name: str
     process: subprocess.Popen
+    run_dir: Path
     restarts: int = 0
     reported: bool = False  # its exit was handled
 
 
 class Supervisor:
     def __init__(self, count: int, node_args: Sequence[str], router_address: str,
-                 on_exit: Callable[[str], None], restart: bool = True, max_restarts: int = 5,
-                 poll_s: float = 0.2, env: dict | None = None, gpus: bool = False):
+                 on_exit: Callable[[str], None], run_dir: Path, restart: bool = True, max_restarts: int = 5,
+                 poll_s: float = 0.2, env: dict | None = None, gpus: bool = False, serve_id: str | None = None,
+                 extra_env: dict | None = None):
         """`node_args`: the arguments of `python -m retouch.engine.node` other than --router/--name;
-        with `gpus`, worker i sees only GPU i (CUDA_VISIBLE_DEVICES)."""
+        with `gpus`, worker i sees only GPU i (CUDA_VISIBLE_DEVICES). `run_dir`: the server's folder;
+        worker `name` gets `run_dir/name`. `extra_env`: for the workers only (their CURVE keys)."""
         self.node_args = list(node_args)
         self.router_address = router_address
         self.on_exit = on_exit
+        self.run_dir = Path(run_dir)
         self.restart = restart
         self.max_restarts = max_restarts
         self.poll_s = poll_s
-        self.env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+        self.env = dict(child_env(env, serve_id), **(extra_env or {}))
         self.gpus = gpus
         self.exits = 0  # worker processes that ended while the server ran
-        self.workers = [self._spawn(slot, f"w{slot}", 0) for slot in range(count)]
+        self._closing = threading.Event()  # no more replacements
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self.workers: list[WorkerProcess] = []
+        # Workers are started from the watcher thread only: their parent-death signal follows the
+        # thread that forked them, and this one lives until every worker has exited.
+        self._started = threading.Event()
+        self._count = count
         self._thread = threading.Thread(target=self._watch, name="retouch-supervisor", daemon=True)
         self._thread.start()
+        self._started.wait()
 
     def _spawn(self, slot: int, name: str, restarts: int) -> WorkerProcess:
+        run_dir = self.run_dir / name
+        run_dir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "retouch.engine.node", *self.node_args,
-                   "--router", self.router_address, "--name", name]
+                   "--connect", self.router_address, "--name", name, "--run-dir", str(run_dir), "--supervised"]
         env = dict(self.env, CUDA_VISIBLE_DEVICES=str(slot)) if self.gpus else self.env
-        return WorkerProcess(slot, name, subprocess.Popen(command, env=env), restarts)
+        # A process group of its own: the worker and its helpers, killed together if the worker dies.
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+        return WorkerProcess(slot, name, process, run_dir, restarts)
 
     def pids(self) -> dict[str, int]:
         with self._lock:
             return {w.name: w.process.pid for w in self.workers if w.process.poll() is None}
 
     def _watch(self) -> None:
+        with self._lock:
+            self.workers = [self._spawn(slot, f"w{slot}", 0) for slot in range(self._count)]
+        self._started.set()
         while not self._stop.wait(self.poll_s):
             with self._lock:
                 for index, worker in enumerate(self.workers):
                     if worker.reported or worker.process.poll() is None:
                         continue
-                    if self._stop.is_set():
-                        return
+                    self._reap(worker)
+                    if self._closing.is_set():
+                        continue
                     self.exits += 1
                     self.on_exit(worker.name)
                     if self.restart and worker.restarts < self.max_restarts:
@@ -73,19 +99,32 @@ class Supervisor:
                     else:
                         print(f"retouch: worker {worker.name} exited with {worker.process.returncode}",
                               file=sys.stderr)
-                        worker.reported = True
+
+    def _reap(self, worker: WorkerProcess) -> None:
+        """The worker has exited: kill what is left of its group (helpers), remove its folder."""
+        kill_group(worker.process.pid)
+        shutil.rmtree(worker.run_dir, ignore_errors=True)
+        worker.reported = True
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Wait for the workers to exit (the router told them to stop), then make sure they have."""
-        self._stop.set()
-        self._thread.join()
-        for worker in self.workers:
+        """Wait for the workers to exit (the router told them to stop), then make sure they have, and
+        that their helpers and folders are gone."""
+        self._closing.set()
+        with self._lock:
+            workers = list(self.workers)
+        for worker in workers:
             try:
                 worker.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 worker.process.terminate()
-        for worker in self.workers:
+        for worker in workers:
             try:
                 worker.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 worker.process.kill()
+                worker.process.wait()
+        self._stop.set()
+        self._thread.join()
+        for worker in workers:
+            if not worker.reported:
+                self._reap(worker)

@@ -53,6 +53,7 @@ class EngineConfig:
     max_batch: int = 8  # requests per step (a guided request is two denoiser rows)
     helpers: int = 1  # pre/post-processing processes of the disaggregated mode
     helper_threads: int = 0  # torch CPU threads of each helper (0: torch's default); 1 keeps them off the loop's cores
+    run_dir: str | None = None  # where the helpers' socket folder goes (default: the system's temporary folder)
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -1,0 +1,163 @@
+"""Nothing is left behind: a helper dies with its worker, a killed worker's folder goes with it, a
+server stopped with Ctrl-C leaves no process and no folder; a killed helper is replaced and the
+edit it held still gets its answer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from editor_inputs import square_mask, template_image
+from PIL import Image
+
+from retouch.config import ServeOptions
+from retouch.editor import EditRequest
+from retouch.engine.api import Engine
+from retouch.engine.process_tree import remove_stale_run_dirs, serve_processes
+from retouch.engine.worker import EngineConfig
+from retouch.images import png_bytes
+from retouch.server import Server
+
+TIMEOUT_S = 120.0
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper does not count: it holds no memory, no files)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def wait_for(predicate, what: str, timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+        time.sleep(0.05)
+
+
+def test_a_killed_workers_helpers_and_folder_go_with_it_and_its_replacement_serves():
+    opts = ServeOptions(model="tiny-flux-fill", workers=1, port=0, mode="disagg", helpers=1, helper_threads=1,
+                        worker_threads=1, steps=2, heartbeat_s=0.2, dead_after_s=3.0)
+    with Server(opts).start() as server:
+        run_dir = server.run_dir
+        [worker] = server.supervisor.pids().values()
+        helpers = set(serve_processes(server.serve_id)) - {worker}
+        assert helpers and all(pid in descendants(worker) for pid in helpers)
+        assert any(path.name.startswith("retouch-helpers-") for path in (run_dir / "w0").iterdir())
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: not any(alive(pid) for pid in helpers), "the dead worker's helpers exit")
+        wait_for(lambda: not (run_dir / "w0").exists(), "the dead worker's folder is removed")
+        wait_for(lambda: "w0.1" in server.router.snapshot()["workers"], "a replacement joins")
+        image = Image.fromarray(np.full((32, 48, 3), 120, np.uint8))
+        mask = Image.new("L", (48, 32), 0)
+        mask.paste(255, (8, 8, 24, 24))
+        answer = httpx.post(server.url + "/v1/edits", timeout=TIMEOUT_S, data={"prompt": "a hat"},
+                            files={"image": ("i.png", png_bytes(image)), "mask": ("m.png", png_bytes(mask))})
+        assert answer.status_code == 200, answer.text
+        serve_id = server.serve_id
+    assert serve_processes(serve_id) == [] and not run_dir.exists()
+
+
+@pytest.fixture
+def short_tmp():
+    """A temporary folder with a short path: sockets live under it (108-byte Unix socket paths)."""
+    path = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_ctrl_c_stops_the_server_with_no_process_or_folder_left(short_tmp):
+    tmp_path = short_tmp
+    command = [sys.executable, "-m", "retouch.cli", "serve", "--model", "tiny-flux-fill", "--workers", "2",
+               "--port", "0", "--mode", "disagg", "--steps", "2", "--worker-threads", "1", "--helper-threads", "1"]
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    server = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        said = []
+        for line in server.stderr:  # ends at EOF if the server dies: the assertion below says so
+            said.append(line)
+            if "serving tiny-flux-fill on" in line:
+                break
+        assert server.poll() is None, "the server did not start: " + "".join(said)
+        started = descendants(server.pid)
+        assert len(started) >= 4  # two workers and a helper each
+        assert any(tmp_path.glob("retouch-serve-*/w*/retouch-helpers-*"))
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=TIMEOUT_S) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+    wait_for(lambda: not any(alive(pid) for pid in started), "every process the server started exits", 30)
+    assert list(tmp_path.glob("retouch-*")) == []
+
+
+def test_a_server_killed_outright_leaves_a_folder_the_next_one_removes(tmp_path):
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stale, live = tmp_path / f"retouch-serve-{orphan.pid}-x", tmp_path / f"retouch-serve-{os.getpid()}-y"
+    (stale / "w0").mkdir(parents=True)
+    live.mkdir()
+    orphan.kill()
+    orphan.wait()
+    assert remove_stale_run_dirs(str(tmp_path)) == [stale]
+    assert live.exists() and not stale.exists()
+
+
+def test_a_killed_helper_is_replaced_and_the_edit_it_held_is_answered():
+    with Engine.load("tiny-flux-fill", EngineConfig(mode="disagg", max_batch=2, helpers=1, helper_threads=1)) as engine:
+        template_id = engine.register_template(template_image(), prompt="a scene", steps=2, seed=3)
+        request = EditRequest(template_id, square_mask(), "a hat", seed=1)
+        before = engine.submit(request).result(timeout=TIMEOUT_S)
+        helper = engine.helpers.processes[0]
+        future = engine.submit(request)  # pre-processing, most likely in the helper we now kill
+        helper.kill()
+        helper.wait()
+        after = future.result(timeout=TIMEOUT_S)
+        assert engine.helpers.restarts == 1 and engine.helpers.processes[0].pid != helper.pid
+    assert np.array_equal(np.asarray(after.image), np.asarray(before.image))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_helper_dies_with_its_parent_however_the_parent_dies(tmp_path, signum):
+    """The parent-death signal, alone: a parent that cannot clean up (SIGKILL) still takes its child."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from retouch.engine.process_tree import child_env\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'from retouch.engine.process_tree import die_with_parent;"
+        " die_with_parent(); import time; time.sleep(120)'], env=child_env())\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.send_signal(signum)
+    parent.wait(timeout=30)
+    wait_for(lambda: not alive(child), "the child exits with its parent", 30)
