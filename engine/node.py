@@ -1,8 +1,14 @@
 """A worker process: one `Engine` (one GPU) behind a DEALER socket connected to the router.
 
     python -m retouch.engine.node --model tiny-flux-fill --router tcp://127.0.0.1:5555 --name w0
+    retouch worker --connect tcp://head:5555 --model flux-fill --device cuda:0 \
+        --curve-secret keys/worker.key_secret --curve-server keys/router.key --health-port 8001
 
-It says hello (its batch size), then answers the router's messages:
+A worker is either started by `retouch serve` on its host (--supervised: it dies with the server,
+its CURVE keys come in its environment) or started on its own and connects to a router on another
+host (`retouch worker`), then it needs the router's public key and a secret key the router allows.
+
+It says hello (its batch size, the templates it holds), then answers the router's messages:
     register  record a template: it joins the running batch as a member and tells the router each
               recorded step, then ok or the error
     edit      submit an edit; the answer is a PNG, or an error with the HTTP status it maps to. An
@@ -11,6 +17,7 @@ It says hello (its batch size), then answers the router's messages:
     cancel    drop an edit whose client is gone: it leaves the batch at the next step
     drop      forget a template (a recording of it in progress stops at the next step)
     stop      finish every accepted edit, say bye and exit
+    rejoin    the router removed it (it fell silent, e.g. a network cut) and hears it again: hello again
 and heartbeats its running batch (each request's steps left) and queue every `heartbeat_s`.
 
 The main thread owns the socket. Answers produced on other threads (the engine's futures and its
@@ -23,6 +30,7 @@ import argparse
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -36,8 +44,12 @@ from retouch.cache import CacheStore
 from retouch.editor import EditRequest
 from retouch.engine import wire
 from retouch.engine.api import Engine
+from retouch.engine.curve import WorkerKeys
+from retouch.engine.health import HealthServer
+from retouch.engine.process_tree import die_with_parent
 from retouch.engine.wakeup import Wakeup
 from retouch.engine.worker import EditResult, EngineConfig
+from retouch.config import WorkerOptions, add_arguments, from_arguments
 from retouch.errors import InputError
 from retouch.images import decode_image, png_bytes
 
@@ -48,14 +60,24 @@ def status_of(exc: BaseException) -> int:
 
 
 class Node:
-    def __init__(self, engine: Engine, router_address: str, name: str, heartbeat_s: float = 0.5):
+    def __init__(self, engine: Engine, router_address: str, name: str, heartbeat_s: float = 0.5,
+                 keys: WorkerKeys | None = None, supervised: bool = True):
+        """`supervised`: started by the server on this host, so it stops when the server is gone."""
         self.engine = engine
         self.name = name
         self.heartbeat_s = heartbeat_s
+        self.supervised = supervised
+        self.welcomed = threading.Event()  # the router took it in (readiness)
+        self._stop_requested = threading.Event()
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, f"{name}:{os.getpid()}".encode())
         self.socket.setsockopt(zmq.LINGER, 2000)
+        # ZeroMQ's own heartbeats notice a dead TCP link (a cut cable sends no FIN) and reconnect.
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        if keys is not None:
+            keys.apply(self.socket)
         self.socket.connect(router_address)
         self._wakeup = Wakeup(self.context)
         self._lock = threading.Lock()
@@ -69,8 +91,7 @@ class Node:
     # ---- the main thread ----
 
     def run(self) -> None:
-        self._post({"kind": "hello", "max_batch": self.engine.config.max_batch, "pid": os.getpid(),
-                    "model": self.engine.model_name})
+        self._hello()
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self._wakeup.socket, zmq.POLLIN)
@@ -89,7 +110,7 @@ class Node:
                 self._post(self._heartbeat())
                 self._flush()
                 next_heartbeat = time.monotonic() + self.heartbeat_s
-            if stopping or os.getppid() != self._parent:  # told to stop, or the server is gone
+            if stopping or self._stop_requested.is_set() or (self.supervised and os.getppid() != self._parent):
                 break
         self.engine.close()  # finishes every accepted edit; their answers are queued
         self._post({"kind": "bye"})
@@ -107,6 +128,10 @@ class Node:
             return False
         if kind == "welcome":
             self.heartbeat_s = float(header["heartbeat_s"])
+            self.welcomed.set()
+        elif kind == "rejoin":
+            self.welcomed.clear()
+            self._hello()
         elif kind == "edit":
             self._edit(header, blobs)
         elif kind == "cancel":
@@ -119,6 +144,17 @@ class Node:
         elif kind == "drop":
             self._drop(header["template"])
         return kind == "stop"
+
+    def stop(self) -> None:
+        """From any thread (a signal handler): finish the accepted edits, say bye, exit."""
+        self._stop_requested.set()
+        self._wakeup.wake()
+
+    def _hello(self) -> None:
+        with self._lock:
+            templates = list(self.templates)
+        self._post({"kind": "hello", "max_batch": self.engine.config.max_batch, "pid": os.getpid(),
+                    "model": self.engine.model_name, "templates": templates})
 
     def _edit(self, header: dict, blobs: dict) -> None:
         request_id, router_template = header["request"], header["template"]
@@ -234,40 +270,54 @@ class Node:
             self.socket.send_multipart(frames)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m retouch.engine.node")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--router", required=True, help="the router's address (tcp://host:port or ipc://path)")
-    parser.add_argument("--name", required=True)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--mode", default="disagg", choices=("static", "naive", "disagg"))
-    parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--helpers", type=int, default=1)
-    parser.add_argument("--helper-threads", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--compile", action="store_true", help="run the blocks through torch.compile")
-    parser.add_argument("--cuda-graphs", action="store_true", help="replay CUDA graphs of the compiled blocks")
-    args = parser.parse_args(argv)
-    # Ctrl-C reaches the whole process group; the parent drains and stops this process itself.
+def run_worker(opts: WorkerOptions) -> None:
+    """Load the model, join the router, run the step loop until told to stop."""
+    if opts.supervised:
+        die_with_parent()  # the server is gone: so is this worker (and, with it, its helpers)
+    # Ctrl-C reaches the whole process group; a supervised worker is drained and stopped by the
+    # server, one on its own by the signal handler below.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    config = EngineConfig(mode=args.mode, max_batch=args.max_batch, helpers=args.helpers,
-                          helper_threads=args.helper_threads)
-    engine = Engine.load(args.model, config, device=args.device, dtype=getattr(torch, args.dtype),
-                         compile=args.compile, cuda_graphs=args.cuda_graphs)
-    if args.compile or args.cuda_graphs:
+    keys = WorkerKeys.from_env()
+    if opts.curve_secret is not None:
+        keys = WorkerKeys.from_files(opts.curve_secret, opts.curve_server)
+    name = opts.name or f"{socket.gethostname()}-{os.getpid()}"
+    device = opts.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    health = HealthServer(opts.health_host, opts.health_port).start() if opts.health_port else None
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    config = EngineConfig(mode=opts.mode, max_batch=opts.max_batch, helpers=opts.helpers,
+                          helper_threads=opts.helper_threads,
+                          run_dir=None if opts.run_dir is None else str(opts.run_dir))
+    engine = Engine.load(opts.model, config, device=device, dtype=getattr(torch, dtype),
+                         compile=opts.compile, cuda_graphs=opts.cuda_graphs)
+    if opts.compile or opts.cuda_graphs:
         # Before the worker says hello: the router sends it nothing while it compiles.
-        print(f"{args.name}: compiling the mask-aware blocks (once per process)", file=sys.stderr, flush=True)
+        print(f"{name}: compiling the mask-aware blocks (once per process)", file=sys.stderr, flush=True)
         engine.editor.warm_up()
     # The step loop runs on this, the main thread, which loaded the model (see Engine.start); the
     # node's socket gets a thread of its own and closes the engine when told to stop.
     engine.start(own_thread=False)
-    node = threading.Thread(target=Node(engine, args.router, args.name).run, name="retouch-node")
-    node.start()
+    node = Node(engine, opts.connect, name, keys=keys, supervised=opts.supervised)
+    if health is not None:
+        health.node = node
+    if not opts.supervised:
+        signal.signal(signal.SIGTERM, lambda *_: node.stop())  # Kubernetes stops pods with SIGTERM
+        signal.signal(signal.SIGINT, lambda *_: node.stop())
+    thread = threading.Thread(target=node.run, name="retouch-node")
+    thread.start()
     engine.run_loop()
-    node.join()
+    thread.join()
+    if health is not None:
+        health.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m retouch.engine.node")
+    add_arguments(parser, WorkerOptions)
+    run_worker(from_arguments(WorkerOptions, parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,11 @@ Requests can be cancelled (the client went away): the worker drops them at its n
 Failure handling: a worker that stops heartbeating for `dead_after_s`, or whose process the
 supervisor saw exit, is removed; every request it held is routed again. An answer counts only from
 the worker the request is assigned to at that moment, so a request is answered exactly once even if
-a worker presumed dead speaks again.
+a worker presumed dead speaks again. A worker removed while still alive (a network cut that healed)
+is told to join again; its hello lists the templates it still holds, which need no new recording.
+
+Workers on other hosts connect over TCP with CURVE (`engine.curve`): the router refuses to bind an
+address other hosts can reach without keys.
 
 Threads: the router's own thread owns the socket; the frontend calls `submit`, `register_template`
 and friends from its threads. State is guarded by one lock; sends are queued and the router thread
@@ -38,9 +42,11 @@ import numpy as np
 import zmq
 
 from retouch.engine import wire
+from retouch.engine.curve import RouterSecurity, is_loopback
 from retouch.engine.policies import ClusterLoad, NoWorker, RequestLoad, make_policy
 from retouch.engine.step_cost import StepCost
 from retouch.engine.wakeup import Wakeup
+from retouch.errors import InputError
 
 
 class QueueFull(RuntimeError):
@@ -153,15 +159,25 @@ class RouterConfig:
 
 class Router:
     def __init__(self, config: RouterConfig = RouterConfig(), cost: StepCost | None = None,
-                 on_decision: Callable[[float], None] | None = None):
-        """`on_decision(seconds)`: told the policy's time of every routing decision (metrics)."""
+                 on_decision: Callable[[float], None] | None = None, security: RouterSecurity | None = None):
+        """`on_decision(seconds)`: told the policy's time of every routing decision (metrics).
+        `security`: CURVE keys; required to bind an address other hosts can reach."""
+        if security is None and not is_loopback(config.address):
+            raise InputError(f"refusing to listen for workers on {config.address} without CURVE keys "
+                             "(--curve-secret, --curve-allowed): anyone who can reach it could join as a worker")
         self.config = config
         self.on_decision = on_decision
+        self.security = security
         self.policy = make_policy(config.policy, cost)
         self.cluster = ClusterLoad(cost)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # A worker that reconnects after a network cut keeps its identity: the new link replaces the
+        # stale one instead of being refused.
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if security is not None:
+            security.apply(self.context, self.socket)
         self.socket.bind(config.address)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._wakeup = Wakeup(self.context)
@@ -176,7 +192,6 @@ class Router:
         self._closing = False
         self._stopped = False
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0}
-        self.decision_s: deque[float] = deque(maxlen=10_000)  # policy time per routing decision
         # Notified on every dispatch, answer, heartbeat and worker change.
         self._changed = threading.Condition(self._lock)
 
@@ -214,6 +229,8 @@ class Router:
             self._thread.join(timeout=10)
         self._wakeup.close()
         self.socket.close(0)
+        if self.security is not None:
+            self.security.close()
         self.context.term()
 
     # ---- the frontend's calls ----
@@ -347,8 +364,9 @@ class Router:
                                  "pid": worker.pid, **worker.report}
             return {"workers": workers, "pending": len(self.pending),
                     "parked": sum(len(q) for q in self.parked.values()),
-                    "templates": len(self.templates), "counters": dict(self.counters),
-                    "decision_s": list(self.decision_s)}
+                    "templates": len(self.templates),
+                    "counters": {**self.counters, "workers_refused": self.security.allowed.refused
+                                 if self.security is not None else 0}}
 
     # ---- routing (called with the lock held) ----
 
@@ -385,10 +403,8 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - a policy bug answers the request, it does not lose it
             self._answer(pending, EditAnswer(None, 500, "RoutingError", f"{type(exc).__name__}: {exc}"))
             return
-        decided = time.perf_counter() - started
-        self.decision_s.append(decided)
         if self.on_decision is not None:
-            self.on_decision(decided)
+            self.on_decision(time.perf_counter() - started)
         worker = next(w for w in self.workers.values() if w.slot == slot)
         pending.worker, pending.routes, pending.records = worker.name, pending.routes + 1, records
         pending.steps_left = None
@@ -531,6 +547,8 @@ class Router:
             worker = self.workers.get(name)
             if worker is None or worker.identity != identity:  # removed (presumed dead): it no longer counts
                 self.counters["duplicates_dropped"] += kind == "result"
+                if kind == "heartbeat":  # alive after all (a network cut healed): it must join again
+                    self._outgoing.append((identity, wire.encode({"kind": "rejoin"})))
                 return
             worker.last_seen = time.monotonic()
             if kind == "heartbeat":
@@ -539,6 +557,8 @@ class Router:
                 self._on_result(worker, header, blobs)
             elif kind == "template":
                 self._on_template(worker, header)
+            elif kind == "bye":  # it stopped: whatever it still held goes elsewhere now
+                self._remove_worker(name, "it said bye")
             elif kind == "ping":  # everything this worker sent before it has been handled
                 self._send(worker, {"kind": "pong"})
             elif kind == "progress":
@@ -554,6 +574,12 @@ class Router:
         worker = WorkerState(name, identity, slot, int(header.get("pid", 0)), time.monotonic())
         self.workers[name] = worker
         self._send(worker, {"kind": "welcome", "heartbeat_s": self.config.heartbeat_s})
+        for template_id in header.get("templates", ()):  # recorded before it (re)joined: ready there
+            record = self.templates.get(template_id)
+            if record is not None:
+                record.states[name] = "ready"
+                record.progress[name] = record.steps
+                self._dispatch_parked(template_id)
         for record in self.templates.values():
             self._ensure_replicas(record)
         self._changed.notify_all()

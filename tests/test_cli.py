@@ -177,7 +177,7 @@ def test_simulate_prints_every_policy(cli):
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "no-such-model"], "unknown model"),
-    (["--model", "tiny-flux-fill", "--workers", "0"], "--workers must be >= 1"),
+    (["--model", "tiny-flux-fill", "--workers", "-1"], "--workers must be >= 0"),
     (["--model", "tiny-flux-fill", "--policy", "random"], "invalid choice"),
     (["--model", "tiny-flux-fill", "--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA device"),
 ])

@@ -237,11 +237,11 @@ def test_templates_list_delete_and_metrics(client, template_id):
     assert client.get("/healthz").status_code == 200
     assert client.get("/readyz").json()["workers"] == 2
     metrics = client.get("/metrics").text
-    assert 'retouch_requests_total{endpoint="/v1/edits",status="200"}' in metrics
+    assert 'retouch_http_requests_total{endpoint="/v1/edits",status="200"}' in metrics
     assert 'retouch_request_seconds_count{endpoint="/v1/edits",outcome="ok"}' in metrics
     assert 'retouch_worker_mean_batch_size{worker="w0"}' in metrics
-    assert 'retouch_router_decision_seconds{quantile="0.5"}' in metrics
-    assert "retouch_queue_depth 0" in metrics
+    assert "retouch_router_decision_seconds_count" in metrics
+    assert "retouch_queue_depth 0.0" in metrics
 
 
 def test_killing_a_worker_loses_no_request(server, template_id):

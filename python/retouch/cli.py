@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from retouch.config import EditOptions, ProfileOptions, ServeOptions, add_arguments, from_arguments
+from retouch.config import EditOptions, ProfileOptions, ServeOptions, WorkerOptions, add_arguments, from_arguments
 from retouch.errors import RetouchError
 
 EXIT_USAGE = 2
@@ -146,6 +146,31 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_worker(args) -> int:
+    opts = from_arguments(WorkerOptions, args)
+    from pathlib import Path
+
+    from retouch.models import get_spec
+
+    if not Path(opts.model).is_dir():
+        get_spec(opts.model)
+    for path in (opts.curve_secret, opts.curve_server):  # a missing key file is one line, before loading
+        if path is not None and not Path(path).is_file():
+            raise RetouchError(f"key file {path} not found")
+    from retouch.engine.node import run_worker
+
+    run_worker(opts)
+    return 0
+
+
+def cmd_keys(args) -> int:
+    from retouch.engine.curve import generate
+
+    public, secret = generate(args.name, args.out)
+    print(json.dumps({"public": str(public), "secret": str(secret)}))
+    return 0
+
+
 def cmd_simulate(args) -> int:
     from retouch.engine import simulate
 
@@ -190,6 +215,18 @@ def build_parser() -> ArgumentParser:
     serve = commands.add_parser("serve", help="serve edits over HTTP: router, worker processes and frontend")
     add_arguments(serve, ServeOptions)
     serve.set_defaults(handler=cmd_serve)
+
+    worker = commands.add_parser("worker", help="a worker process on this host that joins a router elsewhere "
+                                 "(`retouch serve --worker-listen`)")
+    add_arguments(worker, WorkerOptions)
+    worker.set_defaults(handler=cmd_worker)
+
+    keys = commands.add_parser("keys", help="CURVE key pairs that authenticate workers and the router")
+    keys_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="SUBCOMMAND")
+    generate = keys_commands.add_parser("generate", help="write NAME.key (public) and NAME.key_secret into --out")
+    generate.add_argument("name", help="whose keys: router, or a worker's name")
+    generate.add_argument("--out", default=".", help="folder to write them to (default: here)")
+    generate.set_defaults(handler=cmd_keys)
 
     simulate = commands.add_parser("simulate", help="simulate a cluster's routing policies; prints JSON "
                                    "(see `retouch simulate -h`)", add_help=False)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import dataclasses
 import typing
 from dataclasses import dataclass, field
@@ -131,13 +132,18 @@ class ServeOptions:
     """The HTTP server: router, workers (one process per device) and frontend on one host."""
 
     model: str = option(help="built-in model name (see `retouch models`) or a local diffusers pipeline folder")
-    workers: int = option(1, help="worker processes (one per GPU)")
+    workers: int = option(1, help="worker processes on this host (one per GPU); 0: only workers that join with "
+                          "`retouch worker --connect`")
     host: str = option("127.0.0.1", help="HTTP address to bind (loopback unless you mean otherwise)")
     port: int = option(8000, help="HTTP port (0: any free port, printed on start)")
     policy: str = option("mask-aware", help="how the router picks a worker",
                          choices=("round-robin", "least-requests", "least-tokens", "mask-aware"))
     cost_model: Path | None = option(None, help="fitted cost models (`retouch profile`) for mask-aware routing")
-    router_address: str = option("tcp://127.0.0.1:0", help="where workers connect (ipc://path or tcp://host:port)")
+    worker_listen: str = option("tcp://127.0.0.1:0", help="where workers connect: tcp://ADDR:PORT (an address other "
+                                "hosts reach needs --curve-secret and --curve-allowed) or ipc://PATH")
+    curve_secret: Path | None = option(None, help="the router's secret key file (`retouch keys generate router`): "
+                                       "workers authenticate with CURVE and the link is encrypted")
+    curve_allowed: Path | None = option(None, help="folder of the public keys (*.key) of workers allowed to join")
     device: str = option("auto", help="where workers run (cuda: worker i uses GPU i)", choices=DEVICES)
     dtype: str = option("auto", help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)", choices=DTYPES)
     mode: str = option("disagg", help="batching mode of each worker", choices=("static", "naive", "disagg"))
@@ -153,7 +159,15 @@ class ServeOptions:
     max_work: int = option(4096 * 4096 * 28, help="most work one request may ask for, in pixel-steps (width x "
                            "height x steps x n); beyond it: 413")
     max_queue: int = option(256, help="edits accepted and not yet answered; beyond it: 429 with Retry-After")
-    api_key: str | None = option(None, help="require `Authorization: Bearer KEY` on /v1 (default: $RETOUCH_API_KEY)")
+    api_keys_file: Path | None = option(None, help="file of API keys, one per line: /v1 needs `Authorization: Bearer "
+                                        "KEY`, and each key sees only its own templates (default: $RETOUCH_API_KEYS, "
+                                        "comma-separated; neither: no keys)")
+    docs: bool = option(True, help="serve /docs and /openapi.json (behind the API key when keys are set)")
+    max_prompt_chars: int = option(4000, help="longest prompt (characters); beyond it: 422")
+    header_timeout_s: float = option(10.0, help="a client must send its request headers within this many seconds")
+    body_timeout_s: float = option(120.0, help="... and its body within this many seconds after them")
+    max_connections: int = option(1024, help="open HTTP connections; beyond it new ones are closed at once")
+    max_inflight_mb: float = option(1024.0, help="request bodies being received at once (MiB); beyond it: 503")
     heartbeat_s: float = option(0.5, help="seconds between worker heartbeats")
     dead_after_s: float = option(5.0, help="a worker silent this long is removed and its requests re-routed")
     restart: bool = option(True, help="start a replacement when a worker process exits")
@@ -162,7 +176,16 @@ class ServeOptions:
                                "--compile)")
 
     def __post_init__(self):
-        for name in ("workers", "max_batch", "steps", "max_steps", "max_queue", "max_pixels", "max_work"):
+        if self.workers < 0:
+            raise InputError(f"--workers must be >= 0, got {self.workers}")
+        if (self.curve_secret is None) != (self.curve_allowed is None):
+            raise InputError("--curve-secret and --curve-allowed go together (the router's key, the workers' keys)")
+        if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
+            raise InputError(f"--api-keys-file {self.api_keys_file} not found")
+        for name in ("header_timeout_s", "body_timeout_s", "max_inflight_mb"):
+            if getattr(self, name) <= 0:
+                raise InputError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        for name in ("max_connections", "max_prompt_chars", "max_batch", "steps", "max_steps", "max_queue", "max_pixels", "max_work"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("worker_threads", "helper_threads"):
@@ -180,3 +203,51 @@ class ServeOptions:
             raise InputError("--dead-after-s must exceed --heartbeat-s")
         if self.cost_model is not None and not Path(self.cost_model).is_file():
             raise InputError(f"--cost-model {self.cost_model} not found")
+
+
+WORKER_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+@dataclass(slots=True)
+class WorkerOptions:
+    """One worker process (one device): started by `retouch serve` on its host, or on its own with
+    `retouch worker --connect` to join a router on another host."""
+
+    model: str = option(help="built-in model name (see `retouch models`) or a local diffusers pipeline folder")
+    connect: str = option(help="the router's address: tcp://HOST:PORT (`retouch serve --worker-listen`)")
+    name: str | None = option(None, help="this worker's name in the router's metrics (default: HOST-PID)")
+    device: str = option("auto", help="auto, cpu, cuda or cuda:N")
+    dtype: str = option("auto", help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)", choices=DTYPES)
+    mode: str = option("disagg", help="batching mode", choices=("static", "naive", "disagg"))
+    max_batch: int = option(8, help="requests per denoising step")
+    helpers: int = option(1, help="pre/post-processing processes (disagg mode)")
+    helper_threads: int = option(0, help="torch CPU threads per helper process (0: torch's default)")
+    threads: int = option(0, help="torch CPU threads of the step loop (0: torch's default)")
+    compile: bool = option(False, help="run the blocks through torch.compile (compiled before joining)")
+    cuda_graphs: bool = option(False, help="replay CUDA graphs of the compiled blocks (CUDA only)")
+    curve_secret: Path | None = option(None, help="this worker's secret key file (`retouch keys generate`); needed "
+                                       "with --curve-server to join a router that uses CURVE")
+    curve_server: Path | None = option(None, help="the router's public key file (ROUTER.key)")
+    health_port: int = option(0, help="serve /healthz, /readyz and /metrics on this port (0: off)")
+    health_host: str = option("0.0.0.0", help="address of the health port")
+    run_dir: Path | None = option(None, help="folder for the helpers' sockets (default: a new temporary folder)")
+    supervised: bool = option(False, help="started by `retouch serve` on this host: exit when it does")
+
+    def __post_init__(self):
+        if not WORKER_DEVICE.fullmatch(self.device):
+            raise InputError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.max_batch < 1:
+            raise InputError(f"--max-batch must be >= 1, got {self.max_batch}")
+        for name in ("threads", "helper_threads"):
+            if getattr(self, name) < 0:
+                raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.helpers < 1 and self.mode == "disagg":
+            raise InputError("--helpers must be >= 1 in disagg mode")
+        if not 0 <= self.health_port < 65536:
+            raise InputError(f"--health-port must be in [0, 65535], got {self.health_port}")
+        if (self.curve_secret is None) != (self.curve_server is None):
+            raise InputError("--curve-secret and --curve-server go together (this worker's key, the router's key)")
+        if self.cuda_graphs and self.device == "cpu":
+            raise InputError("--cuda-graphs needs a CUDA device")
+        if not self.connect.startswith(("tcp://", "ipc://")):
+            raise InputError(f"--connect must be tcp://HOST:PORT (or ipc://PATH), got {self.connect!r}")

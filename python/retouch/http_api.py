@@ -35,7 +35,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import InitVar, dataclass
+from dataclasses import dataclass
 
 import anyio
 from fastapi import FastAPI, Request
@@ -86,11 +86,8 @@ class Limits:
     body_timeout_s: float = 120.0
     max_connections: int = 1024
     max_inflight_bytes: int = 1 << 30  # request bodies being handled at once (503 beyond)
-    api_key: InitVar[str | None] = None  # one key: the same as api_keys=(key,)
 
-    def __post_init__(self, api_key: str | None):
-        if api_key:
-            object.__setattr__(self, "api_keys", (*self.api_keys, api_key))
+    def __post_init__(self):
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         if any(not isinstance(key, str) or not key.strip() or key != key.strip() for key in self.api_keys):
             raise ValueError("API keys must be non-empty strings without surrounding whitespace")

@@ -5,27 +5,37 @@
 
 The frontend and the router share this process (the router on its own thread: one hop less for
 every image); each worker is a process of its own (`retouch.engine.node`), started and, if it exits,
-replaced by the supervisor.
+replaced by the supervisor. Workers on other hosts join with `retouch worker --connect` when the
+router listens beyond loopback (`--worker-listen`, CURVE keys required).
+
+Everything the server starts carries its id (`serve_id`, $RETOUCH_SERVE_ID) and lives under its run
+folder; both are gone when it stops (`engine.process_tree`).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import uvicorn
 
 from retouch.config import ServeOptions
+from retouch.engine import process_tree
+from retouch.engine.curve import AllowedKeys, RouterSecurity
 from retouch.engine.reference_costs import h800_flux
 from retouch.engine.router import Router, RouterConfig
 from retouch.engine.step_cost import StepCost
 from retouch.engine.supervisor import Supervisor
 from retouch.errors import InputError, RetouchError
 from retouch.http_api import Limits, create_app
+from retouch.http_connections import guarded_protocol
 
 
 def step_cost(opts: ServeOptions) -> StepCost | None:
@@ -44,6 +54,8 @@ def step_cost(opts: ServeOptions) -> StepCost | None:
 class Server:
     def __init__(self, opts: ServeOptions):
         self.opts = opts
+        self.serve_id = uuid.uuid4().hex
+        self.run_dir: Path | None = None
         self.router: Router | None = None
         self.supervisor: Supervisor | None = None
         self._http: uvicorn.Server | None = None
@@ -54,7 +66,7 @@ class Server:
         """Router, workers, then HTTP. `ready_timeout_s`: how long workers may take to load (and, with
         --compile, to compile: default 30 min then, else 10)."""
         opts = self.opts
-        api_key = opts.api_key or os.environ.get("RETOUCH_API_KEY") or None
+        api_keys = read_api_keys(opts.api_keys_file)
         device = opts.device
         if device == "auto":
             import torch
@@ -64,8 +76,13 @@ class Server:
             raise InputError("--cuda-graphs needs a CUDA device; none is here")
         if ready_timeout_s is None:
             ready_timeout_s = 1800.0 if opts.compile or opts.cuda_graphs else 600.0
-        self.router = Router(RouterConfig(opts.router_address, opts.policy, opts.heartbeat_s, opts.dead_after_s,
-                                          opts.max_queue), step_cost(opts)).start()
+        security = None
+        if opts.curve_secret is not None:
+            security = RouterSecurity(opts.curve_secret, AllowedKeys.from_dir(opts.curve_allowed))
+        self.router = Router(RouterConfig(opts.worker_listen, opts.policy, opts.heartbeat_s, opts.dead_after_s,
+                                          opts.max_queue), step_cost(opts), security=security).start()
+        process_tree.remove_stale_run_dirs()
+        self.run_dir = process_tree.new_run_dir()
         dtype = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         node_args = ["--model", opts.model, "--device", device, "--dtype", dtype, "--mode", opts.mode,
                      "--max-batch", str(opts.max_batch), "--helpers", str(opts.helpers),
@@ -73,17 +90,24 @@ class Server:
                      "--threads", str(opts.worker_threads)]
         node_args += ["--compile"] * opts.compile + ["--cuda-graphs"] * opts.cuda_graphs
         self.supervisor = Supervisor(opts.workers, node_args, self.router.address, self.router.worker_exited,
-                                     restart=opts.restart, gpus=device == "cuda")
+                                     self.run_dir, restart=opts.restart, gpus=device == "cuda", serve_id=self.serve_id,
+                                     extra_env=security.local_worker_env() if security is not None else None)
         self._await_workers(ready_timeout_s)
         limits = Limits(max_upload_bytes=int(opts.max_upload_mb * (1 << 20)), max_pixels=opts.max_pixels,
-                        max_steps=opts.max_steps, default_steps=opts.steps, max_work=opts.max_work, api_key=api_key)
+                        max_steps=opts.max_steps, default_steps=opts.steps, max_work=opts.max_work, api_keys=api_keys,
+                        docs=opts.docs, max_prompt_chars=opts.max_prompt_chars, header_timeout_s=opts.header_timeout_s,
+                        body_timeout_s=opts.body_timeout_s, max_connections=opts.max_connections,
+                        max_inflight_bytes=int(opts.max_inflight_mb * (1 << 20)))
         app = create_app(self.router, limits, opts.model)
-        listener = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
+        # IPPROTO_TCP spelled out: asyncio turns on TCP_NODELAY only for sockets that say they are TCP.
+        listener = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET, socket.SOCK_STREAM,
+                                 socket.IPPROTO_TCP)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((opts.host, opts.port))
         port = listener.getsockname()[1]
         self.url = f"http://{opts.host}:{port}"
-        self._http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+        protocol = guarded_protocol(limits.header_timeout_s, limits.body_timeout_s, limits.max_connections)
+        self._http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http=protocol,
                                                    timeout_keep_alive=30))
         self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [listener]},
                                              name="retouch-http", daemon=True)
@@ -116,7 +140,9 @@ class Server:
             self.router.close(drain_s)
         if self.supervisor is not None:
             self.supervisor.close()
-        self.router = self.supervisor = None
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.router = self.supervisor = self.run_dir = None
 
     def serve_forever(self) -> None:
         stop = threading.Event()
@@ -133,3 +159,19 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_api_keys(path: Path | None) -> tuple[str, ...]:
+    """The API keys: one per line of `path` (blank lines and #comments skipped), else the
+    comma-separated $RETOUCH_API_KEYS; none means an open server."""
+    if path is not None:
+        lines = Path(path).read_text().splitlines()
+        keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not keys:
+            raise InputError(f"--api-keys-file {path} holds no key")
+    else:
+        keys = [key.strip() for key in os.environ.get("RETOUCH_API_KEYS", "").split(",") if key.strip()]
+    for key in keys:
+        if len(key) < 16 or any(c.isspace() for c in key):
+            raise InputError("an API key must be 16 or more characters without spaces")
+    return tuple(dict.fromkeys(keys))

@@ -1,0 +1,89 @@
+"""A worker's health port (`retouch worker --health-port`): what an orchestrator probes and scrapes.
+
+    GET /healthz   200 while the process serves (liveness)
+    GET /readyz    200 once the model is loaded and the router took the worker in, else 503
+    GET /metrics   the engine's counters (prometheus_client exposition)
+
+The standard library's threaded HTTP server is enough for three probes; the step loop never sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, exposition
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+COUNTERS = ("steps", "completed", "failed", "cancelled", "recorded", "interruptions")
+GAUGES = ("mean_batch_size", "max_batch_size", "mean_step_s", "mean_overhead_s", "overhead_fraction")
+
+
+class EngineCollector:
+    """The engine's summary (`Engine.metrics`) at scrape time."""
+
+    def __init__(self, health: HealthServer):
+        self.health = health
+
+    def collect(self):
+        node = self.health.node
+        if node is None:  # still loading the model
+            return
+        summary = node.engine.metrics()
+        for field in COUNTERS:
+            yield CounterMetricFamily(f"retouch_worker_{field}", f"worker {field} since it started",
+                                      value=summary.get(field, 0))
+        for field in GAUGES:
+            yield GaugeMetricFamily(f"retouch_worker_{field}", f"worker {field.replace('_', ' ')}",
+                                    value=summary.get(field, 0))
+        yield GaugeMetricFamily("retouch_worker_joined", "1 while the router has taken this worker in",
+                                value=float(node.welcomed.is_set()))
+
+
+class HealthServer:
+    def __init__(self, host: str, port: int):
+        """Started before the model loads (liveness holds meanwhile); `node` is set once it runs."""
+        self.node = None
+        health = self
+        registry = CollectorRegistry()
+        registry.register(EngineCollector(self))
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the standard library's name
+                path = self.path.split("?", 1)[0]
+                if path == "/healthz":
+                    self._answer(200, "application/json", json.dumps({"status": "ok"}).encode())
+                elif path == "/readyz":
+                    node = health.node
+                    ready = node is not None and node.welcomed.is_set()
+                    self._answer(200 if ready else 503, "application/json",
+                                 json.dumps({"status": "ready" if ready else "not ready"}).encode())
+                elif path == "/metrics":
+                    encoder, content_type = exposition.choose_encoder(self.headers.get("Accept"))
+                    self._answer(200, content_type, encoder(registry))
+                else:
+                    self._answer(404, "application/json", b'{"error": "not found"}')
+
+            def _answer(self, status: int, content_type: str, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # probes every few seconds are not news
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.address = self.server.server_address
+        self._thread = threading.Thread(target=self.server.serve_forever, name="retouch-health", daemon=True)
+
+    def start(self) -> HealthServer:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
