@@ -94,6 +94,7 @@ class TemplateRecord:
     one_off: bool = False  # recorded by its first edit, never registered on its own
     owner: str = ""  # the tenant (API key) that registered it: others neither see nor use it
     created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)  # its last edit (one-off images are evicted by it)
     states: dict[str, str] = field(default_factory=dict)  # worker -> recording | ready | failed
     progress: dict[str, int] = field(default_factory=dict)  # worker -> recorded steps
     error: str | None = None
@@ -149,12 +150,15 @@ class RouterConfig:
     heartbeat_s: float = 0.5  # told to workers in the welcome
     dead_after_s: float = 5.0  # silence after which a worker is removed
     max_queue: int = 256  # requests accepted and not yet answered
+    max_one_off: int = 1024  # one-off images remembered; beyond it the least recently edited idle one goes
 
     def __post_init__(self):
         if self.dead_after_s <= self.heartbeat_s:
             raise ValueError("dead_after_s must exceed heartbeat_s")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.max_one_off < 1:
+            raise ValueError(f"max_one_off must be >= 1, got {self.max_one_off}")
 
 
 class Router:
@@ -191,7 +195,8 @@ class Router:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._stopped = False
-        self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0}
+        self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
+                         "one_offs_evicted": 0}
         # Notified on every dispatch, answer, heartbeat and worker change.
         self._changed = threading.Condition(self._lock)
 
@@ -250,8 +255,11 @@ class Router:
                 raise QueueFull(f"{len(self.pending)} requests are waiting (max_queue {self.config.max_queue})")
             if one_off is not None and one_off.template_id not in self.templates:
                 self.templates[one_off.template_id] = one_off
+                self._evict_one_offs(keep=one_off.template_id)
             if any(task.template_id not in self.templates for task in tasks):
                 raise KeyError(next(t.template_id for t in tasks if t.template_id not in self.templates))
+            for task in tasks:
+                self.templates[task.template_id].last_used = time.monotonic()
             accepted = [Pending(next(self._ids), task, Future()) for task in tasks]
             for pending in accepted:
                 self.pending[pending.request_id] = pending
@@ -324,15 +332,30 @@ class Router:
         with self._lock:
             if self._owned(template_id, owner) is None:
                 return False
-            record = self.templates.pop(template_id)
-            for name in record.states:
-                if name in self.workers:
-                    self._send(self.workers[name], {"kind": "drop", "template": template_id})
-            for request_id in self.parked.pop(template_id, ()):
-                self._answer(self.pending[request_id],
-                             EditAnswer(None, 404, "NotFound", f"template {template_id!r} was deleted"))
+            self._drop(template_id)
         self._wake()
         return True
+
+    def _drop(self, template_id: str) -> None:
+        record = self.templates.pop(template_id)
+        for name in record.states:
+            if name in self.workers:
+                self._send(self.workers[name], {"kind": "drop", "template": template_id})
+        for request_id in self.parked.pop(template_id, ()):
+            self._answer(self.pending[request_id],
+                         EditAnswer(None, 404, "NotFound", f"template {template_id!r} was deleted"))
+
+    def _evict_one_offs(self, keep: str) -> None:
+        """Keep at most `max_one_off` one-off images: forget the least recently edited ones that no
+        accepted edit waits for (their next edit records them again: one generation)."""
+        one_offs = [r for r in self.templates.values() if r.one_off]
+        excess = len(one_offs) - self.config.max_one_off
+        if excess <= 0:
+            return
+        busy = {p.task.template_id for p in self.pending.values()} | {keep}
+        for record in sorted((r for r in one_offs if r.template_id not in busy), key=lambda r: r.last_used)[:excess]:
+            self._drop(record.template_id)
+            self.counters["one_offs_evicted"] += 1
 
     def _owned(self, template_id: str, owner: str | None) -> TemplateRecord | None:
         record = self.templates.get(template_id)

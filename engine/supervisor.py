@@ -106,12 +106,15 @@ class Supervisor:
         shutil.rmtree(worker.run_dir, ignore_errors=True)
         worker.reported = True
 
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Wait for the workers to exit (the router told them to stop), then make sure they have, and
-        that their helpers and folders are gone."""
+    def close(self, timeout_s: float = 60.0, stopping: set[str] | None = None) -> None:
+        """Wait up to `timeout_s` for the workers the router told to stop (`stopping`, default all)
+        to exit; stop the others at once; then make sure their helpers and folders are gone."""
         self._closing.set()
         with self._lock:
             workers = list(self.workers)
+        for worker in workers:
+            if stopping is not None and worker.name not in stopping:
+                worker.process.terminate()
         for worker in workers:
             try:
                 worker.process.wait(timeout=timeout_s)

@@ -203,3 +203,26 @@ def test_submit_many_is_all_or_nothing(context, make_router):
     with pytest.raises(QueueFull):
         router.submit_many([task(), task()], one_off("img-2"))
     assert router.snapshot()["pending"] == 2 and router.template("img-2") is None
+
+
+def test_one_off_images_are_bounded_by_evicting_the_least_recently_edited_idle_one(context, make_router):
+    router = make_router(max_one_off=2)
+    w0 = ScriptedWorker(context, router, "w0")
+
+    def edit_and_record(image: str) -> None:
+        _, [answer] = router.submit_many([task(image)], one_off(image))
+        message = w0.receive("edit")
+        w0.send({"kind": "template", "template": image, "ok": True})
+        w0.answer(message["request"])
+        assert answer.result(TIMEOUT_S).status == 200
+
+    edit_and_record("img-1")
+    edit_and_record("img-2")
+    _, [busy] = router.submit_many([task("img-1")], one_off("img-1"))  # img-1 is now the most recent, and busy
+    running = w0.receive("edit")
+    edit_and_record("img-3")  # one too many: img-2 (least recently edited, idle) goes
+    assert router.template("img-2") is None and w0.receive("drop")["template"] == "img-2"
+    assert router.template("img-1") is not None and router.template("img-3") is not None
+    assert router.snapshot()["counters"]["one_offs_evicted"] == 1
+    w0.answer(running["request"])
+    assert busy.result(TIMEOUT_S).status == 200

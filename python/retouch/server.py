@@ -136,10 +136,13 @@ class Server:
             self._http.should_exit = True
             self._http_thread.join(timeout=drain_s)
             self._http = None
+        told_to_stop: set[str] = set()
         if self.router is not None:
+            told_to_stop = set(self.router.snapshot()["workers"])
             self.router.close(drain_s)
         if self.supervisor is not None:
-            self.supervisor.close()
+            # A replacement still loading never joined, so nobody told it to stop: no waiting for it.
+            self.supervisor.close(stopping=told_to_stop)
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self.router = self.supervisor = self.run_dir = None
