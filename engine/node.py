@@ -51,6 +51,7 @@ from retouch.engine.wakeup import Wakeup
 from retouch.engine.worker import EditResult, EngineConfig
 from retouch.config import WorkerOptions, add_arguments, from_arguments
 from retouch.errors import InputError
+from retouch.log_limits import cap_log_messages
 from retouch.images import decode_image, png_bytes
 
 
@@ -274,6 +275,7 @@ def run_worker(opts: WorkerOptions) -> None:
     """Load the model, join the router, run the step loop until told to stop."""
     if opts.supervised:
         die_with_parent()  # the server is gone: so is this worker (and, with it, its helpers)
+    cap_log_messages()
     # Ctrl-C reaches the whole process group; a supervised worker is drained and stopped by the
     # server, one on its own by the signal handler below.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -34,6 +34,7 @@ from retouch.editor import EditInputs, EditRequest, MaskAwareEditor, Template, f
 from retouch.engine import recipes, wire
 from retouch.engine.process_tree import child_env, die_with_parent
 from retouch.engine.recipes import Prepared
+from retouch.log_limits import cap_log_messages
 
 
 @dataclass
@@ -359,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--index", type=int, default=0, help="which of the pool's helpers this is")
     args = parser.parse_args(argv)
     die_with_parent()  # a helper without its worker is ~700 MB of nothing
+    cap_log_messages()  # the text encoders log the part of a long prompt they cut
     # Ctrl-C reaches the whole process group; the parent drains and stops this process itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.threads:

@@ -36,6 +36,7 @@ from retouch.engine.supervisor import Supervisor
 from retouch.errors import InputError, RetouchError
 from retouch.http_api import Limits, create_app
 from retouch.http_connections import guarded_protocol
+from retouch.log_limits import cap_log_messages
 
 
 def step_cost(opts: ServeOptions) -> StepCost | None:
@@ -66,6 +67,7 @@ class Server:
         """Router, workers, then HTTP. `ready_timeout_s`: how long workers may take to load (and, with
         --compile, to compile: default 30 min then, else 10)."""
         opts = self.opts
+        cap_log_messages()
         api_keys = read_api_keys(opts.api_keys_file)
         device = opts.device
         if device == "auto":
