@@ -48,7 +48,8 @@ def serving(app, limits: Limits) -> Iterator[tuple[str, int]]:
     server = uvicorn.Server(uvicorn.Config(
         # A keep-alive longer than any test: only the guarded protocol's deadlines close connections.
         app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=600,
-        http=guarded_protocol(limits.header_timeout_s, limits.body_timeout_s, limits.max_connections)))
+        http=guarded_protocol(limits.header_timeout_s, limits.body_timeout_s, limits.max_connections,
+                              on_close=lambda reason: app.state.metrics.connections_closed.labels(reason).inc())))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     try:
@@ -101,7 +102,7 @@ def half_open(address: tuple[str, int], kind: int) -> socket.socket:
 
 def test_half_open_connections_are_closed_after_their_deadline_and_do_not_block_others():
     limits = Limits(header_timeout_s=1.0, body_timeout_s=1.0)
-    with router_without_workers() as router, serving(create_app(router, limits), limits) as address:
+    with router_without_workers() as router, serving(app := create_app(router, limits), limits) as address:
         kinds = [i % 4 for i in range(200)]
         sockets = [half_open(address, kind) for kind in kinds]
         silent = [sock for sock, kind in zip(sockets, kinds) if kind != 3]  # kind 3 had one answer
@@ -120,6 +121,12 @@ def test_half_open_connections_are_closed_after_their_deadline_and_do_not_block_
             still_open, received = wait_closed(sockets)
             assert still_open == []
             assert client.get("/healthz").status_code == 200
+            def closed(reason: str) -> float:
+                return app.state.metrics.registry.get_sample_value("retouch_http_connections_closed_total",
+                                                                   {"reason": reason})
+
+            assert closed("header_timeout") == kinds.count(0) + kinds.count(1) + kinds.count(3)
+            assert closed("body_timeout") == kinds.count(2)
         for sock, kind in zip(sockets, kinds):
             if kind == 3:
                 assert received[sock].startswith(b"HTTP/1.1 200") and received[sock].count(b"HTTP/1.1") == 1

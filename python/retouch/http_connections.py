@@ -41,6 +41,7 @@ class GuardedH11Protocol(H11Protocol):
     header_timeout_s: float = 10.0
     body_timeout_s: float = 120.0
     max_connections: int = 1024
+    on_close: Callable[[str], None] | None = None  # told why it closed one (metrics)
 
     _deadline: asyncio.TimerHandle | None = None
     _phase: str | None = None  # "headers", "body" or None: which deadline is armed
@@ -50,6 +51,7 @@ class GuardedH11Protocol(H11Protocol):
         if len(self.connections) > self.max_connections:  # this one is already counted
             logger.debug("refusing a connection: %d open", len(self.connections) - 1)
             transport.close()
+            self._closed("over_cap")
             return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -92,16 +94,24 @@ class GuardedH11Protocol(H11Protocol):
             logger.debug("closing a connection whose request %s did not arrive in time", phase)
             # Closing reaches a handler reading the body as a disconnect.
             self.transport.close()
+            self._closed(f"{phase}_timeout")
+
+    def _closed(self, reason: str) -> None:
+        if self.on_close is not None:
+            self.on_close(reason)
 
 
-def guarded_protocol(header_timeout_s: float, body_timeout_s: float, max_connections: int) -> type[H11Protocol]:
-    """An h11 protocol class for `uvicorn.Config(http=...)` with these read deadlines and cap."""
+def guarded_protocol(header_timeout_s: float, body_timeout_s: float, max_connections: int,
+                     on_close: Callable[[str], None] | None = None) -> type[H11Protocol]:
+    """An h11 protocol class for `uvicorn.Config(http=...)` with these read deadlines and cap;
+    `on_close(reason)` is told of every connection it closes (header_timeout, body_timeout, over_cap)."""
     if header_timeout_s <= 0 or body_timeout_s <= 0:
         raise ValueError(f"timeouts must be positive, got {header_timeout_s} and {body_timeout_s}")
     if max_connections < 1:
         raise ValueError(f"max_connections must be >= 1, got {max_connections}")
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {
-        "header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s, "max_connections": max_connections})
+        "header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s, "max_connections": max_connections,
+        "on_close": staticmethod(on_close) if on_close is not None else None})
 
 
 @dataclass

@@ -78,7 +78,8 @@ def endpoint_label(path: str) -> str:
 class ServeMetrics:
     """The app's registry: `requests` (every HTTP answer), `latency` (edits, by outcome),
     `decisions` (the router's policy time: `router.on_decision = metrics.decisions.observe`),
-    `inflight_body_bytes` (request bodies reserved), and the router's state at scrape time."""
+    `inflight_body_bytes` (request bodies reserved), `connections_closed` (by the connection guards:
+    `http_connections.guarded_protocol(..., on_close=...)`), and the router's state at scrape time."""
 
     def __init__(self, router: Router):
         self.registry = CollectorRegistry()
@@ -91,6 +92,10 @@ class ServeMetrics:
         self.inflight_body_bytes = Gauge("retouch_http_inflight_body_bytes",
                                          "request body bytes reserved by requests being handled",
                                          registry=self.registry)
+        self.connections_closed = Counter("retouch_http_connections_closed",
+                                          "connections the server closed without an answer, by reason "
+                                          "(header_timeout, body_timeout, over_cap)", ("reason",),
+                                          registry=self.registry)
         self.registry.register(RouterCollector(router))
 
     def count(self, path: str, status: int) -> None:

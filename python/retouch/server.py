@@ -108,7 +108,9 @@ class Server:
         listener.bind((opts.host, opts.port))
         port = listener.getsockname()[1]
         self.url = f"http://{opts.host}:{port}"
-        protocol = guarded_protocol(limits.header_timeout_s, limits.body_timeout_s, limits.max_connections)
+        closed = app.state.metrics.connections_closed
+        protocol = guarded_protocol(limits.header_timeout_s, limits.body_timeout_s, limits.max_connections,
+                                    on_close=lambda reason: closed.labels(reason).inc())
         self._http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http=protocol,
                                                    timeout_keep_alive=30))
         self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [listener]},
