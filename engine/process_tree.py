@@ -22,9 +22,12 @@ import shutil
 import signal
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 SERVE_ID_ENV = "RETOUCH_SERVE_ID"
+WORKER_MODULE, HELPER_MODULE = "retouch.engine.node", "retouch.engine.processing"
+PROC = Path("/proc")
 PARENT_PID_ENV = "RETOUCH_PARENT_PID"
 RUN_DIR_PREFIX = "retouch-serve-"
 _PR_SET_PDEATHSIG = 1
@@ -59,20 +62,7 @@ def child_env(base: dict | None = None, serve_id: str | None = None) -> dict:
 
 def serve_processes(serve_id: str) -> list[int]:
     """Live processes (zombies excluded) whose environment names server `serve_id`."""
-    marker = f"{SERVE_ID_ENV}={serve_id}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        if state != "Z":
-            found.append(int(entry.name))
-    return sorted(found)
+    return sorted(info.pid for info in processes_with_env(SERVE_ID_ENV, serve_id))
 
 
 def kill_group(pgid: int, signum: int = signal.SIGKILL) -> None:
@@ -107,3 +97,110 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# ---- reading /proc (Linux) ----
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    pid: int
+    ppid: int
+    state: str  # /proc/PID/stat's: R, S, D, Z (zombie), ...
+    start_ticks: int  # since boot; with the pid it names one process across pid reuse
+    cmdline: tuple[str, ...]
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.pid, self.start_ticks
+
+    @property
+    def alive(self) -> bool:
+        return self.state not in ("Z", "X")
+
+    @property
+    def role(self) -> str | None:
+        """"worker" or "helper" when it runs one of the server's modules, else None."""
+        if WORKER_MODULE in self.cmdline:
+            return "worker"
+        if HELPER_MODULE in self.cmdline:
+            return "helper"
+        return None
+
+
+def parse_stat(text: str) -> tuple[str, int, int]:
+    """(state, ppid, start_ticks) of a /proc/PID/stat line. The command name, in parentheses, may hold
+    spaces and parentheses itself: the fields are counted from the last ')'."""
+    fields = text[text.rindex(")") + 2:].split()
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def parse_rss(status_text: str) -> int:
+    """Resident bytes from /proc/PID/status (`VmRSS:  1234 kB`); 0 where absent (a zombie)."""
+    for line in status_text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def parse_environ(data: bytes) -> dict[str, str]:
+    """/proc/PID/environ: NUL-separated NAME=value entries."""
+    pairs = (entry.split(b"=", 1) for entry in data.split(b"\0") if b"=" in entry)
+    return {name.decode(errors="replace"): value.decode(errors="replace") for name, value in pairs}
+
+
+def read_process(pid: int, proc: Path = PROC) -> ProcessInfo | None:
+    """None when it is gone, or not ours to read."""
+    try:
+        state, ppid, start = parse_stat((proc / str(pid) / "stat").read_text())
+        cmdline = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError, IndexError):
+        return None
+    return ProcessInfo(pid, ppid, state, start, tuple(part.decode(errors="replace") for part in cmdline if part))
+
+
+def scan_processes(proc: Path = PROC) -> dict[int, ProcessInfo]:
+    table = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit() and (info := read_process(int(entry.name), proc)) is not None:
+            table[info.pid] = info
+    return table
+
+
+def descendants(table: dict[int, ProcessInfo], pid: int) -> list[ProcessInfo]:
+    """Every process below `pid` in `table`'s tree, parents before children."""
+    children: dict[int, list[ProcessInfo]] = {}
+    for info in table.values():
+        children.setdefault(info.ppid, []).append(info)
+    found, frontier = [], [pid]
+    while frontier:
+        below = children.get(frontier.pop(), [])
+        found += below
+        frontier += [info.pid for info in below]
+    return found
+
+
+def rss_bytes(pid: int, proc: Path = PROC) -> int:
+    try:
+        return parse_rss((proc / str(pid) / "status").read_text())
+    except OSError:
+        return 0
+
+
+def open_fds(pid: int, proc: Path = PROC) -> int | None:
+    try:
+        return len(os.listdir(proc / str(pid) / "fd"))
+    except OSError:
+        return None
+
+
+def processes_with_env(name: str, value: str, proc: Path = PROC) -> list[ProcessInfo]:
+    """Live processes (zombies excluded) whose environment has name=value."""
+    found = []
+    for info in scan_processes(proc).values():
+        try:
+            environ = parse_environ((proc / str(info.pid) / "environ").read_bytes())
+        except OSError:
+            continue
+        if environ.get(name) == value and info.alive:
+            found.append(info)
+    return found

@@ -15,9 +15,11 @@ import pytest
 from PIL import Image
 
 from retouch.bench import soak
-from retouch.bench.soak import (BAD_STATUS, MIX, OUTCOMES, Outcome, ProcessInfo, ProcessWatch, SoakOptions, classify,
-                                descendants, longest_silence, parse_environ, parse_request_counts, parse_rss,
-                                parse_stat, read_process, socket_dirs, summarize)
+from retouch.bench.soak import (BAD_STATUS, MIX, OUTCOMES, Outcome, ProcessWatch, SoakOptions, classify, longest_silence,
+                                parse_request_counts, socket_dirs, summarize)
+from retouch.engine import process_tree
+from retouch.engine.process_tree import (ProcessInfo, descendants, parse_environ, parse_rss, parse_stat,
+                                         read_process)
 from retouch.errors import InputError
 
 # A /proc/PID/stat line as the kernel writes it (fields 3.. after the name); the name here holds
@@ -138,12 +140,12 @@ def test_read_process_sees_a_real_child():
     try:
         info = read_process(child.pid)
         assert info.ppid == os.getpid() and info.alive  # its cmdline may still be ours: fork, then exec
-        assert child.pid in {p.pid for p in descendants(soak.scan_processes(), os.getpid())}
-        assert soak.rss_bytes(child.pid) > 0 and soak.open_fds(os.getpid()) > 0
+        assert child.pid in {p.pid for p in descendants(process_tree.scan_processes(), os.getpid())}
+        assert process_tree.rss_bytes(child.pid) > 0 and process_tree.open_fds(os.getpid()) > 0
     finally:
         child.communicate(b"")
     assert read_process(child.pid) is None  # reaped: gone from /proc
-    assert soak.open_fds(child.pid) is None and soak.rss_bytes(child.pid) == 0
+    assert process_tree.open_fds(child.pid) is None and process_tree.rss_bytes(child.pid) == 0
 
 
 def test_process_watch_over_a_fake_proc(tmp_path):
@@ -180,7 +182,7 @@ def test_processes_with_env(tmp_path):
     fake_process(proc, 5, 1, 1, WORKER, env={"RETOUCH_SERVE_ID": "s1"})
     fake_process(proc, 6, 1, 2, WORKER, env={"RETOUCH_SERVE_ID": "s2"})
     fake_process(proc, 7, 1, 3, WORKER, env={"RETOUCH_SERVE_ID": "s1"}, state="Z")
-    assert [p.pid for p in soak.processes_with_env("RETOUCH_SERVE_ID", "s1", proc)] == [5]
+    assert [p.pid for p in process_tree.processes_with_env("RETOUCH_SERVE_ID", "s1", proc)] == [5]
 
 
 # ---- the request mix ----

@@ -137,10 +137,12 @@ def test_half_open_connections_are_closed_after_their_deadline_and_do_not_block_
 
 def test_connections_beyond_the_cap_are_refused_until_one_closes():
     limits = Limits(header_timeout_s=60.0, max_connections=8)
-    with router_without_workers() as router, serving(create_app(router, limits), limits) as address:
+    with router_without_workers() as router, serving(app := create_app(router, limits), limits) as address:
         held = [socket.create_connection(address) for _ in range(8)]
         refused = socket.create_connection(address)
         assert wait_closed([refused]) == ([], {refused: b""})
+        assert app.state.metrics.registry.get_sample_value("retouch_http_connections_closed_total",
+                                                           {"reason": "over_cap"}) >= 1
         readable, _, _ = select.select(held, [], [], 0)
         assert readable == []  # the eight are still open
         held.pop().close()

@@ -22,7 +22,8 @@ from PIL import Image
 from retouch.config import ServeOptions
 from retouch.editor import EditRequest
 from retouch.engine.api import Engine
-from retouch.engine.process_tree import remove_stale_run_dirs, serve_processes
+from retouch.engine.process_tree import (descendants, read_process, remove_stale_run_dirs, scan_processes,
+                                         serve_processes)
 from retouch.engine.worker import EngineConfig
 from retouch.images import png_bytes
 from retouch.server import Server
@@ -32,28 +33,12 @@ TIMEOUT_S = 120.0
 
 def alive(pid: int) -> bool:
     """Running (a zombie waiting for a reaper does not count: it holds no memory, no files)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    info = read_process(pid)
+    return info is not None and info.alive
 
 
-def descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
+def descendants_of(root: int) -> set[int]:
+    return {info.pid for info in descendants(scan_processes(), root)}
 
 
 def wait_for(predicate, what: str, timeout_s: float = TIMEOUT_S) -> None:
@@ -71,7 +56,7 @@ def test_a_killed_workers_helpers_and_folder_go_with_it_and_its_replacement_serv
         run_dir = server.run_dir
         [worker] = server.supervisor.pids().values()
         helpers = set(serve_processes(server.serve_id)) - {worker}
-        assert helpers and all(pid in descendants(worker) for pid in helpers)
+        assert helpers and all(pid in descendants_of(worker) for pid in helpers)
         assert any(path.name.startswith("retouch-helpers-") for path in (run_dir / "w0").iterdir())
         os.kill(worker, signal.SIGKILL)
         wait_for(lambda: not any(alive(pid) for pid in helpers), "the dead worker's helpers exit")
@@ -108,7 +93,7 @@ def test_ctrl_c_stops_the_server_with_no_process_or_folder_left(short_tmp):
             if "serving tiny-flux-fill on" in line:
                 break
         assert server.poll() is None, "the server did not start: " + "".join(said)
-        started = descendants(server.pid)
+        started = descendants_of(server.pid)
         assert len(started) >= 4  # two workers and a helper each
         assert any(tmp_path.glob("retouch-serve-*/w*/retouch-helpers-*"))
         server.send_signal(signal.SIGINT)

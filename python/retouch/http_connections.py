@@ -94,7 +94,7 @@ class GuardedH11Protocol(H11Protocol):
             logger.debug("closing a connection whose request %s did not arrive in time", phase)
             # Closing reaches a handler reading the body as a disconnect.
             self.transport.close()
-            self._closed(f"{phase}_timeout")
+            self._closed("header_timeout" if phase == "headers" else "body_timeout")
 
     def _closed(self, reason: str) -> None:
         if self.on_close is not None:
