@@ -147,9 +147,10 @@ class Node:
         return kind == "stop"
 
     def stop(self) -> None:
-        """From any thread (a signal handler): finish the accepted edits, say bye, exit."""
+        """From a signal handler: finish the accepted edits, say bye, exit. It only sets a flag (the
+        socket thread sees it within a heartbeat): the handler may interrupt this very thread inside
+        `Wakeup.wake`, whose lock it would then wait for forever."""
         self._stop_requested.set()
-        self._wakeup.wake()
 
     def _hello(self) -> None:
         with self._lock:
