@@ -49,7 +49,7 @@ from retouch.engine.health import HealthServer
 from retouch.engine.process_tree import die_with_parent
 from retouch.engine.wakeup import Wakeup
 from retouch.engine.worker import EditResult, EngineConfig
-from retouch.config import WorkerOptions, add_arguments, from_arguments
+from retouch.config import WorkerOptions, add_arguments, from_arguments, resolve_device
 from retouch.errors import InputError
 from retouch.log_limits import cap_log_messages
 from retouch.images import decode_image, png_bytes
@@ -284,17 +284,14 @@ def run_worker(opts: WorkerOptions) -> None:
     if opts.curve_secret is not None:
         keys = WorkerKeys.from_files(opts.curve_secret, opts.curve_server)
     name = opts.name or f"{socket.gethostname()}-{os.getpid()}"
-    device = opts.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    device, dtype = resolve_device(opts.device, opts.dtype)
     health = HealthServer(opts.health_host, opts.health_port).start() if opts.health_port else None
     if opts.threads:
         torch.set_num_threads(opts.threads)
     config = EngineConfig(mode=opts.mode, max_batch=opts.max_batch, helpers=opts.helpers,
                           helper_threads=opts.helper_threads,
                           run_dir=None if opts.run_dir is None else str(opts.run_dir))
-    engine = Engine.load(opts.model, config, device=device, dtype=getattr(torch, dtype),
+    engine = Engine.load(opts.model, config, device=device, dtype=dtype,
                          compile=opts.compile, cuda_graphs=opts.cuda_graphs)
     if opts.compile or opts.cuda_graphs:
         # Before the worker says hello: the router sends it nothing while it compiles.

@@ -12,7 +12,8 @@ import os
 import sys
 import time
 
-from retouch.config import EditOptions, ProfileOptions, ServeOptions, WorkerOptions, add_arguments, from_arguments
+from retouch.config import (EditOptions, ProfileOptions, ServeOptions, WorkerOptions, add_arguments, from_arguments,
+                            resolve_device)
 from retouch.errors import RetouchError
 
 EXIT_USAGE = 2
@@ -23,19 +24,6 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, not argparse's usage block
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-
-
-def resolve_device(device: str, dtype: str):
-    import torch
-
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RetouchError("--device cuda but no CUDA device is available (see `retouch doctor`)")
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    return device, getattr(torch, dtype)
 
 
 def cmd_edit(args) -> int:

@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from retouch.errors import InputError
+from retouch.errors import InputError, RetouchError
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -65,6 +65,31 @@ class EditOptions:
             raise InputError("--strength applies to the baseline edit; mask-aware edits repaint at full strength")
         if self.guidance is not None and self.guidance < 0:
             raise InputError(f"--guidance must be >= 0, got {self.guidance}")
+
+
+def resolve_device(device: str, dtype: str):
+    """`--device` and `--dtype` as run: auto picks CUDA when there is one (bf16 there, fp32 on the
+    CPU); a CUDA device (cuda, cuda:N) that is not here is an error. Returns (device, torch dtype)."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RetouchError(f"--device {device} but no CUDA device is available (see `retouch doctor`)")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return device, getattr(torch, dtype)
+
+
+_BOUNDS = {"> 0": lambda v: v > 0, ">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0}
+
+
+def _require(options, names: tuple[str, ...], bound: str) -> None:
+    """Each option in `names` must satisfy `bound` ("> 0", ">= 1" or ">= 0"), else an error naming its flag."""
+    for name in names:
+        value = getattr(options, name)
+        if not _BOUNDS[bound](value):
+            raise InputError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
 
 
 def add_arguments(parser: argparse.ArgumentParser, options_cls: type) -> None:
@@ -182,15 +207,10 @@ class ServeOptions:
             raise InputError("--curve-secret and --curve-allowed go together (the router's key, the workers' keys)")
         if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
             raise InputError(f"--api-keys-file {self.api_keys_file} not found")
-        for name in ("header_timeout_s", "body_timeout_s", "max_inflight_mb"):
-            if getattr(self, name) <= 0:
-                raise InputError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        for name in ("max_connections", "max_prompt_chars", "max_batch", "steps", "max_steps", "max_queue", "max_pixels", "max_work"):
-            if getattr(self, name) < 1:
-                raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("worker_threads", "helper_threads"):
-            if getattr(self, name) < 0:
-                raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        _require(self, ("header_timeout_s", "body_timeout_s", "max_inflight_mb"), "> 0")
+        _require(self, ("max_connections", "max_prompt_chars", "max_batch", "steps", "max_steps", "max_queue",
+                        "max_pixels", "max_work"), ">= 1")
+        _require(self, ("worker_threads", "helper_threads"), ">= 0")
         if self.cuda_graphs and self.device == "cpu":
             raise InputError("--cuda-graphs needs a CUDA device (--device cuda or auto)")
         if self.helpers < 1 and self.mode == "disagg":
@@ -236,11 +256,8 @@ class WorkerOptions:
     def __post_init__(self):
         if not WORKER_DEVICE.fullmatch(self.device):
             raise InputError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.max_batch < 1:
-            raise InputError(f"--max-batch must be >= 1, got {self.max_batch}")
-        for name in ("threads", "helper_threads"):
-            if getattr(self, name) < 0:
-                raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        _require(self, ("max_batch",), ">= 1")
+        _require(self, ("threads", "helper_threads"), ">= 0")
         if self.helpers < 1 and self.mode == "disagg":
             raise InputError("--helpers must be >= 1 in disagg mode")
         if not 0 <= self.health_port < 65536:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import uvicorn
 
-from retouch.config import ServeOptions
+from retouch.config import ServeOptions, resolve_device
 from retouch.engine import process_tree
 from retouch.engine.curve import AllowedKeys, RouterSecurity
 from retouch.engine.reference_costs import h800_flux
@@ -69,11 +69,7 @@ class Server:
         opts = self.opts
         cap_log_messages()
         api_keys = read_api_keys(opts.api_keys_file)
-        device = opts.device
-        if device == "auto":
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device, dtype = resolve_device(opts.device, opts.dtype)
         if opts.cuda_graphs and device != "cuda":
             raise InputError("--cuda-graphs needs a CUDA device; none is here")
         if ready_timeout_s is None:
@@ -85,8 +81,8 @@ class Server:
                                           opts.max_queue), step_cost(opts), security=security).start()
         process_tree.remove_stale_run_dirs()
         self.run_dir = process_tree.new_run_dir()
-        dtype = opts.dtype if opts.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-        node_args = ["--model", opts.model, "--device", device, "--dtype", dtype, "--mode", opts.mode,
+        node_args = ["--model", opts.model, "--device", device, "--dtype", str(dtype).removeprefix("torch."),
+                     "--mode", opts.mode,
                      "--max-batch", str(opts.max_batch), "--helpers", str(opts.helpers),
                      "--helper-threads", str(opts.helper_threads),
                      "--threads", str(opts.worker_threads)]
