@@ -4,11 +4,13 @@ heartbeat, template, result, ping) and keeps what the router sends it in an inbo
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import zmq
 
 from retouch.engine import wire
-from retouch.engine.router import Router
+from retouch.engine.router import Router, RouterConfig
 
 TIMEOUT_S = 10.0
 
@@ -68,3 +70,16 @@ class ScriptedWorker:
         """A heartbeat carrying `metrics` (the worker's summary, with "cache": CacheStore.metrics())."""
         self.send({"kind": "heartbeat", "running": list(running), "queued": list(queued), "metrics": metrics})
         self.sync()
+
+
+@contextmanager
+def router_and_context() -> Iterator[tuple[Router, zmq.Context]]:
+    """A router on loopback that scripted workers (made in the context) join; both closed after."""
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
+                                 dead_after_s=60.0)).start()
+    context = zmq.Context()
+    try:
+        yield router, context
+    finally:
+        router.close(drain_s=0)
+        context.destroy(linger=0)

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import zmq
 from PIL import Image
+from polling import wait_for
 
 from retouch.config import ServeOptions
 from retouch.engine import wire
@@ -102,14 +102,6 @@ def refused(address: str, keys: WorkerKeys) -> bool:
         context.destroy(linger=0)
 
 
-def wait_for(predicate, what: str, timeout_s: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
-        time.sleep(0.05)
-
-
 def test_a_worker_on_another_host_joins_with_curve_and_a_cut_link_loses_nothing(namespaces, tmp_path):
     generate("router", tmp_path)
     generate("remote", tmp_path / "allowed")
@@ -131,7 +123,7 @@ def test_a_worker_on_another_host_joins_with_curve_and_a_cut_link_loses_nothing(
                  "--connect", server.router.address, "--model", "tiny-flux-fill", "--mode", "naive", "--threads", "1",
                  "--name", "remote", "--curve-secret", str(tmp_path / "allowed" / "remote.key_secret"),
                  "--curve-server", str(tmp_path / "router.key")])
-            wait_for(lambda: "remote" in server.router.snapshot()["workers"], "the remote worker joins")
+            wait_for(lambda: "remote" in server.router.snapshot()["workers"], "the remote worker joins", TIMEOUT_S)
             intruder = WorkerKeys.from_files(tmp_path / "intruder.key_secret", tmp_path / "router.key")
             assert in_namespace(NS_REMOTE, lambda: refused(server.router.address, intruder))
             assert server.router.snapshot()["counters"]["workers_refused"] >= 1
@@ -141,7 +133,7 @@ def test_a_worker_on_another_host_joins_with_curve_and_a_cut_link_loses_nothing(
                                      files={"image": ("t.png", png_bytes(image))}).json()
             template = client.get(f"/v1/templates/{registered['id']}", params={"wait": 60}).json()
             wait_for(lambda: client.get(f"/v1/templates/{registered['id']}").json()["progress"]["workers_ready"] == 2,
-                     "both workers record the template")
+                     "both workers record the template", TIMEOUT_S)
 
             def edit(seed: int) -> httpx.Response:
                 return client.post("/v1/edits", data={"template_id": template["id"], "prompt": "a hat", "seed": seed},
@@ -156,7 +148,7 @@ def test_a_worker_on_another_host_joins_with_curve_and_a_cut_link_loses_nothing(
                 answers = [pool.submit(edit, 10 + seed) for seed in range(4)]
                 wait_for(lambda: any(status and status.get("worker") == "remote" and status["status"] == "running"
                                      for status in map(server.router.request_status, list(server.router.pending))),
-                         "an edit runs on the remote worker")
+                         "an edit runs on the remote worker", TIMEOUT_S)
                 ip("-n", NS_HEAD, "link", "set", VETH_HEAD, "down")
                 statuses = [future.result().status_code for future in answers]
             assert statuses == [200] * 4  # lost: none; the remote worker's edits finished on w0

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 from editor_inputs import square_mask, template_image
 from PIL import Image
+from polling import wait_for
 
 from retouch.config import ServeOptions
 from retouch.editor import EditRequest
@@ -41,14 +41,6 @@ def descendants_of(root: int) -> set[int]:
     return {info.pid for info in descendants(scan_processes(), root)}
 
 
-def wait_for(predicate, what: str, timeout_s: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
-        time.sleep(0.05)
-
-
 def test_a_killed_workers_helpers_and_folder_go_with_it_and_its_replacement_serves():
     opts = ServeOptions(model="tiny-flux-fill", workers=1, port=0, mode="disagg", helpers=1, helper_threads=1,
                         worker_threads=1, steps=2, heartbeat_s=0.2, dead_after_s=3.0)
@@ -59,9 +51,9 @@ def test_a_killed_workers_helpers_and_folder_go_with_it_and_its_replacement_serv
         assert helpers and all(pid in descendants_of(worker) for pid in helpers)
         assert any(path.name.startswith("retouch-helpers-") for path in (run_dir / "w0").iterdir())
         os.kill(worker, signal.SIGKILL)
-        wait_for(lambda: not any(alive(pid) for pid in helpers), "the dead worker's helpers exit")
-        wait_for(lambda: not (run_dir / "w0").exists(), "the dead worker's folder is removed")
-        wait_for(lambda: "w0.1" in server.router.snapshot()["workers"], "a replacement joins")
+        wait_for(lambda: not any(alive(pid) for pid in helpers), "the dead worker's helpers exit", TIMEOUT_S)
+        wait_for(lambda: not (run_dir / "w0").exists(), "the dead worker's folder is removed", TIMEOUT_S)
+        wait_for(lambda: "w0.1" in server.router.snapshot()["workers"], "a replacement joins", TIMEOUT_S)
         image = Image.fromarray(np.full((32, 48, 3), 120, np.uint8))
         mask = Image.new("L", (48, 32), 0)
         mask.paste(255, (8, 8, 24, 24))

@@ -13,7 +13,7 @@ import zmq
 from PIL import Image
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
-from scripted_worker import ScriptedWorker
+from scripted_worker import ScriptedWorker, router_and_context
 
 from retouch.engine.router import Router, RouterConfig
 from retouch.http_api import Limits, create_app
@@ -83,14 +83,8 @@ async def traffic(router: Router, context: zmq.Context) -> dict:
 
 
 def test_metrics_count_every_answer_and_expose_router_and_worker_state():
-    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
-                                 dead_after_s=60.0)).start()
-    context = zmq.Context()
-    try:
+    with router_and_context() as (router, context):
         outcome = asyncio.run(traffic(router, context))
-    finally:
-        router.close(drain_s=0)
-        context.destroy(linger=0)
     assert outcome["statuses"] == {"edit": 200, "no prompt": 400, "no key": 401, "unknown template": 404,
                                    "over Content-Length": 413, "streamed over": 413}
 

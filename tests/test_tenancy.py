@@ -11,7 +11,7 @@ import io
 import httpx
 import zmq
 from PIL import Image
-from scripted_worker import ScriptedWorker
+from scripted_worker import ScriptedWorker, router_and_context
 
 from retouch.engine.router import Router, RouterConfig
 from retouch.http_api import Limits, create_app, one_off_id_of, template_id_of
@@ -71,14 +71,8 @@ async def two_tenants(router: Router, context: zmq.Context) -> dict:
 
 
 def test_a_tenant_sees_only_its_own_templates_and_edits():
-    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
-                                 dead_after_s=60.0)).start()
-    context = zmq.Context()
-    try:
+    with router_and_context() as (router, context):
         seen = asyncio.run(two_tenants(router, context))
-    finally:
-        router.close(drain_s=0)
-        context.destroy(linger=0)
     template_id = seen["template_id"]
     for name in ("B get", "B edit", "B delete"):
         assert seen[name].status_code == 404, name
