@@ -8,12 +8,12 @@ import torch
 from retouch.bench import copy as copy_bench
 from retouch.bench import overlap
 from retouch.config import ProfileOptions
-from retouch.costs import VARIANTS, CostModel, RequestTokens
-from retouch.errors import InputError
+from retouch.costs import FEATURES, VARIANTS, CostModel, RequestTokens
+from retouch.errors import InputError, RetouchError
 from retouch.planner import optimal_plan
 from retouch.profile import run_profile
 
-QUICK = dict(grids="4,6,8", batch_sizes="1,2", mask_ratios="0.25,0.5,1.0", repeats=1, load_mib="0.0625,0.125,0.25")
+QUICK = dict(grids="4,6,8", batch_sizes="1,2", mask_ratios="0.25,0.5,1.0", repeats=1, load_mib="0.5,2,8")
 
 
 @pytest.mark.parametrize("model, kinds", [("tiny-flux-fill", ("double", "single", "single")),
@@ -35,6 +35,24 @@ def test_profile_writes_a_cost_model_the_planner_reads(tmp_path, model, kinds):
                                cross_keys=77 if kind.startswith("level") else 0) for kind in set(loaded.block_kinds)}
     plan = optimal_plan(loaded.block_costs([row], "y"))
     assert len(plan.use_cache) == len(loaded.block_kinds)
+
+
+def test_a_load_fit_that_does_not_grow_with_bytes_is_refused(tmp_path, monkeypatch):
+    """A busy machine can time the larger copies faster; the planner must not learn that loads are free."""
+    from retouch import profile
+
+    monkeypatch.setattr(profile, "profile_blocks", lambda *args: ([{"kind": "double", "variant": v, "seconds": 1.0,
+                                                                    **dict.fromkeys(FEATURES, 1.0)}
+                                                                   for v in VARIANTS for _ in range(6)], {}))
+    monkeypatch.setattr(profile, "profile_loads", lambda *args: [{"bytes": float(b), "seconds": 1e-3 / b}
+                                                                 for b in (1, 2, 4)])
+    monkeypatch.setattr(profile, "build_target", lambda *args: type("T", (), {"representative": {"double": 0},
+                                                                             "kinds": ("double",)})())
+    out = tmp_path / "cost.json"
+    with pytest.raises(RetouchError, match="did not grow with bytes"):
+        run_profile(ProfileOptions(model="tiny-flux-fill", out=out, **QUICK), torch.device("cpu"), torch.float32,
+                    command="test", progress=lambda message: None)
+    assert not out.exists()
 
 
 def test_profile_options_are_checked():

@@ -182,3 +182,14 @@ def test_progress_and_cancel_by_request_id(server, client):
     assert client.get("/v1/edits/mine-1").status_code == 404
     assert client.post("/v1/edits", headers={"X-Request-Id": "bad id!"},
                        files=files(mask=box()), data={"template_id": template_id, "prompt": "x"}).status_code == 400
+
+
+def test_the_url_takes_connections_as_soon_as_start_returns():
+    """start() hands out the URL before uvicorn's loop runs: the kernel must already queue connections
+    (a client that registered at once used to be refused)."""
+    opts = ServeOptions(model="tiny-flux-fill", workers=0, port=0)
+    for _ in range(3):
+        with Server(opts).start() as running:
+            host, port = running.url.removeprefix("http://").rsplit(":", 1)
+            socket.create_connection((host, int(port)), timeout=5).close()
+            assert httpx.get(f"{running.url}/healthz", timeout=30).status_code == 200

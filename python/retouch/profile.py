@@ -25,6 +25,7 @@ from retouch.adapters import CacheMode, MaskAwareContext, UNetMaskAwareContext, 
 from retouch.bench.timing import seconds_of
 from retouch.cache import InMemoryActivationCache
 from retouch.config import ProfileOptions
+from retouch.errors import RetouchError
 from retouch.costs import FEATURES, CostModel, RequestTokens, block_features, fit_linear
 from retouch.masks import UNET_LATENT_STRIDE, centred_token_rectangle, pixel_mask_of_tokens, token_mask
 from retouch.models import build_denoiser, get_spec
@@ -194,6 +195,9 @@ def profile_blocks(target: Target, opts: ProfileOptions, device: torch.device, p
     return samples, row_bytes
 
 
+LOAD_REPEATS = 5  # copies take microseconds: more repeats cost nothing and keep noise out of the slope
+
+
 def profile_loads(opts: ProfileOptions, device: torch.device, progress) -> list[dict]:
     """Seconds of the copy engine's host->device gather of `bytes` (rows of 4 KiB, one run of rows)."""
     samples = []
@@ -208,7 +212,7 @@ def profile_loads(opts: ProfileOptions, device: torch.device, progress) -> list[
         src_offsets = torch.arange(rows, dtype=torch.long) * row
         dst_rows = torch.arange(rows, dtype=torch.long)
         seconds = fastest_seconds(lambda: ops.gather_host_rows_(staging, source, src_offsets, dst_rows),
-                                 opts.repeats, device)
+                                 max(opts.repeats, LOAD_REPEATS), device)
         samples.append({"bytes": float(rows * row), "seconds": seconds})
     return samples
 
@@ -225,6 +229,9 @@ def run_profile(opts: ProfileOptions, device: torch.device, dtype: torch.dtype, 
             rows = [s for s in samples if s["kind"] == kind and s["variant"] == variant]
             compute[kind][variant] = fit_linear(rows, "seconds", FEATURES)
     load = fit_linear(profile_loads(opts, device, progress), "seconds", ("bytes",))
+    if load.coef[0] <= 0:  # the planner would think bigger loads are free
+        raise RetouchError(f"the load timings did not grow with bytes ({opts.load_mib} MiB); the machine was "
+                           "too busy or the sizes too small: rerun with larger --load-mib or more --repeats")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     model = CostModel(model=opts.model, device=device_name, dtype=str(dtype).removeprefix("torch."),
                       block_kinds=tuple(target.kinds), compute=compute, row_bytes=row_bytes, load=load,

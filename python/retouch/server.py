@@ -102,6 +102,9 @@ class Server:
                                  socket.IPPROTO_TCP)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((opts.host, opts.port))
+        # Listen now, not when uvicorn's loop gets to it: start() returns the URL, and a client that
+        # connects at once must be queued by the kernel rather than refused.
+        listener.listen(2048)
         port = listener.getsockname()[1]
         self.url = f"http://{opts.host}:{port}"
         closed = app.state.metrics.connections_closed
