@@ -65,6 +65,7 @@ def packages() -> list[str]:
 setup(
     packages=packages(),
     package_dir=PACKAGE_DIRS,
+    package_data={"retouch.playground": ["*.html", "*.css", "*.js"]},
     ext_modules=[native_extension()],
     cmdclass={"build_ext": BuildExtension},
 )

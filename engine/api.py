@@ -20,7 +20,7 @@ from PIL import Image
 from retouch.editor import DEFAULT_STEPS, EditRequest, MaskAwareEditor, Template
 from retouch.engine import processing
 from retouch.engine.processing import HelperPool
-from retouch.engine.worker import EditResult, EngineConfig, Job, Worker
+from retouch.engine.worker import EditResult, EngineConfig, Job, StepWatch, Worker
 from retouch.errors import InputError, RetouchError
 from retouch.models import load_pipeline
 
@@ -128,13 +128,14 @@ class Engine:
             recording = self._recordings.get(template.template_id)
             if recording is not None:
                 return recording.future
-            job = Worker.new_job(None, recording=template, on_step=on_step)
+            job = Worker.new_job(None, recording=template, watch=None if on_step is None else StepWatch(on_step))
             self._track_recording(job)
         self._enqueue(job)
         return job.future
 
     def submit_image(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int = 0,
-                     steps: int = DEFAULT_STEPS, guidance: float | None = None) -> Future[EditResult]:
+                     steps: int = DEFAULT_STEPS, guidance: float | None = None,
+                     watch: StepWatch | None = None) -> Future[EditResult]:
         """A one-off edit of `image`. Its first edit on this engine runs in full, the stock pipeline's
         result, and records the image as it goes (`EditResult.recorded` names the template); later
         ones, whatever their prompt, seed or mask, are mask-aware edits of that recording. While the
@@ -143,10 +144,10 @@ class Engine:
         template = self.editor.one_off_template(image, mask, prompt, seed, steps, guidance)
         request = self.editor.check_request(EditRequest(template.template_id, mask, prompt, seed), template)
         if self.editor.is_recorded(template.template_id):
-            return self.submit(request)
+            return self.submit(request, watch)
         with self._jobs_lock:
             records = template.template_id not in self._recordings
-            job = Worker.new_job(request, recording=template, records=records)
+            job = Worker.new_job(request, recording=template, records=records, watch=watch)
             if records:
                 self._track_recording(job)
         self._enqueue(job)
@@ -178,14 +179,15 @@ class Engine:
         waiting = {job.id: job for job in list(self.worker.waiting) + in_helpers}
         return running, [job.future for job in waiting.values() if job.row is None]
 
-    def submit(self, request: EditRequest) -> Future[EditResult]:
+    def submit(self, request: EditRequest, watch: StepWatch | None = None) -> Future[EditResult]:
         """Queue an edit; its future holds an `EditResult` or the error that stopped it.
-        `future.cancel()` takes it out of the batch at the next step."""
+        `future.cancel()` takes it out of the batch at the next step. `watch`: told each step, and
+        shown previews (`StepWatch`)."""
         self._check_running()
         template = self.editor.templates.get(request.template_id)
         if template is None:
             raise InputError(f"unknown template {request.template_id!r}; register it first")
-        job = Worker.new_job(self.editor.check_request(request, template))
+        job = Worker.new_job(self.editor.check_request(request, template), watch=watch)
         self._enqueue(job)
         return job.future
 

@@ -57,6 +57,8 @@ class WorkerMetrics:
     failed: int = 0
     cancelled: int = 0
     recorded: int = 0  # templates recorded as members of the batch
+    watch_errors: int = 0  # progress callbacks or previews that raised (the edits went on)
+    last_watch_error: str | None = None
 
     def record_step(self, batch_size: int, step_s: float, forward_s: float, inline_s: float) -> None:
         self.batch_sizes.append(batch_size)
@@ -74,7 +76,7 @@ class WorkerMetrics:
         steps = len(self.step_s)
         return {
             "steps": steps, "completed": self.completed, "failed": self.failed, "cancelled": self.cancelled,
-            "recorded": self.recorded,
+            "recorded": self.recorded, "watch_errors": self.watch_errors,
             "interruptions": self.interruptions,
             "mean_batch_size": statistics.fmean(self.batch_sizes) if steps else 0.0,
             "max_batch_size": max(self.batch_sizes, default=0),

@@ -11,9 +11,11 @@ host (`retouch worker`), then it needs the router's public key and a secret key 
 It says hello (its batch size, the templates it holds), then answers the router's messages:
     register  record a template: it joins the running batch as a member and tells the router each
               recorded step, then ok or the error
-    edit      submit an edit; the answer is a PNG, or an error with the HTTP status it maps to. An
-              edit with `one_off` carries the image: its first edit here records it as it runs
-              (one generation), and the router is told the template is ready before the answer
+    edit      submit an edit; the router hears of each of its steps (and, with `preview_every`, sees
+              a preview PNG every that many steps), then the answer: a PNG, or an error with the
+              HTTP status it maps to. An edit with `one_off` carries the image: its first edit
+              here records it as it runs (one generation), and the router is told the template is
+              ready before the answer
     cancel    drop an edit whose client is gone: it leaves the batch at the next step
     drop      forget a template (a recording of it in progress stops at the next step)
     stop      finish every accepted edit, say bye and exit
@@ -48,7 +50,7 @@ from retouch.engine.curve import WorkerKeys
 from retouch.engine.health import HealthServer
 from retouch.engine.process_tree import die_with_parent
 from retouch.engine.wakeup import Wakeup
-from retouch.engine.worker import EditResult, EngineConfig
+from retouch.engine.worker import EditResult, EngineConfig, StepWatch
 from retouch.config import WorkerOptions, add_arguments, from_arguments, resolve_device
 from retouch.errors import InputError
 from retouch.log_limits import cap_log_messages
@@ -169,12 +171,13 @@ class Node:
         try:
             mask = Image.frombytes("L", tuple(header["mask_size"]), blobs["mask"])
             prompt, seed = header["prompt"], int(header["seed"])
+            watch = self._watch(request_id, int(header.get("preview_every", 0)))
             if template_id is not None:
-                future = self.engine.submit(EditRequest(template_id, mask, prompt, seed))
+                future = self.engine.submit(EditRequest(template_id, mask, prompt, seed), watch)
             else:
                 image = decode_image(blobs["image"], f"template {router_template}")
                 future = self.engine.submit_image(image, mask, prompt, seed, int(one_off["steps"]),
-                                                  one_off["guidance"])
+                                                  one_off["guidance"], watch)
         except Exception as exc:  # noqa: BLE001 - answered, never dropped
             self._post({"kind": "result", "request": request_id, "status": status_of(exc),
                         "error": type(exc).__name__, "message": str(exc)})
@@ -183,6 +186,17 @@ class Node:
             self.requests[future] = request_id
             self.futures[request_id] = future
         future.add_done_callback(lambda f: self._answer(f, router_template))
+
+    def _watch(self, request_id: int, preview_every: int) -> StepWatch:
+        """The router hears of every step of an edit (its clients may be streaming its progress) and
+        sees its previews, when asked for, as PNGs."""
+        def step(k: int) -> None:
+            self._post({"kind": "progress", "request": request_id, "step": k})
+
+        def preview(k: int, image: Image.Image) -> None:
+            self._post({"kind": "preview", "request": request_id, "step": k}, {"png": png_bytes(image)})
+
+        return StepWatch(step, preview_every, preview if preview_every else None)
 
     def _heartbeat(self) -> dict:
         running, queued = self.engine.load_report()

@@ -227,24 +227,28 @@ def _nest(flat: dict[str, torch.Tensor]) -> dict:
     return nested
 
 
-def decode(editor: MaskAwareEditor, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
-    """Final latents `[B, ...]` of one image size (width, height) -> images, as the pipelines decode
-    (diffusers' SD3 inpaint pipeline does not add the VAE's shift factor back; neither does this)."""
-    pipe, family = editor.pipe, editor.model.family
+def vae_latents(pipe, family: str, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """The denoiser's latents `[B, ...]` of one canvas size (width, height) -> what the VAE decodes,
+    `[B, C, h, w]`: unpacked (Flux) and un-normalised as the pipelines do before decoding (diffusers'
+    SD3 inpaint pipeline does not add the VAE's shift factor back; neither does this)."""
     vae = pipe.vae
     width, height = size
+    if family.startswith("flux"):
+        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+        return latents / vae.config.scaling_factor + vae.config.shift_factor
+    if getattr(vae.config, "latents_mean", None) is not None and getattr(vae.config, "latents_std", None):
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        return latents * std / vae.config.scaling_factor + mean
+    return latents / vae.config.scaling_factor
+
+
+def decode(editor: MaskAwareEditor, latents: torch.Tensor, size: tuple[int, int]) -> list[Image.Image]:
+    """Final latents `[B, ...]` of one image size (width, height) -> images, as the pipelines decode."""
+    pipe = editor.pipe
     with torch.inference_mode():
-        if family.startswith("flux"):
-            latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
-        if family.startswith("flux"):
-            latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-        elif getattr(vae.config, "latents_mean", None) is not None and getattr(vae.config, "latents_std", None):
-            mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
-            std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
-            latents = latents * std / vae.config.scaling_factor + mean
-        else:
-            latents = latents / vae.config.scaling_factor
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        latents = vae_latents(pipe, editor.model.family, latents, size)
+        images = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
         if getattr(pipe, "watermark", None) is not None:
             images = pipe.watermark.apply_watermark(images)
         return pipe.image_processor.postprocess(images, output_type="pil")

@@ -28,6 +28,7 @@ is woken through an inproc socket.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import threading
@@ -67,6 +68,7 @@ class EditTask:
     prompt: str
     seed: int
     load: RequestLoad
+    preview_every: int = 0  # a preview PNG of its latents every that many steps (0: none)
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,8 @@ class Router:
                          "one_offs_evicted": 0}
         # Notified on every dispatch, answer, heartbeat and worker change.
         self._changed = threading.Condition(self._lock)
+        # ("request", id) or ("template", id) -> callbacks told what happens to it (`watch`)
+        self._watchers: dict[tuple[str, int | str], list[Callable[[dict], None]]] = {}
 
     # ---- lifecycle ----
 
@@ -243,11 +247,12 @@ class Router:
     def submit(self, task: EditTask) -> Future[EditAnswer]:
         return self.submit_many([task])[1][0]
 
-    def submit_many(self, tasks: list[EditTask], one_off: TemplateRecord | None = None
-                    ) -> tuple[list[int], list[Future[EditAnswer]]]:
+    def submit_many(self, tasks: list[EditTask], one_off: TemplateRecord | None = None,
+                    on_event: Callable[[int, dict], None] | None = None) -> tuple[list[int], list[Future[EditAnswer]]]:
         """Accept all of `tasks` or none (QueueFull, Unavailable, KeyError for an unknown template);
         `one_off`: the one-off image they edit, registered with them if new. Returns the request ids
-        (for `cancel` and `request_status`) and the futures of the answers."""
+        (for `cancel` and `request_status`) and the futures of the answers. `on_event(id, event)`
+        watches them (`watch`) from before they are routed, so it misses none of their steps."""
         with self._lock:
             if self._closing:
                 raise Unavailable("the server is shutting down")
@@ -263,6 +268,8 @@ class Router:
             accepted = [Pending(next(self._ids), task, Future()) for task in tasks]
             for pending in accepted:
                 self.pending[pending.request_id] = pending
+                if on_event is not None:
+                    self._watchers[("request", pending.request_id)] = [functools.partial(on_event, pending.request_id)]
             for pending in accepted:
                 self._route(pending)
         self._wake()
@@ -287,6 +294,46 @@ class Router:
                 self._recording_ended(pending.task.template_id, pending.worker)
         self._wake()
         return True
+
+    def watch(self, kind: str, key: int | str, on_event: Callable[[dict], None]) -> Callable[[], None] | None:
+        """Tell `on_event` what happens to request `key` (kind "request": where it is, each step, its
+        previews, its answer) or template `key` ("template": its recording's progress, ready or
+        failed), starting with where it is now; None (and nothing told) if it is unknown or answered.
+        `on_event` runs on the router's threads with its lock held: it must only hand the event on.
+        Returns the call that stops the telling."""
+        with self._lock:
+            if kind == "request":
+                now = self.request_status(key)
+                if now is None:
+                    return None
+                on_event({"event": now["status"], **now})
+            else:
+                record = self.templates.get(key)
+                if record is None:
+                    return None
+                on_event({"event": "template", **record.to_json(set(self.workers))})
+            self._watchers.setdefault((kind, key), []).append(on_event)
+
+        def stop() -> None:
+            with self._lock:
+                callbacks = self._watchers.get((kind, key), [])
+                if on_event in callbacks:
+                    callbacks.remove(on_event)
+                if not callbacks:
+                    self._watchers.pop((kind, key), None)
+        return stop
+
+    def _tell(self, kind: str, key: int | str, event: dict) -> None:
+        """With the lock held: the watchers of `key` hear of `event`."""
+        for callback in self._watchers.get((kind, key), ()):
+            try:
+                callback(event)
+            except Exception:  # noqa: BLE001 - a watcher's bug must not stop routing
+                traceback.print_exc(file=sys.stderr)
+
+    def _template_changed(self, record: TemplateRecord) -> None:
+        if ("template", record.template_id) in self._watchers:
+            self._tell("template", record.template_id, {"event": "template", **record.to_json(set(self.workers))})
 
     def request_status(self, request_id: int) -> dict | None:
         """Where an accepted edit is: parked (its template is not ready anywhere), queued at a
@@ -338,6 +385,8 @@ class Router:
 
     def _drop(self, template_id: str) -> None:
         record = self.templates.pop(template_id)
+        self._tell("template", template_id, {"event": "deleted", "id": template_id})
+        self._watchers.pop(("template", template_id), None)
         for name in record.states:
             if name in self.workers:
                 self._send(self.workers[name], {"kind": "drop", "template": template_id})
@@ -410,6 +459,7 @@ class Router:
                 eligible, records = self.cluster.alive.copy(), True
             else:
                 self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
+                self._tell("request", pending.request_id, {"event": "parked", "steps": record.steps})
                 self._ensure_replicas(record)
                 if record.status == "failed":
                     self._fail_parked(record)
@@ -422,6 +472,7 @@ class Router:
             slot = self.policy.choose(load, self.cluster, eligible)
         except NoWorker:
             self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
+            self._tell("request", pending.request_id, {"event": "parked", "steps": record.steps})
             return
         except Exception as exc:  # noqa: BLE001 - a policy bug answers the request, it does not lose it
             self._answer(pending, EditAnswer(None, 500, "RoutingError", f"{type(exc).__name__}: {exc}"))
@@ -437,13 +488,17 @@ class Router:
         task = pending.task
         self._changed.notify_all()
         header = {"kind": "edit", "request": pending.request_id, "template": task.template_id,
-                  "prompt": task.prompt, "seed": task.seed, "mask_size": list(task.mask_size)}
+                  "prompt": task.prompt, "seed": task.seed, "mask_size": list(task.mask_size),
+                  "preview_every": task.preview_every}
         blobs = {"mask": task.mask}
         if records:
             record.states[worker.name] = "recording"
             header["one_off"] = {"steps": record.steps, "guidance": record.guidance}
             blobs["image"] = record.image
         self._send(worker, header, blobs)
+        # A request sent again (its worker died) starts over: its watchers see it queued, then steps from 1.
+        self._tell("request", pending.request_id, {"event": "queued", "worker": worker.name, "attempt": pending.routes,
+                                                   "steps": record.steps})
 
     def _holders(self, record: TemplateRecord) -> list[str]:
         """Live workers where the template is recording or ready."""
@@ -487,6 +542,7 @@ class Router:
             self._send(worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
                                 "steps": record.steps, "seed": record.seed, "guidance": record.guidance},
                        {"image": record.image})
+            self._template_changed(record)
 
     def _remove_worker(self, name: str, why: str) -> None:
         worker = self.workers.pop(name, None)
@@ -495,8 +551,9 @@ class Router:
         self.counters["workers_removed"] += 1
         self.cluster.remove_worker(worker.slot)
         for record in self.templates.values():
-            record.states.pop(name, None)
-            record.progress.pop(name, None)
+            if record.states.pop(name, None) is not None:
+                record.progress.pop(name, None)
+                self._template_changed(record)
         orphans = sorted(worker.assigned)
         worker.assigned.clear()
         for record in self.templates.values():
@@ -510,6 +567,9 @@ class Router:
 
     def _answer(self, pending: Pending, answer: EditAnswer) -> None:
         self.pending.pop(pending.request_id, None)
+        self._tell("request", pending.request_id, {"event": "answered", "status": answer.status,
+                                                   "error": answer.error, "message": answer.message})
+        self._watchers.pop(("request", pending.request_id), None)
         if pending.worker is not None and pending.worker in self.workers:
             worker = self.workers[pending.worker]
             worker.assigned.discard(pending.request_id)
@@ -584,10 +644,27 @@ class Router:
                 self._remove_worker(name, "it said bye")
             elif kind == "ping":  # everything this worker sent before it has been handled
                 self._send(worker, {"kind": "pong"})
+            elif kind == "progress" and "request" in header:
+                self._on_step(worker, header)
             elif kind == "progress":
                 record = self.templates.get(header["template"])
                 if record is not None:
                     record.progress[name] = int(header["step"])
+                    self._template_changed(record)
+            elif kind == "preview":
+                pending = self.pending.get(header["request"])
+                if pending is not None and pending.worker == name:
+                    self._tell("request", pending.request_id, {"event": "preview", "step": int(header["step"]),
+                                                               "png": blobs.get("png", b"")})
+
+    def _on_step(self, worker: WorkerState, header: dict) -> None:
+        pending = self.pending.get(header["request"])
+        if pending is None or pending.worker != worker.name:
+            return  # answered, or moved elsewhere: the step is stale
+        record = self.templates.get(pending.task.template_id)
+        steps = record.steps if record is not None else int(header["step"])
+        pending.steps_left = steps - int(header["step"])
+        self._tell("request", pending.request_id, {"event": "step", "step": int(header["step"]), "steps": steps})
 
     def _on_hello(self, identity: bytes, header: dict) -> None:
         name = header["worker"]
@@ -602,6 +679,7 @@ class Router:
             if record is not None:
                 record.states[name] = "ready"
                 record.progress[name] = record.steps
+                self._template_changed(record)
                 self._dispatch_parked(template_id)
         for record in self.templates.values():
             self._ensure_replicas(record)
@@ -646,10 +724,12 @@ class Router:
         if header.get("ok"):
             record.states[worker.name] = "ready"
             record.progress[worker.name] = record.steps
+            self._template_changed(record)
             self._dispatch_parked(record.template_id)
             return
         record.states[worker.name] = "failed"
         record.error = header.get("message", "recording failed")
         self._ensure_replicas(record)
+        self._template_changed(record)
         if record.status == "failed":
             self._fail_parked(record)

@@ -41,6 +41,7 @@ from retouch.editor import EditRequest, MaskAwareEditor, Template
 from retouch.engine import recipes
 from retouch.engine.metrics import RequestMetrics, WorkerMetrics, now
 from retouch.engine.processing import ReadyEdit, postprocess, prepare_recording, preprocess
+from retouch.engine.previews import LatentPreviewer
 from retouch.engine.schedulers import BatchScheduler
 from retouch.errors import RetouchError
 
@@ -71,6 +72,21 @@ class EditResult:
     recorded: str | None = None  # the template this request recorded as it ran (a one-off's first edit)
 
 
+@dataclass(frozen=True)
+class StepWatch:
+    """A request's progress as it denoises: `on_step(k)` after its step k (1..n, each once); with
+    `preview_every`, `on_preview(k, image)` after every that many steps before the last (a linear
+    latent->RGB picture of its latents, `retouch.previews`: no decoder runs)."""
+
+    on_step: Callable[[int], None] | None = None
+    preview_every: int = 0
+    on_preview: Callable[[int, Image.Image], None] | None = None
+
+    def __post_init__(self):
+        if self.preview_every < 0:
+            raise ValueError(f"preview_every must be >= 0, got {self.preview_every}")
+
+
 @dataclass(eq=False)
 class Job:
     """A request on its way through the engine: an edit (`request`), a template's recording
@@ -78,14 +94,14 @@ class Job:
 
     records:  with `recording`, whether its rows write the cache (False: a one-off edit computed in
               full while another request records the same image)
-    on_step:  told the number of denoising steps done after each step (recording progress)
+    watch:    what its owner is told as it denoises (`StepWatch`): each step, and previews
     """
 
     id: int
     request: EditRequest | None
     recording: Template | None = None
     records: bool = True
-    on_step: Callable[[int], None] | None = None
+    watch: StepWatch | None = None
     future: Future = field(default_factory=Future)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     ready: ReadyEdit | None = None
@@ -157,11 +173,12 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.stopping = False
         self._forward_s = self._inline_s = 0.0
+        self._previewer: LatentPreviewer | None = None
 
     @classmethod
     def new_job(cls, request: EditRequest | None, recording: Template | None = None, records: bool = True,
-                on_step: Callable[[int], None] | None = None) -> Job:
-        return Job(next(cls._ids), request, recording, records, on_step)
+                watch: StepWatch | None = None) -> Job:
+        return Job(next(cls._ids), request, recording, records, watch)
 
     # ---- the loop ----
 
@@ -258,8 +275,8 @@ class Worker:
                     self._fail(job, exc)
                     self.running.remove(job)
         for job in self.running:
-            if job.on_step is not None:
-                job.on_step(job.row.schedule.index)
+            if job.watch is not None:
+                self._tell(job)
 
     def _step_group(self, jobs: list[Job]) -> None:
         editor = self.editor
@@ -318,6 +335,25 @@ class Worker:
                 self.complete(job, image)
 
     # ---- helpers ----
+
+    def _preview(self, job: Job) -> Image.Image:
+        if self._previewer is None:  # fitted once, on the first preview anyone asks for
+            self._previewer = LatentPreviewer.fit(self.editor.pipe, self.editor.model.family)
+        return self._previewer.image(self.editor.pipe, job.row.latents, job.template.canvas)
+
+    def _tell(self, job: Job) -> None:
+        """Its watcher hears of the step (and sees a preview when one is due). A watcher's failure is
+        the watcher's: the edit goes on."""
+        watch, schedule = job.watch, job.row.schedule
+        try:
+            if watch.on_step is not None:
+                watch.on_step(schedule.index)
+            if (watch.on_preview is not None and watch.preview_every and not schedule.done
+                    and schedule.index % watch.preview_every == 0):
+                watch.on_preview(schedule.index, self._preview(job))
+        except Exception as exc:  # noqa: BLE001 - progress is best effort; the answer is not
+            self.metrics.watch_errors += 1
+            self.metrics.last_watch_error = f"{type(exc).__name__}: {exc}"
 
     def complete(self, job: Job, image: Image.Image) -> None:
         """Answer `job` (any thread: post-processing helpers answer from their receiver)."""

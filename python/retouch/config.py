@@ -188,6 +188,8 @@ class ServeOptions:
                                         "KEY`, and each key sees only its own templates (default: $RETOUCH_API_KEYS, "
                                         "comma-separated; neither: no keys)")
     docs: bool = option(True, help="serve /docs and /openapi.json (behind the API key when keys are set)")
+    playground: bool = option(True, help="serve the playground page at / (it holds no data; its requests carry "
+                                         "the API key typed into it)")
     max_prompt_chars: int = option(4000, help="longest prompt (characters); beyond it: 422")
     header_timeout_s: float = option(10.0, help="a client must send its request headers within this many seconds")
     body_timeout_s: float = option(120.0, help="... and its body within this many seconds after them")

@@ -4,6 +4,9 @@
     GET    /v1/templates[/{id}]   status and progress          DELETE /v1/templates/{id}
     POST   /v1/edits              template_id (or a one-off image) + mask + prompt -> PNG or b64_json
     GET    /v1/edits/{id}         an edit in flight (X-Request-Id): parked, queued, running step k of n
+    GET    /v1/edits/{id}/events  the same as Server-Sent Events, step by step (`retouch.http_events`;
+                                  POST /v1/edits with stream=true answers that way itself)
+    GET    /v1/templates/{id}/events  a template's recording as events    GET /v1/templates/{id}/image
     DELETE /v1/edits/{id}         cancel it
     POST   /v1/images/edits       the OpenAI Images API's edit form (alpha 0 = repaint)
     GET    /metrics  /healthz  /readyz
@@ -45,11 +48,14 @@ from PIL import Image
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from retouch import playground
 from retouch.canvas import Canvas
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import EditAnswer, EditTask, QueueFull, Router, TemplateRecord, Unavailable
 from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
+from retouch.http_events import HEADERS as EVENT_HEADERS
+from retouch.http_events import KEEPALIVE, KEEPALIVE_S, EventRelay, sse
 from retouch.images import ImageTooLarge, as_image, as_mask, decode_image, has_alpha, png_bytes
 from retouch.masks import FLUX_STRIDE, token_mask
 from retouch.serve_metrics import ServeMetrics
@@ -80,6 +86,7 @@ class Limits:
     max_prompt_chars: int = 4000  # longer prompts are refused (422) before any work
     api_keys: tuple[str, ...] = ()  # each key is a tenant; none: no authentication
     docs: bool = True  # /docs, /redoc, /openapi.json (behind the key when there are keys)
+    playground: bool = True  # the page at / (`retouch.playground`)
     # Connections (`http_connections.guarded_protocol`): request headers must arrive within
     # header_timeout_s, the body within body_timeout_s after them; at most max_connections open.
     header_timeout_s: float = 10.0
@@ -109,10 +116,12 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
-    def response(self) -> JSONResponse:
+    def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 # ---- middleware (plain ASGI rather than Starlette's BaseHTTPMiddleware, which hides a client's
@@ -259,6 +268,12 @@ class Form:
             raise ApiError(422, f"prompt is {len(prompt)} characters, over the limit of {max_chars}", "prompt",
                            "prompt_too_long")
         return prompt
+
+    def boolean(self, name: str) -> bool:
+        value = (self.text(name) or "false").strip().lower()
+        if value not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            raise ApiError(400, f"{name} must be true or false, got {value!r}", name)
+        return value in ("true", "1", "yes", "on")
 
     def integer(self, name: str, default: int | None, low: int, high: int) -> int | None:
         return self._parsed(name, int, "an integer", default, low, high)
@@ -477,6 +492,38 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             record = template_or_404(template_id, tenant)
         return record
 
+    @app.get("/v1/templates/{template_id}/image")
+    async def template_image(request: Request, template_id: str):
+        """The template's image as PNG (what every edit of it keeps outside its mask)."""
+        template_or_404(template_id, request.state.tenant)
+        return Response(await unchanged(template_id, None), media_type="image/png")
+
+    @app.get("/v1/templates/{template_id}/events")
+    async def template_events(request: Request, template_id: str):
+        """The template's recording as events (`retouch.http_events`): `template` at each change,
+        until it is ready, failed or deleted."""
+        template_or_404(template_id, request.state.tenant)
+        relay = EventRelay()
+        if not relay.watch(router, "template", template_id):
+            template_or_404("", request.state.tenant)  # deleted meanwhile: 404
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    event = await relay.next(KEEPALIVE_S)
+                    if event is None:
+                        yield KEEPALIVE
+                        continue
+                    name = event.pop("event")
+                    yield sse(name, event)
+                    # "pending": a one-off image nobody records now (its next edit will)
+                    if name == "deleted" or event.get("status") in ("ready", "failed", "pending"):
+                        return
+            finally:
+                relay.close()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=EVENT_HEADERS)
+
     @app.delete("/v1/templates/{template_id}")
     async def delete_template(request: Request, template_id: str):
         if not router.drop_template(template_id, request.state.tenant):
@@ -528,31 +575,42 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         return template_id, TemplateRecord(template_id, upload.data, upload.image.size, "", steps, 0, guidance,
                                            replicas=1, one_off=True, owner=tenant), steps
 
-    async def edit(request: Request, endpoint: str, template_id: str, one_off: TemplateRecord | None,
-                   steps: int, mask: Image.Image, prompt: str, seed: int, n: int = 1) -> list[bytes]:
-        """Run `n` edits (seeds seed, seed+1, ...) of a validated request, all or none; PNG bytes
-        each. A client that goes away cancels them: they leave their worker's batch at its next step."""
-        payload = await anyio.to_thread.run_sync(mask_payload, mask, steps)
-        if payload is None:  # nothing to repaint: the answer is the template itself
-            record = one_off if one_off is not None else router.templates.get(template_id)
-            if not record.one_off:
-                return [record.image] * n
-            # A one-off's image is the client's upload, in whatever format it came.
-            png = await anyio.to_thread.run_sync(lambda: png_bytes(as_image(decode_image(record.image, "image"))))
-            return [png] * n
+    async def unchanged(template_id: str, one_off: TemplateRecord | None) -> bytes:
+        """The answer to a mask that repaints nothing: the template itself, as PNG."""
+        record = one_off if one_off is not None else router.templates.get(template_id)
+        if not record.one_off:
+            return record.image
+        # A one-off's image is the client's upload, in whatever format it came.
+        return await anyio.to_thread.run_sync(lambda: png_bytes(as_image(decode_image(record.image, "image"))))
+
+    def accept(request: Request, template_id: str, one_off: TemplateRecord | None, mask: Image.Image,
+               payload: tuple[bytes, RequestLoad], prompt: str, seed: int, n: int = 1, preview_every: int = 0,
+               on_event=None) -> tuple[list[int], list]:
+        """`n` edits (seeds seed, seed+1, ...) to the router, all or none; they are in flight under
+        the request's X-Request-Id until the caller pops them. (ids, futures)."""
         mask_bytes, load = payload
-        tasks = [EditTask(template_id, mask_bytes, mask.size, prompt, seed + i, load) for i in range(n)]
-        started = time.perf_counter()
+        tasks = [EditTask(template_id, mask_bytes, mask.size, prompt, seed + i, load, preview_every) for i in range(n)]
         try:
-            ids, futures = router.submit_many(tasks, one_off)
+            ids, futures = router.submit_many(tasks, one_off, on_event)
         except QueueFull as exc:
             raise ApiError(429, f"server busy: {exc}; retry later", None, "queue_full", {"Retry-After": "1"}) from None
         except Unavailable as exc:
             raise ApiError(503, str(exc), None, "unavailable", {"Retry-After": "5"}) from None
         except KeyError:
             raise ApiError(404, f"template {template_id!r} was deleted", "template_id", "template_not_found") from None
+        in_flight[(request.state.tenant, request.state.request_id)] = ids
+        return ids, futures
+
+    async def edit(request: Request, endpoint: str, template_id: str, one_off: TemplateRecord | None,
+                   steps: int, mask: Image.Image, prompt: str, seed: int, n: int = 1) -> list[bytes]:
+        """Run `n` edits (seeds seed, seed+1, ...) of a validated request, all or none; PNG bytes
+        each. A client that goes away cancels them: they leave their worker's batch at its next step."""
+        payload = await anyio.to_thread.run_sync(mask_payload, mask, steps)
+        if payload is None:  # nothing to repaint: the answer is the template itself
+            return [await unchanged(template_id, one_off)] * n
+        started = time.perf_counter()
+        ids, futures = accept(request, template_id, one_off, mask, payload, prompt, seed, n)
         key = (request.state.tenant, request.state.request_id)
-        in_flight[key] = ids
         outcome = "error"
         try:
             answers = await answers_or_cancel(request, ids, futures)
@@ -565,9 +623,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             outcome = "client_gone"
             raise
         except EditFailed as failure:
-            failed = failure.answer
-            raise ApiError(failed.status, failed.message or "the edit failed", None,
-                           "cancelled" if failed.error == "Cancelled" else failed.error) from None
+            raise answer_error(failure.answer) from None
         finally:
             in_flight.pop(key, None)
             metrics.latency.labels(endpoint, outcome).observe(time.perf_counter() - started)
@@ -632,8 +688,14 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(400, "mask is required (a file field; white = repaint)", "mask")
         upload = form.file("image")
         image = None if upload is None else await read_upload(upload, "image", limits.max_pixels)
+        stream = form.boolean("stream")
+        preview_every = form.integer("preview_every", 0, 0, limits.max_steps)
+        if preview_every and not stream:
+            raise ApiError(400, "preview_every needs stream=true (previews are events of the stream)", "preview_every")
         mask = await read_mask_upload(mask_upload, limits.max_pixels)
         template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1)
+        if stream:
+            return await streamed_edit(request, template_id, one_off, steps, mask, prompt, seed, preview_every)
         [png] = await edit(request, "/v1/edits", template_id, one_off, steps, mask, prompt, seed)
         headers = {"X-Template-Id": template_id, "X-Request-Id": request.state.request_id}
         if response_format == "png":
@@ -671,6 +733,81 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             pngs = [await anyio.to_thread.run_sync(resized_png, png, target) for png in pngs]
         return b64_json_response({"created": int(time.time())}, pngs, {"X-Request-Id": request.state.request_id})
 
+    async def streamed_edit(request: Request, template_id: str, one_off: TemplateRecord | None, steps: int,
+                            mask: Image.Image, prompt: str, seed: int, preview_every: int) -> StreamingResponse:
+        """POST /v1/edits with stream=true: the edit's progress and then its image, as events
+        (`retouch.http_events`). Validation and admission errors were answered before: once the
+        stream starts, the edit was accepted, and a failure is an `error` event."""
+        payload = await anyio.to_thread.run_sync(mask_payload, mask, steps)
+        request_id, tenant = request.state.request_id, request.state.tenant
+        load = payload[1] if payload is not None else request_load(mask, steps)
+        ratio = round(load.masked_tokens / load.image_tokens, 4)
+        accepted = {"id": request_id, "template_id": template_id, "steps": steps, "mask_ratio": ratio,
+                    "masked_tokens": load.masked_tokens, "image_tokens": load.image_tokens}
+        headers = {**EVENT_HEADERS, "X-Template-Id": template_id, "X-Request-Id": request_id}
+        started = time.perf_counter()
+
+        def done(png_b64: bytes, metrics_json: dict) -> bytes:
+            return sse("done", {"id": request_id, "template_id": template_id, "b64_json": png_b64.decode(),
+                                "latency_s": round(time.perf_counter() - started, 3), "mask_ratio": ratio,
+                                "metrics": metrics_json})
+
+        if payload is None:  # nothing to repaint
+            png = await unchanged(template_id, one_off)
+
+            async def unchanged_events() -> AsyncIterator[bytes]:
+                yield sse("accepted", accepted)
+                yield done(await anyio.to_thread.run_sync(base64.b64encode, png), {})
+            return StreamingResponse(unchanged_events(), media_type="text/event-stream", headers=headers)
+
+        relay = EventRelay()
+        [router_id], [future] = accept(request, template_id, one_off, mask, payload, prompt, seed, 1, preview_every,
+                                       relay.tell_tagged)
+
+        async def events() -> AsyncIterator[bytes]:
+            outcome = "client_gone"  # until the stream ends otherwise: a client that leaves cancels it
+            deadline = time.monotonic() + limits.request_timeout_s
+            try:
+                yield sse("accepted", accepted)
+                while True:
+                    event = await relay.next(min(KEEPALIVE_S, deadline - time.monotonic()))
+                    if event is None:
+                        if time.monotonic() < deadline:
+                            yield KEEPALIVE
+                            continue
+                        router.cancel(router_id, "it timed out")
+                        outcome = "timeout"
+                        yield sse("error", {"status": 504, **ApiError(
+                            504, f"the edit took longer than {limits.request_timeout_s:.0f} s", None, "timeout").body()})
+                        return
+                    name = event.pop("event")
+                    event.pop("request", None)
+                    if name == "answered":
+                        break
+                    if name == "preview":
+                        image = await anyio.to_thread.run_sync(base64.b64encode, event["png"])
+                        yield sse("preview", {"step": event["step"], "image": image.decode()})
+                    elif name in ("parked", "queued", "step"):
+                        yield sse(name, event)
+                answer = await asyncio.wrap_future(future)
+                if answer.status == 200:
+                    outcome = "ok"
+                    yield done(await anyio.to_thread.run_sync(base64.b64encode, answer.png), answer.metrics)
+                else:
+                    outcome = "error"
+                    yield sse("error", {"status": answer.status, **answer_error(answer).body()})
+            finally:
+                if not future.done():
+                    router.cancel(router_id, "the client went away")
+                in_flight.pop((tenant, request_id), None)
+                metrics.latency.labels("/v1/edits", outcome).observe(time.perf_counter() - started)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    def answer_error(answer: EditAnswer) -> ApiError:
+        return ApiError(answer.status, answer.message or "the edit failed", None,
+                        "cancelled" if answer.error == "Cancelled" else answer.error)
+
     def edit_in_flight(request: Request, request_id: str) -> list[int]:
         ids = in_flight.get((request.state.tenant, request_id))
         if ids is None:
@@ -685,6 +822,42 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         ids = edit_in_flight(request, request_id)
         return {"id": request_id, "images": [router.request_status(i) or {"status": "done"} for i in ids]}
 
+    @app.get("/v1/edits/{request_id}/events")
+    async def edit_events(request: Request, request_id: str):
+        """An edit in flight as events (`retouch.http_events`), from where it is now: its first event
+        is its status (parked, queued, or running at step k), then steps, then done or error. With
+        n > 1 images, every event names its `image`."""
+        ids = edit_in_flight(request, request_id)
+        relay = EventRelay()
+        watched = [i for index, i in enumerate(ids) if relay.watch(router, "request", i, tag=index)]
+
+        async def events() -> AsyncIterator[bytes]:
+            remaining, statuses = set(watched), {}
+            try:
+                while remaining:
+                    event = await relay.next(KEEPALIVE_S)
+                    if event is None:
+                        yield KEEPALIVE
+                        continue
+                    name, index = event.pop("event"), event.pop("image")
+                    tag = {"image": index} if len(ids) > 1 else {}
+                    if name == "answered":
+                        remaining.discard(ids[index])
+                        statuses[index] = event["status"]
+                        if event["status"] != 200:
+                            failed = EditAnswer(None, event["status"], event["error"], event["message"])
+                            yield sse("error", {"status": event["status"], **tag, **answer_error(failed).body()})
+                        continue
+                    if name == "preview":
+                        event["image"] = (await anyio.to_thread.run_sync(base64.b64encode, event.pop("png"))).decode()
+                    yield sse(name, {**event, **tag})
+                ok = all(status == 200 for status in statuses.values())
+                yield sse("done", {"id": request_id, "status": 200 if ok else max(statuses.values(), default=200)})
+            finally:
+                relay.close()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=EVENT_HEADERS)
+
     @app.delete("/v1/edits/{request_id}")
     async def cancel_edit(request: Request, request_id: str):
         """Cancel an edit in flight: it leaves its worker's batch at the next step; its POST is answered
@@ -692,6 +865,17 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         ids = edit_in_flight(request, request_id)
         cancelled = [router.cancel(i, "DELETE /v1/edits") for i in ids]
         return {"id": request_id, "cancelled": any(cancelled)}
+
+    # ---- the playground (public: it holds no data; its requests carry the key the user types) ----
+
+    if limits.playground:
+        @app.get("/", include_in_schema=False)
+        async def playground_page():
+            return playground_asset("index.html")
+
+        @app.get("/playground/{name}", include_in_schema=False)
+        async def playground_file(name: str):
+            return playground_asset(name)
 
     # ---- operations ----
 
@@ -713,6 +897,14 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         return {"status": "ready", "workers": workers, "model": model}
 
     return app
+
+
+def playground_asset(name: str) -> Response:
+    found = playground.asset(name)
+    if found is None:
+        raise ApiError(404, f"no such file: {name!r}", "name")
+    content, media_type = found
+    return Response(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
 
 
 def read_mask(upload: Image.Image, alpha: bool = False) -> Image.Image:

@@ -93,7 +93,7 @@ class Server:
         self._await_workers(ready_timeout_s)
         limits = Limits(max_upload_bytes=int(opts.max_upload_mb * (1 << 20)), max_pixels=opts.max_pixels,
                         max_steps=opts.max_steps, default_steps=opts.steps, max_work=opts.max_work, api_keys=api_keys,
-                        docs=opts.docs, max_prompt_chars=opts.max_prompt_chars, header_timeout_s=opts.header_timeout_s,
+                        docs=opts.docs, playground=opts.playground, max_prompt_chars=opts.max_prompt_chars, header_timeout_s=opts.header_timeout_s,
                         body_timeout_s=opts.body_timeout_s, max_connections=opts.max_connections,
                         max_inflight_bytes=int(opts.max_inflight_mb * (1 << 20)))
         app = create_app(self.router, limits, opts.model)
