@@ -226,3 +226,53 @@ def test_one_off_images_are_bounded_by_evicting_the_least_recently_edited_idle_o
     assert router.snapshot()["counters"]["one_offs_evicted"] == 1
     w0.answer(running["request"])
     assert busy.result(TIMEOUT_S).status == 200
+
+
+def test_watchers_see_every_step_once_a_reroute_start_over_and_the_answer(context, make_router):
+    """Events of a watched request (what the SSE streams relay): parked until its template is ready,
+    queued, each step its worker reports; steps a dead worker sends after it was replaced are not
+    told; the answer ends them."""
+    router = make_router()
+    w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+    router.register_template(TemplateRecord("t1", b"png-of-template", (64, 64), "", 3, 0, None, 0))
+    seen: list[tuple[int, dict]] = []
+    [request], [future] = router.submit_many([task()], on_event=lambda rid, event: seen.append((rid, event)))
+    w0.register("t1")  # the parked edit goes to the first worker ready
+    assert w0.receive("edit")["request"] == request
+    w1.register("t1")
+    for step in (1, 2):
+        w0.send({"kind": "progress", "request": request, "step": step})
+    w0.sync()
+    late = []
+    assert router.watch("request", request, late.append) is not None
+    router.worker_exited("w0")
+    assert w1.receive("edit")["request"] == request
+    w0.send({"kind": "progress", "request": request, "step": 3})  # w0's last words: not this request's now
+    for step in (1, 2, 3):
+        w1.send({"kind": "progress", "request": request, "step": step})
+    w1.answer(request)
+    assert future.result(TIMEOUT_S).status == 200
+    events = [(e["event"], e.get("step", e.get("attempt"))) for rid, e in seen if rid == request]
+    assert events == [("parked", None), ("queued", 1), ("step", 1), ("step", 2), ("queued", 2),
+                                          ("step", 1), ("step", 2), ("step", 3), ("answered", None)]
+    # A watcher that comes later starts from where the request is (running at step 2 on w0).
+    assert [(e["event"], e.get("step")) for e in late][:2] == [("running", 2), ("queued", None)]
+    assert router.watch("request", request, late.append) is None  # answered: nothing to watch
+    assert not router._watchers  # nothing left behind
+
+
+def test_template_watchers_see_its_recording_to_the_end(context, make_router):
+    router = make_router()
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(TemplateRecord("t1", b"png-of-template", (64, 64), "", 3, 0, None, 0))
+    seen: list[dict] = []
+    stop = router.watch("template", "t1", seen.append)
+    assert w0.receive("register")["template"] == "t1"
+    for step in (1, 2, 3):
+        w0.send({"kind": "progress", "template": "t1", "step": step})
+    w0.send({"kind": "template", "template": "t1", "ok": True})
+    w0.sync()
+    assert [(e["status"], e["progress"]["step"]) for e in seen][-4:] == [
+        ("recording", 1), ("recording", 2), ("recording", 3), ("ready", 3)]
+    stop()
+    assert router.watch("template", "unknown", seen.append) is None and not router._watchers
