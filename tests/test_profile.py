@@ -22,7 +22,7 @@ QUICK = dict(grids="4,6,8", batch_sizes="1,2", mask_ratios="0.25,0.5,1.0", repea
 def test_profile_writes_a_cost_model_the_planner_reads(tmp_path, model, kinds):
     out = tmp_path / "cost.json"
     written = run_profile(ProfileOptions(model=model, out=out, **QUICK), torch.device("cpu"), torch.float32,
-                          command="test", progress=lambda message: None)
+                          command="test", progress=False)
     loaded = CostModel.from_json(out)
     assert loaded == written and loaded.model == model
     if kinds is not None:
@@ -51,7 +51,7 @@ def test_a_load_fit_that_does_not_grow_with_bytes_is_refused(tmp_path, monkeypat
     out = tmp_path / "cost.json"
     with pytest.raises(RetouchError, match="did not grow with bytes"):
         run_profile(ProfileOptions(model="tiny-flux-fill", out=out, **QUICK), torch.device("cpu"), torch.float32,
-                    command="test", progress=lambda message: None)
+                    command="test", progress=False)
     assert not out.exists()
 
 
@@ -72,7 +72,7 @@ def test_profile_cli_rejects_bad_input(cli, tmp_path):
 def test_overlap_bench_compares_every_variant_on_the_cpu(tmp_path):
     cost = tmp_path / "cost.json"
     run_profile(ProfileOptions(model="tiny-flux-fill", out=cost, **QUICK), torch.device("cpu"), torch.float32,
-                command="test", progress=lambda message: None)
+                command="test", progress=False)
     report = overlap.main(["--model", "tiny-flux-fill", "--device", "cpu", "--steps", "2", "--repeats", "1",
                            "--cost-model", str(cost), "--out", str(tmp_path / "overlap.json")])
     variants = {row["variant"]: row for row in report["results"]}

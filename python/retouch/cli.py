@@ -45,11 +45,13 @@ def cmd_edit(args) -> int:
         return _mask_aware_edit(opts, model, image, mask, loaded - started)
 
     from retouch.baseline import run_baseline_edit
+    from retouch.progress import pipeline_bar
 
-    edited = run_baseline_edit(
-        model.pipe, image, mask, opts.prompt, steps=opts.steps, seed=opts.seed, guidance=opts.guidance,
-        strength=opts.strength, call_defaults=model.call_defaults,
-        paste_back=opts.paste_back)
+    with pipeline_bar(model.pipe, "edit"):
+        edited = run_baseline_edit(
+            model.pipe, image, mask, opts.prompt, steps=opts.steps, seed=opts.seed, guidance=opts.guidance,
+            strength=opts.strength, call_defaults=model.call_defaults,
+            paste_back=opts.paste_back)
     finished = time.perf_counter()
     path = save_image(edited, opts.out)
     print(f"wrote {path} ({edited.width}x{edited.height}) with {model.name} on {model.pipe.device}: "
@@ -61,16 +63,19 @@ def _mask_aware_edit(opts: EditOptions, model, image, mask, load_seconds: float)
     """Register the image as a template (full compute, recorded), then edit it with the cache."""
     from retouch.editor import DEFAULT_STEPS, MaskAwareEditor
     from retouch.images import save_image
+    from retouch.progress import pipeline_bar
 
     if not opts.paste_back:
         raise RetouchError("--no-paste-back applies to the baseline edit; mask-aware edits keep unmasked pixels")
     editor = MaskAwareEditor(model, cache_mode=opts.cache_mode, dilation=opts.dilation, compile=opts.compile,
                              cuda_graphs=opts.cuda_graphs)
     started = time.perf_counter()
-    template_id = editor.register_template(image, prompt=opts.prompt, steps=opts.steps or DEFAULT_STEPS,
-                                           seed=opts.seed, guidance=opts.guidance)
+    with pipeline_bar(model.pipe, "register template"):
+        template_id = editor.register_template(image, prompt=opts.prompt, steps=opts.steps or DEFAULT_STEPS,
+                                               seed=opts.seed, guidance=opts.guidance)
     registered = time.perf_counter()
-    edited = editor.edit(template_id, mask, opts.prompt, seed=opts.seed)
+    with pipeline_bar(model.pipe, "edit"):
+        edited = editor.edit(template_id, mask, opts.prompt, seed=opts.seed)
     finished = time.perf_counter()
     path = save_image(edited, opts.out)
     print(f"wrote {path} ({edited.width}x{edited.height}) with {model.name}, mask-aware ({opts.cache_mode}-cache): "
@@ -86,7 +91,8 @@ def cmd_profile(args) -> int:
 
     opts = from_arguments(ProfileOptions, args)
     device, dtype = resolve_device(opts.device, opts.dtype)
-    model = run_profile(opts, torch.device(device), dtype, command="retouch profile " + " ".join(sys.argv[2:]))
+    model = run_profile(opts, torch.device(device), dtype, command="retouch profile " + " ".join(sys.argv[2:]),
+                        progress=True)
     print(json.dumps({"out": str(opts.out), "model": model.model, "device": model.device, "r2": model.r2_summary(),
                       "load_gbps": round(1e-9 / model.load.coef[0], 3) if model.load.coef[0] > 0 else None}))
     return 0

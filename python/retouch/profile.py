@@ -30,6 +30,7 @@ from retouch.costs import FEATURES, CostModel, RequestTokens, block_features, fi
 from retouch.masks import UNET_LATENT_STRIDE, centred_token_rectangle, pixel_mask_of_tokens, token_mask
 from retouch.models import build_denoiser, get_spec
 from retouch.models.inputs import random_flux_inputs, random_sd3_inputs, random_unet_inputs
+from retouch.progress import bar
 
 VARIANTS = {"full": None, "y": CacheMode.Y_CACHE, "kv": CacheMode.KV_CACHE}
 SD3_CLIP_TOKENS = 77  # SD3 puts the padded CLIP tokens before the T5 tokens
@@ -171,12 +172,15 @@ def fastest_seconds(run: Callable[[], None], repeats: int, device: torch.device)
     return min(seconds_of(run, device) for _ in range(repeats))
 
 
-def profile_blocks(target: Target, opts: ProfileOptions, device: torch.device, progress) -> tuple[list, dict]:
-    """Timed samples `{kind, variant, seconds, <features>}`, and bytes per token row per kind and name."""
+def profile_blocks(target: Target, opts: ProfileOptions, device: torch.device,
+                   progress: bool = False) -> tuple[list, dict]:
+    """Timed samples `{kind, variant, seconds, <features>}`, and bytes per token row per kind and name;
+    with `progress`, a bar on stderr over the (grid, batch size) points."""
     samples, row_bytes = [], {}
     points = [(side, batch) for side in opts.values("grids", int) for batch in opts.values("batch_sizes", int)]
-    for number, (side, batch) in enumerate(points, 1):
-        progress(f"[{number}/{len(points)}] {side}x{side} tokens, batch {batch}")
+    timed = bar(points, "profile blocks", unit="point", show=progress)
+    for side, batch in timed:
+        timed.set_postfix_str(f"{side}x{side} tokens, batch {batch}", refresh=False)
         captured, cache = target.record(batch, side, device)
         for kind, index in target.representative.items():
             args, kwargs = captured[index]
@@ -198,16 +202,18 @@ def profile_blocks(target: Target, opts: ProfileOptions, device: torch.device, p
 LOAD_REPEATS = 5  # copies take microseconds: more repeats cost nothing and keep noise out of the slope
 
 
-def profile_loads(opts: ProfileOptions, device: torch.device, progress) -> list[dict]:
-    """Seconds of the copy engine's host->device gather of `bytes` (rows of 4 KiB, one run of rows)."""
+def profile_loads(opts: ProfileOptions, device: torch.device, progress: bool = False) -> list[dict]:
+    """Seconds of the copy engine's host->device gather of `bytes` (rows of 4 KiB, one run of rows); with
+    `progress`, a bar on stderr over the sizes."""
     samples = []
     row = 4096
     largest = int(max(opts.values("load_mib")) * (1 << 20))
     arena = ops.HostArena(largest + row, 256, True)
     source = arena.tensor()
-    for mib in opts.values("load_mib"):
+    sizes = bar(opts.values("load_mib"), "profile loads", unit="size", show=progress)
+    for mib in sizes:
         rows = max(1, int(mib * (1 << 20)) // row)
-        progress(f"load {rows * row / (1 << 20):.2f} MiB")
+        sizes.set_postfix_str(f"{rows * row / (1 << 20):.2f} MiB", refresh=False)
         staging = torch.empty((rows, row), dtype=torch.uint8, device=device)
         src_offsets = torch.arange(rows, dtype=torch.long) * row
         dst_rows = torch.arange(rows, dtype=torch.long)
@@ -218,8 +224,11 @@ def profile_loads(opts: ProfileOptions, device: torch.device, progress) -> list[
 
 
 def run_profile(opts: ProfileOptions, device: torch.device, dtype: torch.dtype, command: str,
-                progress=lambda message: print(message, file=sys.stderr)) -> CostModel:
-    progress(f"building {opts.model} on {device} ({dtype})")
+                progress: bool = False) -> CostModel:
+    """Profile `opts.model`, write the cost model to `opts.out` and return it. With `progress` (as
+    `retouch profile` runs it), what is built and bars over the timed points and load sizes on stderr."""
+    if progress:
+        print(f"building {opts.model} on {device} ({dtype})", file=sys.stderr)
     target = build_target(opts.model, device, dtype)
     samples, row_bytes = profile_blocks(target, opts, device, progress)
     compute = {}
