@@ -55,6 +55,7 @@ import torch
 
 from retouch.bench.report import device_name, environment, pyplot, write_json
 from retouch.bench.timing import seconds_of
+from retouch.progress import bar, note
 
 # Heads per head_dim as in the models served: Flux 24 x 128, SDXL's first transformer level 10 x 64.
 HEADS_FOR_HEAD_DIM = {64: 10, 128: 24}
@@ -299,7 +300,7 @@ def check_against_reference(runs: dict[str, Callable[[], torch.Tensor]], q, k, v
             out = run()
         except Exception as error:  # one method failing at one point must not lose the sweep
             errors[name] = f"{type(error).__name__}: {error}"[:2000]
-            print(f"attention: {name} failed: {errors[name][:300]}", file=sys.stderr)
+            note(f"attention: {name} failed: {errors[name][:300]}")
             continue
         diffs[name] = (out.float() - oracle).abs().max().item()
     return diffs, tolerance, errors
@@ -471,12 +472,17 @@ def main(argv: list[str] | None = None) -> dict:
     if methods.flex_compile == "static":
         limits["recompile_limit"] = limits["accumulated_recompile_limit"] = 100_000
     results = []
+    points = sweep_points(config)
+    swept = bar(desc="attention: ragged vs baselines", total=len(points), unit="point")
     with dynamo_config.patch(**limits), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        for (tokens, scenario, query_lens), group in itertools.groupby(sweep_points(config), key=lambda p: p[0]):
+        for (tokens, scenario, query_lens), group in itertools.groupby(points, key=lambda p: p[0]):
             layout = make_layout(tokens, scenario, list(query_lens), device, methods.flex is not None)
             for _, head_dim in group:
                 results.append(bench_point(config, methods, layout, head_dim))
+                swept.set_postfix_str(point_label(results[-1]), refresh=False)
+                swept.update()
+    swept.close()
     report = {
         "benchmark": "ragged_attention",
         "environment": environment("attention", argv, device),

@@ -32,6 +32,7 @@ from retouch.engine.processing import postprocess, preprocess
 from retouch.engine.worker import MODES, EngineConfig
 from retouch.masks import FLUX_STRIDE
 from retouch.models import load_pipeline
+from retouch.progress import bar
 
 MASK_BETA = (1.9, 8.1)  # mean 0.19
 
@@ -59,18 +60,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     editor = MaskAwareEditor(load_pipeline(args.model, device=args.device))
     rng = random.Random(args.seed)
-    print(f"registering {args.templates} templates ({args.steps} steps, {args.size}px)", file=sys.stderr)
+    registering = bar(range(args.templates), f"register templates ({args.steps} steps, {args.size}px)",
+                      unit="template")
     template_ids = [editor.register_template(_template_image(rng, args.size), prompt=f"a scene {i}",
-                                             steps=args.steps, seed=i) for i in range(args.templates)]
+                                             steps=args.steps, seed=i) for i in registering]
     arrivals, requests, ratios = _workload(rng, args, template_ids)
     processing = _processing_costs(editor, requests[:5])
 
     modes = MODES if args.compare else (args.mode,)
     results = {}
+    runs = bar(desc=f"batching: {args.requests} requests at {args.rps} rps", total=len(modes), unit="mode")
     for mode in modes:
-        print(f"mode {mode}: {args.requests} requests at {args.rps} rps", file=sys.stderr)
+        runs.set_postfix_str(mode)  # shown while it runs: a mode takes at least requests / rps seconds
         config = EngineConfig(mode=mode, max_batch=args.max_batch, helpers=args.helpers)
         results[mode] = _run(Engine(editor, config, args.model), arrivals, requests)
+        runs.update()
+    runs.close()
 
     report = {"bench": "batching", "command": "retouch bench batching " + " ".join(argv if argv is not None
                                                                                   else sys.argv[1:]),

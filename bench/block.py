@@ -23,6 +23,7 @@ from retouch.bench.report import environment, mask_ratios, pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.models import get_spec
 from retouch.profile import VARIANTS, build_target
+from retouch.progress import bar
 
 PATCH_PIXELS = {"flux-fill": 16, "flux-inpaint": 16, "sd3": 16}  # pixels per token side; UNets: 8 (latent)
 MODES = {"y": "y-cache", "kv": "kv-cache"}
@@ -52,22 +53,23 @@ def main(argv: list[str] | None = None) -> dict:
     captured, cache = target.record(args.batch, side, device)
 
     results = []
-    for kind, index in target.representative.items():
+    points = bar([(kind, index, ratio) for kind, index in target.representative.items() for ratio in args.mask_ratios],
+                 "block: full vs y/kv-cache", unit="point")
+    for kind, index, ratio in points:
         block_args, block_kwargs = captured[index]
-        for ratio in args.mask_ratios:
-            runs = {"full": target.block_run(index, block_args, block_kwargs, None)}
-            for variant, name in MODES.items():
-                context = target.edit_context(VARIANTS[variant], args.batch, side, ratio, cache)
-                runs[name] = target.block_run(index, block_args, block_kwargs, context)
-            seconds = interleaved_medians(runs, args.repeats, device)
-            tokens = target.tokens(kind, side, ratio)
-            for name in MODES.values():
-                results.append({"kind": kind, "block": index, "mask_ratio": round(tokens.masked / tokens.image, 4),
-                                "mode": name, "masked_tokens": tokens.masked, "image_tokens": tokens.image,
-                                "full_s": seconds["full"], "mask_aware_s": seconds[name],
-                                "speedup": round(seconds["full"] / seconds[name], 3)})
-            print(f"{kind} m={results[-1]['mask_ratio']}: " + ", ".join(
-                f"{row['mode']} {row['speedup']}x" for row in results[-len(MODES):]), file=sys.stderr)
+        runs = {"full": target.block_run(index, block_args, block_kwargs, None)}
+        for variant, name in MODES.items():
+            context = target.edit_context(VARIANTS[variant], args.batch, side, ratio, cache)
+            runs[name] = target.block_run(index, block_args, block_kwargs, context)
+        seconds = interleaved_medians(runs, args.repeats, device)
+        tokens = target.tokens(kind, side, ratio)
+        for name in MODES.values():
+            results.append({"kind": kind, "block": index, "mask_ratio": round(tokens.masked / tokens.image, 4),
+                            "mode": name, "masked_tokens": tokens.masked, "image_tokens": tokens.image,
+                            "full_s": seconds["full"], "mask_aware_s": seconds[name],
+                            "speedup": round(seconds["full"] / seconds[name], 3)})
+        points.set_postfix_str(f"{kind} m={results[-1]['mask_ratio']}: " + ", ".join(
+            f"{row['mode']} {row['speedup']}x" for row in results[-len(MODES):]), refresh=False)
 
     report = {"bench": "block", **environment("block", argv, device), "model": args.model,
               "dtype": str(dtype).removeprefix("torch."), "resolution": resolution, "batch": args.batch,

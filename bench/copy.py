@@ -30,6 +30,7 @@ from retouch import ops
 from retouch.bench.report import pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.masks import centred_token_rectangle
+from retouch.progress import bar
 
 # name -> (hidden size, dtype) of a token row.
 ROW_SHAPES = {"flux": (3072, "bfloat16"), "sdxl": (640, "float16")}
@@ -103,29 +104,30 @@ def bench_row_shape(config: CopyBenchConfig, shape: str) -> list[dict]:
     memory = arena.tensor()
     memory.fill_(1)  # touch every page before timing
     staging = torch.empty(max_batch * tokens, hidden, dtype=dtype, device=config.device)
-    print(f"{shape}: {row_bytes} B rows, arena {arena.capacity >> 20} MiB (pinned={arena.pinned})", file=sys.stderr)
     # The baseline indexes the arena as rows; it can because each template starts on a row boundary.
     assert all(base % row_bytes == 0 for base in bases)
     arena_rows = memory[: arena.capacity // row_bytes * row_bytes].view(dtype).view(-1, hidden)
 
     results = []
-    for batch in config.batch_sizes:
-        for ratio in config.mask_ratios:
-            kept = unmasked_rows(tokens, ratio)
-            src_offsets = torch.cat([base + kept * row_bytes for base in bases[:batch]])
-            dst_rows = torch.cat([b * tokens + kept for b in range(batch)])
-            nbytes = len(src_offsets) * row_bytes
-            row = {"rows": shape, "row_bytes": row_bytes, "batch": batch,
-                   "mask_ratio": round(1 - len(kept) / tokens, 4), "bytes": nbytes,
-                   "runs": ops.row_runs(src_offsets, dst_rows, row_bytes)}
-            if cuda:
-                row.update(time_cuda(staging, memory, src_offsets, dst_rows, nbytes, config.repeats))
-            else:
-                row.update(time_cpu(staging, memory, arena_rows, src_offsets, dst_rows, row_bytes, config.repeats))
-            results.append(row)
-            print(f"  B={batch} m={row['mask_ratio']}: {row['runs']} runs, "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith(("gbps", "ratio"))
-                              and k != "mask_ratio"), file=sys.stderr)
+    points = bar([(batch, ratio) for batch in config.batch_sizes for ratio in config.mask_ratios],
+                 f"copy: {shape} ({row_bytes} B rows, {arena.capacity >> 20} MiB arena, pinned={arena.pinned})",
+                 unit="point")
+    for batch, ratio in points:
+        kept = unmasked_rows(tokens, ratio)
+        src_offsets = torch.cat([base + kept * row_bytes for base in bases[:batch]])
+        dst_rows = torch.cat([b * tokens + kept for b in range(batch)])
+        nbytes = len(src_offsets) * row_bytes
+        row = {"rows": shape, "row_bytes": row_bytes, "batch": batch,
+               "mask_ratio": round(1 - len(kept) / tokens, 4), "bytes": nbytes,
+               "runs": ops.row_runs(src_offsets, dst_rows, row_bytes)}
+        if cuda:
+            row.update(time_cuda(staging, memory, src_offsets, dst_rows, nbytes, config.repeats))
+        else:
+            row.update(time_cpu(staging, memory, arena_rows, src_offsets, dst_rows, row_bytes, config.repeats))
+        results.append(row)
+        points.set_postfix_str(f"B={batch} m={row['mask_ratio']}: {row['runs']} runs, " + ", ".join(
+            f"{k} {v:.2f}" for k, v in row.items() if k.endswith(("gbps", "ratio")) and k != "mask_ratio"),
+            refresh=False)
     return results
 
 

@@ -25,6 +25,7 @@ from PIL import Image, ImageDraw
 from retouch.cache import CacheStore, StoreConfig
 from retouch.editor import CACHE_MODES, load
 from retouch.masks import centred_token_rectangle, pixel_mask_of_tokens
+from retouch.progress import bar
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -72,10 +73,13 @@ def main(argv: list[str] | None = None) -> dict:
     template = template_image(args.size)
     grid = (args.size // 16, args.size // 16)
     results = []
-    for mode, cache_dtype in [(m, d) for m in CACHE_MODES for d in args.cache_dtypes.split(",")]:
+    settings = [(m, d) for m in CACHE_MODES for d in args.cache_dtypes.split(",")]
+    ratios = [float(r) for r in args.ratios.split(",")]
+    points = bar(desc="fidelity: mask-aware vs full compute", total=len(settings) * len(ratios), unit="point")
+    for mode, cache_dtype in settings:
         editor = load(args.model, cache_mode=mode, cache=CacheStore(StoreConfig(host_bytes=1 << 30, dtype=cache_dtype)))
         template_id = editor.register_template(template, prompt="a sunny landscape", steps=args.steps, seed=0)
-        for ratio in [float(r) for r in args.ratios.split(",")]:
+        for ratio in ratios:
             tokens = centred_token_rectangle(grid, ratio)
             mask = pixel_mask_of_tokens(tokens, grid, 16)
             edited = np.asarray(editor.edit(template_id, mask, "a red hot-air balloon", seed=7))
@@ -88,8 +92,11 @@ def main(argv: list[str] | None = None) -> dict:
                 "psnr_masked_db": round(psnr(edited[inside], full[inside]), 2),
                 "unmasked_equal_template": bool(np.array_equal(edited[~inside], np.asarray(template)[~inside])),
             })
-            print(json.dumps(results[-1]), file=sys.stderr)
+            points.set_postfix_str(f"{mode}-cache {cache_dtype} m={results[-1]['mask_ratio']}: "
+                                   f"{results[-1]['psnr_db']} dB", refresh=False)
+            points.update()
         editor.adapter.unpatch()
+    points.close()
     report = {"bench": "fidelity", "command": "retouch bench fidelity " + " ".join(argv if argv is not None else sys.argv[1:]),
               "model": args.model, "steps": args.steps, "size": args.size,
               "note": "random weights: consistency with full compute, not image quality", "results": results}

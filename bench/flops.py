@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import torch
 
@@ -19,6 +18,7 @@ from retouch.adapters import MaskAwareContext
 from retouch.bench.step import MODES, TEXT_TOKENS, flux_setup
 from retouch.flops import count_flops, flux_forward_macs
 from retouch.masks import centred_token_rectangle
+from retouch.progress import bar
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -33,17 +33,18 @@ def main(argv: list[str] | None = None) -> dict:
     full_flops, _ = count_flops(transformer, inputs)
     full_theory = flux_forward_macs(transformer.config, num_text, num_image, num_image, None)
     results = []
-    for ratio in [float(r) for r in args.ratios.split(",")]:
+    points = bar([(float(ratio), mode) for ratio in args.ratios.split(",") for mode in MODES],
+                 "flops: mask-aware vs full", unit="point")
+    for ratio, mode in points:
         masked = centred_token_rectangle(grid, ratio)
-        for mode, cache_mode in MODES.items():
-            context = MaskAwareContext.edit(cache_mode, [masked], ["template"], [0], num_text, num_image, cache)
-            with adapter.run(context):
-                flops, _ = count_flops(transformer, inputs)
-            theory = flux_forward_macs(transformer.config, num_text, num_image, len(masked), cache_mode) / full_theory
-            results.append({"mask_ratio": round(len(masked) / num_image, 4), "mode": mode, "flops": flops,
-                            "flops_ratio": round(flops / full_flops, 4), "theory": round(theory, 4)})
-            print(f"m={results[-1]['mask_ratio']} {mode}: {results[-1]['flops_ratio']} (theory {results[-1]['theory']})",
-                  file=sys.stderr)
+        context = MaskAwareContext.edit(MODES[mode], [masked], ["template"], [0], num_text, num_image, cache)
+        with adapter.run(context):
+            flops, _ = count_flops(transformer, inputs)
+        theory = flux_forward_macs(transformer.config, num_text, num_image, len(masked), MODES[mode]) / full_theory
+        results.append({"mask_ratio": round(len(masked) / num_image, 4), "mode": mode, "flops": flops,
+                        "flops_ratio": round(flops / full_flops, 4), "theory": round(theory, 4)})
+        points.set_postfix_str(f"m={results[-1]['mask_ratio']} {mode}: {results[-1]['flops_ratio']} "
+                               f"(theory {results[-1]['theory']})", refresh=False)
     report = {"bench": "flops", "model": args.model, "image_tokens": num_image, "text_tokens": num_text,
               "full_flops": full_flops, "results": results}
     print(json.dumps(report))

@@ -32,6 +32,7 @@ from retouch.editor import PLANNERS, EditRequest, MaskAwareEditor
 from retouch.masks import FLUX_STRIDE, UNET_LATENT_STRIDE, centred_token_rectangle, pixel_mask_of_tokens
 from retouch.models import get_spec
 from retouch.models.loading import load_for_bench
+from retouch.progress import bar, pipeline_bar
 
 MODES = {"y": "y-cache", "kv": "kv-cache"}
 TRANSFORMER_FAMILIES = ("flux-fill", "flux-inpaint", "sd3")
@@ -68,9 +69,9 @@ def main(argv: list[str] | None = None) -> dict:
     cost_model = workload.load_cost_model(args.cost_model, model.name)
     store = CacheStore(StoreConfig(host_bytes=_host_bytes(args, model, resolution)))
     editor = MaskAwareEditor(model, cache=store, cache_mode="kv", cost_model=cost_model, planner=args.planner)
-    print(f"registering the template ({args.steps} steps, {resolution}px)", file=sys.stderr)
-    template_id = editor.register_template(workload.template_image(np.random.default_rng(0), resolution),
-                                           prompt="a living room", steps=args.steps)
+    with pipeline_bar(model.pipe, f"image: register template ({resolution}px)"):
+        template_id = editor.register_template(workload.template_image(np.random.default_rng(0), resolution),
+                                               prompt="a living room", steps=args.steps)
     print(f"template: {store.nbytes(template_id) / 2**30:.2f} GiB in host memory (pinned={store.arena.pinned})",
           file=sys.stderr)
 
@@ -83,6 +84,10 @@ def main(argv: list[str] | None = None) -> dict:
             template_id, pixel_mask_of_tokens(tokens, grid, stride), "a red sofa", seed=1)
 
     results = []
+    # Every edit this loop runs: per mode the planner's one per ratio, then each timed run's warm-up and repeats.
+    planned = len(requests) if cost_model is not None else 0
+    edits = bar(desc="image: diffusers vs mask-aware", total=len(modes) * (planned + (1 + len(requests)) *
+                                                                           (args.repeats + 1)), unit="edit")
     for mode in modes:
         editor.switch_cache_mode(mode)
         runs = {"full": functools.partial(editor.edit_many, [next(iter(requests.values()))], full_compute=True)}
@@ -91,16 +96,18 @@ def main(argv: list[str] | None = None) -> dict:
             runs[ratio] = functools.partial(editor.edit_many, [request])
             if cost_model is not None:
                 editor.edit_many([request])  # the planner's choice for this mask, kept as last_plan
+                edits.update()
                 plans[ratio] = "".join("c" if cached else "f" for cached in editor.last_plan.use_cache)
-        seconds = interleaved_medians(runs, args.repeats, device)
+        seconds = interleaved_medians(runs, args.repeats, device, progress=edits)
         for ratio in requests:
             row = {"mask_ratio": ratio, "mode": MODES[mode], "full_s": seconds["full"],
                    "mask_aware_s": seconds[ratio], "speedup": round(seconds["full"] / seconds[ratio], 3)}
             if ratio in plans:
                 row["plan"] = plans[ratio]
             results.append(row)
-            print(f"{MODES[mode]} m={ratio}: {row['mask_aware_s']:.3f} s vs {row['full_s']:.3f} s full, "
-                  f"{row['speedup']}x", file=sys.stderr)
+        speedups = [row["speedup"] for row in results[-len(requests):]]
+        edits.set_postfix_str(f"{MODES[mode]} {min(speedups)}x..{max(speedups)}x", refresh=False)
+    edits.close()
 
     report = {"bench": "image", "model": args.model, **environment("image", argv, device),
               "dtype": str(dtype).removeprefix("torch."), "resolution": resolution, "steps": args.steps,

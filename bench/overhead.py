@@ -29,6 +29,7 @@ from retouch.bench.report import environment, mask_ratios, pyplot, write_json
 from retouch.host_syncs import counting_host_syncs
 from retouch.models import build_denoiser
 from retouch.profile import VARIANTS, build_target
+from retouch.progress import bar
 
 OP_NAMESPACES = ("aten::", "retouch::")
 MASK_AWARE = ("y", "kv")
@@ -63,18 +64,20 @@ def main(argv: list[str] | None = None) -> dict:
     forwards = {name: Forward(target, inputs, cache, args, variant) for name, variant in variants.items()}
     if args.compile:
         forwards.update(compiled_forwards(args, device, variants))
-    print(f"timing {len(forwards)} variants", file=sys.stderr)
-    seconds = interleaved_host_medians({name: forward.run for name, forward in forwards.items()}, args.repeats,
-                                       device)
+    with bar(desc="overhead: host time per forward", total=len(forwards) * (args.repeats + 1),
+             unit="forward") as timed:
+        seconds = interleaved_host_medians({name: forward.run for name, forward in forwards.items()}, args.repeats,
+                                           device, progress=timed)
     blocks = target.adapter.num_blocks
     rows = []
-    for name, forward in forwards.items():
+    counted = bar(forwards.items(), "overhead: ops and host syncs per forward", total=len(forwards), unit="variant")
+    for name, forward in counted:
         ops = count_ops(forward.run)
         syncs = forward.count_syncs()
         rows.append({"variant": name, "compiled": forward.compiled, "host_ms": 1e3 * seconds[name], "ops": ops,
                      "ops_per_block": ops / blocks, "host_syncs": syncs})
-        print(f"  {name:>16}: {1e3 * seconds[name]:8.2f} ms, {ops:5d} ops ({ops / blocks:5.1f} per block), "
-              f"{syncs} syncs", file=sys.stderr)
+        counted.set_postfix_str(f"{name}: {1e3 * seconds[name]:.2f} ms, {ops} ops ({ops / blocks:.1f} per block), "
+                                f"{syncs} syncs", refresh=False)
     report = {**environment("overhead", argv, device), "model": args.model, "blocks": blocks, "grid": args.grid,
               "text_tokens": args.text_tokens, "batch": args.batch, "results": rows, "summary": summary(rows)}
     if args.out:
@@ -127,20 +130,24 @@ def compiled_forwards(args, device: torch.device, variants: dict) -> dict[str, F
     _, cache = target.record(args.batch, args.grid, device)
     target.adapter.compile()
     forwards = {}
+    compiling = bar(desc="overhead: compile", total=len(variants), unit="variant")
     for name, variant in variants.items():
         forward = Forward(target, inputs, cache, args, variant, denoiser=stock if variant is None else None,
                           compiled=True)
         label = "full compiled (stock)" if variant is None else f"{name} compiled"
-        print(f"compiling {label}", file=sys.stderr)
+        compiling.set_postfix_str(label)  # shown while it compiles: a compile takes seconds
         forward.run()
         forwards[label] = forward
+        compiling.update()
+    compiling.close()
     return forwards
 
 
-def interleaved_host_medians(runs: dict[str, Callable[[], None]], repeats: int,
-                             device: torch.device) -> dict[str, float]:
+def interleaved_host_medians(runs: dict[str, Callable[[], None]], repeats: int, device: torch.device,
+                             progress=None) -> dict[str, float]:
     """Median host seconds of each run, round-robin after one warm-up each: from the call to its return,
-    the device idle at the start (on CUDA the kernels may still run after it: that is device time)."""
+    the device idle at the start (on CUDA the kernels may still run after it: that is device time).
+    `progress`: a bar advanced once per call, outside the timed region."""
     def host_seconds(run) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -150,10 +157,14 @@ def interleaved_host_medians(runs: dict[str, Callable[[], None]], repeats: int,
 
     for run in runs.values():
         host_seconds(run)
+        if progress is not None:
+            progress.update()
     samples = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             samples[name].append(host_seconds(run))
+            if progress is not None:
+                progress.update()
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

@@ -32,6 +32,7 @@ from retouch.bench.timing import interleaved_medians
 from retouch.cache import CacheStore, StoreConfig
 from retouch.cache.staging import CopyEngine, StagedActivations
 from retouch.masks import centred_token_rectangle
+from retouch.progress import bar
 
 MODES = {"y": CacheMode.Y_CACHE, "kv": CacheMode.KV_CACHE}
 RECORDED = {"y": ("out",), "kv": None}
@@ -97,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "full": lambda: _full_image(transformer, inputs, args.steps)}
         if plan is not None:
             runs["planned"] = functools.partial(image, staged(plan))
-        seconds = interleaved_medians(runs, args.repeats, device)
+        with bar(desc="overlap: host cache vs ideal", total=len(runs) * (args.repeats + 1), unit="image") as images:
+            seconds = interleaved_medians(runs, args.repeats, device, progress=images)
 
     ideal = seconds["ideal"]
     results = [{"variant": name, "image_s": value, "vs_ideal": round(value / ideal, 4),

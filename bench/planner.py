@@ -29,6 +29,7 @@ import numpy as np
 
 from retouch.bench.report import pyplot, write_json
 from retouch.planner import TIE_RTOL, BlockCosts, algorithm1, brute_force, optimal_plan, simulate
+from retouch.progress import bar
 
 FLUX_BLOCKS = (("double", 19), ("single", 38))
 MATCH_RTOL = 1e-9  # Algorithm 1 "matches" when its plan is this close to the optimum
@@ -77,7 +78,7 @@ def compare(instances: list[tuple[BlockCosts, str]]) -> tuple[list[dict], list[f
     """Per instance: Algorithm 1's relative excess latency over brute force's optimum, whether the exact
     DP matched brute force; and the exact DP's planning seconds."""
     rows, plan_seconds = [], []
-    for index, (costs, regime) in enumerate(instances):
+    for costs, regime in bar(instances, "planner: Algorithm 1 and DP vs brute force", unit="instance"):
         best = brute_force(costs)
         plan_seconds.append(best_of(optimal_plan, costs))
         exact = optimal_plan(costs)
@@ -86,8 +87,6 @@ def compare(instances: list[tuple[BlockCosts, str]]) -> tuple[list[dict], list[f
                      "exact": abs(exact.latency_s - best.latency_s) <= TIE_RTOL * best.latency_s,
                      "fewest_cached": exact.num_cached == best.num_cached,
                      "algo1_gap": (greedy - best.latency_s) / best.latency_s})
-        if (index + 1) % 50 == 0:
-            print(f"{index + 1}/{len(instances)} compared", file=sys.stderr)
     return rows, plan_seconds
 
 

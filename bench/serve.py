@@ -46,6 +46,7 @@ from PIL import Image, ImageDraw
 
 from retouch.bench.report import pyplot, write_json
 from retouch.images import png_bytes
+from retouch.progress import bar
 
 # Mask area ratio ~ Beta(a, b). "public" equals bench/batching.py's MASK_BETA (not imported: that module
 # loads torch and the engine, which a load generator does not need).
@@ -327,12 +328,13 @@ async def _drive(args) -> tuple[dict, list[Outcome], float, list[float], tuple |
               + (f"{args.rps} rps" if args.rps else "closed loop"), file=sys.stderr)
         stock = StockTimer(args, template) if args.stock_model is not None else None
         outcomes, wall_s = await _send_all(client, args, template["id"], specs, offsets,
-                                           None if stock is None else stock.after)
+                                           None if stock is None else stock.after, desc="serve: edits")
         with_registrations = None
         if args.registrations:
             print(f"serve: the same load again while {args.registrations} templates register", file=sys.stderr)
             registering = asyncio.create_task(_register_in_turn(client, args))
-            beside, _ = await _send_all(client, args, template["id"], edit_specs(args, template, phase=1), offsets)
+            beside, _ = await _send_all(client, args, template["id"], edit_specs(args, template, phase=1), offsets,
+                                        desc="serve: edits while registering")
             with_registrations = (beside, await registering)
     return template, outcomes, wall_s, ratios, with_registrations, stock
 
@@ -398,10 +400,10 @@ async def _get_template(client, template_id: str) -> dict:
 
 
 async def _send_all(client, args, template_id: str, specs: list[EditSpec], offsets: list[float],
-                    after=None) -> tuple[list[Outcome], float]:
+                    after=None, desc: str = "serve: edits") -> tuple[list[Outcome], float]:
     """`after(spec, outcome)`, when given, runs once each answer is in and before its slot frees."""
     slots = asyncio.Semaphore(args.concurrency)
-    progress = _Progress(len(specs))
+    progress = _Progress(len(specs), desc)
     start = time.perf_counter()
 
     async def send(index: int) -> Outcome:
@@ -412,7 +414,7 @@ async def _send_all(client, args, template_id: str, specs: list[EditSpec], offse
                 after(specs[index], outcome)
         finally:
             slots.release()
-        progress.record(outcome, time.perf_counter() - start)
+        progress.record(outcome)
         return outcome
 
     tasks = []
@@ -422,7 +424,10 @@ async def _send_all(client, args, template_id: str, specs: list[EditSpec], offse
             await asyncio.sleep(delay)  # open-loop arrivals
         await slots.acquire()  # the cap on requests in flight; released when the answer is read
         tasks.append(asyncio.create_task(send(index)))
-    outcomes = await asyncio.gather(*tasks)
+    try:
+        outcomes = await asyncio.gather(*tasks)
+    finally:
+        progress.close()
     return list(outcomes), time.perf_counter() - start
 
 
@@ -463,18 +468,20 @@ def _error_message(response) -> str:
 
 
 class _Progress:
-    """A line on stderr every tenth of the requests."""
+    """A bar on stderr over the answered requests, with how many were ok, errors and lost so far."""
 
-    def __init__(self, total: int):
-        self.total, self.every = total, max(1, total // 10)
+    def __init__(self, total: int, desc: str):
+        self.bar = bar(desc=desc, total=total, unit="edit")
         self.counts = Counter()
 
-    def record(self, outcome: Outcome, elapsed_s: float) -> None:
+    def record(self, outcome: Outcome) -> None:
         self.counts["ok" if outcome.ok else "lost" if outcome.lost_reason else "errors"] += 1
-        done = sum(self.counts.values())
-        if done % self.every == 0 or done == self.total:
-            print(f"serve: {done}/{self.total} done (ok {self.counts['ok']}, errors {self.counts['errors']}, "
-                  f"lost {self.counts['lost']}) after {elapsed_s:.1f} s", file=sys.stderr)
+        self.bar.set_postfix_str(f"ok {self.counts['ok']}, errors {self.counts['errors']}, "
+                                 f"lost {self.counts['lost']}", refresh=False)
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _percentile(values: list[float], q: float) -> float | None:

@@ -59,6 +59,7 @@ from retouch.engine.api import Engine
 from retouch.engine.metrics import now
 from retouch.engine.simulate import MASK_BETA
 from retouch.engine.worker import EngineConfig
+from retouch.progress import bar
 
 SYSTEMS = ("retouch", "diffusers")
 
@@ -82,8 +83,6 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(exc))
 
     editors = [workload.load_editor(args, device) for device in devices]
-    print(f"registering {args.templates} templates ({args.steps} steps, {args.size}px) on {len(editors)} "
-          "device(s)", file=sys.stderr)
     template_ids = [workload.register_templates(editor, args) for editor in editors]
     assert all(ids == template_ids[0] for ids in template_ids), "template ids are digests of the same inputs"
     template_ids = template_ids[0]
@@ -101,17 +100,18 @@ def main(argv: list[str] | None = None) -> dict:
         for name, system in systems.items():
             print(f"warming up {name}", file=sys.stderr)
             _warm_up(system, warm_up)
+        runs = bar(desc="serving: retouch vs diffusers", total=len(points) * len(systems), unit="run")
         for rps, arrivals, edits in points:
             row = {"rps": rps, "requests": len(edits), "arrival_span_s": arrivals[-1],
                    "mean_mask_ratio": statistics.fmean(edit.mask_ratio for edit in edits)}
             for name, system in systems.items():
+                runs.set_postfix_str(f"{rps:g} rps {name}")  # shown while it runs: a run lasts requests / rps
                 row[name] = _drive(system, arrivals, edits)
-                print(f"{rps:g} rps {name}: mean {_fmt(row[name]['mean_s'])} s, p95 {_fmt(row[name]['p95_s'])} s, "
-                      f"batch {row[name]['mean_batch_size']:.2f}, ok {row[name]['ok']}/{len(edits)}",
-                      file=sys.stderr)
+                runs.update()
             row["mean_speedup"] = _ratio(row["diffusers"]["mean_s"], row["retouch"]["mean_s"])
             row["p95_speedup"] = _ratio(row["diffusers"]["p95_s"], row["retouch"]["p95_s"])
             results.append(row)
+        runs.close()
 
     report = {"bench": "serving", **environment("serving", argv, devices[0]), "model": args.model,
               "dtype": args.dtype, "size": args.size, "steps": args.steps, "templates": args.templates,
@@ -291,10 +291,6 @@ def _drive(system, arrivals: list[float], edits: list[workload.SyntheticEdit]) -
 
 def _ratio(baseline: float | None, ours: float | None) -> float | None:
     return None if baseline is None or not ours else baseline / ours
-
-
-def _fmt(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:.3g}"
 
 
 def _plot(report: dict, out: Path) -> None:

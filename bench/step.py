@@ -28,6 +28,7 @@ from retouch.cache import InMemoryActivationCache
 from retouch.masks import centred_token_rectangle
 from retouch.models import build_denoiser, get_spec
 from retouch.models.inputs import random_flux_inputs
+from retouch.progress import bar
 
 MODES = {"y-cache": CacheMode.Y_CACHE, "kv-cache": CacheMode.KV_CACHE}
 TEXT_TOKENS = {"tiny-flux-fill": 32, "flux-small": 64, "flux-size": 512}  # max_sequence_length
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
     num_image = grid[0] * grid[1]
     results = []
     with torch.inference_mode():
-        for ratio in [float(r) for r in args.ratios.split(",")]:
+        ratios = bar([float(r) for r in args.ratios.split(",")], "step: full vs y/kv-cache", unit="ratio")
+        for ratio in ratios:
             masked = centred_token_rectangle(grid, ratio)
             runs = {"full": lambda: full(**inputs)}
             for mode, cache_mode in MODES.items():
@@ -94,8 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
                 results.append({"mask_ratio": round(len(masked) / num_image, 4), "mode": mode,
                                 "masked_tokens": len(masked), "full_s": seconds["full"],
                                 "mask_aware_s": seconds[mode], "speedup": round(seconds["full"] / seconds[mode], 3)})
-            print(f"m={results[-1]['mask_ratio']}: " + ", ".join(f"{row['mode']} {row['speedup']}x"
-                                                              for row in results[-2:]), file=sys.stderr)
+            ratios.set_postfix_str(f"m={results[-1]['mask_ratio']}: " + ", ".join(
+                f"{row['mode']} {row['speedup']}x" for row in results[-2:]), refresh=False)
 
     report = {"bench": "step", "command": "retouch bench step " + " ".join(argv if argv is not None else sys.argv[1:]),
               "model": args.model, "device": str(device), "compiled": args.compile,

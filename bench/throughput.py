@@ -36,6 +36,7 @@ from retouch.bench import workload
 from retouch.bench.report import environment, pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.engine.simulate import MASK_BETA
+from retouch.progress import bar
 
 SYSTEMS = ("retouch", "diffusers")
 
@@ -56,18 +57,19 @@ def main(argv: list[str] | None = None) -> dict:
 
     device = torch.device(args.device)
     editor = workload.load_editor(args, device)
-    print(f"registering {args.templates} templates ({args.steps} steps, {args.size}px)", file=sys.stderr)
     template_ids = workload.register_templates(editor, args)
     rng = np.random.default_rng([args.seed, 1])
     ratios = workload.mask_ratios(rng, max(args.batch_sizes), args.mask_dist, args.mask_ratio)
     edits = workload.synthetic_edits(rng, template_ids, ratios, args.size, workload.token_stride(editor))
 
     results = []
+    batches = bar(desc="throughput: retouch vs diffusers", unit="batch",
+                  total=len(args.batch_sizes) * len(SYSTEMS) * (args.repeats + 1))
     for batch_size in args.batch_sizes:
         requests = [edit.request for edit in edits[:batch_size]]
         seconds = interleaved_medians({"retouch": functools.partial(editor.edit_many, requests),
                                        "diffusers": functools.partial(editor.edit_many, requests, full_compute=True)},
-                                      args.repeats, device)
+                                      args.repeats, device, progress=batches)
         rates = {system: batch_size / seconds[system] for system in SYSTEMS}
         row = {"batch_size": batch_size,
                "mean_mask_ratio": statistics.fmean(edit.mask_ratio for edit in edits[:batch_size]),
@@ -77,8 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
         if editor.last_plan is not None:
             row["cached_blocks"] = editor.last_plan.num_cached  # the planner's choice for this batch
         results.append(row)
-        print(f"batch {batch_size}: retouch {rates['retouch']:.3g} images/s, diffusers {rates['diffusers']:.3g} "
-              f"images/s, {row['speedup']:.2f}x", file=sys.stderr)
+        batches.set_postfix_str(f"batch {batch_size}: {row['speedup']:.2f}x", refresh=False)
+    batches.close()
 
     report = {"bench": "throughput", **environment("throughput", argv, device), "model": args.model,
               "dtype": args.dtype, "size": args.size, "steps": args.steps, "templates": args.templates,

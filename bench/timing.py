@@ -24,12 +24,21 @@ def seconds_of(run: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - started
 
 
-def interleaved_medians(runs: dict[str, Callable[[], None]], repeats: int, device: torch.device) -> dict[str, float]:
-    """Median seconds of each run, timed round-robin after one warm-up each."""
+def interleaved_medians(runs: dict[str, Callable[[], None]], repeats: int, device: torch.device,
+                        progress=None) -> dict[str, float]:
+    """Median seconds of each run, timed round-robin after one warm-up each. `progress`: a bar
+    (`retouch.progress.bar`) advanced once per call, outside the timed region: len(runs) * (repeats + 1)."""
     for run in runs.values():
         seconds_of(run, device)
+        _advance(progress)
     samples = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             samples[name].append(seconds_of(run, device))
+            _advance(progress)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _advance(progress) -> None:
+    if progress is not None:
+        progress.update()

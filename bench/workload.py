@@ -25,6 +25,7 @@ from retouch.engine.simulate import MASK_BETA
 from retouch.models import get_spec
 from retouch.models.loading import load_for_bench
 from retouch.models.registry import is_builtin
+from retouch.progress import bar
 
 GiB = 1 << 30
 DTYPES = ("float32", "bfloat16", "float16")
@@ -120,7 +121,8 @@ def register_templates(editor: MaskAwareEditor, args: argparse.Namespace) -> lis
     eviction would make an edit record its template again, inside the timed region)."""
     rng = np.random.default_rng(args.seed)
     template_ids = []
-    for index in range(args.templates):
+    for index in bar(range(args.templates), f"register templates ({args.steps} steps, {args.size}px, {editor.device})",
+                     unit="template"):
         try:
             template_ids.append(editor.register_template(template_image(rng, args.size), prompt=f"a scene {index}",
                                                          steps=args.steps, seed=index))
