@@ -7,7 +7,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 TINY_MODELS = ["tiny-flux-fill", "tiny-flux-inpaint", "tiny-sd3-inpaint", "tiny-sdxl-inpaint", "tiny-sd2-inpaint"]
-BENCH_SPECS = ["flux-small", "flux-size", "sd3-size", "sdxl-size", "sd2-size"]
+BENCH_SPECS = ["flux-small", "flux-demo", "flux-size", "sd3-size", "sdxl-size", "sd2-size"]
 
 
 @pytest.fixture

@@ -269,6 +269,14 @@ def test_flux_small_has_the_requested_shape():
     assert models.get_spec("flux-small").call_defaults["max_sequence_length"] == 64
 
 
+def test_flux_demo_is_flux_small_with_the_tiny_flux_vae():
+    demo, small, tiny = (models.get_spec(name) for name in ("flux-demo", "flux-small", "tiny-flux-fill"))
+    assert demo.denoiser_config == small.denoiser_config and demo.text_encoders == small.text_encoders
+    assert (demo.resolution, demo.call_defaults) == (small.resolution, small.call_defaults)
+    assert {**demo.vae_config, "sample_size": None} == {**tiny.vae_config, "sample_size": None}
+    assert "share of an edit it takes at full size on a GPU" in demo.description
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED_DENOISER_PARAMETERS))
 def test_bench_denoiser_matches_published_size(name):
     denoiser = models.build_denoiser(name, device="meta", dtype=torch.bfloat16)
@@ -330,7 +338,7 @@ def test_denoiser_inputs_match_vae_and_text_encoders(spec):
 def test_every_spec_is_listed_once_with_a_description():
     specs = models.list_models()
     assert [spec.name for spec in specs] == TINY_NAMES + BENCH_NAMES
-    assert set(BENCH_NAMES) == {"flux-small", "flux-size", "sd3-size", "sdxl-size", "sd2-size"}
+    assert set(BENCH_NAMES) == {"flux-small", "flux-demo", "flux-size", "sd3-size", "sdxl-size", "sd2-size"}
     assert all(spec.description and "\n" not in spec.description for spec in specs)
     assert all(models.get_spec(spec.name) is spec for spec in specs)
 

@@ -1,8 +1,9 @@
 """Benchmark built-in models: published denoiser and VAE sizes with random weights.
 
-The denoiser is what retouch accelerates, so its config is the published one (or, for flux-small, a
-cut-down FLUX.1 that a CPU can run). Text encoders are small stand-ins with the real output widths:
-they run once per request, outside the denoising loop.
+The denoiser is what retouch accelerates, so its config is the published one (or, for flux-small and
+flux-demo, a cut-down FLUX.1 that a CPU can run). Text encoders are small stand-ins with the real
+output widths: they run once per request, outside the denoising loop. Benchmarks and the demo build
+them in memory (`loading.load_for_bench`) rather than from an exported folder.
 """
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from . import published
 from .spec import ModelSpec
 from .text_encoders import small_clip, small_t5
+from .tiny import TINY_FLUX_VAE
 
 _BENCH = {"kind": "bench", "export_dtype": torch.bfloat16}
 _SMALL_TEXT = "small text encoders with the real output widths"
@@ -19,6 +21,16 @@ _CLIP_L_WIDTH = 768
 _CLIP_G_WIDTH = 1280
 _OPENCLIP_H_WIDTH = 1024
 _T5_XXL_WIDTH = 4096
+
+
+# FLUX.1-Fill-dev cut to a size a CPU runs a step of in about a second (flux-small, flux-demo).
+_FLUX_SMALL_TRANSFORMER = {
+    **published.FLUX_FILL_DEV_TRANSFORMER,
+    "num_layers": 2,
+    "num_single_layers": 4,
+    "num_attention_heads": 8,
+}
+_FLUX_SMALL_RESOLUTION = 512
 
 
 def _flux_text_encoders() -> tuple:
@@ -37,16 +49,34 @@ BENCH_SPECS = (
             "FLUX.1-Fill blocks cut to 8x128 heads, 2 double + 4 single (150 M), Flux VAE; "
             f"512x512 = 1024 image + 64 text tokens; {_SMALL_TEXT}; the CPU speed model"
         ),
-        resolution=512,
+        resolution=_FLUX_SMALL_RESOLUTION,
         call_defaults={"max_sequence_length": 64},
         denoiser_class="FluxTransformer2DModel",
-        denoiser_config={
-            **published.FLUX_FILL_DEV_TRANSFORMER,
-            "num_layers": 2,
-            "num_single_layers": 4,
-            "num_attention_heads": 8,
-        },
+        denoiser_config=_FLUX_SMALL_TRANSFORMER,
         vae_config=published.FLUX_VAE,
+        scheduler_class="FlowMatchEulerDiscreteScheduler",
+        scheduler_config=published.FLUX_SCHEDULER,
+        text_encoders=_flux_text_encoders(),
+        **_BENCH,
+    ),
+    # flux-small's full-size VAE takes ~20 s of a 512 px edit on a 2-core CPU, against ~10 s for 8 full
+    # denoising steps, so a whole edit is barely faster mask-aware there; at full size on a GPU the VAE
+    # is ~5% of an edit. The tiny models' VAE (same 16 latent channels, 8x downscale and four levels,
+    # 16-32 channels wide: ~0.3 s at 512 px) gives the denoiser its real share back.
+    ModelSpec(
+        name="flux-demo",
+        family="flux-fill",
+        pipeline_class="FluxFillPipeline",
+        description=(
+            "flux-small's transformer (150 M) and text encoders with the tiny models' narrow Flux VAE, so that "
+            "on a CPU the denoiser takes the share of an edit it takes at full size on a GPU; the `make demo` "
+            "model (about a minute on a 2-core CPU)"
+        ),
+        resolution=_FLUX_SMALL_RESOLUTION,
+        call_defaults={"max_sequence_length": 64},
+        denoiser_class="FluxTransformer2DModel",
+        denoiser_config=_FLUX_SMALL_TRANSFORMER,
+        vae_config={**TINY_FLUX_VAE, "sample_size": _FLUX_SMALL_RESOLUTION},
         scheduler_class="FlowMatchEulerDiscreteScheduler",
         scheduler_config=published.FLUX_SCHEDULER,
         text_encoders=_flux_text_encoders(),

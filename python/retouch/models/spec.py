@@ -52,7 +52,7 @@ class ModelSpec:
     """A built-in model: random weights on top of a real diffusers pipeline class and real configs."""
 
     name: str  # "tiny-flux-fill"
-    kind: str  # "tiny" (runs on a CPU in tests) | "bench" (real denoiser sizes, for benchmarks)
+    kind: str  # "tiny" (runs on a CPU in tests) | "bench" (real or CPU-sized denoisers, for benchmarks and the demo)
     family: str  # one of FAMILIES
     pipeline_class: str  # a key of FAMILY_BY_PIPELINE, e.g. "FluxFillPipeline"
     description: str  # one line for `retouch models`

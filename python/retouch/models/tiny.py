@@ -36,8 +36,9 @@ def _tiny_vae(latent_channels: int, scaling_factor: float, shift_factor: float |
     }
 
 
-# Flux: 16 latent channels, packed 2x2 into 64-wide tokens; latent scaling as in FLUX.1.
-_FLUX_VAE = _tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159, quant_conv=False)
+# Flux: 16 latent channels, packed 2x2 into 64-wide tokens; latent scaling as in FLUX.1. Also the VAE
+# of flux-demo (bench.py), which pairs it with flux-small's transformer.
+TINY_FLUX_VAE = _tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159, quant_conv=False)
 _SD3_VAE = _tiny_vae(16, scaling_factor=1.5305, shift_factor=0.0609, quant_conv=False)
 _SDXL_VAE = _tiny_vae(4, scaling_factor=0.13025, shift_factor=None, quant_conv=True)
 _SD2_VAE = _tiny_vae(4, scaling_factor=0.18215, shift_factor=None, quant_conv=True)
@@ -81,7 +82,7 @@ TINY_SPECS = (
         # 384 = 16*4 packed latents + 16*4 packed masked-image latents + 64*4 packed 8x8 mask pixels,
         # exactly the published Fill layout: it depends only on latent channels and vae_scale_factor.
         denoiser_config=_tiny_flux_transformer(in_channels=384, out_channels=64),
-        vae_config=_FLUX_VAE,
+        vae_config=TINY_FLUX_VAE,
         scheduler_class="FlowMatchEulerDiscreteScheduler",
         scheduler_config=published.FLUX_SCHEDULER,
         text_encoders=_flux_text_encoders(),
@@ -96,7 +97,7 @@ TINY_SPECS = (
         call_defaults={"max_sequence_length": TINY_TEXT_TOKENS},
         denoiser_class="FluxTransformer2DModel",
         denoiser_config=_tiny_flux_transformer(in_channels=64, out_channels=64),
-        vae_config=_FLUX_VAE,
+        vae_config=TINY_FLUX_VAE,
         scheduler_class="FlowMatchEulerDiscreteScheduler",
         scheduler_config=published.FLUX_SCHEDULER,
         text_encoders=_flux_text_encoders(),
