@@ -1,12 +1,13 @@
 # Two commands for a newcomer:
-#   make demo   create .venv, install retouch, edit a generated template with a built-in tiny model
+#   make demo   create .venv, install retouch, time one edit of a generated template with full compute and
+#               mask-aware (Y-cache, KV-cache) on the built-in flux-demo model (CPU, about a minute)
 #   make test   same set-up, then the whole test suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.retouch-installed
 DEMO_DIR := out/demo
-DEMO_MODEL ?= tiny-flux-fill
+DEMO_MODEL ?= flux-demo
 NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h)
 
 .PHONY: install demo test cuda clean
@@ -21,9 +22,7 @@ $(STAMP): requirements.txt pyproject.toml setup.py $(NATIVE_SOURCES)
 	touch $@
 
 demo: install
-	$(BIN)/python -m retouch.demo $(DEMO_DIR)
-	$(BIN)/retouch edit --model $(DEMO_MODEL) --image $(DEMO_DIR)/template.png --mask $(DEMO_DIR)/mask.png \
-		--prompt "a red hot-air balloon" --steps 4 --out $(DEMO_DIR)/edited.png
+	$(BIN)/python -m retouch.demo --out $(DEMO_DIR) --model $(DEMO_MODEL)
 
 test: install
 	$(BIN)/python -m pytest -q
