@@ -41,12 +41,15 @@ class RequestLoad:
     masked_tokens: of those, the ones the edit recomputes (0..image_tokens)
     steps:         denoising steps the request runs
     text_tokens:   always-computed prefix tokens (Flux/SD3 text)
+    deadline:      when it should be answered, on the router's clock (time.monotonic(), or the
+                   simulator's); None: no SLO
     """
 
     image_tokens: int
     masked_tokens: int
     steps: int
     text_tokens: int = 0
+    deadline: float | None = None
 
     def __post_init__(self):
         if self.image_tokens < 1 or not 0 <= self.masked_tokens <= self.image_tokens:
