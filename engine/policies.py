@@ -12,6 +12,9 @@ them, and share `ClusterLoad`, the router's view of its workers.
                      goes where it is estimated to finish first: (steps until a batch slot frees for it,
                      the queue ahead taking slots first, + its own steps) x the worker's current step
                      latency.
+    least-work       the fewest seconds of batch compute left on the worker: each running or queued
+                     request's steps left x the seconds it adds to a batch step (join the shortest
+                     expected work; the cost model prices resolution, masked tokens and cache loads).
 
 Ties go to the first tied worker at or after a rotating cursor, so equally loaded workers (all idle,
 say) take turns instead of the lowest slot taking everything.
@@ -25,7 +28,7 @@ import numpy as np
 
 from retouch.engine.step_cost import StepCost
 
-POLICIES = ("round-robin", "least-requests", "least-tokens", "mask-aware")
+POLICIES = ("round-robin", "least-requests", "least-tokens", "mask-aware", "least-work")
 DEFAULT_POLICY = "mask-aware"
 
 
@@ -65,6 +68,7 @@ class _Row:
     features: np.ndarray | None
     running: bool
     steps_left: int
+    marginal_s: float = 0.0  # seconds it adds to each step of its batch (StepCost.marginal_seconds)
 
 
 class ClusterLoad:
@@ -85,6 +89,7 @@ class ClusterLoad:
         self._running = np.zeros(0, dtype=np.int64)
         self._queued = np.zeros(0, dtype=np.int64)
         self._masked = np.zeros(0, dtype=np.int64)
+        self._work = np.zeros(0)  # sum over running + queued requests of steps_left * marginal_s
         width = cost.num_features if cost is not None else 0
         self._running_features = np.zeros((0, width))
         self._inflight_features = np.zeros((0, width))  # running + queued
@@ -111,6 +116,7 @@ class ClusterLoad:
             del self._rows[request_id]
         self._members[slot] = {}
         self._running[slot] = self._queued[slot] = self._masked[slot] = 0
+        self._work[slot] = 0.0
         self._running_features[slot] = self._inflight_features[slot] = 0.0
 
     def _grow(self, capacity: int) -> None:
@@ -121,6 +127,7 @@ class ClusterLoad:
 
         self._alive, self._max_batch = grown(self._alive), grown(self._max_batch)
         self._running, self._queued, self._masked = grown(self._running), grown(self._queued), grown(self._masked)
+        self._work = grown(self._work)
         self._running_features, self._inflight_features = grown(self._running_features), grown(self._inflight_features)
 
     # -- requests -------------------------------------------------------------------------------------
@@ -131,11 +138,13 @@ class ClusterLoad:
             raise ValueError(f"worker slot {slot} is dead")
         if request_id in self._rows:
             raise ValueError(f"request {request_id} is already at slot {self._rows[request_id].slot}")
-        features = None
+        features, marginal_s = None, 0.0
         if self.cost is not None:
             features = self.cost.request_features(load.image_tokens, load.masked_tokens, load.text_tokens)
             self._inflight_features[slot] += features
-        row = _Row(slot, load, features, running=False, steps_left=load.steps)
+            marginal_s = self.cost.marginal_seconds(load.image_tokens, load.masked_tokens, load.text_tokens)
+            self._work[slot] += load.steps * marginal_s
+        row = _Row(slot, load, features, running=False, steps_left=load.steps, marginal_s=marginal_s)
         self._rows[request_id] = self._members[slot][request_id] = row
         self._queued[slot] += 1
         self._masked[slot] += load.masked_tokens
@@ -154,7 +163,9 @@ class ClusterLoad:
 
     def advance(self, slot: int, request_id: int, steps_left: int) -> None:
         """A progress report: the request has `steps_left` denoising steps to go."""
-        self._row(slot, request_id).steps_left = steps_left
+        row = self._row(slot, request_id)
+        self._work[slot] += (steps_left - row.steps_left) * row.marginal_s
+        row.steps_left = steps_left
 
     def finish(self, slot: int, request_id: int) -> None:
         """The request left the worker (answered, or taken away to re-route). A request of a removed
@@ -164,6 +175,9 @@ class ClusterLoad:
         row = self._row(slot, request_id)
         del self._rows[request_id], self._members[slot][request_id]
         self._masked[slot] -= row.load.masked_tokens
+        self._work[slot] -= row.steps_left * row.marginal_s
+        if not self._members[slot]:
+            self._work[slot] = 0.0  # no drift from float sums on an empty worker
         if row.features is not None:
             self._inflight_features[slot] -= row.features
             if row.running:
@@ -214,6 +228,12 @@ class ClusterLoad:
     def masked_tokens(self) -> np.ndarray:
         """Masked tokens of the requests running + queued per slot."""
         return self._masked[:self._size]
+
+    @property
+    def remaining_work_s(self) -> np.ndarray:
+        """[slots] seconds of batch compute the requests running + queued per slot still need: their
+        steps left times what each adds to a step (needs a StepCost; zeros without)."""
+        return self._work[:self._size]
 
     @property
     def running_features(self) -> np.ndarray:
@@ -333,7 +353,19 @@ class MaskAware(Policy):
         return (steps + load.steps) * step_s
 
 
-_POLICY_CLASSES = {cls.name: cls for cls in (RoundRobin, LeastRequests, LeastTokens, MaskAware)}
+class LeastWork(MaskAware):
+    """Join the shortest expected work: the worker whose running + queued requests need the fewest
+    seconds of batch compute to finish (`ClusterLoad.remaining_work_s`: steps left x what each adds to
+    a step, from the cost model, so resolution, masked tokens and cache loads all count)."""
+
+    name = "least-work"
+
+    def scores(self, load, cluster, candidates):
+        self._cost(cluster)
+        return cluster.remaining_work_s
+
+
+_POLICY_CLASSES = {cls.name: cls for cls in (RoundRobin, LeastRequests, LeastTokens, MaskAware, LeastWork)}
 
 
 def make_policy(name: str, cost: StepCost | None = None) -> Policy:
@@ -341,4 +373,4 @@ def make_policy(name: str, cost: StepCost | None = None) -> Policy:
     the ClusterLoad's (None: use the ClusterLoad's)."""
     if name not in _POLICY_CLASSES:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return MaskAware(cost) if name == "mask-aware" else _POLICY_CLASSES[name]()
+    return _POLICY_CLASSES[name](cost) if name in ("mask-aware", "least-work") else _POLICY_CLASSES[name]()

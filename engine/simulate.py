@@ -1,7 +1,8 @@
 """`retouch simulate`: routing policies on a simulated cluster, compared on the same requests.
 
     retouch simulate --workers 64 --rps 32 --requests 4000 [--policies a,b] [--mask-dist production]
-                     [--cost-model cost.json] [--out sim.json]
+                     [--resolutions uniform] [--slo-scale 5] [--cost-model cost.json] [--out sim.json]
+    retouch simulate --find-load [--mask-dists public,production] [--worker-counts 8,64] [--resolutions ...]
 
 A discrete-event simulation of W workers, each batching continuously at denoising-step granularity (the
 engine loop, §4.3): at every step boundary a worker drops the requests whose steps are done and admits
@@ -19,7 +20,11 @@ its requests' progress (advance) whenever its batch changes, as a heartbeat woul
     production  Beta(1.1, 8.9): mean 0.11, the paper's production trace (Fig. 3 left); the paper gives
                 only the mean, so the spread is the public fit's (alpha + beta = 10)
 masked tokens = round(ratio * image tokens), at least 1. Every policy sees the same arrivals and masks
-(a paired comparison). Prints one JSON object; latencies are arrival to last step, in seconds.
+(a paired comparison). Sides: all 1024 px, or PatchedServe's mixes of 512/768/1024 px (RESOLUTION_MIX),
+batched together (a batch's cost is its requests' summed features). Deadlines: arrival + --slo-scale x
+the request's unloaded latency; a policy's SLO attainment is the fraction answered by theirs.
+--find-load raises the rate until the best baseline's p95 is twice the unloaded p95 (each request alone)
+and compares every policy there. Prints one JSON object; latencies are arrival to last step, in seconds.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import math
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,23 +47,51 @@ from retouch.engine.reference_costs import h800_flux
 from retouch.engine.step_cost import StepCost
 
 MASK_BETA = {"public": (1.9, 8.1), "production": (1.1, 8.9)}
+# Output sides (px) and their shares. PatchedServe (§8.1) draws 512, 768 and 1024 px equally, and (§8.2,
+# Fig. 13) lets one of them take half with the other two a quarter each. A side's grid is the cost
+# model's grid scaled by (side / 1024)^2.
+RESOLUTIONS = (512, 768, 1024)
+RESOLUTION_MIX = {"1024": (0.0, 0.0, 1.0), "uniform": (1 / 3, 1 / 3, 1 / 3), "low": (0.5, 0.25, 0.25),
+                  "medium": (0.25, 0.5, 0.25), "high": (0.25, 0.25, 0.5)}
+SLO_SCALE = 5.0  # PatchedServe §8.1 after Clockwork: an SLO of 5x the request's execution latency
 
 
 @dataclass(frozen=True)
 class Workload:
-    """N requests: arrival times [N] (s, ascending) and their loads."""
+    """N requests: arrival times [N] (s, ascending) and their loads (deadlines on the same clock)."""
 
     arrivals: np.ndarray
     loads: tuple[RequestLoad, ...]
 
 
 def make_workload(requests: int, rps: float, mask_dist: str, image_tokens: int, text_tokens: int, steps: int,
-                  seed: int) -> Workload:
+                  seed: int, resolutions: str = "1024") -> Workload:
+    """Poisson arrivals at `rps`; each request's side drawn from RESOLUTION_MIX[resolutions] (its grid:
+    image_tokens, the 1024 px grid, scaled by (side / 1024)^2) and its mask ratio from MASK_BETA. No
+    deadlines: `with_deadlines` adds them."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rps, requests))
     ratios = rng.beta(*MASK_BETA[mask_dist], requests)
-    masked = np.clip(np.rint(ratios * image_tokens), 1, image_tokens).astype(int)
-    return Workload(arrivals, tuple(RequestLoad(image_tokens, int(m), steps, text_tokens) for m in masked))
+    if resolutions == "1024":  # draws nothing, so the single-size workload is the one of earlier versions
+        grids = np.full(requests, image_tokens)
+    else:
+        grid_of = np.array([max(1, round(image_tokens * (side / RESOLUTIONS[-1]) ** 2)) for side in RESOLUTIONS])
+        grids = grid_of[rng.choice(len(RESOLUTIONS), requests, p=RESOLUTION_MIX[resolutions])]
+    masked = np.clip(np.rint(ratios * grids), 1, grids).astype(int)
+    return Workload(arrivals, tuple(RequestLoad(int(g), int(m), steps, text_tokens) for g, m in zip(grids, masked)))
+
+
+def alone_seconds(cost: StepCost, loads) -> np.ndarray:
+    """[N] each request's latency on an idle worker (its steps at batch 1): the unloaded latency."""
+    features = np.array([cost.request_features(x.image_tokens, x.masked_tokens, x.text_tokens) for x in loads])
+    return cost.latency(features) * np.array([x.steps for x in loads])
+
+
+def with_deadlines(workload: Workload, cost: StepCost, slo_scale: float) -> Workload:
+    """The workload with each request's deadline at arrival + slo_scale x its unloaded latency."""
+    deadlines = workload.arrivals + slo_scale * alone_seconds(cost, workload.loads)
+    return Workload(workload.arrivals, tuple(replace(x, deadline=float(d))
+                                             for x, d in zip(workload.loads, deadlines)))
 
 
 @dataclass(eq=False)
@@ -161,10 +194,57 @@ class SimulatedCluster:
                                       worker.slot, worker.version, steps))
 
 
-def summarize(latencies: np.ndarray, decision_s: float) -> dict:
-    return {"p50_s": float(np.percentile(latencies, 50)), "p95_s": float(np.percentile(latencies, 95)),
-            "p99_s": float(np.percentile(latencies, 99)), "mean_s": float(latencies.mean()),
-            "decision_us": 1e6 * decision_s / len(latencies)}
+def slo_attainment(latencies: np.ndarray, workload: Workload) -> float | None:
+    """Fraction of the requests with a deadline answered by it (None: no request has one)."""
+    timed = [(i, x.deadline) for i, x in enumerate(workload.loads) if x.deadline is not None]
+    if not timed:
+        return None
+    index, deadlines = (np.array(column) for column in zip(*timed))
+    return float(np.mean(workload.arrivals[index] + latencies[index] <= deadlines))
+
+
+def summarize(latencies: np.ndarray, decision_s: float, workload: Workload | None = None) -> dict:
+    summary = {"p50_s": float(np.percentile(latencies, 50)), "p95_s": float(np.percentile(latencies, 95)),
+               "p99_s": float(np.percentile(latencies, 99)), "mean_s": float(latencies.mean()),
+               "decision_us": 1e6 * decision_s / len(latencies)}
+    if workload is not None:
+        summary["slo_attainment"] = slo_attainment(latencies, workload)
+    return summary
+
+
+BASELINES = ("round-robin", "least-requests", "least-tokens")
+LOADED_P95 = 2.0  # --find-load: the load where the best baseline's p95 reaches this x the unloaded p95
+
+
+def find_load(cost: StepCost, args, mask_dist: str, workers: int, image_tokens: int, text_tokens: int,
+              policies: list[str]) -> dict:
+    """Raise the per-worker rate in steps of --rate-step until the best of BASELINES has a p95 at least
+    LOADED_P95 x the unloaded p95 (every request alone); every policy's summary at that rate."""
+    per_worker = args.rate_step
+    while True:
+        workload = with_deadlines(make_workload(args.requests, per_worker * workers, mask_dist, image_tokens,
+                                                text_tokens, args.steps, args.seed, args.resolutions),
+                                  cost, args.slo_scale)
+        unloaded_p95 = float(np.percentile(alone_seconds(cost, workload.loads), 95))
+        results = {}
+        for name in BASELINES:
+            cluster = SimulatedCluster(make_policy(name, cost), cost, workload, workers, args.max_batch)
+            results[name] = summarize(cluster.run(), cluster.decision_s, workload)
+        best = min(BASELINES, key=lambda name: results[name]["p95_s"])
+        if results[best]["p95_s"] >= LOADED_P95 * unloaded_p95 or per_worker >= args.max_rate:
+            break
+        per_worker = round(per_worker + args.rate_step, 6)
+    for name in policies:
+        if name not in results:
+            cluster = SimulatedCluster(make_policy(name, cost), cost, workload, workers, args.max_batch)
+            results[name] = summarize(cluster.run(), cluster.decision_s, workload)
+    best_other = min((name for name in results if name not in BASELINES), key=lambda name: results[name]["p95_s"])
+    print(f"{mask_dist}, {workers} workers: {per_worker * workers:g} rps, best baseline {best} "
+          f"p95 {results[best]['p95_s']:.2f} s, {best_other} {results[best_other]['p95_s']:.2f} s", file=sys.stderr)
+    return {"mask_dist": mask_dist, "workers": workers, "rps": per_worker * workers,
+            "unloaded_p95_s": unloaded_p95, "best_baseline": best, "best_policy": best_other,
+            "p95_cut_vs_best_baseline": 1 - results[best_other]["p95_s"] / results[best]["p95_s"],
+            "policies": results}
 
 
 def _progress_printer(name: str, every_s: float = 2.0):
@@ -199,6 +279,19 @@ def main(argv: list[str] | None = None) -> dict:
                              "profiled grid)")
     parser.add_argument("--text-tokens", type=int, default=None, help="default: the cost model's meta, else 0")
     parser.add_argument("--guidance-copies", type=int, default=1, help="batch rows per request")
+    parser.add_argument("--resolutions", choices=tuple(RESOLUTION_MIX), default="1024",
+                        help="output sides: all 1024 px, or PatchedServe's mixes of 512/768/1024 px (uniform; "
+                             "low, medium, high: that side half of the requests)")
+    parser.add_argument("--slo-scale", type=float, default=SLO_SCALE,
+                        help="deadline = arrival + this x the request's unloaded latency (PatchedServe: 5)")
+    parser.add_argument("--find-load", action="store_true",
+                        help=f"per --mask-dists x --worker-counts, raise the load until the best of "
+                             f"{', '.join(BASELINES)} has a p95 >= {LOADED_P95:g}x the unloaded p95, and "
+                             "compare every policy there")
+    parser.add_argument("--mask-dists", default="public,production", help="--find-load: comma list")
+    parser.add_argument("--worker-counts", default="8,64", help="--find-load: comma list")
+    parser.add_argument("--rate-step", type=float, default=0.05, help="--find-load: rps per worker per step")
+    parser.add_argument("--max-rate", type=float, default=4.0, help="--find-load: rps per worker at most")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
@@ -207,25 +300,31 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
     if min(args.workers, args.requests, args.steps, args.max_batch, args.guidance_copies) < 1 or args.rps <= 0:
         parser.error("--workers, --requests, --steps, --max-batch, --guidance-copies must be >= 1, --rps > 0")
+    if args.slo_scale <= 0 or args.rate_step <= 0:
+        parser.error("--slo-scale and --rate-step must be > 0")
 
     model = CostModel.from_json(args.cost_model) if args.cost_model else h800_flux()
     image_tokens, text_tokens = _request_shape(model, args, parser)
     cost = StepCost(model, args.guidance_copies)
-    workload = make_workload(args.requests, args.rps, args.mask_dist, image_tokens, text_tokens, args.steps,
-                             args.seed)
+    if args.find_load:
+        return _find_loads(cost, model, args, parser, image_tokens, text_tokens, policies, argv)
+    workload = with_deadlines(make_workload(args.requests, args.rps, args.mask_dist, image_tokens, text_tokens,
+                                            args.steps, args.seed, args.resolutions), cost, args.slo_scale)
     started = time.perf_counter()
     results, latencies = {}, {}
     for name in policies:
         print(f"{name}: {args.requests} requests at {args.rps} rps on {args.workers} workers", file=sys.stderr)
         cluster = SimulatedCluster(make_policy(name, cost), cost, workload, args.workers, args.max_batch)
         latencies[name] = cluster.run(_progress_printer(name))
-        results[name] = summarize(latencies[name], cluster.decision_s)
+        results[name] = summarize(latencies[name], cluster.decision_s, workload)
     alone = cost.latency(cost.request_features(image_tokens, round(_mean_ratio(args.mask_dist) * image_tokens),
                                                text_tokens))
     report = {"policies": results, "workers": args.workers, "rps": args.rps, "requests": args.requests,
               "mask_dist": args.mask_dist, "cost_model": str(args.cost_model) if args.cost_model else "built-in",
               "model": model.model, "device": model.device, "steps": args.steps, "max_batch": args.max_batch,
               "seed": args.seed, "image_tokens": image_tokens, "text_tokens": text_tokens,
+              "resolutions": args.resolutions, "slo_scale": args.slo_scale,
+              "unloaded_p95_s": float(np.percentile(alone_seconds(cost, workload.loads), 95)),
               "mean_mask_ratio": float(np.mean([x.masked_tokens for x in workload.loads]) / image_tokens),
               "alone_at_mean_mask_s": float(alone) * args.steps, "wall_s": time.perf_counter() - started,
               "command": "retouch simulate " + " ".join(sys.argv[1:] if argv is None else argv)}
@@ -236,6 +335,60 @@ def main(argv: list[str] | None = None) -> dict:
         write_json(report, args.out)
         _plot(report, latencies, args.out.with_suffix(".png"))
     return report
+
+
+def _find_loads(cost, model, args, parser, image_tokens, text_tokens, policies, argv) -> dict:
+    mask_dists = [name.strip() for name in args.mask_dists.split(",") if name.strip()]
+    if not mask_dists or any(name not in MASK_BETA for name in mask_dists):
+        parser.error(f"--mask-dists: choose from {', '.join(MASK_BETA)}")
+    try:
+        worker_counts = [int(count) for count in args.worker_counts.split(",")]
+    except ValueError:
+        parser.error("--worker-counts: a comma list of integers")
+    if min(worker_counts) < 1:
+        parser.error("--worker-counts must be >= 1")
+    started = time.perf_counter()
+    configurations = [find_load(cost, args, mask_dist, workers, image_tokens, text_tokens, policies)
+                      for mask_dist in mask_dists for workers in worker_counts]
+    report = {"configurations": configurations, "loaded_p95": LOADED_P95, "baselines": list(BASELINES),
+              "requests": args.requests, "resolutions": args.resolutions, "slo_scale": args.slo_scale,
+              "model": model.model, "device": model.device, "steps": args.steps, "max_batch": args.max_batch,
+              "seed": args.seed, "image_tokens": image_tokens, "text_tokens": text_tokens,
+              "wall_s": time.perf_counter() - started,
+              "command": "retouch simulate " + " ".join(sys.argv[1:] if argv is None else argv)}
+    print(json.dumps(report))
+    if args.out is not None:
+        from retouch.bench.report import write_json
+
+        write_json(report, args.out)
+        _plot_loads(report, args.out.with_suffix(".png"))
+    return report
+
+
+def _plot_loads(report: dict, out: Path) -> None:
+    """p95 per policy per configuration, over the best baseline's p95 (1 = it; the 30% target at 0.7)."""
+    from retouch.bench.report import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    configurations = report["configurations"]
+    names = list(configurations[0]["policies"])
+    figure, axis = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        ratios = [c["policies"][name]["p95_s"] / c["policies"][c["best_baseline"]]["p95_s"] for c in configurations]
+        axis.bar(np.arange(len(configurations)) + k * width, ratios, width, label=name)
+    axis.axhline(0.7, color="black", linestyle="--", linewidth=1, label="target: 30% below the best baseline")
+    axis.set_xticks(np.arange(len(configurations)) + 0.4 - width / 2,
+                    [f"{c['mask_dist']}, {c['workers']} w\n{c['rps']:g} rps" for c in configurations])
+    axis.set_ylabel("p95 / best baseline's p95")
+    axis.set_title(f"{report['resolutions']} resolutions: where the best baseline's p95 is "
+                   f"{report['loaded_p95']:g}x unloaded")
+    axis.legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
 
 
 def _mean_ratio(mask_dist: str) -> float:

@@ -85,6 +85,7 @@ class StepCost:
         self.counts = np.array(list(itertools.product(*others)), dtype=float)  # [E, R], closed run's column 0
         self._one_run = len(runs) == 1
         self._request_cache: dict[tuple[int, int, int], np.ndarray] = {}
+        self._marginal_cache: dict[tuple[int, int, int], float] = {}
 
     @classmethod
     def from_json(cls, path, guidance_copies: int = 1) -> StepCost:
@@ -111,6 +112,20 @@ class StepCost:
             vector = self._request_cache[key] = self._request_features(*key)
             vector.flags.writeable = False
         return vector
+
+    def marginal_seconds(self, image_tokens: int, masked_tokens: int, text_tokens: int = 0) -> float:
+        """Seconds one request adds to each step of a batch it joins: latency(2 f) - latency(f), its step
+        less the step's fixed part (block overheads, the first load), which a batch pays once. Exact for
+        a compute-bound batch, where the step is linear in the summed features."""
+        key = (image_tokens, masked_tokens, text_tokens)
+        seconds = self._marginal_cache.get(key)
+        if seconds is None:
+            if len(self._marginal_cache) >= REQUEST_CACHE_SIZE:
+                self._marginal_cache.clear()
+            features = self.request_features(*key)
+            one, two = self.latency(np.stack([features, 2 * features]))
+            seconds = self._marginal_cache[key] = max(0.0, float(two - one))
+        return seconds
 
     def _request_features(self, image_tokens: int, masked_tokens: int, text_tokens: int) -> np.ndarray:
         vector = np.empty(self.num_features)

@@ -180,3 +180,45 @@ def test_mask_aware_needs_the_clusters_step_cost(cost):
     with pytest.raises(ValueError, match="share one StepCost"):
         make_policy("mask-aware", StepCost(MODEL)).choose(edit(10), cluster_of(cost, []))
     assert make_policy("mask-aware").choose(edit(10), cluster_of(cost, [])) == 0
+
+
+def test_marginal_seconds_is_what_a_request_adds_to_a_compute_bound_batch(cost):
+    light, heavy = (cost.request_features(IMAGE_TOKENS, masked, TEXT_TOKENS) for masked in (400, 2000))
+    added = cost.marginal_seconds(IMAGE_TOKENS, 2000, TEXT_TOKENS)
+    assert added == pytest.approx(float(cost.latency(2 * heavy) - cost.latency(heavy)), rel=1e-12)
+    assert float(cost.latency(light + heavy)) == pytest.approx(float(cost.latency(light)) + added, rel=1e-9)
+    assert 0 < cost.marginal_seconds(IMAGE_TOKENS, 400, TEXT_TOKENS) < added < float(cost.latency(heavy))
+
+
+def test_remaining_work_follows_steps_left(cost):
+    cluster = cluster_of(cost, [300, 2000], [])
+    per_step = [cost.marginal_seconds(IMAGE_TOKENS, masked, TEXT_TOKENS) for masked in (300, 2000)]
+    assert cluster.remaining_work_s[0] == pytest.approx(STEPS * sum(per_step), rel=1e-12)
+    cluster.advance(0, 1, 5)
+    assert cluster.remaining_work_s[0] == pytest.approx(STEPS * per_step[0] + 5 * per_step[1], rel=1e-12)
+    cluster.finish(0, 0)
+    assert cluster.remaining_work_s[0] == pytest.approx(5 * per_step[1], rel=1e-12)
+    cluster.finish(0, 1)
+    assert cluster.remaining_work_s.tolist() == [0.0, 0.0]
+    cluster.assign(1, 2, edit(10))
+    cluster.remove_worker(1)
+    assert cluster.remaining_work_s.tolist() == [0.0, 0.0]
+    assert not ClusterLoad().add_worker(1) and not ClusterLoad().remaining_work_s.any()
+
+
+def test_least_work_weighs_steps_left_not_request_counts(cost):
+    # Slot 0: one large mask just started. Slot 1: three small ones about to finish. Least-requests and
+    # least-tokens pick slot 0 (fewer requests; slot 1 has more masked tokens too); least-work slot 1.
+    cluster = cluster_of(cost, [3000], [1200, 1200, 1200])
+    for request_id in (1, 2, 3):
+        cluster.advance(1, request_id, 2)
+    assert make_policy("least-requests", cost).choose(edit(100), cluster) == 0
+    assert make_policy("least-tokens", cost).choose(edit(100), cluster) == 0
+    assert make_policy("least-work", cost).choose(edit(100), cluster) == 1
+    cluster.advance(0, 0, 1)  # now the large one is nearly done too
+    assert make_policy("least-work", cost).choose(edit(100), cluster) == 0
+
+
+def test_least_work_needs_a_step_cost():
+    with pytest.raises(ValueError, match="StepCost"):
+        make_policy("least-work").choose(edit(10), cluster_of(None, []))

@@ -1,6 +1,7 @@
 """`retouch simulate`: determinism, completeness, paired workloads, and policies that must tie or differ."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -101,3 +102,63 @@ def test_main_with_a_fitted_cost_model_writes_json_and_png(tmp_path):
 def test_bad_options_are_refused(argv):
     with pytest.raises(SystemExit):
         simulate.main(argv)
+
+
+def test_least_work_cuts_p95_where_least_requests_stacks_large_edits(cost):
+    # A burst of large and small edits in turn on 2 workers: least-requests' ties take turns, so every
+    # large edit lands on worker 0; least-work splits them, and the large edits' p95 falls by > 30%.
+    small = 512 ** 2 // 256
+    loads = tuple(RequestLoad(IMAGE_TOKENS, 3700, 28, TEXT_TOKENS) if i % 2 == 0 else
+                  RequestLoad(small, 10, 28, TEXT_TOKENS) for i in range(8))
+    workload = simulate.Workload(np.arange(8) * 1e-3, loads)
+    least_work, least_requests = run("least-work", cost, workload, 2), run("least-requests", cost, workload, 2)
+    assert np.percentile(least_work, 95) <= 0.7 * np.percentile(least_requests, 95)
+    # Steps linear in the batch's work: moving work between workers moves latency, the sum stays.
+    assert least_work.mean() == pytest.approx(least_requests.mean(), rel=1e-6)
+
+
+def test_slo_attainment_on_a_hand_made_case():
+    loads = (RequestLoad(16, 4, 2, deadline=3.0), RequestLoad(16, 4, 2, deadline=2.0),
+             RequestLoad(16, 4, 2), RequestLoad(16, 4, 2, deadline=10.0))
+    workload = simulate.Workload(np.array([0.0, 1.0, 1.5, 2.0]), loads)
+    # Answered at 3.0 (on time, exactly), 2.5 (late), no deadline, 10.5 (late): 1 of the 3 with one.
+    assert simulate.slo_attainment(np.array([3.0, 1.5, 99.0, 8.5]), workload) == pytest.approx(1 / 3)
+    untimed = simulate.Workload(workload.arrivals, tuple(replace(x, deadline=None) for x in loads))
+    assert simulate.slo_attainment(np.ones(4), untimed) is None
+
+
+def test_deadlines_are_a_multiple_of_the_unloaded_latency(cost):
+    workload = simulate.make_workload(50, 2.0, "public", IMAGE_TOKENS, TEXT_TOKENS, 28, seed=0, resolutions="uniform")
+    timed = simulate.with_deadlines(workload, cost, 3.0)
+    alone = simulate.alone_seconds(cost, workload.loads)
+    deadlines = np.array([x.deadline for x in timed.loads])
+    assert np.allclose(deadlines, workload.arrivals + 3.0 * alone, rtol=1e-12)
+    assert [replace(x, deadline=None) for x in timed.loads] == list(workload.loads)
+
+
+@pytest.mark.parametrize("mix", ["uniform", "low", "high"])
+def test_mixed_resolutions_follow_patchedserve_shares(mix):
+    workload = simulate.make_workload(6000, 1.0, "production", IMAGE_TOKENS, 0, 28, seed=0, resolutions=mix)
+    grids = np.array([x.image_tokens for x in workload.loads])
+    sides = {1024: 512, 2304: 768, 4096: 1024}
+    assert set(grids.tolist()) == set(sides)
+    shares = [np.mean(grids == grid) for grid in sides]
+    assert shares == pytest.approx(simulate.RESOLUTION_MIX[mix], abs=0.02)
+    assert all(1 <= x.masked_tokens <= x.image_tokens for x in workload.loads)
+
+
+def test_find_load_stops_at_twice_the_unloaded_p95_and_writes_json_and_png(tmp_path):
+    out = tmp_path / "loads.json"
+    report = simulate.main(["--find-load", "--mask-dists", "production", "--worker-counts", "2", "--requests", "150",
+                            "--steps", "8", "--rate-step", "0.5", "--resolutions", "uniform", "--out", str(out)])
+    (found,) = report["configurations"]
+    best = found["policies"][found["best_baseline"]]["p95_s"]
+    assert best >= 2 * found["unloaded_p95_s"]
+    assert best == min(found["policies"][name]["p95_s"] for name in simulate.BASELINES)
+    assert set(found["policies"]) == set(POLICIES)
+    assert found["p95_cut_vs_best_baseline"] == pytest.approx(
+        1 - found["policies"][found["best_policy"]]["p95_s"] / best)
+    assert all(0 <= summary["slo_attainment"] <= 1 for summary in found["policies"].values())
+    assert json.loads(out.read_text())["configurations"] == report["configurations"]
+    pytest.importorskip("matplotlib")
+    assert out.with_suffix(".png").stat().st_size > 0
