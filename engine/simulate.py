@@ -374,7 +374,7 @@ def _plot_loads(report: dict, out: Path) -> None:
         return
     configurations = report["configurations"]
     names = list(configurations[0]["policies"])
-    figure, axis = plt.subplots(figsize=(7, 4))
+    figure, axis = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(names)
     for k, name in enumerate(names):
         ratios = [c["policies"][name]["p95_s"] / c["policies"][c["best_baseline"]]["p95_s"] for c in configurations]
@@ -385,7 +385,7 @@ def _plot_loads(report: dict, out: Path) -> None:
     axis.set_ylabel("p95 / best baseline's p95")
     axis.set_title(f"{report['resolutions']} resolutions: where the best baseline's p95 is "
                    f"{report['loaded_p95']:g}x unloaded")
-    axis.legend(fontsize=7, loc="lower right")
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.tight_layout()
     figure.savefig(out, dpi=120)
     plt.close(figure)
