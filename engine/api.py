@@ -19,6 +19,7 @@ from PIL import Image
 
 from retouch.editor import DEFAULT_STEPS, EditRequest, MaskAwareEditor, Template
 from retouch.engine import processing
+from retouch.engine.metrics import now
 from retouch.engine.processing import HelperPool
 from retouch.engine.worker import EditResult, EngineConfig, Job, StepWatch, Worker
 from retouch.errors import InputError, RetouchError
@@ -30,8 +31,10 @@ class HelperError(RetouchError):
 
 
 class Engine:
-    def __init__(self, editor: MaskAwareEditor, config: EngineConfig = EngineConfig(), model_name: str | None = None):
-        """`model_name`: what the helper processes of the disaggregated mode load (default: the editor's)."""
+    def __init__(self, editor: MaskAwareEditor, config: EngineConfig = EngineConfig(), model_name: str | None = None,
+                 predict_s: Callable[[Job], float] | None = None):
+        """`model_name`: what the helper processes of the disaggregated mode load (default: the editor's).
+        `predict_s`: the step loop's prediction of a job's remaining seconds (slack ordering, `Worker`)."""
         self.editor = editor
         self.config = config
         self.model_name = model_name or editor.model.name
@@ -39,7 +42,8 @@ class Engine:
         self._jobs: dict[int, Job] = {}  # in the helpers (disaggregated mode), until answered
         self._recordings: dict[str, Job] = {}  # template id -> the job recording it
         self._jobs_lock = threading.Lock()
-        self.worker = Worker(editor, config, self._send_to_postprocess if config.mode == "disagg" else None)
+        self.worker = Worker(editor, config, self._send_to_postprocess if config.mode == "disagg" else None,
+                             predict_s)
         self._running = False
         self._loop_done = threading.Event()
         self._closing = False
@@ -135,7 +139,7 @@ class Engine:
 
     def submit_image(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int = 0,
                      steps: int = DEFAULT_STEPS, guidance: float | None = None,
-                     watch: StepWatch | None = None) -> Future[EditResult]:
+                     watch: StepWatch | None = None, budget_s: float | None = None) -> Future[EditResult]:
         """A one-off edit of `image`. Its first edit on this engine runs in full, the stock pipeline's
         result, and records the image as it goes (`EditResult.recorded` names the template); later
         ones, whatever their prompt, seed or mask, are mask-aware edits of that recording. While the
@@ -144,10 +148,11 @@ class Engine:
         template = self.editor.one_off_template(image, mask, prompt, seed, steps, guidance)
         request = self.editor.check_request(EditRequest(template.template_id, mask, prompt, seed), template)
         if self.editor.is_recorded(template.template_id):
-            return self.submit(request, watch)
+            return self.submit(request, watch, budget_s)
         with self._jobs_lock:
             records = template.template_id not in self._recordings
-            job = Worker.new_job(request, recording=template, records=records, watch=watch)
+            job = Worker.new_job(request, recording=template, records=records, watch=watch,
+                                 deadline=_deadline(budget_s))
             if records:
                 self._track_recording(job)
         self._enqueue(job)
@@ -179,15 +184,17 @@ class Engine:
         waiting = {job.id: job for job in list(self.worker.waiting) + in_helpers}
         return running, [job.future for job in waiting.values() if job.row is None]
 
-    def submit(self, request: EditRequest, watch: StepWatch | None = None) -> Future[EditResult]:
+    def submit(self, request: EditRequest, watch: StepWatch | None = None,
+               budget_s: float | None = None) -> Future[EditResult]:
         """Queue an edit; its future holds an `EditResult` or the error that stopped it.
         `future.cancel()` takes it out of the batch at the next step. `watch`: told each step, and
-        shown previews (`StepWatch`)."""
+        shown previews (`StepWatch`). `budget_s`: seconds from now it should be answered within (its
+        SLO: the queue is ordered by slack, `Worker.next_waiting`); None: no deadline."""
         self._check_running()
         template = self.editor.templates.get(request.template_id)
         if template is None:
             raise InputError(f"unknown template {request.template_id!r}; register it first")
-        job = Worker.new_job(self.editor.check_request(request, template), watch=watch)
+        job = Worker.new_job(self.editor.check_request(request, template), watch=watch, deadline=_deadline(budget_s))
         self._enqueue(job)
         return job.future
 
@@ -272,3 +279,8 @@ class Engine:
                 except CancelledError:  # cancelled while we waited
                     pass
 
+
+def _deadline(budget_s: float | None) -> float | None:
+    """A budget (seconds from now, as the router sends it: clocks differ across hosts) as a deadline
+    on this process's clock (`metrics.now`)."""
+    return None if budget_s is None else now() + budget_s

@@ -24,6 +24,7 @@ class RequestMetrics:
     admitted_step: int | None = None  # how many loop steps the worker had run when it joined
     tokens: int = 0  # image tokens of its canvas (a UNet's first level)
     computed_tokens: int = 0  # of them, those it computes per step: its masked ones, or all (a recording)
+    deadline: float | None = None  # when it should be answered (this clock); None: no SLO
 
     @property
     def queue_s(self) -> float:
@@ -37,9 +38,19 @@ class RequestMetrics:
     def e2e_s(self) -> float:
         return self.completed - self.submitted
 
+    @property
+    def deadline_met(self) -> bool | None:
+        """Whether it was answered by its deadline (on this worker's clock); None without one."""
+        if self.deadline is None or self.completed is None:
+            return None
+        return self.completed <= self.deadline
+
     def to_json(self) -> dict:
-        return {"queue_s": self.queue_s, "inference_s": self.inference_s, "e2e_s": self.e2e_s, "steps": self.steps,
-                "tokens": self.tokens, "computed_tokens": self.computed_tokens}
+        report = {"queue_s": self.queue_s, "inference_s": self.inference_s, "e2e_s": self.e2e_s,
+                  "steps": self.steps, "tokens": self.tokens, "computed_tokens": self.computed_tokens}
+        if self.deadline is not None:
+            report["deadline_met"] = self.deadline_met
+        return report
 
 
 @dataclass
@@ -59,12 +70,17 @@ class WorkerMetrics:
     recorded: int = 0  # templates recorded as members of the batch
     watch_errors: int = 0  # progress callbacks or previews that raised (the edits went on)
     last_watch_error: str | None = None
+    total_step_s: float = 0.0  # sum of step_s, kept so the mean is O(1) (slack ordering asks often)
 
     def record_step(self, batch_size: int, step_s: float, forward_s: float, inline_s: float) -> None:
         self.batch_sizes.append(batch_size)
         self.step_s.append(step_s)
+        self.total_step_s += step_s
         self.forward_s.append(forward_s)
         self.inline_s.append(inline_s)
+
+    def mean_step_s(self) -> float:
+        return self.total_step_s / len(self.step_s) if self.step_s else 0.0
 
     def overheads_s(self) -> list[float]:
         """Per step, the loop's own time: admission, batch assembly, planning, scheduler updates and

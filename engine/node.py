@@ -11,7 +11,8 @@ host (`retouch worker`), then it needs the router's public key and a secret key 
 It says hello (its batch size, the templates it holds), then answers the router's messages:
     register  record a template: it joins the running batch as a member and tells the router each
               recorded step, then ok or the error
-    edit      submit an edit; the router hears of each of its steps (and, with `preview_every`, sees
+    edit      submit an edit (with `budget_s`: seconds left of its SLO, ordering the queue by slack);
+              the router hears of each of its steps (and, with `preview_every`, sees
               a preview PNG every that many steps), then the answer: a PNG, or an error with the
               HTTP status it maps to. An edit with `one_off` carries the image: its first edit
               here records it as it runs (one generation), and the router is told the template is
@@ -172,12 +173,13 @@ class Node:
             mask = Image.frombytes("L", tuple(header["mask_size"]), blobs["mask"])
             prompt, seed = header["prompt"], int(header["seed"])
             watch = self._watch(request_id, int(header.get("preview_every", 0)))
+            budget_s = None if header.get("budget_s") is None else float(header["budget_s"])
             if template_id is not None:
-                future = self.engine.submit(EditRequest(template_id, mask, prompt, seed), watch)
+                future = self.engine.submit(EditRequest(template_id, mask, prompt, seed), watch, budget_s)
             else:
                 image = decode_image(blobs["image"], f"template {router_template}")
                 future = self.engine.submit_image(image, mask, prompt, seed, int(one_off["steps"]),
-                                                  one_off["guidance"], watch)
+                                                  one_off["guidance"], watch, budget_s)
         except Exception as exc:  # noqa: BLE001 - answered, never dropped
             self._post({"kind": "result", "request": request_id, "status": status_of(exc),
                         "error": type(exc).__name__, "message": str(exc)})

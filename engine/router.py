@@ -18,6 +18,13 @@ the worker the request is assigned to at that moment, so a request is answered e
 a worker presumed dead speaks again. A worker removed while still alive (a network cut that healed)
 is told to join again; its hello lists the templates it still holds, which need no new recording.
 
+Deadlines (SLOs): an edit's `RequestLoad.deadline` is on this router's clock (time.monotonic());
+each worker is sent what is left of it (`budget_s`: clocks differ across hosts) and orders its queue
+by slack. With `slo_admission="reject"` a request whose predicted finish (`predict_finish_s`, from
+the StepCost and the cluster's load) is past its deadline is refused at once (DeadlineUnattainable),
+rather than accepted to miss it. Per size class (`size_class`) the router counts requests with a
+deadline and whether each was met, missed, refused or cancelled (`snapshot()["slo"]`).
+
 Workers on other hosts connect over TCP with CURVE (`engine.curve`): the router refuses to bind an
 address other hosts can reach without keys.
 
@@ -56,6 +63,28 @@ class QueueFull(RuntimeError):
 
 class Unavailable(RuntimeError):
     """The router is closing, or no worker can take the request."""
+
+
+class DeadlineUnattainable(RuntimeError):
+    """With `slo_admission="reject"`: the request is predicted to finish after its deadline (429)."""
+
+    def __init__(self, predicted_s: float, budget_s: float):
+        super().__init__(f"predicted to finish in {predicted_s:.3f} s, over its SLO budget of {budget_s:.3f} s")
+        self.predicted_s, self.budget_s = predicted_s, budget_s
+
+
+SLO_ADMISSION = ("accept", "reject")
+SLO_OUTCOMES = ("met", "missed", "refused", "cancelled")
+# Size classes by image side in pixels (a square of the same area); larger ones are "larger".
+SIZE_CLASSES = (256, 512, 768, 1024, 1536, 2048, 4096)
+PIXELS_PER_TOKEN = 16 * 16  # the policies' token grid (`http_api.TOKEN_STRIDE`)
+
+
+def size_class(load: RequestLoad) -> str:
+    """The resolution bucket SLO metrics are kept by: the smallest of SIZE_CLASSES whose square holds
+    the request's pixels ("512": up to 512x512), else "larger"."""
+    pixels = load.image_tokens * PIXELS_PER_TOKEN
+    return next((str(side) for side in SIZE_CLASSES if pixels <= side * side), "larger")
 
 
 @dataclass(frozen=True)
@@ -153,6 +182,7 @@ class RouterConfig:
     dead_after_s: float = 5.0  # silence after which a worker is removed
     max_queue: int = 256  # requests accepted and not yet answered
     max_one_off: int = 1024  # one-off images remembered; beyond it the least recently edited idle one goes
+    slo_admission: str = "accept"  # reject: refuse an edit predicted to miss its deadline (needs a StepCost)
 
     def __post_init__(self):
         if self.dead_after_s <= self.heartbeat_s:
@@ -161,6 +191,8 @@ class RouterConfig:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.max_one_off < 1:
             raise ValueError(f"max_one_off must be >= 1, got {self.max_one_off}")
+        if self.slo_admission not in SLO_ADMISSION:
+            raise ValueError(f"slo_admission must be one of {', '.join(SLO_ADMISSION)}, got {self.slo_admission!r}")
 
 
 class Router:
@@ -199,6 +231,8 @@ class Router:
         self._stopped = False
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
                          "one_offs_evicted": 0}
+        # size class -> {"with_deadline": n, and n per SLO_OUTCOMES}
+        self.slo: dict[str, dict[str, int]] = {}
         # Notified on every dispatch, answer, heartbeat and worker change.
         self._changed = threading.Condition(self._lock)
         # ("request", id) or ("template", id) -> callbacks told what happens to it (`watch`)
@@ -249,7 +283,8 @@ class Router:
 
     def submit_many(self, tasks: list[EditTask], one_off: TemplateRecord | None = None,
                     on_event: Callable[[int, dict], None] | None = None) -> tuple[list[int], list[Future[EditAnswer]]]:
-        """Accept all of `tasks` or none (QueueFull, Unavailable, KeyError for an unknown template);
+        """Accept all of `tasks` or none (QueueFull, Unavailable, KeyError for an unknown template,
+        DeadlineUnattainable with `slo_admission="reject"`);
         `one_off`: the one-off image they edit, registered with them if new. Returns the request ids
         (for `cancel` and `request_status`) and the futures of the answers. `on_event(id, event)`
         watches them (`watch`) from before they are routed, so it misses none of their steps."""
@@ -263,6 +298,7 @@ class Router:
                 self._evict_one_offs(keep=one_off.template_id)
             if any(task.template_id not in self.templates for task in tasks):
                 raise KeyError(next(t.template_id for t in tasks if t.template_id not in self.templates))
+            self._admit_deadlines(tasks)
             for task in tasks:
                 self.templates[task.template_id].last_used = time.monotonic()
             accepted = [Pending(next(self._ids), task, Future()) for task in tasks]
@@ -274,6 +310,64 @@ class Router:
                 self._route(pending)
         self._wake()
         return [p.request_id for p in accepted], [p.future for p in accepted]
+
+    def _admit_deadlines(self, tasks: list[EditTask]) -> None:
+        """Count the tasks with a deadline; in reject mode refuse them all (DeadlineUnattainable) if
+        one is predicted to finish after its deadline. No prediction (no StepCost, no live worker):
+        accepted."""
+        timed = [task for task in tasks if task.load.deadline is not None]
+        for task in timed:
+            self._slo_count(task.load, "with_deadline")
+        if self.config.slo_admission != "reject":
+            return
+        for task in timed:
+            budget_s = task.load.deadline - time.monotonic()
+            predicted_s = self.predict_finish_s(task.load, self._ready_slots(task.template_id))
+            if predicted_s is not None and predicted_s > budget_s:
+                for refused in timed:
+                    self._slo_count(refused.load, "refused")
+                raise DeadlineUnattainable(predicted_s, budget_s)
+
+    def _ready_slots(self, template_id: str) -> np.ndarray | None:
+        """Bool [slots] of live workers where the template is ready; None if there is none (it will be
+        recorded, or wait: any worker may take it)."""
+        eligible = np.zeros_like(self.cluster.alive)
+        for name, state in self.templates[template_id].states.items():
+            if state == "ready" and name in self.workers:
+                eligible[self.workers[name].slot] = True
+        return eligible if eligible.any() else None
+
+    def predict_finish_s(self, load: RequestLoad, eligible: np.ndarray | None = None) -> float | None:
+        """Seconds until `load` would be answered by the (eligible) live worker that would finish it
+        first, from the StepCost and the cluster's view: with a free batch slot, its steps x the step
+        latency of that worker's batch with it added; on a full worker, the steps until a slot frees
+        for it (the queue ahead first) and then its own, at the running batch's step latency. None
+        without a StepCost or a live eligible worker."""
+        cluster, cost = self.cluster, self.cluster.cost
+        candidates = cluster.alive if eligible is None else cluster.alive & eligible
+        if cost is None or not candidates.any():
+            return None
+        features = cost.request_features(load.image_tokens, load.masked_tokens, load.text_tokens)
+        best = float("inf")
+        for slot in np.flatnonzero(candidates):
+            slot = int(slot)
+            if cluster.in_flight[slot] < cluster.max_batch[slot]:
+                best = min(best, load.steps * float(cost.latency(cluster.inflight_features[slot] + features)))
+                continue
+            running = sorted(cluster.steps_left(slot, running=True))
+            queued = cluster.steps_left(slot, running=False)
+            if running:
+                rounds, position = divmod(len(queued), len(running))
+                wait_steps = running[position] + rounds * (float(np.mean(queued)) if queued else 0.0)
+            else:  # all queued: they run a batch at a time before it
+                wait_steps = (len(queued) // int(cluster.max_batch[slot])) * load.steps
+            step_s = float(cost.latency(cluster.running_features[slot])) or float(cost.latency(features))
+            best = min(best, (wait_steps + load.steps) * step_s)
+        return best
+
+    def _slo_count(self, load: RequestLoad, what: str) -> None:
+        counts = self.slo.setdefault(size_class(load), dict.fromkeys(("with_deadline", *SLO_OUTCOMES), 0))
+        counts[what] += 1
 
     def cancel(self, request_id: int, why: str = "the client went away") -> bool:
         """Answer the request now (409 Cancelled) and tell its worker to drop it at the next step;
@@ -438,7 +532,8 @@ class Router:
                     "parked": sum(len(q) for q in self.parked.values()),
                     "templates": len(self.templates),
                     "counters": {**self.counters, "workers_refused": self.security.allowed.refused
-                                 if self.security is not None else 0}}
+                                 if self.security is not None else 0},
+                    "slo": {size: dict(counts) for size, counts in self.slo.items()}}
 
     # ---- routing (called with the lock held) ----
 
@@ -490,6 +585,8 @@ class Router:
         header = {"kind": "edit", "request": pending.request_id, "template": task.template_id,
                   "prompt": task.prompt, "seed": task.seed, "mask_size": list(task.mask_size),
                   "preview_every": task.preview_every}
+        if task.load.deadline is not None:  # what is left of it: the worker's clock is its own
+            header["budget_s"] = task.load.deadline - time.monotonic()
         blobs = {"mask": task.mask}
         if records:
             record.states[worker.name] = "recording"
@@ -566,6 +663,12 @@ class Router:
         self._changed.notify_all()
 
     def _answer(self, pending: Pending, answer: EditAnswer) -> None:
+        deadline = pending.task.load.deadline
+        if deadline is not None and pending.request_id in self.pending:
+            met = answer.status == 200 and time.monotonic() <= deadline
+            self._slo_count(pending.task.load, "cancelled" if answer.error == "Cancelled" else
+                            "met" if met else "missed")
+            answer = replace(answer, metrics={**answer.metrics, "deadline_met": met})
         self.pending.pop(pending.request_id, None)
         self._tell("request", pending.request_id, {"event": "answered", "status": answer.status,
                                                    "error": answer.error, "message": answer.message})

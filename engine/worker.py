@@ -4,7 +4,7 @@ One thread owns the model and the running batch and repeats, top to bottom:
 
     receive   new requests and ready (pre-processed) ones; block only when there is nothing to run
     admit     cancelled requests leave; waiting ones join the running batch, up to `max_batch`
-              (static: only into an empty one)
+              (static: only into an empty one), least slack first (`Worker.next_waiting`)
     step      one denoising step of the whole ragged batch: each request at its own step of its own
               schedule with its own mask, one mask-aware forward per image size (planned per forward)
     retire    requests whose schedule is done leave at once; their latents go to post-processing
@@ -15,6 +15,12 @@ forward, and it leaves when its schedule is done; the loop never stops for it. A
 image nobody recorded is such a recording that also answers: its result is the stock pipeline's.
 Any request can be cancelled (`Future.cancel()`): it leaves the batch before the next step, and a
 cancelled recording frees what it wrote.
+
+Deadlines (SLOs, after PatchedServe's SLO-aware scheduling): an edit may carry a deadline
+(`Job.deadline`, this process's `metrics.now()` clock). While any waiting request has one, the queue
+is admitted by slack -- deadline - now - predicted remaining time (`predict_s(job)`: by default its
+steps x the loop's measured mean step time) -- and requests without a deadline (recordings among
+them) follow in arrival order. Without deadlines the queue is FIFO, as it always was.
 
 Batching modes (one switch, for the ablation):
     static   a batch runs to completion before the next is admitted; pre/post-processing inline
@@ -95,6 +101,7 @@ class Job:
     records:  with `recording`, whether its rows write the cache (False: a one-off edit computed in
               full while another request records the same image)
     watch:    what its owner is told as it denoises (`StepWatch`): each step, and previews
+    deadline: when it should be answered (`metrics.now()` clock); None: no SLO
     """
 
     id: int
@@ -102,6 +109,7 @@ class Job:
     recording: Template | None = None
     records: bool = True
     watch: StepWatch | None = None
+    deadline: float | None = None
     future: Future = field(default_factory=Future)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     ready: ReadyEdit | None = None
@@ -162,7 +170,10 @@ class Worker:
     _ids = itertools.count()
 
     def __init__(self, editor: MaskAwareEditor, config: EngineConfig,
-                 send_to_postprocess: Callable[[Job], None] | None = None):
+                 send_to_postprocess: Callable[[Job], None] | None = None,
+                 predict_s: Callable[[Job], float] | None = None):
+        """`predict_s(job)`: seconds the job still needs once admitted, for slack ordering (default:
+        `predicted_s`, its steps x the measured mean step time)."""
         self.editor = editor
         self.config = config
         self.scheduler = BatchScheduler.for_scheduler(editor.pipe.scheduler)
@@ -174,11 +185,14 @@ class Worker:
         self.stopping = False
         self._forward_s = self._inline_s = 0.0
         self._previewer: LatentPreviewer | None = None
+        self.predict_s = predict_s or self.predicted_s
 
     @classmethod
     def new_job(cls, request: EditRequest | None, recording: Template | None = None, records: bool = True,
-                watch: StepWatch | None = None) -> Job:
-        return Job(next(cls._ids), request, recording, records, watch)
+                watch: StepWatch | None = None, deadline: float | None = None) -> Job:
+        job = Job(next(cls._ids), request, recording, records, watch, deadline)
+        job.metrics.deadline = deadline
+        return job
 
     # ---- the loop ----
 
@@ -230,7 +244,7 @@ class Worker:
         if self.config.mode == "static" and self.running:
             return
         while self.waiting and len(self.running) < self.config.max_batch:
-            job = self.waiting.popleft()
+            job = self.next_waiting()
             if job.ready is None:  # static and naive: pre-processing inline
                 ready = self._inline(lambda: self._prepare(job), job)
                 if ready is None:
@@ -260,6 +274,34 @@ class Worker:
             job.metrics.admitted = now()
             job.metrics.admitted_step = len(self.metrics.step_s)
             self.running.append(job)
+
+    def next_waiting(self) -> Job:
+        """Take the waiting job to admit next: the least slack (deadline - now - `predict_s`) among
+        those with a deadline, then those without in arrival order; FIFO among equals. A queue without
+        deadlines is plain FIFO (no prediction is made)."""
+        if all(job.deadline is None for job in self.waiting):
+            return self.waiting.popleft()
+        at = now()
+
+        def urgency(job: Job) -> tuple[int, float]:
+            if job.deadline is None:
+                return (1, 0.0)
+            return (0, job.deadline - at - self.predict_s(job))
+
+        job = min(self.waiting, key=urgency)  # min keeps the first of equals: FIFO
+        self.waiting.remove(job)
+        return job
+
+    def predicted_s(self, job: Job) -> float:
+        """Seconds `job` needs once admitted: its steps x the mean step time measured so far (0 before
+        the first step: then slack is the time to the deadline)."""
+        return self._steps_of(job) * self.metrics.mean_step_s()
+
+    def _steps_of(self, job: Job) -> int:
+        if job.recording is not None:
+            return job.recording.steps
+        template = self.editor.templates.get(job.request.template_id)
+        return template.steps if template is not None else (job.request.steps or 0)
 
     def step(self) -> None:
         """One denoising step of the running batch: a forward per (image size, guidance) group."""

@@ -201,6 +201,11 @@ class ServeOptions:
     compile: bool = option(False, help="workers run the blocks through torch.compile (their first steps compile)")
     cuda_graphs: bool = option(False, help="workers replay CUDA graphs of the compiled blocks (CUDA only; implies "
                                "--compile)")
+    slo_ms_per_megapixel: float = option(0.0, help="default SLO of an edit without slo_ms: this many ms per "
+                                         "megapixel of its image (0: none)")
+    slo_admission: str = option("accept", help="an edit predicted to miss its SLO: accept it anyway, or reject it "
+                                "at once (429 slo_unattainable; predicted with the cost model)",
+                                choices=("accept", "reject"))
 
     def __post_init__(self):
         if self.workers < 0:
@@ -212,7 +217,7 @@ class ServeOptions:
         _require(self, ("header_timeout_s", "body_timeout_s", "max_inflight_mb"), "> 0")
         _require(self, ("max_connections", "max_prompt_chars", "max_batch", "steps", "max_steps", "max_queue",
                         "max_pixels", "max_work"), ">= 1")
-        _require(self, ("worker_threads", "helper_threads"), ">= 0")
+        _require(self, ("worker_threads", "helper_threads", "slo_ms_per_megapixel"), ">= 0")
         if self.cuda_graphs and self.device == "cpu":
             raise InputError("--cuda-graphs needs a CUDA device (--device cuda or auto)")
         if self.helpers < 1 and self.mode == "disagg":

@@ -15,6 +15,10 @@ Every bad input is answered at once with a 4xx and a JSON body naming the field,
 error shape: {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}.
 Accepted edits are answered exactly once (the router guarantees it across worker failures).
 
+Deadlines: an edit may carry `slo_ms` (milliseconds from its arrival; by default
+`Limits.slo_ms_per_megapixel` x its megapixels, none when 0). The router orders and, when told to,
+refuses by it (429 slo_unattainable: `engine.router.DeadlineUnattainable`).
+
 Tenants: with API keys (`Limits.api_keys`), each key is a tenant (`tenant_of`). Templates and edits
 in flight belong to the tenant that made them; another key sees them as unknown (404). Without keys
 everything belongs to the tenant "".
@@ -38,7 +42,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 from fastapi import FastAPI, Request
@@ -51,7 +55,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from retouch import playground
 from retouch.canvas import Canvas
 from retouch.engine.policies import RequestLoad
-from retouch.engine.router import EditAnswer, EditTask, QueueFull, Router, TemplateRecord, Unavailable
+from retouch.engine.router import (DeadlineUnattainable, EditAnswer, EditTask, QueueFull, Router, TemplateRecord,
+                                   Unavailable)
 from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
@@ -70,6 +75,7 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # ~1 ms of encoding, so no step holds the GIL long.
 B64_CHUNK = 3 << 18
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+MAX_SLO_MS = 3_600_000  # an hour: longer is no SLO
 
 logger = logging.getLogger("retouch.http")
 
@@ -93,6 +99,7 @@ class Limits:
     body_timeout_s: float = 120.0
     max_connections: int = 1024
     max_inflight_bytes: int = 1 << 30  # request bodies being handled at once (503 beyond)
+    slo_ms_per_megapixel: float = 0.0  # an edit without slo_ms gets this x its megapixels (0: no deadline)
 
     def __post_init__(self):
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
@@ -105,6 +112,8 @@ class Limits:
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.slo_ms_per_megapixel) and self.slo_ms_per_megapixel >= 0):
+            raise ValueError(f"slo_ms_per_megapixel must be >= 0, got {self.slo_ms_per_megapixel}")
         if self.max_inflight_bytes < self.max_upload_bytes:
             raise ValueError(f"max_inflight_bytes ({self.max_inflight_bytes}) must hold one upload "
                              f"(max_upload_bytes {self.max_upload_bytes})")
@@ -583,17 +592,28 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         # A one-off's image is the client's upload, in whatever format it came.
         return await anyio.to_thread.run_sync(lambda: png_bytes(as_image(decode_image(record.image, "image"))))
 
+    def slo_deadline(request: Request, form: Form, size: tuple[int, int]) -> None:
+        """The edit's deadline on the router's clock (`request.state.deadline`, None: no SLO): its
+        arrival plus `slo_ms`, or plus the server's default for its size."""
+        slo_ms = form.integer("slo_ms", None, 1, MAX_SLO_MS)
+        if slo_ms is None and limits.slo_ms_per_megapixel > 0:
+            slo_ms = max(1.0, limits.slo_ms_per_megapixel * size[0] * size[1] / 1e6)
+        request.state.deadline = None if slo_ms is None else request.state.arrived + slo_ms / 1000
+
     def accept(request: Request, template_id: str, one_off: TemplateRecord | None, mask: Image.Image,
                payload: tuple[bytes, RequestLoad], prompt: str, seed: int, n: int = 1, preview_every: int = 0,
                on_event=None) -> tuple[list[int], list]:
         """`n` edits (seeds seed, seed+1, ...) to the router, all or none; they are in flight under
         the request's X-Request-Id until the caller pops them. (ids, futures)."""
         mask_bytes, load = payload
+        load = replace(load, deadline=getattr(request.state, "deadline", None))
         tasks = [EditTask(template_id, mask_bytes, mask.size, prompt, seed + i, load, preview_every) for i in range(n)]
         try:
             ids, futures = router.submit_many(tasks, one_off, on_event)
         except QueueFull as exc:
             raise ApiError(429, f"server busy: {exc}; retry later", None, "queue_full", {"Retry-After": "1"}) from None
+        except DeadlineUnattainable as exc:
+            raise ApiError(429, f"the edit cannot meet its deadline: {exc}", "slo_ms", "slo_unattainable") from None
         except Unavailable as exc:
             raise ApiError(503, str(exc), None, "unavailable", {"Retry-After": "5"}) from None
         except KeyError:
@@ -673,6 +693,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
     @app.post("/v1/edits")
     async def create_edit(request: Request):
+        request.state.arrived = time.monotonic()
         request.state.request_id = client_request_id(request)
         form = await read_form(request)
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required: say what to paint into the masked region")
@@ -693,6 +714,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         if preview_every and not stream:
             raise ApiError(400, "preview_every needs stream=true (previews are events of the stream)", "preview_every")
         mask = await read_mask_upload(mask_upload, limits.max_pixels)
+        slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1)
         if stream:
             return await streamed_edit(request, template_id, one_off, steps, mask, prompt, seed, preview_every)
@@ -707,6 +729,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         """The OpenAI Images API edit: `image` (or `image[]`), optional `mask` whose alpha 0 marks
         the region to repaint (without one, the image's own alpha does), `prompt`, `n`, `size`,
         `response_format` (b64_json); retouch's extra `template_id` reuses a registered template."""
+        request.state.arrived = time.monotonic()
         request.state.request_id = client_request_id(request)
         form = await read_form(request)
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required")
@@ -727,6 +750,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             mask = await anyio.to_thread.run_sync(lambda: read_mask(image.image, alpha=True))
         else:
             raise ApiError(400, "send a mask, or an image with transparency (alpha 0 = repaint)", "mask")
+        slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, None, None, image, mask, n)
         pngs = await edit(request, "/v1/images/edits", template_id, one_off, steps, mask, prompt, seed, n)
         if target is not None:

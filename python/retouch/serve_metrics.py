@@ -11,6 +11,10 @@ from `router.snapshot()` when scraped (`RouterCollector`), so nothing is copied 
 A worker's counters (steps, completed, cache hits, ...) are cumulative in its process and arrive in
 its heartbeat; they are exposed as counters that restart from zero when the worker does, which
 Prometheus' rate() reads as a counter reset.
+
+SLOs, per size class (`engine.router.size_class`): `retouch_slo_requests_total{class, outcome}`
+counts edits with a deadline (outcome "with_deadline") and how each ended (met, missed, refused at
+admission, cancelled); `retouch_slo_goodput{class}` is met / (met + missed + refused).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from retouch.engine.router import Router
+from retouch.engine.router import SLO_OUTCOMES, Router
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
 # A policy decision takes microseconds (least-requests) to a millisecond or so (mask-aware, many workers).
@@ -132,9 +136,26 @@ class RouterCollector(Collector):
         for event, value in sorted(snapshot["counters"].items()):
             events.add_metric((event,), value)
         yield events
+        yield from _slo(snapshot.get("slo", {}))
         yield from _per_worker("retouch_worker_", workers, WORKER_GAUGES, WORKER_COUNTERS)
         caches = [(name, report["cache"]) for name, report in workers if isinstance(report.get("cache"), dict)]
         yield from _per_worker("retouch_worker_cache_", caches, CACHE_GAUGES, CACHE_COUNTERS)
+
+
+def _slo(per_class: dict[str, dict[str, int]]) -> Iterator[Metric]:
+    requests = CounterMetricFamily("retouch_slo_requests", "edits with a deadline (outcome with_deadline) and "
+                                   "how they ended (met, missed, refused, cancelled), by size class",
+                                   labels=("class", "outcome"))
+    goodput = GaugeMetricFamily("retouch_slo_goodput", "edits that met their deadline / those met, missed or "
+                                "refused, by size class", labels=("class",))
+    for size, counts in sorted(per_class.items()):
+        for outcome in ("with_deadline", *SLO_OUTCOMES):
+            requests.add_metric((size, outcome), counts.get(outcome, 0))
+        decided = sum(counts.get(outcome, 0) for outcome in ("met", "missed", "refused"))
+        if decided:
+            goodput.add_metric((size,), counts.get("met", 0) / decided)
+    yield requests
+    yield goodput
 
 
 def _per_worker(prefix: str, reports: list[tuple[str, dict]], gauges: Iterable[tuple[str, str]],

@@ -40,15 +40,16 @@ from retouch.log_limits import cap_log_messages
 
 
 def step_cost(opts: ServeOptions) -> StepCost | None:
-    """The mask-aware policy's cost model: the fitted one given (`retouch profile`), else the built-in
-    model of an H800-class worker running Flux -- a stand-in whose ranking of batches (by masked
-    tokens and cache bytes) carries over, not its seconds."""
-    if opts.policy != "mask-aware":
+    """The cost model of mask-aware routing and of SLO admission (--slo-admission reject): the fitted
+    one given (`retouch profile`), else the built-in model of an H800-class worker running Flux -- a
+    stand-in whose ranking of batches (by masked tokens and cache bytes) carries over, not its seconds
+    (so SLO admission needs the fitted one to mean anything)."""
+    if opts.policy != "mask-aware" and opts.slo_admission != "reject":
         return None
     if opts.cost_model is not None:
         return StepCost.from_json(opts.cost_model)
-    print("retouch: mask-aware routing with the built-in H800 Flux cost model; fit this model's with "
-          "`retouch profile` and pass --cost-model", file=sys.stderr)
+    print("retouch: mask-aware routing and SLO admission with the built-in H800 Flux cost model; fit this "
+          "model's with `retouch profile` and pass --cost-model", file=sys.stderr)
     return StepCost(h800_flux())
 
 
@@ -78,7 +79,8 @@ class Server:
         if opts.curve_secret is not None:
             security = RouterSecurity(opts.curve_secret, AllowedKeys.from_dir(opts.curve_allowed))
         self.router = Router(RouterConfig(opts.worker_listen, opts.policy, opts.heartbeat_s, opts.dead_after_s,
-                                          opts.max_queue), step_cost(opts), security=security).start()
+                                          opts.max_queue, slo_admission=opts.slo_admission), step_cost(opts),
+                             security=security).start()
         process_tree.remove_stale_run_dirs()
         self.run_dir = process_tree.new_run_dir()
         node_args = ["--model", opts.model, "--device", device, "--dtype", str(dtype).removeprefix("torch."),
@@ -95,7 +97,8 @@ class Server:
                         max_steps=opts.max_steps, default_steps=opts.steps, max_work=opts.max_work, api_keys=api_keys,
                         docs=opts.docs, playground=opts.playground, max_prompt_chars=opts.max_prompt_chars, header_timeout_s=opts.header_timeout_s,
                         body_timeout_s=opts.body_timeout_s, max_connections=opts.max_connections,
-                        max_inflight_bytes=int(opts.max_inflight_mb * (1 << 20)))
+                        max_inflight_bytes=int(opts.max_inflight_mb * (1 << 20)),
+                        slo_ms_per_megapixel=opts.slo_ms_per_megapixel)
         app = create_app(self.router, limits, opts.model)
         # IPPROTO_TCP spelled out: asyncio turns on TCP_NODELAY only for sockets that say they are TCP.
         listener = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET, socket.SOCK_STREAM,
