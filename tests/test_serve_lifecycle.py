@@ -193,3 +193,16 @@ def test_the_url_takes_connections_as_soon_as_start_returns():
             host, port = running.url.removeprefix("http://").rsplit(":", 1)
             socket.create_connection((host, int(port)), timeout=5).close()
             assert httpx.get(f"{running.url}/healthz", timeout=30).status_code == 200
+
+
+def test_least_work_routing_serves_edits():
+    """--policy least-work prices a worker's remaining work with the step cost model the server builds."""
+    opts = ServeOptions(model="tiny-flux-fill", workers=1, port=0, mode="naive", worker_threads=1, steps=2,
+                        policy="least-work")
+    image = random_image(SIZE, seed=21)
+    with Server(opts).start() as running, httpx.Client(base_url=running.url, timeout=120) as client:
+        answer = client.post("/v1/edits", files=files(image, box()), data={"prompt": "a hat"})
+        assert answer.status_code == 200, answer.text
+        keep = np.asarray(box()) == 0
+        edited = np.asarray(Image.open(io.BytesIO(answer.content)).convert("RGB"))
+        assert np.array_equal(edited[keep], np.asarray(image)[keep])

@@ -11,6 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from retouch.engine.policies import POLICIES
 from retouch.errors import InputError, RetouchError
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -162,7 +163,7 @@ class ServeOptions:
     host: str = option("127.0.0.1", help="HTTP address to bind (loopback unless you mean otherwise)")
     port: int = option(8000, help="HTTP port (0: any free port, printed on start)")
     policy: str = option("mask-aware", help="how the router picks a worker",
-                         choices=("round-robin", "least-requests", "least-tokens", "mask-aware"))
+                         choices=POLICIES)
     cost_model: Path | None = option(None, help="fitted cost models (`retouch profile`) for mask-aware routing")
     worker_listen: str = option("tcp://127.0.0.1:0", help="where workers connect: tcp://ADDR:PORT (an address other "
                                 "hosts reach needs --curve-secret and --curve-allowed) or ipc://PATH")

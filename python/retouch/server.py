@@ -40,11 +40,11 @@ from retouch.log_limits import cap_log_messages
 
 
 def step_cost(opts: ServeOptions) -> StepCost | None:
-    """The cost model of mask-aware routing and of SLO admission (--slo-admission reject): the fitted
+    """The cost model of mask-aware and least-work routing and of SLO admission (--slo-admission reject): the fitted
     one given (`retouch profile`), else the built-in model of an H800-class worker running Flux -- a
     stand-in whose ranking of batches (by masked tokens and cache bytes) carries over, not its seconds
     (so SLO admission needs the fitted one to mean anything)."""
-    if opts.policy != "mask-aware" and opts.slo_admission != "reject":
+    if opts.policy not in ("mask-aware", "least-work") and opts.slo_admission != "reject":
         return None
     if opts.cost_model is not None:
         return StepCost.from_json(opts.cost_model)
