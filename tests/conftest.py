@@ -34,3 +34,32 @@ def run_cli(*args: str, env: dict | None = None, cwd=None) -> subprocess.Complet
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture
+def context():
+    """A ZeroMQ context for scripted workers (`scripted_worker.ScriptedWorker`), destroyed after."""
+    import zmq
+
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def make_router():
+    """Routers on loopback, closed after the test (those it did not close itself):
+    `make_router(cost=StepCost or None, **RouterConfig fields)`."""
+    from retouch.engine.router import Router, RouterConfig
+
+    routers = []
+
+    def make(cost=None, **config) -> Router:
+        config = {"address": "tcp://127.0.0.1:0", "policy": "least-requests", "heartbeat_s": 0.05,
+                  "dead_after_s": 60.0, **config}
+        routers.append(Router(RouterConfig(**config), cost).start())
+        return routers[-1]
+
+    yield make
+    for router in routers:
+        router.close(drain_s=0)

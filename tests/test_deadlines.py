@@ -14,7 +14,6 @@ from dataclasses import replace
 import httpx
 import numpy as np
 import pytest
-import zmq
 from editor_inputs import square_mask, template_image
 from PIL import Image
 from scripted_worker import TIMEOUT_S, ScriptedWorker
@@ -114,28 +113,6 @@ def test_a_tight_deadline_submitted_last_is_admitted_first_by_the_loop(flux_edit
 
 # ---- the router's admission ----
 
-@pytest.fixture
-def context():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
-def make_router():
-    routers = []
-
-    def make(slo_admission: str = "accept") -> Router:
-        config = RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
-                              dead_after_s=60.0, slo_admission=slo_admission)
-        routers.append(Router(config, FakeStepCost()).start())
-        return routers[-1]
-
-    yield make
-    for router in routers:
-        router.close(drain_s=0)
-
-
 def ready_worker(context, router: Router, max_batch: int = 4) -> ScriptedWorker:
     worker = ScriptedWorker(context, router, "w0", max_batch)
     router.register_template(TemplateRecord("t1", b"png", (64, 64), "", LOAD.steps, 0, None, 0))
@@ -149,7 +126,7 @@ def task(budget_s: float) -> EditTask:
 
 
 def test_reject_mode_refuses_what_cannot_finish_in_time_and_accepts_the_rest(context, make_router):
-    router = make_router("reject")
+    router = make_router(FakeStepCost(), slo_admission="reject")
     worker = ready_worker(context, router)
     # Idle worker: its 2 steps of a batch of one, 2 x 10 s.
     assert router.predict_finish_s(LOAD) == pytest.approx(2 * STEP_S)
@@ -167,7 +144,7 @@ def test_reject_mode_refuses_what_cannot_finish_in_time_and_accepts_the_rest(con
 
 
 def test_the_prediction_counts_the_queue_on_a_full_worker(context, make_router):
-    router = make_router("reject")
+    router = make_router(FakeStepCost(), slo_admission="reject")
     worker = ready_worker(context, router, max_batch=1)
     running = router.submit(EditTask("t1", bytes(64 * 64), (64, 64), "a dog", 0, LOAD))
     request = worker.receive("edit")["request"]
@@ -179,7 +156,7 @@ def test_the_prediction_counts_the_queue_on_a_full_worker(context, make_router):
 
 
 def test_accept_mode_runs_what_will_miss_and_counts_it_missed(context, make_router):
-    router = make_router("accept")
+    router = make_router(FakeStepCost(), slo_admission="accept")
     worker = ready_worker(context, router)
     future = router.submit(task(budget_s=-1.0))  # already late: accepted all the same
     worker.answer(worker.receive("edit")["request"])

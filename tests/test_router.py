@@ -5,35 +5,12 @@ when a worker dies or falls silent, exactly one answer per request, back-pressur
 from __future__ import annotations
 
 import pytest
-import zmq
 from scripted_worker import TIMEOUT_S, ScriptedWorker
 
 from retouch.engine.policies import RequestLoad
-from retouch.engine.router import EditTask, QueueFull, Router, RouterConfig, TemplateRecord
+from retouch.engine.router import EditTask, QueueFull, TemplateRecord
 
 LOAD = RequestLoad(image_tokens=16, masked_tokens=4, steps=2)
-
-
-@pytest.fixture
-def context():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
-def make_router():
-    """Routers on loopback, closed after the test (those it did not close itself)."""
-    routers = []
-
-    def make(**config) -> Router:
-        routers.append(Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests",
-                                           **{"heartbeat_s": 0.05, "dead_after_s": 60.0, **config})).start())
-        return routers[-1]
-
-    yield make
-    for router in routers:
-        router.close(drain_s=0)
 
 
 def template(template_id: str = "t1", replicas: int = 0) -> TemplateRecord:
