@@ -60,7 +60,7 @@ from retouch.engine.router import (DeadlineUnattainable, EditAnswer, EditTask, Q
 from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
-from retouch.http_events import KEEPALIVE, KEEPALIVE_S, EventRelay, sse
+from retouch.http_events import KEEPALIVE, KEEPALIVE_S, EventRelay, sse, with_image
 from retouch.images import ImageTooLarge, as_image, as_mask, decode_image, has_alpha, png_bytes
 from retouch.masks import FLUX_STRIDE, token_mask
 from retouch.serve_metrics import ServeMetrics
@@ -809,8 +809,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                     if name == "answered":
                         break
                     if name == "preview":
-                        image = await anyio.to_thread.run_sync(base64.b64encode, event["png"])
-                        yield sse("preview", {"step": event["step"], "image": image.decode()})
+                        yield sse("preview", await with_image(event))
                     elif name in ("parked", "queued", "step"):
                         yield sse(name, event)
                 answer = await asyncio.wrap_future(future)
@@ -873,7 +872,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                             yield sse("error", {"status": event["status"], **tag, **answer_error(failed).body()})
                         continue
                     if name == "preview":
-                        event["image"] = (await anyio.to_thread.run_sync(base64.b64encode, event.pop("png"))).decode()
+                        event = await with_image(event)
                     yield sse(name, {**event, **tag})
                 ok = all(status == 200 for status in statuses.values())
                 yield sse("done", {"id": request_id, "status": 200 if ok else max(statuses.values(), default=200)})

@@ -23,10 +23,19 @@ connection open. A client that goes away from a POST stream cancels its edit.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+
+import anyio
 
 KEEPALIVE_S = 15.0
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # nginx: pass events on at once
+
+
+async def with_image(preview: dict) -> dict:
+    """A `preview` event's data: its PNG as base64 `image`, encoded off the event loop."""
+    png = preview.pop("png")
+    return {**preview, "image": (await anyio.to_thread.run_sync(base64.b64encode, png)).decode()}
 
 
 def sse(event: str, data: dict) -> bytes:
