@@ -40,6 +40,7 @@ BATCHED_INPUTS = {
 SHARED_INPUTS = {"flux-fill": ("txt_ids", "img_ids"), "flux-inpaint": ("txt_ids", "img_ids")}
 CONCAT_DIM = {"flux-fill": 2, "sdxl": 1, "sd2": 1}  # where the conditioning joins the latents
 BLENDED = ("flux-inpaint", "sd3")  # re-noise the template's latents outside the mask after each step
+PACKED = ("flux-fill", "flux-inpaint", "sd3")  # families whose requests of different sizes share one forward
 
 
 @dataclass
@@ -169,26 +170,82 @@ def denoise_step(family: str, scheduler: BatchScheduler, rows: Sequence[Running]
                  denoiser: Callable[..., torch.Tensor]) -> None:
     """One denoising step of `rows` (each at its own step; one image size; all with or all without
     guidance): call `denoiser(**kwargs)` once on the batch, then advance every request."""
+    model_input, kwargs = _model_inputs(family, scheduler, rows)
+    _advance(family, scheduler, rows, denoiser(**kwargs, **_latent_kwargs(family, scheduler, rows, model_input)))
+
+
+def denoise_mixed_step(family: str, scheduler: BatchScheduler, rows: Sequence[Running],
+                       packed_denoiser: Callable[..., list[torch.Tensor]]) -> None:
+    """One denoising step of `rows` of different image sizes (Flux, SD3; all with or all without
+    guidance) in ONE forward: `packed_denoiser(**kwargs)` is the adapter's `forward_packed`, which takes
+    per denoiser row its latents (and Flux's image ids) and returns its prediction. Inputs are built and
+    requests advanced per size exactly as `denoise_step` does, so each request steps as it would alone."""
+    if family not in PACKED:
+        raise ValueError(f"{family} runs one forward per image size (no mixed-resolution forward)")
+    sizes: dict[tuple, list[int]] = {}
+    for index, row in enumerate(rows):
+        sizes.setdefault(tuple(row.latents.shape), []).append(index)
+    groups = [[rows[i] for i in indices] for indices in sizes.values()]
+    copies = rows[0].prepared.copies
+    # Each size's denoiser rows, [copy 0 of its requests; copy 1 ...], as denoise_step builds them.
+    inputs = {id(group[0]): _model_inputs(family, scheduler, group)[0] for group in groups}
+    where = {id(row): (group, i) for group in groups for i, row in enumerate(group)}
+    latents, ids = [], []
+    for copy in range(copies):  # the batch's denoiser rows: every request's copy 0, then copy 1
+        for row in rows:
+            group, i = where[id(row)]
+            latents.append(inputs[id(group[0])][copy * len(group) + i])
+            if family.startswith("flux"):
+                ids.append(row.prepared.shared["img_ids"])
+    prepared = [row.prepared for row in rows]
+    kwargs = {name: _rows(prepared, name) for name in BATCHED_INPUTS[family] if name in prepared[0].inputs}
+    timesteps = scheduler.timesteps([row.schedule for row in rows]).repeat(copies)
+    if family.startswith("flux"):
+        kwargs.update(img_ids=ids, txt_ids=prepared[0].shared["txt_ids"],
+                      timestep=timesteps.to(rows[0].latents.dtype) / 1000)
+    else:
+        kwargs.update(timestep=timesteps)
+    predictions = packed_denoiser(hidden_states=latents, **kwargs)
+    at = {id(row): b for b, row in enumerate(rows)}
+    for group in groups:
+        noise_pred = torch.stack([predictions[copy * len(rows) + at[id(row)]] for copy in range(copies)
+                                  for row in group])
+        _advance(family, scheduler, group, noise_pred)
+
+
+def _model_inputs(family: str, scheduler: BatchScheduler, rows: Sequence[Running]) -> tuple[torch.Tensor, dict]:
+    """The denoiser's latent input of a one-size batch, `[copies * B, ...]` (scaled, with the conditioning
+    joined), and its other keyword arguments."""
     prepared = [row.prepared for row in rows]
     schedules = [row.schedule for row in rows]
     copies = prepared[0].copies
     latents = torch.cat([row.latents for row in rows])
     model_input = torch.cat([latents] * copies) if copies > 1 else latents
     model_input = scheduler.scale_model_input(model_input, schedules * copies)
-    timesteps = scheduler.timesteps(schedules).repeat(copies)
     if family in CONCAT_DIM:
         model_input = torch.cat([model_input, _rows(prepared, "cond")], dim=CONCAT_DIM[family])
     kwargs = {name: _rows(prepared, name) for name in BATCHED_INPUTS[family] if name in prepared[0].inputs}
     kwargs = _nest(kwargs)
     kwargs.update(prepared[0].shared)
+    return model_input, kwargs
+
+
+def _latent_kwargs(family: str, scheduler: BatchScheduler, rows: Sequence[Running],
+                   model_input: torch.Tensor) -> dict:
+    timesteps = scheduler.timesteps([row.schedule for row in rows]).repeat(rows[0].prepared.copies)
     if family.startswith("flux"):
-        kwargs.update(hidden_states=model_input, timestep=timesteps.to(latents.dtype) / 1000)
-    elif family == "sd3":
-        kwargs.update(hidden_states=model_input, timestep=timesteps)
-    else:
-        kwargs.update(sample=model_input, timestep=timesteps)
-    noise_pred = denoiser(**kwargs)
-    if copies == 2:
+        return {"hidden_states": model_input, "timestep": timesteps.to(rows[0].latents.dtype) / 1000}
+    if family == "sd3":
+        return {"hidden_states": model_input, "timestep": timesteps}
+    return {"sample": model_input, "timestep": timesteps}
+
+
+def _advance(family: str, scheduler: BatchScheduler, rows: Sequence[Running], noise_pred: torch.Tensor) -> None:
+    """Guidance, the scheduler step and the re-noise blend of a one-size batch: every request one step on."""
+    prepared = [row.prepared for row in rows]
+    schedules = [row.schedule for row in rows]
+    latents = torch.cat([row.latents for row in rows])
+    if prepared[0].copies == 2:
         uncond, cond = noise_pred.chunk(2)
         # One request at a time, as the pipeline computes it with its Python float guidance scale.
         noise_pred = torch.cat([u[None] + p.guidance * (c[None] - u[None])

@@ -6,7 +6,9 @@ One thread owns the model and the running batch and repeats, top to bottom:
     admit     cancelled requests leave; waiting ones join the running batch, up to `max_batch`
               (static: only into an empty one), least slack first (`Worker.next_waiting`)
     step      one denoising step of the whole ragged batch: each request at its own step of its own
-              schedule with its own mask, one mask-aware forward per image size (planned per forward)
+              schedule with its own mask, in one mask-aware forward (planned per forward) -- requests of
+              different image sizes too for Flux and SD3 (image tokens packed, `recipes.denoise_mixed_step`);
+              UNets run one forward per size
     retire    requests whose schedule is done leave at once; their latents go to post-processing
 
 A template's recording is a request like an edit (`Job.recording`): it joins the batch at the next
@@ -61,6 +63,7 @@ class EngineConfig:
     helpers: int = 1  # pre/post-processing processes of the disaggregated mode
     helper_threads: int = 0  # torch CPU threads of each helper (0: torch's default); 1 keeps them off the loop's cores
     run_dir: str | None = None  # where the helpers' socket folder goes (default: the system's temporary folder)
+    mixed_sizes: bool = True  # Flux/SD3: requests of different image sizes share one forward (False: one per size)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -304,11 +307,14 @@ class Worker:
         return template.steps if template is not None else (job.request.steps or 0)
 
     def step(self) -> None:
-        """One denoising step of the running batch: a forward per (image size, guidance) group."""
+        """One denoising step of the running batch: a forward per guidance setting (and text length), and
+        per image size unless the family packs sizes into one forward (`recipes.PACKED`)."""
+        packs = self.config.mixed_sizes and self.editor.model.family in recipes.PACKED
         groups: dict[tuple, list[Job]] = {}
         for job in self.running:
-            key = (job.template.canvas.padded, job.ready.prepared.copies)
-            groups.setdefault(key, []).append(job)
+            template = job.template
+            size = template.num_text_tokens if packs else template.canvas.padded
+            groups.setdefault((size, job.ready.prepared.copies), []).append(job)
         for jobs in groups.values():
             try:
                 self._step_group(jobs)
@@ -328,18 +334,23 @@ class Worker:
         context = editor.staged_edit_context(inputs, [job.row.schedule.index for job in jobs], handles,
                                              record_to=writes)
 
-        def denoiser(**kwargs) -> torch.Tensor:
+        mixed = len({job.template.canvas.padded for job in jobs}) > 1
+
+        def denoiser(**kwargs):
             started = now()
+            forward = (editor.adapter.forward_packed if mixed
+                       else lambda **kw: editor.denoiser(**kw, return_dict=False)[0])
             with editor.adapter.run(context):
                 if isinstance(context.cache, StagedActivations):
                     with context.cache:
-                        output = editor.denoiser(**kwargs, return_dict=False)[0]
+                        output = forward(**kwargs)
                 else:
-                    output = editor.denoiser(**kwargs, return_dict=False)[0]
+                    output = forward(**kwargs)
             self._forward_s += now() - started
             return output
 
-        recipes.denoise_step(editor.model.family, self.scheduler, [job.row for job in jobs], denoiser)
+        step = recipes.denoise_mixed_step if mixed else recipes.denoise_step
+        step(editor.model.family, self.scheduler, [job.row for job in jobs], denoiser)
         for job in jobs:
             job.metrics.steps += 1
             failure = writes.failures.get(job.template.template_id) if job.writes_cache else None

@@ -433,7 +433,11 @@ class MaskAwareEditor:
                                              records=records, record_to=record_to)
         row_ids = self._row_template_ids(template_ids, templates[0].guidance)
         copies = len(row_ids) // len(templates)
-        num_image = templates[0].latent_shape[1] * templates[0].latent_shape[2] // 4
+        num_image = [t.latent_shape[1] * t.latent_shape[2] // 4 for t in templates]
+        if len({t.num_text_tokens for t in templates}) > 1:
+            raise ValueError("requests of one forward must have the same number of text tokens")
+        # One count for a batch of one size; one per denoiser row for a mixed-resolution batch.
+        num_image = num_image[0] if len(set(num_image)) == 1 else num_image * copies
         return MaskAwareContext.edit(self.mode, [i.masked_idx for i in inputs] * copies, row_ids,
                                      list(steps) * copies, templates[0].num_text_tokens, num_image, cache,
                                      block_plan=block_plan, device=self.device, records=records * copies,

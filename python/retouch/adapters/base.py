@@ -116,6 +116,25 @@ class MaskAwareAdapter:
         return self.memo(("layout", id(context.batch)),
                          lambda: TokenLayout.from_batch(self.computed_batch(context.batch)))
 
+    def by_size(self, context, unmodified: Callable, hidden_states: torch.Tensor,
+                encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """A block the plan runs unmodified, in a mixed-resolution batch (image rows packed `[sum L_b, H]`,
+        text `[B, P, H]`): the class forward once per image size, on `[B_s, L_s, H]` (its attention is
+        within a request, so this is what each request gets alone) -> (text [B, P, H] or None, packed image).
+        `unmodified(key, requests, image_rows, L_s)` runs it on the requests of one size: their indices, and
+        their rows of the image matrix, request after request."""
+        groups = self.memo(("by-size", id(context)), lambda: _size_groups(context, hidden_states.device))
+        text_out = None
+        image_out = torch.empty_like(hidden_states)
+        for key, requests, image_rows, num_image in groups:
+            text, image = unmodified(key, requests, image_rows, num_image)
+            image_out.index_copy_(0, image_rows, image.flatten(0, 1))
+            if text is not None:
+                if text_out is None:
+                    text_out = torch.empty_like(encoder_hidden_states)
+                text_out.index_copy_(0, requests, text)
+        return text_out, image_out
+
     def check_context(self, context) -> None:
         """Model-specific checks of a context before it becomes active."""
 
@@ -175,3 +194,16 @@ def _on_compile_end(args) -> None:
     if patch is not None:
         patch.__exit__(None, None, None)
 
+
+
+def _size_groups(context, device: torch.device) -> list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor, int]]:
+    """Per image size of a mixed-resolution context: (its requests, as a tuple and a tensor; their rows
+    of the packed image matrix; its image tokens)."""
+    by_length: dict[int, list[int]] = {}
+    for request, length in enumerate(context.image_lens):
+        by_length.setdefault(length, []).append(request)
+    groups = []
+    for length, requests in by_length.items():
+        rows = torch.cat([torch.arange(context.image_offsets[r], context.image_offsets[r] + length) for r in requests])
+        groups.append((tuple(requests), torch.tensor(requests, device=device), rows.to(device), length))
+    return groups

@@ -11,6 +11,7 @@ read the live dicts, so a module or weight replaced later (a LoRA layer, a reloa
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from diffusers.models.activations import GELU
@@ -146,11 +147,33 @@ def split_queries(packed: torch.Tensor, text_slots: torch.Tensor, image_slots: t
 
 
 def with_rows(recorded: torch.Tensor, rows: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:
-    """`recorded: [B, L, ...]` with `computed: [T, ...]` written over its rows `rows` (of the flattened
-    [B * L, ...]): in place eagerly; traced, into a new tensor, so that a compiled core mutates none of its
-    inputs (a captured CUDA graph may not) and inductor can fuse the copy into the op that reads it."""
-    flat = recorded.view(-1, recorded[0, 0].numel())
+    """`recorded` (an image matrix: `[B, L, ...]`, or packed `[sum L_b, ...]`) with `computed: [T, ...]`
+    written over its rows `rows` (of the flattened matrix): in place eagerly; traced, into a new tensor,
+    so that a compiled core mutates none of its inputs (a captured CUDA graph may not) and inductor can
+    fuse the copy into the op that reads it."""
+    flat = recorded.view(-1, math.prod(computed.shape[1:]))
     if torch.compiler.is_compiling():
         return flat.index_copy(0, rows, computed.flatten(1)).view_as(recorded)
     ops.scatter_rows_(flat, rows, computed.flatten(1))
     return recorded
+
+
+def per_row(per_request: torch.Tensor, request: torch.Tensor | None) -> torch.Tensor:
+    """A per-request modulation `[B, 1, X]` for every row of an image or joint matrix: as it is (it
+    broadcasts over `[B, L, X]`) when `request` is None, else `[N, X]` for packed rows of those requests."""
+    return per_request if request is None else per_request.squeeze(1).index_select(0, request)
+
+
+def joint(text: torch.Tensor, image: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
+          text_first: bool = True) -> torch.Tensor:
+    """Each request's text and image tokens as one joint sequence: `[B, P + L, ...]` from `text: [B, P, ...]`
+    and `image: [B, L, ...]` (`rows` None; text then image, or image then text), or packed
+    `[sum (P + L_b), ...]` from `text: [B, P, ...]` and a packed `image: [sum L_b, ...]`, written at `rows`
+    (their (text, image) rows there, `TokenLayout.joint_rows`, which fix the order)."""
+    if rows is None:
+        return torch.cat([text, image] if text_first else [image, text], dim=1)
+    text_rows, image_rows = rows
+    out = image.new_empty((text_rows.shape[0] + image_rows.shape[0], *image.shape[1:]))
+    out.index_copy_(0, text_rows, text.flatten(0, 1))
+    out.index_copy_(0, image_rows, image)
+    return out

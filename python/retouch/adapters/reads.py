@@ -46,9 +46,9 @@ def forward_reads(adapter: MaskAwareAdapter, context: Context,
         block_levels = tuple(adapter.block_levels)
     else:
         rows = tuple(_row(template_id, step) for template_id, step in zip(context.template_ids, context.steps))
-        num_text, num_image = context.batch.prefix, context.num_image_tokens
-        reused = tuple(_unmasked(idx[num_text:] - num_text, num_image) for idx in context.batch.query_idx)
-        levels = (LevelRows(num_image, reused),)
+        num_text, lens = context.batch.prefix, context.image_lens
+        reused = tuple(_unmasked(idx[num_text:] - num_text, length) for idx, length in zip(context.batch.query_idx, lens))
+        levels = (LevelRows(lens if context.mixed else context.num_image_tokens, reused),)
         block_levels = (0,) * adapter.num_blocks
     blocks = []
     for block in range(adapter.num_blocks):
@@ -76,8 +76,8 @@ def row_tokens(context: Context, kinds: Sequence[str], cross_keys: int = 77) -> 
                       for count in batch.query_counts()] for batch in context.levels]
         return [{kind: per_level[int(kind.removeprefix("level"))][row] for kind in kinds}
                 for row in range(context.num_rows)]
-    return [{kind: RequestTokens(text=context.batch.prefix, image=context.num_image_tokens, masked=count)
-             for kind in kinds} for count in context.image_counts]
+    return [{kind: RequestTokens(text=context.batch.prefix, image=length, masked=count) for kind in kinds}
+            for count, length in zip(context.image_counts, context.image_lens)]
 
 
 def staged_context(build: Callable[[ActivationCache], Context], engine: CopyEngine, adapter: MaskAwareAdapter,

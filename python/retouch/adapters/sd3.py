@@ -41,8 +41,8 @@ from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from retouch import ops
 from retouch.adapters.base import MaskAwareAdapter
-from retouch.adapters.block_math import (feed_forward, head_dim, heads, layer_norm, linear, modulation, norm_rope,
-                                         output, pack_queries, split_queries, with_rows)
+from retouch.adapters.block_math import (feed_forward, head_dim, heads, joint, layer_norm, linear, modulation,
+                                         norm_rope, output, pack_queries, per_row, split_queries, with_rows)
 from retouch.adapters.cache_rows import block_output, record_activations, recorded_rows
 from retouch.adapters.context import DUAL_KEY, DUAL_VALUE, KEY, OUT, VALUE, CacheMode, MaskAwareContext
 
@@ -51,10 +51,14 @@ class SD3Rows(NamedTuple):
     """One forward's index tensors, shared by its masked blocks (tensors only: a compiled core takes them
     as inputs, so a new mask is new data, not a new graph)."""
 
-    image_query_rows: torch.Tensor  # [T_img] rows of the masked image tokens in the [B * L, H] image matrix
+    image_query_rows: torch.Tensor  # [T_img] rows of the masked image tokens in the image matrix
     text_query_slots: torch.Tensor  # [B * P] where each text token sits among the T_q queries
     image_query_slots: torch.Tensor  # [T_img] where each masked image token does
     request_image_queries: torch.Tensor | None  # [T_img] each masked token's request; None: a batch of one, eager
+    # A mixed-resolution batch only (image rows packed, `TokenLayout`; None otherwise): each image row's
+    # request [sum L_b], and the (text, image) rows of the packed [image; text] key matrix.
+    request_image: torch.Tensor | None = None
+    joint_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class SD3Plans(NamedTuple):
@@ -79,6 +83,42 @@ class SD3MaskAwareAdapter(MaskAwareAdapter):
     def __init__(self, transformer: SD3Transformer2DModel, attention_backend: str = "auto"):
         self.transformer = transformer
         super().__init__(transformer.transformer_blocks, attention_backend)
+
+    def forward_packed(self, hidden_states: list[torch.Tensor], encoder_hidden_states: torch.Tensor,
+                       pooled_projections: torch.Tensor, timestep: torch.Tensor) -> list[torch.Tensor]:
+        """SD3Transformer2DModel.forward over requests of different image sizes in one forward, inside
+        `run(context)` with a mixed-resolution context: row r's latents `hidden_states[r]: [C, h_r, w_r]`
+        and its row of the batched inputs -> its `[C_out, h_r, w_r]`. Rows of one size are patch-embedded
+        together (each size has its own position crop); the image tokens are then packed `[sum L_r, H]`
+        through every block (per-token ops on the packed rows, attention within a request), the text is
+        `[R, P, H]`."""
+        context = self.active_context
+        if context is None or not context.mixed:
+            raise RuntimeError("forward_packed runs inside run(context) with a mixed-resolution context")
+        model = self.transformer
+        by_shape: dict[tuple, list[int]] = {}
+        for row, latents in enumerate(hidden_states):
+            by_shape.setdefault(tuple(latents.shape), []).append(row)
+        embedded: list[torch.Tensor | None] = [None] * len(hidden_states)
+        for rows in by_shape.values():
+            for row, tokens in zip(rows, model.pos_embed(torch.stack([hidden_states[r] for r in rows]))):
+                embedded[row] = tokens
+        hidden = torch.cat(embedded)
+        temb = model.time_text_embed(timestep, pooled_projections)
+        text = model.context_embedder(encoder_hidden_states)
+        for block in self.blocks:
+            text, hidden = block(hidden_states=hidden, encoder_hidden_states=text, temb=temb)
+        norm_out = model.norm_out
+        scale, shift = linear(norm_out.linear, norm_out.silu(temb).to(hidden.dtype)).chunk(2, dim=1)
+        request = self.memo(("image-request", id(context)), context.layout.image_request)
+        hidden = model.proj_out(norm_out.norm(hidden) * (1 + scale)[request] + shift[request])
+        patch, channels = model.config.patch_size, model.out_channels
+        outputs = []
+        for tokens, latents in zip(hidden.split(list(context.image_lens)), hidden_states):
+            height, width = latents.shape[-2] // patch, latents.shape[-1] // patch
+            tokens = tokens.reshape(height, width, patch, patch, channels)
+            outputs.append(torch.einsum("hwpqc->chpwq", tokens).reshape(channels, height * patch, width * patch))
+        return outputs
 
 
 def patch_sd3(transformer: SD3Transformer2DModel, attention_backend: str = "auto") -> SD3MaskAwareAdapter:
@@ -112,8 +152,15 @@ def _dispatch(adapter: SD3MaskAwareAdapter, block: JointTransformerBlock, index:
               joint_attention_kwargs: dict | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     context = adapter.active_context
     if context is None or not context.uses_cache(index):
-        outputs = adapter.core(original_forward)(block, hidden_states, encoder_hidden_states, temb,
-                                                 joint_attention_kwargs)
+        if context is not None and context.mixed:
+            def unmodified(key, requests, image_rows, num_image):
+                return adapter.core(original_forward)(
+                    block, hidden_states[image_rows].unflatten(0, (len(requests), num_image)),
+                    encoder_hidden_states[requests], temb[requests], joint_attention_kwargs)
+            outputs = adapter.by_size(context, unmodified, hidden_states, encoder_hidden_states)
+        else:
+            outputs = adapter.core(original_forward)(block, hidden_states, encoder_hidden_states, temb,
+                                                     joint_attention_kwargs)
         if context is not None and context.recording_requests:  # an unmodified block keeps its output only
             record_activations(context, index, {OUT: outputs[1]})
         return outputs
@@ -137,10 +184,12 @@ def _forward_plan(adapter: SD3MaskAwareAdapter, context: MaskAwareContext, dtype
             joint=planned(batch.query_counts(), batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q,
                           cu_seqlens_k=batch.cu_seqlens_k),
             image_joint=planned(image_counts, batch.seq_lens, cu_seqlens_k=batch.cu_seqlens_k),
-            image_only=planned(image_counts, [context.num_image_tokens] * batch.batch_size))
+            image_only=planned(image_counts, list(context.image_lens)))
         batched = adapter.compiling or batch.batch_size > 1  # a compiled core takes one path
+        packed = {"request_image": layout.image_request(), "joint_rows": layout.joint_rows(text_first=False)
+                  } if layout.packed else {}
         rows = SD3Rows(layout.image_query_rows, layout.text_query_slots, layout.image_query_slots,
-                       layout.image_query_request if batched else None)
+                       layout.image_query_request if batched else None, **packed)
         return rows, plans
     return adapter.memo(("sd3", dtype, width), plan)
 
@@ -150,7 +199,8 @@ def _forward_plan(adapter: SD3MaskAwareAdapter, context: MaskAwareContext, dtype
 def _joint_block_forward(block: JointTransformerBlock, adapter: SD3MaskAwareAdapter, context: MaskAwareContext,
                          index: int, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                          temb: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """hidden_states: [B, L, H] image tokens, encoder_hidden_states: [B, P, H] text -> (text or None, image).
+    """hidden_states: [B, L, H] image tokens (packed [sum L_b, H] in a mixed-resolution batch),
+    encoder_hidden_states: [B, P, H] text -> (text or None, image).
     Eager around a tensors-only core: the recorded keys and values are read before it, the block's
     output filled and its activations recorded after it."""
     rows, plans = _forward_plan(adapter, context, hidden_states.dtype, head_dim(block.attn))
@@ -158,7 +208,7 @@ def _joint_block_forward(block: JointTransformerBlock, adapter: SD3MaskAwareAdap
     if context.mode is not CacheMode.Y_CACHE:
         like = hidden_states.new_empty((0, block.attn.heads, head_dim(block.attn)))
         names = (KEY, VALUE, DUAL_KEY, DUAL_VALUE) if block.use_dual_attention else (KEY, VALUE)
-        recorded = tuple(recorded_rows(context, index, name, like, hidden_states.shape[1]) for name in names)
+        recorded = tuple(recorded_rows(context, index, name, like) for name in names)
     encoder_hidden_states, image_rows, keys = adapter.core(joint_block_core)(
         block, hidden_states, encoder_hidden_states, temb, rows, recorded, plans)
     image_out = block_output(adapter, context, index, hidden_states, image_rows, rows.image_query_rows)
@@ -170,7 +220,8 @@ def _joint_block_forward(block: JointTransformerBlock, adapter: SD3MaskAwareAdap
 def joint_block_core(block: JointTransformerBlock, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                      temb: torch.Tensor, rows: SD3Rows, recorded: tuple[torch.Tensor, ...] | None, plans: SD3Plans):
     """JointTransformerBlock's math on the masked image tokens and the text -> (text output [B, P, H] or
-    None, masked image rows [T_img, H], image (keys, values[, attn2 keys, attn2 values]) [B, L, heads, d]).
+    None, masked image rows [T_img, H], image (keys, values[, attn2 keys, attn2 values]) shaped as the
+    image matrix ([B, L, heads, d], or packed [sum L_b, heads, d])).
     Y-cache without `recorded` (K and V from every token: unmasked rows of the input are recorded
     outputs, Fig. 5); KV-cache with the recorded keys and values (Fig. 7), whose masked rows are
     overwritten by computed ones."""
@@ -199,16 +250,17 @@ def joint_block_core(block: JointTransformerBlock, hidden_states: torch.Tensor, 
     image_rows = ops.gather_rows(hidden_states.reshape(-1, hidden), rows.image_query_rows)  # [T_img, H]
     keys2 = ()
     if recorded is None:
-        every = per_request.chunk(chunks, dim=-1)
+        shift, scale = per_row(per_request[..., :2 * hidden], rows.request_image).chunk(2, dim=-1)
         normed = layer_norm(parts["norm1"]._modules["norm"], hidden_states)
-        norm_image = torch.addcmul(every[0], normed, every[1])
+        norm_image = torch.addcmul(shift, normed, scale)
         image_k = _qk_norm(mods.get("norm_k"), heads(attn, linear(mods["to_k"], norm_image)))
         image_v = heads(attn, linear(mods["to_v"], norm_image))
         norm_rows = ops.gather_rows(norm_image.reshape(-1, hidden), rows.image_query_rows)
         if dual:
             attn2 = parts["attn2"]
             mods2 = attn2._modules
-            norm_image2 = torch.addcmul(every[6], normed, every[7])
+            shift2, scale2 = per_row(per_request[..., 6 * hidden:8 * hidden], rows.request_image).chunk(2, dim=-1)
+            norm_image2 = torch.addcmul(shift2, normed, scale2)
             keys2 = (_qk_norm(mods2.get("norm_k"), heads(attn2, linear(mods2["to_k"], norm_image2))),
                      heads(attn2, linear(mods2["to_v"], norm_image2)))
             norm_rows2 = ops.gather_rows(norm_image2.reshape(-1, hidden), rows.image_query_rows)
@@ -229,8 +281,8 @@ def joint_block_core(block: JointTransformerBlock, hidden_states: torch.Tensor, 
     image_q = _qk_norm(mods.get("norm_q"), heads(attn, linear(mods["to_q"], norm_rows)))
 
     # Joint attention: per request, queries against [all image; text] keys (JointAttnProcessor2_0's order).
-    key = torch.cat([image_k, text_k], dim=1).flatten(0, 1)
-    value = torch.cat([image_v, text_v], dim=1).flatten(0, 1)
+    key = _flat(joint(text_k, image_k, rows.joint_rows, text_first=False))
+    value = _flat(joint(text_v, image_v, rows.joint_rows, text_first=False))
     if block.context_pre_only:
         # The text output of this block is discarded, so only masked image tokens are queries.
         image_attn = ops.planned_attention(image_q, key, value, plans.image_joint).flatten(1)
@@ -247,8 +299,7 @@ def joint_block_core(block: JointTransformerBlock, hidden_states: torch.Tensor, 
     image_rows = torch.addcmul(image_rows, gate_msa, output(attn, image_attn))
     if dual:
         query2 = _qk_norm(mods2.get("norm_q"), heads(attn2, linear(mods2["to_q"], norm_rows2)))
-        image_attn2 = ops.planned_attention(query2, keys2[0].flatten(0, 1), keys2[1].flatten(0, 1),
-                                            plans.image_only).flatten(1)
+        image_attn2 = ops.planned_attention(query2, _flat(keys2[0]), _flat(keys2[1]), plans.image_only).flatten(1)
         image_rows = torch.addcmul(image_rows, modulated[8], output(attn2, image_attn2))
     norm_rows = torch.addcmul(shift_mlp, layer_norm(parts["norm2"], image_rows), scale_mlp)
     image_rows = torch.addcmul(image_rows, gate_mlp, feed_forward(parts["ff"], norm_rows))
@@ -262,6 +313,11 @@ def joint_block_core(block: JointTransformerBlock, hidden_states: torch.Tensor, 
         encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_mlp.unsqueeze(1),
                                               feed_forward(parts["ff_context"], norm_text))
     return encoder_hidden_states, image_rows, (image_k, image_v, *keys2)
+
+
+def _flat(keys: torch.Tensor) -> torch.Tensor:
+    """Keys or values of every request, request after request: `[B, S, heads, d]` flattened, or packed already."""
+    return keys.flatten(0, 1) if keys.dim() == 4 else keys
 
 
 def _qk_norm(norm: torch.nn.Module | None, heads: torch.Tensor) -> torch.Tensor:

@@ -45,12 +45,17 @@ class ActivationCache(ABC):
         """Bytes held for one template, or for all."""
 
     def read_rows(self, block: int, name: str, keys: Sequence[RowKey | None], like: torch.Tensor,
-                  num_tokens: int) -> torch.Tensor:
+                  num_tokens: int | Sequence[int]) -> torch.Tensor:
         """`[R, num_tokens, *like.shape[1:]]` on like's device and dtype: row r holds the recorded
         activation `keys[r]` of `block` (whose plain name is `name`); rows whose key is None read
-        nothing (the caller overwrites every token of them). Only unmasked tokens need be valid."""
-        rows = [like.new_empty((num_tokens, *like.shape[1:])) if key is None
-                else self.get(key[0], key[1], block, key[2]).to(like.device, like.dtype) for key in keys]
+        nothing (the caller overwrites every token of them). Only unmasked tokens need be valid.
+        With a token count per row (a mixed-resolution batch), the rows are packed: `[sum num_tokens, ...]`."""
+        counts = [num_tokens] * len(keys) if isinstance(num_tokens, int) else list(num_tokens)
+        rows = [like.new_empty((count, *like.shape[1:])) if key is None
+                else self.get(key[0], key[1], block, key[2]).to(like.device, like.dtype)
+                for key, count in zip(keys, counts)]
+        if not isinstance(num_tokens, int):
+            return torch.cat(rows) if rows else like.new_empty((0, *like.shape[1:]))
         return torch.stack(rows) if rows else like.new_empty((0, num_tokens, *like.shape[1:]))
 
 

@@ -20,6 +20,7 @@ once and the first block waits for all of them.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -50,14 +51,15 @@ class RowSource:
 class LevelRows:
     """The unmasked tokens each batch row reads at one token resolution (UNets have one per level).
 
-    num_tokens: L, tokens per row;   reused: per row, the unmasked token indices (int64, sorted)
+    num_tokens: L, tokens per row, or one count per row (a mixed-resolution batch: staged packed);
+    reused: per row, the unmasked token indices (int64, sorted)
     """
 
-    num_tokens: int
+    num_tokens: int | tuple[int, ...]
     reused: tuple[torch.Tensor, ...]
     reused_cat: torch.Tensor = field(init=False, repr=False)  # [n] every row's indices, row after row
     row_of: torch.Tensor = field(init=False, repr=False)  # [n] the row of each
-    dst_rows: torch.Tensor = field(init=False, repr=False)  # [n] rows of the [R * L, ...] staging matrix
+    dst_rows: torch.Tensor = field(init=False, repr=False)  # [n] rows of the [sum L_r, ...] staging matrix
 
     def __post_init__(self):
         empty = torch.empty(0, dtype=torch.long)
@@ -65,7 +67,17 @@ class LevelRows:
         rows = [torch.full((len(idx),), r, dtype=torch.long) for r, idx in enumerate(reused)]
         object.__setattr__(self, "reused_cat", torch.cat([empty] + reused))
         object.__setattr__(self, "row_of", torch.cat([empty] + rows))
-        object.__setattr__(self, "dst_rows", self.row_of * self.num_tokens + self.reused_cat)
+        starts = torch.tensor([0, *itertools.accumulate(self.row_tokens[:-1])], dtype=torch.long)
+        object.__setattr__(self, "dst_rows", starts[self.row_of] + self.reused_cat if len(rows) else empty)
+
+    @property
+    def packed(self) -> bool:
+        return not isinstance(self.num_tokens, int)
+
+    @property
+    def row_tokens(self) -> tuple[int, ...]:
+        """Tokens of each row."""
+        return tuple(self.num_tokens) if self.packed else (self.num_tokens,) * len(self.reused)
 
 
 @dataclass
@@ -150,16 +162,18 @@ class StagedActivations(ActivationCache):
     # ---- what the adapters call ----
 
     def read_rows(self, block: int, name: str, keys: Sequence[RowKey | None], like: torch.Tensor,
-                  num_tokens: int) -> torch.Tensor:
+                  num_tokens: int | Sequence[int]) -> torch.Tensor:
+        packed = not isinstance(num_tokens, int)
+        shape = (sum(num_tokens),) if packed else (len(keys), num_tokens)
         if all(key is None for key in keys):  # every row computes every token (recordings, full masks)
-            return like.new_empty((len(keys), num_tokens, *like.shape[1:]))
+            return like.new_empty((*shape, *like.shape[1:]))
         if block not in self._results:
             raise KeyError(f"block {block} was not staged (its plan entry is not cached?)")
         staged = self._wait(block)
         if name not in staged:
             raise KeyError(f"block {block}: {name!r} was not staged, only {sorted(staged)}")
         tensor = staged[name]
-        if tensor.shape[0] != len(keys) or tensor.shape[1] != num_tokens:
+        if tuple(tensor.shape[:len(shape)]) != shape:
             raise ValueError(f"block {block} {name!r}: staged {tuple(tensor.shape)} for {len(keys)} rows of "
                              f"{num_tokens} tokens")
         return tensor if tensor.dtype == like.dtype else tensor.to(like.dtype)
@@ -280,7 +294,8 @@ class StagedActivations(ActivationCache):
         return staged
 
     def _copy_activation(self, block: int, name: str, level: LevelRows) -> torch.Tensor:
-        """`[R, L, *row_shape]` in the compute dtype: every row's unmasked rows of `name`."""
+        """`[R, L, *row_shape]` (packed `[sum L_r, *row_shape]`) in the compute dtype: every row's unmasked
+        rows of `name`."""
         bases, entry, layout, scales = [], None, None, []
         for row in self.rows:
             if row is None:
@@ -291,14 +306,15 @@ class StagedActivations(ActivationCache):
             layout = row.handle.layout
             bases.append(offset)
             scales.append(row.handle.scale(row.step, block, row.prefix + name))
+            if entry.rows != level.row_tokens[len(bases) - 1]:
+                raise ValueError(f"block {block} {name!r}: recorded {entry.rows} tokens, the batch row has "
+                                 f"{level.row_tokens[len(bases) - 1]}")
         if entry is None:
             raise ValueError(f"block {block}: no batch row reads {name!r}")
-        if entry.rows != level.num_tokens:
-            raise ValueError(f"block {block} {name!r}: recorded {entry.rows} tokens, the batch has {level.num_tokens}")
         row_bytes = layout.row_bytes(entry)
         num_rows = len(self.rows)
         device = self.engine.device
-        stored = torch.empty((num_rows * level.num_tokens, entry.row_elems), dtype=layout.dtype, device=device)
+        stored = torch.empty((sum(level.row_tokens), entry.row_elems), dtype=layout.dtype, device=device)
         src_offsets = torch.tensor(bases, dtype=torch.long)[level.row_of] + level.reused_cat * row_bytes
         dst_rows = level.dst_rows
         arena = self.rows[next(r for r, row in enumerate(self.rows) if row is not None)].handle.arena_bytes
@@ -306,9 +322,15 @@ class StagedActivations(ActivationCache):
                               dst_rows, method=self.engine.method)
         self.engine.stats.bytes += int(src_offsets.numel()) * row_bytes
         self.engine.stats.rows += int(src_offsets.numel())
-        stored = stored.view(num_rows, level.num_tokens, *entry.shape[1:])
+        if not level.packed:
+            stored = stored.view(num_rows, level.num_tokens, *entry.shape[1:])
+        else:
+            stored = stored.view(-1, *entry.shape[1:])
         if not layout.quantized:
             return stored if stored.dtype == self.dtype else stored.to(self.dtype)
         ones = torch.ones(entry.row_elems, dtype=torch.float32)
         scale = torch.stack([ones if s is None else s for s in scales]).to(device, non_blocking=True)
+        if level.packed:  # one scale per token row: its batch row's
+            scale = scale[torch.repeat_interleave(torch.arange(num_rows), torch.tensor(level.row_tokens)).to(device)]
+            return decode(stored.unsqueeze(1), scale, self.dtype).squeeze(1)
         return decode(stored, scale, self.dtype)
