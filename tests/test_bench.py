@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from retouch.bench import fidelity, flops, overhead, step
+from retouch.bench import fidelity, flops, mixed, overhead, step
 
 
 def test_step_times_every_mode_per_ratio(tmp_path, capsys):
@@ -42,6 +42,25 @@ def test_overhead_counts_ops_and_host_syncs_per_variant(tmp_path, capsys):
     assert report["summary"]["max_host_syncs"] == 0
     assert json.loads((tmp_path / "o.json").read_text())["results"] == report["results"]
     assert (tmp_path / "o.png").stat().st_size > 0
+
+
+def test_mixed_times_one_forward_against_one_per_size_on_the_same_requests(tmp_path):
+    report = mixed.main(["--model", "tiny-flux-fill", "--sizes", "64,96,128", "--per-size", "2", "--repeats", "1",
+                         "--out", str(tmp_path / "m.json")])
+    assert report["image_tokens"] == [16, 16, 36, 36, 64, 64]
+    assert [row["mode"] for row in report["results"]] == ["y-cache", "kv-cache"]
+    for row in report["results"]:
+        assert row["throughput_ratio"] == pytest.approx(row["per_size_s"] / row["mixed_s"], rel=1e-2)
+        assert row["max_abs_difference"] <= 1e-5  # the same requests, computed both ways
+    assert (tmp_path / "m.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("options", [["--sizes", "64"], ["--sizes", "64,100"], ["--sizes", "a,b"],
+                                     ["--per-size", "0"], ["--mask-ratio", "0"]])
+def test_mixed_options_are_checked(options, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        mixed.main(["--model", "tiny-flux-fill", *options])
+    assert exit_.value.code == 2 and "--" in capsys.readouterr().err
 
 
 def test_flops_match_the_per_op_prediction():
