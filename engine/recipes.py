@@ -170,8 +170,10 @@ def denoise_step(family: str, scheduler: BatchScheduler, rows: Sequence[Running]
                  denoiser: Callable[..., torch.Tensor]) -> None:
     """One denoising step of `rows` (each at its own step; one image size; all with or all without
     guidance): call `denoiser(**kwargs)` once on the batch, then advance every request."""
-    model_input, kwargs = _model_inputs(family, scheduler, rows)
-    _advance(family, scheduler, rows, denoiser(**kwargs, **_latent_kwargs(family, scheduler, rows, model_input)))
+    kwargs = _batched_kwargs(family, rows)
+    kwargs.update(rows[0].prepared.shared)
+    kwargs.update(_latent_kwargs(family, scheduler, rows, _model_input(family, scheduler, rows)))
+    _advance(family, scheduler, rows, denoiser(**kwargs))
 
 
 def denoise_mixed_step(family: str, scheduler: BatchScheduler, rows: Sequence[Running],
@@ -182,30 +184,25 @@ def denoise_mixed_step(family: str, scheduler: BatchScheduler, rows: Sequence[Ru
     requests advanced per size exactly as `denoise_step` does, so each request steps as it would alone."""
     if family not in PACKED:
         raise ValueError(f"{family} runs one forward per image size (no mixed-resolution forward)")
-    sizes: dict[tuple, list[int]] = {}
-    for index, row in enumerate(rows):
-        sizes.setdefault(tuple(row.latents.shape), []).append(index)
-    groups = [[rows[i] for i in indices] for indices in sizes.values()]
+    sizes: dict[tuple, list[Running]] = {}
+    for row in rows:
+        sizes.setdefault(tuple(row.latents.shape), []).append(row)
+    groups = list(sizes.values())
     copies = rows[0].prepared.copies
     # Each size's denoiser rows, [copy 0 of its requests; copy 1 ...], as denoise_step builds them.
-    inputs = {id(group[0]): _model_inputs(family, scheduler, group)[0] for group in groups}
-    where = {id(row): (group, i) for group in groups for i, row in enumerate(group)}
-    latents, ids = [], []
-    for copy in range(copies):  # the batch's denoiser rows: every request's copy 0, then copy 1
-        for row in rows:
-            group, i = where[id(row)]
-            latents.append(inputs[id(group[0])][copy * len(group) + i])
-            if family.startswith("flux"):
-                ids.append(row.prepared.shared["img_ids"])
-    prepared = [row.prepared for row in rows]
-    kwargs = {name: _rows(prepared, name) for name in BATCHED_INPUTS[family] if name in prepared[0].inputs}
-    timesteps = scheduler.timesteps([row.schedule for row in rows]).repeat(copies)
+    where = {}  # request -> (its size's model input, its place in that size's batch, that batch's size)
+    for group in groups:
+        model_input = _model_input(family, scheduler, group)
+        where.update({id(row): (model_input, i, len(group)) for i, row in enumerate(group)})
+    # The batch's denoiser rows: every request's copy 0, then copy 1 (the context's row order).
+    latents = [model_input[copy * size + i] for copy in range(copies) for row in rows
+               for model_input, i, size in [where[id(row)]]]
+    kwargs = _batched_kwargs(family, rows)
+    kwargs.update(_latent_kwargs(family, scheduler, rows, latents))
     if family.startswith("flux"):
-        kwargs.update(img_ids=ids, txt_ids=prepared[0].shared["txt_ids"],
-                      timestep=timesteps.to(rows[0].latents.dtype) / 1000)
-    else:
-        kwargs.update(timestep=timesteps)
-    predictions = packed_denoiser(hidden_states=latents, **kwargs)
+        kwargs.update(img_ids=[row.prepared.shared["img_ids"] for _ in range(copies) for row in rows],
+                      txt_ids=rows[0].prepared.shared["txt_ids"])
+    predictions = packed_denoiser(**kwargs)
     at = {id(row): b for b, row in enumerate(rows)}
     for group in groups:
         noise_pred = torch.stack([predictions[copy * len(rows) + at[id(row)]] for copy in range(copies)
@@ -213,25 +210,27 @@ def denoise_mixed_step(family: str, scheduler: BatchScheduler, rows: Sequence[Ru
         _advance(family, scheduler, group, noise_pred)
 
 
-def _model_inputs(family: str, scheduler: BatchScheduler, rows: Sequence[Running]) -> tuple[torch.Tensor, dict]:
-    """The denoiser's latent input of a one-size batch, `[copies * B, ...]` (scaled, with the conditioning
-    joined), and its other keyword arguments."""
+def _model_input(family: str, scheduler: BatchScheduler, rows: Sequence[Running]) -> torch.Tensor:
+    """The denoiser's latent input of a one-size batch, `[copies * B, ...]`: scaled, with the conditioning
+    joined."""
     prepared = [row.prepared for row in rows]
-    schedules = [row.schedule for row in rows]
     copies = prepared[0].copies
     latents = torch.cat([row.latents for row in rows])
     model_input = torch.cat([latents] * copies) if copies > 1 else latents
-    model_input = scheduler.scale_model_input(model_input, schedules * copies)
+    model_input = scheduler.scale_model_input(model_input, [row.schedule for row in rows] * copies)
     if family in CONCAT_DIM:
         model_input = torch.cat([model_input, _rows(prepared, "cond")], dim=CONCAT_DIM[family])
-    kwargs = {name: _rows(prepared, name) for name in BATCHED_INPUTS[family] if name in prepared[0].inputs}
-    kwargs = _nest(kwargs)
-    kwargs.update(prepared[0].shared)
-    return model_input, kwargs
+    return model_input
 
 
-def _latent_kwargs(family: str, scheduler: BatchScheduler, rows: Sequence[Running],
-                   model_input: torch.Tensor) -> dict:
+def _batched_kwargs(family: str, rows: Sequence[Running]) -> dict:
+    """The denoiser's per-row keyword arguments (text embeddings, guidance, ...) of the batch."""
+    prepared = [row.prepared for row in rows]
+    return _nest({name: _rows(prepared, name) for name in BATCHED_INPUTS[family] if name in prepared[0].inputs})
+
+
+def _latent_kwargs(family: str, scheduler: BatchScheduler, rows: Sequence[Running], model_input) -> dict:
+    """The latent input under the family's argument name, and the rows' timesteps as its model takes them."""
     timesteps = scheduler.timesteps([row.schedule for row in rows]).repeat(rows[0].prepared.copies)
     if family.startswith("flux"):
         return {"hidden_states": model_input, "timestep": timesteps.to(rows[0].latents.dtype) / 1000}

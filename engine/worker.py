@@ -335,11 +335,11 @@ class Worker:
                                              record_to=writes)
 
         mixed = len({job.template.canvas.padded for job in jobs}) > 1
+        forward = (editor.adapter.forward_packed if mixed
+                   else lambda **kwargs: editor.denoiser(**kwargs, return_dict=False)[0])
 
         def denoiser(**kwargs):
             started = now()
-            forward = (editor.adapter.forward_packed if mixed
-                       else lambda **kw: editor.denoiser(**kw, return_dict=False)[0])
             with editor.adapter.run(context):
                 if isinstance(context.cache, StagedActivations):
                     with context.cache:

@@ -195,7 +195,6 @@ def _on_compile_end(args) -> None:
         patch.__exit__(None, None, None)
 
 
-
 def _size_groups(context, device: torch.device) -> list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor, int]]:
     """Per image size of a mixed-resolution context: (its requests, as a tuple and a tensor; their rows
     of the packed image matrix; its image tokens)."""

@@ -158,6 +158,19 @@ def with_rows(recorded: torch.Tensor, rows: torch.Tensor, computed: torch.Tensor
     return recorded
 
 
+def continuous_norm_rows(norm: torch.nn.Module, rows: torch.Tensor, temb: torch.Tensor,
+                         request: torch.Tensor) -> torch.Tensor:
+    """diffusers' AdaLayerNormContinuous (a model's `norm_out`) on packed rows `[N, H]` of several requests:
+    each row scaled and shifted by its request's (`request: [N]`) conditioning `temb: [B, D]`."""
+    scale, shift = linear(norm.linear, norm.silu(temb).to(rows.dtype)).chunk(2, dim=1)
+    return norm.norm(rows) * (1 + scale)[request] + shift[request]
+
+
+def flat_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Keys or values of every request, request after request: `[B, S, heads, d]` flattened, or packed already."""
+    return tensor.flatten(0, 1) if tensor.dim() == 4 else tensor
+
+
 def per_row(per_request: torch.Tensor, request: torch.Tensor | None) -> torch.Tensor:
     """A per-request modulation `[B, 1, X]` for every row of an image or joint matrix: as it is (it
     broadcasts over `[B, L, X]`) when `request` is None, else `[N, X]` for packed rows of those requests."""

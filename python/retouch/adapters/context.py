@@ -127,6 +127,7 @@ class TokenLayout:
             image_counts=tuple(image_counts),
         )
 
+    @cached_property
     def image_request(self) -> torch.Tensor:
         """[sum L_b] the request of each row of the packed image matrix."""
         device = self.image_query_rows.device

@@ -37,8 +37,9 @@ from diffusers.models.transformers.transformer_flux import (
 
 from retouch import ops
 from retouch.adapters.base import MaskAwareAdapter
-from retouch.adapters.block_math import (feed_forward, heads, joint, layer_norm, linear, modulation, norm_rope,
-                                         output, pack_queries, per_row, split_queries, with_rows)
+from retouch.adapters.block_math import (continuous_norm_rows, feed_forward, flat_rows, heads, joint, layer_norm,
+                                         linear, modulation, norm_rope, output, pack_queries, per_row, split_queries,
+                                         with_rows)
 from retouch.adapters.cache_rows import block_output, record_activations, recorded_rows
 from retouch.adapters.context import KEY, OUT, VALUE, CacheMode, MaskAwareContext
 
@@ -81,10 +82,7 @@ class FluxMaskAwareAdapter(MaskAwareAdapter):
         rotary = model.pos_embed(torch.cat([txt_ids, *img_ids]))
         for block in self.blocks:
             text, hidden = block(hidden_states=hidden, encoder_hidden_states=text, temb=temb, image_rotary_emb=rotary)
-        norm_out = model.norm_out
-        scale, shift = linear(norm_out.linear, norm_out.silu(temb).to(hidden.dtype)).chunk(2, dim=1)
-        request = self.memo(("image-request", id(context)), context.layout.image_request)
-        hidden = norm_out.norm(hidden) * (1 + scale)[request] + shift[request]
+        hidden = continuous_norm_rows(model.norm_out, hidden, temb, context.layout.image_request)
         return list(model.proj_out(hidden).split(list(context.image_lens)))
 
 
@@ -190,7 +188,7 @@ def _forward_rows(adapter: FluxMaskAwareAdapter, context: MaskAwareContext, imag
             positions[text_rows] = torch.arange(num_text, device=cos.device).repeat(len(layout.image_lens))
             positions[image_rows] = torch.arange(num_text, cos.shape[0], device=cos.device)
             rope_all = (cos[positions], sin[positions])
-            request_image = layout.image_request()
+            request_image = layout.image_request
             request_joint = torch.empty_like(positions)
             request_joint[text_rows] = torch.arange(len(layout.image_lens), device=cos.device).repeat_interleave(num_text)
             request_joint[image_rows] = request_image
@@ -350,9 +348,7 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             attention: ops.AttentionPlan) -> torch.Tensor:
     """query: [T_q, heads, d] packed per request; key/value: [B, P + L, heads, d] (or packed
     [sum (P + L_b), heads, d]) -> [T_q, heads * d]."""
-    if key.dim() == 4:
-        key, value = key.flatten(0, 1), value.flatten(0, 1)
-    return ops.planned_attention(query, key, value, attention).flatten(1)
+    return ops.planned_attention(query, flat_rows(key), flat_rows(value), attention).flatten(1)
 
 
 def _joint_with_rows(recorded: torch.Tensor, num_text: int, rows: FluxRows, computed: torch.Tensor) -> torch.Tensor:

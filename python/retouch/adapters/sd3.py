@@ -41,8 +41,9 @@ from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from retouch import ops
 from retouch.adapters.base import MaskAwareAdapter
-from retouch.adapters.block_math import (feed_forward, head_dim, heads, joint, layer_norm, linear, modulation,
-                                         norm_rope, output, pack_queries, per_row, split_queries, with_rows)
+from retouch.adapters.block_math import (continuous_norm_rows, feed_forward, flat_rows, head_dim, heads, joint,
+                                         layer_norm, linear, modulation, norm_rope, output, pack_queries, per_row,
+                                         split_queries, with_rows)
 from retouch.adapters.cache_rows import block_output, record_activations, recorded_rows
 from retouch.adapters.context import DUAL_KEY, DUAL_VALUE, KEY, OUT, VALUE, CacheMode, MaskAwareContext
 
@@ -108,10 +109,7 @@ class SD3MaskAwareAdapter(MaskAwareAdapter):
         text = model.context_embedder(encoder_hidden_states)
         for block in self.blocks:
             text, hidden = block(hidden_states=hidden, encoder_hidden_states=text, temb=temb)
-        norm_out = model.norm_out
-        scale, shift = linear(norm_out.linear, norm_out.silu(temb).to(hidden.dtype)).chunk(2, dim=1)
-        request = self.memo(("image-request", id(context)), context.layout.image_request)
-        hidden = model.proj_out(norm_out.norm(hidden) * (1 + scale)[request] + shift[request])
+        hidden = model.proj_out(continuous_norm_rows(model.norm_out, hidden, temb, context.layout.image_request))
         patch, channels = model.config.patch_size, model.out_channels
         outputs = []
         for tokens, latents in zip(hidden.split(list(context.image_lens)), hidden_states):
@@ -186,7 +184,7 @@ def _forward_plan(adapter: SD3MaskAwareAdapter, context: MaskAwareContext, dtype
             image_joint=planned(image_counts, batch.seq_lens, cu_seqlens_k=batch.cu_seqlens_k),
             image_only=planned(image_counts, list(context.image_lens)))
         batched = adapter.compiling or batch.batch_size > 1  # a compiled core takes one path
-        packed = {"request_image": layout.image_request(), "joint_rows": layout.joint_rows(text_first=False)
+        packed = {"request_image": layout.image_request, "joint_rows": layout.joint_rows(text_first=False)
                   } if layout.packed else {}
         rows = SD3Rows(layout.image_query_rows, layout.text_query_slots, layout.image_query_slots,
                        layout.image_query_request if batched else None, **packed)
@@ -281,8 +279,8 @@ def joint_block_core(block: JointTransformerBlock, hidden_states: torch.Tensor, 
     image_q = _qk_norm(mods.get("norm_q"), heads(attn, linear(mods["to_q"], norm_rows)))
 
     # Joint attention: per request, queries against [all image; text] keys (JointAttnProcessor2_0's order).
-    key = _flat(joint(text_k, image_k, rows.joint_rows, text_first=False))
-    value = _flat(joint(text_v, image_v, rows.joint_rows, text_first=False))
+    key = flat_rows(joint(text_k, image_k, rows.joint_rows, text_first=False))
+    value = flat_rows(joint(text_v, image_v, rows.joint_rows, text_first=False))
     if block.context_pre_only:
         # The text output of this block is discarded, so only masked image tokens are queries.
         image_attn = ops.planned_attention(image_q, key, value, plans.image_joint).flatten(1)
@@ -299,7 +297,7 @@ def joint_block_core(block: JointTransformerBlock, hidden_states: torch.Tensor, 
     image_rows = torch.addcmul(image_rows, gate_msa, output(attn, image_attn))
     if dual:
         query2 = _qk_norm(mods2.get("norm_q"), heads(attn2, linear(mods2["to_q"], norm_rows2)))
-        image_attn2 = ops.planned_attention(query2, _flat(keys2[0]), _flat(keys2[1]), plans.image_only).flatten(1)
+        image_attn2 = ops.planned_attention(query2, flat_rows(keys2[0]), flat_rows(keys2[1]), plans.image_only).flatten(1)
         image_rows = torch.addcmul(image_rows, modulated[8], output(attn2, image_attn2))
     norm_rows = torch.addcmul(shift_mlp, layer_norm(parts["norm2"], image_rows), scale_mlp)
     image_rows = torch.addcmul(image_rows, gate_mlp, feed_forward(parts["ff"], norm_rows))
@@ -313,11 +311,6 @@ def joint_block_core(block: JointTransformerBlock, hidden_states: torch.Tensor, 
         encoder_hidden_states = torch.addcmul(encoder_hidden_states, c_gate_mlp.unsqueeze(1),
                                               feed_forward(parts["ff_context"], norm_text))
     return encoder_hidden_states, image_rows, (image_k, image_v, *keys2)
-
-
-def _flat(keys: torch.Tensor) -> torch.Tensor:
-    """Keys or values of every request, request after request: `[B, S, heads, d]` flattened, or packed already."""
-    return keys.flatten(0, 1) if keys.dim() == 4 else keys
 
 
 def _qk_norm(norm: torch.nn.Module | None, heads: torch.Tensor) -> torch.Tensor:

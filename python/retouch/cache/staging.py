@@ -297,18 +297,17 @@ class StagedActivations(ActivationCache):
         """`[R, L, *row_shape]` (packed `[sum L_r, *row_shape]`) in the compute dtype: every row's unmasked
         rows of `name`."""
         bases, entry, layout, scales = [], None, None, []
-        for row in self.rows:
+        for row, num_tokens in zip(self.rows, level.row_tokens):
             if row is None:
                 bases.append(0)
                 scales.append(None)
                 continue
             offset, entry = row.handle.entry_offset(row.step, block, row.prefix + name)
+            if entry.rows != num_tokens:
+                raise ValueError(f"block {block} {name!r}: recorded {entry.rows} tokens, the batch row has {num_tokens}")
             layout = row.handle.layout
             bases.append(offset)
             scales.append(row.handle.scale(row.step, block, row.prefix + name))
-            if entry.rows != level.row_tokens[len(bases) - 1]:
-                raise ValueError(f"block {block} {name!r}: recorded {entry.rows} tokens, the batch row has "
-                                 f"{level.row_tokens[len(bases) - 1]}")
         if entry is None:
             raise ValueError(f"block {block}: no batch row reads {name!r}")
         row_bytes = layout.row_bytes(entry)
