@@ -28,6 +28,17 @@ BLOCK_N = 64  # output features per program (expand)
 
 
 @triton.jit
+def _block_rows(block_segment_ptr, block_start_ptr, segment_end_ptr, segment_adapter_ptr, ranks_ptr,
+                BLOCK_M: tl.constexpr):
+    """This program's row block: its adapter, that adapter's rank, its rows and which of them are in the segment."""
+    block = tl.program_id(0)
+    segment = tl.load(block_segment_ptr + block)
+    adapter = tl.load(segment_adapter_ptr + segment).to(tl.int64)
+    rows = tl.load(block_start_ptr + block).to(tl.int64) + tl.arange(0, BLOCK_M)
+    return adapter, tl.load(ranks_ptr + adapter), rows, rows < tl.load(segment_end_ptr + segment)
+
+
+@triton.jit
 def lora_shrink_kernel(
     x_ptr,  # [T, in] input rows, unit stride along in
     a_ptr,  # [G, R, in] down projections, unit stride along in
@@ -41,14 +52,10 @@ def lora_shrink_kernel(
     x_stride, a_stride_g, a_stride_r, v_stride,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    segment = tl.load(block_segment_ptr + block)
-    adapter = tl.load(segment_adapter_ptr + segment).to(tl.int64)
-    rank = tl.load(ranks_ptr + adapter)
+    adapter, rank, rows, row_ok = _block_rows(block_segment_ptr, block_start_ptr, segment_end_ptr,
+                                              segment_adapter_ptr, ranks_ptr, BLOCK_M)
     first_rank = tl.program_id(1) * BLOCK_R
     if first_rank < rank:
-        rows = tl.load(block_start_ptr + block).to(tl.int64) + tl.arange(0, BLOCK_M)
-        row_ok = rows < tl.load(segment_end_ptr + segment)
         ranks = first_rank + tl.arange(0, BLOCK_R)
         rank_ok = ranks < rank
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -76,12 +83,8 @@ def lora_expand_kernel(
     v_stride, b_stride_g, b_stride_o, y_stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    segment = tl.load(block_segment_ptr + block)
-    adapter = tl.load(segment_adapter_ptr + segment).to(tl.int64)
-    rank = tl.load(ranks_ptr + adapter)
-    rows = tl.load(block_start_ptr + block).to(tl.int64) + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(segment_end_ptr + segment)
+    adapter, rank, rows, row_ok = _block_rows(block_segment_ptr, block_start_ptr, segment_end_ptr,
+                                              segment_adapter_ptr, ranks_ptr, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < out_features
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -90,6 +90,15 @@ def alone(editor, request) -> torch.Tensor:
     return job.row.latents[0]
 
 
+def assert_each_as_alone(editor, requests):
+    """The requests, of three sizes, batched from the first step, each within the bound of it run alone."""
+    expected = [alone(editor, r) for r in requests]
+    _, jobs, sizes = run(editor, requests)
+    assert sizes[0] == 3
+    for job, reference in zip(jobs, expected):
+        assert max_diff(job.row.latents[0], reference) <= batch_bound(reference)
+
+
 def packed_calls(editor):
     """Count the adapter's packed forwards (one per mixed step) and the denoiser's per-size forwards."""
     calls = {"packed": 0, "stock": 0}
@@ -182,12 +191,7 @@ def test_blocks_the_plan_runs_in_full_run_per_size_inside_the_packed_forward():
     pipe = load_pipeline("tiny-flux-fill")
     blocks = len(pipe.pipe.transformer.transformer_blocks) + len(pipe.pipe.transformer.single_transformer_blocks)
     editor = MaskAwareEditor(pipe, cache_mode="y", block_plan=tuple(b % 2 == 0 for b in range(blocks)))
-    requests = edits(editor, templates(editor))
-    expected = [alone(editor, r) for r in requests]
-    _, jobs, sizes = run(editor, requests)
-    assert sizes[0] == 3
-    for job, reference in zip(jobs, expected):
-        assert max_diff(job.row.latents[0], reference) <= batch_bound(reference)
+    assert_each_as_alone(editor, edits(editor, templates(editor)))
 
 
 @pytest.mark.parametrize("cache", ["in-memory", "fp8-store"])
@@ -197,12 +201,7 @@ def test_mixed_batches_read_any_cache(cache):
     store = (InMemoryActivationCache() if cache == "in-memory"
              else CacheStore(StoreConfig(host_bytes=64 << 20, dtype="float8_e4m3fn")))
     editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=store, cache_mode="kv")
-    requests = edits(editor, templates(editor))
-    expected = [alone(editor, r) for r in requests]
-    _, jobs, sizes = run(editor, requests)
-    assert sizes[0] == 3
-    for job, reference in zip(jobs, expected):
-        assert max_diff(job.row.latents[0], reference) <= batch_bound(reference)
+    assert_each_as_alone(editor, edits(editor, templates(editor)))
 
 
 def test_packed_forward_refuses_a_one_size_context():
