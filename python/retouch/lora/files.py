@@ -1,0 +1,320 @@
+"""LoRA adapter files of --lora-dir: where a name's file is, and what it holds for the denoiser.
+
+`read_lora` reads a file the way diffusers' `pipe.load_lora_weights(path)` does (diffusers 0.42.1,
+loaders/lora_pipeline.py, then `load_lora_adapter` in loaders/peft.py): the pipeline class's own
+`lora_state_dict` and its converters read kohya, xlabs and other non-diffusers layouts, and the per-module
+rank and alpha come from the LoraConfig diffusers would hand PEFT. Instead of injecting PEFT layers it
+returns each targeted linear's factors and scaling, checked against the denoiser, so that the engine can
+apply them unmerged, per row (`W x + scale * scaling * B (A x)`).
+
+diffusers, peft and retouch.models are imported inside the functions that use them: the HTTP front end
+and the CLI check names with `lora_path` and load no model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors
+import torch
+from torch import nn
+
+from retouch.lora.spec import NAME, LoraError
+
+FOLDER_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
+SUFFIX = ".safetensors"
+DENOISER_COMPONENT = {"flux-fill": "transformer", "flux-inpaint": "transformer", "sd3": "transformer",
+                      "sdxl": "unet", "sd2": "unet"}
+FLUX_FAMILIES = ("flux-fill", "flux-inpaint")
+_FACTOR_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<factor>[AB])\.weight")
+logger = logging.getLogger("retouch.lora")
+
+
+@dataclass(frozen=True, eq=False)
+class LoraModule:
+    """One adapted linear: its output gains `scale * scaling * B @ A @ x` (PEFT's lora.Linear)."""
+
+    A: torch.Tensor  # [r, in]   PEFT's lora_A.weight
+    B: torch.Tensor  # [out, r]  PEFT's lora_B.weight
+    scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rslora: PEFT's `scaling[adapter]`
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[0]
+
+
+@dataclass(frozen=True, eq=False)
+class LoraWeights:
+    """One adapter file, read for one denoiser. Identity equality: two reads are two adapters."""
+
+    name: str
+    modules: dict[str, LoraModule]  # keyed by module path, as denoiser.named_modules() names it
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for m in self.modules.values() for t in (m.A, m.B))
+
+    @property
+    def max_rank(self) -> int:
+        return max((m.rank for m in self.modules.values()), default=0)
+
+    def to(self, device=None, dtype=None, non_blocking: bool = False) -> LoraWeights:
+        return self._map(lambda t: t.to(device=device, dtype=dtype, non_blocking=non_blocking))
+
+    def pin_memory(self) -> LoraWeights:
+        """Page-locked copies, for asynchronous uploads; itself where there is no CUDA to pin for."""
+        if not torch.cuda.is_available():
+            return self
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, convert) -> LoraWeights:
+        return LoraWeights(self.name, {path: LoraModule(convert(m.A), convert(m.B), m.scaling)
+                                       for path, m in self.modules.items()})
+
+
+def lora_path(lora_dir: str | Path, name: str) -> Path:
+    """<lora_dir>/<name>.safetensors, or <lora_dir>/<name>/pytorch_lora_weights.safetensors (the folder
+    diffusers' save_lora_weights writes); the file wins if both exist. Names are spec.NAME, so no request
+    can reach outside the folder (links the operator put inside it are followed)."""
+    folder = Path(lora_dir)
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise LoraError(f"lora name {name!r} must be 1-128 letters, digits, '.', '_' or '-' "
+                        f"(a file of the LoRA folder {folder} without its suffix)")
+    if not folder.is_dir():
+        raise LoraError(f"the LoRA folder {folder} does not exist (--lora-dir)")
+    for path in (folder / f"{name}{SUFFIX}", folder / name / FOLDER_WEIGHT_NAME):
+        if path.is_file():
+            return path
+    hint = f"; name it without {SUFFIX}" if name.endswith(SUFFIX) else ""
+    raise LoraError(f"no LoRA {name!r} in {folder}: expected {name}{SUFFIX} or {name}/{FOLDER_WEIGHT_NAME}{hint}")
+
+
+def list_loras(lora_dir: str | Path) -> list[str]:
+    """The names `lora_path` finds in the folder, sorted."""
+    folder = Path(lora_dir)
+    if not folder.is_dir():
+        raise LoraError(f"the LoRA folder {folder} does not exist (--lora-dir)")
+    names = set()
+    for entry in folder.iterdir():
+        if entry.is_file() and entry.name.endswith(SUFFIX):
+            names.add(entry.name[: -len(SUFFIX)])
+        elif entry.is_dir() and (entry / FOLDER_WEIGHT_NAME).is_file():
+            names.add(entry.name)
+    return sorted(name for name in names if NAME.fullmatch(name))
+
+
+def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = None) -> LoraWeights:
+    """The denoiser part of the LoRA file at `path`, for `pipe` (a diffusers pipeline retouch serves, or
+    a LoadedModel), on the CPU in `dtype` (default: the denoiser's). `LoraError` for a file diffusers
+    could not load into this denoiser, and for what retouch does not apply: text-encoder LoRA, non-linear
+    targets, DoRA, LoRA biases.
+
+    Returns modules in the denoiser's named_modules() order: A: [r, in], B: [out, r], scaling."""
+    from retouch.models import family_of_pipeline
+
+    pipe = getattr(pipe, "pipe", pipe)
+    path = Path(path)
+    family = family_of_pipeline(pipe)
+    component = DENOISER_COMPONENT[family]
+    denoiser = getattr(pipe, component)
+    where = f"lora {name!r} ({path})"
+    _check_raw_file(path, where)
+    state_dict, network_alphas, metadata = _pipeline_state_dict(pipe, family, path, where)
+    factors, network_alphas, metadata = _denoiser_entries(state_dict, network_alphas, metadata, component, where)
+    factors = _fit_to_linears(denoiser, factors, family, where)
+    config = _lora_config(factors, network_alphas, metadata, name, where)
+    dtype = dtype or denoiser.dtype
+    modules = {}
+    for module_path, (A, B) in factors.items():
+        what = f"{where}: {module_path}"
+        modules[module_path] = LoraModule(_cast(A, dtype, f"{what}.lora_A"), _cast(B, dtype, f"{what}.lora_B"),
+                                          _scaling(config, module_path, A.shape[0], where))
+    return LoraWeights(name, modules)
+
+
+def _check_raw_file(path: Path, where: str) -> None:
+    """A readable safetensors file, without DoRA entries (diffusers drops kohya's dora_scale with a
+    warning and would apply the rest as a plain LoRA: a different adapter than the one trained)."""
+    if not path.is_file():
+        raise LoraError(f"{where} does not exist")
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as handle:
+            keys = list(handle.keys())
+    except (OSError, safetensors.SafetensorError) as error:
+        raise LoraError(f"{where} is not a readable safetensors file: {_first_line(error)}") from None
+    dora = next((key for key in keys if "dora_scale" in key or "lora_magnitude_vector" in key), None)
+    if dora is not None:
+        raise LoraError(f"{where} is a DoRA adapter ({dora}); retouch applies plain LoRA only")
+
+
+def _pipeline_state_dict(pipe, family: str, path: Path, where: str) -> tuple[dict, dict | None, dict | None]:
+    """(state dict, network alphas, adapter metadata) as each pipeline's load_lora_weights obtains them:
+    SDXL passes its UNet config (kohya's SGM block numbering), SD3 has no alphas, Flux pops `*.alpha`
+    entries into alphas. use_safetensors=True: never fall back to unpickling."""
+    loader = type(pipe)
+    options = {"use_safetensors": True, "local_files_only": True, "return_lora_metadata": True}
+    try:
+        if family in FLUX_FAMILIES:
+            return loader.lora_state_dict(str(path), return_alphas=True, **options)
+        if family == "sd3":
+            state_dict, metadata = loader.lora_state_dict(str(path), **options)
+            return state_dict, None, metadata
+        if family == "sdxl":
+            return loader.lora_state_dict(str(path), unet_config=pipe.unet.config, **options)
+        return loader.lora_state_dict(str(path), **options)
+    except Exception as error:  # a converter failing on a user's file: say which file and why, in one line
+        raise LoraError(f"{where} is not a LoRA diffusers can read for {family}: {_first_line(error)}") from None
+
+
+def _denoiser_entries(state_dict: dict, network_alphas: dict | None, metadata: dict | None, component: str,
+                      where: str) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict | None, dict | None]:
+    """The denoiser's entries without their component prefix, in PEFT naming, as (A, B) per module path;
+    and the alphas and metadata of the denoiser (load_lora_adapter's prefix handling)."""
+    text_encoder = next((key for key in state_dict if key.startswith("text_encoder")), None)
+    if text_encoder is not None:
+        raise LoraError(f"{where} has text-encoder LoRA weights ({text_encoder}); retouch applies LoRA to the "
+                        f"{component} only: save the adapter without them")
+    prefix = f"{component}."
+    stray = next((key for key in state_dict if not key.startswith(prefix)), None)
+    if stray is not None:
+        raise LoraError(f"{where} has {stray}, which is not a weight of this model's {component} "
+                        "(an adapter for another model?)")
+    if not state_dict:
+        raise LoraError(f"{where} has no LoRA weights for the {component} (keys starting with {prefix!r})")
+    if network_alphas and metadata:
+        raise LoraError(f"{where} has both kohya alphas and diffusers adapter metadata; diffusers refuses it too")
+    entries = {key.removeprefix(prefix): value for key, value in state_dict.items()}
+    if network_alphas:
+        network_alphas = {k.removeprefix(prefix): v for k, v in network_alphas.items() if k.startswith(prefix)}
+    if metadata is not None:
+        metadata = {k.removeprefix(prefix): v for k, v in metadata.items() if k.startswith(prefix)}
+    unsupported = next((key for key in entries if ".lokr_" in key or key == "lora_controlnet"), None)
+    if unsupported is not None:
+        raise LoraError(f"{where} is a LoKr or control LoRA ({unsupported}); retouch applies plain LoRA only")
+    if "lora_A" not in next(iter(entries)):  # diffusers decides the naming by the first key, as here
+        from diffusers.utils.state_dict_utils import convert_unet_state_dict_to_peft
+
+        entries = convert_unet_state_dict_to_peft(entries)
+    return _pair_factors(entries, where), network_alphas, metadata
+
+
+def _pair_factors(entries: dict[str, torch.Tensor], where: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in entries.items():
+        match = _FACTOR_KEY.fullmatch(key)
+        if match is None:
+            if "lora_magnitude_vector" in key:
+                raise LoraError(f"{where} is a DoRA adapter ({key}); retouch applies plain LoRA only")
+            if key.endswith(".bias"):
+                raise LoraError(f"{where} has a LoRA bias ({key}); retouch applies LoRA without biases only")
+            raise LoraError(f"{where} has an entry that is not a LoRA A or B weight: {key}")
+        found.setdefault(match["module"], {})[match["factor"]] = value
+    for module, pair in found.items():
+        if len(pair) != 2:
+            have, lacking = ("A", "B") if "A" in pair else ("B", "A")
+            raise LoraError(f"{where} has lora_{have} but no lora_{lacking} for {module}")
+    return {module: (pair["A"], pair["B"]) for module, pair in found.items()}
+
+
+def _fit_to_linears(denoiser: nn.Module, factors: dict, family: str, where: str) -> dict:
+    """The factors, in the denoiser's named_modules() order, each checked to fit the linear it adapts.
+
+    Flux pipelines zero-pad A when the linear is wider than the adapter (a FLUX.1-dev LoRA on FLUX.1-Fill's
+    wider x_embedder: FluxLoraLoaderMixin._maybe_expand_lora_state_dict); so does this."""
+    modules = dict(denoiser.named_modules())
+    for module_path in factors:
+        if module_path not in modules:
+            raise LoraError(f"{where} adapts {module_path}, which this {type(denoiser).__name__} does not have "
+                            "(an adapter for another model?)")
+        if not isinstance(modules[module_path], nn.Linear):
+            raise LoraError(f"{where} adapts {module_path}, a {type(modules[module_path]).__name__}; retouch "
+                            "applies LoRA to linear layers only")
+    fitted = {}
+    for module_path, linear in modules.items():
+        if module_path not in factors:
+            continue
+        A, B = factors[module_path]
+        if A.ndim != 2 or B.ndim != 2:
+            raise LoraError(f"{where}: {module_path} has lora_A of shape {list(A.shape)} and lora_B of shape "
+                            f"{list(B.shape)}; a linear's LoRA factors are matrices")
+        if A.shape[0] == 0 or B.shape[1] == 0:
+            raise LoraError(f"{where}: {module_path} has rank 0 (lora_A {list(A.shape)}, lora_B {list(B.shape)})")
+        if A.shape[0] != B.shape[1]:
+            raise LoraError(f"{where}: {module_path} has lora_A of rank {A.shape[0]} but lora_B of rank "
+                            f"{B.shape[1]}")
+        if family in FLUX_FAMILIES and A.shape[1] < linear.in_features:
+            A = torch.cat([A, A.new_zeros(A.shape[0], linear.in_features - A.shape[1])], dim=1)
+        if A.shape[1] != linear.in_features or B.shape[0] != linear.out_features:
+            raise LoraError(f"{where}: {module_path} maps {A.shape[1]} to {B.shape[0]} features but the layer "
+                            f"maps {linear.in_features} to {linear.out_features} (an adapter for another model?)")
+        fitted[module_path] = (A, B)
+    return fitted
+
+
+def _lora_config(factors: dict, network_alphas: dict | None, metadata: dict | None, name: str, where: str):
+    """The LoraConfig load_lora_adapter builds: the file's adapter metadata when it has some, else ranks
+    from the B shapes and alphas from kohya's `.alpha` entries (default alpha = rank: scaling 1)."""
+    from diffusers.utils.peft_utils import _create_lora_config
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    state_dict = {f"{path}.lora_{factor}.weight": tensor for path, (A, B) in factors.items()
+                  for factor, tensor in (("A", A), ("B", B))}
+    ranks = {f"^{key}": tensor.shape[1] for key, tensor in state_dict.items() if "lora_B" in key}
+    try:  # metadata is the file's word: any field may be missing, null or malformed
+        config = _create_lora_config(state_dict, network_alphas, metadata, ranks, adapter_name=name)
+        config.rank_pattern, config.alpha_pattern = config.rank_pattern or {}, config.alpha_pattern or {}
+        for pattern_key in (*config.rank_pattern, *config.alpha_pattern):
+            re.compile(pattern_key)
+        untargeted = next((path for path in factors if not check_target_module_exists(config, path)), None)
+    except (TypeError, ValueError, re.error) as error:
+        raise LoraError(f"{where} has adapter metadata PEFT cannot use: {_first_line(error)}") from None
+    if untargeted is not None:
+        raise LoraError(f"{where} has weights for {untargeted} but its adapter metadata does not target it")
+    if config.use_dora:
+        raise LoraError(f"{where} is a DoRA adapter (its metadata says use_dora); retouch applies plain LoRA only")
+    if getattr(config, "lora_bias", False):
+        raise LoraError(f"{where} has LoRA biases (its metadata says lora_bias); retouch applies LoRA without "
+                        "biases only")
+    # diffusers names kohya's per-module alphas after the old attention processors
+    # ("attn1.processor.to_k_lora.down.weight"); they match no module, so PEFT ignores them (with a warning)
+    # and every module gets the most common alpha. Do as diffusers does, so that images match, but say so.
+    ignored = sorted(key for key in config.alpha_pattern if not any(_pattern_matches(key, path) for path in factors))
+    if ignored:
+        logger.warning("%s: diffusers ignores the per-module alphas of %d modules (%s, ...) and gives them the "
+                       "common alpha %s; retouch does the same", where, len(ignored), ignored[0], config.lora_alpha)
+    return config
+
+
+def _pattern_matches(pattern_key: str, path: str) -> bool:
+    """PEFT's rank_pattern / alpha_pattern match (peft.utils.other.get_pattern_key)."""
+    return re.match(rf"(.*\.)?({pattern_key})$", path) is not None
+
+
+def _scaling(config, path: str, rank: int, where: str) -> float:
+    """PEFT's per-module scaling (LoraModel._create_and_replace, then LoraLayer.update_layer)."""
+    from peft.utils.other import get_pattern_key
+
+    r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), path), config.r)
+    alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), path), config.lora_alpha)
+    if r != rank:
+        raise LoraError(f"{where}: {path} has rank {rank} but the file's adapter metadata says {r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoraError(f"{where}: {path} has lora_alpha {alpha!r} in the file's adapter metadata; it must be a number")
+    return float(alpha / math.sqrt(r) if config.use_rslora else alpha / r)
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    cast = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+    if not torch.isfinite(cast).all():  # one pass over the weights on the loading path; the second only to explain
+        if not torch.isfinite(tensor).all():
+            raise LoraError(f"{what} has NaN or infinite values")
+        raise LoraError(f"{what} has values too large for {dtype}")
+    return cast
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
