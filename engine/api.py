@@ -23,6 +23,7 @@ from retouch.engine.metrics import now
 from retouch.engine.processing import HelperPool
 from retouch.engine.worker import EditResult, EngineConfig, Job, StepWatch, Worker
 from retouch.errors import InputError, RetouchError
+from retouch.lora import LoraChoice, parse_lora
 from retouch.models import load_pipeline
 
 
@@ -93,6 +94,7 @@ class Engine:
         if self.helpers is not None:
             self.helpers.close()
             self.helpers = None
+        self.worker.loras.close()
         self._running = False
         self._closing = False
 
@@ -139,20 +141,23 @@ class Engine:
 
     def submit_image(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int = 0,
                      steps: int = DEFAULT_STEPS, guidance: float | None = None,
-                     watch: StepWatch | None = None, budget_s: float | None = None) -> Future[EditResult]:
+                     watch: StepWatch | None = None, budget_s: float | None = None,
+                     lora: LoraChoice | str | list = ()) -> Future[EditResult]:
         """A one-off edit of `image`. Its first edit on this engine runs in full, the stock pipeline's
         result, and records the image as it goes (`EditResult.recorded` names the template); later
         ones, whatever their prompt, seed or mask, are mask-aware edits of that recording. While the
-        image is being recorded another one-off edit of it is computed in full without recording."""
+        image is being recorded another one-off edit of it is computed in full without recording; so is
+        one with a LoRA (the cache holds the base model's activations, which its rows are not)."""
         self._check_running()
+        lora = self.check_lora(lora)
         template = self.editor.one_off_template(image, mask, prompt, seed, steps, guidance)
         request = self.editor.check_request(EditRequest(template.template_id, mask, prompt, seed), template)
         if self.editor.is_recorded(template.template_id):
-            return self.submit(request, watch, budget_s)
+            return self.submit(request, watch, budget_s, lora)
         with self._jobs_lock:
-            records = template.template_id not in self._recordings
+            records = template.template_id not in self._recordings and not lora
             job = Worker.new_job(request, recording=template, records=records, watch=watch,
-                                 deadline=_deadline(budget_s))
+                                 deadline=_deadline(budget_s), lora=lora)
             if records:
                 self._track_recording(job)
         self._enqueue(job)
@@ -185,18 +190,30 @@ class Engine:
         return running, [job.future for job in waiting.values() if job.row is None]
 
     def submit(self, request: EditRequest, watch: StepWatch | None = None,
-               budget_s: float | None = None) -> Future[EditResult]:
+               budget_s: float | None = None, lora: LoraChoice | str | list = ()) -> Future[EditResult]:
         """Queue an edit; its future holds an `EditResult` or the error that stopped it.
         `future.cancel()` takes it out of the batch at the next step. `watch`: told each step, and
         shown previews (`StepWatch`). `budget_s`: seconds from now it should be answered within (its
-        SLO: the queue is ordered by slack, `Worker.next_waiting`); None: no deadline."""
+        SLO: the queue is ordered by slack, `Worker.next_waiting`); None: no deadline. `lora`: its LoRA
+        adapters (names in `EngineConfig.lora_dir`, with scales: `retouch.lora.parse_lora`), loaded while
+        it already denoises (`EngineConfig.lora_latest_step`)."""
         self._check_running()
+        lora = self.check_lora(lora)
         template = self.editor.templates.get(request.template_id)
         if template is None:
             raise InputError(f"unknown template {request.template_id!r}; register it first")
-        job = Worker.new_job(self.editor.check_request(request, template), watch=watch, deadline=_deadline(budget_s))
+        job = Worker.new_job(self.editor.check_request(request, template), watch=watch, deadline=_deadline(budget_s),
+                             lora=lora)
         self._enqueue(job)
         return job.future
+
+    def check_lora(self, lora: LoraChoice | str | list) -> LoraChoice:
+        """A request's `lora`, parsed, with every name found in the LoRA folder (`LoraError` otherwise)."""
+        lora = parse_lora(lora)
+        if lora:
+            self.worker.loras.check(lora)
+            self.worker.loras.prefetch(lora)  # loads while the request is pre-processed and queued
+        return lora
 
     def _check_running(self) -> None:
         if not self._running or self._closing:

@@ -25,6 +25,7 @@ class RequestMetrics:
     tokens: int = 0  # image tokens of its canvas (a UNet's first level)
     computed_tokens: int = 0  # of them, those it computes per step: its masked ones, or all (a recording)
     deadline: float | None = None  # when it should be answered (this clock); None: no SLO
+    lora_applied_step: int | None = None  # with a LoRA: the step (0-based) from which it applied
 
     @property
     def queue_s(self) -> float:
@@ -50,6 +51,8 @@ class RequestMetrics:
                   "steps": self.steps, "tokens": self.tokens, "computed_tokens": self.computed_tokens}
         if self.deadline is not None:
             report["deadline_met"] = self.deadline_met
+        if self.lora_applied_step is not None:
+            report["lora_applied_step"] = self.lora_applied_step
         return report
 
 

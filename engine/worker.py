@@ -32,7 +32,9 @@ Batching modes (one switch, for the ablation):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import queue
 from collections import deque
 from collections.abc import Callable
@@ -52,6 +54,9 @@ from retouch.engine.processing import ReadyEdit, postprocess, prepare_recording,
 from retouch.engine.previews import LatentPreviewer
 from retouch.engine.schedulers import BatchScheduler
 from retouch.errors import RetouchError
+from retouch.lora import LoraChoice
+from retouch.lora.layers import AmbiguousRows, EntryAdapters
+from retouch.lora.manager import LoraManager
 
 MODES = ("static", "naive", "disagg")
 
@@ -64,6 +69,11 @@ class EngineConfig:
     helper_threads: int = 0  # torch CPU threads of each helper (0: torch's default); 1 keeps them off the loop's cores
     run_dir: str | None = None  # where the helpers' socket folder goes (default: the system's temporary folder)
     mixed_sizes: bool = True  # Flux/SD3: requests of different image sizes share one forward (False: one per size)
+    lora_dir: str | None = None  # the folder of LoRA files requests name (`retouch.lora.files`); None: no LoRA
+    lora_cache_mb: float = 2048.0  # host memory of the LRU cache of loaded LoRAs
+    # A request's LoRA applies from the first step after it is loaded, at the latest before this fraction
+    # of its steps (it waits there if still loading); 0: before its first step (synchronous loading).
+    lora_latest_step: float = 0.3
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -72,6 +82,10 @@ class EngineConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.helper_threads < 0:
             raise ValueError(f"helper_threads must be >= 0, got {self.helper_threads}")
+        if self.lora_cache_mb <= 0:
+            raise ValueError(f"lora_cache_mb must be > 0, got {self.lora_cache_mb}")
+        if not 0.0 <= self.lora_latest_step <= 1.0:
+            raise ValueError(f"lora_latest_step must be in [0, 1], got {self.lora_latest_step}")
 
 
 @dataclass(frozen=True)
@@ -105,6 +119,7 @@ class Job:
               full while another request records the same image)
     watch:    what its owner is told as it denoises (`StepWatch`): each step, and previews
     deadline: when it should be answered (`metrics.now()` clock); None: no SLO
+    lora:     its LoRA adapters (`retouch.lora.LoraChoice`); () for none
     """
 
     id: int
@@ -113,11 +128,18 @@ class Job:
     records: bool = True
     watch: StepWatch | None = None
     deadline: float | None = None
+    lora: LoraChoice = ()
     future: Future = field(default_factory=Future)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     ready: ReadyEdit | None = None
     row: recipes.Running | None = None
     handles: dict = field(default_factory=dict)
+    lora_loads: list[Future] = field(default_factory=list)  # its adapters' loads (`LoraManager.acquire`)
+    lora_entry: EntryAdapters = ()  # what its rows bind, from the step its LoRA applies
+
+    def lora_latest_step(self, fraction: float) -> int:
+        """The step (0-based) from which its LoRA must apply: it waits there while still loading."""
+        return math.floor(fraction * self.row.schedule.num_steps + 1e-9)
 
     @property
     def template(self) -> Template:
@@ -189,11 +211,12 @@ class Worker:
         self._forward_s = self._inline_s = 0.0
         self._previewer: LatentPreviewer | None = None
         self.predict_s = predict_s or self.predicted_s
+        self.loras = LoraManager(config.lora_dir, int(config.lora_cache_mb * 2**20), editor)
 
     @classmethod
     def new_job(cls, request: EditRequest | None, recording: Template | None = None, records: bool = True,
-                watch: StepWatch | None = None, deadline: float | None = None) -> Job:
-        job = Job(next(cls._ids), request, recording, records, watch, deadline)
+                watch: StepWatch | None = None, deadline: float | None = None, lora: LoraChoice = ()) -> Job:
+        job = Job(next(cls._ids), request, recording, records, watch, deadline, lora)
         job.metrics.deadline = deadline
         return job
 
@@ -209,7 +232,8 @@ class Worker:
                 if not self.running:
                     continue
                 batch_size = len(self.running)
-                self.step()
+                if not self.step():  # every running request waited for its LoRA
+                    continue
                 self.retire()
                 self.metrics.record_step(batch_size, now() - started, self._forward_s, self._inline_s)
 
@@ -272,6 +296,8 @@ class Worker:
                 self._fail(job, exc)
                 continue
             job.row = recipes.Running(job.ready.prepared, job.ready.prepared.latents)
+            if job.lora:
+                job.lora_loads = self.loras.acquire(job.lora)
             job.metrics.tokens = self.editor.num_tokens(job.template)
             job.metrics.computed_tokens = len(job.ready.inputs.masked_idx)
             job.metrics.admitted = now()
@@ -306,12 +332,14 @@ class Worker:
         template = self.editor.templates.get(job.request.template_id)
         return template.steps if template is not None else (job.request.steps or 0)
 
-    def step(self) -> None:
+    def step(self) -> bool:
         """One denoising step of the running batch: a forward per guidance setting (and text length), and
-        per image size unless the family packs sizes into one forward (`recipes.PACKED`)."""
+        per image size unless the family packs sizes into one forward (`recipes.PACKED`). False when no
+        request stepped (each waited for its LoRA)."""
         packs = self.config.mixed_sizes and self.editor.model.family in recipes.PACKED
         groups: dict[tuple, list[Job]] = {}
-        for job in self.running:
+        stepping = self.with_loras()
+        for job in stepping:
             template = job.template
             size = template.num_text_tokens if packs else template.canvas.padded
             groups.setdefault((size, job.ready.prepared.copies), []).append(job)
@@ -322,11 +350,43 @@ class Worker:
                 for job in jobs:
                     self._fail(job, exc)
                     self.running.remove(job)
-        for job in self.running:
-            if job.watch is not None:
+        for job in stepping:
+            if job.watch is not None and job in self.running:
                 self._tell(job)
+        return bool(groups)
+
+    def with_loras(self) -> list[Job]:
+        """The running requests that step now. A request's LoRA applies from the first step after its load
+        completed (`lora_applied_step`); at its latest step (`EngineConfig.lora_latest_step`) a request still
+        loading sits the step out. When all of them would, the loop waits for a load to complete."""
+        stepping, waiting = [], []
+        for job in list(self.running):
+            if job.lora and not job.lora_entry:
+                ready = self.loras.ready(job.lora_loads)
+                if isinstance(ready, BaseException):
+                    self.running.remove(job)
+                    self._fail(job, ready)
+                    continue
+                if ready:
+                    job.lora_entry = self.loras.entry(job.lora, job.lora_loads)
+                    job.metrics.lora_applied_step = job.row.schedule.index
+                elif job.row.schedule.index >= job.lora_latest_step(self.config.lora_latest_step):
+                    waiting.append(job)
+                    continue
+            stepping.append(job)
+        if waiting and not stepping:
+            self.loras.wait([future for job in waiting for future in job.lora_loads], timeout_s=0.5)
+        return stepping
 
     def _step_group(self, jobs: list[Job]) -> None:
+        try:
+            self._step_jobs(jobs)
+        except AmbiguousRows:  # raised before the forward: nothing has run; halves are never ambiguous at one
+            half = len(jobs) // 2
+            self._step_group(jobs[:half])
+            self._step_group(jobs[half:])
+
+    def _step_jobs(self, jobs: list[Job]) -> None:
         editor = self.editor
         inputs = [job.ready.inputs for job in jobs]
         handles = {key: handle for job in jobs for key, handle in job.handles.items()}
@@ -338,9 +398,19 @@ class Worker:
         forward = (editor.adapter.forward_packed if mixed
                    else lambda **kwargs: editor.denoiser(**kwargs, return_dict=False)[0])
 
+        # Per-row LoRA: each denoiser row (request, guidance copy) binds its request's adapters.
+        copies = jobs[0].ready.prepared.copies
+        entries = [job.lora_entry for _ in range(copies) for job in jobs]
+        lora_batch = None
+        if any(entries):  # AmbiguousRows is raised here, before anything runs
+            lora_batch = self.loras.layers.batch(entries, editor.adapter.row_layouts(context))
+        # Per-row LoRA runs the blocks eagerly (its segments are host values a compiled graph would bake in).
+        eager = editor.adapter.eager() if lora_batch is not None else contextlib.nullcontext()
+
         def denoiser(**kwargs):
             started = now()
-            with editor.adapter.run(context):
+            bind = self.loras.layers.bind(lora_batch) if lora_batch is not None else contextlib.nullcontext()
+            with editor.adapter.run(context), bind, eager:
                 if isinstance(context.cache, StagedActivations):
                     with context.cache:
                         output = forward(**kwargs)

@@ -35,9 +35,10 @@ def run(editor, config: EngineConfig, requests, inject=None, send_to_postprocess
     step = worker.step
 
     def step_and_inject():
-        step()
+        stepped = step()
         if inject is not None:
             inject(worker, len(worker.metrics.step_s) + 1)
+        return stepped
 
     worker.step = step_and_inject
     worker.inbox.put(("stop",))

@@ -71,11 +71,12 @@ def run(editor, requests, inject=None, config=EngineConfig(mode="naive")):
         forwards.append(len(sizes))
         editor.in_step = True  # what packed_calls counts: the step's forwards, not preparations
         try:
-            step()
+            stepped = step()
         finally:
             editor.in_step = False
         if inject is not None:
             inject(worker, len(worker.metrics.step_s) + 1)
+        return stepped
 
     worker.step = counted_step
     worker.inbox.put(("stop",))

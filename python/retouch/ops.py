@@ -25,6 +25,7 @@ from retouch.kernels.norm_rope import norm_rope_triton
 from retouch.kernels.reference import rms_norm_rope_ref, rope_pairs_ref
 from retouch.kernels.ragged_attention import ragged_attention_sdpa as _ragged_attention_sdpa
 from retouch.kernels.row_copy import gather_rows_triton, scatter_rows_triton
+from retouch.kernels.segmented_lora import segmented_lora_triton
 
 ROW_COPY_BACKENDS = ("native", "triton")
 HOST_GATHER_METHODS = ("auto", "kernel", "memcpy")
@@ -257,6 +258,45 @@ def _ragged_attention_bounded_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 @_ragged_attention_bounded_op.register_fake
 def _ragged_attention_bounded_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, backend):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+LoraGroup = tuple[torch.Tensor, torch.Tensor, float]  # (A [r, in], B [out, r], scale) of one adapter
+
+
+def segmented_lora_(x: torch.Tensor, y: torch.Tensor, groups: Sequence[LoraGroup],
+                    segments: Sequence[tuple[int, int, int]], backend: str = "auto",
+                    stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """In place on `y: [T, out]`, for each segment (start, stop, g) of the rows of `x: [T, in]`:
+    `y[start:stop] += scale_g * (x[start:stop] A_g^T) B_g^T` (Punica's SGMV). backend "triton" (CUDA, or
+    the CPU under TRITON_INTERPRET=1): the segmented kernels (`retouch.kernels.segmented_lora`), over
+    `stacked` = (A [G, R, in], B [G, out, R], scales [G]) when the caller keeps them (else stacked here);
+    "torch": two matmuls per segment (the CPU's path, and every device's when one segment covers a call:
+    the single-adapter fast path). "auto": Triton on CUDA with several segments, else torch."""
+    if backend == "auto":
+        backend = "triton" if x.is_cuda and len(segments) > 1 else "torch"
+    if backend == "torch":
+        for start, stop, group in segments:
+            A, B, scale = groups[group]
+            y[start:stop].addmm_(x[start:stop] @ A.T, B.T, alpha=scale)
+        return
+    if backend != "triton":
+        raise ValueError(f"segmented_lora backend must be auto, triton or torch, got {backend!r}")
+    A, B, scales = stacked if stacked is not None else stack_lora_groups(groups)
+    segmented_lora_triton(x, y, A, B, scales, [g[0].shape[0] for g in groups], segments)
+
+
+def stack_lora_groups(groups: Sequence[LoraGroup]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The segmented kernels' operands: A `[G, R, in]` and B `[G, out, R]` zero-padded to the largest rank
+    R, and the scales `[G]` (fp32)."""
+    max_rank = max(A.shape[0] for A, _, _ in groups)
+    first_A, first_B, _ = groups[0]
+    A = first_A.new_zeros((len(groups), max_rank, first_A.shape[1]))
+    B = first_B.new_zeros((len(groups), first_B.shape[0], max_rank))
+    for g, (a, b, _) in enumerate(groups):
+        A[g, :a.shape[0]] = a
+        B[g, :, :b.shape[1]] = b
+    scales = torch.tensor([scale for _, _, scale in groups], dtype=torch.float32).to(first_A.device, non_blocking=True)
+    return A, B, scales
 
 
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

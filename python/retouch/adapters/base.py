@@ -35,6 +35,7 @@ class MaskAwareAdapter:
         self._memo: dict = {}  # what the blocks of the active context share (see memo)
         self._compiled: dict | None = None  # block core -> its torch.compile'd version (see compile)
         self.token_bucket: Callable[[int], int] | None = None  # see pad_tokens
+        self.lora_layers = None  # the denoiser's `retouch.lora.layers.LoraLayers`, once a LoRA serves on it
         # The copy engine gates its copies on compute reaching blocks (staged memory stays bounded).
         self._start_hooks = [block.register_forward_pre_hook(functools.partial(self._block_starts, index))
                              for index, block in enumerate(self.blocks)]
@@ -127,7 +128,11 @@ class MaskAwareAdapter:
         text_out = None
         image_out = torch.empty_like(hidden_states)
         for key, requests, image_rows, num_image in groups:
-            text, image = unmodified(key, requests, image_rows, num_image)
+            if self.lora_layers is not None:
+                with self.lora_layers.subset(key):  # the class forward sees these requests' rows only
+                    text, image = unmodified(key, requests, image_rows, num_image)
+            else:
+                text, image = unmodified(key, requests, image_rows, num_image)
             image_out.index_copy_(0, image_rows, image.flatten(0, 1))
             if text is not None:
                 if text_out is None:
@@ -137,6 +142,26 @@ class MaskAwareAdapter:
 
     def check_context(self, context) -> None:
         """Model-specific checks of a context before it becomes active."""
+
+    def row_layouts(self, context) -> list[tuple[int, ...]]:
+        """Rows per batch entry of every packed `[T, in]` matrix the forward's linear layers see (what a
+        per-row LoRA needs, `retouch.lora.layers`): a `MaskAwareContext`'s masked image tokens and query
+        tokens, and in a mixed-resolution batch its image and joint matrices."""
+        prefix = context.batch.prefix
+        layouts = [context.image_counts, tuple(context.batch.query_counts())]
+        if context.mixed:
+            layouts += [context.image_lens, tuple(prefix + length for length in context.image_lens)]
+        return layouts
+
+    @contextmanager
+    def eager(self) -> Iterator[None]:
+        """Forwards inside run the blocks uncompiled and unpadded (what a per-row LoRA runs on)."""
+        compiled, bucket = self._compiled, self.token_bucket
+        self._compiled, self.token_bucket = None, None
+        try:
+            yield
+        finally:
+            self._compiled, self.token_bucket = compiled, bucket
 
     def _block_starts(self, index: int, module, args) -> None:
         context = self._context

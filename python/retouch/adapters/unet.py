@@ -219,6 +219,10 @@ class UNetMaskAwareAdapter(MaskAwareAdapter):
         if len(context.levels) != self.num_levels:
             raise ValueError(f"context has {len(context.levels)} levels for a UNet of {self.num_levels}")
 
+    def row_layouts(self, context: UNetMaskAwareContext) -> list[tuple[int, ...]]:
+        """Rows per batch row of the masked tokens of each level (the packed matrices a level's blocks see)."""
+        return [tuple(level.query_counts()) for level in context.levels]
+
     def needs_all_output_rows(self, context: UNetMaskAwareContext, block: int) -> bool:
         """Whether a KV-cache block must fill its unmasked output rows: proj_out reads them (last block of
         its Transformer2DModel), or the next block computes every token."""

@@ -1,0 +1,231 @@
+"""Per-request LoRA through the step loop: from step 0 it equals diffusers' own `load_lora_weights` (every
+family, small random PEFT LoRAs saved in the real file format); a batch mixing adapter A, adapter B and none
+gives each request what it gets alone; a LoRA still loading lets its request run its first steps without it
+and applies from the first step after the load, waiting at the latest step; a broken file fails its request
+only; the host cache keeps the most recently used adapters within its budget. The loop runs on the test's
+thread, as in test_engine.py; loads are gated by events, never by sleeps."""
+
+import threading
+
+import pytest
+import torch
+from editor_inputs import max_diff, square_mask, template_image
+from lora_files import save_random_lora
+
+from retouch.editor import EditRequest, MaskAwareEditor
+from retouch.engine.worker import EngineConfig, Worker
+from retouch.lora import LoraError, LoraUse
+from retouch.lora.files import LoraModule, LoraWeights
+from retouch.lora.host_cache import LoraHostCache
+from retouch.models import load_pipeline
+
+TINY_MODELS = ["tiny-flux-fill", "tiny-flux-inpaint", "tiny-sd3-inpaint", "tiny-sdxl-inpaint", "tiny-sd2-inpaint"]
+BATCH_ATOL = 1e-5  # fp32: a request's rows in a bigger batch differ only in summation order
+
+
+def bound(reference: torch.Tensor, ulps: int = 32) -> float:
+    """fp32 summation-order differences at the values' scale (as test_mixed_sizes.py)."""
+    return max(BATCH_ATOL, ulps * torch.finfo(torch.float32).eps * reference.abs().max().item())
+
+
+def run(editor, config, jobs, inject=None):
+    """The loop on this thread over `jobs`; `inject(worker, steps_run)` after every step."""
+    worker = Worker(editor, config)
+    for job in jobs:
+        worker.inbox.put(("edit", job))
+    step = worker.step
+
+    def step_and_inject():
+        stepped = step()
+        if inject is not None:
+            inject(worker, len(worker.metrics.step_s) + 1)
+        return stepped
+
+    worker.step = step_and_inject
+    worker.inbox.put(("stop",))
+    worker.run()
+    worker.loras.close()
+    return worker
+
+
+def edit_job(template_id, lora=(), box=(32, 32, 63, 63), seed=5):
+    return Worker.new_job(EditRequest(template_id, square_mask(box), "a red hat", seed=seed), lora=lora)
+
+
+def latents(job):
+    assert job.future.exception() is None, job.future.exception()
+    return job.row.latents[0]
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("loras")
+
+
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_a_lora_from_step_0_equals_diffusers_load_lora_weights(model, lora_dir):
+    editor = MaskAwareEditor(load_pipeline(model))
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=3, seed=3)
+    save_random_lora(editor.model, lora_dir / model, rank=4, alpha=8, seed=1)
+    config = EngineConfig(mode="naive", lora_dir=str(lora_dir), lora_latest_step=0.0)
+    job = edit_job(template_id, lora=(LoraUse(model, 0.7),))
+    worker = run(editor, config, [job])
+    assert job.metrics.lora_applied_step == 0 and worker.loras.metrics()["loads"] == 1
+
+    # diffusers' own loading into a second copy of the pipeline, whose template is recorded before it.
+    reference = MaskAwareEditor(load_pipeline(model))
+    assert reference.register_template(template_image(), prompt="a scene", steps=3, seed=3) == template_id
+    base = reference.edit_many([job.request], output_type="latent")[0]
+    reference.pipe.load_lora_weights(str(lora_dir / model), adapter_name="x")
+    reference.pipe.set_adapters(["x"], [0.7])
+    expected = reference.edit_many([job.request], output_type="latent")[0]
+    assert max_diff(latents(job), expected) < bound(expected, 256)
+    assert max_diff(expected, base) > 100 * bound(expected, 256)  # the LoRA changes the edit
+
+
+@pytest.fixture(scope="module")
+def flux(lora_dir):
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    ids = [editor.register_template(template_image(color), prompt="a scene", steps=4, seed=i)
+           for i, color in enumerate(((40, 120, 200), (200, 90, 30), (10, 200, 90)))]
+    save_random_lora(editor.model, lora_dir / "A", rank=4, alpha=8, seed=11)
+    save_random_lora(editor.model, lora_dir / "B", rank=16, alpha=16, seed=12, targets=["to_k", "to_out.0",
+                                                                                         "proj_mlp"])
+    return editor, ids
+
+
+def config_of(lora_dir, latest=0.0, **options):
+    return EngineConfig(mode="naive", lora_dir=str(lora_dir), lora_latest_step=latest, **options)
+
+
+def test_a_batch_mixing_lora_a_lora_b_and_none_equals_each_alone(flux, lora_dir):
+    editor, ids = flux
+    choices = [(LoraUse("A", 1.0),), (LoraUse("B", 0.6),), (), (LoraUse("A", 0.5), LoraUse("B", 1.0))]
+    boxes = [(32, 32, 63, 63), (0, 40, 95, 79), (8, 8, 40, 30), (64, 64, 127, 127)]
+    jobs = [edit_job(ids[i % 3], lora, box, seed=i) for i, (lora, box) in enumerate(zip(choices, boxes))]
+    worker = run(editor, config_of(lora_dir), jobs)
+    assert max(worker.metrics.batch_sizes) == 4  # one forward per step held all four
+    for i, (lora, box) in enumerate(zip(choices, boxes)):
+        alone = edit_job(ids[i % 3], lora, box, seed=i)
+        run(editor, config_of(lora_dir), [alone])
+        assert max_diff(latents(jobs[i]), latents(alone)) < bound(latents(alone))
+    assert max_diff(latents(jobs[0]), latents(jobs[2])) > 1e-3
+
+
+def test_an_ambiguous_batch_runs_in_halves_with_the_same_results(flux, lora_dir, monkeypatch):
+    editor, ids = flux
+    choices = [(LoraUse("A", 1.0),), (), (LoraUse("B", 1.0),), ()]
+    jobs = [edit_job(ids[i % 3], lora, seed=i) for i, lora in enumerate(choices)]
+    calls = []
+    row_layouts = type(editor.adapter).row_layouts
+
+    def colliding(self, context):  # a layout of 4 rows split unlike one row per request
+        layouts = row_layouts(self, context)
+        calls.append(context.batch.batch_size)
+        return layouts + [(4,) + (0,) * (context.batch.batch_size - 1)] if context.batch.batch_size == 4 else layouts
+
+    monkeypatch.setattr(type(editor.adapter), "row_layouts", colliding)
+    run(editor, config_of(lora_dir), jobs)
+    monkeypatch.undo()
+    assert 4 in calls and 2 in calls  # refused at four, run as two halves
+    for i, lora in enumerate(choices):
+        alone = edit_job(ids[i % 3], lora, seed=i)
+        run(editor, config_of(lora_dir), [alone])
+        assert max_diff(latents(jobs[i]), latents(alone)) < bound(latents(alone))
+
+
+class GatedLoads:
+    """Holds every adapter read until `open()`: the test decides at which step a load completes."""
+
+    def __init__(self, monkeypatch):
+        from retouch.lora import manager
+        self.gate = threading.Event()
+        read = manager.read_lora
+
+        def gated(*args, **kwargs):
+            self.gate.wait(timeout=60)
+            return read(*args, **kwargs)
+
+        monkeypatch.setattr(manager, "read_lora", gated)
+
+    def open(self):
+        self.gate.set()
+
+
+def test_a_lora_still_loading_applies_from_the_first_step_after_its_load(flux, lora_dir, monkeypatch):
+    editor, ids = flux
+    gate = GatedLoads(monkeypatch)
+    job = edit_job(ids[0], (LoraUse("A", 1.0),))
+    plain = edit_job(ids[0])
+    run(editor, config_of(lora_dir), [plain])
+    loaded = threading.Event()
+
+    def inject(worker, steps_run):
+        if steps_run == 2:  # after two steps without it, the load completes
+            gate.open()
+            worker.loras.wait(job.lora_loads, timeout_s=60)
+            loaded.set()
+
+    run(editor, config_of(lora_dir, latest=1.0), [job], inject)
+    assert loaded.is_set() and job.metrics.lora_applied_step == 2
+    from_start = edit_job(ids[0], (LoraUse("A", 1.0),))
+    run(editor, config_of(lora_dir), [from_start])
+    assert from_start.metrics.lora_applied_step == 0
+    late, early, none = latents(job), latents(from_start), latents(plain)
+    assert max_diff(late, early) > 1e-4 and max_diff(late, none) > 1e-4  # two steps without, two with
+
+
+def test_a_request_waits_at_its_latest_step_while_others_go_on(flux, lora_dir, monkeypatch):
+    editor, ids = flux
+    gate = GatedLoads(monkeypatch)
+    job = edit_job(ids[0], (LoraUse("B", 1.0),))
+    other = edit_job(ids[1])
+    seen = []
+
+    def inject(worker, steps_run):
+        seen.append((job.metrics.steps, other.metrics.steps))
+        if other.row.schedule.done:
+            gate.open()
+
+    # latest 0.5 of 4 steps: it runs steps 0 and 1 without its LoRA, then waits at step 2.
+    run(editor, config_of(lora_dir, latest=0.5), [job, other], inject)
+    assert seen[:4] == [(1, 1), (2, 2), (2, 3), (2, 4)]
+    assert job.metrics.lora_applied_step == 2 and job.metrics.steps == 4
+    assert job.future.result().metrics.to_json()["lora_applied_step"] == 2
+
+
+def test_a_broken_adapter_fails_its_request_only(flux, lora_dir):
+    editor, ids = flux
+    (lora_dir / "broken.safetensors").write_bytes(b"not a safetensors file")
+    bad, good = edit_job(ids[0], (LoraUse("broken"),)), edit_job(ids[1], (LoraUse("A"),))
+    worker = run(editor, config_of(lora_dir, latest=0.5), [bad, good])
+    assert isinstance(bad.future.exception(), LoraError)
+    assert good.future.exception() is None and good.metrics.lora_applied_step is not None
+    assert worker.loras.metrics()["load_failures"] == 1
+
+
+def test_unknown_names_and_no_folder_are_refused_at_submission(flux, lora_dir):
+    editor, _ = flux
+    with pytest.raises(LoraError, match="nope"):
+        Worker(editor, config_of(lora_dir)).loras.check((LoraUse("nope"),))
+    with pytest.raises(LoraError, match="--lora-dir"):
+        Worker(editor, EngineConfig(mode="naive")).loras.check((LoraUse("A"),))
+
+
+def weights(name, nbytes):
+    A = torch.zeros(nbytes // 8, 1)
+    return LoraWeights(name, {"m": LoraModule(A.T.contiguous(), A.clone(), 1.0)})
+
+
+def test_the_host_cache_keeps_the_most_recently_used_within_its_budget():
+    cache = LoraHostCache(1000)
+    for name in "abc":
+        assert cache.put(name, weights(name, 400))  # 400 bytes each: two fit
+    assert "a" not in cache and "b" in cache and "c" in cache and cache.nbytes == 800
+    assert cache.get("b") is not None  # b is now the most recent
+    cache.put("d", weights("d", 400))
+    assert "c" not in cache and "b" in cache and "d" in cache
+    assert not cache.put("huge", weights("huge", 4000)) and "huge" not in cache
+    assert (cache.hits, cache.misses, cache.evictions) == (1, 0, 2)
+    assert cache.get("a") is None and cache.misses == 1
+
