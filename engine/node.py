@@ -11,7 +11,8 @@ host (`retouch worker`), then it needs the router's public key and a secret key 
 It says hello (its batch size, the templates it holds), then answers the router's messages:
     register  record a template: it joins the running batch as a member and tells the router each
               recorded step, then ok or the error
-    edit      submit an edit (with `budget_s`: seconds left of its SLO, ordering the queue by slack);
+    edit      submit an edit (with `budget_s`: seconds left of its SLO, ordering the queue by slack;
+              with `lora`: its adapters, `retouch.lora.choice_header` JSON, refused with 422 LoraError);
               the router hears of each of its steps (and, with `preview_every`, sees
               a preview PNG every that many steps), then the answer: a PNG, or an error with the
               HTTP status it maps to. An edit with `one_off` carries the image: its first edit
@@ -21,7 +22,8 @@ It says hello (its batch size, the templates it holds), then answers the router'
     drop      forget a template (a recording of it in progress stops at the next step)
     stop      finish every accepted edit, say bye and exit
     rejoin    the router removed it (it fell silent, e.g. a network cut) and hears it again: hello again
-and heartbeats its running batch (each request's steps left) and queue every `heartbeat_s`.
+and heartbeats its running batch (each request's steps left), queue and metrics (its template cache
+under "cache", its LoRA cache and loader under "lora") every `heartbeat_s`.
 
 The main thread owns the socket. Answers produced on other threads (the engine's futures and its
 progress callbacks) are queued and the main thread is woken through an inproc socket.
@@ -55,6 +57,7 @@ from retouch.engine.worker import EditResult, EngineConfig, StepWatch
 from retouch.config import WorkerOptions, add_arguments, from_arguments, resolve_device
 from retouch.errors import InputError
 from retouch.log_limits import cap_log_messages
+from retouch.lora import parse_lora
 from retouch.images import decode_image, png_bytes
 
 
@@ -174,12 +177,13 @@ class Node:
             prompt, seed = header["prompt"], int(header["seed"])
             watch = self._watch(request_id, int(header.get("preview_every", 0)))
             budget_s = None if header.get("budget_s") is None else float(header["budget_s"])
+            lora = parse_lora(header.get("lora"))
             if template_id is not None:
-                future = self.engine.submit(EditRequest(template_id, mask, prompt, seed), watch, budget_s)
+                future = self.engine.submit(EditRequest(template_id, mask, prompt, seed), watch, budget_s, lora)
             else:
                 image = decode_image(blobs["image"], f"template {router_template}")
                 future = self.engine.submit_image(image, mask, prompt, seed, int(one_off["steps"]),
-                                                  one_off["guidance"], watch, budget_s)
+                                                  one_off["guidance"], watch, budget_s, lora)
         except Exception as exc:  # noqa: BLE001 - answered, never dropped
             self._post({"kind": "result", "request": request_id, "status": status_of(exc),
                         "error": type(exc).__name__, "message": str(exc)})
@@ -209,6 +213,7 @@ class Node:
         cache = self.engine.editor.cache
         if isinstance(cache, CacheStore):
             metrics["cache"] = cache.metrics()  # CacheStore.metrics: cumulative counters and tier occupancy
+        metrics["lora"] = self.engine.worker.loras.metrics()  # LoraManager.metrics: likewise, of the LoRA cache
         return {"kind": "heartbeat", "running": running, "queued": queued, "metrics": metrics}
 
     # ---- other threads ----
@@ -306,7 +311,9 @@ def run_worker(opts: WorkerOptions) -> None:
         torch.set_num_threads(opts.threads)
     config = EngineConfig(mode=opts.mode, max_batch=opts.max_batch, helpers=opts.helpers,
                           helper_threads=opts.helper_threads,
-                          run_dir=None if opts.run_dir is None else str(opts.run_dir))
+                          run_dir=None if opts.run_dir is None else str(opts.run_dir),
+                          lora_dir=None if opts.lora_dir is None else str(opts.lora_dir),
+                          lora_cache_mb=opts.lora_cache_mb, lora_latest_step=opts.lora_latest_step)
     engine = Engine.load(opts.model, config, device=device, dtype=dtype,
                          compile=opts.compile, cuda_graphs=opts.cuda_graphs)
     if opts.compile or opts.cuda_graphs:

@@ -10,6 +10,9 @@ a worker whose recording is ready, and waits ("parked") while none is. The route
 template's image so that a worker that joins, or replaces one that died, can record it again.
 A one-off image (`TemplateRecord.one_off`) is never registered: its first edit goes to a worker
 with the image and records it as it runs (one generation); later edits of it go where it is ready.
+An edit with a LoRA (`EditTask.lora`, sent as `retouch.lora.choice_header` JSON) of an image nobody
+holds is computed in full and records nothing (the cache holds the base model's activations): it
+carries the image without claiming its recording.
 Requests can be cancelled (the client went away): the worker drops them at its next step.
 
 Failure handling: a worker that stops heartbeating for `dead_after_s`, or whose process the
@@ -55,6 +58,7 @@ from retouch.engine.policies import ClusterLoad, NoWorker, RequestLoad, make_pol
 from retouch.engine.step_cost import StepCost
 from retouch.engine.wakeup import Wakeup
 from retouch.errors import InputError
+from retouch.lora import LoraChoice, choice_header
 
 
 class QueueFull(RuntimeError):
@@ -98,6 +102,7 @@ class EditTask:
     seed: int
     load: RequestLoad
     preview_every: int = 0  # a preview PNG of its latents every that many steps (0: none)
+    lora: LoraChoice = ()  # its LoRA adapters (checked against the LoRA folder at the frontend); () for none
 
 
 @dataclass(frozen=True)
@@ -547,11 +552,12 @@ class Router:
         for name, state in record.states.items():
             if state == "ready" and name in self.workers:
                 eligible[self.workers[name].slot] = True
-        records = False
+        carries_image = records = False
         if not eligible.any():
             if record.one_off and self.workers and not self._holders(record):
-                # Nobody holds the image: this edit records it, on any worker, computing every token.
-                eligible, records = self.cluster.alive.copy(), True
+                # Nobody holds the image: this edit goes with it to any worker, computing every token,
+                # and records it as it runs unless it has a LoRA (its activations are not the base model's).
+                eligible, carries_image, records = self.cluster.alive.copy(), True, not pending.task.lora
             else:
                 self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
                 self._tell("request", pending.request_id, {"event": "parked", "steps": record.steps})
@@ -560,7 +566,7 @@ class Router:
                     self._fail_parked(record)
                 return
         load = pending.task.load
-        if records:
+        if carries_image:
             load = replace(load, masked_tokens=load.image_tokens)
         started = time.perf_counter()
         try:
@@ -587,9 +593,12 @@ class Router:
                   "preview_every": task.preview_every}
         if task.load.deadline is not None:  # what is left of it: the worker's clock is its own
             header["budget_s"] = task.load.deadline - time.monotonic()
+        if task.lora:
+            header["lora"] = choice_header(task.lora)
         blobs = {"mask": task.mask}
         if records:
             record.states[worker.name] = "recording"
+        if carries_image:
             header["one_off"] = {"steps": record.steps, "guidance": record.guidance}
             blobs["image"] = record.image
         self._send(worker, header, blobs)

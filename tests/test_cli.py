@@ -93,6 +93,30 @@ def test_edit_keeps_odd_input_size(cli, tmp_path):
         assert edited.size == (100, 75) and edited.format == "JPEG"
 
 
+def test_an_edit_with_a_lora_is_the_stock_edit_with_the_adapter(cli, inputs):
+    from lora_files import save_random_lora
+
+    from retouch.models import load_pipeline
+
+    save_random_lora(load_pipeline("tiny-flux-fill"), inputs / "loras" / "grain")
+    runs = {"stock": [], "scale 0": ["--lora", "grain:0"], "lora": ["--lora", "grain:1.5"],
+            "mask-aware lora": ["--lora", "grain:1.5", "--mask-aware"]}
+    edited = {}
+    for name, flags in runs.items():
+        out = inputs / f"{name}.png"
+        lora_dir = ["--lora-dir", inputs / "loras"] if flags else []
+        result = cli("edit", "--model", "tiny-flux-fill", "--image", inputs / "T.png", "--mask", inputs / "M.png",
+                     "--prompt", "a red hat", "--steps", "2", *flags, *lora_dir, "--out", out)
+        assert result.returncode == 0, result.stderr
+        assert ("LoRA grain:" in result.stdout) == bool(flags)
+        edited[name] = np.asarray(Image.open(out))
+    template = np.asarray(Image.open(inputs / "T.png"))
+    assert np.array_equal(edited["scale 0"], edited["stock"])  # computed in full: the stock pipeline's result
+    for name in ("lora", "mask-aware lora"):
+        assert np.array_equal(edited[name][:32], template[:32]), name  # outside the mask: the template
+        assert not np.array_equal(edited[name][32:96, 32:96], edited["stock"][32:96, 32:96]), name
+
+
 def test_exported_folder_loads_offline(cli, inputs):
     folder = inputs / "exported"
     result = cli("models", "export", "tiny-sdxl-inpaint", folder)
@@ -148,6 +172,9 @@ BAD_EDITS = {
     "negative dilation": ({"--dilation": "-1"}, [], "--dilation"),
     "compile without mask-aware": ({}, ["--compile"], "add --mask-aware"),
     "cuda graphs on the cpu": ({}, ["--mask-aware", "--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA"),
+    "bad lora": ({}, ["--lora", "bad::x", "--lora-dir", "."], "--lora: lora scale of 'bad' must be a number"),
+    "lora without a folder": ({}, ["--lora", "grain"], "add --lora-dir"),
+    "unknown lora": ({}, ["--lora", "grain", "--lora-dir", "empty_dir"], "grain"),
 }
 
 

@@ -1,6 +1,7 @@
 """The router against scripted workers (DEALER sockets driven by the test): template replication,
 parking until a recording is ready, routing only to workers that hold the template, re-routing
-when a worker dies or falls silent, exactly one answer per request, back-pressure."""
+when a worker dies or falls silent, exactly one answer per request, back-pressure, and an edit's LoRA
+carried along (as JSON) wherever it goes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from scripted_worker import TIMEOUT_S, ScriptedWorker
 
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import EditTask, QueueFull, TemplateRecord
+from retouch.lora import LoraUse, parse_lora
 
 LOAD = RequestLoad(image_tokens=16, masked_tokens=4, steps=2)
 
@@ -17,8 +19,8 @@ def template(template_id: str = "t1", replicas: int = 0) -> TemplateRecord:
     return TemplateRecord(template_id, b"png-of-template", (64, 64), "", 2, 0, None, replicas)
 
 
-def task(template_id: str = "t1") -> EditTask:
-    return EditTask(template_id, bytes(64 * 64), (64, 64), "a cat", 0, LOAD)
+def task(template_id: str = "t1", lora=()) -> EditTask:
+    return EditTask(template_id, bytes(64 * 64), (64, 64), "a cat", 0, LOAD, lora=lora)
 
 
 def test_templates_go_to_every_worker_and_edits_wait_for_a_ready_one(context, make_router):
@@ -253,3 +255,43 @@ def test_template_watchers_see_its_recording_to_the_end(context, make_router):
         ("recording", 1), ("recording", 2), ("recording", 3), ("ready", 3)]
     stop()
     assert router.watch("template", "unknown", seen.append) is None and not router._watchers
+
+
+LORA = (LoraUse("grain", 0.5), LoraUse("ink"))
+
+
+def test_an_edit_carries_its_lora_as_json_and_keeps_it_when_rerouted(context, make_router):
+    router = make_router()
+    w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+    router.register_template(template())
+    w0.register("t1")
+    future = router.submit(task(lora=LORA))
+    first = w0.receive("edit")
+    assert first["lora"] == [{"name": "grain", "scale": 0.5}, {"name": "ink", "scale": 1.0}]
+    assert parse_lora(first["lora"]) == LORA
+    w1.register("t1")
+    router.worker_exited("w0")
+    again = w1.receive("edit")
+    assert again["request"] == first["request"] and parse_lora(again["lora"]) == LORA
+    w1.answer(again["request"])
+    assert future.result(TIMEOUT_S).status == 200
+    router.submit(task())
+    assert "lora" not in w1.receive("edit")  # none: no field
+
+
+def test_a_one_off_edit_with_a_lora_carries_the_image_but_leaves_its_recording_to_another(context, make_router):
+    router = make_router()
+    w0 = ScriptedWorker(context, router, "w0")
+    _, [with_lora] = router.submit_many([task("img-1", LORA)], one_off())
+    first = w0.receive("edit")  # computed in full with the image; the cache holds the base model's rows only
+    assert first["one_off"] == {"steps": 2, "guidance": None} and first["blobs"]["image"] == b"png-of-image"
+    assert router.template("img-1")["status"] == "pending"
+    _, [plain] = router.submit_many([task("img-1")], one_off())  # not parked behind it: it records the image
+    second = w0.receive("edit")
+    assert "one_off" in second and "lora" not in second
+    assert router.template("img-1")["status"] == "recording"
+    w0.answer(first["request"])
+    w0.send({"kind": "template", "template": "img-1", "ok": True})
+    w0.answer(second["request"])
+    assert with_lora.result(TIMEOUT_S).status == plain.result(TIMEOUT_S).status == 200
+    assert router.template("img-1")["status"] == "ready"

@@ -1,6 +1,6 @@
 """/metrics through prometheus_client: every HTTP answer counted (refusals by the middleware
 included), edit latency and routing decisions as histograms, and the router's and each worker's
-state (its template cache included) read from a scripted worker's heartbeat. Both exposition formats
+state (its template and LoRA caches included) read from a scripted worker's heartbeat. Both exposition formats
 are parsed by prometheus_client's own parsers, OpenMetrics by its strict one."""
 
 from __future__ import annotations
@@ -22,15 +22,19 @@ KEY = "sk-metrics"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_UPLOAD = 64 << 10
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
-# A worker's heartbeat: engine.metrics summary keys, and CacheStore.metrics() under "cache".
+# A worker's heartbeat: engine.metrics summary keys, CacheStore.metrics() under "cache" and
+# LoraManager.metrics() under "lora".
 WORKER_REPORT = {"steps": 12, "completed": 5, "failed": 1, "cancelled": 2, "recorded": 1, "interruptions": 3,
                  "mean_batch_size": 1.5, "mean_step_s": 0.25,
                  "cache": {"hits": 7, "misses": 2, "disk_hits": 1, "evictions": 0, "prefetches": 1,
                            "prefetch_bytes": 4096, "disk_reads": 1, "disk_writes": 2, "disk_bytes_read": 4096,
                            "disk_bytes_written": 8192, "corrupt_files": 0, "registrations": 1,
                            "host_bytes_used": 1 << 20, "host_bytes_budget": 1 << 30, "host_templates": 1,
-                           "disk_bytes_used": 8192, "disk_bytes_budget": 1 << 32}}
+                           "disk_bytes_used": 8192, "disk_bytes_budget": 1 << 32},
+                 "lora": {"cached_bytes": 1 << 20, "cached_adapters": 2, "budget_bytes": 1 << 31, "hits": 9,
+                          "misses": 3, "evictions": 1, "loads": 3, "load_failures": 1, "load_s": 0.75}}
 CACHE_GAUGES = {"host_bytes_used", "host_bytes_budget", "host_templates", "disk_bytes_used", "disk_bytes_budget"}
+LORA_GAUGES = {"cached_bytes", "cached_adapters", "budget_bytes"}
 
 
 def png(image: Image.Image) -> bytes:
@@ -51,7 +55,7 @@ async def traffic(router: Router, context: zmq.Context) -> dict:
     app = create_app(router, Limits(api_keys=(KEY,), default_steps=2, max_upload_bytes=MAX_UPLOAD))
     cached, plain = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
     await asyncio.to_thread(cached.heartbeat, WORKER_REPORT)
-    await asyncio.to_thread(plain.heartbeat, {"steps": 3})  # no CacheStore: no "cache"
+    await asyncio.to_thread(plain.heartbeat, {"steps": 3})  # no CacheStore: no "cache"; an older worker: no "lora"
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
         registered = await client.post("/v1/templates", headers=AUTH, data={"steps": "2"},
                                        files={"image": ("t.png", png(Image.new("RGB", (32, 32), "red")), "image/png")})
@@ -112,9 +116,13 @@ def test_metrics_count_every_answer_and_expose_router_and_worker_state():
     for key, value in WORKER_REPORT["cache"].items():
         name = f"retouch_worker_cache_{key}" + ("" if key in CACHE_GAUGES else "_total")
         assert sample(found, name, worker="w0") == value, name
+    for key, value in WORKER_REPORT["lora"].items():
+        name = "retouch_worker_lora_" + ("load_seconds" if key == "load_s" else key)
+        name += "" if key in LORA_GAUGES else "_total"
+        assert sample(found, name, worker="w0") == value, name
     assert sample(found, "retouch_worker_steps_total", worker="w1") == 3
     assert sample(found, "retouch_worker_queued", worker="w1") == 0
-    assert not any(name.startswith("retouch_worker_cache_") and ("worker", "w1") in labels
+    assert not any(name.startswith(("retouch_worker_cache_", "retouch_worker_lora_")) and ("worker", "w1") in labels
                    for name, labels in found)
 
     text = outcome["text"]
@@ -122,6 +130,7 @@ def test_metrics_count_every_answer_and_expose_router_and_worker_state():
     plain = samples(parse_text(text.text))
     assert sample(plain, requests, endpoint="/v1/edits", status="413") == 2
     assert sample(plain, "retouch_worker_cache_hits_total", worker="w0") == 7
+    assert sample(plain, "retouch_worker_lora_loads_total", worker="w0") == 3
     assert sample(plain, "retouch_request_seconds_count", endpoint="/v1/edits", outcome="ok") == 1
 
 

@@ -13,9 +13,11 @@ from pathlib import Path
 
 from retouch.engine.policies import POLICIES
 from retouch.errors import InputError, RetouchError
+from retouch.lora import LoraChoice, LoraError, parse_lora
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LORA_DIR_HELP = "folder of LoRA adapters requests may name: NAME.safetensors or NAME/pytorch_lora_weights.safetensors"
 
 
 def option(default=dataclasses.MISSING, *, help: str, choices=None, flag: str | None = None):  # noqa: A002
@@ -48,6 +50,9 @@ class EditOptions:
                                "--compile)")
     device: str = option("auto", help="where to run", choices=DEVICES)
     dtype: str = option("auto", help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)", choices=DTYPES)
+    lora: str | None = option(None, help="LoRA adapters of --lora-dir to edit with: NAME[:SCALE][,NAME[:SCALE]] "
+                              "(scale 1 by default)")
+    lora_dir: Path | None = option(None, help=LORA_DIR_HELP)
 
     def __post_init__(self):
         if not self.prompt.strip():
@@ -66,6 +71,19 @@ class EditOptions:
             raise InputError("--strength applies to the baseline edit; mask-aware edits repaint at full strength")
         if self.guidance is not None and self.guidance < 0:
             raise InputError(f"--guidance must be >= 0, got {self.guidance}")
+        _check_lora_dir(self.lora_dir)
+        if self.lora_choice():
+            if self.lora_dir is None:
+                raise InputError("--lora names adapters of --lora-dir; add --lora-dir")
+            if self.strength != 1.0 or not self.paste_back:
+                raise InputError("--strength and --no-paste-back apply to the baseline edit without --lora")
+
+    def lora_choice(self) -> LoraChoice:
+        """--lora parsed (`retouch.lora.parse_lora`); () without it. A LoraError names the flag."""
+        try:
+            return parse_lora(self.lora)
+        except LoraError as exc:
+            raise LoraError(f"--lora: {exc}") from None
 
 
 def resolve_device(device: str, dtype: str):
@@ -83,6 +101,19 @@ def resolve_device(device: str, dtype: str):
 
 
 _BOUNDS = {"> 0": lambda v: v > 0, ">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0}
+
+
+def _check_lora_dir(lora_dir: Path | None) -> None:
+    if lora_dir is not None and not Path(lora_dir).is_dir():
+        raise InputError(f"--lora-dir {lora_dir} is not a folder")
+
+
+def _check_lora_options(options) -> None:
+    """--lora-dir, --lora-cache-mb and --lora-latest-step of a server or worker."""
+    _check_lora_dir(options.lora_dir)
+    _require(options, ("lora_cache_mb",), "> 0")
+    if not 0.0 <= options.lora_latest_step <= 1.0:
+        raise InputError(f"--lora-latest-step must be in [0, 1], got {options.lora_latest_step}")
 
 
 def _require(options, names: tuple[str, ...], bound: str) -> None:
@@ -207,6 +238,12 @@ class ServeOptions:
     slo_admission: str = option("accept", help="an edit predicted to miss its SLO: accept it anyway, or reject it "
                                 "at once (429 slo_unattainable; predicted with the cost model)",
                                 choices=("accept", "reject"))
+    lora_dir: Path | None = option(None, help=LORA_DIR_HELP + " (given to this host's workers; an edit naming "
+                                   "one it lacks is refused before it queues)")
+    lora_cache_mb: float = option(2048.0, help="host memory of each worker's cache of loaded LoRAs (MiB)")
+    lora_latest_step: float = option(0.3, help="a LoRA loads while its request already denoises and applies from "
+                                     "the step after, at the latest from this fraction of the request's steps "
+                                     "(0: loaded before its first step)")
 
     def __post_init__(self):
         if self.workers < 0:
@@ -231,6 +268,7 @@ class ServeOptions:
             raise InputError("--dead-after-s must exceed --heartbeat-s")
         if self.cost_model is not None and not Path(self.cost_model).is_file():
             raise InputError(f"--cost-model {self.cost_model} not found")
+        _check_lora_options(self)
 
 
 WORKER_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -260,6 +298,11 @@ class WorkerOptions:
     health_host: str = option("0.0.0.0", help="address of the health port")
     run_dir: Path | None = option(None, help="folder for the helpers' sockets (default: a new temporary folder)")
     supervised: bool = option(False, help="started by `retouch serve` on this host: exit when it does")
+    lora_dir: Path | None = option(None, help=LORA_DIR_HELP)
+    lora_cache_mb: float = option(2048.0, help="host memory of this worker's cache of loaded LoRAs (MiB)")
+    lora_latest_step: float = option(0.3, help="a LoRA loads while its request already denoises and applies from "
+                                     "the step after, at the latest from this fraction of the request's steps "
+                                     "(0: loaded before its first step)")
 
     def __post_init__(self):
         if not WORKER_DEVICE.fullmatch(self.device):
@@ -276,3 +319,4 @@ class WorkerOptions:
             raise InputError("--cuda-graphs needs a CUDA device")
         if not self.connect.startswith(("tcp://", "ipc://")):
             raise InputError(f"--connect must be tcp://HOST:PORT (or ipc://PATH), got {self.connect!r}")
+        _check_lora_options(self)

@@ -15,6 +15,13 @@ Every bad input is answered at once with a 4xx and a JSON body naming the field,
 error shape: {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}.
 Accepted edits are answered exactly once (the router guarantees it across worker failures).
 
+LoRA: an edit may carry `lora`, adapters of the server's --lora-dir (`read_lora`): "NAME[:SCALE]",
+comma-separated, or a JSON list of such strings or of {"name", "scale"} objects. A malformed one, or
+any on a server without --lora-dir, is 400; a name the folder lacks is 404 (code lora_not_found);
+both before anything is queued. A LoRA its worker then fails to load answers 422 (code LoraError);
+each of these names the param "lora". A streamed edit's `done` metrics say from which step it applied
+(`lora_applied_step`).
+
 Deadlines: an edit may carry `slo_ms` (milliseconds from its arrival; by default
 `Limits.slo_ms_per_megapixel` x its megapixels, none when 0). The router orders and, when told to,
 refuses by it (429 slo_unattainable: `engine.router.DeadlineUnattainable`).
@@ -43,6 +50,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import anyio
 from fastapi import FastAPI, Request
@@ -62,6 +70,9 @@ from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
 from retouch.http_events import KEEPALIVE, KEEPALIVE_S, EventRelay, sse, with_image
 from retouch.images import ImageTooLarge, as_image, as_mask, decode_image, has_alpha, png_bytes
+from retouch.lora import MAX_PER_REQUEST, LoraChoice, LoraError, choice_header, parse_lora
+from retouch.lora.files import lora_path
+from retouch.lora.spec import MAX_SCALE
 from retouch.masks import FLUX_STRIDE, token_mask
 from retouch.serve_metrics import ServeMetrics
 
@@ -100,9 +111,12 @@ class Limits:
     max_connections: int = 1024
     max_inflight_bytes: int = 1 << 30  # request bodies being handled at once (503 beyond)
     slo_ms_per_megapixel: float = 0.0  # an edit without slo_ms gets this x its megapixels (0: no deadline)
+    lora_dir: Path | None = None  # the workers' LoRA folder (--lora-dir): edits' names are checked in it; None: none
 
     def __post_init__(self):
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if self.lora_dir is not None:
+            object.__setattr__(self, "lora_dir", Path(self.lora_dir))
         if any(not isinstance(key, str) or not key.strip() or key != key.strip() for key in self.api_keys):
             raise ValueError("API keys must be non-empty strings without surrounding whitespace")
         for name in ("max_upload_bytes", "max_pixels", "max_steps", "default_steps", "max_n", "max_work",
@@ -304,6 +318,52 @@ class Form:
         return number
 
 
+# The edit endpoints read their multipart forms themselves; these describe them in /openapi.json.
+def _field(kind: str, description: str, **extra) -> dict:
+    schema = {"type": "string", "format": "binary"} if kind == "file" else {"type": kind}
+    return {**schema, "description": description, **extra}
+
+
+LORA_FIELD = _field("string", "LoRA adapters of the server's --lora-dir: NAME[:SCALE] (scale 1 by default), "
+                    "comma-separated, or a JSON list of names or of {\"name\", \"scale\"} objects; at most "
+                    f"{MAX_PER_REQUEST}, scales in [-{MAX_SCALE:g}, {MAX_SCALE:g}]. 400 if malformed, 404 for a name "
+                    "the folder lacks, 422 if the worker cannot load it", example="film-grain:0.8,watercolor")
+EDIT_FIELDS = {
+    "template_id": _field("string", "a registered template (POST /v1/templates); or send image"),
+    "image": _field("file", "a one-off image to edit (its first edit without a LoRA records it)"),
+    "mask": _field("file", "white = repaint; the size of the image or template"),
+    "prompt": _field("string", "what to paint into the masked region"),
+    "steps": _field("integer", "denoising steps of a one-off image (a template's edits run its own)"),
+    "seed": _field("integer", "random seed of the initial noise", default=0),
+    "guidance": _field("number", "guidance scale of a one-off image"),
+    "response_format": _field("string", "the PNG itself, or JSON with its base64", enum=["png", "b64_json"],
+                              default="png"),
+    "stream": _field("boolean", "answer with Server-Sent Events: accepted, steps, then done with the image "
+                     "and the edit's metrics", default=False),
+    "preview_every": _field("integer", "with stream: a preview image every that many steps", default=0),
+    "slo_ms": _field("integer", "answer within this many milliseconds of arrival (the router orders by it)"),
+    "lora": LORA_FIELD,
+}
+OPENAI_EDIT_FIELDS = {
+    "image": _field("file", "the image to edit (also as image[])"),
+    "mask": _field("file", "alpha 0 = repaint (without a mask, the image's own alpha)"),
+    "prompt": _field("string", "what to paint into the masked region"),
+    "n": _field("integer", "images to make (seeds seed, seed+1, ...)", default=1),
+    "size": _field("string", "WIDTHxHEIGHT of the answer, or auto"),
+    "response_format": _field("string", "only b64_json", enum=["b64_json"], default="b64_json"),
+    "seed": EDIT_FIELDS["seed"],
+    "template_id": EDIT_FIELDS["template_id"],
+    "slo_ms": EDIT_FIELDS["slo_ms"],
+    "lora": LORA_FIELD,
+}
+
+
+def multipart_body(fields: dict[str, dict], required: tuple[str, ...]) -> dict:
+    """An endpoint's multipart form as an OpenAPI request body (`openapi_extra`)."""
+    schema = {"type": "object", "properties": fields, "required": list(required)}
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
+
+
 @dataclass(frozen=True)
 class Upload:
     image: Image.Image  # decoded, EXIF orientation applied
@@ -325,6 +385,34 @@ async def read_upload(upload: UploadFile, name: str, max_pixels: int) -> Upload:
 async def read_mask_upload(upload: UploadFile, max_pixels: int, alpha: bool = False) -> Image.Image:
     image = (await read_upload(upload, "mask", max_pixels)).image
     return await anyio.to_thread.run_sync(lambda: read_mask(image, alpha))
+
+
+def read_lora(form: Form, lora_dir: Path | None) -> LoraChoice:
+    """The edit's `lora` field: "NAME[:SCALE]", comma-separated, or a JSON list of names or of
+    {"name", "scale"} objects (`retouch.lora.parse_lora`), each name a file of `lora_dir`. 400 if it is
+    malformed or the server has no LoRA folder, 404 for a name the folder lacks; () without one."""
+    text = (form.text("lora") or "").strip()
+    if not text:
+        return ()
+    value = text
+    if text[0] in "[{":
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ApiError(400, f"lora is not valid JSON: {exc}", "lora", "invalid_lora") from None
+        value = [value] if isinstance(value, dict) else value
+    try:
+        choice = parse_lora(value)
+    except LoraError as exc:
+        raise ApiError(400, str(exc), "lora", "invalid_lora") from None
+    if lora_dir is None:
+        raise ApiError(400, "this server serves no LoRAs (start it with --lora-dir)", "lora", "lora_unsupported")
+    for use in choice:
+        try:
+            lora_path(lora_dir, use.name)
+        except LoraError as exc:
+            raise ApiError(404, str(exc), "lora", "lora_not_found") from None
+    return choice
 
 
 def template_id_of(image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None,
@@ -602,12 +690,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
     def accept(request: Request, template_id: str, one_off: TemplateRecord | None, mask: Image.Image,
                payload: tuple[bytes, RequestLoad], prompt: str, seed: int, n: int = 1, preview_every: int = 0,
-               on_event=None) -> tuple[list[int], list]:
+               on_event=None, lora: LoraChoice = ()) -> tuple[list[int], list]:
         """`n` edits (seeds seed, seed+1, ...) to the router, all or none; they are in flight under
         the request's X-Request-Id until the caller pops them. (ids, futures)."""
         mask_bytes, load = payload
         load = replace(load, deadline=getattr(request.state, "deadline", None))
-        tasks = [EditTask(template_id, mask_bytes, mask.size, prompt, seed + i, load, preview_every) for i in range(n)]
+        tasks = [EditTask(template_id, mask_bytes, mask.size, prompt, seed + i, load, preview_every, lora)
+                 for i in range(n)]
         try:
             ids, futures = router.submit_many(tasks, one_off, on_event)
         except QueueFull as exc:
@@ -622,14 +711,15 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         return ids, futures
 
     async def edit(request: Request, endpoint: str, template_id: str, one_off: TemplateRecord | None,
-                   steps: int, mask: Image.Image, prompt: str, seed: int, n: int = 1) -> list[bytes]:
+                   steps: int, mask: Image.Image, prompt: str, seed: int, n: int = 1,
+                   lora: LoraChoice = ()) -> list[bytes]:
         """Run `n` edits (seeds seed, seed+1, ...) of a validated request, all or none; PNG bytes
         each. A client that goes away cancels them: they leave their worker's batch at its next step."""
         payload = await anyio.to_thread.run_sync(mask_payload, mask, steps)
         if payload is None:  # nothing to repaint: the answer is the template itself
             return [await unchanged(template_id, one_off)] * n
         started = time.perf_counter()
-        ids, futures = accept(request, template_id, one_off, mask, payload, prompt, seed, n)
+        ids, futures = accept(request, template_id, one_off, mask, payload, prompt, seed, n, lora=lora)
         key = (request.state.tenant, request.state.request_id)
         outcome = "error"
         try:
@@ -691,12 +781,15 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                            "duplicate_request_id")
         return key
 
-    @app.post("/v1/edits")
+    @app.post("/v1/edits", openapi_extra=multipart_body(EDIT_FIELDS, ("mask", "prompt")))
     async def create_edit(request: Request):
+        """Repaint the masked region of a registered template (`template_id`) or of a one-off `image`:
+        the PNG, its base64 (`response_format=b64_json`), or its progress as events (`stream=true`)."""
         request.state.arrived = time.monotonic()
         request.state.request_id = client_request_id(request)
         form = await read_form(request)
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required: say what to paint into the masked region")
+        lora = read_lora(form, limits.lora_dir)
         response_format = form.text("response_format", "png")
         if response_format not in ("png", "b64_json"):
             raise ApiError(400, f"response_format must be png or b64_json, got {response_format!r}",
@@ -717,22 +810,24 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1)
         if stream:
-            return await streamed_edit(request, template_id, one_off, steps, mask, prompt, seed, preview_every)
-        [png] = await edit(request, "/v1/edits", template_id, one_off, steps, mask, prompt, seed)
+            return await streamed_edit(request, template_id, one_off, steps, mask, prompt, seed, preview_every, lora)
+        [png] = await edit(request, "/v1/edits", template_id, one_off, steps, mask, prompt, seed, lora=lora)
         headers = {"X-Template-Id": template_id, "X-Request-Id": request.state.request_id}
         if response_format == "png":
             return Response(png, media_type="image/png", headers=headers)
         return b64_json_response({"created": int(time.time()), "template_id": template_id}, [png], headers)
 
-    @app.post("/v1/images/edits")
+    @app.post("/v1/images/edits", openapi_extra=multipart_body(OPENAI_EDIT_FIELDS, ("prompt",)))
     async def openai_edit(request: Request):
         """The OpenAI Images API edit: `image` (or `image[]`), optional `mask` whose alpha 0 marks
         the region to repaint (without one, the image's own alpha does), `prompt`, `n`, `size`,
-        `response_format` (b64_json); retouch's extra `template_id` reuses a registered template."""
+        `response_format` (b64_json); retouch's extras: `template_id` reuses a registered template,
+        `lora` names LoRA adapters."""
         request.state.arrived = time.monotonic()
         request.state.request_id = client_request_id(request)
         form = await read_form(request)
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required")
+        lora = read_lora(form, limits.lora_dir)
         n = form.integer("n", 1, 1, limits.max_n)
         response_format = form.text("response_format", "b64_json")
         if response_format != "b64_json":
@@ -752,13 +847,14 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(400, "send a mask, or an image with transparency (alpha 0 = repaint)", "mask")
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, None, None, image, mask, n)
-        pngs = await edit(request, "/v1/images/edits", template_id, one_off, steps, mask, prompt, seed, n)
+        pngs = await edit(request, "/v1/images/edits", template_id, one_off, steps, mask, prompt, seed, n, lora)
         if target is not None:
             pngs = [await anyio.to_thread.run_sync(resized_png, png, target) for png in pngs]
         return b64_json_response({"created": int(time.time())}, pngs, {"X-Request-Id": request.state.request_id})
 
     async def streamed_edit(request: Request, template_id: str, one_off: TemplateRecord | None, steps: int,
-                            mask: Image.Image, prompt: str, seed: int, preview_every: int) -> StreamingResponse:
+                            mask: Image.Image, prompt: str, seed: int, preview_every: int,
+                            lora: LoraChoice = ()) -> StreamingResponse:
         """POST /v1/edits with stream=true: the edit's progress and then its image, as events
         (`retouch.http_events`). Validation and admission errors were answered before: once the
         stream starts, the edit was accepted, and a failure is an `error` event."""
@@ -768,6 +864,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         ratio = round(load.masked_tokens / load.image_tokens, 4)
         accepted = {"id": request_id, "template_id": template_id, "steps": steps, "mask_ratio": ratio,
                     "masked_tokens": load.masked_tokens, "image_tokens": load.image_tokens}
+        if lora:
+            accepted["lora"] = choice_header(lora)
         headers = {**EVENT_HEADERS, "X-Template-Id": template_id, "X-Request-Id": request_id}
         started = time.perf_counter()
 
@@ -786,7 +884,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
         relay = EventRelay()
         [router_id], [future] = accept(request, template_id, one_off, mask, payload, prompt, seed, 1, preview_every,
-                                       relay.tell_tagged)
+                                       relay.tell_tagged, lora)
 
         async def events() -> AsyncIterator[bytes]:
             outcome = "client_gone"  # until the stream ends otherwise: a client that leaves cancels it
@@ -801,8 +899,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                             continue
                         router.cancel(router_id, "it timed out")
                         outcome = "timeout"
-                        yield sse("error", {"status": 504, **ApiError(
-                            504, f"the edit took longer than {limits.request_timeout_s:.0f} s", None, "timeout").body()})
+                        timed_out = ApiError(504, f"the edit took longer than {limits.request_timeout_s:.0f} s", None,
+                                             "timeout")
+                        yield sse("error", {"status": 504, **timed_out.body()})
                         return
                     name = event.pop("event")
                     event.pop("request", None)
@@ -828,7 +927,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     def answer_error(answer: EditAnswer) -> ApiError:
-        return ApiError(answer.status, answer.message or "the edit failed", None,
+        """A worker's failed answer; a LoRA it could not load (`retouch.lora.LoraError`) names the param."""
+        return ApiError(answer.status, answer.message or "the edit failed",
+                        "lora" if answer.error == LoraError.__name__ else None,
                         "cancelled" if answer.error == "Cancelled" else answer.error)
 
     def edit_in_flight(request: Request, request_id: str) -> list[int]:

@@ -8,8 +8,8 @@ from `router.snapshot()` when scraped (`RouterCollector`), so nothing is copied 
     metrics = ServeMetrics(router)
     body, content_type = metrics.exposition(request.headers.get("accept", ""))
 
-A worker's counters (steps, completed, cache hits, ...) are cumulative in its process and arrive in
-its heartbeat; they are exposed as counters that restart from zero when the worker does, which
+A worker's counters (steps, completed, cache hits, LoRA loads, ...) are cumulative in its process and
+arrive in its heartbeat; they are exposed as counters that restart from zero when the worker does, which
 Prometheus' rate() reads as a counter reset.
 
 SLOs, per size class (`engine.router.size_class`): `retouch_slo_requests_total{class, outcome}`
@@ -70,6 +70,16 @@ CACHE_GAUGES = (("host_bytes_used", "bytes of activations in pinned host memory"
                 ("host_templates", "templates resident in host memory"),
                 ("disk_bytes_used", "bytes of activations on disk"),
                 ("disk_bytes_budget", "the disk tier's budget in bytes"))
+# The keys of lora.manager.LoraManager.metrics (its "load_s" exported as load_seconds).
+LORA_COUNTERS = (("hits", "LoRA lookups found in the worker's host cache"),
+                 ("misses", "LoRA lookups not found (a load follows)"),
+                 ("evictions", "LoRAs evicted from the host cache"),
+                 ("loads", "LoRA files loaded"),
+                 ("load_failures", "LoRA loads that failed (their requests were answered 422)"),
+                 ("load_seconds", "seconds spent loading LoRA files"))
+LORA_GAUGES = (("cached_bytes", "bytes of LoRA weights in the worker's host cache"),
+               ("cached_adapters", "LoRAs in the worker's host cache"),
+               ("budget_bytes", "the LoRA host cache's budget in bytes"))
 
 
 def endpoint_label(path: str) -> str:
@@ -140,6 +150,9 @@ class RouterCollector(Collector):
         yield from _per_worker("retouch_worker_", workers, WORKER_GAUGES, WORKER_COUNTERS)
         caches = [(name, report["cache"]) for name, report in workers if isinstance(report.get("cache"), dict)]
         yield from _per_worker("retouch_worker_cache_", caches, CACHE_GAUGES, CACHE_COUNTERS)
+        loras = [(name, {**report["lora"], "load_seconds": report["lora"].get("load_s")}) for name, report in workers
+                 if isinstance(report.get("lora"), dict)]
+        yield from _per_worker("retouch_worker_lora_", loras, LORA_GAUGES, LORA_COUNTERS)
 
 
 def _slo(per_class: dict[str, dict[str, int]]) -> Iterator[Metric]:

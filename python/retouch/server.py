@@ -89,16 +89,20 @@ class Server:
                      "--helper-threads", str(opts.helper_threads),
                      "--threads", str(opts.worker_threads)]
         node_args += ["--compile"] * opts.compile + ["--cuda-graphs"] * opts.cuda_graphs
+        node_args += ["--lora-cache-mb", str(opts.lora_cache_mb), "--lora-latest-step", str(opts.lora_latest_step)]
+        if opts.lora_dir is not None:
+            node_args += ["--lora-dir", str(Path(opts.lora_dir).resolve())]
         self.supervisor = Supervisor(opts.workers, node_args, self.router.address, self.router.worker_exited,
                                      self.run_dir, restart=opts.restart, gpus=device == "cuda", serve_id=self.serve_id,
                                      extra_env=security.local_worker_env() if security is not None else None)
         self._await_workers(ready_timeout_s)
         limits = Limits(max_upload_bytes=int(opts.max_upload_mb * (1 << 20)), max_pixels=opts.max_pixels,
                         max_steps=opts.max_steps, default_steps=opts.steps, max_work=opts.max_work, api_keys=api_keys,
-                        docs=opts.docs, playground=opts.playground, max_prompt_chars=opts.max_prompt_chars, header_timeout_s=opts.header_timeout_s,
+                        docs=opts.docs, playground=opts.playground, max_prompt_chars=opts.max_prompt_chars,
+                        header_timeout_s=opts.header_timeout_s,
                         body_timeout_s=opts.body_timeout_s, max_connections=opts.max_connections,
                         max_inflight_bytes=int(opts.max_inflight_mb * (1 << 20)),
-                        slo_ms_per_megapixel=opts.slo_ms_per_megapixel)
+                        slo_ms_per_megapixel=opts.slo_ms_per_megapixel, lora_dir=opts.lora_dir)
         app = create_app(self.router, limits, opts.model)
         # IPPROTO_TCP spelled out: asyncio turns on TCP_NODELAY only for sockets that say they are TCP.
         listener = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET, socket.SOCK_STREAM,

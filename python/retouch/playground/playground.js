@@ -452,6 +452,7 @@ async function submit() {
   form.append("seed", $("seed").value || "0");
   form.append("stream", "true");
   if (Number($("preview-every").value) > 0) form.append("preview_every", $("preview-every").value);
+  if ($("lora").value.trim()) form.append("lora", $("lora").value.trim());
   $("result-stage").hidden = false;
   $("result-empty").hidden = true;
   $("result").hidden = true;

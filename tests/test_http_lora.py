@@ -1,0 +1,268 @@
+"""Per-request LoRA at the user-facing boundaries: the `lora` field of both edit endpoints refused at
+once when it is malformed, unknown or unservable (4xx naming the param, nothing queued); a valid one
+carried router -> worker node -> `Engine.submit` as JSON and its metrics back; a worker's LoraError
+answered 422 naming the param; the heartbeat's LoRA counters in the router's view; the options.
+
+The node runs for real (its socket, its thread) in front of an engine stand-in that records what it
+is asked and leaves each future to the test: no model, no sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import queue
+import threading
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from PIL import Image
+
+from retouch.config import EditOptions, ServeOptions, WorkerOptions
+from retouch.engine.metrics import RequestMetrics, now
+from retouch.engine.node import Node
+from retouch.engine.worker import EditResult, EngineConfig
+from retouch.errors import InputError
+from retouch.http_api import Limits, create_app
+from retouch.lora import LoraError, LoraUse
+
+TIMEOUT_S = 10.0
+SIZE = (32, 32)
+LORA_METRICS = {"cached_bytes": 4096, "cached_adapters": 1, "budget_bytes": 1 << 30, "hits": 2, "misses": 1,
+                "evictions": 0, "loads": 1, "load_failures": 0, "load_s": 0.25}
+
+
+def png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture
+def lora_dir(tmp_path):
+    """A LoRA folder with "grain" (a file) and "ink" (a diffusers folder); content is the worker's concern."""
+    (tmp_path / "grain.safetensors").write_bytes(b"weights")
+    (tmp_path / "ink").mkdir()
+    (tmp_path / "ink" / "pytorch_lora_weights.safetensors").write_bytes(b"weights")
+    return tmp_path
+
+
+def one_off_edit(endpoint: str, lora: str, **fields) -> dict:
+    """A one-off edit of either endpoint (the OpenAI one reads alpha 0 as repaint) with `lora`."""
+    if endpoint == "/v1/images/edits":
+        mask = png(Image.new("RGBA", SIZE, (0, 0, 0, 0)))
+    else:
+        mask = png(Image.new("L", SIZE, 255))
+    return {"files": {"image": ("i.png", png(Image.new("RGB", SIZE, "red")), "image/png"),
+                      "mask": ("m.png", mask, "image/png")},
+            "data": {"prompt": "a cat", "lora": lora, **fields}}
+
+
+def sse_events(text: str) -> list[tuple[str, dict]]:
+    names = [line.removeprefix("event: ") for line in text.splitlines() if line.startswith("event: ")]
+    data = [json.loads(line.removeprefix("data: ")) for line in text.splitlines() if line.startswith("data: ")]
+    return list(zip(names, data))
+
+
+# case: (the lora field, status, error code)
+BAD_LORAS = {
+    "bad syntax": ("bad::x", 400, "invalid_lora"),
+    "scale not a number": ("grain:lots", 400, "invalid_lora"),
+    "scale out of range": ("grain:99", 400, "invalid_lora"),
+    "too many": ("a,b,c,d,e", 400, "invalid_lora"),
+    "a name twice": ("grain,grain:0.5", 400, "invalid_lora"),
+    "a path": ("../grain", 400, "invalid_lora"),
+    "malformed json": ('["grain"', 400, "invalid_lora"),
+    "json object with another key": ('[{"name": "grain", "weight": 1}]', 400, "invalid_lora"),
+    "unknown name": ("grain,nope", 404, "lora_not_found"),
+}
+
+
+async def refused(router, limits: Limits, endpoint: str, lora: str) -> httpx.Response:
+    app = create_app(router, limits)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+        return await client.post(endpoint, **one_off_edit(endpoint, lora))
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/edits", "/v1/images/edits"])
+@pytest.mark.parametrize("case", BAD_LORAS)
+def test_a_bad_lora_is_refused_naming_the_param_before_anything_is_queued(make_router, lora_dir, endpoint, case):
+    router = make_router()
+    lora, status, code = BAD_LORAS[case]
+    answer = asyncio.run(refused(router, Limits(lora_dir=lora_dir), endpoint, lora))
+    assert answer.status_code == status, answer.text
+    assert answer.json()["error"]["param"] == "lora" and answer.json()["error"]["code"] == code
+    snapshot = router.snapshot()
+    assert snapshot["pending"] == 0 and snapshot["templates"] == 0  # not even the one-off image was kept
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/edits", "/v1/images/edits"])
+def test_a_server_without_a_lora_folder_refuses_any_lora(make_router, endpoint):
+    router = make_router()
+    answer = asyncio.run(refused(router, Limits(), endpoint, "grain"))
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "lora"
+    assert answer.json()["error"]["code"] == "lora_unsupported" and "--lora-dir" in answer.json()["error"]["message"]
+    assert router.snapshot()["pending"] == 0
+
+
+def test_the_openapi_docs_show_the_lora_field(make_router):
+    schema = create_app(make_router(), Limits()).openapi()
+    for path in ("/v1/edits", "/v1/images/edits"):
+        form = schema["paths"][path]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+        assert "NAME[:SCALE]" in form["properties"]["lora"]["description"] and "prompt" in form["required"]
+
+
+class RecordingEngine:
+    """What `Node` asks of an `Engine`: each submit is recorded as (kind, request or image, lora, future)
+    and its future left to the test; templates are recorded at once."""
+
+    model_name = "stand-in"
+    config = EngineConfig(max_batch=4)
+
+    def __init__(self):
+        self.submitted: queue.Queue = queue.Queue()
+        self.editor = SimpleNamespace(cache=None, new_template=lambda *args: SimpleNamespace(template_id="e-1"))
+        self.worker = SimpleNamespace(loras=SimpleNamespace(metrics=lambda: dict(LORA_METRICS)))
+
+    def submit(self, request, watch=None, budget_s=None, lora=()) -> Future:
+        return self._recorded("submit", request, lora)
+
+    def submit_image(self, image, mask, prompt, seed=0, steps=28, guidance=None, watch=None, budget_s=None,
+                     lora=()) -> Future:
+        return self._recorded("submit_image", image, lora)
+
+    def submit_recording(self, template, on_step=None) -> Future:
+        done = Future()
+        done.set_result(template.template_id)
+        return done
+
+    def _recorded(self, kind: str, what, lora) -> Future:
+        future = Future()
+        self.submitted.put((kind, what, lora, future))
+        return future
+
+    def next_submit(self) -> tuple:
+        return self.submitted.get(timeout=TIMEOUT_S)
+
+    def load_report(self):
+        return [], []
+
+    def metrics(self) -> dict:
+        return {"steps": 0}
+
+    def close(self) -> None:
+        pass
+
+
+def edited(lora_applied_step: int) -> EditResult:
+    t = now()
+    metrics = RequestMetrics(submitted=t, admitted=t, denoised=t, completed=t, steps=2,
+                             lora_applied_step=lora_applied_step)
+    return EditResult(Image.new("RGB", SIZE, "blue"), metrics)
+
+
+async def through_a_node(router, lora_dir) -> dict:
+    engine = RecordingEngine()
+    node = Node(engine, router.address, "n0", supervised=False)
+    thread = threading.Thread(target=node.run, name="test-node")
+    thread.start()
+    app = create_app(router, Limits(default_steps=2, lora_dir=lora_dir, request_timeout_s=TIMEOUT_S))
+    seen = {}
+    try:
+        await asyncio.to_thread(router.wait_for_workers, 1, TIMEOUT_S)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            registered = await client.post("/v1/templates", data={"steps": "2"}, files={
+                "image": ("t.png", png(Image.new("RGB", SIZE, "red")), "image/png")})
+            template_id = registered.json()["id"]
+            await asyncio.to_thread(router.wait_until, lambda r: r.template(template_id)["status"] == "ready",
+                                    TIMEOUT_S)
+            mask = {"mask": ("m.png", png(Image.new("L", SIZE, 255)), "image/png")}
+            # A template's edit: Engine.submit gets the parsed choice; the answer is the engine's image.
+            answer = asyncio.create_task(client.post("/v1/edits", files=mask, data={
+                "template_id": template_id, "prompt": "a cat", "lora": "grain:0.5, ink"}))
+            kind, request, lora, future = await asyncio.to_thread(engine.next_submit)
+            seen["template edit"] = (kind, request.template_id, lora)
+            future.set_result(edited(0))
+            seen["template answer"] = await answer
+            # A one-off image, streamed, with the list form: Engine.submit_image gets it; `done` has its metrics.
+            answer = asyncio.create_task(client.post("/v1/edits", **one_off_edit(
+                "/v1/edits", '[{"name": "ink", "scale": -2}]', stream="true")))
+            kind, _, lora, future = await asyncio.to_thread(engine.next_submit)
+            seen["one-off edit"] = (kind, lora)
+            future.set_result(edited(1))
+            seen["one-off events"] = sse_events((await answer).text)
+            # The OpenAI form, and a LoRA the worker then fails to load.
+            answer = asyncio.create_task(client.post("/v1/images/edits", **one_off_edit("/v1/images/edits", "ink")))
+            kind, _, lora, future = await asyncio.to_thread(engine.next_submit)
+            seen["openai edit"] = lora
+            future.set_exception(LoraError("ink is not a LoRA of this model"))
+            seen["load failure"] = await answer
+            answer = asyncio.create_task(client.post("/v1/edits", **one_off_edit("/v1/edits", "ink", stream="true")))
+            *_, future = await asyncio.to_thread(engine.next_submit)
+            future.set_exception(LoraError("ink is not a LoRA of this model"))
+            seen["streamed load failure"] = sse_events((await answer).text)
+        await asyncio.to_thread(router.wait_until, lambda r: "lora" in r.snapshot()["workers"].get("n0", {}),
+                                TIMEOUT_S)
+        seen["heartbeat"] = router.snapshot()["workers"]["n0"]["lora"]
+    finally:
+        await asyncio.to_thread(router.close, 0)
+        await asyncio.to_thread(thread.join, TIMEOUT_S)
+    seen["node stopped"] = not thread.is_alive()
+    return seen
+
+
+def test_a_lora_reaches_the_engine_through_router_and_node_and_its_failure_names_the_param(make_router, lora_dir):
+    seen = asyncio.run(through_a_node(make_router(), lora_dir))
+    assert seen["node stopped"]
+    assert seen["template edit"] == ("submit", "e-1", (LoraUse("grain", 0.5), LoraUse("ink", 1.0)))
+    assert seen["template answer"].status_code == 200
+    assert seen["template answer"].headers["content-type"] == "image/png"
+
+    assert seen["one-off edit"] == ("submit_image", (LoraUse("ink", -2.0),))
+    events = seen["one-off events"]
+    assert [name for name, _ in events][0] == "accepted" and events[-1][0] == "done"
+    assert events[0][1]["lora"] == [{"name": "ink", "scale": -2.0}]
+    assert events[-1][1]["metrics"]["lora_applied_step"] == 1
+
+    assert seen["openai edit"] == (LoraUse("ink", 1.0),)
+    failure = seen["load failure"]
+    assert failure.status_code == 422
+    assert failure.json()["error"] == {"message": "ink is not a LoRA of this model", "type": "invalid_request_error",
+                                       "param": "lora", "code": "LoraError"}
+    name, error = seen["streamed load failure"][-1]
+    assert name == "error" and error["status"] == 422 and error["error"]["param"] == "lora"
+    assert seen["heartbeat"] == LORA_METRICS
+
+
+def test_lora_options_are_validated_naming_their_flag(tmp_path):
+    missing = tmp_path / "missing"
+    for options, fields in ((ServeOptions, {"model": "m"}), (WorkerOptions, {"model": "m", "connect": "tcp://h:1"})):
+        assert options(**fields, lora_dir=tmp_path).lora_latest_step == 0.3
+        for bad, flag in (({"lora_dir": missing}, "--lora-dir"), ({"lora_cache_mb": 0.0}, "--lora-cache-mb"),
+                          ({"lora_latest_step": 1.5}, "--lora-latest-step"),
+                          ({"lora_latest_step": -0.1}, "--lora-latest-step")):
+            with pytest.raises(InputError, match=flag):
+                options(**fields, **bad)
+    edit = {"model": "m", "image": tmp_path / "i.png", "mask": tmp_path / "m.png", "prompt": "a hat"}
+    assert EditOptions(**edit, lora="grain:0.5,ink", lora_dir=tmp_path).lora_choice() == (
+        LoraUse("grain", 0.5), LoraUse("ink", 1.0))
+    assert EditOptions(**edit).lora_choice() == ()
+    for bad, message in (({"lora": "bad::x", "lora_dir": tmp_path}, "--lora: "),
+                         ({"lora": "grain"}, "add --lora-dir"),
+                         ({"lora": "grain", "lora_dir": missing}, "--lora-dir"),
+                         ({"lora": "grain", "lora_dir": tmp_path, "strength": 0.5}, "--strength"),
+                         ({"lora": "grain", "lora_dir": tmp_path, "paste_back": False}, "--no-paste-back")):
+        with pytest.raises(InputError, match=message):
+            EditOptions(**edit, **bad)
+
+
+def test_the_serve_flags_reach_the_options(tmp_path):
+    from retouch.cli import build_parser
+    from retouch.config import from_arguments
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--lora-dir", str(tmp_path), "--lora-cache-mb", "64",
+                                      "--lora-latest-step", "0"])
+    opts = from_arguments(ServeOptions, args)
+    assert (opts.lora_dir, opts.lora_cache_mb, opts.lora_latest_step) == (tmp_path, 64.0, 0.0)
