@@ -6,4 +6,4 @@ Imported as `retouch.bench`; the folder is mapped into the package by setup.py.
 """
 
 BENCHMARKS = ("step", "block", "image", "flops", "fidelity", "attention", "planner", "copy", "overlap", "batching",
-              "throughput", "serving", "serve", "overhead", "soak", "mixed")
+              "throughput", "serving", "serve", "overhead", "soak", "mixed", "lora")

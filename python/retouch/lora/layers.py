@@ -28,19 +28,10 @@ from contextlib import contextmanager
 import torch
 
 from retouch import ops
-from retouch.lora.files import LoraModule, LoraWeights
+from retouch.lora.files import LoraWeights
 
 # One entry's adapters: (adapter, request scale) pairs, in the order the request gave them; () for none.
 EntryAdapters = tuple[tuple[LoraWeights, float], ...]
-
-
-def matmul_layout(weights: LoraWeights) -> LoraWeights:
-    """`weights` with A `[r, in]` and B `[out, r]` stored transposed (column-major): the `x @ A.T` and
-    `v @ B.T` of the matmul path then read contiguous matrices. CPU BLAS took 10-25x longer on the
-    transposed views of thin row-major factors (measured: 8 segments of 77 rows, rank 16, 1024 wide).
-    The segmented kernels stack their own contiguous copies."""
-    return LoraWeights(weights.name, {path: LoraModule(m.A.T.contiguous().T, m.B.T.contiguous().T, m.scaling)
-                                      for path, m in weights.modules.items()})
 
 
 class AmbiguousRows(Exception):

@@ -19,7 +19,7 @@ import torch
 
 from retouch.lora.files import LoraWeights, lora_path, read_lora
 from retouch.lora.host_cache import LoraHostCache
-from retouch.lora.layers import EntryAdapters, LoraLayers, matmul_layout
+from retouch.lora.layers import EntryAdapters, LoraLayers
 from retouch.lora.spec import LoraChoice, LoraError
 
 
@@ -175,9 +175,9 @@ class LoraManager:
 
     def _host_to_device(self, weights: LoraWeights, stream) -> tuple[LoraWeights, torch.cuda.Event | None]:
         if stream is None:
-            return matmul_layout(weights.to(self.device)), None
+            return weights.to(self.device), None
         with torch.cuda.stream(stream):
-            on_device = matmul_layout(weights.to(self.device, non_blocking=True))
+            on_device = weights.to(self.device, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
         return on_device, copied

@@ -1,0 +1,275 @@
+"""Per-request LoRA: what different adapters in one batch cost a step, and how much of a load the request hides.
+
+    retouch bench lora --model flux-small [--batch 8] [--rank 16] [--load-rank 512] [--steps 10]
+
+1. Step overhead. A batch of `--batch` mask-aware edits (Y-cache, centred masks of `--mask-ratio`; and the
+   same batch computing every token) is timed with no LoRA, with one adapter for every request (the
+   single-adapter fast path) and with `--batch` distinct adapters (the segmented path), all of rank
+   `--rank` on the attention and feed-forward linears diffusers' training scripts target, interleaved
+   round-robin. Reports each as a ratio over the batch without LoRA.
+2. Loading. One edit of a recorded template (`--steps` steps, naive engine) names an adapter of rank
+   `--load-rank` saved in diffusers' file format (hundreds of MiB), read cold (the file dropped from the
+   page cache, the engine's LoRA caches cleared): synchronously (applied before the first step:
+   `lora_latest_step` 0) and asynchronously (loaded while the edit's first steps run without it:
+   `lora_latest_step` 0.3); beside it the same edit without LoRA and with the adapter already loaded
+   (warm). The load costs a user sync - warm; async applies from step k, so its load-free reference is
+   warm less k steps of LoRA compute ((warm - none) / steps each); hidden share = 1 - (async - that
+   reference) / (sync - warm).
+
+Prints one JSON object; writes a PNG beside `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from retouch.adapters import CacheMode, MaskAwareContext
+from retouch.bench.report import pyplot, write_json
+from retouch.bench.step import TEXT_TOKENS, flux_setup
+from retouch.bench.timing import interleaved_medians
+from retouch.lora.files import LoraModule, LoraWeights
+from retouch.lora.layers import LoraLayers
+from retouch.masks import centred_token_rectangle
+from retouch.models.inputs import random_flux_inputs
+from retouch.progress import bar
+
+# diffusers' Flux LoRA training script's default targets (examples/dreambooth/train_dreambooth_lora_flux.py).
+FLUX_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                "ff_context.net.2", "proj_mlp", "proj_out")
+
+
+def targeted_linears(denoiser: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    return {name: module for name, module in denoiser.named_modules()
+            if isinstance(module, torch.nn.Linear) and name.endswith(FLUX_TARGETS)
+            and ("blocks." in name)}
+
+
+def random_lora(denoiser: torch.nn.Module, name: str, rank: int, seed: int, dtype: torch.dtype,
+                device: torch.device) -> LoraWeights:
+    generator = torch.Generator().manual_seed(seed)
+    modules = {}
+    for path, linear in targeted_linears(denoiser).items():
+        A = torch.randn(rank, linear.in_features, generator=generator) / linear.in_features ** 0.5
+        B = torch.randn(linear.out_features, rank, generator=generator) * 0.01
+        modules[path] = LoraModule(A.to(device, dtype), B.to(device, dtype), 1.0)
+    return LoraWeights(name, modules)
+
+
+def step_overhead(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    transformer, adapter, one_inputs, cache, grid, num_text = flux_setup(args.model, device, dtype, args.resolution)
+    batch = args.batch
+    inputs = random_flux_inputs(transformer, batch, grid, num_text, seed=1, device=device, dtype=dtype)
+    num_image = grid[0] * grid[1]
+    templates = [f"t{b}" for b in range(batch)]
+    with torch.inference_mode(), adapter.run(MaskAwareContext.record(templates, [0] * batch, num_text, num_image,
+                                                                      cache, device=device)):
+        transformer(**inputs)
+    masks = [centred_token_rectangle(grid, args.mask_ratio)] * batch
+    contexts = {"y-cache": MaskAwareContext.edit(CacheMode.Y_CACHE, masks, templates, [0] * batch, num_text,
+                                                 num_image, cache, device=device),
+                "full": None}
+    layers = LoraLayers(transformer)
+    adapter.lora_layers = layers
+    adapters = [random_lora(transformer, f"lora{b}", args.rank, b, dtype, device) for b in range(batch)]
+    choices = {"none": None, "1 adapter": [((adapters[0], 1.0),)] * batch,
+               f"{batch} adapters": [((lora, 1.0),) for lora in adapters]}
+    results = []
+    with torch.inference_mode():
+        for mode, context in bar(list(contexts.items()), "lora: step with 0, 1, N adapters", unit="mode"):
+            layouts = adapter.row_layouts(context) if context is not None else []
+
+            def run(entries, context=context, layouts=layouts):
+                lora_batch = layers.batch(entries, layouts) if entries else None
+                with layers.bind(lora_batch):
+                    if context is None:
+                        transformer(**inputs)
+                    else:
+                        with adapter.run(context):
+                            transformer(**inputs)
+            runs = {name: (lambda entries=entries: run(entries)) for name, entries in choices.items()}
+            seconds = interleaved_medians(runs, args.repeats, device)
+            base = seconds["none"]
+            results.append({"mode": mode, "seconds": seconds,
+                            "overhead": {name: round(s / base - 1, 4) for name, s in seconds.items() if name != "none"}})
+    return results
+
+
+def save_diffusers_lora(denoiser: torch.nn.Module, folder: Path, rank: int) -> Path:
+    """A random adapter in diffusers' file format (PEFT keys under `transformer.`), as save_lora_weights writes."""
+    tensors = {}
+    generator = torch.Generator().manual_seed(0)
+    for path, linear in targeted_linears(denoiser).items():
+        tensors[f"transformer.{path}.lora_A.weight"] = (torch.randn(rank, linear.in_features, generator=generator)
+                                                        / linear.in_features ** 0.5).contiguous()
+        tensors[f"transformer.{path}.lora_B.weight"] = torch.randn(linear.out_features, rank,
+                                                                   generator=generator) * 1e-3
+    path = folder / "big.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+def drop_from_page_cache(path: Path) -> None:
+    """The next read of `path` comes from the disk (where the kernel honours the advice)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def load_hiding(args, device: torch.device, dtype: torch.dtype) -> dict:
+    from PIL import Image
+
+    from retouch.editor import EditRequest
+    from retouch.engine.api import Engine
+    from retouch.engine.worker import EngineConfig
+
+    folder = Path(tempfile.mkdtemp(prefix="retouch-bench-lora-"))
+    engine = Engine.load(args.engine_model, EngineConfig(mode="naive", max_batch=1, lora_dir=str(folder)),
+                         device=str(device), dtype=dtype)
+    path = save_diffusers_lora(engine.editor.denoiser, folder, args.load_rank)
+    size = args.engine_resolution
+    image = Image.new("RGB", (size, size), (120, 140, 90))
+    mask = Image.new("L", (size, size), 0)
+    side = int(size * args.mask_ratio ** 0.5)
+    mask.paste(255, ((size - side) // 2, (size - side) // 2, (size + side) // 2, (size + side) // 2))
+    latencies: dict[str, list[float]] = {"none": [], "sync": [], "warm": [], "async": [], "async+prefetch": []}
+    load_s: list[float] = []
+    applied: dict[str, list[int]] = {"async": [], "async+prefetch": []}
+    with engine:
+        template_id = engine.register_template(image, prompt="a field", steps=args.steps, seed=1)
+        request = EditRequest(template_id, mask, "a red barn", seed=2)
+        # (name, latest step, read cold, load from submission): "warm" finds the adapter sync just loaded, so it
+        # applies from step 0. Without prefetch the load starts when the request joins the batch (after its
+        # pre-processing), as a server that loads a request's LoRA before running it does.
+        variants = [("none", None, False, False), ("sync", 0.0, True, False), ("warm", 0.3, False, False),
+                    ("async", 0.3, True, False), ("async+prefetch", 0.3, True, True)]
+        prefetch = engine.worker.loras.prefetch
+        progress = bar(range((args.repeats + 1) * len(variants)), "lora: sync vs async load", unit="edit")
+        steps = iter(progress)
+        for repeat in range(args.repeats + 1):  # the first round warms up
+            for name, latest, cold, prefetches in variants:
+                next(steps, None)
+                engine.worker.loras.prefetch = prefetch if prefetches else (lambda choice: None)
+                if cold:
+                    engine.worker.loras.clear()
+                    drop_from_page_cache(path)
+                loaded_s = engine.worker.loras.metrics()["load_s"]
+                engine.worker.config = dataclasses.replace(engine.worker.config, lora_latest_step=latest or 0.0)
+                started = time.perf_counter()
+                result = engine.submit(request, lora=[] if latest is None else "big").result()
+                seconds = time.perf_counter() - started
+                if repeat:
+                    latencies[name].append(seconds)
+                    if name == "sync":
+                        load_s.append(engine.worker.loras.metrics()["load_s"] - loaded_s)
+                    if name in applied:
+                        applied[name].append(result.metrics.lora_applied_step)
+        progress.close()
+    medians = {name: statistics.median(values) for name, values in latencies.items()}
+    # What the load costs a user: sync against warm (same LoRA compute, no load). Async applies from step k,
+    # so it also skips k steps of LoRA compute: its reference is warm less those (per step: warm vs none).
+    load_cost = medians["sync"] - medians["warm"]
+    lora_step_s = (medians["warm"] - medians["none"]) / args.steps
+    report = {"adapter_mib": round(path.stat().st_size / 2**20, 1), "rank": args.load_rank, "steps": args.steps,
+              "e2e_s": medians, "read_s": statistics.median(load_s), "load_cost_s": load_cost,
+              "lora_compute_per_step_s": lora_step_s}
+    for name, steps_applied in applied.items():
+        k = statistics.median(steps_applied)
+        exposed = medians[name] - (medians["warm"] - k * lora_step_s)
+        report[name] = {"applied_step": k, "exposed_load_s": exposed,
+                        "hidden_share": round(1 - exposed / load_cost, 3) if load_cost > 0 else None}
+    report["hidden_share"] = report["async"]["hidden_share"]
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="retouch bench lora", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
+    parser.add_argument("--engine-model", default=None, help="pipeline of the loading part (default: flux-demo for "
+                        "flux-small: its transformer with a VAE that leaves the denoiser its share)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--load-rank", type=int, default=512)
+    parser.add_argument("--mask-ratio", type=float, default=0.2)
+    parser.add_argument("--resolution", type=int, default=256, help="pixels per side of the step part")
+    parser.add_argument("--engine-resolution", type=int, default=512, help="pixels per side of the loading part")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-load", action="store_true", help="only the step overhead")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    args = parser.parse_args(argv)
+    if args.batch < 1 or args.rank < 1 or args.load_rank < 1 or not 0 < args.mask_ratio <= 1:
+        parser.error("--batch, --rank and --load-rank must be >= 1 and --mask-ratio in (0, 1]")
+    args.engine_model = args.engine_model or ("flux-demo" if args.model == "flux-small" else args.model)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+
+    report = {"bench": "lora", "command": "retouch bench lora " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "model": args.model, "device": str(device),
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "dtype": str(dtype).removeprefix("torch."), "batch": args.batch, "rank": args.rank,
+              "mask_ratio": args.mask_ratio, "resolution": args.resolution, "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "baseline": "the same batch without LoRA; the same edit without LoRA",
+              "steps": step_overhead(args, device, dtype)}
+    if not args.skip_load:
+        report["loading"] = {"model": args.engine_model, "resolution": args.engine_resolution,
+                             **load_hiding(args, device, dtype)}
+    if args.out:
+        write_json(report, args.out)
+        plot(report, args.out.with_suffix(".png"))
+    print(json.dumps(report))
+    return report
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    panels = 2 if "loading" in report else 1
+    figure, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.5), squeeze=False)
+    axis = axes[0][0]
+    names = list(report["steps"][0]["seconds"])
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [m + (i - (len(names) - 1) / 2) * width for m in range(len(report["steps"]))]
+        values = [row["seconds"][name] for row in report["steps"]]
+        axis.bar(xs, values, width, label=name)
+        for x, row in zip(xs, report["steps"]):
+            if name in row["overhead"]:
+                axis.annotate(f"+{row['overhead'][name] * 100:.1f}%", (x, row["seconds"][name]), ha="center",
+                              va="bottom", fontsize=8)
+    axis.set_xticks(range(len(report["steps"])), [row["mode"] for row in report["steps"]])
+    axis.set_ylabel("seconds per step")
+    axis.set_title(f"batch of {report['batch']}, rank {report['rank']}: {report['model']}")
+    axis.legend()
+    if panels == 2:
+        loading = report["loading"]
+        axis = axes[0][1]
+        names = list(loading["e2e_s"])
+        axis.bar(names, [loading["e2e_s"][n] for n in names], color=["grey", "tab:red", "tab:blue", "tab:green"])
+        axis.set_ylabel("edit latency (s)")
+        axis.set_title(f"{loading['adapter_mib']} MiB adapter: {loading['hidden_share'] * 100:.0f}% of the "
+                       f"load hidden" if loading["hidden_share"] is not None else "load")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    main()
