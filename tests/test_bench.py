@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from retouch.bench import fidelity, flops, mixed, overhead, step
+from retouch.bench import fidelity, flops, lora, mixed, overhead, step
 
 
 def test_step_times_every_mode_per_ratio(tmp_path, capsys):
@@ -53,6 +53,17 @@ def test_mixed_times_one_forward_against_one_per_size_on_the_same_requests(tmp_p
         assert row["throughput_ratio"] == pytest.approx(row["per_size_s"] / row["mixed_s"], rel=1e-2)
         assert row["max_abs_difference"] <= 1e-5  # the same requests, computed both ways
     assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_lora_reports_each_batch_against_the_batch_without_lora(tmp_path):
+    report = lora.main(["--model", "tiny-flux-fill", "--batch", "3", "--rank", "4", "--resolution", "64",
+                        "--repeats", "1", "--skip-load", "--out", str(tmp_path / "l.json")])
+    assert [row["mode"] for row in report["steps"]] == ["y-cache", "full"]
+    for row in report["steps"]:
+        assert set(row["seconds"]) == {"none", "1 adapter", "3 adapters"}
+        for name, overhead in row["overhead"].items():
+            assert overhead == pytest.approx(row["seconds"][name] / row["seconds"]["none"] - 1, abs=1e-3)
+    assert "loading" not in report and (tmp_path / "l.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("options", [["--sizes", "64"], ["--sizes", "64,100"], ["--sizes", "a,b"],
