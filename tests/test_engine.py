@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from editor_inputs import max_diff, square_mask, template_image
+from loop_runs import run_loop
 
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine import recipes
@@ -25,25 +26,9 @@ def flux_editor():
 
 
 def run(editor, config: EngineConfig, requests, inject=None, send_to_postprocess=None):
-    """Run the loop to completion on this thread over `requests` (all submitted before it starts);
-    `inject(worker, steps_run)` is called after every step and may put more jobs in the inbox;
-    `send_to_postprocess(job)` takes finished edits instead of the loop (as the helpers do)."""
-    worker = Worker(editor, config, send_to_postprocess)
+    """The loop over `requests` (`loop_runs.run_loop`) -> (worker, their jobs)."""
     jobs = [Worker.new_job(r) for r in requests]
-    for job in jobs:
-        worker.inbox.put(("edit", job))
-    step = worker.step
-
-    def step_and_inject():
-        stepped = step()
-        if inject is not None:
-            inject(worker, len(worker.metrics.step_s) + 1)
-        return stepped
-
-    worker.step = step_and_inject
-    worker.inbox.put(("stop",))
-    worker.run()
-    return worker, jobs
+    return run_loop(editor, config, jobs, inject, send_to_postprocess), jobs
 
 
 def final_latents(job) -> torch.Tensor:

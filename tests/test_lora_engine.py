@@ -11,6 +11,7 @@ import pytest
 import torch
 from editor_inputs import max_diff, square_mask, template_image
 from lora_files import save_random_lora
+from loop_runs import run_loop
 
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.worker import EngineConfig, Worker
@@ -26,26 +27,6 @@ BATCH_ATOL = 1e-5  # fp32: a request's rows in a bigger batch differ only in sum
 def bound(reference: torch.Tensor, ulps: int = 32) -> float:
     """fp32 summation-order differences at the values' scale (as test_mixed_sizes.py)."""
     return max(BATCH_ATOL, ulps * torch.finfo(torch.float32).eps * reference.abs().max().item())
-
-
-def run(editor, config, jobs, inject=None):
-    """The loop on this thread over `jobs`; `inject(worker, steps_run)` after every step."""
-    worker = Worker(editor, config)
-    for job in jobs:
-        worker.inbox.put(("edit", job))
-    step = worker.step
-
-    def step_and_inject():
-        stepped = step()
-        if inject is not None:
-            inject(worker, len(worker.metrics.step_s) + 1)
-        return stepped
-
-    worker.step = step_and_inject
-    worker.inbox.put(("stop",))
-    worker.run()
-    worker.loras.close()
-    return worker
 
 
 def edit_job(template_id, lora=(), box=(32, 32, 63, 63), seed=5):
@@ -69,7 +50,7 @@ def test_a_lora_from_step_0_equals_diffusers_load_lora_weights(model, lora_dir):
     save_random_lora(editor.model, lora_dir / model, rank=4, alpha=8, seed=1)
     config = EngineConfig(mode="naive", lora_dir=str(lora_dir), lora_latest_step=0.0)
     job = edit_job(template_id, lora=(LoraUse(model, 0.7),))
-    worker = run(editor, config, [job])
+    worker = run_loop(editor, config, [job])
     assert job.metrics.lora_applied_step == 0 and worker.loras.metrics()["loads"] == 1
 
     # diffusers' own loading into a second copy of the pipeline, whose template is recorded before it.
@@ -103,11 +84,11 @@ def test_a_batch_mixing_lora_a_lora_b_and_none_equals_each_alone(flux, lora_dir)
     choices = [(LoraUse("A", 1.0),), (LoraUse("B", 0.6),), (), (LoraUse("A", 0.5), LoraUse("B", 1.0))]
     boxes = [(32, 32, 63, 63), (0, 40, 95, 79), (8, 8, 40, 30), (64, 64, 127, 127)]
     jobs = [edit_job(ids[i % 3], lora, box, seed=i) for i, (lora, box) in enumerate(zip(choices, boxes))]
-    worker = run(editor, config_of(lora_dir), jobs)
+    worker = run_loop(editor, config_of(lora_dir), jobs)
     assert max(worker.metrics.batch_sizes) == 4  # one forward per step held all four
     for i, (lora, box) in enumerate(zip(choices, boxes)):
         alone = edit_job(ids[i % 3], lora, box, seed=i)
-        run(editor, config_of(lora_dir), [alone])
+        run_loop(editor, config_of(lora_dir), [alone])
         assert max_diff(latents(jobs[i]), latents(alone)) < bound(latents(alone))
     assert max_diff(latents(jobs[0]), latents(jobs[2])) > 1e-3
 
@@ -125,12 +106,12 @@ def test_an_ambiguous_batch_runs_in_halves_with_the_same_results(flux, lora_dir,
         return layouts + [(4,) + (0,) * (context.batch.batch_size - 1)] if context.batch.batch_size == 4 else layouts
 
     monkeypatch.setattr(type(editor.adapter), "row_layouts", colliding)
-    run(editor, config_of(lora_dir), jobs)
+    run_loop(editor, config_of(lora_dir), jobs)
     monkeypatch.undo()
     assert 4 in calls and 2 in calls  # refused at four, run as two halves
     for i, lora in enumerate(choices):
         alone = edit_job(ids[i % 3], lora, seed=i)
-        run(editor, config_of(lora_dir), [alone])
+        run_loop(editor, config_of(lora_dir), [alone])
         assert max_diff(latents(jobs[i]), latents(alone)) < bound(latents(alone))
 
 
@@ -157,7 +138,7 @@ def test_a_lora_still_loading_applies_from_the_first_step_after_its_load(flux, l
     gate = GatedLoads(monkeypatch)
     job = edit_job(ids[0], (LoraUse("A", 1.0),))
     plain = edit_job(ids[0])
-    run(editor, config_of(lora_dir), [plain])
+    run_loop(editor, config_of(lora_dir), [plain])
     loaded = threading.Event()
 
     def inject(worker, steps_run):
@@ -166,10 +147,10 @@ def test_a_lora_still_loading_applies_from_the_first_step_after_its_load(flux, l
             worker.loras.wait(job.lora_loads, timeout_s=60)
             loaded.set()
 
-    run(editor, config_of(lora_dir, latest=1.0), [job], inject)
+    run_loop(editor, config_of(lora_dir, latest=1.0), [job], inject)
     assert loaded.is_set() and job.metrics.lora_applied_step == 2
     from_start = edit_job(ids[0], (LoraUse("A", 1.0),))
-    run(editor, config_of(lora_dir), [from_start])
+    run_loop(editor, config_of(lora_dir), [from_start])
     assert from_start.metrics.lora_applied_step == 0
     late, early, none = latents(job), latents(from_start), latents(plain)
     assert max_diff(late, early) > 1e-4 and max_diff(late, none) > 1e-4  # two steps without, two with
@@ -188,7 +169,7 @@ def test_a_request_waits_at_its_latest_step_while_others_go_on(flux, lora_dir, m
             gate.open()
 
     # latest 0.5 of 4 steps: it runs steps 0 and 1 without its LoRA, then waits at step 2.
-    run(editor, config_of(lora_dir, latest=0.5), [job, other], inject)
+    run_loop(editor, config_of(lora_dir, latest=0.5), [job, other], inject)
     assert seen[:4] == [(1, 1), (2, 2), (2, 3), (2, 4)]
     assert job.metrics.lora_applied_step == 2 and job.metrics.steps == 4
     assert job.future.result().metrics.to_json()["lora_applied_step"] == 2
@@ -198,7 +179,7 @@ def test_a_broken_adapter_fails_its_request_only(flux, lora_dir):
     editor, ids = flux
     (lora_dir / "broken.safetensors").write_bytes(b"not a safetensors file")
     bad, good = edit_job(ids[0], (LoraUse("broken"),)), edit_job(ids[1], (LoraUse("A"),))
-    worker = run(editor, config_of(lora_dir, latest=0.5), [bad, good])
+    worker = run_loop(editor, config_of(lora_dir, latest=0.5), [bad, good])
     assert isinstance(bad.future.exception(), LoraError)
     assert good.future.exception() is None and good.metrics.lora_applied_step is not None
     assert worker.loras.metrics()["load_failures"] == 1

@@ -15,7 +15,7 @@ Every bad input is answered at once with a 4xx and a JSON body naming the field,
 error shape: {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}.
 Accepted edits are answered exactly once (the router guarantees it across worker failures).
 
-LoRA: an edit may carry `lora`, adapters of the server's --lora-dir (`read_lora`): "NAME[:SCALE]",
+LoRA: an edit may carry `lora`, adapters of the server's --lora-dir (`lora_field`): "NAME[:SCALE]",
 comma-separated, or a JSON list of such strings or of {"name", "scale"} objects. A malformed one, or
 any on a server without --lora-dir, is 400; a name the folder lacks is 404 (code lora_not_found);
 both before anything is queued. A LoRA its worker then fails to load answers 422 (code LoraError);
@@ -387,7 +387,7 @@ async def read_mask_upload(upload: UploadFile, max_pixels: int, alpha: bool = Fa
     return await anyio.to_thread.run_sync(lambda: read_mask(image, alpha))
 
 
-def read_lora(form: Form, lora_dir: Path | None) -> LoraChoice:
+def lora_field(form: Form, lora_dir: Path | None) -> LoraChoice:
     """The edit's `lora` field: "NAME[:SCALE]", comma-separated, or a JSON list of names or of
     {"name", "scale"} objects (`retouch.lora.parse_lora`), each name a file of `lora_dir`. 400 if it is
     malformed or the server has no LoRA folder, 404 for a name the folder lacks; () without one."""
@@ -789,7 +789,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         request.state.request_id = client_request_id(request)
         form = await read_form(request)
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required: say what to paint into the masked region")
-        lora = read_lora(form, limits.lora_dir)
+        lora = lora_field(form, limits.lora_dir)
         response_format = form.text("response_format", "png")
         if response_format not in ("png", "b64_json"):
             raise ApiError(400, f"response_format must be png or b64_json, got {response_format!r}",
@@ -827,7 +827,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         request.state.request_id = client_request_id(request)
         form = await read_form(request)
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required")
-        lora = read_lora(form, limits.lora_dir)
+        lora = lora_field(form, limits.lora_dir)
         n = form.integer("n", 1, 1, limits.max_n)
         response_format = form.text("response_format", "b64_json")
         if response_format != "b64_json":

@@ -102,11 +102,6 @@ class LoraLayers:
         self._stacks = {key: value for key, value in self._stacks.items()
                         if all(adapter != id(lora) for adapter, _ in key[1])}
 
-    def unpatch(self) -> None:
-        for name in self.patched:
-            del self.linears[name].__dict__["forward"]
-        self.patched.clear()
-
     @contextmanager
     def subset(self, entries: Sequence[int]) -> Iterator[None]:
         """Inside, the bound batch is its entries `entries` (a forward over some of its requests)."""

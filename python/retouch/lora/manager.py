@@ -80,8 +80,7 @@ class LoraManager:
 
     def prefetch(self, choice: LoraChoice) -> None:
         """Start loading `choice`'s adapters now (submission: the load overlaps pre-processing too)."""
-        for use in choice:
-            self._load(use.name)
+        self.acquire(choice)
 
     def acquire(self, choice: LoraChoice) -> list[Future]:
         """Futures of `choice`'s `DeviceLora`s, in order."""
