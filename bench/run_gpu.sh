@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure of retouch, in parts that each fit one 10-minute call of a lent GPU machine.
 #
-#   bench/run_gpu.sh PART...        PART: tests kernels flux unet throughput serving compile | all
+#   bench/run_gpu.sh PART...        PART: tests kernels flux unet throughput serving compile lora | all
 #
 #   tests    build retouch._C with CUDA, run the test suite on the GPU (kernels, adapters, engine)
 #   kernels  attention.json (ragged attention vs SDPA/FlexAttention/flash-attn), gather.json (host->device
@@ -14,6 +14,8 @@
 #   compile  the compile, host-sync and CUDA-graph tests on the GPU; overhead_flux-size.json (host time and ops
 #            per forward, eager and compiled, vs the compiled stock model); step_compiled.json (one step,
 #            compiled mask-aware blocks vs the compiled stock model)
+#   lora     the LoRA tests on the GPU (Triton segmented kernel, loader stream and events); lora_flux-small.json
+#            (step overhead of 1 and 8 adapters, sync vs async loading of a 280 MiB adapter)
 #
 # Results go to bench/results/<device>/ (RESULTS=dir overrides), with a log per part; each JSON
 # records its exact command, the package versions and the device. Where $OUT is set (the device
@@ -38,6 +40,8 @@ if [ "${RETOUCH_GPU_SMOKE:-0}" = 1 ]; then
   OVERLAP=(--steps 2 --repeats 1) THROUGHPUT=(--steps 2 --size 64 --batch-sizes 1 2 --repeats 1)
   SERVING=(--steps 2 --size 64 --rps 2 --requests 4)
   OVERHEAD=(--grid 2 --text-tokens 2 --mask-ratios 0.2 --repeats 1) STEP=(--mask-ratio 0.2 --repeats 1)
+  LORA_MODEL=tiny-flux-fill LORA=(--batch 2 --rank 4 --resolution 64 --repeats 1 --load-rank 8 --engine-resolution 64 --steps 2
+    --load-repeats 1)
 else
   if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -51,6 +55,7 @@ else
   PROFILE_FLUX=(--grids 16,32,48,64 --batch-sizes 1,2,4 --mask-ratios 0.1,0.3,0.6,1.0 --load-mib 1,16,64,256)
   PROFILE_UNET=(--grids 32,64,96,128 --batch-sizes 1,2,4)
   OVERHEAD=(--compile) STEP=(--mask-ratio 0.1,0.2,0.5)
+  LORA_MODEL=flux-small LORA=(--resolution 512 --engine-resolution 1024 --steps 28)
 fi
 RESULTS=${RESULTS:-bench/results/$device}
 mkdir -p "$RESULTS"
@@ -132,10 +137,17 @@ part_compile() {
   bench step step_compiled.json --model "$FLUX" --device "$DEV" --compile "${STEP[@]}"
 }
 
+part_lora() {
+  if [ "$DEV" = cuda ]; then
+    "$PYTHON" -m pytest -q -x tests/test_lora_batching.py tests/test_lora_engine.py
+  fi
+  bench lora "lora_$LORA_MODEL.json" --model "$LORA_MODEL" --device "$DEV" "${LORA[@]}"
+}
+
 parts=("$@")
-[ "${parts[*]}" = all ] && parts=(tests kernels flux unet throughput serving compile)
+[ "${parts[*]}" = all ] && parts=(tests kernels flux unet throughput serving compile lora)
 for part in "${parts[@]}"; do
-  declare -F "part_$part" >/dev/null || { echo "unknown part $part (tests kernels flux unet throughput serving compile all)"; exit 2; }
+  declare -F "part_$part" >/dev/null || { echo "unknown part $part (tests kernels flux unet throughput serving compile lora all)"; exit 2; }
 done
 build
 failed=()

@@ -66,6 +66,30 @@ def test_lora_reports_each_batch_against_the_batch_without_lora(tmp_path):
     assert "loading" not in report and (tmp_path / "l.png").stat().st_size > 0
 
 
+def test_lora_loading_reports_the_hidden_share_of_the_load_it_measured(tmp_path):
+    """The loading part on a tiny model: every variant timed, the load read once per round (sync reads it
+    cold), and the headline share is the engine's default (load from submission), from its own figures."""
+    report = lora.main(["--model", "tiny-flux-fill", "--batch", "2", "--rank", "4", "--resolution", "64",
+                        "--repeats", "1", "--load-rank", "8", "--engine-resolution", "64", "--steps", "2",
+                        "--load-repeats", "2"])
+    loading = report["loading"]
+    assert set(loading["e2e_s"]) == {"none", "sync", "warm", "async", "async+prefetch"}
+    assert loading["read_s"] > 0 and 0 <= loading["read_cpu_s"] and loading["adapter_mib"] > 0
+    for name in ("async", "async+prefetch"):
+        assert 0 <= loading[name]["applied_step"] <= 2
+        if loading["load_cost_s"] > 0:
+            assert loading[name]["hidden_share"] == pytest.approx(
+                1 - loading[name]["exposed_load_s"] / loading["load_cost_s"], abs=1e-3)
+    assert loading["hidden_share"] == loading["async+prefetch"]["hidden_share"]
+
+
+@pytest.mark.parametrize("options", [["--load-repeats", "0"], ["--rank", "0"]])
+def test_lora_options_are_checked(options, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        lora.main(["--model", "tiny-flux-fill", *options])
+    assert exit_.value.code == 2 and "--load-repeats" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("options", [["--sizes", "64"], ["--sizes", "64,100"], ["--sizes", "a,b"],
                                      ["--per-size", "0"], ["--mask-ratio", "0"]])
 def test_mixed_options_are_checked(options, capsys):

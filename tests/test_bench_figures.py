@@ -82,17 +82,18 @@ def _run_gpu(*parts: str, results: Path, out: Path | None = None) -> subprocess.
 def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
     results, out = tmp_path / "results", tmp_path / "out"
     out.mkdir()
-    done = _run_gpu("kernels", "flux", "unet", "throughput", "serving", "compile", results=results, out=out)
+    done = _run_gpu("kernels", "flux", "unet", "throughput", "serving", "compile", "lora", results=results, out=out)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     expected = ["attention", "gather", "block_latency", "cost_tiny-flux-fill", "image_latency_tiny-flux-fill", "overlap",
                 "cost_tiny-sdxl-inpaint", "image_latency_tiny-sdxl-inpaint", "cost_tiny-sd2-inpaint",
-                "image_latency_tiny-sd2-inpaint", "throughput", "serving", "overhead_flux-size", "step_compiled"]
+                "image_latency_tiny-sd2-inpaint", "throughput", "serving", "overhead_flux-size", "step_compiled",
+                "lora_tiny-flux-fill"]
     for name in expected:
         report = json.loads((results / f"{name}.json").read_text())
         assert report and (out / f"{name}.json").read_bytes() == (results / f"{name}.json").read_bytes()
         if not name.startswith("cost_"):
             assert (results / f"{name}.png").stat().st_size > 0
-    for part in ("kernels", "flux", "unet", "throughput", "serving", "compile"):
+    for part in ("kernels", "flux", "unet", "throughput", "serving", "compile", "lora"):
         assert "exit 0" in (out / f"{part}.log").read_text()
 
 

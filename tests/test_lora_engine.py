@@ -5,7 +5,9 @@ and applies from the first step after the load, waiting at the latest step; a br
 only; the host cache keeps the most recently used adapters within its budget. The loop runs on the test's
 thread, as in test_engine.py; loads are gated by events, never by sleeps."""
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -183,6 +185,24 @@ def test_a_broken_adapter_fails_its_request_only(flux, lora_dir):
     assert isinstance(bad.future.exception(), LoraError)
     assert good.future.exception() is None and good.metrics.lora_applied_step is not None
     assert worker.loras.metrics()["load_failures"] == 1
+
+
+def test_a_forgotten_adapter_is_freed_while_the_loader_waits(flux, lora_dir):
+    """Once the caches let an adapter go, nothing holds its memory: not the loader thread idling between loads
+    (its last load once stayed referenced from the loop's locals; on a GPU, an evicted adapter's memory)."""
+    editor, _ = flux
+    manager = Worker(editor, config_of(lora_dir)).loras
+    try:
+        (future,) = manager.acquire((LoraUse("A"),))
+        loaded = weakref.ref(future.result().weights)
+        del future
+        manager._queue.join()  # the loader is back waiting for the next name
+        manager.clear()
+        gc.collect()
+        assert manager._thread.is_alive()
+        assert loaded() is None
+    finally:
+        manager.close()
 
 
 def test_unknown_names_and_no_folder_are_refused_at_submission(flux, lora_dir):

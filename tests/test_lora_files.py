@@ -9,11 +9,13 @@ import math
 import pytest
 import safetensors
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from lora_files import denoiser_of, save_kohya_lora, save_random_lora
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file, save_file
 
-from retouch.lora.files import (DENOISER_COMPONENT, FLUX_FAMILIES, LoraModule, LoraWeights, list_loras, lora_path,
+from retouch.lora.files import (DENOISER_COMPONENT, all_finite, FLUX_FAMILIES, LoraModule, LoraWeights, list_loras, lora_path,
                                 read_lora)
 from retouch.lora.spec import LoraError
 from retouch.models import load_pipeline, quiet_libraries
@@ -288,6 +290,23 @@ BROKEN = {
     "not a LoRA entry": (lambda t, m: {**t, "unet.conv_in.weight": torch.zeros(32, 9, 3, 3)},
                          "not a LoRA A or B weight: conv_in.weight"),
 }
+
+
+SPECIAL_VALUES = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 3e38, -3e38, 65504.0, 1e6]
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       size=st.sampled_from([0, 1, 7, (1 << 20) - 1, (1 << 20) + 5]),
+       specials=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.sampled_from(SPECIAL_VALUES)), max_size=3))
+def test_all_finite_agrees_with_torch(dtype, size, specials):
+    """The loader's single-threaded check says what torch.isfinite(t).all() says, at any chunk position
+    (the chunk is 1M values), for the dtypes adapter files hold; values that overflow fp16 become inf."""
+    values = torch.randn(size, generator=torch.Generator().manual_seed(size)).to(dtype)
+    for where, value in specials if size else ():
+        values[int(where * size)] = value
+    assert all_finite(values) == bool(torch.isfinite(values).all())
+    assert all_finite(values.view(1, -1) if size else values) == all_finite(values)
 
 
 def _edited_shape(tensors: dict, module: str, in_delta: int) -> dict:

@@ -50,7 +50,7 @@ class LoraManager:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self.loads = self.load_failures = self.device_evictions = 0
-        self.load_s = 0.0
+        self.load_s = self.load_cpu_s = 0.0  # wall and loader-thread CPU seconds of file reads
 
     @property
     def device(self) -> torch.device:
@@ -142,27 +142,33 @@ class LoraManager:
             name = self._queue.get()
             if name is None:
                 return
+            self._load_one(name, stream)
+            self._queue.task_done()  # `_queue.join()` returns once every queued load's frame has gone
+
+    def _load_one(self, name: str, stream) -> None:
+        """One load, in a frame of its own: nothing of it stays referenced while the thread waits for the
+        next (a finished load held by `_run`'s locals would keep an evicted adapter's memory)."""
+        with self._lock:
+            future = self._loading[name]
+        try:
+            device_lora = DeviceLora(*self._host_to_device(self._host(name), stream))
+        except BaseException as exc:  # noqa: BLE001 - the requests that asked fail with it
             with self._lock:
-                future = self._loading[name]
-            try:
-                device_lora = DeviceLora(*self._host_to_device(self._host(name), stream))
-            except BaseException as exc:  # noqa: BLE001 - the requests that asked fail with it
-                with self._lock:
-                    self.load_failures += 1
-                    del self._loading[name]
-                future.set_exception(exc if isinstance(exc, LoraError)
-                                     else LoraError(f"LoRA {name!r} could not be loaded: {exc}"))
-                continue
-            with self._lock:
-                self._device[name] = device_lora
+                self.load_failures += 1
                 del self._loading[name]
-            future.set_result(device_lora)
-            self._evict()
+            future.set_exception(exc if isinstance(exc, LoraError)
+                                 else LoraError(f"LoRA {name!r} could not be loaded: {exc}"))
+            return
+        with self._lock:
+            self._device[name] = device_lora
+            del self._loading[name]
+        future.set_result(device_lora)
+        self._evict()
 
     def _host(self, name: str) -> LoraWeights:
         weights = self.host.get(name)
         if weights is None:
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             weights = read_lora(lora_path(self.lora_dir, name), name, self.editor.pipe, self.editor.dtype)
             if self.device.type == "cuda":
                 weights = weights.pin_memory()
@@ -170,6 +176,7 @@ class LoraManager:
             with self._lock:
                 self.loads += 1
                 self.load_s += time.perf_counter() - started
+                self.load_cpu_s += time.thread_time() - cpu_started
         return weights
 
     def _host_to_device(self, weights: LoraWeights, stream) -> tuple[LoraWeights, torch.cuda.Event | None]:
@@ -229,4 +236,5 @@ class LoraManager:
                     "budget_bytes": self.host.budget_bytes, "hits": self.host.hits, "misses": self.host.misses,
                     "evictions": self.host.evictions, "device_adapters": len(self._device),
                     "device_bytes": device_bytes, "device_evictions": self.device_evictions, "loads": self.loads,
-                    "load_failures": self.load_failures, "load_s": self.load_s, "loading": len(self._loading)}
+                    "load_failures": self.load_failures, "load_s": self.load_s,
+                    "load_cpu_s": self.load_cpu_s, "loading": len(self._loading)}
