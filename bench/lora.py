@@ -276,8 +276,8 @@ def plot(report: dict, path: Path) -> None:
         names = list(loading["e2e_s"])
         axis.bar(names, [loading["e2e_s"][n] for n in names], color=["grey", "tab:red", "tab:blue", "tab:green", "tab:olive"])
         axis.set_ylabel("edit latency (s)")
-        axis.set_title(f"{loading['adapter_mib']} MiB adapter: {loading['hidden_share'] * 100:.0f}% of the "
-                       f"load hidden (async+prefetch)" if loading["hidden_share"] is not None else "load")
+        axis.set_title(f"{loading['adapter_mib']:.0f} MiB adapter: {loading['hidden_share'] * 100:.0f}% of its load "
+                       "hidden" if loading["hidden_share"] is not None else "load")
         axis.tick_params(axis="x", labelsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
