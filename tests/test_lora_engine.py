@@ -205,6 +205,28 @@ def test_a_forgotten_adapter_is_freed_while_the_loader_waits(flux, lora_dir):
         manager.close()
 
 
+def test_a_broken_file_is_read_once_until_it_changes(flux, lora_dir):
+    """Submission and admission both ask for a request's adapters: a broken file fails both from one read,
+    and a fixed file (the operator replaced it) loads."""
+    editor, _ = flux
+    path = lora_dir / "fixable.safetensors"
+    path.write_bytes(b"not a safetensors file")
+    manager = Worker(editor, config_of(lora_dir)).loras
+    try:
+        first = manager.acquire((LoraUse("fixable"),))[0]
+        assert isinstance(first.exception(timeout=60), LoraError)
+        again = manager.acquire((LoraUse("fixable"),))[0]
+        assert again.exception(timeout=0) is first.exception()
+        assert manager.metrics()["load_failures"] == 1 and manager.metrics()["misses"] == 1
+        path.write_bytes((lora_dir / "A" / "pytorch_lora_weights.safetensors").read_bytes())  # the flux fixture's
+        fixed = manager.acquire((LoraUse("fixable"),))[0]
+        assert fixed.result(timeout=60).weights.name == "fixable"
+        assert manager.metrics()["load_failures"] == 1
+    finally:
+        manager.close()
+        path.unlink()
+
+
 def test_unknown_names_and_no_folder_are_refused_at_submission(flux, lora_dir):
     editor, _ = flux
     with pytest.raises(LoraError, match="nope"):

@@ -46,6 +46,7 @@ class LoraManager:
         self._layers: LoraLayers | None = None
         self._device: OrderedDict[str, DeviceLora] = OrderedDict()
         self._loading: dict[str, Future] = {}
+        self._failed: dict[str, tuple[tuple, BaseException]] = {}  # name -> (its file's identity, the error)
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -117,19 +118,30 @@ class LoraManager:
     # ---- loading ----
 
     def _load(self, name: str) -> Future:
+        file = self._file_identity(name)
         with self._lock:
             resident = self._device.get(name)
             if resident is not None:
                 self._device.move_to_end(name)
-                done: Future = Future()
-                done.set_result(resident)
-                return done
+                return _resolved(resident)
+            failed = self._failed.get(name)
+            if failed is not None and failed[0] == file:  # the same broken file: not read again
+                return _resolved(error=failed[1])
             future = self._loading.get(name)
             if future is None:
                 future = self._loading[name] = Future()
                 self._start_thread()
-                self._queue.put(name)
+                self._queue.put((name, file))
             return future
+
+    def _file_identity(self, name: str) -> tuple:
+        """What changes when the operator replaces a name's file: (path, mtime, size); () without one."""
+        try:
+            path = lora_path(self.lora_dir, name)
+            stat = path.stat()
+        except (LoraError, OSError):
+            return ()
+        return (str(path), stat.st_mtime_ns, stat.st_size)
 
     def _start_thread(self) -> None:
         if self._thread is None:
@@ -139,29 +151,32 @@ class LoraManager:
     def _run(self) -> None:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         while True:
-            name = self._queue.get()
-            if name is None:
+            item = self._queue.get()
+            if item is None:
                 return
-            self._load_one(name, stream)
+            self._load_one(*item, stream)
             self._queue.task_done()  # `_queue.join()` returns once every queued load's frame has gone
 
-    def _load_one(self, name: str, stream) -> None:
+    def _load_one(self, name: str, file: tuple, stream) -> None:
         """One load, in a frame of its own: nothing of it stays referenced while the thread waits for the
-        next (a finished load held by `_run`'s locals would keep an evicted adapter's memory)."""
+        next (a finished load held by `_run`'s locals would keep an evicted adapter's memory). A failure is
+        remembered against the file's identity: requests for it fail at once until the file changes."""
         with self._lock:
             future = self._loading[name]
         try:
             device_lora = DeviceLora(*self._host_to_device(self._host(name), stream))
         except BaseException as exc:  # noqa: BLE001 - the requests that asked fail with it
+            error = exc if isinstance(exc, LoraError) else LoraError(f"LoRA {name!r} could not be loaded: {exc}")
             with self._lock:
                 self.load_failures += 1
                 del self._loading[name]
-            future.set_exception(exc if isinstance(exc, LoraError)
-                                 else LoraError(f"LoRA {name!r} could not be loaded: {exc}"))
+                self._failed[name] = (file, error)
+            future.set_exception(error)
             return
         with self._lock:
             self._device[name] = device_lora
             del self._loading[name]
+            self._failed.pop(name, None)
         future.set_result(device_lora)
         self._evict()
 
@@ -218,6 +233,7 @@ class LoraManager:
         file again."""
         with self._lock:
             self._device.clear()
+            self._failed.clear()
             if self._layers is not None:
                 self._layers._stacks.clear()
         self.host.clear()
@@ -238,3 +254,12 @@ class LoraManager:
                     "device_bytes": device_bytes, "device_evictions": self.device_evictions, "loads": self.loads,
                     "load_failures": self.load_failures, "load_s": self.load_s,
                     "load_cpu_s": self.load_cpu_s, "loading": len(self._loading)}
+
+
+def _resolved(result=None, error: BaseException | None = None) -> Future:
+    future: Future = Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+    return future
