@@ -15,8 +15,8 @@ from lora_files import denoiser_of, save_kohya_lora, save_random_lora
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file, save_file
 
-from retouch.lora.files import (DENOISER_COMPONENT, all_finite, FLUX_FAMILIES, LoraModule, LoraWeights, list_loras, lora_path,
-                                read_lora)
+from retouch.lora.files import (DENOISER_COMPONENT, FLUX_FAMILIES, LoraModule, LoraWeights, all_finite,
+                                copy_all_finite, list_loras, lora_path, read_lora)
 from retouch.lora.spec import LoraError
 from retouch.models import load_pipeline, quiet_libraries
 from retouch.models.inputs import random_flux_inputs, random_sd3_inputs, random_unet_inputs
@@ -225,11 +225,26 @@ def test_weights_convert_and_report_their_size(sd2):
     converted = weights.to(dtype=torch.float32)
     assert converted is not weights and converted.nbytes == 2 * weights.nbytes and converted.name == "size"
     assert all(converted.modules[p].scaling == m.scaling for p, m in weights.modules.items())
-    pinned = weights.pin_memory()
-    if torch.cuda.is_available():
-        assert all(m.A.is_pinned() and m.B.is_pinned() for m in pinned.modules.values())
-    else:
-        assert pinned is weights
+    pinned = read_lora(folder / "size" / "pytorch_lora_weights.safetensors", "size", model.pipe, torch.bfloat16,
+                       pin=True)
+    assert all(m.A.is_pinned() == m.B.is_pinned() == torch.cuda.is_available() for m in pinned.modules.values())
+    assert all(torch.equal(pinned.modules[p].A, m.A) and torch.equal(pinned.modules[p].B, m.B)
+               for p, m in weights.modules.items())
+
+
+def test_weights_do_not_change_when_their_file_is_overwritten(sd2):
+    """A file the operator overwrites in place (`cp` over it) leaves what was read as it was: the weights
+    are not a mapping of the file (which would also SIGBUS once the file is truncated)."""
+    model, _, folder = sd2
+    path = save_random_lora(model, folder / "overwritten")
+    weights = read_lora(path, "overwritten", model.pipe)
+    before = {p: (m.A.clone(), m.B.clone()) for p, m in weights.modules.items()}
+    data = path.read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    with open(path, "r+b") as file:  # same length: no truncation, so a mapping would show the new bytes
+        file.seek(header)
+        file.write(bytes(len(data) - header))
+    assert all(torch.equal(m.A, before[p][0]) and torch.equal(m.B, before[p][1]) for p, m in weights.modules.items())
 
 
 def test_reading_leaves_the_pipeline_without_adapters(sd2):
@@ -300,13 +315,16 @@ SPECIAL_VALUES = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 3
        size=st.sampled_from([0, 1, 7, (1 << 20) - 1, (1 << 20) + 5]),
        specials=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.sampled_from(SPECIAL_VALUES)), max_size=3))
 def test_all_finite_agrees_with_torch(dtype, size, specials):
-    """The loader's single-threaded check says what torch.isfinite(t).all() says, at any chunk position
+    """The loader's single-threaded copy and check say what torch.isfinite(t).all() says, at any chunk position
     (the chunk is 1M values), for the dtypes adapter files hold; values that overflow fp16 become inf."""
     values = torch.randn(size, generator=torch.Generator().manual_seed(size)).to(dtype)
     for where, value in specials if size else ():
         values[int(where * size)] = value
     assert all_finite(values) == bool(torch.isfinite(values).all())
     assert all_finite(values.view(1, -1) if size else values) == all_finite(values)
+    copy = torch.full_like(values, 7)
+    assert copy_all_finite(values, copy) == all_finite(values)
+    assert torch.equal(copy.view(torch.uint8), values.view(torch.uint8))  # bit for bit, NaN payloads too
 
 
 def _edited_shape(tensors: dict, module: str, in_delta: int) -> dict:

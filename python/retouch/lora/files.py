@@ -66,12 +66,6 @@ class LoraWeights:
     def to(self, device=None, dtype=None, non_blocking: bool = False) -> LoraWeights:
         return self._map(lambda t: t.to(device=device, dtype=dtype, non_blocking=non_blocking))
 
-    def pin_memory(self) -> LoraWeights:
-        """Page-locked copies, for asynchronous uploads; itself where there is no CUDA to pin for."""
-        if not torch.cuda.is_available():
-            return self
-        return self._map(torch.Tensor.pin_memory)
-
     def _map(self, convert) -> LoraWeights:
         return LoraWeights(self.name, {path: LoraModule(convert(m.A), convert(m.B), m.scaling)
                                        for path, m in self.modules.items()})
@@ -108,9 +102,12 @@ def list_loras(lora_dir: str | Path) -> list[str]:
     return sorted(name for name in names if NAME.fullmatch(name))
 
 
-def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = None) -> LoraWeights:
+def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = None,
+              pin: bool = False) -> LoraWeights:
     """The denoiser part of the LoRA file at `path`, for `pipe` (a diffusers pipeline retouch serves, or
-    a LoadedModel), on the CPU in `dtype` (default: the denoiser's). `LoraError` for a file diffusers
+    a LoadedModel), on the CPU in `dtype` (default: the denoiser's), in memory of its own (page-locked with
+    `pin`, for asynchronous uploads): safetensors maps the file, and a mapping outlives neither a file
+    overwritten in place (`cp new.safetensors` over it: SIGBUS at the next read) nor its page cache. `LoraError` for a file diffusers
     could not load into this denoiser, and for what retouch does not apply: text-encoder LoRA, non-linear
     targets, DoRA, LoRA biases.
 
@@ -132,7 +129,7 @@ def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = Non
     modules = {}
     for module_path, (A, B) in factors.items():
         what = f"{where}: {module_path}"
-        modules[module_path] = LoraModule(_cast(A, dtype, f"{what}.lora_A"), _cast(B, dtype, f"{what}.lora_B"),
+        modules[module_path] = LoraModule(_owned(A, dtype, pin, f"{what}.lora_A"), _owned(B, dtype, pin, f"{what}.lora_B"),
                                           _scaling(config, module_path, A.shape[0], where))
     return LoraWeights(name, modules)
 
@@ -308,38 +305,63 @@ def _scaling(config, path: str, rank: int, where: str) -> float:
     return float(alpha / math.sqrt(r) if config.use_rslora else alpha / r)
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
-    cast = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-    if not all_finite(cast):  # one pass over the weights on the loading path; the second only to explain
+def _owned(tensor: torch.Tensor, dtype: torch.dtype, pin: bool, what: str) -> torch.Tensor:
+    """`tensor` in `dtype`, copied into memory of its own and checked finite in the same pass."""
+    source = tensor.detach()
+    if source.dtype != dtype:
+        source = source.to(device="cpu", dtype=dtype)  # a conversion: torch's, on the CPU
+    owned = torch.empty(source.shape, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
+    if not copy_all_finite(source.contiguous(), owned):  # the second pass only to explain
         if not all_finite(tensor.detach().cpu().contiguous()):
             raise LoraError(f"{what} has NaN or infinite values")
         raise LoraError(f"{what} has values too large for {dtype}")
-    return cast
+    return owned
 
 
-_CHECK_CHUNK = 1 << 20  # values per numpy call: a bounded temporary, and the GIL released for each
+_CHUNK = 1 << 20  # values per numpy call: a bounded temporary, and the GIL released for each
 _EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80)}  # numpy has no bfloat16: all-ones exponent = inf/NaN
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+
+
+def copy_all_finite(source: torch.Tensor, out: torch.Tensor) -> bool:
+    """Copy contiguous `source` into `out` (same shape and dtype, CPU) and say whether no value is NaN or
+    infinite; one core, in bounded chunks, each checked while it is in cache.
+
+    The loader thread runs this while the step loop computes: torch's copy_ and isfinite(t).all() would each
+    start an OpenMP team as wide as the forward's (two teams on the same cores stall each other at every
+    barrier), and isfinite writes a bool per value; numpy over 1M-value slices is single-threaded and much
+    cheaper here (the check alone: 15 ms against 220 ms for 280 MiB of fp32)."""
+    views = _numpy_views(source)
+    if views is None:  # float8 and other types numpy lacks: rare in adapter files
+        out.copy_(source)
+        return all_finite(out)
+    src, finite = views
+    dst = _numpy_views(out)[0]
+    ok = True
+    for start in range(0, src.size, _CHUNK):
+        chunk = dst[start:start + _CHUNK]
+        np.copyto(chunk, src[start:start + _CHUNK])
+        ok = ok and finite(chunk)
+    return ok
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or infinity in a contiguous CPU tensor, checked on one core in bounded chunks.
+    """No NaN or infinity in a contiguous CPU tensor; one core, in bounded chunks (as `copy_all_finite`)."""
+    views = _numpy_views(tensor)
+    if views is None:
+        return not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
+    values, finite = views
+    return all(finite(values[start:start + _CHUNK]) for start in range(0, values.size, _CHUNK))
 
-    The loader thread runs this while the step loop computes: torch.isfinite(t).all() would start an
-    OpenMP team as wide as the forward's (two teams on the same cores stall each other at every barrier)
-    and write a bool per value; numpy's isfinite over 1M-value slices is single-threaded and about 10x
-    cheaper here (15 ms against 220 ms for 280 MiB of fp32)."""
-    if not tensor.is_floating_point():
-        return True
-    flat = tensor.reshape(-1)
+
+def _numpy_views(tensor: torch.Tensor):
+    """(the flat values as numpy, chunk -> all finite) for the float types adapter files hold; None else."""
     if tensor.dtype in _EXPONENT_BITS:
         as_int, exponent = _EXPONENT_BITS[tensor.dtype]
-        bits = flat.view(as_int).numpy()
-        return not any(((bits[i:i + _CHECK_CHUNK] & exponent) == exponent).any()
-                       for i in range(0, bits.size, _CHECK_CHUNK))
-    if tensor.dtype not in (torch.float16, torch.float32, torch.float64):
-        return bool(torch.isfinite(tensor).all())  # float8 and other types numpy lacks: rare in adapter files
-    values = flat.numpy()
-    return all(np.isfinite(values[i:i + _CHECK_CHUNK]).all() for i in range(0, values.size, _CHECK_CHUNK))
+        return tensor.reshape(-1).view(as_int).numpy(), lambda chunk: not ((chunk & exponent) == exponent).any()
+    if tensor.dtype in _NUMPY_FLOATS:
+        return tensor.reshape(-1).numpy(), lambda chunk: bool(np.isfinite(chunk).all())
+    return None
 
 
 def _first_line(error: BaseException) -> str:

@@ -184,9 +184,8 @@ class LoraManager:
         weights = self.host.get(name)
         if weights is None:
             started, cpu_started = time.perf_counter(), time.thread_time()
-            weights = read_lora(lora_path(self.lora_dir, name), name, self.editor.pipe, self.editor.dtype)
-            if self.device.type == "cuda":
-                weights = weights.pin_memory()
+            weights = read_lora(lora_path(self.lora_dir, name), name, self.editor.pipe, self.editor.dtype,
+                                pin=self.device.type == "cuda")
             self.host.put(name, weights)
             with self._lock:
                 self.loads += 1
