@@ -149,7 +149,6 @@ def load_hiding(args, device: torch.device, dtype: torch.dtype) -> dict:
     mask = Image.new("L", (size, size), 0)
     side = int(size * args.mask_ratio ** 0.5)
     mask.paste(255, ((size - side) // 2, (size - side) // 2, (size + side) // 2, (size + side) // 2))
-    names = ("none", "sync", "warm", "async", "async+prefetch")
     rounds: list[dict[str, float]] = []  # one edit of each variant per round: paired against the round's warm
     read = {"wall": [], "cpu": []}
     applied: dict[str, list[int]] = {"async": [], "async+prefetch": []}
@@ -180,14 +179,14 @@ def load_hiding(args, device: torch.device, dtype: torch.dtype) -> dict:
                 latency[name] = time.perf_counter() - started
                 after = loras.metrics()
                 if repeat and name == "sync":
-                    read["wall"].append(after["load_s"] - before["load_s"])
-                    read["cpu"].append(after["load_cpu_s"] - before["load_cpu_s"])
+                    read["wall"].append(after["load_seconds"] - before["load_seconds"])
+                    read["cpu"].append(after["load_cpu_seconds"] - before["load_cpu_seconds"])
                 if repeat and name in applied:
                     applied[name].append(result.metrics.lora_applied_step)
             if repeat:
                 rounds.append(latency)
         progress.close()
-    medians = {name: statistics.median(r[name] for r in rounds) for name in names}
+    medians = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
     # What the load costs a user: sync against warm (same LoRA compute, no load). Async applies from step k,
     # so it also skips k steps of LoRA compute: its load-free reference is warm less those (per step: warm vs
     # none). Each difference is taken within a round, then the median over rounds: the machine's drift
@@ -274,7 +273,8 @@ def plot(report: dict, path: Path) -> None:
         loading = report["loading"]
         axis = axes[0][1]
         names = list(loading["e2e_s"])
-        axis.bar(names, [loading["e2e_s"][n] for n in names], color=["grey", "tab:red", "tab:blue", "tab:green", "tab:olive"])
+        axis.bar(names, [loading["e2e_s"][n] for n in names],
+                 color=["grey", "tab:red", "tab:blue", "tab:green", "tab:olive"])
         axis.set_ylabel("edit latency (s)")
         axis.set_title(f"{loading['adapter_mib']:.0f} MiB adapter: {loading['hidden_share'] * 100:.0f}% of its load "
                        "hidden" if loading["hidden_share"] is not None else "load")

@@ -31,7 +31,7 @@ from retouch.lora import LoraError, LoraUse
 TIMEOUT_S = 10.0
 SIZE = (32, 32)
 LORA_METRICS = {"cached_bytes": 4096, "cached_adapters": 1, "budget_bytes": 1 << 30, "hits": 2, "misses": 1,
-                "evictions": 0, "loads": 1, "load_failures": 0, "load_s": 0.25}
+                "evictions": 0, "loads": 1, "load_failures": 0, "load_seconds": 0.25}
 
 
 def png(image: Image.Image) -> bytes:

@@ -32,8 +32,8 @@ WORKER_REPORT = {"steps": 12, "completed": 5, "failed": 1, "cancelled": 2, "reco
                            "host_bytes_used": 1 << 20, "host_bytes_budget": 1 << 30, "host_templates": 1,
                            "disk_bytes_used": 8192, "disk_bytes_budget": 1 << 32},
                  "lora": {"cached_bytes": 1 << 20, "cached_adapters": 2, "budget_bytes": 1 << 31, "hits": 9,
-                          "misses": 3, "evictions": 1, "loads": 3, "load_failures": 1, "load_s": 0.75,
-                          "load_cpu_s": 0.25}}
+                          "misses": 3, "evictions": 1, "loads": 3, "load_failures": 1,
+                          "load_seconds": 0.75, "load_cpu_seconds": 0.25}}
 CACHE_GAUGES = {"host_bytes_used", "host_bytes_budget", "host_templates", "disk_bytes_used", "disk_bytes_budget"}
 LORA_GAUGES = {"cached_bytes", "cached_adapters", "budget_bytes"}
 
@@ -118,8 +118,7 @@ def test_metrics_count_every_answer_and_expose_router_and_worker_state():
         name = f"retouch_worker_cache_{key}" + ("" if key in CACHE_GAUGES else "_total")
         assert sample(found, name, worker="w0") == value, name
     for key, value in WORKER_REPORT["lora"].items():
-        name = "retouch_worker_lora_" + {"load_s": "load_seconds", "load_cpu_s": "load_cpu_seconds"}.get(key, key)
-        name += "" if key in LORA_GAUGES else "_total"
+        name = f"retouch_worker_lora_{key}" + ("" if key in LORA_GAUGES else "_total")
         assert sample(found, name, worker="w0") == value, name
     assert sample(found, "retouch_worker_steps_total", worker="w1") == 3
     assert sample(found, "retouch_worker_queued", worker="w1") == 0

@@ -70,8 +70,7 @@ CACHE_GAUGES = (("host_bytes_used", "bytes of activations in pinned host memory"
                 ("host_templates", "templates resident in host memory"),
                 ("disk_bytes_used", "bytes of activations on disk"),
                 ("disk_bytes_budget", "the disk tier's budget in bytes"))
-# The keys of lora.manager.LoraManager.metrics (its "load_s" and "load_cpu_s" exported as load_seconds and
-# load_cpu_seconds).
+# The keys of lora.manager.LoraManager.metrics.
 LORA_COUNTERS = (("hits", "LoRA lookups found in the worker's host cache"),
                  ("misses", "LoRA lookups not found (a load follows)"),
                  ("evictions", "LoRAs evicted from the host cache"),
@@ -152,9 +151,7 @@ class RouterCollector(Collector):
         yield from _per_worker("retouch_worker_", workers, WORKER_GAUGES, WORKER_COUNTERS)
         caches = [(name, report["cache"]) for name, report in workers if isinstance(report.get("cache"), dict)]
         yield from _per_worker("retouch_worker_cache_", caches, CACHE_GAUGES, CACHE_COUNTERS)
-        loras = [(name, {**report["lora"], "load_seconds": report["lora"].get("load_s"),
-                         "load_cpu_seconds": report["lora"].get("load_cpu_s")})
-                 for name, report in workers if isinstance(report.get("lora"), dict)]
+        loras = [(name, report["lora"]) for name, report in workers if isinstance(report.get("lora"), dict)]
         yield from _per_worker("retouch_worker_lora_", loras, LORA_GAUGES, LORA_COUNTERS)
 
 

@@ -107,9 +107,9 @@ def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = Non
     """The denoiser part of the LoRA file at `path`, for `pipe` (a diffusers pipeline retouch serves, or
     a LoadedModel), on the CPU in `dtype` (default: the denoiser's), in memory of its own (page-locked with
     `pin`, for asynchronous uploads): safetensors maps the file, and a mapping outlives neither a file
-    overwritten in place (`cp new.safetensors` over it: SIGBUS at the next read) nor its page cache. `LoraError` for a file diffusers
-    could not load into this denoiser, and for what retouch does not apply: text-encoder LoRA, non-linear
-    targets, DoRA, LoRA biases.
+    overwritten in place (`cp new.safetensors` over it: SIGBUS at the next read) nor its page cache.
+    `LoraError` for a file diffusers could not load into this denoiser, and for what retouch does not
+    apply: text-encoder LoRA, non-linear targets, DoRA, LoRA biases.
 
     Returns modules in the denoiser's named_modules() order: A: [r, in], B: [out, r], scaling."""
     from retouch.models import family_of_pipeline
@@ -129,7 +129,8 @@ def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = Non
     modules = {}
     for module_path, (A, B) in factors.items():
         what = f"{where}: {module_path}"
-        modules[module_path] = LoraModule(_owned(A, dtype, pin, f"{what}.lora_A"), _owned(B, dtype, pin, f"{what}.lora_B"),
+        modules[module_path] = LoraModule(_owned(A, dtype, pin, f"{what}.lora_A"),
+                                          _owned(B, dtype, pin, f"{what}.lora_B"),
                                           _scaling(config, module_path, A.shape[0], where))
     return LoraWeights(name, modules)
 

@@ -51,7 +51,7 @@ class LoraManager:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self.loads = self.load_failures = self.device_evictions = 0
-        self.load_s = self.load_cpu_s = 0.0  # wall and loader-thread CPU seconds of file reads
+        self.load_seconds = self.load_cpu_seconds = 0.0  # wall and loader-thread CPU seconds of file reads
 
     @property
     def device(self) -> torch.device:
@@ -118,20 +118,19 @@ class LoraManager:
     # ---- loading ----
 
     def _load(self, name: str) -> Future:
-        file = self._file_identity(name)
         with self._lock:
             resident = self._device.get(name)
             if resident is not None:
                 self._device.move_to_end(name)
                 return _resolved(resident)
             failed = self._failed.get(name)
-            if failed is not None and failed[0] == file:  # the same broken file: not read again
+            if failed is not None and failed[0] == self._file_identity(name):  # the same broken file: not read again
                 return _resolved(error=failed[1])
             future = self._loading.get(name)
             if future is None:
                 future = self._loading[name] = Future()
                 self._start_thread()
-                self._queue.put((name, file))
+                self._queue.put(name)
             return future
 
     def _file_identity(self, name: str) -> tuple:
@@ -151,18 +150,19 @@ class LoraManager:
     def _run(self) -> None:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         while True:
-            item = self._queue.get()
-            if item is None:
+            name = self._queue.get()
+            if name is None:
                 return
-            self._load_one(*item, stream)
+            self._load_one(name, stream)
             self._queue.task_done()  # `_queue.join()` returns once every queued load's frame has gone
 
-    def _load_one(self, name: str, file: tuple, stream) -> None:
+    def _load_one(self, name: str, stream) -> None:
         """One load, in a frame of its own: nothing of it stays referenced while the thread waits for the
         next (a finished load held by `_run`'s locals would keep an evicted adapter's memory). A failure is
         remembered against the file's identity: requests for it fail at once until the file changes."""
         with self._lock:
             future = self._loading[name]
+        file = self._file_identity(name)  # before the read: a file replaced during it is read again
         try:
             device_lora = DeviceLora(*self._host_to_device(self._host(name), stream))
         except BaseException as exc:  # noqa: BLE001 - the requests that asked fail with it
@@ -189,8 +189,8 @@ class LoraManager:
             self.host.put(name, weights)
             with self._lock:
                 self.loads += 1
-                self.load_s += time.perf_counter() - started
-                self.load_cpu_s += time.thread_time() - cpu_started
+                self.load_seconds += time.perf_counter() - started
+                self.load_cpu_seconds += time.thread_time() - cpu_started
         return weights
 
     def _host_to_device(self, weights: LoraWeights, stream) -> tuple[LoraWeights, torch.cuda.Event | None]:
@@ -251,8 +251,8 @@ class LoraManager:
                     "budget_bytes": self.host.budget_bytes, "hits": self.host.hits, "misses": self.host.misses,
                     "evictions": self.host.evictions, "device_adapters": len(self._device),
                     "device_bytes": device_bytes, "device_evictions": self.device_evictions, "loads": self.loads,
-                    "load_failures": self.load_failures, "load_s": self.load_s,
-                    "load_cpu_s": self.load_cpu_s, "loading": len(self._loading)}
+                    "load_failures": self.load_failures, "load_seconds": self.load_seconds,
+                    "load_cpu_seconds": self.load_cpu_seconds, "loading": len(self._loading)}
 
 
 def _resolved(result=None, error: BaseException | None = None) -> Future:
