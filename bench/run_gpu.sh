@@ -33,7 +33,8 @@ fi
 
 if [ "${RETOUCH_GPU_SMOKE:-0}" = 1 ]; then
   # The same parts on the CPU with the tiny models at tiny sizes: proves the glue (tests use it).
-  device=cpu-smoke DEV=cpu FLUX=tiny-flux-fill SDXL=tiny-sdxl-inpaint SD2=tiny-sd2-inpaint
+  # One UNet: SD2 runs the same adapter and the same glue as SDXL, and each costs the smoke about 10 s.
+  device=cpu-smoke DEV=cpu FLUX=tiny-flux-fill UNETS=(tiny-sdxl-inpaint)
   QUICK=(--quick) BLOCK=(--repeats 1 --mask-ratios 0.2,1.0) IMAGE=(--steps 2 --repeats 1 --mask-ratios 0.2,0.9)
   PROFILE_FLUX=(--grids 4,6,8 --batch-sizes 1,2 --mask-ratios 0.3,1.0 --load-mib 0.25,1 --repeats 1)
   PROFILE_UNET=(--grids 8,12,16 --batch-sizes 1,2 --mask-ratios 0.3,1.0 --load-mib 0.25,1 --repeats 1)
@@ -48,7 +49,7 @@ else
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
   device=$("$PYTHON" -c "import torch; n = torch.cuda.get_device_name(); print(next((w for w in n.lower().split() if w[0] in 'abhl' and w[1:2].isdigit()), n.split()[-1].lower()))")
-  DEV=cuda FLUX=flux-size SDXL=sdxl-size SD2=sd2-size
+  DEV=cuda FLUX=flux-size UNETS=(sdxl-size sd2-size)
   QUICK=() BLOCK=() IMAGE=() OVERLAP=()
   THROUGHPUT=(--size 1024 --steps 8 --batch-sizes 1 2 4 8 --repeats 2)
   SERVING=(--size 1024 --steps 8 --max-batch 8 --rps 0.5 1 2 4 --requests 16)
@@ -105,7 +106,7 @@ part_flux() {
 
 part_unet() {
   local model
-  for model in "$SDXL" "$SD2"; do
+  for model in "${UNETS[@]}"; do
     profile "$model" "${PROFILE_UNET[@]}"
     bench image "image_latency_$model.json" --model "$model" --device "$DEV" --cost-model "$RESULTS/cost_$model.json" \
       "${IMAGE[@]}"
