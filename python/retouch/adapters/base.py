@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -70,6 +71,24 @@ class MaskAwareAdapter:
         if key not in self._memo:
             self._memo[key] = compute()
         return self._memo[key]
+
+    def key_rows_like(self, hidden_states: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+        """An empty `[0, heads, head_dim]` tensor of hidden_states' dtype and device: what a block's cache
+        reads of keys and values are shaped by. Made once per forward (one op fewer per block)."""
+        return self.memo(("key-rows", hidden_states.dtype, hidden_states.device, heads, head_dim),
+                         lambda: hidden_states.new_empty((0, heads, head_dim)))
+
+    def output_over_stale_rows(self, hidden_states: torch.Tensor, records: bool) -> torch.Tensor:
+        """What a KV-cache block writes its computed rows into when nothing reads its other rows: its input
+        itself, when an earlier such block of this forward made that tensor and no request of the batch
+        `records` (a recording's copy may still be reading it); otherwise a copy. The copy of every hidden
+        row per block was one op and a full read and write of the hidden states."""
+        made = self._memo.get("stale-rows-output")
+        if made is not None and made() is hidden_states and not records:
+            return hidden_states
+        out = hidden_states.contiguous().clone()
+        self._memo["stale-rows-output"] = weakref.ref(out)
+        return out
 
     def compile(self, cuda_graphs: bool = False, **options) -> None:
         """Run the blocks through torch.compile from now on: the tensor cores of masked blocks and the class

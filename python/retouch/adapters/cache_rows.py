@@ -42,7 +42,7 @@ def block_output(adapter, context: MaskAwareContext, index: int, hidden_states: 
     which no later op reads."""
     hidden = hidden_states.shape[-1]
     if context.mode is CacheMode.KV_CACHE and not adapter.needs_all_output_rows(context, index):
-        out = hidden_states.contiguous().clone()
+        out = adapter.output_over_stale_rows(hidden_states, bool(context.recording_requests))
         ops.scatter_rows_(out.view(-1, hidden), image_query_rows, image_rows)
         return out
     return rows_with_recorded(context, index, OUT, image_rows, image_query_rows)

@@ -216,7 +216,7 @@ def _masked_block_forward(core: Callable, block: torch.nn.Module, adapter: FluxM
     rows, attention = _forward_rows(adapter, context, image_rotary_emb, hidden_states.dtype, attn.head_dim)
     recorded_k = recorded_v = None
     if context.mode is not CacheMode.Y_CACHE:
-        like = hidden_states.new_empty((0, attn.heads, attn.head_dim))
+        like = adapter.key_rows_like(hidden_states, attn.heads, attn.head_dim)
         recorded_k = recorded_rows(context, index, KEY, like)
         recorded_v = recorded_rows(context, index, VALUE, like)
     text_out, image_rows, image_k, image_v = adapter.core(core)(

@@ -204,7 +204,7 @@ def _joint_block_forward(block: JointTransformerBlock, adapter: SD3MaskAwareAdap
     rows, plans = _forward_plan(adapter, context, hidden_states.dtype, head_dim(block.attn))
     recorded = None
     if context.mode is not CacheMode.Y_CACHE:
-        like = hidden_states.new_empty((0, block.attn.heads, head_dim(block.attn)))
+        like = adapter.key_rows_like(hidden_states, block.attn.heads, head_dim(block.attn))
         names = (KEY, VALUE, DUAL_KEY, DUAL_VALUE) if block.use_dual_attention else (KEY, VALUE)
         recorded = tuple(recorded_rows(context, index, name, like) for name in names)
     encoder_hidden_states, image_rows, keys = adapter.core(joint_block_core)(

@@ -346,13 +346,13 @@ def _masked_forward(block: BasicTransformerBlock, adapter: UNetMaskAwareAdapter,
     plans = _level_plan(adapter, context, level, encoder_hidden_states.shape[1], hidden_states.dtype, head_dim(attn))
     recorded = None
     if context.mode is CacheMode.KV_CACHE:
-        like = hidden_states.new_empty((0, attn.heads, head_dim(attn)))
+        like = adapter.key_rows_like(hidden_states, attn.heads, head_dim(attn))
         recorded = (_recorded(context, index, level, KEY, like), _recorded(context, index, level, VALUE, like))
     rows, key, value = adapter.core(transformer_block_core)(block, hidden_states, encoder_hidden_states, query_rows,
                                                             recorded, plans)
     if context.mode is CacheMode.KV_CACHE and not adapter.needs_all_output_rows(context, index):
         # Nothing reads the unmasked rows before the next cached block of this Transformer2DModel.
-        out = with_rows(hidden_states.contiguous().clone(), query_rows, rows)
+        out = with_rows(adapter.output_over_stale_rows(hidden_states, bool(context.recording_rows)), query_rows, rows)
     else:
         out = with_rows(_recorded(context, index, level, OUT, rows), query_rows, rows)
     if context.recording_rows:  # their rows computed every token: out, key and value are whole

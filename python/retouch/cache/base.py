@@ -52,11 +52,16 @@ class ActivationCache(ABC):
         With a token count per row (a mixed-resolution batch), the rows are packed: `[sum num_tokens, ...]`."""
         counts = [num_tokens] * len(keys) if isinstance(num_tokens, int) else list(num_tokens)
         rows = [like.new_empty((count, *like.shape[1:])) if key is None
-                else self.get(key[0], key[1], block, key[2]).to(like.device, like.dtype)
+                else _on(self.get(key[0], key[1], block, key[2]), like)
                 for key, count in zip(keys, counts)]
         if not isinstance(num_tokens, int):
             return torch.cat(rows) if rows else like.new_empty((0, *like.shape[1:]))
         return torch.stack(rows) if rows else like.new_empty((0, num_tokens, *like.shape[1:]))
+
+
+def _on(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`tensor` on like's device and dtype (`.to` only when it must: a no-op `.to` is still an op per read)."""
+    return tensor if tensor.dtype == like.dtype and tensor.device == like.device else tensor.to(like.device, like.dtype)
 
 
 class InMemoryActivationCache(ActivationCache):

@@ -1,0 +1,50 @@
+"""A KV-cache block whose unmasked output rows nobody reads writes its computed rows into its input when
+an earlier such block of the same forward made that input (issue 16: one op and one full copy of the
+hidden states fewer per block), and into a copy otherwise: the first such block's input belongs to the
+caller, and a recording in the batch may still be copying it."""
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from forward_cases import FAMILY_MODELS, Forwards
+from retouch.adapters.context import CacheMode, MaskAwareContext
+from retouch.cache.base import InMemoryActivationCache
+from retouch.bench.overhead import _inside_op
+from retouch.masks import centred_token_rectangle
+from retouch.profile import build_target
+
+
+def test_the_input_is_written_only_when_this_forward_made_it():
+    forwards = Forwards(FAMILY_MODELS["flux-fill"], templates=1)
+    adapter = forwards.adapter
+    caller = torch.randn(1, 4, 8)
+    with adapter.run(forwards.context(CacheMode.KV_CACHE, [0.2])):
+        first = adapter.output_over_stale_rows(caller, records=False)
+        assert first is not caller and torch.equal(first, caller)  # the caller's tensor: copied
+        assert adapter.output_over_stale_rows(first, records=False) is first  # made here: written
+        recorded = adapter.output_over_stale_rows(first, records=True)
+        assert recorded is not first and torch.equal(recorded, first)  # a recording may read it: copied
+        assert adapter.output_over_stale_rows(torch.randn(1, 4, 8), records=False) is not recorded
+    with adapter.run(forwards.context(CacheMode.KV_CACHE, [0.2])):
+        assert adapter.output_over_stale_rows(first, records=False) is not first  # another forward's
+
+
+def _clones(target, context, batch: int = 1) -> int:
+    inputs = target.inputs(batch, 4)
+    with torch.inference_mode(), target.adapter.run(context), profile(activities=[ProfilerActivity.CPU]) as prof:
+        target.denoiser(**inputs)
+    return sum(event.name == "aten::clone" and not _inside_op(event) for event in prof.events())
+
+
+def test_a_kv_forward_copies_the_hidden_states_once_not_per_block():
+    """Flux at flux-size depth (57 blocks): one copy for the first block, then each block writes into what
+    the one before made; a batch that records copies per block."""
+    target = build_target("flux-size", torch.device("cpu"), torch.float32, narrow=True, text_tokens=4)
+    _, cache = target.record(1, 4, torch.device("cpu"))
+    assert _clones(target, target.edit_context(CacheMode.KV_CACHE, 1, 4, 0.25, cache)) == 1
+    # A batch of that edit and a request that records (every token masked): a copy for every block but
+    # the last, whose output is read whole.
+    with_recording = MaskAwareContext.edit(CacheMode.KV_CACHE, [centred_token_rectangle((4, 4), 0.25), torch.arange(16)],
+                                           ["t0", "t1"], [0, 0], 4, 16, cache, records=[False, True],
+                                           record_to=InMemoryActivationCache())
+    assert _clones(target, with_recording, batch=2) == target.adapter.num_blocks - 1
