@@ -44,7 +44,8 @@ def test_a_kv_forward_copies_the_hidden_states_once_not_per_block():
     assert _clones(target, target.edit_context(CacheMode.KV_CACHE, 1, 4, 0.25, cache)) == 1
     # A batch of that edit and a request that records (every token masked): a copy for every block but
     # the last, whose output is read whole.
-    with_recording = MaskAwareContext.edit(CacheMode.KV_CACHE, [centred_token_rectangle((4, 4), 0.25), torch.arange(16)],
-                                           ["t0", "t1"], [0, 0], 4, 16, cache, records=[False, True],
+    masks = [centred_token_rectangle((4, 4), 0.25), torch.arange(16)]
+    with_recording = MaskAwareContext.edit(CacheMode.KV_CACHE, masks, ["t0", "t1"], [0, 0], 4, 16, cache,
+                                           records=[False, True],
                                            record_to=InMemoryActivationCache())
     assert _clones(target, with_recording, batch=2) == target.adapter.num_blocks - 1
