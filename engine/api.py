@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from retouch.editor import DEFAULT_STEPS, EditRequest, MaskAwareEditor, Template
-from retouch.engine import processing
+from retouch.engine import processing, recipes
 from retouch.engine.metrics import now
 from retouch.engine.processing import HelperPool
 from retouch.engine.worker import EditResult, EngineConfig, Job, StepWatch, Worker
@@ -103,6 +103,34 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def warm_up(self) -> None:
+        """Compile now what the first requests would compile (an editor built with `compile`): the editor's
+        warm-up (`MaskAwareEditor.warm_up`), then, where requests of different sizes share a forward (Flux
+        and SD3, `EngineConfig.mixed_sizes`), a batch of two sizes through a step loop of its own. Run it
+        before `start`: the router sends a worker nothing until it says hello."""
+        self.editor.warm_up()
+        if not (self.config.mixed_sizes and self.editor.model.family in recipes.PACKED):
+            return
+        sizes = ((64, 64), (64, 96))
+        ids = [self.editor.register_template(Image.new("RGB", size, (127, 127, 127)), prompt="warm-up", steps=1)
+               for size in sizes]
+        loop = Worker(self.editor, EngineConfig(mode="naive"))
+        try:
+            jobs = []
+            for template_id, size in zip(ids, sizes):
+                corner = Image.new("L", size, 0)
+                corner.paste(255, (0, 0, 32, 32))
+                jobs.append(Worker.new_job(EditRequest(template_id, corner, "warm-up")))
+                loop.inbox.put(("edit", jobs[-1]))
+            loop.inbox.put(("stop",))
+            loop.run()
+            for job in jobs:
+                job.future.result()
+        finally:
+            loop.loras.close()
+            for template_id in ids:
+                self.editor.drop_template(template_id)
 
     # ---- requests ----
 

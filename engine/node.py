@@ -319,7 +319,7 @@ def run_worker(opts: WorkerOptions) -> None:
     if opts.compile or opts.cuda_graphs:
         # Before the worker says hello: the router sends it nothing while it compiles.
         print(f"{name}: compiling the mask-aware blocks (once per process)", file=sys.stderr, flush=True)
-        engine.editor.warm_up()
+        engine.warm_up()
     # The step loop runs on this, the main thread, which loaded the model (see Engine.start); the
     # node's socket gets a thread of its own and closes the engine when told to stop.
     engine.start(own_thread=False)

@@ -118,31 +118,38 @@ def test_cuda_graphs_capture_and_replay(model):
 
 # ---- the opt-in flag: editor, CLI and server options ----
 
-def test_a_compiled_editor_edits_as_the_eager_one_and_warms_up_once():
-    """`MaskAwareEditor(compile=True)` (what `--compile` sets) through the whole pipeline: after
-    `warm_up` (what a worker runs before it takes requests), a template of another size, its recording
-    and a ragged batch of edits compile nothing new, and the edits equal the eager editor's within the
-    compiled tolerance."""
+def test_a_compiled_engine_edits_as_the_eager_one_and_warms_up_once():
+    """`compile=True` (what `--compile` sets) through the whole pipeline: after `Engine.warm_up` (what a
+    worker runs before it takes requests), a template of another size, its recording and a ragged batch of
+    edits compile nothing new, nor does a step-loop batch of three sizes in one forward (Flux and SD3
+    workers pack sizes: `EngineConfig.mixed_sizes`, whose packed rows are graphs of their own), and the
+    edits equal the eager engine's within the compiled tolerance."""
     from editor_inputs import square_mask, template_image
     from PIL import Image
+    from test_mixed_sizes import edits, run, templates
 
-    from retouch import load
     from retouch.editor import EditRequest
+    from retouch.engine.api import Engine
+    from retouch.engine.worker import EngineConfig
 
     torch._dynamo.reset()
     latents = []
     for compiled in (False, True):
-        editor = load("tiny-flux-fill", compile=compiled)
+        engine = Engine.load("tiny-flux-fill", EngineConfig(mode="naive"), compile=compiled)
+        editor = engine.editor
         assert editor.compiled == compiled
         if compiled:
-            editor.warm_up()
-            assert not editor.templates  # the warm-up's template is gone
+            engine.warm_up()
+            assert not editor.templates  # the warm-up's templates are gone
         with torch._dynamo.config.patch(error_on_recompile=compiled):
             template = editor.register_template(template_image(), prompt="a scene", steps=2, seed=0)
             requests = [EditRequest(template, square_mask(), "a red hat", seed=1),
                         EditRequest(template, Image.new("L", (128, 128), 0), "nothing", seed=2),
                         EditRequest(template, square_mask((0, 0, 127, 40)), "a blue sky", seed=3)]
             latents.append(editor.edit_many(requests, output_type="latent"))
+            _, jobs, forwards = run(editor, edits(editor, templates(editor)))
+        assert forwards[0] == 3  # the three sizes in one forward
+        latents[-1] += [job.row.latents[0] for job in jobs]
     for eager, compiled in zip(*latents):
         assert_close_ulps(compiled, eager, COMPILED_ULPS)
 
@@ -168,3 +175,4 @@ def test_cuda_graphs_are_refused_off_cuda():
         with pytest.raises(InputError, match="--cuda-graphs needs a CUDA device"):
             server.start()
         assert getattr(server, "router", None) is None
+
