@@ -214,7 +214,8 @@ class Node:
         if isinstance(cache, CacheStore):
             metrics["cache"] = cache.metrics()  # CacheStore.metrics: cumulative counters and tier occupancy
         metrics["lora"] = self.engine.worker.loras.metrics()  # LoraManager.metrics: likewise, of the LoRA cache
-        return {"kind": "heartbeat", "running": running, "queued": queued, "metrics": metrics}
+        return {"kind": "heartbeat", "running": running, "queued": queued, "metrics": metrics,
+                "loras": self.engine.worker.loras.resident()}
 
     # ---- other threads ----
 

@@ -12,7 +12,11 @@ A one-off image (`TemplateRecord.one_off`) is never registered: its first edit g
 with the image and records it as it runs (one generation); later edits of it go where it is ready.
 An edit with a LoRA (`EditTask.lora`, sent as `retouch.lora.choice_header` JSON) of an image nobody
 holds is computed in full and records nothing (the cache holds the base model's activations): it
-carries the image without claiming its recording.
+carries the image without claiming its recording. Among the workers an edit with a LoRA may go to, those
+that hold its adapters (their heartbeat's `loras`, or an edit sent there naming them) are preferred while
+one is about as loaded as the least loaded (`RouterConfig.lora_affinity`): with thousands of long-tailed
+adapters, spreading one adapter's requests over every worker would read its file, and evict another
+adapter for it, once per worker.
 Requests can be cancelled (the client went away): the worker drops them at its next step.
 
 Failure handling: a worker that stops heartbeating for `dead_after_s`, or whose process the
@@ -177,6 +181,7 @@ class WorkerState:
     last_seen: float
     assigned: set[int] = field(default_factory=set)
     report: dict = field(default_factory=dict)  # its last heartbeat's metrics
+    loras: frozenset[str] = frozenset()  # the LoRAs its last heartbeat held (`LoraManager.resident`)
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,10 @@ class RouterConfig:
     max_queue: int = 256  # requests accepted and not yet answered
     max_one_off: int = 1024  # one-off images remembered; beyond it the least recently edited idle one goes
     slo_admission: str = "accept"  # reject: refuse an edit predicted to miss its deadline (needs a StepCost)
+    # An edit with a LoRA goes to a worker that holds its adapters (no file read, no second copy evicting
+    # another adapter) if one has a free batch slot and at most this many more requests in flight than the
+    # least loaded eligible worker; None: the policy alone decides.
+    lora_affinity: int | None = 1
 
     def __post_init__(self):
         if self.dead_after_s <= self.heartbeat_s:
@@ -196,6 +205,8 @@ class RouterConfig:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.max_one_off < 1:
             raise ValueError(f"max_one_off must be >= 1, got {self.max_one_off}")
+        if self.lora_affinity is not None and self.lora_affinity < 0:
+            raise ValueError(f"lora_affinity must be >= 0 or None, got {self.lora_affinity}")
         if self.slo_admission not in SLO_ADMISSION:
             raise ValueError(f"slo_admission must be one of {', '.join(SLO_ADMISSION)}, got {self.slo_admission!r}")
 
@@ -235,7 +246,7 @@ class Router:
         self._closing = False
         self._stopped = False
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
-                         "one_offs_evicted": 0}
+                         "one_offs_evicted": 0, "lora_affinity": 0}
         # size class -> {"with_deadline": n, and n per SLO_OUTCOMES}
         self.slo: dict[str, dict[str, int]] = {}
         # Notified on every dispatch, answer, heartbeat and worker change.
@@ -565,6 +576,8 @@ class Router:
                 if record.status == "failed":
                     self._fail_parked(record)
                 return
+        if pending.task.lora:
+            eligible = self._lora_holders(pending.task.lora, eligible)
         load = pending.task.load
         if carries_image:
             load = replace(load, masked_tokens=load.image_tokens)
@@ -605,6 +618,31 @@ class Router:
         # A request sent again (its worker died) starts over: its watchers see it queued, then steps from 1.
         self._tell("request", pending.request_id, {"event": "queued", "worker": worker.name, "attempt": pending.routes,
                                                    "steps": record.steps})
+
+    def _lora_holders(self, choice, eligible: np.ndarray) -> np.ndarray:
+        """The eligible slots whose workers hold every adapter of `choice` (reported in their last heartbeat, or
+        named by an edit sent there and not yet answered: its load has started) and are within the affinity
+        bound (`RouterConfig.lora_affinity`), if there are any; else `eligible` as it is."""
+        bound = self.config.lora_affinity
+        if bound is None or not eligible.any():
+            return eligible
+        names = {use.name for use in choice}
+        in_flight = self.cluster.in_flight
+        least = in_flight[eligible].min()
+        preferred = np.zeros_like(eligible)
+        for worker in self.workers.values():
+            slot = worker.slot
+            if not eligible[slot] or in_flight[slot] >= self.cluster.max_batch[slot] or in_flight[slot] > least + bound:
+                continue
+            held = set(worker.loras)
+            for request_id in worker.assigned:
+                if request_id in self.pending:
+                    held.update(use.name for use in self.pending[request_id].task.lora)
+            preferred[slot] = names <= held
+        if not preferred.any():
+            return eligible
+        self.counters["lora_affinity"] += 1
+        return preferred
 
     def _holders(self, record: TemplateRecord) -> list[str]:
         """Live workers where the template is recording or ready."""
@@ -804,6 +842,7 @@ class Router:
                 self.cluster.advance(worker.slot, request_id, int(steps_left))
                 self.pending[request_id].steps_left = int(steps_left)
         worker.report = dict(header.get("metrics", {}))
+        worker.loras = frozenset(header.get("loras", ()))
         self._changed.notify_all()
 
     def _on_result(self, worker: WorkerState, header: dict, blobs: dict) -> None:

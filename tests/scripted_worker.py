@@ -66,9 +66,11 @@ class ScriptedWorker:
     def fail(self, request: int, status: int = 500, error: str = "RuntimeError", message: str = "it broke") -> None:
         self.send({"kind": "result", "request": request, "status": status, "error": error, "message": message})
 
-    def heartbeat(self, metrics: dict, running: list = (), queued: list = ()) -> None:
-        """A heartbeat carrying `metrics` (the worker's summary, with "cache": CacheStore.metrics())."""
-        self.send({"kind": "heartbeat", "running": list(running), "queued": list(queued), "metrics": metrics})
+    def heartbeat(self, metrics: dict, running: list = (), queued: list = (), loras: list = ()) -> None:
+        """A heartbeat carrying `metrics` (the worker's summary, with "cache": CacheStore.metrics()) and the
+        LoRAs it holds (`LoraManager.resident`)."""
+        self.send({"kind": "heartbeat", "running": list(running), "queued": list(queued), "metrics": metrics,
+                   "loras": list(loras)})
         self.sync()
 
 

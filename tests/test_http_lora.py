@@ -124,7 +124,8 @@ class RecordingEngine:
     def __init__(self):
         self.submitted: queue.Queue = queue.Queue()
         self.editor = SimpleNamespace(cache=None, new_template=lambda *args: SimpleNamespace(template_id="e-1"))
-        self.worker = SimpleNamespace(loras=SimpleNamespace(metrics=lambda: dict(LORA_METRICS)))
+        self.worker = SimpleNamespace(loras=SimpleNamespace(metrics=lambda: dict(LORA_METRICS),
+                                                            resident=lambda: ["grain", "ink"]))
 
     def submit(self, request, watch=None, budget_s=None, lora=()) -> Future:
         return self._recorded("submit", request, lora)
@@ -206,6 +207,7 @@ async def through_a_node(router, lora_dir) -> dict:
         await asyncio.to_thread(router.wait_until, lambda r: "lora" in r.snapshot()["workers"].get("n0", {}),
                                 TIMEOUT_S)
         seen["heartbeat"] = router.snapshot()["workers"]["n0"]["lora"]
+        seen["held"] = router.workers["n0"].loras  # what LoRA affinity routes by
     finally:
         await asyncio.to_thread(router.close, 0)
         await asyncio.to_thread(thread.join, TIMEOUT_S)
@@ -234,6 +236,7 @@ def test_a_lora_reaches_the_engine_through_router_and_node_and_its_failure_names
     name, error = seen["streamed load failure"][-1]
     assert name == "error" and error["status"] == 422 and error["error"]["param"] == "lora"
     assert seen["heartbeat"] == LORA_METRICS
+    assert seen["held"] == {"grain", "ink"}
 
 
 def test_lora_options_are_validated_naming_their_flag(tmp_path):

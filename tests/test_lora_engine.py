@@ -205,6 +205,21 @@ def test_a_forgotten_adapter_is_freed_while_the_loader_waits(flux, lora_dir):
         manager.close()
 
 
+def test_resident_names_the_adapters_that_need_no_file_read(flux, lora_dir):
+    """What the heartbeat tells the router (LoRA affinity): loaded adapters, until the caches forget them."""
+    editor, _ = flux
+    manager = Worker(editor, config_of(lora_dir)).loras
+    try:
+        assert manager.resident() == []
+        for future in manager.acquire((LoraUse("B"), LoraUse("A"))):
+            future.result(timeout=60)
+        assert manager.resident() == ["A", "B"]
+        manager.clear()
+        assert manager.resident() == []
+    finally:
+        manager.close()
+
+
 def test_a_broken_file_is_read_once_until_it_changes(flux, lora_dir):
     """Submission and admission both ask for a request's adapters: a broken file fails both from one read,
     and a fixed file (the operator replaced it) loads."""

@@ -295,3 +295,45 @@ def test_a_one_off_edit_with_a_lora_carries_the_image_but_leaves_its_recording_t
     w0.answer(second["request"])
     assert with_lora.result(TIMEOUT_S).status == plain.result(TIMEOUT_S).status == 200
     assert router.template("img-1")["status"] == "ready"
+
+
+def _edit_goes_to(task_, router, workers) -> str:
+    """The worker the router sends `task_` to (the only one that receives an edit for it)."""
+    router.submit(task_)
+    for worker in workers:
+        worker.sync()
+    (name,) = [w.name for w in workers if "edit" in w.pending_kinds()]
+    next(w for w in workers if w.name == name).receive("edit")
+    return name
+
+
+def test_an_edit_with_a_lora_goes_where_its_adapters_are_while_that_worker_is_about_as_loaded(context,
+                                                                                             make_router):
+    """Least-requests would spread these edits over the three workers; affinity (bound 1) keeps an adapter's
+    edits where it is held -- reported in a heartbeat, or named by an edit sent there -- unless that worker
+    has more than one request more in flight than the least loaded."""
+    router = make_router()
+    workers = [ScriptedWorker(context, router, f"w{i}") for i in range(3)]
+    router.register_template(template())
+    for worker in workers:
+        worker.register("t1")
+    workers[2].heartbeat({}, loras=["grain", "ink", "other"])
+    assert _edit_goes_to(task(lora=LORA), router, workers) == "w2"
+    assert _edit_goes_to(task(lora=LORA), router, workers) == "w2"  # 1 in flight there, 0 elsewhere: within 1
+    assert _edit_goes_to(task(lora=LORA), router, workers) == "w0"  # w2 has 2: the policy's choice
+    # w0 now holds grain and ink too (its edit's load has started), and has 1 in flight: within 1 of w1's 0.
+    assert _edit_goes_to(task(lora=parse_lora("grain")), router, workers) == "w0"
+    assert _edit_goes_to(task(lora=parse_lora("unheard-of")), router, workers) == "w1"  # nobody holds it
+    assert _edit_goes_to(task(), router, workers) == "w1"  # no LoRA: the policy (least requests)
+    assert router.snapshot()["counters"]["lora_affinity"] == 3
+
+
+def test_lora_affinity_none_leaves_the_choice_to_the_policy(context, make_router):
+    router = make_router(lora_affinity=None)
+    workers = [ScriptedWorker(context, router, f"w{i}") for i in range(2)]
+    router.register_template(template())
+    for worker in workers:
+        worker.register("t1")
+    workers[1].heartbeat({}, loras=["grain", "ink"])
+    assert [_edit_goes_to(task(lora=LORA), router, workers) for _ in range(2)] == ["w0", "w1"]
+    assert router.snapshot()["counters"]["lora_affinity"] == 0

@@ -52,6 +52,10 @@ class LoraHostCache:
             self._entries.clear()
             self.nbytes = 0
 
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
     def __contains__(self, name: str) -> bool:
         with self._lock:
             return name in self._entries

@@ -243,6 +243,13 @@ class LoraManager:
             self._thread.join(timeout=10)
             self._thread = None
 
+    def resident(self) -> list[str]:
+        """The adapters a request can name without a read of its file: on the device, in the host cache or
+        being read (what the worker's heartbeat tells the router, which prefers such workers)."""
+        with self._lock:
+            names = set(self._device) | set(self._loading)
+        return sorted(names | set(self.host.names()))
+
     def metrics(self) -> dict:
         """Counters (cumulative) and occupancy of the host cache, the device copies and the loader."""
         with self._lock:
