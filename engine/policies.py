@@ -365,6 +365,19 @@ class LeastWork(MaskAware):
         return cluster.remaining_work_s
 
 
+def prefer_holders(eligible: np.ndarray, holds: np.ndarray, cluster: ClusterLoad, bound: int | None) -> np.ndarray:
+    """LoRA affinity, before a policy chooses: among `eligible` slots (bool [slots]), those whose workers hold
+    the request's adapters (`holds`, bool [slots]), have a free batch slot and at most `bound` requests more in
+    flight than the least loaded eligible slot -- when there are any; otherwise `eligible` itself (so is it
+    for `bound` None)."""
+    if bound is None or not eligible.any():
+        return eligible
+    in_flight = cluster.in_flight
+    preferred = (eligible & holds & (in_flight < cluster.max_batch)
+                 & (in_flight <= in_flight[eligible].min() + bound))
+    return preferred if preferred.any() else eligible
+
+
 _POLICY_CLASSES = {cls.name: cls for cls in (RoundRobin, LeastRequests, LeastTokens, MaskAware, LeastWork)}
 
 

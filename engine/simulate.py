@@ -25,6 +25,13 @@ batched together (a batch's cost is its requests' summed features). Deadlines: a
 the request's unloaded latency; a policy's SLO attainment is the fraction answered by theirs.
 --find-load raises the rate until the best baseline's p95 is twice the unloaded p95 (each request alone)
 and compares every policy there. Prints one JSON object; latencies are arrival to last step, in seconds.
+
+LoRA (--loras N): every request names one of N adapters, drawn from a Zipf law (--lora-zipf; SwiftDiffusion
+§2: thousands of adapters, long-tailed popularity). A worker holds its --lora-cache most recently routed
+adapters; a request routed to a worker that does not hold its adapter reads it, which adds --lora-miss-s to
+its latency (the part of the load its first steps do not hide; the worker's steps are not slowed). Each
+policy then runs twice on the same arrivals: alone, and after the router's LoRA affinity
+(`policies.prefer_holders`, bound --lora-affinity); each reports its adapters' hit rate.
 """
 
 from __future__ import annotations
@@ -35,14 +42,14 @@ import json
 import math
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from retouch.costs import CostModel
-from retouch.engine.policies import POLICIES, ClusterLoad, Policy, RequestLoad, make_policy
+from retouch.engine.policies import POLICIES, ClusterLoad, Policy, RequestLoad, make_policy, prefer_holders
 from retouch.engine.reference_costs import h800_flux
 from retouch.engine.step_cost import StepCost
 
@@ -81,6 +88,24 @@ def make_workload(requests: int, rps: float, mask_dist: str, image_tokens: int, 
     return Workload(arrivals, tuple(RequestLoad(int(g), int(m), steps, text_tokens) for g, m in zip(grids, masked)))
 
 
+@dataclass(frozen=True)
+class LoraWorkload:
+    """adapters: [N] the adapter each request names; cache: adapters a worker holds (least recently routed
+    first out); miss_s: seconds a request waits for a read of its adapter; affinity: the router's bound
+    (`RouterConfig.lora_affinity`), None for the policy alone."""
+
+    adapters: np.ndarray
+    cache: int
+    miss_s: float
+    affinity: int | None = None
+
+
+def zipf_adapters(requests: int, count: int, exponent: float, seed: int) -> np.ndarray:
+    """[requests] adapter indices, adapter k (0-based rank) drawn with probability proportional to 1/(k+1)^s."""
+    weights = 1.0 / np.arange(1, count + 1) ** exponent
+    return np.random.default_rng(seed + 1).choice(count, requests, p=weights / weights.sum())
+
+
 def alone_seconds(cost: StepCost, loads) -> np.ndarray:
     """[N] each request's latency on an idle worker (its steps at batch 1): the unloaded latency."""
     features = np.array([cost.request_features(x.image_tokens, x.masked_tokens, x.text_tokens) for x in loads])
@@ -104,13 +129,15 @@ class _Worker:
     phase_start: float = 0.0  # when the current batch started its first step
     event_steps: int = 0  # steps after phase_start at which the pending event fires
     version: int = 0  # invalidates superseded events
+    held: OrderedDict = field(default_factory=OrderedDict)  # LoRA adapters, least recently routed first
 
 
 class SimulatedCluster:
     """The simulated workers and their event queue, routing through `policy` and a ClusterLoad."""
 
-    def __init__(self, policy: Policy, cost: StepCost, workload: Workload, workers: int, max_batch: int):
-        self.policy, self.cost, self.workload, self.max_batch = policy, cost, workload, max_batch
+    def __init__(self, policy: Policy, cost: StepCost, workload: Workload, workers: int, max_batch: int,
+                 loras: LoraWorkload | None = None):
+        self.policy, self.cost, self.workload, self.max_batch, self.loras = policy, cost, workload, max_batch, loras
         self.cluster_load = ClusterLoad(cost)
         self.workers = [_Worker(self.cluster_load.add_worker(max_batch), features=np.zeros(cost.num_features))
                         for _ in range(workers)]
@@ -119,6 +146,8 @@ class SimulatedCluster:
                                   for x in loads])
         self.steps_left = [x.steps for x in loads]
         self.finished = np.full(len(loads), np.nan)
+        self.waited = np.zeros(len(loads))  # seconds each request waited for its adapter's read
+        self.lora_hits = 0
         self.decision_s = 0.0
         self._events: list[tuple[float, int, int, int, int]] = []  # (time, seq, worker, version, steps)
         self._seq = 0
@@ -138,15 +167,22 @@ class SimulatedCluster:
             worker = self.workers[index]
             if version == worker.version:
                 self._boundary(worker, now, steps)
-        return self.finished - arrivals
+        return self.finished - arrivals + self.waited
 
     def _route(self, request: int, now: float) -> None:
         load = self.workload.loads[request]
         started = time.perf_counter()
-        slot = self.policy.choose(load, self.cluster_load)
+        eligible = None
+        if self.loras is not None:
+            adapter = self.loras.adapters[request]
+            holds = np.array([adapter in worker.held for worker in self.workers])
+            eligible = prefer_holders(self.cluster_load.alive, holds, self.cluster_load, self.loras.affinity)
+        slot = self.policy.choose(load, self.cluster_load, eligible)
         self.decision_s += time.perf_counter() - started
         self.cluster_load.assign(slot, request, load)
         worker = self.workers[slot]  # slots are 0..W-1 in creation order
+        if self.loras is not None:
+            self._hold(worker, request)
         worker.queue.append(request)
         if not worker.batch:
             self._boundary(worker, now, 0)
@@ -154,6 +190,19 @@ class SimulatedCluster:
             steps = math.floor((now - worker.phase_start) / worker.step_s) + 1
             if steps < worker.event_steps:
                 self._schedule(worker, steps)
+
+    def _hold(self, worker: _Worker, request: int) -> None:
+        """The worker holds the request's adapter from now (its load starts at submission): a hit, or a miss
+        that delays the request by the read."""
+        adapter = self.loras.adapters[request]
+        if adapter in worker.held:
+            worker.held.move_to_end(adapter)
+            self.lora_hits += 1
+            return
+        self.waited[request] = self.loras.miss_s
+        worker.held[adapter] = True
+        while len(worker.held) > self.loras.cache:
+            worker.held.popitem(last=False)
 
     def _boundary(self, worker: _Worker, now: float, steps: int) -> None:
         """`steps` steps of the batch are done at `now`: report progress, drop finished requests, admit
@@ -292,6 +341,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--worker-counts", default="8,64", help="--find-load: comma list")
     parser.add_argument("--rate-step", type=float, default=0.05, help="--find-load: rps per worker per step")
     parser.add_argument("--max-rate", type=float, default=4.0, help="--find-load: rps per worker at most")
+    parser.add_argument("--loras", type=int, default=0, help="adapters requests name (0: no LoRA)")
+    parser.add_argument("--lora-zipf", type=float, default=1.0, help="Zipf exponent of adapter popularity")
+    parser.add_argument("--lora-cache", type=int, default=32, help="adapters a worker holds")
+    parser.add_argument("--lora-miss-s", type=float, default=0.5,
+                        help="seconds a request waits when its worker must read its adapter")
+    parser.add_argument("--lora-affinity", type=int, default=0,
+                        help="the router's bound: in-flight requests over the least loaded worker's")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
@@ -302,6 +358,10 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--workers, --requests, --steps, --max-batch, --guidance-copies must be >= 1, --rps > 0")
     if args.slo_scale <= 0 or args.rate_step <= 0:
         parser.error("--slo-scale and --rate-step must be > 0")
+    if args.loras < 0 or args.lora_zipf < 0 or args.lora_cache < 1 or args.lora_miss_s < 0 or args.lora_affinity < 0:
+        parser.error("--loras, --lora-zipf, --lora-miss-s and --lora-affinity must be >= 0, --lora-cache >= 1")
+    if args.loras and args.find_load:
+        parser.error("--loras compares routing with and without LoRA affinity at one load: not with --find-load")
 
     model = CostModel.from_json(args.cost_model) if args.cost_model else h800_flux()
     image_tokens, text_tokens = _request_shape(model, args, parser)
@@ -312,11 +372,19 @@ def main(argv: list[str] | None = None) -> dict:
                                             args.steps, args.seed, args.resolutions), cost, args.slo_scale)
     started = time.perf_counter()
     results, latencies = {}, {}
-    for name in policies:
-        print(f"{name}: {args.requests} requests at {args.rps} rps on {args.workers} workers", file=sys.stderr)
-        cluster = SimulatedCluster(make_policy(name, cost), cost, workload, args.workers, args.max_batch)
-        latencies[name] = cluster.run(_progress_printer(name))
-        results[name] = summarize(latencies[name], cluster.decision_s, workload)
+    runs = [(name, name, None) for name in policies]
+    if args.loras:
+        adapters = zipf_adapters(args.requests, args.loras, args.lora_zipf, args.seed)
+        runs = [(label, name, LoraWorkload(adapters, args.lora_cache, args.lora_miss_s, affinity))
+                for name in policies
+                for label, affinity in ((name, None), (f"{name}+lora-affinity", args.lora_affinity))]
+    for label, name, loras in runs:
+        print(f"{label}: {args.requests} requests at {args.rps} rps on {args.workers} workers", file=sys.stderr)
+        cluster = SimulatedCluster(make_policy(name, cost), cost, workload, args.workers, args.max_batch, loras)
+        latencies[label] = cluster.run(_progress_printer(label))
+        results[label] = summarize(latencies[label], cluster.decision_s, workload)
+        if loras is not None:
+            results[label]["lora_hit_rate"] = cluster.lora_hits / args.requests
     alone = cost.latency(cost.request_features(image_tokens, round(_mean_ratio(args.mask_dist) * image_tokens),
                                                text_tokens))
     report = {"policies": results, "workers": args.workers, "rps": args.rps, "requests": args.requests,
@@ -324,6 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
               "model": model.model, "device": model.device, "steps": args.steps, "max_batch": args.max_batch,
               "seed": args.seed, "image_tokens": image_tokens, "text_tokens": text_tokens,
               "resolutions": args.resolutions, "slo_scale": args.slo_scale,
+              "loras": {"adapters": args.loras, "zipf": args.lora_zipf, "cache": args.lora_cache,
+                        "miss_s": args.lora_miss_s, "affinity": args.lora_affinity} if args.loras else None,
               "unloaded_p95_s": float(np.percentile(alone_seconds(cost, workload.loads), 95)),
               "mean_mask_ratio": float(np.mean([x.masked_tokens for x in workload.loads]) / image_tokens),
               "alone_at_mean_mask_s": float(alone) * args.steps, "wall_s": time.perf_counter() - started,
@@ -415,11 +485,17 @@ def _plot(report: dict, latencies: dict[str, np.ndarray], out: Path) -> None:
     figure, axis = plt.subplots(figsize=(6, 4))
     for name, values in latencies.items():
         ordered = np.sort(values)
+        summary = report["policies"][name]
+        hits = f", LoRA hits {summary['lora_hit_rate']:.0%}" if "lora_hit_rate" in summary else ""
         axis.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered),
-                  label=f"{name} (p95 {report['policies'][name]['p95_s']:.2f} s)")
+                  label=f"{name} (p95 {summary['p95_s']:.2f} s{hits})")
     axis.set_xlabel("request latency (s)")
     axis.set_ylabel("fraction of requests")
-    axis.set_title(f"{report['workers']} workers, {report['rps']} rps, {report['mask_dist']} masks")
+    loras = report.get("loras")
+    lora_title = (f"\n{loras['adapters']} LoRAs (Zipf {loras['zipf']:g}), {loras['cache']} held per worker, "
+                  f"a miss +{loras['miss_s']:g} s, affinity bound {loras['affinity']}" if loras else "")
+    axis.set_title(f"{report['workers']} workers, {report['rps']} rps, {report['mask_dist']} masks{lora_title}",
+                   fontsize=10 if loras else None)
     axis.legend()
     figure.tight_layout()
     figure.savefig(out, dpi=120)

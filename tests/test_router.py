@@ -312,7 +312,7 @@ def test_an_edit_with_a_lora_goes_where_its_adapters_are_while_that_worker_is_ab
     """Least-requests would spread these edits over the three workers; affinity (bound 1) keeps an adapter's
     edits where it is held -- reported in a heartbeat, or named by an edit sent there -- unless that worker
     has more than one request more in flight than the least loaded."""
-    router = make_router()
+    router = make_router(lora_affinity=1)
     workers = [ScriptedWorker(context, router, f"w{i}") for i in range(3)]
     router.register_template(template())
     for worker in workers:
@@ -328,12 +328,16 @@ def test_an_edit_with_a_lora_goes_where_its_adapters_are_while_that_worker_is_ab
     assert router.snapshot()["counters"]["lora_affinity"] == 3
 
 
-def test_lora_affinity_none_leaves_the_choice_to_the_policy(context, make_router):
-    router = make_router(lora_affinity=None)
+@pytest.mark.parametrize("bound, expected", [(None, ["w0", "w1", "w0"]), (0, ["w1", "w0", "w1"])])
+def test_lora_affinity_0_prefers_holders_among_the_least_loaded_and_none_leaves_it_to_the_policy(
+        context, make_router, bound, expected):
+    router = make_router(lora_affinity=bound)
     workers = [ScriptedWorker(context, router, f"w{i}") for i in range(2)]
     router.register_template(template())
     for worker in workers:
         worker.register("t1")
     workers[1].heartbeat({}, loras=["grain", "ink"])
-    assert [_edit_goes_to(task(lora=LORA), router, workers) for _ in range(2)] == ["w0", "w1"]
-    assert router.snapshot()["counters"]["lora_affinity"] == 0
+    # Bound 0: w1 first (it holds them); then w1 has one more in flight than w0, which gets the next (and
+    # holds them from then on); then both hold them with one each, and the policy breaks the tie.
+    assert [_edit_goes_to(task(lora=LORA), router, workers) for _ in range(3)] == expected
+    assert router.snapshot()["counters"]["lora_affinity"] == (0 if bound is None else 2)

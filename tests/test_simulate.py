@@ -98,7 +98,8 @@ def test_main_with_a_fitted_cost_model_writes_json_and_png(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("argv", [["--policies", "random"], ["--rps", "0"], ["--workers", "0"]])
+@pytest.mark.parametrize("argv", [["--policies", "random"], ["--rps", "0"], ["--workers", "0"], ["--loras", "-1"],
+                                  ["--loras", "5", "--lora-cache", "0"], ["--loras", "5", "--find-load"]])
 def test_bad_options_are_refused(argv):
     with pytest.raises(SystemExit):
         simulate.main(argv)
@@ -162,3 +163,35 @@ def test_find_load_stops_at_twice_the_unloaded_p95_and_writes_json_and_png(tmp_p
     assert json.loads(out.read_text())["configurations"] == report["configurations"]
     pytest.importorskip("matplotlib")
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_lora_affinity_holds_more_adapters_and_a_miss_costs_its_request_the_read(cost):
+    """Hit rates of the same Zipf requests with and without affinity, and what a miss adds: one worker that
+    holds one adapter misses exactly at every change of adapter, each miss adding miss_s to its request."""
+    workload = simulate.make_workload(600, 8.0, "public", IMAGE_TOKENS, TEXT_TOKENS, 10, seed=0)
+    adapters = simulate.zipf_adapters(600, 300, 1.0, seed=0)
+    assert np.bincount(adapters, minlength=300)[0] > np.bincount(adapters, minlength=300)[100:].mean() * 10
+    hits = {}
+    for affinity in (None, 0, 1):
+        loras = simulate.LoraWorkload(adapters, cache=8, miss_s=0.5, affinity=affinity)
+        cluster = simulate.SimulatedCluster(make_policy("least-requests", cost), cost, workload, 8, 8, loras)
+        cluster.run()
+        hits[affinity] = cluster.lora_hits
+    assert hits[None] < hits[0] < hits[1]
+
+    alternating = np.array([0, 0, 1, 1, 1, 0])
+    small = simulate.Workload(workload.arrivals[:6], workload.loads[:6])
+    plain = run("round-robin", cost, small, workers=1)
+    cluster = simulate.SimulatedCluster(make_policy("round-robin", cost), cost, small, 1, 8,
+                                        simulate.LoraWorkload(alternating, cache=1, miss_s=0.5))
+    waited = cluster.run() - plain
+    assert cluster.lora_hits == 3 and np.allclose(waited, [0.5, 0, 0.5, 0, 0, 0.5])
+
+
+def test_main_with_loras_runs_each_policy_with_and_without_affinity():
+    report = simulate.main(SMALL + ["--policies", "least-requests,mask-aware", "--loras", "50", "--lora-cache", "4"])
+    assert list(report["policies"]) == ["least-requests", "least-requests+lora-affinity", "mask-aware",
+                                        "mask-aware+lora-affinity"]
+    assert report["loras"] == {"adapters": 50, "zipf": 1.0, "cache": 4, "miss_s": 0.5, "affinity": 0}
+    for summary in report["policies"].values():
+        assert 0 <= summary["lora_hit_rate"] <= 1
