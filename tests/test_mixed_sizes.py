@@ -217,3 +217,19 @@ def test_packed_forward_refuses_a_one_size_context():
 def test_unet_families_do_not_pack():
     with pytest.raises(ValueError, match="one forward per image size"):
         recipes.denoise_mixed_step("sdxl", None, [], None)
+
+
+def test_padding_the_computed_tokens_changes_nothing_in_a_mixed_batch(editor):
+    """`--cuda-graphs` pads the computed tokens to buckets (repeats of a computed token, test_token_padding.py);
+    in a batch of three sizes in one forward too, every request gets what it gets unpadded."""
+    requests = edits(editor, templates(editor))
+    _, jobs, _ = run(editor, requests)
+    expected = [job.row.latents[0] for job in jobs]
+    editor.adapter.pad_tokens(lambda count: count + 7)
+    try:
+        _, jobs, forwards = run(editor, requests)
+    finally:
+        editor.adapter.pad_tokens(None)
+    assert forwards[0] == 3
+    for job, reference in zip(jobs, expected):
+        assert max_diff(job.row.latents[0], reference) <= batch_bound(reference)
