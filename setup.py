@@ -56,12 +56,13 @@ class BuildNative(BuildExtension):
 
     An editable install builds in a fresh temporary folder, so every `pip install -e .` and every
     wheel recompiled all of csrc/ (about a minute). Sharing build/native lets ninja recompile only
-    the sources that changed, whichever build runs next.
+    the sources that changed, whichever build runs next. (Two builds at once would share it: run one.)
     """
 
     def finalize_options(self):
+        if self.build_temp is None:  # an explicit --build-temp still wins
+            self.build_temp = str(ROOT / "build" / "native")
         super().finalize_options()
-        self.build_temp = str(ROOT / "build" / "native")
 
 
 PACKAGE_DIRS = {"": "python", "retouch.engine": "engine", "retouch.kernels": "kernels", "retouch.bench": "bench"}

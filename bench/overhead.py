@@ -176,10 +176,10 @@ def count_ops(run) -> int:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run()
-    return sum(1 for event in prof.events() if event.name.startswith(OP_NAMESPACES) and not _inside_op(event))
+    return sum(1 for event in prof.events() if event.name.startswith(OP_NAMESPACES) and not inside_op(event))
 
 
-def _inside_op(event) -> bool:
+def inside_op(event) -> bool:
     parent = event.cpu_parent
     while parent is not None:
         if parent.name.startswith(OP_NAMESPACES):

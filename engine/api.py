@@ -17,7 +17,7 @@ from concurrent.futures import CancelledError, Future
 import torch
 from PIL import Image
 
-from retouch.editor import DEFAULT_STEPS, EditRequest, MaskAwareEditor, Template
+from retouch.editor import DEFAULT_STEPS, EditRequest, MaskAwareEditor, Template, warm_up_inputs
 from retouch.engine import processing, recipes
 from retouch.engine.metrics import now
 from retouch.engine.processing import HelperPool
@@ -107,21 +107,20 @@ class Engine:
     def warm_up(self) -> None:
         """Compile now what the first requests would compile (an editor built with `compile`): the editor's
         warm-up (`MaskAwareEditor.warm_up`), then, where requests of different sizes share a forward (Flux
-        and SD3, `EngineConfig.mixed_sizes`), a batch of two sizes through a step loop of its own. Run it
-        before `start`: the router sends a worker nothing until it says hello."""
+        and SD3, `EngineConfig.mixed_sizes`), a batch of two sizes through a step loop of its own. Before
+        `start` (one loop at a time runs the model): the router sends a worker nothing until it says hello."""
+        if self._running:
+            raise RuntimeError("Engine.warm_up runs before Engine.start")
         self.editor.warm_up()
         if not (self.config.mixed_sizes and self.editor.model.family in recipes.PACKED):
             return
-        sizes = ((64, 64), (64, 96))
-        ids = [self.editor.register_template(Image.new("RGB", size, (127, 127, 127)), prompt="warm-up", steps=1)
-               for size in sizes]
-        loop = Worker(self.editor, EngineConfig(mode="naive"))
+        loop = Worker(self.editor, EngineConfig(mode="naive", max_batch=max(2, self.config.max_batch)))
+        ids, jobs = [], []
         try:
-            jobs = []
-            for template_id, size in zip(ids, sizes):
-                corner = Image.new("L", size, 0)
-                corner.paste(255, (0, 0, 32, 32))
-                jobs.append(Worker.new_job(EditRequest(template_id, corner, "warm-up")))
+            for size in ((64, 64), (64, 96)):
+                image, corner = warm_up_inputs(size)
+                ids.append(self.editor.register_template(image, prompt="warm-up", steps=1))
+                jobs.append(Worker.new_job(EditRequest(ids[-1], corner, "warm-up")))
                 loop.inbox.put(("edit", jobs[-1]))
             loop.inbox.put(("stop",))
             loop.run()

@@ -368,8 +368,9 @@ class LeastWork(MaskAware):
 def prefer_holders(eligible: np.ndarray, holds: np.ndarray, cluster: ClusterLoad, bound: int | None) -> np.ndarray:
     """LoRA affinity, before a policy chooses: among `eligible` slots (bool [slots]), those whose workers hold
     the request's adapters (`holds`, bool [slots]), have a free batch slot and at most `bound` requests more in
-    flight than the least loaded eligible slot -- when there are any; otherwise `eligible` itself (so is it
-    for `bound` None)."""
+    flight than the least loaded eligible slot, when there are any. Otherwise, and when `bound` is None,
+    `eligible` itself: a request is not queued behind a full holder to save a read, because its load
+    overlaps its first steps anyway while a queue delays all of them."""
     if bound is None or not eligible.any():
         return eligible
     in_flight = cluster.in_flight

@@ -13,10 +13,10 @@ with the image and records it as it runs (one generation); later edits of it go 
 An edit with a LoRA (`EditTask.lora`, sent as `retouch.lora.choice_header` JSON) of an image nobody
 holds is computed in full and records nothing (the cache holds the base model's activations): it
 carries the image without claiming its recording. Among the workers an edit with a LoRA may go to, those
-that hold its adapters (their heartbeat's `loras`, or an edit sent there naming them) are preferred while
-one is as loaded as the least loaded (`RouterConfig.lora_affinity`): with thousands of long-tailed
-adapters, spreading one adapter's requests over every worker would read its file, and evict another
-adapter for it, once per worker.
+that hold its adapters (their heartbeat's `loras`, or an edit sent there naming them) are preferred when
+one has a free batch slot and at most `RouterConfig.lora_affinity` requests more in flight than the least
+loaded (`policies.prefer_holders`): with thousands of long-tailed adapters, spreading one adapter's
+requests over every worker would read its file, and evict another adapter for it, once per worker.
 Requests can be cancelled (the client went away): the worker drops them at its next step.
 
 Failure handling: a worker that stops heartbeating for `dead_after_s`, or whose process the
@@ -632,7 +632,7 @@ class Router:
                     held.update(use.name for use in self.pending[request_id].task.lora)
             holds[worker.slot] = names <= held
         preferred = prefer_holders(eligible, holds, self.cluster, self.config.lora_affinity)
-        if preferred is not eligible:
+        if not np.array_equal(preferred, eligible):  # affinity narrowed the choice
             self.counters["lora_affinity"] += 1
         return preferred
 

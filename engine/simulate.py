@@ -29,7 +29,8 @@ and compares every policy there. Prints one JSON object; latencies are arrival t
 LoRA (--loras N): every request names one of N adapters, drawn from a Zipf law (--lora-zipf; SwiftDiffusion
 §2: thousands of adapters, long-tailed popularity). A worker holds its --lora-cache most recently routed
 adapters; a request routed to a worker that does not hold its adapter reads it, which adds --lora-miss-s to
-its latency (the part of the load its first steps do not hide; the worker's steps are not slowed). Each
+its latency (the part of the load its first steps do not hide; the worker's steps are not slowed), and a
+request for an adapter still being read there waits for the rest of that read. Each
 policy then runs twice on the same arrivals: alone, and after the router's LoRA affinity
 (`policies.prefer_holders`, bound --lora-affinity); each reports its adapters' hit rate.
 """
@@ -101,7 +102,8 @@ class LoraWorkload:
 
 
 def zipf_adapters(requests: int, count: int, exponent: float, seed: int) -> np.ndarray:
-    """[requests] adapter indices, adapter k (0-based rank) drawn with probability proportional to 1/(k+1)^s."""
+    """[requests] adapter indices, adapter k (0-based rank) drawn with probability proportional to 1/(k+1)^s.
+    Drawn from a generator of its own (seed + 1): the arrivals and masks of `seed` stay those without LoRA."""
     weights = 1.0 / np.arange(1, count + 1) ** exponent
     return np.random.default_rng(seed + 1).choice(count, requests, p=weights / weights.sum())
 
@@ -129,7 +131,7 @@ class _Worker:
     phase_start: float = 0.0  # when the current batch started its first step
     event_steps: int = 0  # steps after phase_start at which the pending event fires
     version: int = 0  # invalidates superseded events
-    held: OrderedDict = field(default_factory=OrderedDict)  # LoRA adapters, least recently routed first
+    held: OrderedDict = field(default_factory=OrderedDict)  # LoRA adapter -> when its read completes; LRU order
 
 
 class SimulatedCluster:
@@ -182,7 +184,7 @@ class SimulatedCluster:
         self.cluster_load.assign(slot, request, load)
         worker = self.workers[slot]  # slots are 0..W-1 in creation order
         if self.loras is not None:
-            self._hold(worker, request)
+            self._hold(worker, request, now)
         worker.queue.append(request)
         if not worker.batch:
             self._boundary(worker, now, 0)
@@ -191,16 +193,18 @@ class SimulatedCluster:
             if steps < worker.event_steps:
                 self._schedule(worker, steps)
 
-    def _hold(self, worker: _Worker, request: int) -> None:
-        """The worker holds the request's adapter from now (its load starts at submission): a hit, or a miss
-        that delays the request by the read."""
+    def _hold(self, worker: _Worker, request: int, now: float) -> None:
+        """The worker holds the request's adapter from now (its read starts at submission): a hit (no read),
+        which still waits for a read in progress, or a miss, whose read delays the request by miss_s."""
         adapter = self.loras.adapters[request]
-        if adapter in worker.held:
+        ready = worker.held.get(adapter)
+        if ready is not None:
             worker.held.move_to_end(adapter)
             self.lora_hits += 1
+            self.waited[request] = max(0.0, ready - now)
             return
         self.waited[request] = self.loras.miss_s
-        worker.held[adapter] = True
+        worker.held[adapter] = now + self.loras.miss_s
         while len(worker.held) > self.loras.cache:
             worker.held.popitem(last=False)
 

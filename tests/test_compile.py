@@ -141,7 +141,8 @@ def test_a_compiled_engine_edits_as_the_eager_one_and_warms_up_once():
         if compiled:
             engine.warm_up()
             assert not editor.templates  # the warm-up's templates are gone
-        with torch._dynamo.config.patch(error_on_recompile=compiled):
+        graphs = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=compiled):  # recompiles of a compiled function
             template = editor.register_template(template_image(), prompt="a scene", steps=2, seed=0)
             requests = [EditRequest(template, square_mask(), "a red hat", seed=1),
                         EditRequest(template, Image.new("L", (128, 128), 0), "nothing", seed=2),
@@ -149,6 +150,8 @@ def test_a_compiled_engine_edits_as_the_eager_one_and_warms_up_once():
             latents.append(editor.edit_many(requests, output_type="latent"))
             _, jobs, forwards = run(editor, edits(editor, templates(editor)))
         assert forwards[0] == 3  # the three sizes in one forward
+        if compiled:
+            assert counters["stats"]["unique_graphs"] == graphs  # nor first compiles of another function
         latents[-1] += [job.row.latents[0] for job in jobs]
     for eager, compiled in zip(*latents):
         assert_close_ulps(compiled, eager, COMPILED_ULPS)
@@ -175,4 +178,3 @@ def test_cuda_graphs_are_refused_off_cuda():
         with pytest.raises(InputError, match="--cuda-graphs needs a CUDA device"):
             server.start()
         assert getattr(server, "router", None) is None
-

@@ -225,11 +225,12 @@ def test_padding_the_computed_tokens_changes_nothing_in_a_mixed_batch(editor):
     requests = edits(editor, templates(editor))
     _, jobs, _ = run(editor, requests)
     expected = [job.row.latents[0] for job in jobs]
-    editor.adapter.pad_tokens(lambda count: count + 7)
+    padded = []
+    editor.adapter.pad_tokens(lambda count: padded.append(count) or count + 7)
     try:
         _, jobs, forwards = run(editor, requests)
     finally:
         editor.adapter.pad_tokens(None)
-    assert forwards[0] == 3
+    assert forwards[0] == 3 and padded  # one forward of the three sizes, its computed tokens padded
     for job, reference in zip(jobs, expected):
         assert max_diff(job.row.latents[0], reference) <= batch_bound(reference)

@@ -9,7 +9,7 @@ import pytest
 from scripted_worker import TIMEOUT_S, ScriptedWorker
 
 from retouch.engine.policies import RequestLoad
-from retouch.engine.router import EditTask, QueueFull, TemplateRecord
+from retouch.engine.router import EditTask, QueueFull, RouterConfig, TemplateRecord
 from retouch.lora import LoraUse, parse_lora
 
 LOAD = RequestLoad(image_tokens=16, masked_tokens=4, steps=2)
@@ -338,6 +338,29 @@ def test_lora_affinity_0_prefers_holders_among_the_least_loaded_and_none_leaves_
         worker.register("t1")
     workers[1].heartbeat({}, loras=["grain", "ink"])
     # Bound 0: w1 first (it holds them); then w1 has one more in flight than w0, which gets the next (and
-    # holds them from then on); then both hold them with one each, and the policy breaks the tie.
+    # holds them from then on); then both hold them with one each: nothing to narrow, the policy breaks the tie.
     assert [_edit_goes_to(task(lora=LORA), router, workers) for _ in range(3)] == expected
-    assert router.snapshot()["counters"]["lora_affinity"] == (0 if bound is None else 2)
+    assert router.snapshot()["counters"]["lora_affinity"] == (0 if bound is None else 1)  # the first edit only
+
+
+def test_lora_affinity_needs_a_free_slot_and_ends_when_the_adapter_goes(context, make_router):
+    router = make_router(lora_affinity=5)  # in flight never binds here: the free batch slot does
+    w0, w1 = ScriptedWorker(context, router, "w0", max_batch=1), ScriptedWorker(context, router, "w1")
+    router.register_template(template())
+    for worker in (w0, w1):
+        worker.register("t1")
+    w0.heartbeat({}, loras=["grain", "ink"])
+    assert _edit_goes_to(task(lora=LORA), router, [w0, w1]) == "w0"
+    assert _edit_goes_to(task(lora=LORA), router, [w0, w1]) == "w1"  # w0's only batch slot is taken
+
+    router = make_router()
+    w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+    router.register_template(template())
+    for worker in (w0, w1):
+        worker.register("t1")
+    w1.heartbeat({}, loras=["grain", "ink"])
+    w1.heartbeat({}, loras=["ink"])  # its cache let grain go
+    assert _edit_goes_to(task(lora=LORA), router, [w0, w1]) == "w0"  # the policy's choice, not w1's stale hold
+    assert router.snapshot()["counters"]["lora_affinity"] == 0
+    with pytest.raises(ValueError, match="lora_affinity"):
+        RouterConfig(lora_affinity=-1)

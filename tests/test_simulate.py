@@ -167,7 +167,8 @@ def test_find_load_stops_at_twice_the_unloaded_p95_and_writes_json_and_png(tmp_p
 
 def test_lora_affinity_holds_more_adapters_and_a_miss_costs_its_request_the_read(cost):
     """Hit rates of the same Zipf requests with and without affinity, and what a miss adds: one worker that
-    holds one adapter misses exactly at every change of adapter, each miss adding miss_s to its request."""
+    holds one adapter misses exactly at every change of adapter, each miss adding miss_s to its request and a
+    hit during that read what is left of it."""
     workload = simulate.make_workload(600, 8.0, "public", IMAGE_TOKENS, TEXT_TOKENS, 10, seed=0)
     adapters = simulate.zipf_adapters(600, 300, 1.0, seed=0)
     assert np.bincount(adapters, minlength=300)[0] > np.bincount(adapters, minlength=300)[100:].mean() * 10
@@ -180,12 +181,13 @@ def test_lora_affinity_holds_more_adapters_and_a_miss_costs_its_request_the_read
     assert hits[None] < hits[0] < hits[1]
 
     alternating = np.array([0, 0, 1, 1, 1, 0])
-    small = simulate.Workload(workload.arrivals[:6], workload.loads[:6])
+    arrivals = np.array([0.0, 0.2, 1.0, 1.1, 2.0, 3.0])  # requests 1 and 3 come while their adapter is read
+    small = simulate.Workload(arrivals, workload.loads[:6])
     plain = run("round-robin", cost, small, workers=1)
     cluster = simulate.SimulatedCluster(make_policy("round-robin", cost), cost, small, 1, 8,
                                         simulate.LoraWorkload(alternating, cache=1, miss_s=0.5))
     waited = cluster.run() - plain
-    assert cluster.lora_hits == 3 and np.allclose(waited, [0.5, 0, 0.5, 0, 0, 0.5])
+    assert cluster.lora_hits == 3 and np.allclose(waited, [0.5, 0.3, 0.5, 0.4, 0, 0.5])
 
 
 def test_main_with_loras_runs_each_policy_with_and_without_affinity():

@@ -109,6 +109,13 @@ class EditRequest:
     steps: int | None = None  # None: the template's; another count is refused (the recording has its steps)
 
 
+def warm_up_inputs(size: tuple[int, int]) -> tuple[Image.Image, Image.Image]:
+    """A grey template of `size` and a mask of its 32x32 top-left corner: what warm-ups edit."""
+    corner = Image.new("L", size, 0)
+    corner.paste(255, (0, 0, 32, 32))
+    return Image.new("RGB", size, (127, 127, 127)), corner
+
+
 class MaskAwareEditor:
     """Edits of registered templates that compute only the masked tokens."""
 
@@ -322,10 +329,8 @@ class MaskAwareEditor:
         """Compile now what the first edits would compile (an editor built with `compile`): a small
         template recorded, edited alone and in a batch of two (the graphs of a batch of one and of more),
         then dropped. Token counts are dynamic in the graphs, so other sizes and masks reuse them."""
-        image = Image.new("RGB", (64, 64), (127, 127, 127))
+        image, corner = warm_up_inputs((64, 64))
         template_id = self.register_template(image, prompt="warm-up", steps=1)
-        corner = Image.new("L", image.size, 0)
-        corner.paste(255, (0, 0, 32, 32))
         try:
             self.edit_many([EditRequest(template_id, corner, "warm-up")], output_type="latent")
             self.edit_many([EditRequest(template_id, corner, "warm-up"),

@@ -82,7 +82,9 @@ class MaskAwareAdapter:
         """What a KV-cache block writes its computed rows into when nothing reads its other rows: its input
         itself, when an earlier such block of this forward made that tensor and no request of the batch
         `records` (a recording's copy may still be reading it); otherwise a copy. The copy of every hidden
-        row per block was one op and a full read and write of the hidden states."""
+        row per block was one op and a full read and write of the hidden states. This assumes that only the
+        next block reads a block's output (true of the diffusers loops; a hook that kept block outputs, such
+        as a first-block cache, would see them change)."""
         made = self._memo.get("stale-rows-output")
         if made is not None and made() is hidden_states and not records:
             return hidden_states
