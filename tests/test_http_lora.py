@@ -27,6 +27,7 @@ from retouch.engine.worker import EditResult, EngineConfig
 from retouch.errors import InputError
 from retouch.http_api import Limits, create_app
 from retouch.lora import LoraError, LoraUse
+from retouch.server import router_config
 
 TIMEOUT_S = 10.0
 SIZE = (32, 32)
@@ -245,7 +246,8 @@ def test_lora_options_are_validated_naming_their_flag(tmp_path):
         assert options(**fields, lora_dir=tmp_path).lora_latest_step == 0.3
         for bad, flag in (({"lora_dir": missing}, "--lora-dir"), ({"lora_cache_mb": 0.0}, "--lora-cache-mb"),
                           ({"lora_latest_step": 1.5}, "--lora-latest-step"),
-                          ({"lora_latest_step": -0.1}, "--lora-latest-step")):
+                          ({"lora_latest_step": -0.1}, "--lora-latest-step")) + (
+                          (({"lora_affinity": -2}, "--lora-affinity"),) if options is ServeOptions else ()):
             with pytest.raises(InputError, match=flag):
                 options(**fields, **bad)
     edit = {"model": "m", "image": tmp_path / "i.png", "mask": tmp_path / "m.png", "prompt": "a hat"}
@@ -269,3 +271,7 @@ def test_the_serve_flags_reach_the_options(tmp_path):
                                       "--lora-latest-step", "0"])
     opts = from_arguments(ServeOptions, args)
     assert (opts.lora_dir, opts.lora_cache_mb, opts.lora_latest_step) == (tmp_path, 64.0, 0.0)
+    # LoRA affinity: on by default (bound 0), a bound, or off (the policy alone: RouterConfig None).
+    for flags, affinity in (([], 0), (["--lora-affinity", "2"], 2), (["--lora-affinity", "-1"], None)):
+        args = build_parser().parse_args(["serve", "--model", "m", *flags])
+        assert router_config(from_arguments(ServeOptions, args)).lora_affinity == affinity

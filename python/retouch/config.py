@@ -244,6 +244,9 @@ class ServeOptions:
     lora_latest_step: float = option(0.3, help="a LoRA loads while its request already denoises and applies from "
                                      "the step after, at the latest from this fraction of the request's steps "
                                      "(0: loaded before its first step)")
+    lora_affinity: int = option(0, help="an edit with a LoRA goes to a worker holding its adapters (no file read) "
+                                "while that worker has a free batch slot and at most this many requests in flight "
+                                "more than the least loaded one (-1: off, the policy alone decides)")
 
     def __post_init__(self):
         if self.workers < 0:
@@ -269,6 +272,8 @@ class ServeOptions:
         if self.cost_model is not None and not Path(self.cost_model).is_file():
             raise InputError(f"--cost-model {self.cost_model} not found")
         _check_lora_options(self)
+        if self.lora_affinity < -1:
+            raise InputError(f"--lora-affinity must be >= -1 (-1: off), got {self.lora_affinity}")
 
 
 WORKER_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")

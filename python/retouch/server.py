@@ -53,6 +53,12 @@ def step_cost(opts: ServeOptions) -> StepCost | None:
     return StepCost(h800_flux())
 
 
+def router_config(opts: ServeOptions) -> RouterConfig:
+    return RouterConfig(opts.worker_listen, opts.policy, opts.heartbeat_s, opts.dead_after_s, opts.max_queue,
+                        slo_admission=opts.slo_admission,
+                        lora_affinity=None if opts.lora_affinity < 0 else opts.lora_affinity)
+
+
 class Server:
     def __init__(self, opts: ServeOptions):
         self.opts = opts
@@ -78,9 +84,7 @@ class Server:
         security = None
         if opts.curve_secret is not None:
             security = RouterSecurity(opts.curve_secret, AllowedKeys.from_dir(opts.curve_allowed))
-        self.router = Router(RouterConfig(opts.worker_listen, opts.policy, opts.heartbeat_s, opts.dead_after_s,
-                                          opts.max_queue, slo_admission=opts.slo_admission), step_cost(opts),
-                             security=security).start()
+        self.router = Router(router_config(opts), step_cost(opts), security=security).start()
         process_tree.remove_stale_run_dirs()
         self.run_dir = process_tree.new_run_dir()
         node_args = ["--model", opts.model, "--device", device, "--dtype", str(dtype).removeprefix("torch."),
