@@ -62,19 +62,21 @@ def test_mask_aware_edit_registers_then_edits(cli, inputs, model, cache_mode):
                          ids=["baseline", "mask-aware-y", "mask-aware-kv"])
 def test_an_odd_size_keeps_every_unmasked_pixel_and_repaints_a_single_one(cli, tmp_path, flags):
     # 130x97 is no multiple of the 16-px patch: the pipeline runs on a 144x112 canvas and the
-    # answer is pasted back at 130x97, so the mask is honoured to the pixel.
+    # answer is pasted back at 130x97, so the mask is honoured to the pixel. An all-black mask returns
+    # the file's bytes (through the CLI once: the editor's invariant tests cover it in every mode).
     rng = np.random.default_rng(0)
     Image.fromarray(rng.integers(0, 256, (97, 130, 3), dtype=np.uint8)).save(tmp_path / "T.png")
     Image.new("L", (130, 97), 0).save(tmp_path / "black.png")
     one_pixel = Image.new("L", (130, 97), 0)
     one_pixel.putpixel((65, 48), 255)
     one_pixel.save(tmp_path / "pixel.png")
-    for mask in ("black", "pixel"):
+    for mask in ("pixel",) if flags else ("black", "pixel"):
         result = cli("edit", "--model", "tiny-flux-fill", *flags, "--image", tmp_path / "T.png",
                      "--mask", tmp_path / f"{mask}.png", "--prompt", "a red hat", "--steps", "2",
                      "--out", tmp_path / f"O-{mask}.png")
         assert result.returncode == 0, result.stderr
-    assert (tmp_path / "O-black.png").read_bytes() == (tmp_path / "T.png").read_bytes()
+    if not flags:
+        assert (tmp_path / "O-black.png").read_bytes() == (tmp_path / "T.png").read_bytes()
     with Image.open(tmp_path / "O-pixel.png") as edited, Image.open(tmp_path / "T.png") as template:
         differs = (np.asarray(edited) != np.asarray(template)).any(axis=2)
     assert differs[48, 65] and differs.sum() == 1
