@@ -11,6 +11,8 @@ PACKAGES=(
   diffusers==0.42.1 importlib-metadata zipp pyzmq==27.3.0
   fastapi==0.163.2 starlette==1.10.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0
   typing-inspection==0.4.5 uvicorn==0.54.0 python-multipart==0.0.34
+  # fastapi imports it at startup (telemetry); the device image lacks it
+  opentelemetry-api==1.45.2
 )
 PLATFORMS=()
 for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manylinux_2_17_x86_64 \

@@ -187,7 +187,9 @@ def optimal_plan(costs: BlockCosts) -> Plan:
     search = _FrontierSearch(costs)
     ceiling = simulate([False] * costs.num_blocks, costs)
     floor = search.bound.at(0, 0.0, 0.0)
-    gap = (floor or ceiling) / 256  # the bound is typically within 1% of the optimum
+    # The bound is typically within 1% of the optimum. A gap that underflows (subnormal costs) would never
+    # move the target: then go straight to the ceiling, which the all-full plan meets.
+    gap = (floor or ceiling) / 256 or ceiling
     while True:
         target = min(floor + gap, ceiling)
         found = search.run(target)
