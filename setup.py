@@ -46,6 +46,10 @@ def native_extension():
     if not build_cuda():
         return CppExtension("retouch._C", cpu_sources, extra_compile_args=compile_args)
     cuda_sources = relative_sources("csrc/*_cuda.cpp") + relative_sources("csrc/**/*.cu")
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        # torch takes the targets from the visible GPUs; with none (a build host, a CUDA torch on a CPU
+        # machine) its list would be empty and the build fail: the A100 and H100/H200 generations.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
     compile_args["cxx"].append("-DRETOUCH_WITH_CUDA")
     compile_args["nvcc"] = ["-O3", "--expt-relaxed-constexpr", "-DRETOUCH_WITH_CUDA"]
     return CUDAExtension("retouch._C", cpu_sources + cuda_sources, extra_compile_args=compile_args)

@@ -46,6 +46,7 @@ def environment(bench: str, argv: list[str] | None, device: str | torch.device) 
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
+    versions["torch"] = torch.__version__  # with its build's tag (+cu130, +cpu), which the wheel's metadata may lack
     versions["cuda"] = torch.version.cuda
     record = {"command": " ".join(["retouch", "bench", bench, *args]), "versions": versions,
               "retouch_commit": _git_commit(), "device": str(device), "device_name": device_name(device),

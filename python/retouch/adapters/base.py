@@ -221,6 +221,11 @@ def _size_oblivious(compiled):
     return call
 
 
+# torch 2.11's inductor (the GPU machines' image) fails to lower some of the cores' slices and views when
+# sizes are traced size-oblivious (LoweringException: KeyError 'unbacked_bindings', NotImplementedError
+# View); 2.13 lowers them (2.12 is untested). Before 2.13 sizes 0 and 1 specialize, so a one-token mask
+# and a batch of one are graphs of their own there: they compile once more, mid-serving.
+SIZE_OBLIVIOUS = torch.__version__ >= "2.13"
 _tracing = threading.local()  # .inside: nesting depth of _size_oblivious calls in this thread
 # Settings applied by a start callback. Dynamo pairs start and end with one process-wide counter, so
 # an end may run in another thread than its start: the stack is process-wide too.
@@ -230,7 +235,7 @@ _applied: list = []
 def _on_compile_start(args) -> None:
     patch = None
     if getattr(_tracing, "inside", 0):
-        patch = torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False)
+        patch = torch.fx.experimental._config.patch(backed_size_oblivious=SIZE_OBLIVIOUS, use_duck_shape=False)
         patch.__enter__()
     _applied.append(patch)
 
