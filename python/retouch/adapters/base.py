@@ -95,8 +95,8 @@ class MaskAwareAdapter:
     def compile(self, cuda_graphs: bool = False, **options) -> None:
         """Run the blocks through torch.compile from now on: the tensor cores of masked blocks and the class
         forward of blocks that run in full (`options`: torch.compile's). Token counts and batch sizes are
-        dynamic, sizes 0 and 1 included: one graph per core and cache mode serves every mask and batch
-        composition after the first forwards of a batch of one and of more.
+        dynamic, sizes 0 and 1 included (torch >= 2.13, `SIZE_OBLIVIOUS`): one graph per core and cache mode
+        serves every mask and batch composition after the first forwards of a batch of one and of more.
 
         `cuda_graphs`: inductor's CUDA graphs too (mode "reduce-overhead"), with the computed tokens padded
         to `retouch.ragged.token_bucket` sizes, so one graph is captured per batch size and bucket. Graphs
@@ -203,10 +203,10 @@ class MaskAwareAdapter:
 
 
 def _size_oblivious(compiled):
-    """Traces with sizes of 0 and 1 treated like any other (a one-token mask is no new graph) and equal
-    sizes not assumed equal. The setting is applied by dynamo's compile-start callback, only while one
-    of these functions runs: a call that compiles nothing costs two thread-local writes, where patching
-    the config around every call cost ~30 us a block."""
+    """Traces with sizes of 0 and 1 treated like any other where torch allows it (`SIZE_OBLIVIOUS`: a
+    one-token mask is no new graph) and equal sizes not assumed equal. The setting is applied by dynamo's
+    compile-start callback, only while one of these functions runs: a call that compiles nothing costs two
+    thread-local writes, where patching the config around every call cost ~30 us a block."""
     @functools.wraps(compiled)
     def call(*args, **kwargs):
         callbacks = torch._dynamo.callback_handler
