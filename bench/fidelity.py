@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from retouch.bench.report import environment, mask_ratios, pyplot, write_json
 from retouch.cache import CacheStore, StoreConfig
+from retouch.cache.layout import STORAGE_DTYPES
 from retouch.editor import CACHE_MODES, load
 from retouch.image_metrics import psnr, ssim
 from retouch.masks import centred_token_rectangle, pixel_mask_of_tokens
@@ -40,18 +42,23 @@ def template_image(size: int) -> Image.Image:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="retouch bench fidelity", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-flux-fill")
-    parser.add_argument("--mask-ratios", dest="ratios", default="0.1,0.2,0.3")
+    parser.add_argument("--mask-ratios", dest="ratios", type=mask_ratios, default="0.1,0.2,0.3")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--size", type=int, default=128, help="template side in pixels")
-    parser.add_argument("--cache-dtypes", default="auto", help="storage dtypes of the cache, comma-separated")
-    parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--size", type=int, default=128, help="template side in pixels (a multiple of 16)")
+    parser.add_argument("--cache-dtypes", type=cache_dtypes, default="auto",
+                        help=f"storage dtypes of the cache, comma-separated: auto, {', '.join(STORAGE_DTYPES)}")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    if args.size < 16 or args.size % 16:
+        parser.error("--size must be a positive multiple of 16")
 
     template = template_image(args.size)
     grid = (args.size // 16, args.size // 16)
     results = []
-    settings = [(m, d) for m in CACHE_MODES for d in args.cache_dtypes.split(",")]
-    ratios = [float(r) for r in args.ratios.split(",")]
+    settings = [(m, d) for m in CACHE_MODES for d in args.cache_dtypes]
+    ratios = args.ratios
     points = bar(desc="fidelity: mask-aware vs full compute", total=len(settings) * len(ratios), unit="point")
     for mode, cache_dtype in settings:
         editor = load(args.model, cache_mode=mode, cache=CacheStore(StoreConfig(host_bytes=1 << 30, dtype=cache_dtype)))
@@ -74,14 +81,47 @@ def main(argv: list[str] | None = None) -> dict:
             points.update()
         editor.adapter.unpatch()
     points.close()
-    report = {"bench": "fidelity", "command": "retouch bench fidelity " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "model": args.model, "steps": args.steps, "size": args.size,
+    report = {**environment("fidelity", argv, "cpu"), "model": args.model, "steps": args.steps, "size": args.size,
               "note": "random weights: consistency with full compute, not image quality", "results": results}
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps(report, indent=2) + "\n")
+        write_json(report, args.out)
+        plot(report, args.out.with_suffix(".png"))
     print(json.dumps(report))
     return report
+
+
+def cache_dtypes(text: str) -> list[str]:
+    """argparse `type` of `--cache-dtypes`: comma-separated storage dtypes."""
+    names = text.split(",")
+    unknown = [name for name in names if name != "auto" and name not in STORAGE_DTYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown cache dtype {unknown[0]!r}; choose from auto, "
+                                         f"{', '.join(STORAGE_DTYPES)}")
+    return names
+
+
+def plot(report: dict, path: Path) -> None:
+    """PSNR against full compute over the mask ratio, whole image and masked region, a line per cache
+    mode and storage dtype."""
+    plt = pyplot()
+    if plt is None:
+        return
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    series = sorted({(row["mode"], row["cache_dtype"]) for row in report["results"]})
+    for axis, key, title in zip(axes, ("psnr_db", "psnr_masked_db"), ("whole image", "masked region")):
+        for mode, dtype in series:
+            rows = [row for row in report["results"] if (row["mode"], row["cache_dtype"]) == (mode, dtype)]
+            axis.plot([row["mask_ratio"] for row in rows], [row[key] for row in rows], marker="o",
+                      linestyle="-" if mode == "y-cache" else "--", label=f"{mode}, {dtype}")
+        axis.set_title(title)
+        axis.set_xlabel("mask ratio")
+    axes[0].set_ylabel("PSNR vs full compute (dB)")
+    axes[1].legend(fontsize=8)
+    figure.suptitle(f"{report['model']}, {report['size']} px, {report['steps']} steps: mask-aware vs full compute "
+                    "(random weights)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 if __name__ == "__main__":

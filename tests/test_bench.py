@@ -102,13 +102,25 @@ def test_flops_match_the_per_op_prediction():
     assert rows[(partial[0]["mask_ratio"], "kv-cache")]["flops"] < rows[(partial[0]["mask_ratio"], "y-cache")]["flops"]
 
 
-def test_fidelity_against_full_compute():
-    report = fidelity.main(["--mask-ratios", "0.2", "--steps", "2"])
+def test_fidelity_against_full_compute(tmp_path):
+    out = tmp_path / "fidelity.json"
+    report = fidelity.main(["--mask-ratios", "0.2", "--steps", "2", "--out", str(out)])
+    assert json.loads(out.read_text())["results"] == report["results"] and out.with_suffix(".png").stat().st_size > 0
+    assert report["command"].startswith("retouch bench fidelity")
     assert {row["mode"] for row in report["results"]} == {"y-cache", "kv-cache"}
     for row in report["results"]:
         assert row["unmasked_equal_template"]
         # A cache from another prompt and seed perturbs the edit only slightly (random weights).
         assert row["psnr_db"] > 30 and 0.9 < row["ssim"] <= 1.0
+
+
+@pytest.mark.parametrize("argv, named", [(["--cache-dtypes", "fp8"], "--cache-dtypes"),
+                                         (["--mask-ratios", "0"], "--mask-ratios"),
+                                         (["--size", "100"], "--size"), (["--steps", "0"], "--steps")])
+def test_fidelity_refuses_bad_options(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        fidelity.main(argv)
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
 
 
 def test_ssim_and_psnr_definitions():
