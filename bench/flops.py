@@ -1,6 +1,6 @@
 """FLOPs of one denoising step of a Flux denoiser, mask-aware over full, against the per-op prediction.
 
-    retouch bench flops --model flux-small --mask-ratios 0.1,0.2,0.5,1.0
+    retouch bench flops --model flux-small --mask-ratios 0.1,0.2,0.5,1.0 [--out F.json]
 
 `flops_ratio` is counted (torch.utils.flop_counter, SDPA on its math path so attention is counted);
 `theory` is the paper's Table 1 made exact for the architecture (`retouch.flops.flux_forward_macs`:
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
 from retouch.adapters import MaskAwareContext
+from retouch.bench.report import environment, mask_ratios, pyplot, write_json
 from retouch.bench.step import MODES, TEXT_TOKENS, flux_setup
 from retouch.flops import count_flops, flux_forward_macs
 from retouch.masks import centred_token_rectangle
@@ -24,7 +26,8 @@ from retouch.progress import bar
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="retouch bench flops", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
-    parser.add_argument("--mask-ratios", dest="ratios", default="0.1,0.2,0.5,1.0")
+    parser.add_argument("--mask-ratios", dest="ratios", type=mask_ratios, default="0.1,0.2,0.5,1.0")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
 
     device = torch.device("cpu")  # FLOPs do not depend on the device
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     full_flops, _ = count_flops(transformer, inputs)
     full_theory = flux_forward_macs(transformer.config, num_text, num_image, num_image, None)
     results = []
-    points = bar([(float(ratio), mode) for ratio in args.ratios.split(",") for mode in MODES],
+    points = bar([(float(ratio), mode) for ratio in args.ratios for mode in MODES],
                  "flops: mask-aware vs full", unit="point")
     for ratio, mode in points:
         masked = centred_token_rectangle(grid, ratio)
@@ -45,10 +48,35 @@ def main(argv: list[str] | None = None) -> dict:
                         "flops_ratio": round(flops / full_flops, 4), "theory": round(theory, 4)})
         points.set_postfix_str(f"m={results[-1]['mask_ratio']} {mode}: {results[-1]['flops_ratio']} "
                                f"(theory {results[-1]['theory']})", refresh=False)
-    report = {"bench": "flops", "model": args.model, "image_tokens": num_image, "text_tokens": num_text,
-              "full_flops": full_flops, "results": results}
+    report = {**environment("flops", argv, device), "model": args.model, "image_tokens": num_image,
+              "text_tokens": num_text, "full_flops": full_flops, "results": results}
+    if args.out:
+        write_json(report, args.out)
+        plot(report, args.out.with_suffix(".png"))
     print(json.dumps(report))
     return report
+
+
+def plot(report: dict, path: Path) -> None:
+    """Counted FLOPs over full compute against the mask ratio, per mode, with the prediction."""
+    plt = pyplot()
+    if plt is None:
+        return
+    figure, axis = plt.subplots(figsize=(5.5, 4))
+    for mode in MODES:
+        rows = [row for row in report["results"] if row["mode"] == mode]
+        ratios = [row["mask_ratio"] for row in rows]
+        line, = axis.plot(ratios, [row["flops_ratio"] for row in rows], marker="o", label=f"{mode}, counted")
+        axis.plot(ratios, [row["theory"] for row in rows], linestyle=":", color=line.get_color(),
+                  label=f"{mode}, predicted")
+    axis.plot([0, 1], [0, 1], color="grey", linewidth=0.8, label="mask ratio")
+    axis.set_xlabel("mask ratio")
+    axis.set_ylabel("FLOPs / full compute")
+    axis.set_title(f"{report['model']}: {report['image_tokens']} image + {report['text_tokens']} text tokens")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 if __name__ == "__main__":

@@ -91,8 +91,10 @@ def test_mixed_options_are_checked(options, capsys):
     assert exit_.value.code == 2 and "--" in capsys.readouterr().err
 
 
-def test_flops_match_the_per_op_prediction():
-    report = flops.main(["--model", "tiny-flux-fill", "--mask-ratios", "0.2,1.0"])
+def test_flops_match_the_per_op_prediction(tmp_path):
+    out = tmp_path / "flops.json"
+    report = flops.main(["--model", "tiny-flux-fill", "--mask-ratios", "0.2,1.0", "--out", str(out)])
+    assert json.loads(out.read_text())["results"] == report["results"] and out.with_suffix(".png").stat().st_size > 0
     rows = {(row["mask_ratio"], row["mode"]): row for row in report["results"]}
     for row in rows.values():
         assert row["flops_ratio"] == row["theory"]
