@@ -195,3 +195,31 @@ def test_images_come_as_rgb():
         images.as_image(None)
     with pytest.raises(InputError, match="uint8"):
         images.as_image(np.zeros((2, 3, 3), np.float32))
+
+
+@pytest.mark.parametrize("mode, pixels, expected", [
+    ("I;16", [[0, 257, 32768, 65535]], [0, 1, 128, 255]),  # 16-bit: 0..65535, a dark photo stays dark
+    ("I", [[0, 257, 32768, 65535]], [0, 1, 128, 255]),
+    ("F", [[0.0, 0.25, 0.5, 1.0]], [0, 64, 128, 255]),
+    ("F", [[0.0, 2.0, 128.0, 255.0]], [0, 2, 128, 255]),
+])
+def test_deep_greyscale_images_are_scaled_not_clipped(mode, pixels, expected):
+    dtype = {"I;16": np.uint16, "I": np.int32, "F": np.float32}[mode]
+    image = Image.fromarray(np.array(pixels, dtype=dtype))
+    assert image.mode == mode
+    rgb = images.as_image(image)
+    assert rgb.mode == "RGB" and [rgb.getpixel((x, 0)) for x in range(4)] == [(v, v, v) for v in expected]
+
+
+def test_a_16_bit_png_upload_keeps_its_tones():
+    tones = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000)
+    decoded = images.as_image(images.decode_image(images.png_bytes(Image.fromarray(tones)), "image"))
+    assert np.array_equal(np.asarray(decoded)[..., 0], np.rint(tones / 257).astype(np.uint8))
+
+
+@pytest.mark.parametrize("mode, pixels", [("I", [[-1, 0]]), ("I", [[0, 70000]]), ("F", [[0.0, 300.0]]),
+                                          ("F", [[0.0, float("nan")]])])
+def test_out_of_range_deep_images_are_refused(mode, pixels):
+    dtype = {"I": np.int32, "F": np.float32}[mode]
+    with pytest.raises(InputError, match="image"):
+        images.as_image(Image.fromarray(np.array(pixels, dtype=dtype)))

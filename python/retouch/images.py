@@ -16,6 +16,9 @@ template there: 0 keeps the template's pixel exactly, full scale takes the edit,
     torch tensors ([H, W]; arrays     value: <= 1 means 0..1, <= 255 means 0..255, and <= 65535
     [H, W, 1], tensors [1, H, W])     means 0..65535 (16-bit integers); negative, NaN or larger
                                      values are refused
+Images: converted to RGB. Greyscale images of more than 8 bits are scaled, not clipped: "I;16" and
+"I" (16-bit PNGs, integer TIFFs) as 0..65535, "F" as 0..1 (or 0..255 when its values exceed 1);
+negative, NaN or larger values are refused.
 EXIF orientation is applied to images and masks alike before anything else, so a photo and the mask
 drawn over it as displayed line up.
 """
@@ -87,7 +90,26 @@ def as_image(image, what: str = "image") -> Image.Image:
         raise InputError(f"{what} must be a PIL image or a uint8 array, got {type(image).__name__}")
     if image.width < 1 or image.height < 1:
         raise InputError(f"{what} is empty ({image.width}x{image.height})")
-    return ImageOps.exif_transpose(image).convert("RGB")
+    return _eight_bit(ImageOps.exif_transpose(image), what).convert("RGB")
+
+
+def _eight_bit(image: Image.Image, what: str) -> Image.Image:
+    """Greyscale images of more than 8 bits scaled to "L" (Pillow's convert clips them at 255: a 16-bit
+    photo came out white); other modes as they are."""
+    if not (image.mode.startswith("I") or image.mode == "F"):
+        return image
+    values = np.asarray(image, dtype=np.float64)
+    if not np.isfinite(values).all():
+        raise InputError(f"{what} has NaN or infinite values")
+    low, high = (values.min(), values.max()) if values.size else (0.0, 0.0)
+    if image.mode == "F":
+        full_scale = 1.0 if high <= 1 else 255.0
+    else:
+        full_scale = 65535.0
+    if low < 0 or high > full_scale:
+        raise InputError(f"{what} ({image.mode}) has values from {low:g} to {high:g}; an image holds 0..65535 "
+                         "(16-bit integers) or 0..1 / 0..255 (floats)")
+    return Image.fromarray(np.rint(values * (255.0 / full_scale)).astype(np.uint8), mode="L")
 
 
 def as_mask(mask, size: tuple[int, int] | None = None, *, alpha: bool = False, what: str = "mask") -> Image.Image:
