@@ -310,12 +310,15 @@ class Router:
                 raise Unavailable("the server is shutting down")
             if len(self.pending) + len(tasks) > self.config.max_queue:
                 raise QueueFull(f"{len(self.pending)} requests are waiting (max_queue {self.config.max_queue})")
-            if one_off is not None and one_off.template_id not in self.templates:
+            new_one_off = one_off is not None and one_off.template_id not in self.templates
+            known = set(self.templates) | ({one_off.template_id} if new_one_off else set())
+            if any(task.template_id not in known for task in tasks):
+                raise KeyError(next(t.template_id for t in tasks if t.template_id not in known))
+            self._admit_deadlines(tasks)
+            # Registered only once the edits are accepted: a refused one-off leaves no template.
+            if new_one_off:
                 self.templates[one_off.template_id] = one_off
                 self._evict_one_offs(keep=one_off.template_id)
-            if any(task.template_id not in self.templates for task in tasks):
-                raise KeyError(next(t.template_id for t in tasks if t.template_id not in self.templates))
-            self._admit_deadlines(tasks)
             for task in tasks:
                 self.templates[task.template_id].last_used = time.monotonic()
             accepted = [Pending(next(self._ids), task, Future()) for task in tasks]
@@ -349,7 +352,8 @@ class Router:
         """Bool [slots] of live workers where the template is ready; None if there is none (it will be
         recorded, or wait: any worker may take it)."""
         eligible = np.zeros_like(self.cluster.alive)
-        for name, state in self.templates[template_id].states.items():
+        record = self.templates.get(template_id)  # None: a one-off not yet registered, recorded anywhere
+        for name, state in (record.states.items() if record is not None else ()):
             if state == "ready" and name in self.workers:
                 eligible[self.workers[name].slot] = True
         return eligible if eligible.any() else None

@@ -1,10 +1,13 @@
 """The `retouch` command as a user runs it: a fresh interpreter per call, real files, exit codes."""
 
 import json
+import socket
 
 import numpy as np
 import pytest
 from PIL import Image, ImageDraw
+
+from retouch.config import ServeOptions
 
 TINY_MODELS = ["tiny-flux-fill", "tiny-flux-inpaint", "tiny-sd3-inpaint", "tiny-sdxl-inpaint", "tiny-sd2-inpaint"]
 BENCH_SPECS = ["flux-small", "flux-demo", "flux-size", "sd3-size", "sdxl-size", "sd2-size"]
@@ -209,7 +212,27 @@ def test_simulate_prints_every_policy(cli):
     (["--model", "tiny-flux-fill", "--workers", "-1"], "--workers must be >= 0"),
     (["--model", "tiny-flux-fill", "--policy", "random"], "invalid choice"),
     (["--model", "tiny-flux-fill", "--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA device"),
+    (["--model", "tiny-flux-fill", "--max-upload-mb", "2000"], "--max-inflight-mb (1024) must hold one upload"),
+    (["--model", "tiny-flux-fill", "--steps", "60", "--max-steps", "50"], "--steps (60) must not exceed --max-steps"),
 ])
 def test_serve_refuses_bad_options_before_starting_anything(cli, args, message):
     result = cli("serve", *args)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert "workers ready" not in result.stderr
+
+
+def test_serve_refuses_a_port_in_use_before_loading_the_model(cli):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = cli("serve", "--model", "tiny-flux-fill", "--host", "127.0.0.1", "--port", str(port))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "workers ready" not in result.stderr
+
+
+def test_images_per_request_are_capped_at_the_queue():
+    from retouch.server import http_limits
+
+    assert http_limits(ServeOptions(model="tiny-flux-fill", max_queue=6)).max_n == 6
+    assert http_limits(ServeOptions(model="tiny-flux-fill")).max_n == 10

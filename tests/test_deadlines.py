@@ -143,6 +143,20 @@ def test_reject_mode_refuses_what_cannot_finish_in_time_and_accepts_the_rest(con
     assert counts == {"with_deadline": 2, "met": 1, "missed": 0, "refused": 1, "cancelled": 0}
 
 
+def test_a_refused_one_off_leaves_no_template_and_an_accepted_one_does(context, make_router):
+    router = make_router(FakeStepCost(), slo_admission="reject")
+    worker = ready_worker(context, router)
+    image = TemplateRecord("img-1", b"upload", (64, 64), "", LOAD.steps, 0, None, replicas=1, one_off=True)
+    edit = replace(task(budget_s=5.0), template_id="img-1")
+    with pytest.raises(DeadlineUnattainable):
+        router.submit_many([edit], image)
+    assert "img-1" not in router.templates and router.snapshot()["pending"] == 0
+    [_], [future] = router.submit_many([replace(edit, load=replace(LOAD, deadline=time.monotonic() + 1000))], image)
+    assert router.templates["img-1"] is image
+    worker.answer(worker.receive("edit")["request"])
+    assert future.result(TIMEOUT_S).status == 200
+
+
 def test_the_prediction_counts_the_queue_on_a_full_worker(context, make_router):
     router = make_router(FakeStepCost(), slo_admission="reject")
     worker = ready_worker(context, router, max_batch=1)

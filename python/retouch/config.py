@@ -267,6 +267,13 @@ class ServeOptions:
             raise InputError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_upload_mb <= 0:
             raise InputError(f"--max-upload-mb must be > 0, got {self.max_upload_mb}")
+        # Checked here, before any worker loads the model, as the HTTP limits would check them after.
+        if self.max_inflight_mb < self.max_upload_mb:
+            raise InputError(f"--max-inflight-mb ({self.max_inflight_mb:g}) must hold one upload "
+                             f"(--max-upload-mb {self.max_upload_mb:g})")
+        if self.steps > self.max_steps:
+            raise InputError(f"--steps ({self.steps}) must not exceed --max-steps ({self.max_steps}): an edit "
+                             "that omits steps would be refused the steps its template was recorded with")
         if self.dead_after_s <= self.heartbeat_s:
             raise InputError("--dead-after-s must exceed --heartbeat-s")
         if self.cost_model is not None and not Path(self.cost_model).is_file():

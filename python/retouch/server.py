@@ -59,6 +59,33 @@ def router_config(opts: ServeOptions) -> RouterConfig:
                         lora_affinity=None if opts.lora_affinity < 0 else opts.lora_affinity)
 
 
+def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = ()) -> Limits:
+    """The HTTP front end's limits from the server's options. `n` (images per request) is capped at
+    --max-queue: a larger `n` could never be accepted, and is refused naming `n`, not answered "busy"."""
+    return Limits(max_upload_bytes=int(opts.max_upload_mb * (1 << 20)), max_pixels=opts.max_pixels,
+                  max_steps=opts.max_steps, default_steps=opts.steps, max_work=opts.max_work, api_keys=api_keys,
+                  docs=opts.docs, playground=opts.playground, max_prompt_chars=opts.max_prompt_chars,
+                  header_timeout_s=opts.header_timeout_s, body_timeout_s=opts.body_timeout_s,
+                  max_connections=opts.max_connections, max_inflight_bytes=int(opts.max_inflight_mb * (1 << 20)),
+                  slo_ms_per_megapixel=opts.slo_ms_per_megapixel, lora_dir=opts.lora_dir,
+                  max_n=min(Limits.max_n, opts.max_queue))
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The HTTP port, taken (not yet listening: connections are refused until the workers are ready)."""
+    # IPPROTO_TCP spelled out: asyncio turns on TCP_NODELAY only for sockets that say they are TCP.
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                             socket.IPPROTO_TCP)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+                         f"{' (--port 0 picks a free one)' if port else ''}") from None
+    return listener
+
+
 class Server:
     def __init__(self, opts: ServeOptions):
         self.opts = opts
@@ -72,7 +99,8 @@ class Server:
 
     def start(self, ready_timeout_s: float | None = None) -> Server:
         """Router, workers, then HTTP. `ready_timeout_s`: how long workers may take to load (and, with
-        --compile, to compile: default 30 min then, else 10)."""
+        --compile, to compile: default 30 min then, else 10). The port is taken first, so a port in use
+        fails before any worker loads the model; whatever fails, what was started is stopped."""
         opts = self.opts
         cap_log_messages()
         api_keys = read_api_keys(opts.api_keys_file)
@@ -81,6 +109,18 @@ class Server:
             raise InputError("--cuda-graphs needs a CUDA device; none is here")
         if ready_timeout_s is None:
             ready_timeout_s = 1800.0 if opts.compile or opts.cuda_graphs else 600.0
+        limits = http_limits(opts, api_keys)
+        listener = _bind(opts.host, opts.port)
+        try:
+            self._start(listener, limits, device, dtype, ready_timeout_s)
+        except BaseException:
+            listener.close()
+            self.close()
+            raise
+        return self
+
+    def _start(self, listener: socket.socket, limits: Limits, device: str, dtype, ready_timeout_s: float) -> None:
+        opts = self.opts
         security = None
         if opts.curve_secret is not None:
             security = RouterSecurity(opts.curve_secret, AllowedKeys.from_dir(opts.curve_allowed))
@@ -100,19 +140,7 @@ class Server:
                                      self.run_dir, restart=opts.restart, gpus=device == "cuda", serve_id=self.serve_id,
                                      extra_env=security.local_worker_env() if security is not None else None)
         self._await_workers(ready_timeout_s)
-        limits = Limits(max_upload_bytes=int(opts.max_upload_mb * (1 << 20)), max_pixels=opts.max_pixels,
-                        max_steps=opts.max_steps, default_steps=opts.steps, max_work=opts.max_work, api_keys=api_keys,
-                        docs=opts.docs, playground=opts.playground, max_prompt_chars=opts.max_prompt_chars,
-                        header_timeout_s=opts.header_timeout_s,
-                        body_timeout_s=opts.body_timeout_s, max_connections=opts.max_connections,
-                        max_inflight_bytes=int(opts.max_inflight_mb * (1 << 20)),
-                        slo_ms_per_megapixel=opts.slo_ms_per_megapixel, lora_dir=opts.lora_dir)
         app = create_app(self.router, limits, opts.model)
-        # IPPROTO_TCP spelled out: asyncio turns on TCP_NODELAY only for sockets that say they are TCP.
-        listener = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET, socket.SOCK_STREAM,
-                                 socket.IPPROTO_TCP)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((opts.host, opts.port))
         # Listen now, not when uvicorn's loop gets to it: start() returns the URL, and a client that
         # connects at once must be queued by the kernel rather than refused.
         listener.listen(2048)
@@ -126,17 +154,14 @@ class Server:
         self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [listener]},
                                              name="retouch-http", daemon=True)
         self._http_thread.start()
-        return self
 
     def _await_workers(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         ready = 0
         while ready < self.opts.workers:
             if self.supervisor.exits:
-                self.close()
                 raise RetouchError("a worker process exited while loading the model (see its error above)")
             if time.monotonic() > deadline:
-                self.close()
                 raise RetouchError(f"only {ready} of {self.opts.workers} workers were ready after {timeout_s:.0f} s")
             self.router.wait_for_workers(ready + 1, 1.0)
             now_ready = len(self.router.snapshot()["workers"])
