@@ -5,9 +5,12 @@ a scripted worker)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 
 import httpx
+import numpy as np
+import pytest
 import zmq
 from PIL import Image
 from scripted_worker import ScriptedWorker
@@ -97,6 +100,55 @@ async def n_images(max_queue: int, fail_one: bool) -> dict:
         router.close(drain_s=0)
         context.destroy(linger=0)
     return outcome
+
+
+async def openai_answer(fields: dict) -> httpx.Response:
+    """POST /v1/images/edits of a template a scripted worker holds, which answers a 32x32 gradient."""
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
+                                 dead_after_s=60.0)).start()
+    context = zmq.Context()
+    app = create_app(router, Limits(default_steps=2, request_timeout_s=20))
+    edited = png(Image.fromarray(np.arange(32 * 32 * 3, dtype=np.uint8).reshape(32, 32, 3)))
+    try:
+        worker = ScriptedWorker(context, router, "w0")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            registered = await client.post("/v1/templates", data={"steps": "2"}, files={
+                "image": ("t.png", png(Image.new("RGB", (32, 32), "red")), "image/png")})
+            await asyncio.to_thread(worker.register, registered.json()["id"])
+            mask = png(Image.new("RGBA", (32, 32), (0, 0, 0, 0)))
+            answer = asyncio.create_task(client.post("/v1/images/edits", files={"mask": ("m.png", mask, "image/png")},
+                                                     data={"template_id": registered.json()["id"],
+                                                           "prompt": "a cat", **fields}))
+            if not fields.get("bad"):
+                await asyncio.to_thread(lambda: worker.answer(worker.receive("edit")["request"], edited))
+            return await answer
+    finally:
+        router.close(drain_s=0)
+        context.destroy(linger=0)
+
+
+@pytest.mark.parametrize("fields, pillow_format, lossless", [
+    ({}, "PNG", True),
+    ({"output_format": "jpeg", "output_compression": "90"}, "JPEG", False),
+    ({"output_format": "webp", "output_compression": "100"}, "WEBP", True),
+    ({"output_format": "webp", "output_compression": "50", "size": "16x16"}, "WEBP", False),
+])
+def test_openai_output_format_encodes_the_answer(fields, pillow_format, lossless):
+    answer = asyncio.run(openai_answer(fields))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["output_format"] == fields.get("output_format", "png")
+    image = Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))
+    assert image.format == pillow_format and image.size == ((16, 16) if "size" in fields else (32, 32))
+    expected = np.arange(32 * 32 * 3, dtype=np.uint8).reshape(32, 32, 3)
+    if lossless:
+        assert np.array_equal(np.asarray(image.convert("RGB")), expected)
+
+
+@pytest.mark.parametrize("fields, param", [({"output_format": "gif", "bad": "1"}, "output_format"),
+                                           ({"output_compression": "101", "bad": "1"}, "output_compression")])
+def test_openai_output_format_is_validated(fields, param):
+    answer = asyncio.run(openai_answer(fields))
+    assert 400 <= answer.status_code < 500 and answer.json()["error"]["param"] == param
 
 
 def test_n_images_over_the_queue_are_refused_all_together():

@@ -26,7 +26,7 @@ from retouch.engine.node import Node
 from retouch.engine.worker import EditResult, EngineConfig
 from retouch.errors import InputError
 from retouch.http_api import Limits, create_app
-from retouch.lora import LoraError, LoraUse
+from retouch.lora import LoraError, LoraUse, parse_lora
 from retouch.server import router_config
 
 TIMEOUT_S = 10.0
@@ -97,6 +97,28 @@ def test_a_bad_lora_is_refused_naming_the_param_before_anything_is_queued(make_r
     assert answer.json()["error"]["param"] == "lora" and answer.json()["error"]["code"] == code
     snapshot = router.snapshot()
     assert snapshot["pending"] == 0 and snapshot["templates"] == 0  # not even the one-off image was kept
+
+
+def test_an_unknown_lora_is_refused_without_naming_the_servers_folder(make_router, lora_dir):
+    answer = asyncio.run(refused(make_router(), Limits(lora_dir=lora_dir), "/v1/edits", "nope"))
+    assert answer.status_code == 404 and "'nope'" in answer.json()["error"]["message"]
+    assert str(lora_dir) not in answer.text
+
+
+def test_the_served_loras_and_model_are_listed(make_router, lora_dir):
+    async def lists(limits, model):
+        app = create_app(make_router(), limits, model)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            return (await client.get("/v1/loras")).json(), (await client.get("/v1/models")).json()
+
+    loras, models = asyncio.run(lists(Limits(lora_dir=lora_dir), str(lora_dir / "my-pipeline")))
+    assert loras == {"data": [{"name": "grain"}, {"name": "ink"}]}
+    assert [model["id"] for model in models["data"]] == ["my-pipeline"]  # a folder's name, not its path
+    assert asyncio.run(lists(Limits(), "tiny-flux-fill"))[0] == {"data": []}
+
+
+def test_spaces_around_a_lora_scale_are_allowed():
+    assert parse_lora(" grain : 0.5 , ink") == (LoraUse("grain", 0.5), LoraUse("ink"))
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/edits", "/v1/images/edits"])

@@ -71,7 +71,7 @@ from retouch.http_events import HEADERS as EVENT_HEADERS
 from retouch.http_events import KEEPALIVE, KEEPALIVE_S, EventRelay, sse, with_image
 from retouch.images import ImageTooLarge, as_image, as_mask, decode_image, has_alpha, png_bytes
 from retouch.lora import MAX_PER_REQUEST, LoraChoice, LoraError, choice_header, parse_lora
-from retouch.lora.files import lora_path
+from retouch.lora.files import list_loras, lora_path
 from retouch.lora.spec import MAX_SCALE
 from retouch.masks import FLUX_STRIDE, token_mask
 from retouch.serve_metrics import ServeMetrics
@@ -344,6 +344,8 @@ EDIT_FIELDS = {
     "slo_ms": _field("integer", "answer within this many milliseconds of arrival (the router orders by it)"),
     "lora": LORA_FIELD,
 }
+
+OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}  # OpenAI's output_format -> Pillow's
 OPENAI_EDIT_FIELDS = {
     "image": _field("file", "the image to edit (also as image[])"),
     "mask": _field("file", "alpha 0 = repaint (without a mask, the image's own alpha)"),
@@ -351,6 +353,9 @@ OPENAI_EDIT_FIELDS = {
     "n": _field("integer", "images to make (seeds seed, seed+1, ...)", default=1),
     "size": _field("string", "WIDTHxHEIGHT of the answer, or auto"),
     "response_format": _field("string", "only b64_json", enum=["b64_json"], default="b64_json"),
+    "output_format": _field("string", "encoding of the answers", enum=list(OUTPUT_FORMATS), default="png"),
+    "output_compression": _field("integer", "quality of jpeg and webp answers, 0-100 (100: webp lossless)",
+                                 default=100),
     "seed": EDIT_FIELDS["seed"],
     "template_id": EDIT_FIELDS["template_id"],
     "slo_ms": EDIT_FIELDS["slo_ms"],
@@ -410,8 +415,9 @@ def lora_field(form: Form, lora_dir: Path | None) -> LoraChoice:
     for use in choice:
         try:
             lora_path(lora_dir, use.name)
-        except LoraError as exc:
-            raise ApiError(404, str(exc), "lora", "lora_not_found") from None
+        except LoraError:  # its message names the server's folder, which clients must not learn
+            raise ApiError(404, f"no LoRA {use.name!r} on this server (GET /v1/loras lists them)", "lora",
+                           "lora_not_found") from None
     return choice
 
 
@@ -482,8 +488,20 @@ def b64_json_response(envelope: dict, pngs: list[bytes], headers: dict) -> Strea
                              headers={**headers, "Content-Length": str(length)})
 
 
-def resized_png(png: bytes, size: tuple[int, int]) -> bytes:
-    return png_bytes(Image.open(io.BytesIO(png)).resize(size, Image.Resampling.LANCZOS))
+def reencoded(png: bytes, size: tuple[int, int] | None, output_format: str, compression: int) -> bytes:
+    """An answer's PNG resized to `size` (None: as it is) and encoded as `output_format`; `compression`
+    is OpenAI's output_compression, the quality of JPEG and WebP (100: WebP lossless)."""
+    if size is None and output_format == "png":
+        return png
+    image = Image.open(io.BytesIO(png))
+    if size is not None:
+        image = image.resize(size, Image.Resampling.LANCZOS)
+    if output_format == "png":
+        return png_bytes(image)
+    out = io.BytesIO()
+    options = {"lossless": True} if output_format == "webp" and compression == 100 else {"quality": compression}
+    image.convert("RGB").save(out, format=OUTPUT_FORMATS[output_format], **options)
+    return out.getvalue()
 
 
 # ---- the app ----
@@ -494,6 +512,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     metrics = ServeMetrics(router)
     router.on_decision = metrics.decisions.observe
     app.state.router, app.state.limits, app.state.metrics = router, limits, metrics
+    served_model = Path(model).name if model else "retouch"  # a pipeline folder's name, not the server's path
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -577,6 +596,23 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     @app.get("/v1/templates")
     async def list_templates(request: Request):
         return {"data": router.list_templates(request.state.tenant)}
+
+    @app.get("/v1/loras")
+    async def list_served_loras():
+        """The adapters an edit's `lora` may name (the files of the server's --lora-dir); none without one."""
+        if limits.lora_dir is None:
+            return {"data": []}
+        try:
+            names = await anyio.to_thread.run_sync(list_loras, limits.lora_dir)
+        except LoraError:  # the folder went away after start: nothing to offer
+            names = []
+        return {"data": [{"name": name} for name in names]}
+
+    @app.get("/v1/models")
+    async def list_models():
+        """OpenAI's model list (clients ask it first): the one model this server serves."""
+        return {"object": "list", "data": [{"id": served_model, "object": "model", "created": 0,
+                                            "owned_by": "retouch"}]}
 
     @app.get("/v1/templates/{template_id}")
     async def get_template(request: Request, template_id: str, wait: float = 0.0):
@@ -821,7 +857,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     async def openai_edit(request: Request):
         """The OpenAI Images API edit: `image` (or `image[]`), optional `mask` whose alpha 0 marks
         the region to repaint (without one, the image's own alpha does), `prompt`, `n`, `size`,
-        `response_format` (b64_json); retouch's extras: `template_id` reuses a registered template,
+        `response_format` (b64_json), `output_format` (png, jpeg, webp) and `output_compression`;
+        retouch's extras: `template_id` reuses a registered template,
         `lora` names LoRA adapters."""
         request.state.arrived = time.monotonic()
         request.state.request_id = client_request_id(request)
@@ -835,6 +872,11 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                            "response_format")
         size = form.text("size")
         target = None if size in (None, "", "auto") else _parse_size(size, limits.max_pixels)
+        output_format = form.text("output_format", "png")
+        if output_format not in OUTPUT_FORMATS:
+            raise ApiError(400, f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {output_format!r}",
+                           "output_format")
+        compression = form.integer("output_compression", 100, 0, 100)
         seed = form.integer("seed", 0, 0, 2**63 - 1)
         upload = form.file("image", "image[]")
         image = None if upload is None else await read_upload(upload, "image", limits.max_pixels)
@@ -848,9 +890,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, None, None, image, mask, n)
         pngs = await edit(request, "/v1/images/edits", template_id, one_off, steps, mask, prompt, seed, n, lora)
-        if target is not None:
-            pngs = [await anyio.to_thread.run_sync(resized_png, png, target) for png in pngs]
-        return b64_json_response({"created": int(time.time())}, pngs, {"X-Request-Id": request.state.request_id})
+        images = [await anyio.to_thread.run_sync(reencoded, png, target, output_format, compression) for png in pngs]
+        return b64_json_response({"created": int(time.time()), "output_format": output_format}, images,
+                                 {"X-Request-Id": request.state.request_id})
 
     async def streamed_edit(request: Request, template_id: str, one_off: TemplateRecord | None, steps: int,
                             mask: Image.Image, prompt: str, seed: int, preview_every: int,

@@ -119,7 +119,7 @@ def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = Non
     family = family_of_pipeline(pipe)
     component = DENOISER_COMPONENT[family]
     denoiser = getattr(pipe, component)
-    where = f"lora {name!r} ({path})"
+    where = f"lora {name!r}"  # no path: the message reaches HTTP clients, who must not learn the server's folders
     _check_raw_file(path, where)
     state_dict, network_alphas, metadata = _pipeline_state_dict(pipe, family, path, where)
     factors, network_alphas, metadata = _denoiser_entries(state_dict, network_alphas, metadata, component, where)

@@ -70,7 +70,8 @@ def _one(item) -> LoraUse:
     if isinstance(item, LoraUse):
         return item
     if isinstance(item, str):
-        name, colon, scale = item.strip().partition(":")
+        name, colon, scale = item.partition(":")
+        name = name.strip()  # " grain : 0.5 " is grain at 0.5
         if not colon:
             return LoraUse(name)
         try:
