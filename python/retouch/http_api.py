@@ -310,6 +310,8 @@ class Form:
         if value is None or value == "":
             return default
         try:
+            if "_" in value or value != value.strip():  # Python's int("1_0") and int(" 7 ") are no client's number
+                raise ValueError(value)
             number = kind(value)
         except ValueError:
             raise ApiError(400, f"{name} must be {noun}, got {value!r}", name) from None
