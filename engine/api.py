@@ -41,6 +41,7 @@ class Engine:
         self.model_name = model_name or editor.model.name
         self.helpers: HelperPool | None = None
         self._jobs: dict[int, Job] = {}  # in the helpers (disaggregated mode), until answered
+        self._unanswered: set[Future] = set()  # every accepted request's, until done (`cancel_all`)
         self._recordings: dict[str, Job] = {}  # template id -> the job recording it
         self._jobs_lock = threading.Lock()
         self.worker = Worker(editor, config, self._send_to_postprocess if config.mode == "disagg" else None,
@@ -101,7 +102,9 @@ class Engine:
     def __enter__(self) -> Engine:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:  # left on an error or Ctrl-C: nobody waits for the answers
+            self.cancel_all()
         self.close()
 
     def warm_up(self) -> None:
@@ -260,6 +263,9 @@ class Engine:
 
     def _enqueue(self, job: Job) -> None:
         """To the loop, or first to a helper for pre-processing (disaggregated mode)."""
+        with self._jobs_lock:
+            self._unanswered.add(job.future)
+        job.future.add_done_callback(self._answered)
         if self.helpers is None:
             self.worker.inbox.put(("edit", job))
             return
@@ -271,6 +277,17 @@ class Engine:
         else:
             template = self.editor.templates[job.request.template_id]
             self.helpers.send(job.id, processing.prepare_message(job.id, job.request, template))
+
+    def _answered(self, future: Future) -> None:
+        with self._jobs_lock:
+            self._unanswered.discard(future)
+
+    def cancel_all(self) -> None:
+        """Cancel every accepted request that is not answered yet: each leaves its batch at the next step."""
+        with self._jobs_lock:
+            futures = list(self._unanswered)
+        for future in futures:
+            future.cancel()
 
     def _forget_job(self, job: Job) -> None:
         with self._jobs_lock:

@@ -3,6 +3,8 @@ one step, static batching never admits into a running batch, and every batching 
 request. The loop runs on the test's thread (`Worker.run` returns once stopped and drained), so the
 order of events is deterministic; the disaggregated mode runs its real helper process."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -208,3 +210,21 @@ def test_helpers_build_the_model_in_memory_when_the_parent_did():
         result = engine.submit(request).result(timeout=300)
     inline = editor.edit(template_id, request.mask, request.prompt, request.seed)
     assert np.abs(np.asarray(result.image, dtype=int) - np.asarray(inline, dtype=int)).max() <= 2
+
+
+def test_leaving_the_engine_on_an_error_cancels_its_requests_within_a_step(flux_editor):
+    from retouch.engine.worker import StepWatch
+
+    steps_done, first_step = [], threading.Event()
+
+    def on_step(k):
+        steps_done.append(k)
+        first_step.set()
+
+    with pytest.raises(KeyboardInterrupt):
+        with Engine(flux_editor, EngineConfig(mode="naive", max_batch=2)) as engine:
+            future = engine.submit_image(template_image(), square_mask(), "a hat", seed=1, steps=500,
+                                         watch=StepWatch(on_step))
+            assert first_step.wait(120)
+            raise KeyboardInterrupt  # what Ctrl-C raises in the caller's thread
+    assert future.cancelled() and len(steps_done) < 500
