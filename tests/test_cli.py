@@ -236,3 +236,14 @@ def test_images_per_request_are_capped_at_the_queue():
 
     assert http_limits(ServeOptions(model="tiny-flux-fill", max_queue=6)).max_n == 6
     assert http_limits(ServeOptions(model="tiny-flux-fill")).max_n == 10
+
+
+@pytest.mark.parametrize("field, value, says", [("guidance", float("nan"), "--guidance"),
+                                                ("guidance", float("inf"), "--guidance"),
+                                                ("seed", 2**64, "--seed"), ("seed", -1, "--seed")])
+def test_edit_options_refuse_what_would_fail_late(field, value, says):
+    from retouch.config import EditOptions
+    from retouch.errors import InputError
+
+    with pytest.raises(InputError, match=says):
+        EditOptions(model="tiny-flux-fill", image="T.png", mask="M.png", prompt="a hat", **{field: value})

@@ -223,3 +223,13 @@ def test_out_of_range_deep_images_are_refused(mode, pixels):
     dtype = {"I": np.int32, "F": np.float32}[mode]
     with pytest.raises(InputError, match="image"):
         images.as_image(Image.fromarray(np.array(pixels, dtype=dtype)))
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_compute(tmp_path):
+    (tmp_path / "a_file.png").write_bytes(b"x")
+    for bad, says in ((tmp_path / "a_file.png" / "out.png", "cannot write"), (tmp_path, "unknown image format"),
+                      (tmp_path / "a_file.png" / "sub" / "out.png", "cannot write")):
+        with pytest.raises(InputError, match=says):
+            images.check_output_path(bad)
+    images.check_output_path(tmp_path / "new" / "folder" / "out.png")  # made now, so the write cannot fail later
+    assert (tmp_path / "new" / "folder").is_dir()

@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 import argparse
-import re
 import dataclasses
+import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,8 +70,10 @@ class EditOptions:
             raise InputError("--cuda-graphs needs a CUDA device (--device cuda or auto)")
         if self.mask_aware and self.strength != 1.0:
             raise InputError("--strength applies to the baseline edit; mask-aware edits repaint at full strength")
-        if self.guidance is not None and self.guidance < 0:
-            raise InputError(f"--guidance must be >= 0, got {self.guidance}")
+        if self.guidance is not None and not (math.isfinite(self.guidance) and self.guidance >= 0):
+            raise InputError(f"--guidance must be a number >= 0, got {self.guidance}")
+        if not 0 <= self.seed < 2**64:
+            raise InputError(f"--seed must be in [0, 2**64), got {self.seed}")
         _check_lora_dir(self.lora_dir)
         if self.lora_choice():
             if self.lora_dir is None:

@@ -26,6 +26,7 @@ drawn over it as displayed line up.
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import numpy as np
@@ -206,15 +207,25 @@ def png_bytes(image: Image.Image) -> bytes:
 
 
 def check_output_path(path: Path) -> None:
-    """Fail before any compute if the output format is unknown."""
-    if Path(path).suffix.lower() not in Image.registered_extensions():
-        raise InputError(f"cannot write {path}: unknown image format {Path(path).suffix!r} (use .png or .jpg)")
+    """Fail before any compute if the output cannot be written: an unknown format, or a folder that
+    cannot be made or written to (made now if missing)."""
+    path = Path(path)
+    if path.suffix.lower() not in Image.registered_extensions():
+        raise InputError(f"cannot write {path}: unknown image format {path.suffix!r} (use .png or .jpg)")
+    if path.is_dir():
+        raise InputError(f"cannot write {path}: it is a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InputError(f"cannot write {path}: permission denied")
 
 
 def save_image(image: Image.Image, path: Path) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         image.save(path)
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc}") from None
