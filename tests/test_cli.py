@@ -247,3 +247,27 @@ def test_edit_options_refuse_what_would_fail_late(field, value, says):
 
     with pytest.raises(InputError, match=says):
         EditOptions(model="tiny-flux-fill", image="T.png", mask="M.png", prompt="a hat", **{field: value})
+
+
+def test_the_baseline_and_mask_aware_edits_default_to_the_same_steps(inputs, monkeypatch):
+    import retouch.baseline
+    import retouch.editor
+    from retouch import cli as retouch_cli
+
+    ran = {}
+
+    def baseline(pipe, image, mask, prompt, steps=None, **kwargs):
+        ran["baseline"] = steps
+        return image
+
+    def register(self, image, prompt="", steps=None, **kwargs):
+        ran["mask-aware"] = steps
+        raise KeyboardInterrupt  # the steps are all this test wants of it
+
+    monkeypatch.setattr(retouch.baseline, "run_baseline_edit", baseline)
+    monkeypatch.setattr(retouch.editor.MaskAwareEditor, "register_template", register)
+    argv = ["edit", "--model", "tiny-flux-fill", "--image", str(inputs / "T.png"), "--mask", str(inputs / "M.png"),
+            "--prompt", "a hat", "--out", str(inputs / "O.png")]
+    assert retouch_cli.main(argv) == 0
+    assert retouch_cli.main(argv + ["--mask-aware"]) == 130  # what Ctrl-C exits with
+    assert ran == {"baseline": retouch.editor.DEFAULT_STEPS, "mask-aware": retouch.editor.DEFAULT_STEPS}

@@ -57,7 +57,7 @@ def cmd_edit(args) -> int:
 
     with pipeline_bar(model.pipe, "edit"):
         edited = run_baseline_edit(
-            model.pipe, image, mask, opts.prompt, steps=opts.steps, seed=opts.seed, guidance=opts.guidance,
+            model.pipe, image, mask, opts.prompt, steps=edit_steps(opts), seed=opts.seed, guidance=opts.guidance,
             strength=opts.strength, call_defaults=model.call_defaults,
             paste_back=opts.paste_back)
     finished = time.perf_counter()
@@ -67,9 +67,17 @@ def cmd_edit(args) -> int:
     return 0
 
 
+def edit_steps(opts: EditOptions) -> int:
+    """--steps, or the one default of every mode (the editor's and `retouch serve`'s): the baseline once
+    took the pipeline's (50 for Flux), so it and a mask-aware edit of the same command ran different schedules."""
+    from retouch.editor import DEFAULT_STEPS
+
+    return opts.steps or DEFAULT_STEPS
+
+
 def _mask_aware_edit(opts: EditOptions, model, image, mask, load_seconds: float) -> int:
     """Register the image as a template (full compute, recorded), then edit it with the cache."""
-    from retouch.editor import DEFAULT_STEPS, MaskAwareEditor
+    from retouch.editor import MaskAwareEditor
     from retouch.images import save_image
     from retouch.progress import pipeline_bar
 
@@ -79,7 +87,7 @@ def _mask_aware_edit(opts: EditOptions, model, image, mask, load_seconds: float)
                              cuda_graphs=opts.cuda_graphs)
     started = time.perf_counter()
     with pipeline_bar(model.pipe, "register template"):
-        template_id = editor.register_template(image, prompt=opts.prompt, steps=opts.steps or DEFAULT_STEPS,
+        template_id = editor.register_template(image, prompt=opts.prompt, steps=edit_steps(opts),
                                                seed=opts.seed, guidance=opts.guidance)
     registered = time.perf_counter()
     with pipeline_bar(model.pipe, "edit"):
@@ -96,7 +104,7 @@ def _lora_edit(opts: EditOptions, model, image, mask, lora, load_seconds: float)
     """An edit with LoRA adapters, through an in-process engine that loads them before the first step.
     Without --mask-aware a one-off edit, computed in full: the stock pipeline's result with the LoRA.
     With it, the image is recorded as a template by the base model, then edited computing masked tokens."""
-    from retouch.editor import DEFAULT_STEPS, EditRequest, MaskAwareEditor
+    from retouch.editor import EditRequest, MaskAwareEditor
     from retouch.engine.api import Engine
     from retouch.engine.worker import EngineConfig, StepWatch
     from retouch.images import save_image
@@ -105,7 +113,7 @@ def _lora_edit(opts: EditOptions, model, image, mask, lora, load_seconds: float)
     editor = MaskAwareEditor(model, cache_mode=opts.cache_mode, dilation=opts.dilation, compile=opts.compile,
                              cuda_graphs=opts.cuda_graphs)
     config = EngineConfig(mode="naive", lora_dir=str(opts.lora_dir), lora_latest_step=0.0)
-    steps = opts.steps or DEFAULT_STEPS
+    steps = edit_steps(opts)
     started = time.perf_counter()
     registered, template_note = started, ""
     with Engine(editor, config, opts.model) as engine:

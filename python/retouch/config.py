@@ -35,7 +35,7 @@ class EditOptions:
     image: Path = option(help="template image (any format PIL reads)")
     mask: Path = option(help="mask of the same size; white = repaint")
     prompt: str = option(help="what to paint into the masked region")
-    steps: int | None = option(None, help="denoising steps (default: the pipeline's)")
+    steps: int | None = option(None, help="denoising steps (default 28 in every mode, as `retouch serve`)")
     seed: int = option(0, help="random seed of the initial noise")
     guidance: float | None = option(None, help="guidance scale (default: the pipeline's)")
     strength: float = option(1.0, help="how much of the masked region is re-noised, in (0, 1]")
