@@ -271,3 +271,13 @@ def test_the_baseline_and_mask_aware_edits_default_to_the_same_steps(inputs, mon
     assert retouch_cli.main(argv) == 0
     assert retouch_cli.main(argv + ["--mask-aware"]) == 130  # what Ctrl-C exits with
     assert ran == {"baseline": retouch.editor.DEFAULT_STEPS, "mask-aware": retouch.editor.DEFAULT_STEPS}
+
+
+def test_unwritable_folders_of_export_and_keys_are_input_errors(tmp_path, capsys):
+    from retouch import cli as retouch_cli
+
+    (tmp_path / "a_file").write_text("x")
+    assert retouch_cli.main(["models", "export", "tiny-sd2-inpaint", str(tmp_path / "a_file" / "sub")]) == 2
+    assert retouch_cli.main(["keys", "generate", "w1", "--out", str(tmp_path / "a_file")]) == 2
+    errors = capsys.readouterr().err
+    assert errors.count("cannot write") == 2 and "Traceback" not in errors and "internal error" not in errors

@@ -153,6 +153,12 @@ def test_bad_requests(editor):
         editor.edit(template_id, Image.new("L", (64, 64)), "a hat")
     with pytest.raises(InputError, match="prompt is empty"):
         editor.edit(template_id, square_mask(), "  ")
+    for seed in ("abc", 1.5, -1, 2**64, True):
+        with pytest.raises(InputError, match="seed must be an integer"):
+            editor.edit(template_id, square_mask(), "a hat", seed=seed)
+    for guidance in (float("nan"), float("inf"), -1.0, "3"):
+        with pytest.raises(InputError, match="guidance must be a number"):
+            editor.register_template(template_image(), prompt="a scene", steps=STEPS, guidance=guidance)
     other_steps = editor.register_template(template_image(), prompt="a scene", steps=STEPS + 1, seed=0)
     with pytest.raises(InputError, match="same steps"):
         editor.edit_many([EditRequest(template_id, square_mask(), "a"), EditRequest(other_steps, square_mask(), "b")])

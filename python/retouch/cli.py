@@ -14,7 +14,7 @@ import time
 
 from retouch.config import (EditOptions, ProfileOptions, ServeOptions, WorkerOptions, add_arguments, from_arguments,
                             resolve_device)
-from retouch.errors import RetouchError
+from retouch.errors import InputError, RetouchError
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1
@@ -158,7 +158,10 @@ def cmd_models(args) -> int:
     from retouch.models import export_pipeline, list_models
 
     if args.models_command == "export":
-        path = export_pipeline(args.name, args.directory)
+        try:
+            path = export_pipeline(args.name, args.directory)
+        except OSError as exc:  # a folder that cannot be made or written: the user's to fix
+            raise InputError(f"cannot write {args.directory}: {exc.strerror or exc}") from None
         print(f"exported {args.name} to {path}")
         return 0
     specs = list_models()
@@ -216,7 +219,10 @@ def cmd_worker(args) -> int:
 def cmd_keys(args) -> int:
     from retouch.engine.curve import generate
 
-    public, secret = generate(args.name, args.out)
+    try:
+        public, secret = generate(args.name, args.out)
+    except OSError as exc:
+        raise InputError(f"cannot write keys into {args.out}: {exc.strerror or exc}") from None
     print(json.dumps({"public": str(public), "secret": str(secret)}))
     return 0
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -211,6 +212,8 @@ class MaskAwareEditor:
                      guidance: float | None = None, mask: Image.Image | None = None) -> Template:
         """A template to register, checked and placed on its canvas; nothing is computed yet."""
         check_steps(steps)
+        check_seed(seed)
+        check_guidance(guidance)
         image = as_image(image)
         recorded = None if mask is None else as_mask(mask, image.size, what="recorded mask")
         template_id = self._template_id(image, prompt, steps, seed, guidance, recorded)
@@ -224,6 +227,8 @@ class MaskAwareEditor:
         result. Its `recorded_mask` is the region that run repainted: later edits recompute it, since
         the activations cached there are the first edit's, not the template's (`prepare_edit`)."""
         check_steps(steps)
+        check_seed(seed)
+        check_guidance(guidance)
         image = as_image(image)
         mask = as_mask(mask, image.size)
         return self._template_on_canvas(self.one_off_id(image, steps, guidance), image, prompt, steps, seed,
@@ -390,6 +395,7 @@ class MaskAwareEditor:
         template = template if template is not None else self._template(request.template_id)
         if not isinstance(request.prompt, str) or not request.prompt.strip():
             raise InputError("prompt is empty; say what to paint into the masked region")
+        check_seed(request.seed)
         if request.steps is not None and request.steps != template.steps:
             raise InputError(f"template {template.template_id!r} was recorded with {template.steps} steps; its edits "
                              f"run the same schedule (omit steps or pass {template.steps})")
@@ -631,6 +637,18 @@ class MaskAwareEditor:
 def check_steps(steps) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError(f"steps must be an integer >= 1, got {steps!r}")
+
+
+def check_seed(seed) -> None:
+    """A seed torch's generators take: an integer in [0, 2**64)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise InputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+
+
+def check_guidance(guidance) -> None:
+    if guidance is not None and (isinstance(guidance, bool) or not isinstance(guidance, (int, float))
+                                 or not math.isfinite(guidance) or guidance < 0):
+        raise InputError(f"guidance must be a number >= 0 (or None: the pipeline's), got {guidance!r}")
 
 
 def finish(template: Template, image: Image.Image, mask: Image.Image) -> Image.Image:
