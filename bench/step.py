@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
-from retouch.bench.report import pyplot, write_json
+from retouch.bench.report import mask_ratios, pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import InMemoryActivationCache
 from retouch.masks import centred_token_rectangle
@@ -62,16 +62,21 @@ def run_with(adapter, context, transformer, inputs):
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="retouch bench step", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
-    parser.add_argument("--mask-ratio", "--mask-ratios", dest="ratios", default="0.05,0.2,0.5,1.0",
-                        help="one ratio or a comma-separated list")
+    parser.add_argument("--mask-ratio", "--mask-ratios", dest="ratios", type=mask_ratios, default="0.05,0.2,0.5,1.0",
+                        help="one ratio or a comma-separated list, each in (0, 1]")
     parser.add_argument("--resolution", type=int, default=None, help="pixels per side (default: the model's)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--compile", action="store_true",
                         help="compiled stock model against compiled mask-aware blocks")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
+    if args.repeats < 1 or (args.resolution is not None and args.resolution < 16):
+        parser.error("--repeats must be >= 1 and --resolution >= 16")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     num_image = grid[0] * grid[1]
     results = []
     with torch.inference_mode():
-        ratios = bar([float(r) for r in args.ratios.split(",")], "step: full vs y/kv-cache", unit="ratio")
+        ratios = bar(args.ratios, "step: full vs y/kv-cache", unit="ratio")
         for ratio in ratios:
             masked = centred_token_rectangle(grid, ratio)
             runs = {"full": lambda: full(**inputs)}

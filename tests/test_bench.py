@@ -83,6 +83,18 @@ def test_lora_options_are_checked(options, capsys):
     assert exit_.value.code == 2 and "--load-repeats" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("options, named", [(["--mask-ratio", "2"], "--mask-ratio"),
+                                            (["--mask-ratio", "-0.5"], "--mask-ratio"),
+                                            (["--mask-ratio", "abc"], "--mask-ratio"),
+                                            (["--repeats", "0"], "--repeats"),
+                                            (["--resolution", "0"], "--resolution"), (["--dtype", "foo"], "--dtype"),
+                                            (["--device", "gpu"], "--device")])
+def test_step_options_are_checked(options, named, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        step.main(["--model", "tiny-flux-fill", *options])
+    assert exit_.value.code == 2 and named in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("options", [["--sizes", "64"], ["--sizes", "64,100"], ["--sizes", "a,b"],
                                      ["--per-size", "0"], ["--mask-ratio", "0"]])
 def test_mixed_options_are_checked(options, capsys):
