@@ -1,6 +1,7 @@
 """The mask-aware Python API: register a template, edit it, batch edits; against the baseline pipeline."""
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -259,3 +260,19 @@ def test_masks_come_in_any_documented_form():
         editor.edit(template_id, None, "a hat")
     with pytest.raises(InputError, match=r"2-D \[H, W\]"):
         editor.edit(template_id, np.zeros((2, 128, 128)), "a hat")
+
+
+def test_a_cost_model_of_another_model_is_refused_when_the_editor_is_built():
+    from retouch.costs import CostModel
+    from retouch.profile import build_target
+
+    flux = build_target("tiny-flux-fill", torch.device("cpu"), torch.float32)
+    fitted = CostModel.from_json(Path(__file__).parents[1] / "bench/results/cpu/cost_tiny_flux_fill.json")
+    assert fitted.block_kinds == flux.adapter.block_kinds()  # what `retouch profile` writes is what is checked
+    assert MaskAwareEditor(load_pipeline("tiny-flux-fill"), cost_model=fitted).cost_model is fitted
+    for other in ("tiny-sd2-inpaint", "tiny-sd3-inpaint"):
+        pipeline = load_pipeline(other)
+        with pytest.raises(InputError, match="profiled on tiny-flux-fill"):
+            MaskAwareEditor(pipeline, cost_model=fitted)
+        assert all("forward" not in block.__dict__ for block in pipeline.pipe.components.get(
+            "transformer", pipeline.pipe.components.get("unet")).modules())  # left unpatched

@@ -168,6 +168,10 @@ class MaskAwareEditor:
             self.denoiser = self.pipe.transformer
             patch = patch_sd3 if model.family == "sd3" else patch_flux
             self.adapter = patch(self.denoiser, attention_backend=attention_backend)
+        if cost_model is not None and tuple(cost_model.block_kinds) != self.adapter.block_kinds():
+            self.adapter.unpatch()
+            raise InputError(f"the cost model was profiled on {cost_model.model}, whose blocks are not "
+                             f"{model.name}'s; profile this one (`retouch profile --model {model.name}`)")
         self.compiled = compile or cuda_graphs
         if self.compiled:
             self.adapter.compile(cuda_graphs=cuda_graphs)

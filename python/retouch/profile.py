@@ -92,10 +92,7 @@ def build_target(model: str, device: torch.device, dtype: torch.dtype, narrow: b
         max_sequence = int(spec.call_defaults.get("max_sequence_length", 512))
         num_text = max_sequence if is_flux else SD3_CLIP_TOKENS + max_sequence
         num_text = num_text if text_tokens is None else text_tokens
-        if is_flux:
-            kinds = ["double"] * len(adapter.double_blocks) + ["single"] * len(adapter.single_blocks)
-        else:
-            kinds = ["joint-last" if block.context_pre_only else "joint" for block in adapter.blocks]
+        kinds = list(adapter.block_kinds())
 
         def inputs(batch, side):
             if is_flux:
@@ -119,7 +116,7 @@ def build_target(model: str, device: torch.device, dtype: torch.dtype, narrow: b
         return Target(denoiser, adapter, kinds, inputs, record_context, edit_context, tokens)
     # UNets: a kind per level; the grid is that of the first level (latent pixels).
     adapter = patch_unet(denoiser)
-    kinds = [f"level{level}" for level in adapter.block_levels]
+    kinds = list(adapter.block_kinds())
 
     def unet_inputs(batch, side):
         raw = random_unet_inputs(denoiser, batch, (side * 8, side * 8), text_tokens or UNET_TEXT_TOKENS, seed=0)

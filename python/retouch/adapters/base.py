@@ -45,6 +45,11 @@ class MaskAwareAdapter:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
+    def block_kinds(self) -> tuple[str, ...]:
+        """The kind of each block in execution order, as `retouch profile` fits one cost model per kind
+        (`retouch.costs.CostModel.block_kinds`)."""
+        raise NotImplementedError
+
     @property
     def active_context(self):
         return self._context

@@ -58,6 +58,9 @@ class FluxMaskAwareAdapter(MaskAwareAdapter):
         self.single_blocks = list(transformer.single_transformer_blocks)
         super().__init__(self.double_blocks + self.single_blocks, attention_backend)
 
+    def block_kinds(self) -> tuple[str, ...]:
+        return ("double",) * len(self.double_blocks) + ("single",) * len(self.single_blocks)
+
     def forward_packed(self, hidden_states: list[torch.Tensor], encoder_hidden_states: torch.Tensor,
                        pooled_projections: torch.Tensor, timestep: torch.Tensor, img_ids: list[torch.Tensor],
                        txt_ids: torch.Tensor, guidance: torch.Tensor | None = None) -> list[torch.Tensor]:

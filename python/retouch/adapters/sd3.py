@@ -85,6 +85,9 @@ class SD3MaskAwareAdapter(MaskAwareAdapter):
         self.transformer = transformer
         super().__init__(transformer.transformer_blocks, attention_backend)
 
+    def block_kinds(self) -> tuple[str, ...]:
+        return tuple("joint-last" if block.context_pre_only else "joint" for block in self.blocks)
+
     def forward_packed(self, hidden_states: list[torch.Tensor], encoder_hidden_states: torch.Tensor,
                        pooled_projections: torch.Tensor, timestep: torch.Tensor) -> list[torch.Tensor]:
         """SD3Transformer2DModel.forward over requests of different image sizes in one forward, inside

@@ -210,6 +210,9 @@ class UNetMaskAwareAdapter(MaskAwareAdapter):
                 self.last_in_transformer += [i == len(layers) - 1 for i in range(len(layers))]
         super().__init__(blocks, attention_backend)
 
+    def block_kinds(self) -> tuple[str, ...]:
+        return tuple(f"level{level}" for level in self.block_levels)
+
     @property
     def num_levels(self) -> int:
         """Resolutions of the UNet: one per entry of block_out_channels."""
