@@ -311,9 +311,10 @@ class Router:
             if len(self.pending) + len(tasks) > self.config.max_queue:
                 raise QueueFull(f"{len(self.pending)} requests are waiting (max_queue {self.config.max_queue})")
             new_one_off = one_off is not None and one_off.template_id not in self.templates
-            known = set(self.templates) | ({one_off.template_id} if new_one_off else set())
-            if any(task.template_id not in known for task in tasks):
-                raise KeyError(next(t.template_id for t in tasks if t.template_id not in known))
+            unknown = [task.template_id for task in tasks if task.template_id not in self.templates
+                       and not (new_one_off and task.template_id == one_off.template_id)]
+            if unknown:
+                raise KeyError(unknown[0])
             self._admit_deadlines(tasks)
             # Registered only once the edits are accepted: a refused one-off leaves no template.
             if new_one_off:
