@@ -55,6 +55,7 @@ import torch
 
 from retouch.bench.report import device_name, environment, pyplot, write_json
 from retouch.bench.timing import seconds_of
+from retouch.errors import ArgumentParser
 from retouch.progress import bar, note
 
 # Heads per head_dim as in the models served: Flux 24 x 128, SDXL's first transformer level 10 x 64.
@@ -125,7 +126,7 @@ def _flag_options(hint) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool, Path | None]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench attention", description=__doc__.splitlines()[0])
     hints = typing.get_type_hints(BenchConfig)
     for field in dataclasses.fields(BenchConfig):
         parser.add_argument("--" + field.name.replace("_", "-"), default=None, **_flag_options(hints[field.name]))

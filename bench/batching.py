@@ -13,7 +13,6 @@ difference between the modes).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -30,6 +29,7 @@ from retouch.engine.api import Engine
 from retouch.engine.metrics import now
 from retouch.engine.processing import postprocess, preprocess
 from retouch.engine.worker import MODES, EngineConfig
+from retouch.errors import ArgumentParser
 from retouch.masks import FLUX_STRIDE
 from retouch.models import load_pipeline
 from retouch.progress import bar
@@ -38,7 +38,7 @@ MASK_BETA = (1.9, 8.1)  # mean 0.19
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench batching", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench batching", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-flux-fill")
     parser.add_argument("--compare", action="store_true", help="run every mode (default: only --mode)")
     parser.add_argument("--mode", choices=MODES, default="disagg")

@@ -12,7 +12,6 @@ Prints one JSON object; `--out F.json` also writes F.png (speedup against mask r
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 
 from retouch.bench.report import environment, mask_ratios, pyplot, write_json
 from retouch.bench.timing import interleaved_medians
+from retouch.errors import ArgumentParser
 from retouch.models import get_spec
 from retouch.profile import VARIANTS, build_target
 from retouch.progress import bar
@@ -30,7 +30,7 @@ MODES = {"y": "y-cache", "kv": "kv-cache"}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench block", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench block", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-size")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")

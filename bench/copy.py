@@ -18,7 +18,6 @@ GB/s count the bytes of the rows copied. Prints one JSON object; progress goes t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -29,6 +28,7 @@ import torch
 from retouch import ops
 from retouch.bench.report import pyplot, write_json
 from retouch.bench.timing import interleaved_medians
+from retouch.errors import ArgumentParser
 from retouch.masks import centred_token_rectangle
 from retouch.progress import bar
 
@@ -64,7 +64,7 @@ class CopyBenchConfig:
 
 
 def parse_args(argv: list[str] | None) -> tuple[CopyBenchConfig, bool, Path | None]:
-    parser = argparse.ArgumentParser(prog="retouch bench copy", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench copy", description=__doc__.splitlines()[0])
     defaults = CopyBenchConfig()
     for field in dataclasses.fields(CopyBenchConfig):
         value = getattr(defaults, field.name)

@@ -24,6 +24,7 @@ from retouch.bench.report import environment, mask_ratios, pyplot, write_json
 from retouch.cache import CacheStore, StoreConfig
 from retouch.cache.layout import STORAGE_DTYPES
 from retouch.editor import CACHE_MODES, load
+from retouch.errors import ArgumentParser
 from retouch.image_metrics import psnr, ssim
 from retouch.masks import centred_token_rectangle, pixel_mask_of_tokens
 from retouch.progress import bar
@@ -40,7 +41,7 @@ def template_image(size: int) -> Image.Image:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench fidelity", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench fidelity", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-flux-fill")
     parser.add_argument("--mask-ratios", dest="ratios", type=mask_ratios, default="0.1,0.2,0.3")
     parser.add_argument("--steps", type=int, default=4)

@@ -9,7 +9,6 @@ masked tokens for token-wise ops, masked queries x all keys for attention, text 
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -18,13 +17,14 @@ import torch
 from retouch.adapters import MaskAwareContext
 from retouch.bench.report import environment, mask_ratios, pyplot, write_json
 from retouch.bench.step import MODES, TEXT_TOKENS, flux_setup
+from retouch.errors import ArgumentParser
 from retouch.flops import count_flops, flux_forward_macs
 from retouch.masks import centred_token_rectangle
 from retouch.progress import bar
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench flops", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench flops", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
     parser.add_argument("--mask-ratios", dest="ratios", type=mask_ratios, default="0.1,0.2,0.5,1.0")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")

@@ -15,7 +15,6 @@ ratio's edit are timed interleaved. Prints one JSON object
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import sys
@@ -29,6 +28,7 @@ from retouch.bench.report import environment, mask_ratios, pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import CacheStore, StoreConfig
 from retouch.editor import PLANNERS, EditRequest, MaskAwareEditor
+from retouch.errors import ArgumentParser
 from retouch.masks import FLUX_STRIDE, UNET_LATENT_STRIDE, centred_token_rectangle, pixel_mask_of_tokens
 from retouch.models import get_spec
 from retouch.models.loading import load_for_bench
@@ -39,7 +39,7 @@ TRANSFORMER_FAMILIES = ("flux-fill", "flux-inpaint", "sd3")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench image", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench image", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-size")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")

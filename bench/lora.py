@@ -24,7 +24,6 @@ Prints one JSON object; writes a PNG beside `--out`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -41,6 +40,7 @@ from retouch.adapters import CacheMode, MaskAwareContext
 from retouch.bench.report import pyplot, write_json
 from retouch.bench.step import TEXT_TOKENS, flux_setup
 from retouch.bench.timing import interleaved_medians
+from retouch.errors import ArgumentParser
 from retouch.lora.files import LoraModule, LoraWeights
 from retouch.lora.layers import LoraLayers
 from retouch.masks import centred_token_rectangle
@@ -206,7 +206,7 @@ def load_hiding(args, device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench lora", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench lora", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
     parser.add_argument("--engine-model", default=None, help="pipeline of the loading part (default: flux-demo for "
                         "flux-small: its transformer with a VAE that leaves the denoiser its share)")

@@ -13,7 +13,6 @@ and the largest difference between the two ways' outputs. Prints one JSON object
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import sys
@@ -26,6 +25,7 @@ from retouch.bench.report import pyplot, write_json
 from retouch.bench.step import TEXT_TOKENS
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import InMemoryActivationCache
+from retouch.errors import ArgumentParser
 from retouch.masks import centred_token_rectangle
 from retouch.models import build_denoiser
 from retouch.models.inputs import random_flux_inputs
@@ -48,7 +48,7 @@ def mixed(adapter, context, packed_inputs) -> list[torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench mixed", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench mixed", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
     parser.add_argument("--sizes", default="256,384,512", help="image sizes in pixels per side, comma-separated")
     parser.add_argument("--per-size", type=int, default=1, help="requests of each size")

@@ -15,7 +15,6 @@ Prints one JSON object; `--out F.json` also writes F.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from retouch.bench.report import environment, mask_ratios, pyplot, write_json
+from retouch.errors import ArgumentParser
 from retouch.host_syncs import counting_host_syncs
 from retouch.models import build_denoiser
 from retouch.profile import VARIANTS, build_target
@@ -36,7 +36,7 @@ MASK_AWARE = ("y", "kv")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench overhead", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-size", help="a bench spec (flux-size, sd3-size, sdxl-size, sd2-size)")
     parser.add_argument("--grid", type=int, default=8, help="tokens per side (a UNet's latent pixels)")
     parser.add_argument("--text-tokens", type=int, default=16, help="prompt tokens (few: compute stays negligible)")

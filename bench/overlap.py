@@ -16,7 +16,6 @@ A GPU benchmark; on the CPU it runs (tests use it at tiny sizes) but copies and 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import json
@@ -31,6 +30,7 @@ from retouch.bench.step import flux_setup, write_report
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import CacheStore, StoreConfig
 from retouch.cache.staging import CopyEngine, StagedActivations
+from retouch.errors import ArgumentParser
 from retouch.masks import centred_token_rectangle
 from retouch.progress import bar
 
@@ -39,7 +39,7 @@ RECORDED = {"y": ("out",), "kv": None}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench overlap", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench overlap", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-size")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")

@@ -15,7 +15,6 @@ goes to stderr. Deterministic for a --seed, timings aside.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import platform
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from retouch.bench.report import pyplot, write_json
+from retouch.errors import ArgumentParser
 from retouch.planner import TIE_RTOL, BlockCosts, algorithm1, brute_force, optimal_plan, simulate
 from retouch.progress import bar
 
@@ -97,7 +97,7 @@ def gap_summary(rows: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench planner", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench planner", description=__doc__.splitlines()[0])
     parser.add_argument("--instances", type=int, default=200, help="random instances compared with brute force")
     parser.add_argument("--blocks", type=int, default=12, help="blocks per compared instance (2^blocks plans)")
     parser.add_argument("--timing-instances", type=int, default=100, help="Flux-shaped 57-block instances timed")

@@ -30,7 +30,6 @@ per second of the whole run (`wall_s`, from the first edit sent to the last answ
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
 import json
@@ -45,6 +44,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from retouch.bench.report import pyplot, write_json
+from retouch.errors import ArgumentParser
 from retouch.images import png_bytes
 from retouch.progress import bar
 
@@ -85,7 +85,7 @@ class Outcome:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench serve", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench serve", description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     parser.add_argument("--requests", type=int, default=100, help="edits to send")
     parser.add_argument("--concurrency", type=int, default=8, help="most edits in flight at once")

@@ -38,7 +38,6 @@ runs it), so the device carries the transformer once, next to the baseline's bat
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import statistics
@@ -59,13 +58,14 @@ from retouch.engine.api import Engine
 from retouch.engine.metrics import now
 from retouch.engine.simulate import MASK_BETA
 from retouch.engine.worker import EngineConfig
+from retouch.errors import ArgumentParser
 from retouch.progress import bar
 
 SYSTEMS = ("retouch", "diffusers")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench serving", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench serving", description=__doc__.splitlines()[0])
     workload.add_editor_options(parser)
     parser.add_argument("--rps", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0], help="request rates")
     parser.add_argument("--requests", type=int, default=16, help="requests per RPS point")

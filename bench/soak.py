@@ -88,7 +88,6 @@ or something was left behind.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import io
 import json
@@ -112,7 +111,7 @@ from retouch.bench.serve import MASK_BETA, PNG_SIGNATURE, mask_boxes, mask_png, 
 from retouch.config import DEVICES, add_arguments, from_arguments, option
 from retouch.engine.process_tree import (PROC, SERVE_ID_ENV, ProcessInfo, descendants, open_fds, processes_with_env,
                                          read_process, rss_bytes, scan_processes)
-from retouch.errors import InputError
+from retouch.errors import ArgumentParser, InputError
 from retouch.images import png_bytes
 
 SIZE = (64, 48)  # width, height of every image the load sends
@@ -709,7 +708,7 @@ def run(opts: SoakOptions) -> tuple[dict, list[Outcome]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench soak", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench soak", description=__doc__.splitlines()[0])
     add_arguments(parser, SoakOptions)
     args = parser.parse_args(argv)
     try:

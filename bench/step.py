@@ -13,7 +13,6 @@ goes to stderr.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import sys
@@ -25,6 +24,7 @@ from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
 from retouch.bench.report import mask_ratios, pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import InMemoryActivationCache
+from retouch.errors import ArgumentParser
 from retouch.masks import centred_token_rectangle
 from retouch.models import build_denoiser, get_spec
 from retouch.models.inputs import random_flux_inputs
@@ -60,7 +60,7 @@ def run_with(adapter, context, transformer, inputs):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench step", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench step", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
     parser.add_argument("--mask-ratio", "--mask-ratios", dest="ratios", type=mask_ratios, default="0.05,0.2,0.5,1.0",
                         help="one ratio or a comma-separated list, each in (0, 1]")

@@ -22,7 +22,6 @@ Prints one JSON object; `--out F.json` also writes F.png (images/s against batch
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import statistics
@@ -36,13 +35,14 @@ from retouch.bench import workload
 from retouch.bench.report import environment, pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.engine.simulate import MASK_BETA
+from retouch.errors import ArgumentParser
 from retouch.progress import bar
 
 SYSTEMS = ("retouch", "diffusers")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch bench throughput", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench throughput", description=__doc__.splitlines()[0])
     workload.add_editor_options(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--mask-dist", choices=tuple(MASK_BETA), default="public")

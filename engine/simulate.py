@@ -37,7 +37,6 @@ policy then runs twice on the same arrivals: alone, and after the router's LoRA 
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import math
@@ -53,6 +52,7 @@ from retouch.costs import CostModel
 from retouch.engine.policies import POLICIES, ClusterLoad, Policy, RequestLoad, make_policy, prefer_holders
 from retouch.engine.reference_costs import h800_flux
 from retouch.engine.step_cost import StepCost
+from retouch.errors import ArgumentParser, InputError
 
 MASK_BETA = {"public": (1.9, 8.1), "production": (1.1, 8.9)}
 # Output sides (px) and their shares. PatchedServe (§8.1) draws 512, 768 and 1024 px equally, and (§8.2,
@@ -61,6 +61,9 @@ MASK_BETA = {"public": (1.9, 8.1), "production": (1.1, 8.9)}
 RESOLUTIONS = (512, 768, 1024)
 RESOLUTION_MIX = {"1024": (0.0, 0.0, 1.0), "uniform": (1 / 3, 1 / 3, 1 / 3), "low": (0.5, 0.25, 0.25),
                   "medium": (0.25, 0.5, 0.25), "high": (0.25, 0.25, 0.5)}
+# A fit of a model too small to time extrapolates below zero, which clamps to a step that takes no time.
+ZERO_STEP_ADVICE = ("its fit extrapolates below zero here; profile a larger model or larger --grids, or simulate "
+                    "--image-tokens inside the profiled grids")
 SLO_SCALE = 5.0  # PatchedServe §8.1 after Clockwork: an SLO of 5x the request's execution latency
 
 
@@ -235,7 +238,8 @@ class SimulatedCluster:
             return
         worker.step_s = float(self.cost.latency(worker.features))
         if not worker.step_s > 0:  # time would stand still: every later event at `now`
-            raise ValueError(f"the cost model predicts a {worker.step_s} s step for a batch of {len(running)}")
+            raise InputError(f"the cost model predicts a {worker.step_s} s step for a batch of {len(running)}: "
+                             f"{ZERO_STEP_ADVICE}")
         worker.phase_start = now
         self._schedule(worker, min(self.steps_left[r] for r in running))
 
@@ -314,7 +318,7 @@ def _progress_printer(name: str, every_s: float = 2.0):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="retouch simulate", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch simulate", description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--rps", type=float, default=4.0,
                         help="mean arrival rate of the whole cluster (default: 0.5 per worker of the default 8, "
@@ -358,10 +362,15 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [name for name in policies if name not in POLICIES]
     if unknown or not policies:
         parser.error(f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
+    for flag in ("rps", "slo_scale", "rate_step", "max_rate", "lora_zipf", "lora_miss_s"):
+        if not math.isfinite(getattr(args, flag)):
+            parser.error(f"--{flag.replace('_', '-')} must be a finite number")
     if min(args.workers, args.requests, args.steps, args.max_batch, args.guidance_copies) < 1 or args.rps <= 0:
         parser.error("--workers, --requests, --steps, --max-batch, --guidance-copies must be >= 1, --rps > 0")
-    if args.slo_scale <= 0 or args.rate_step <= 0:
-        parser.error("--slo-scale and --rate-step must be > 0")
+    if args.slo_scale <= 0 or args.rate_step <= 0 or args.max_rate <= 0:
+        parser.error("--slo-scale, --rate-step and --max-rate must be > 0")
+    if (args.image_tokens is not None and args.image_tokens < 1) or (args.text_tokens or 0) < 0:
+        parser.error("--image-tokens must be >= 1 and --text-tokens >= 0")
     if args.loras < 0 or args.lora_zipf < 0 or args.lora_cache < 1 or args.lora_miss_s < 0 or args.lora_affinity < 0:
         parser.error("--loras, --lora-zipf, --lora-miss-s and --lora-affinity must be >= 0, --lora-cache >= 1")
     if args.loras and args.find_load:
@@ -374,6 +383,9 @@ def main(argv: list[str] | None = None) -> dict:
         return _find_loads(cost, model, args, parser, image_tokens, text_tokens, policies, argv)
     workload = with_deadlines(make_workload(args.requests, args.rps, args.mask_dist, image_tokens, text_tokens,
                                             args.steps, args.seed, args.resolutions), cost, args.slo_scale)
+    if not alone_seconds(cost, workload.loads).min() > 0:
+        parser.error(f"the cost model predicts a step of 0 s for a request of {image_tokens} image tokens: "
+                     f"{ZERO_STEP_ADVICE}")
     started = time.perf_counter()
     results, latencies = {}, {}
     runs = [(name, name, None) for name in policies]

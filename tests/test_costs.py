@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from retouch.costs import FEATURES, VARIANTS, CostModel, LinearModel, RequestTokens, block_features, fit_linear
+from retouch.errors import InputError
 
 
 def test_fit_recovers_a_noiseless_model_and_reports_noise():
@@ -58,11 +59,16 @@ def test_json_round_trip_and_validation(tmp_path):
     data = json.loads(path.read_text())
     del data["compute"]["single"]
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="single"):
+    with pytest.raises(InputError, match="single"):
         CostModel.from_json(path)
     path.write_text("{}")
-    with pytest.raises(ValueError, match="not a retouch cost model"):
+    with pytest.raises(InputError, match="not a retouch cost model"):
         CostModel.from_json(path)
+    path.write_text("{not json")
+    with pytest.raises(InputError, match="not a retouch cost model"):
+        CostModel.from_json(path)
+    with pytest.raises(InputError, match="cannot read the cost model"):
+        CostModel.from_json(tmp_path / "missing.json")
 
 
 def test_block_costs_of_a_batch_by_hand():
@@ -106,11 +112,11 @@ def test_from_json_names_what_is_wrong(tmp_path):
     data = json.loads(path.read_text())
     data["compute"] = ["not", "a", "mapping"]
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="not a retouch cost model"):
+    with pytest.raises(InputError, match="not a retouch cost model"):
         CostModel.from_json(path)
     model().to_json(path)
     data = json.loads(path.read_text())
     del data["load"]
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="load"):
+    with pytest.raises(InputError, match="load"):
         CostModel.from_json(path)

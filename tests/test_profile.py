@@ -60,6 +60,17 @@ def test_profile_options_are_checked():
         ProfileOptions(model="tiny-flux-fill", mask_ratios="0.5,2")
     with pytest.raises(InputError, match="grids"):
         ProfileOptions(model="tiny-flux-fill", grids="a,b")
+    for bad in ("nan,8,16", "inf", "0.5,8", "8,-16"):
+        with pytest.raises(InputError, match="--grids"):
+            ProfileOptions(model="tiny-flux-fill", grids=bad)
+    with pytest.raises(InputError, match="--batch-sizes"):
+        ProfileOptions(model="tiny-flux-fill", batch_sizes="1,1.5")
+    # The full-compute fit has one sample per (grid, batch size): too few points fail only after the timing.
+    with pytest.raises(InputError, match="4 distinct points"):
+        ProfileOptions(model="tiny-flux-fill", grids="8,16,16", batch_sizes="1,2,1")
+    ProfileOptions(model="tiny-flux-fill", grids="8,16,24", batch_sizes="1,2")
+    with pytest.raises(InputError, match="--load-mib"):
+        ProfileOptions(model="tiny-flux-fill", load_mib="4,4")
 
 
 def test_profile_cli_rejects_bad_input(cli, tmp_path):

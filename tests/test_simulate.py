@@ -11,6 +11,7 @@ from retouch.engine import simulate
 from retouch.engine.policies import POLICIES, RequestLoad, make_policy
 from retouch.engine.reference_costs import IMAGE_TOKENS, TEXT_TOKENS, h800_flux
 from retouch.engine.step_cost import StepCost
+from retouch.errors import RetouchError
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "cpu"
 SMALL = ["--workers", "4", "--rps", "2", "--requests", "120", "--steps", "10"]
@@ -98,11 +99,34 @@ def test_main_with_a_fitted_cost_model_writes_json_and_png(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("argv", [["--policies", "random"], ["--rps", "0"], ["--workers", "0"], ["--loras", "-1"],
-                                  ["--loras", "5", "--lora-cache", "0"], ["--loras", "5", "--find-load"]])
-def test_bad_options_are_refused(argv):
-    with pytest.raises(SystemExit):
+@pytest.mark.parametrize("argv, named", [(["--policies", "random"], "--policies"), (["--rps", "0"], "--rps"),
+                                         (["--rps", "nan"], "--rps"), (["--slo-scale", "inf"], "--slo-scale"),
+                                         (["--workers", "0"], "--workers"), (["--loras", "-1"], "--loras"),
+                                         (["--image-tokens", "-4"], "--image-tokens"),
+                                         (["--text-tokens", "-1"], "--text-tokens"),
+                                         (["--loras", "5", "--lora-cache", "0"], "--lora-cache"),
+                                         (["--loras", "5", "--find-load"], "--find-load")])
+def test_bad_options_are_refused_in_one_line(argv, named, capsys):
+    with pytest.raises(SystemExit) as exited:
         simulate.main(argv)
+    error = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and named in error
+    assert len(error.splitlines()) == 1 and "usage" not in error  # not argparse's whole usage block
+
+
+def test_a_cost_model_that_predicts_free_steps_is_refused_before_simulating(tmp_path, capsys):
+    """A fit of a model too small to time can extrapolate below zero: steps that take no time would stop the
+    simulated clock."""
+    model = h800_flux()
+    free = {kind: {variant: replace(fit, coef=tuple(0.0 for _ in fit.coef), intercept=-1.0)
+                   for variant, fit in fits.items()} for kind, fits in model.compute.items()}
+    path = tmp_path / "free.json"
+    replace(model, compute=free, load=replace(model.load, intercept=-1.0)).to_json(path)
+    with pytest.raises(SystemExit) as exited:
+        simulate.main(["--cost-model", str(path), "--image-tokens", "64", "--requests", "10"])
+    assert exited.value.code == 2 and "step of 0 s" in capsys.readouterr().err
+    with pytest.raises(RetouchError, match="cannot read the cost model"):
+        simulate.main(["--cost-model", str(tmp_path / "missing.json")])
 
 
 def test_least_work_cuts_p95_where_least_requests_stacks_large_edits(cost):

@@ -14,16 +14,9 @@ import time
 
 from retouch.config import (EditOptions, ProfileOptions, ServeOptions, WorkerOptions, add_arguments, from_arguments,
                             resolve_device)
-from retouch.errors import InputError, RetouchError
+from retouch.errors import EXIT_USAGE, ArgumentParser, InputError, RetouchError
 
-EXIT_USAGE = 2
 EXIT_INTERNAL = 1
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not argparse's usage block
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
 
 
 def cmd_edit(args) -> int:

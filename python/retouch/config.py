@@ -155,6 +155,9 @@ def _scalar_type(hint):
     return args[0] if args else hint
 
 
+PROFILE_MIN_POINTS = 5  # the cost features (4, costs.FEATURES) and an intercept
+
+
 @dataclass(slots=True)
 class ProfileOptions:
     """Fit the cost models of one model on one device."""
@@ -172,16 +175,27 @@ class ProfileOptions:
 
     def __post_init__(self):
         for name in ("grids", "batch_sizes", "mask_ratios", "load_mib"):
+            flag = f"--{name.replace('_', '-')}"
             try:
                 values = [float(v) for v in getattr(self, name).split(",")]
             except ValueError:
-                raise InputError(f"--{name.replace('_', '-')} must be comma-separated numbers") from None
-            if not values or min(values) <= 0:
-                raise InputError(f"--{name.replace('_', '-')} values must be > 0")
-        if max(float(r) for r in self.mask_ratios.split(",")) > 1:
+                raise InputError(f"{flag} must be comma-separated numbers") from None
+            if not all(math.isfinite(v) and v > 0 for v in values):
+                raise InputError(f"{flag} values must be finite and > 0")
+            if name in ("grids", "batch_sizes") and not all(v == int(v) for v in values):
+                raise InputError(f"{flag} values must be whole numbers")
+        if max(self.values("mask_ratios")) > 1:
             raise InputError("--mask-ratios must lie in (0, 1]")
         if self.repeats < 1:
             raise InputError(f"--repeats must be >= 1, got {self.repeats}")
+        # Each block's full-compute fit sees one sample per (grid, batch size) point: a least-squares fit of
+        # the cost features and an intercept needs more points than it has unknowns; the load fit, two sizes.
+        points = len(set(self.values("grids", int))) * len(set(self.values("batch_sizes", int)))
+        if points < PROFILE_MIN_POINTS:
+            raise InputError(f"--grids x --batch-sizes give {points} distinct points; the cost fit needs at "
+                             f"least {PROFILE_MIN_POINTS} (for example --grids 8,16,24 --batch-sizes 1,2)")
+        if len(set(self.values("load_mib"))) < 2:
+            raise InputError("--load-mib needs at least two distinct sizes to fit a load time per byte")
 
     def values(self, name: str, kind=float) -> list:
         return [kind(float(v)) for v in getattr(self, name).split(",")]

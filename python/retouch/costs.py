@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from retouch.errors import InputError
 from retouch.planner import BlockCosts
 
 VARIANTS = ("full", "y", "kv")  # compute every token / Y-cache masked compute / KV-cache masked compute
@@ -175,8 +176,10 @@ class CostModel:
                        row_bytes={kind: {name: int(size) for name, size in sizes.items()}
                                   for kind, sizes in data["row_bytes"].items()},
                        load=LinearModel.from_dict(data["load"]), meta=data.get("meta", {}))
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path} is not a retouch cost model: {type(exc).__name__}: {exc}") from None
+        except OSError as exc:
+            raise InputError(f"cannot read the cost model {path}: {exc.strerror or exc}") from None
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:  # ValueError: bad JSON, or a bad fit
+            raise InputError(f"{path} is not a retouch cost model: {type(exc).__name__}: {exc}") from None
 
     def r2_summary(self) -> dict[str, float]:
         """kind/variant -> R^2 of each compute fit, and "load"."""

@@ -1,5 +1,10 @@
 """Errors that reach a user: the message is one line that says what to fix."""
 
+import argparse
+import sys
+
+EXIT_USAGE = 2
+
 
 class RetouchError(Exception):
     """Bad input or an unusable environment; the CLI prints it as one line and exits with 2."""
@@ -11,3 +16,11 @@ class ModelError(RetouchError):
 
 class InputError(RetouchError):
     """An unreadable or inconsistent image, mask or prompt."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line naming the flag (exit 2), not the whole usage block above it."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
