@@ -183,6 +183,15 @@ def test_folder_without_manifest_takes_family_from_pipeline_class(tmp_path):
     assert (loaded.name, loaded.family, loaded.call_defaults, loaded.source) == ("my-inpainter", "sd2", {}, folder)
 
 
+def test_a_manifest_family_that_contradicts_the_pipeline_class_is_refused(tmp_path):
+    """The adapters follow the manifest's family and the weights the class: a mismatch would fail mid-edit."""
+    folder = models.export_pipeline("tiny-sd2-inpaint", tmp_path / "mislabelled")
+    manifest = json.loads((folder / export.MANIFEST_NAME).read_text())
+    (folder / export.MANIFEST_NAME).write_text(json.dumps({**manifest, "family": "sdxl"}))
+    with pytest.raises(ModelError, match="names family 'sdxl', but the folder holds a StableDiffusionInpaintPipeline"):
+        models.load_pipeline(folder)
+
+
 def test_loading_prints_nothing(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv(export.CACHE_DIR_VARIABLE, str(tmp_path))  # a cache miss: build, save, load
     models.load_pipeline("tiny-sd3-inpaint")

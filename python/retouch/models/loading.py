@@ -49,6 +49,9 @@ def load_pipeline(
     family = manifest.get("family", FAMILY_BY_PIPELINE[pipeline_class])
     if family not in FAMILIES:
         raise ModelError(f"{folder / MANIFEST_NAME} names family {family!r}; it must be one of {', '.join(FAMILIES)}")
+    if family != FAMILY_BY_PIPELINE[pipeline_class]:  # the adapters follow the family, the weights the class
+        raise ModelError(f"{folder / MANIFEST_NAME} names family {family!r}, but the folder holds a {pipeline_class} "
+                         f"({FAMILY_BY_PIPELINE[pipeline_class]!r}); fix or remove the manifest's family")
     with quiet_libraries():
         try:
             pipe = DiffusionPipeline.from_pretrained(
