@@ -176,6 +176,8 @@ BAD_EDITS = {
     "mask-aware without paste-back": ({}, ["--mask-aware", "--no-paste-back"], "--no-paste-back applies to the baseline"),
     "negative dilation": ({"--dilation": "-1"}, [], "--dilation"),
     "compile without mask-aware": ({}, ["--compile"], "add --mask-aware"),
+    "dilation without mask-aware": ({"--dilation": "2"}, [], "--dilation and --cache-mode apply to mask-aware"),
+    "kv-cache without mask-aware": ({}, ["--cache-mode", "kv"], "--dilation and --cache-mode apply to mask-aware"),
     "cuda graphs on the cpu": ({}, ["--mask-aware", "--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA"),
     "bad lora": ({}, ["--lora", "bad::x", "--lora-dir", "."], "--lora: lora scale of 'bad' must be a number"),
     "lora without a folder": ({}, ["--lora", "grain"], "add --lora-dir"),

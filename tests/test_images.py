@@ -233,3 +233,16 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_compute(tmp
             images.check_output_path(bad)
     images.check_output_path(tmp_path / "new" / "folder" / "out.png")  # made now, so the write cannot fail later
     assert (tmp_path / "new" / "folder").is_dir()
+
+
+def test_lossless_outputs_keep_every_pixel_and_lossy_ones_are_noted(tmp_path):
+    """The paste-back promise (unmasked pixels equal the template's) holds only in a lossless format."""
+    rng = np.random.default_rng(0)
+    noisy = Image.fromarray(rng.integers(0, 256, (24, 32, 3), dtype=np.uint8))
+    for suffix in images.LOSSLESS_SUFFIXES:
+        path = images.save_image(noisy, tmp_path / f"out{suffix}")
+        assert np.array_equal(np.asarray(Image.open(path).convert("RGB")), np.asarray(noisy)), suffix
+        assert images.lossy_output_note(path) is None
+    jpeg = images.save_image(noisy, tmp_path / "out.JPG")
+    assert not np.array_equal(np.asarray(Image.open(jpeg).convert("RGB")), np.asarray(noisy))
+    assert ".jpg is lossy" in images.lossy_output_note(jpeg)

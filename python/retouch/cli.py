@@ -20,13 +20,15 @@ EXIT_INTERNAL = 1
 
 
 def cmd_edit(args) -> int:
-    from retouch.images import check_output_path, load_image, load_mask, save_image
+    from retouch.images import check_output_path, load_image, load_mask, lossy_output_note, save_image
 
     opts = from_arguments(EditOptions, args)
     # Everything that can be checked without the model is checked before loading it.
     image = load_image(opts.image)
     mask = load_mask(opts.mask, image.size, alpha=opts.mask_alpha)
     check_output_path(opts.out)
+    if opts.paste_back and (note := lossy_output_note(opts.out)) is not None:
+        print(f"retouch: {note}", file=sys.stderr)
     lora = opts.lora_choice()
     if lora:
         from retouch.lora.files import lora_path

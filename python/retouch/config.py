@@ -66,6 +66,8 @@ class EditOptions:
             raise InputError(f"--dilation must be >= 0, got {self.dilation}")
         if (self.compile or self.cuda_graphs) and not self.mask_aware:
             raise InputError("--compile and --cuda-graphs apply to mask-aware edits (add --mask-aware)")
+        if (self.dilation or self.cache_mode != "y") and not self.mask_aware:
+            raise InputError("--dilation and --cache-mode apply to mask-aware edits (add --mask-aware)")
         if self.cuda_graphs and self.device == "cpu":
             raise InputError("--cuda-graphs needs a CUDA device (--device cuda or auto)")
         if self.mask_aware and self.strength != 1.0:

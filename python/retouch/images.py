@@ -222,11 +222,25 @@ def check_output_path(path: Path) -> None:
         raise InputError(f"cannot write {path}: permission denied")
 
 
+# Formats that keep 8-bit RGB exactly, so unmasked pixels stay the template's byte for byte (WebP: written
+# lossless by save_image).
+LOSSLESS_SUFFIXES = (".png", ".webp", ".bmp", ".tif", ".tiff", ".ppm", ".tga")
+
+
+def lossy_output_note(path: Path) -> str | None:
+    """A one-line note when `path`'s format cannot keep the unmasked pixels exactly (JPEG, GIF, ...)."""
+    suffix = Path(path).suffix.lower()
+    if suffix in LOSSLESS_SUFFIXES:
+        return None
+    return (f"note: {suffix} is lossy, so unmasked pixels will be close to the template's, not equal; "
+            f"write {', '.join(LOSSLESS_SUFFIXES[:2])} to keep them exactly")
+
+
 def save_image(image: Image.Image, path: Path) -> Path:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        image.save(path)
+        image.save(path, **({"lossless": True} if path.suffix.lower() == ".webp" else {}))
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc}") from None
     return path
