@@ -160,3 +160,25 @@ def test_one_failed_image_cancels_its_siblings_at_once():
                                       "code": "RuntimeError"}
     assert outcome["cancelled"] == outcome["siblings"]
     assert outcome["pending"] == 0 and outcome["counters"]["cancelled"] == 2
+
+
+async def long_prompts() -> dict:
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests")).start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(router, Limits())),
+                                     base_url="http://retouch") as client:
+            mask = {"mask": ("m.png", png(Image.new("L", (32, 32), 255)), "image/png")}
+            return {words: await client.post("/v1/edits", data={"template_id": "tpl-x", "prompt": "a red hat " * words},
+                                             files=mask) for words in (401, 120_000)}
+    finally:
+        await asyncio.to_thread(router.close, 0)
+
+
+def test_a_long_prompt_is_refused_naming_it_before_any_work():
+    """Over max_prompt_chars: 422 prompt_too_long. Over the multipart parser's 1 MiB per text field (it does
+    not say which field): 413 field_too_large, which states the prompt limit, not "malformed body"."""
+    outcome = asyncio.run(long_prompts())
+    over_limit, over_parser = outcome[401].json()["error"], outcome[120_000].json()["error"]
+    assert outcome[401].status_code == 422 and (over_limit["param"], over_limit["code"]) == ("prompt", "prompt_too_long")
+    assert outcome[120_000].status_code == 413 and over_parser["code"] == "field_too_large"
+    assert over_parser["param"] == "body" and "prompt may have at most 4000 characters" in over_parser["message"]

@@ -154,6 +154,7 @@ def test_bad_images_get_a_4xx_naming_the_field(client, template_id, case):
     ({"prompt": "   "}, 400, "prompt"),
     ({"seed": "one"}, 400, "seed"),
     ({"response_format": "gif"}, 400, "response_format"),
+    ({"prompt": "a red hat " * 401}, 422, "prompt"),
 ])
 def test_bad_fields_get_a_4xx_naming_the_field(client, template_id, fields, status, param):
     fields = {"template_id": template_id, **fields}

@@ -59,6 +59,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException
 
 from retouch import playground
 from retouch.canvas import Canvas
@@ -89,6 +90,9 @@ DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 MAX_SLO_MS = 3_600_000  # an hour: longer is no SLO
 
 logger = logging.getLogger("retouch.http")
+
+
+MAX_TEXT_FIELD_BYTES = 1 << 20  # a multipart text field is held in memory; files spool to disk
 
 
 @dataclass(frozen=True)
@@ -547,16 +551,25 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise ApiError(415, "send multipart/form-data (files: image, mask; text fields)", "content-type")
         try:
-            return Form(await request.form(max_files=8, max_fields=32, max_part_size=1 << 20))
+            return Form(await request.form(max_files=8, max_fields=32, max_part_size=MAX_TEXT_FIELD_BYTES))
         except ApiError:
             raise
         except ExceptionGroup as group:  # the body limit fired inside the parser's task group
             limit, _ = group.split(ApiError)
             if limit is not None:
                 raise limit.exceptions[0] from None
-            raise ApiError(400, f"malformed multipart body: {group.exceptions[0]}", "body") from None
+            raise unparsable(group.exceptions[0]) from None
         except Exception as exc:  # noqa: BLE001 - a malformed body is the client's error
-            raise ApiError(400, f"malformed multipart body: {exc}", "body") from None
+            raise unparsable(exc) from None
+
+    def unparsable(exc: BaseException) -> ApiError:
+        # Starlette re-raises the parser's MultiPartException as an HTTPException(400) inside an app.
+        detail = getattr(exc, "detail", None) or getattr(exc, "message", None) or str(exc)
+        if isinstance(exc, (MultiPartException, StarletteHTTPException)) and "exceeded maximum size" in detail:
+            # The parser does not say which field; the only long one a client writes is the prompt.
+            return ApiError(413, f"a text field is over {MAX_TEXT_FIELD_BYTES >> 10} KiB; a prompt may have at "
+                            f"most {limits.max_prompt_chars} characters", "body", "field_too_large")
+        return ApiError(400, f"malformed multipart body: {detail}", "body")
 
     def template_or_404(template_id: str, tenant: str) -> dict:
         """The tenant's template; another tenant's is as unknown as one that never was."""
