@@ -179,6 +179,7 @@ def test_a_long_prompt_is_refused_naming_it_before_any_work():
     not say which field): 413 field_too_large, which states the prompt limit, not "malformed body"."""
     outcome = asyncio.run(long_prompts())
     over_limit, over_parser = outcome[401].json()["error"], outcome[120_000].json()["error"]
-    assert outcome[401].status_code == 422 and (over_limit["param"], over_limit["code"]) == ("prompt", "prompt_too_long")
+    assert outcome[401].status_code == 422
+    assert (over_limit["param"], over_limit["code"]) == ("prompt", "prompt_too_long")
     assert outcome[120_000].status_code == 413 and over_parser["code"] == "field_too_large"
     assert over_parser["param"] == "body" and "prompt may have at most 4000 characters" in over_parser["message"]
