@@ -156,8 +156,9 @@ class TemplateRecord:
                 "created": int(self.created), "error": self.error, "one_off": self.one_off,
                 "progress": {"workers_ready": sum(1 for w, s in self.states.items() if s == "ready" and w in live),
                              "workers_recording": len(recording),
-                             "step": max((self.progress.get(w, 0) for w in recording), default=self.steps
-                                         if self.status == "ready" else 0),
+                             # Once one replica is ready the template is, whatever the others are at.
+                             "step": self.steps if self.status == "ready"
+                             else max((self.progress.get(w, 0) for w in recording), default=0),
                              "steps": self.steps}}
 
 

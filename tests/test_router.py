@@ -253,6 +253,13 @@ def test_template_watchers_see_its_recording_to_the_end(context, make_router):
     w0.sync()
     assert [(e["status"], e["progress"]["step"]) for e in seen][-4:] == [
         ("recording", 1), ("recording", 2), ("recording", 3), ("ready", 3)]
+    # A second worker recording it behind the first does not send its progress backwards.
+    w1 = ScriptedWorker(context, router, "w1")
+    assert w1.receive("register")["template"] == "t1"
+    w1.send({"kind": "progress", "template": "t1", "step": 1})
+    w1.sync()
+    assert router.template("t1")["progress"] == {"workers_ready": 1, "workers_recording": 1, "step": 3, "steps": 3}
+    assert all(e["progress"]["step"] == 3 for e in seen if e["status"] == "ready")
     stop()
     assert router.watch("template", "unknown", seen.append) is None and not router._watchers
 
