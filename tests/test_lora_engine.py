@@ -214,6 +214,9 @@ def test_resident_names_the_adapters_that_need_no_file_read(flux, lora_dir):
         for future in manager.acquire((LoraUse("B"), LoraUse("A"))):
             future.result(timeout=60)
         assert manager.resident() == ["A", "B"]
+        assert (manager.metrics()["hits"], manager.metrics()["misses"]) == (0, 2)
+        manager.acquire((LoraUse("A"),))[0].result(timeout=60)  # reused on the device: a hit, no read
+        assert (manager.metrics()["hits"], manager.metrics()["misses"], manager.metrics()["loads"]) == (1, 2, 2)
         manager.clear()
         assert manager.resident() == []
     finally:

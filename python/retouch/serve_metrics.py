@@ -71,8 +71,8 @@ CACHE_GAUGES = (("host_bytes_used", "bytes of activations in pinned host memory"
                 ("disk_bytes_used", "bytes of activations on disk"),
                 ("disk_bytes_budget", "the disk tier's budget in bytes"))
 # The keys of lora.manager.LoraManager.metrics.
-LORA_COUNTERS = (("hits", "LoRA lookups found in the worker's host cache"),
-                 ("misses", "LoRA lookups not found (a load follows)"),
+LORA_COUNTERS = (("hits", "LoRA lookups served without reading the file (on the device or in the host cache)"),
+                 ("misses", "LoRA lookups that read the file"),
                  ("evictions", "LoRAs evicted from the host cache"),
                  ("loads", "LoRA files loaded"),
                  ("load_failures", "LoRA loads that failed (their requests were answered 422)"),

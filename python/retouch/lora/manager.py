@@ -50,7 +50,7 @@ class LoraManager:
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self.loads = self.load_failures = self.device_evictions = 0
+        self.loads = self.load_failures = self.device_evictions = self.device_hits = 0
         self.load_seconds = self.load_cpu_seconds = 0.0  # wall and loader-thread CPU seconds of file reads
 
     @property
@@ -122,6 +122,7 @@ class LoraManager:
             resident = self._device.get(name)
             if resident is not None:
                 self._device.move_to_end(name)
+                self.device_hits += 1
                 return _resolved(resident)
             failed = self._failed.get(name)
             if failed is not None and failed[0] == self._file_identity(name):  # the same broken file: not read again
@@ -255,7 +256,8 @@ class LoraManager:
         with self._lock:
             device_bytes = sum(d.weights.nbytes for d in self._device.values())
             return {"cached_bytes": self.host.nbytes, "cached_adapters": len(self.host),
-                    "budget_bytes": self.host.budget_bytes, "hits": self.host.hits, "misses": self.host.misses,
+                    "budget_bytes": self.host.budget_bytes, "hits": self.device_hits + self.host.hits,
+                    "misses": self.host.misses,
                     "evictions": self.host.evictions, "device_adapters": len(self._device),
                     "device_bytes": device_bytes, "device_evictions": self.device_evictions, "loads": self.loads,
                     "load_failures": self.load_failures, "load_seconds": self.load_seconds,
