@@ -291,7 +291,10 @@ class Engine:
 
     def _forget_job(self, job: Job) -> None:
         with self._jobs_lock:
-            self._jobs.pop(job.id, None)
+            held = self._jobs.pop(job.id, None) is not None
+        helpers = self.helpers
+        if held and job.future.cancelled() and helpers is not None:
+            helpers.cancel(job.id)  # its helper skips it unless it has started it
 
     def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0,
              steps: int | None = None) -> Image.Image:

@@ -197,9 +197,14 @@ class HelperPool:
             socket = self.context.socket(zmq.PUSH)
             socket.bind(f"ipc://{self._dir.name}/tasks-{index}")
             self.tasks.append(socket)
+        # Cancellations, by topic (the helper's index): a helper skips a job cancelled before it starts it.
+        self.control = self.context.socket(zmq.PUB)
+        self._control_address = f"ipc://{self._dir.name}/control"
+        self.control.bind(self._control_address)
         self._command = [sys.executable, "-m", "retouch.engine.processing", "--model", model, "--device", device,
                          "--dtype", str(dtype).removeprefix("torch."), "--dilation", str(dilation),
-                         "--results", self._results_address, "--threads", str(threads)]
+                         "--results", self._results_address, "--control", self._control_address,
+                         "--threads", str(threads)]
         self._command += ["--build-in-memory"] if build_in_memory else []
         self._env = child_env()
         self._lock = threading.Lock()  # the task sockets and the books below
@@ -207,6 +212,7 @@ class HelperPool:
         self._alive = [False] * count  # said hello and not dead since
         self._backlog: list[int] = []  # jobs waiting for a live helper
         self.restarts = 0
+        self.skipped = 0  # cancelled jobs the helpers dropped unrun
         self.processes: list[subprocess.Popen] = []
         self.on_message = on_message
         self._poll_s = poll_s
@@ -247,6 +253,18 @@ class HelperPool:
             self._outstanding[job] = (-1, frames, 0)
             self._dispatch(job)
 
+    def cancel(self, job: int) -> None:
+        """Forget `job`: it is not sent again, and its helper skips it unless it has started it (its answer, if
+        any, is dropped)."""
+        with self._lock:
+            entry = self._outstanding.pop(job, None)
+            if entry is None:
+                return
+            if job in self._backlog:
+                self._backlog.remove(job)
+            elif entry[0] >= 0:
+                self.control.send_multipart([str(entry[0]).encode(), *wire.encode({"kind": "cancel", "job": job})])
+
     def _dispatch(self, job: int) -> None:
         """With the lock held: send `job` to a live helper, or keep it until one is."""
         held = [0] * len(self._alive)
@@ -273,6 +291,10 @@ class HelperPool:
             kind = header.get("kind")
             if kind == "stop":
                 return
+            if kind == "skipped":
+                with self._lock:
+                    self.skipped += 1
+                continue
             if kind == "hello":  # a replacement is ready: it takes what waited for it
                 with self._lock:
                     self._alive[int(header["index"])] = True
@@ -338,6 +360,7 @@ class HelperPool:
             self._receiver.join(timeout=10)
         for socket in self.tasks:
             socket.close(linger=0)
+        self.control.close(linger=0)
         self.results.close(linger=0)
         self.context.term()
         self._dir.cleanup()
@@ -355,6 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dilation", type=int, default=0)
     parser.add_argument("--tasks", required=True)
     parser.add_argument("--results", required=True)
+    parser.add_argument("--control", default=None, help="the pool's cancellations (PUB, topic: --index)")
     parser.add_argument("--build-in-memory", action="store_true", help="build the built-in model, do not load it")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--index", type=int, default=0, help="which of the pool's helpers this is")
@@ -377,10 +401,41 @@ def main(argv: list[str] | None = None) -> None:
     tasks, results = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     tasks.connect(args.tasks)
     results.connect(args.results)
+    control = None
+    if args.control is not None:
+        control = context.socket(zmq.SUB)
+        control.setsockopt(zmq.SUBSCRIBE, str(args.index).encode())
+        control.connect(args.control)
+    cancelled = CancelledJobs()
     results.send_multipart(wire.encode({"kind": "hello", "pid": os.getpid(), "index": args.index}))
     while True:
         frames = tasks.recv_multipart(copy=False)
-        results.send_multipart(handle(editor, [frame.buffer for frame in frames]), copy=False)
+        while control is not None and control.poll(0):
+            _, *message = control.recv_multipart()
+            cancelled.add(int(wire.decode(message)[0]["job"]))
+        buffers = [frame.buffer for frame in frames]
+        job = wire.peek(buffers).get("job")
+        if cancelled.take(job):
+            results.send_multipart(wire.encode({"kind": "skipped", "job": job}))
+            continue
+        results.send_multipart(handle(editor, buffers), copy=False)
+
+
+class CancelledJobs:
+    """Job ids cancelled before this helper took them up; the oldest are forgotten past `limit` (a cancel
+    that arrives after its job ran is never taken)."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self._ids: dict[int, None] = {}
+
+    def add(self, job: int) -> None:
+        self._ids[job] = None
+        if len(self._ids) > self.limit:
+            del self._ids[next(iter(self._ids))]
+
+    def take(self, job) -> bool:
+        return self._ids.pop(job, False) is None
 
 
 if __name__ == "__main__":

@@ -38,6 +38,14 @@ def encode(header: Mapping, tensors: Mapping[str, torch.Tensor] | None = None,
     return [msgpack.packb(full, use_bin_type=True), *frames, *blobs.values()]
 
 
+def peek(frames: Sequence) -> dict:
+    """The header alone (no tensor is copied): to route or skip a message before decoding it."""
+    try:
+        return msgpack.unpackb(bytes(frames[0]), raw=False)
+    except (ValueError, IndexError, TypeError, msgpack.ExtraData) as exc:
+        raise WireError(f"bad header: {exc}") from None
+
+
 def decode(frames: Sequence) -> tuple[dict, dict[str, torch.Tensor], dict[str, bytes]]:
     if not frames:
         raise WireError("empty message")

@@ -122,6 +122,23 @@ def test_a_killed_helper_is_replaced_and_the_edit_it_held_is_answered():
     assert np.array_equal(np.asarray(after.image), np.asarray(before.image))
 
 
+def test_a_helper_skips_work_cancelled_before_it_starts_it():
+    """A dropped recording or a cancelled edit still queued at a helper costs no VAE encode: the helper skips
+    it. The helper is stopped (SIGSTOP) while two edits queue behind each other and the second is cancelled."""
+    with Engine.load("tiny-flux-fill", EngineConfig(mode="disagg", max_batch=2, helpers=1, helper_threads=1)) as engine:
+        template_id = engine.register_template(template_image(), prompt="a scene", steps=2, seed=3)
+        request = EditRequest(template_id, square_mask(), "a hat", seed=1)
+        helper = engine.helpers.processes[0]
+        os.kill(helper.pid, signal.SIGSTOP)
+        try:
+            kept, cancelled = engine.submit(request), engine.submit(request)
+            assert cancelled.cancel()
+        finally:
+            os.kill(helper.pid, signal.SIGCONT)
+        kept.result(timeout=TIMEOUT_S)  # post-processed by the same helper, after it passed the cancelled job
+        assert engine.helpers.skipped == 1 and engine.helpers.restarts == 0
+
+
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
 def test_a_helper_dies_with_its_parent_however_the_parent_dies(tmp_path, signum):
     """The parent-death signal, alone: a parent that cannot clean up (SIGKILL) still takes its child."""
