@@ -366,6 +366,27 @@ class HelperPool:
         self._dir.cleanup()
 
 
+class CancelledJobs:
+    """Job ids cancelled before this helper took them up; the oldest are forgotten past `limit` (a cancel
+    that arrives after its job ran is never taken)."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self._ids: dict[int, None] = {}
+
+    def add(self, job: int) -> None:
+        self._ids[job] = None
+        if len(self._ids) > self.limit:
+            del self._ids[next(iter(self._ids))]
+
+    def take(self, job) -> bool:
+        """Whether `job` was cancelled (then forgotten: ids are not reused)."""
+        if job not in self._ids:
+            return False
+        del self._ids[job]
+        return True
+
+
 def main(argv: list[str] | None = None) -> None:
     from retouch.cache import InMemoryActivationCache
     from retouch.models import load_pipeline
@@ -419,23 +440,6 @@ def main(argv: list[str] | None = None) -> None:
             results.send_multipart(wire.encode({"kind": "skipped", "job": job}))
             continue
         results.send_multipart(handle(editor, buffers), copy=False)
-
-
-class CancelledJobs:
-    """Job ids cancelled before this helper took them up; the oldest are forgotten past `limit` (a cancel
-    that arrives after its job ran is never taken)."""
-
-    def __init__(self, limit: int = 4096):
-        self.limit = limit
-        self._ids: dict[int, None] = {}
-
-    def add(self, job: int) -> None:
-        self._ids[job] = None
-        if len(self._ids) > self.limit:
-            del self._ids[next(iter(self._ids))]
-
-    def take(self, job) -> bool:
-        return self._ids.pop(job, False) is None
 
 
 if __name__ == "__main__":

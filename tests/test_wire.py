@@ -5,7 +5,7 @@ import msgpack
 import pytest
 import torch
 
-from retouch.engine.wire import DTYPES, WireError, decode, encode
+from retouch.engine.wire import DTYPES, WireError, decode, encode, peek
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES.values(), key=str))
@@ -32,3 +32,20 @@ def test_damaged_messages_are_refused():
         decode([msgpack.packb({"_tensors": [["a", "complex64", [1]]], "_blobs": []}), b"\x00" * 8])
     with pytest.raises(WireError, match="empty"):
         decode([])
+
+
+def test_peek_reads_the_header_alone_and_refuses_garbage():
+    frames = encode({"kind": "prepare", "job": 7}, tensors={"x": torch.ones(4)}, blobs={"png": b"p"})
+    assert peek(frames)["job"] == 7
+    with pytest.raises(WireError):
+        peek([b"\xc1"])
+
+
+def test_a_helper_remembers_a_bounded_number_of_cancelled_jobs():
+    from retouch.engine.processing import CancelledJobs
+
+    cancelled = CancelledJobs(limit=3)
+    for job in range(5):
+        cancelled.add(job)
+    assert [cancelled.take(job) for job in range(5)] == [False, False, True, True, True]
+    assert not cancelled.take(4)  # taken once
