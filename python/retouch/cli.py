@@ -15,6 +15,7 @@ import time
 from retouch.config import (EditOptions, ProfileOptions, ServeOptions, WorkerOptions, add_arguments, from_arguments,
                             resolve_device)
 from retouch.errors import EXIT_USAGE, ArgumentParser, InputError, RetouchError
+from retouch.log_limits import cap_log_messages
 
 EXIT_INTERNAL = 1
 
@@ -23,6 +24,7 @@ def cmd_edit(args) -> int:
     from retouch.images import check_output_path, load_image, load_mask, lossy_output_note, save_image
 
     opts = from_arguments(EditOptions, args)
+    cap_log_messages()  # the text encoders log the part of a long prompt they cut, whole
     # Everything that can be checked without the model is checked before loading it.
     image = load_image(opts.image)
     mask = load_mask(opts.mask, image.size, alpha=opts.mask_alpha)
