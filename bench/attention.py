@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from retouch.bench.report import device_name, environment, pyplot, write_json
+from retouch.bench.report import DTYPE_CHOICES, device_arg, device_name, environment, out_path, pyplot, write_json
 from retouch.bench.timing import seconds_of
 from retouch.errors import ArgumentParser
 from retouch.progress import bar, note
@@ -128,16 +128,21 @@ def _flag_options(hint) -> dict:
 def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool, Path | None]:
     parser = ArgumentParser(prog="retouch bench attention", description=__doc__.splitlines()[0])
     hints = typing.get_type_hints(BenchConfig)
+    shared = {"device": {"type": device_arg}, "dtype": {"choices": DTYPE_CHOICES}}
     for field in dataclasses.fields(BenchConfig):
-        parser.add_argument("--" + field.name.replace("_", "-"), default=None, **_flag_options(hints[field.name]))
+        parser.add_argument("--" + field.name.replace("_", "-"), default=None,
+                            **shared.get(field.name, _flag_options(hints[field.name])))
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU interpreter smoke run)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)
                  if getattr(args, f.name) is not None}
     device = overrides.pop("device", BenchConfig().device)
-    base = BenchConfig.quick(device) if args.quick else BenchConfig(device=device)
-    return dataclasses.replace(base, **overrides), args.quick, args.out
+    try:
+        base = BenchConfig.quick(device) if args.quick else BenchConfig(device=device)
+        return dataclasses.replace(base, **overrides), args.quick, args.out
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def scenarios(ratios: list[float], batch: int, tokens: int) -> dict[str, list[int]]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import pyplot, write_json
+from retouch.bench.report import device_arg, out_path, pyplot, write_json
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.api import Engine
 from retouch.engine.metrics import now
@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--templates", type=int, default=4)
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--helpers", type=int, default=1, help="pre/post-processing processes (disagg)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device_arg, default="cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.rps <= 0 or args.steps < 1 or args.size < 32 or args.templates < 1:
         parser.error("--requests, --steps, --templates >= 1, --rps > 0, --size >= 32")

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from retouch.bench.report import environment, mask_ratios, pyplot, write_json
+from retouch.bench.report import (DTYPE_CHOICES, device_arg, environment, mask_ratios, out_path, pyplot, side_pixels,
+                                  write_json)
 from retouch.bench.timing import interleaved_medians
 from retouch.errors import ArgumentParser
 from retouch.models import get_spec
@@ -32,13 +33,14 @@ MODES = {"y": "y-cache", "kv": "kv-cache"}
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(prog="retouch bench block", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-size")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--resolution", type=int, default=None, help="pixels per side (default: the model's)")
+    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                        help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--resolution", type=side_pixels, default=None, help="pixels per side (default: the model's)")
     parser.add_argument("--batch", type=int, default=1, help="requests per forward")
     parser.add_argument("--mask-ratios", type=mask_ratios, default="0.05,0.1,0.2,0.3,0.5,0.7,0.9,1.0")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.repeats < 1:
         parser.error("--batch and --repeats must be >= 1")

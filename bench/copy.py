@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from retouch import ops
-from retouch.bench.report import pyplot, write_json
+from retouch.bench.report import device_arg, out_path, pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.errors import ArgumentParser
 from retouch.masks import centred_token_rectangle
@@ -69,18 +69,17 @@ def parse_args(argv: list[str] | None) -> tuple[CopyBenchConfig, bool, Path | No
     for field in dataclasses.fields(CopyBenchConfig):
         value = getattr(defaults, field.name)
         many = isinstance(value, list)
-        parser.add_argument("--" + field.name.replace("_", "-"), type=type(value[0]) if many else type(value),
-                            nargs="+" if many else None, default=None, help=f"default: {value}")
+        kind = device_arg if field.name == "device" else type(value[0]) if many else type(value)
+        parser.add_argument("--" + field.name.replace("_", "-"), type=kind, nargs="+" if many else None, default=None,
+                            help=f"default: {value}")
     parser.add_argument("--quick", action="store_true", help="L=1024, two batch sizes, one mask ratio (seconds)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(CopyBenchConfig)
                  if getattr(args, f.name) is not None}
     device = overrides.pop("device", "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("retouch bench copy: --device cuda needs a CUDA device")
-    base = CopyBenchConfig.quick(device) if args.quick else CopyBenchConfig(device=device)
     try:
+        base = CopyBenchConfig.quick(device) if args.quick else CopyBenchConfig(device=device)
         return dataclasses.replace(base, **overrides), args.quick, args.out
     except ValueError as exc:
         parser.error(str(exc))

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import environment, mask_ratios, pyplot, write_json
+from retouch.bench.report import environment, mask_ratios, out_path, pyplot, write_json
 from retouch.cache import CacheStore, StoreConfig
 from retouch.cache.layout import STORAGE_DTYPES
 from retouch.editor import CACHE_MODES, load
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--size", type=int, default=128, help="template side in pixels (a multiple of 16)")
     parser.add_argument("--cache-dtypes", type=cache_dtypes, default="auto",
                         help=f"storage dtypes of the cache, comma-separated: auto, {', '.join(STORAGE_DTYPES)}")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from retouch.adapters import MaskAwareContext
-from retouch.bench.report import environment, mask_ratios, pyplot, write_json
+from retouch.bench.report import environment, mask_ratios, out_path, pyplot, write_json
 from retouch.bench.step import MODES, TEXT_TOKENS, flux_setup
 from retouch.errors import ArgumentParser
 from retouch.flops import count_flops, flux_forward_macs
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(prog="retouch bench flops", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
     parser.add_argument("--mask-ratios", dest="ratios", type=mask_ratios, default="0.1,0.2,0.5,1.0")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
 
     device = torch.device("cpu")  # FLOPs do not depend on the device

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from retouch.bench import workload
-from retouch.bench.report import environment, mask_ratios, pyplot, write_json
+from retouch.bench.report import (DTYPE_CHOICES, cost_model_arg, device_arg, environment, mask_ratios, out_path,
+                                  positive_float, pyplot, side_pixels, write_json)
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import CacheStore, StoreConfig
 from retouch.editor import PLANNERS, EditRequest, MaskAwareEditor
@@ -41,18 +42,21 @@ TRANSFORMER_FAMILIES = ("flux-fill", "flux-inpaint", "sd3")
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(prog="retouch bench image", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-size")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                        help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--mask-ratios", type=mask_ratios, default="0.05,0.1,0.2,0.3,0.5,0.7,0.9")
     parser.add_argument("--modes", default="y,kv", help="cache modes, comma-separated (y, kv)")
     parser.add_argument("--steps", type=int, default=8,
                         help="denoising steps (the cache holds every step: flux-size needs ~5 GB of host memory each)")
-    parser.add_argument("--resolution", type=int, default=None, help="pixels per side (default: the model's)")
+    parser.add_argument("--resolution", type=side_pixels, default=None, help="pixels per side (default: the model's)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cost-model", type=Path, default=None, help="retouch profile output: the planner on")
+    parser.add_argument("--cost-model", type=cost_model_arg, default=None,
+                        help="retouch profile output: the planner on")
     parser.add_argument("--planner", choices=PLANNERS, default="optimal")
-    parser.add_argument("--host-gib", type=float, default=None, help="pinned host cache (default: the template's size)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--host-gib", type=positive_float, default=None,
+                        help="pinned host cache (default: the template's size)")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
     if args.steps < 1 or args.repeats < 1:

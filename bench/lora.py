@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from retouch.adapters import CacheMode, MaskAwareContext
-from retouch.bench.report import pyplot, write_json
+from retouch.bench.report import DTYPE_CHOICES, device_arg, mask_ratio, out_path, pyplot, side_pixels, write_json
 from retouch.bench.step import TEXT_TOKENS, flux_setup
 from retouch.bench.timing import interleaved_medians
 from retouch.errors import ArgumentParser
@@ -213,16 +213,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--load-rank", type=int, default=512)
-    parser.add_argument("--mask-ratio", type=float, default=0.2)
-    parser.add_argument("--resolution", type=int, default=256, help="pixels per side of the step part")
-    parser.add_argument("--engine-resolution", type=int, default=256, help="pixels per side of the loading part")
+    parser.add_argument("--mask-ratio", type=mask_ratio, default=0.2)
+    parser.add_argument("--resolution", type=side_pixels, default=256, help="pixels per side of the step part")
+    parser.add_argument("--engine-resolution", type=side_pixels, default=256,
+                        help="pixels per side of the loading part")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--load-repeats", type=int, default=7, help="rounds of the loading part (after a warm-up)")
     parser.add_argument("--skip-load", action="store_true", help="only the step overhead")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                        help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if min(args.batch, args.rank, args.load_rank, args.repeats, args.load_repeats) < 1 or not 0 < args.mask_ratio <= 1:
         parser.error("--batch, --rank, --load-rank, --repeats and --load-repeats must be >= 1 and --mask-ratio in "

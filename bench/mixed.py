@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
-from retouch.bench.report import pyplot, write_json
+from retouch.bench.report import DTYPE_CHOICES, device_arg, mask_ratio, out_path, pyplot, write_json
 from retouch.bench.step import TEXT_TOKENS
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import InMemoryActivationCache
@@ -52,11 +52,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
     parser.add_argument("--sizes", default="256,384,512", help="image sizes in pixels per side, comma-separated")
     parser.add_argument("--per-size", type=int, default=1, help="requests of each size")
-    parser.add_argument("--mask-ratio", type=float, default=0.2)
+    parser.add_argument("--mask-ratio", type=mask_ratio, default=0.2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                        help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     try:
         sizes = [int(size) for size in args.sizes.split(",")]

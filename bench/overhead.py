@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from retouch.bench.report import environment, mask_ratios, pyplot, write_json
+from retouch.bench.report import environment, mask_ratios, out_path, pyplot, write_json
 from retouch.errors import ArgumentParser
 from retouch.host_syncs import counting_host_syncs
 from retouch.models import build_denoiser
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--compile", action="store_true", help="also time the torch.compile'd variants")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if min(args.grid, args.batch, args.repeats, args.text_tokens) < 1:
         parser.error("--grid, --text-tokens, --batch and --repeats must be >= 1")

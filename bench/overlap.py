@@ -20,12 +20,12 @@ import contextlib
 import functools
 import json
 import sys
-from pathlib import Path
 
 import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext
 from retouch.adapters.reads import staged_context
+from retouch.bench.report import DTYPE_CHOICES, cost_model_arg, device_arg, mask_ratio, out_path, side_pixels
 from retouch.bench.step import flux_setup, write_report
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import CacheStore, StoreConfig
@@ -41,16 +41,18 @@ RECORDED = {"y": ("out",), "kv": None}
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(prog="retouch bench overlap", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux-size")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--mask-ratio", type=float, default=0.2)
+    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                        help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--mask-ratio", type=mask_ratio, default=0.2)
     parser.add_argument("--cache-mode", choices=sorted(MODES), default="y")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps of the image")
-    parser.add_argument("--resolution", type=int, default=None, help="pixels per side (default: the model's)")
+    parser.add_argument("--resolution", type=side_pixels, default=None, help="pixels per side (default: the model's)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lookahead", type=int, default=4, help="cached blocks the copy stream may run ahead")
-    parser.add_argument("--cost-model", type=Path, default=None, help="retouch profile output for the planner")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--cost-model", type=cost_model_arg, default=None,
+                        help="retouch profile output for the planner")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)

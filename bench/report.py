@@ -1,11 +1,12 @@
 """Writing benchmark results: the JSON, the environment it was measured in, and matplotlib for the PNG;
-and the `--mask-ratios` argument the benchmarks share."""
+and the argument types the benchmarks share, so that a bad value fails before any model is built."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import subprocess
@@ -14,8 +15,76 @@ from pathlib import Path
 
 import torch
 
+from retouch.errors import InputError
+from retouch.paths import check_writable
+
 # Packages whose versions decide a benchmark's figures; a missing one is recorded as None.
 _PACKAGES = ("torch", "triton", "diffusers", "transformers", "flash-attn", "numpy")
+
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+MAX_SIDE = 8192  # pixels: a bigger image is a typo, not a benchmark (512 tokens a side on Flux)
+
+
+def device_arg(text: str) -> str:
+    """argparse `type` of `--device`: cpu, cuda or cuda:N, and a CUDA one only where there is one."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: no CUDA device here")
+    return text
+
+
+def side_pixels(text: str) -> int:
+    """argparse `type` of an image side: a whole number of 16 px tokens, at most MAX_SIDE."""
+    try:
+        side = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of pixels, got {text!r}") from None
+    if not 16 <= side <= MAX_SIDE or side % 16:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 16 in [16, {MAX_SIDE}], got {side}")
+    return side
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def mask_ratio(text: str) -> float:
+    """argparse `type` of a single `--mask-ratio` in (0, 1]."""
+    ratios = mask_ratios(text)
+    if len(ratios) != 1:
+        raise argparse.ArgumentTypeError(f"takes one ratio, got {text!r}")
+    return ratios[0]
+
+
+def out_path(text: str) -> Path:
+    """argparse `type` of `--out`: checked before the benchmark runs (its folder made, a file created there)."""
+    try:
+        return check_writable(text)
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def cost_model_arg(text: str) -> Path:
+    """argparse `type` of `--cost-model`: a file `CostModel.from_json` reads."""
+    from retouch.costs import CostModel
+
+    try:
+        CostModel.from_json(text)
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return Path(text)
 
 
 def mask_ratios(text: str) -> list[float]:

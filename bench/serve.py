@@ -43,7 +43,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import pyplot, write_json
+from retouch.bench.report import out_path, pyplot, write_json
 from retouch.errors import ArgumentParser
 from retouch.images import png_bytes
 from retouch.progress import bar
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="time the stock pipeline of this model (in-process) on a sample of the requests")
     parser.add_argument("--stock-samples", type=int, default=6, help="requests per class the stock pipeline runs")
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.concurrency < 1 or args.steps < 1 or args.size < 1:
         parser.error("--requests, --concurrency, --steps and --size must be >= 1")

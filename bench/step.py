@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
-from retouch.bench.report import mask_ratios, pyplot, write_json
+from retouch.bench.report import mask_ratios, out_path, pyplot, side_pixels, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import InMemoryActivationCache
 from retouch.errors import ArgumentParser
@@ -64,14 +64,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
     parser.add_argument("--mask-ratio", "--mask-ratios", dest="ratios", type=mask_ratios, default="0.05,0.2,0.5,1.0",
                         help="one ratio or a comma-separated list, each in (0, 1]")
-    parser.add_argument("--resolution", type=int, default=None, help="pixels per side (default: the model's)")
+    parser.add_argument("--resolution", type=side_pixels, default=None, help="pixels per side (default: the model's)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--compile", action="store_true",
                         help="compiled stock model against compiled mask-aware blocks")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if args.repeats < 1 or (args.resolution is not None and args.resolution < 16):
         parser.error("--repeats must be >= 1 and --resolution >= 16")

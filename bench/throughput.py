@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from retouch.bench import workload
-from retouch.bench.report import environment, pyplot, write_json
+from retouch.bench.report import environment, mask_ratio, pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.engine.simulate import MASK_BETA
 from retouch.errors import ArgumentParser
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     workload.add_editor_options(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--mask-dist", choices=tuple(MASK_BETA), default="public")
-    parser.add_argument("--mask-ratio", type=float, default=None, help="every request's ratio (default: drawn)")
+    parser.add_argument("--mask-ratio", type=mask_ratio, default=None, help="every request's ratio (default: drawn)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     workload.check_editor_options(parser, args)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from retouch.bench.report import cost_model_arg, device_arg, out_path, positive_float
 from retouch.cache import CacheFull, CacheStore, StoreConfig
 from retouch.editor import PATCH_STRIDE, EditRequest, MaskAwareEditor
 from retouch.engine.simulate import MASK_BETA
@@ -50,19 +51,19 @@ class SyntheticEdit:
 def add_editor_options(parser: argparse.ArgumentParser) -> None:
     """The options both benchmarks build their editor and templates from (`load_editors`)."""
     parser.add_argument("--model", default="flux-size", help="built-in name or local diffusers pipeline folder")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--steps", type=int, default=8, help="denoising steps of every template and edit")
     parser.add_argument("--size", type=int, default=None, help="template side in pixels (default: the model's)")
     parser.add_argument("--templates", type=int, default=2, help="templates the requests edit")
     parser.add_argument("--cache-mode", choices=("y", "kv"), default="y")
-    parser.add_argument("--host-gib", type=float, default=None,
+    parser.add_argument("--host-gib", type=positive_float, default=None,
                         help="pinned host cache budget (default: 40 on cuda, 1 on cpu)")
-    parser.add_argument("--cost-model", type=Path, default=None,
+    parser.add_argument("--cost-model", type=cost_model_arg, default=None,
                         help="a `retouch profile` JSON: the planner chooses cache or compute per block")
     parser.add_argument("--planner", choices=("optimal", "algorithm1"), default="optimal")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
 
 
 def check_editor_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

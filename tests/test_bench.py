@@ -103,6 +103,33 @@ def test_mixed_options_are_checked(options, capsys):
     assert exit_.value.code == 2 and "--" in capsys.readouterr().err
 
 
+SHARED_BAD_OPTIONS = [(["--out", "/proc/no/such.json"], "--out"), (["--device", "gpu"], "--device"),
+                      (["--device", "cuda"], "--device"), (["--dtype", "int8"], "--dtype"),
+                      (["--resolution", "99999999"], "--resolution"), (["--resolution", "17"], "--resolution"),
+                      (["--cost-model", "/no/such.json"], "--cost-model"), (["--host-gib", "nan"], "--host-gib"),
+                      (["--mask-ratio", "0.2,0.3"], "--mask-ratio")]
+
+
+@pytest.mark.parametrize("name", ["block", "image", "overlap", "lora", "mixed", "batching", "throughput", "flops",
+                                  "planner", "copy", "fidelity", "serve", "overhead", "attention"])
+def test_every_benchmark_refuses_bad_shared_options_at_parsing(name, capsys):
+    """An --out that cannot be written failed after the whole run; --device gpu, --dtype int8 or a resolution of
+    10^8 px were tracebacks or out-of-memory kills. Each is now argparse's one line naming the flag, exit 2."""
+    import importlib
+
+    bench = importlib.import_module(f"retouch.bench.{name}")
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    flags = capsys.readouterr().out
+    tried = [(options, named) for options, named in SHARED_BAD_OPTIONS if f"{named} " in flags]
+    assert tried, flags
+    for options, named in tried:
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(options)
+        error = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and named in error and len(error.splitlines()) == 1, error
+
+
 def test_flops_match_the_per_op_prediction(tmp_path):
     out = tmp_path / "flops.json"
     report = flops.main(["--model", "tiny-flux-fill", "--mask-ratios", "0.2,1.0", "--out", str(out)])

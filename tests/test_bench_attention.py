@@ -179,5 +179,6 @@ def test_flags_derive_from_the_config():
     assert attention.parse_args(["--quick"])[0].tokens_per_request == [64]
     for bad in (["--methods", "padded_sdpa"], ["--methods", "ragged_triton", "nope"], ["--mask-ratios", "0"],
                 ["--flex-compile", "sometimes"], ["--max-points", "0"]):
-        with pytest.raises(ValueError):
+        with pytest.raises(SystemExit) as exit_:  # a usage error (one line, exit 2), not an internal error
             attention.parse_args(bad)
+        assert exit_.value.code == 2

@@ -26,13 +26,13 @@ drawn over it as displayed line up.
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from retouch.errors import InputError
+from retouch.paths import check_writable
 
 # Larger inputs are refused rather than decoded: a decompression bomb must not take the process down.
 MAX_PIXELS = 8192 * 8192
@@ -212,14 +212,7 @@ def check_output_path(path: Path) -> None:
     path = Path(path)
     if path.suffix.lower() not in Image.registered_extensions():
         raise InputError(f"cannot write {path}: unknown image format {path.suffix!r} (use .png or .jpg)")
-    if path.is_dir():
-        raise InputError(f"cannot write {path}: it is a folder")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise InputError(f"cannot write {path}: permission denied")
+    check_writable(path)
 
 
 # Formats that keep 8-bit RGB exactly, so unmasked pixels stay the template's byte for byte (WebP: written

@@ -1,0 +1,27 @@
+"""Output paths checked before any work: a run that computes for minutes must not fail at its last line."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from retouch.errors import InputError
+
+
+def check_writable(path: Path | str) -> Path:
+    """`path` as a Path, once a file can be created beside it: its folder is made if missing, and a probe
+    file is created there and removed (permission bits say nothing to root, nor of /proc or a read-only
+    mount). InputError naming the path otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"cannot write {path}: it is a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.parent / f".{path.name}.{os.getpid()}.probe"
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        probe.unlink()
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise InputError(f"cannot write {path}: permission denied")
+    return path
