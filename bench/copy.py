@@ -46,6 +46,8 @@ class CopyBenchConfig:
     repeats: int = 11
 
     def __post_init__(self):
+        if self.tokens_per_request < 1:
+            raise ValueError(f"tokens_per_request must be >= 1, got {self.tokens_per_request}")
         side = round(self.tokens_per_request ** 0.5)
         if side * side != self.tokens_per_request:
             raise ValueError(f"tokens_per_request must be a square grid, got {self.tokens_per_request}")

@@ -26,7 +26,7 @@ import torch
 from retouch.adapters import CacheMode, MaskAwareContext
 from retouch.adapters.reads import staged_context
 from retouch.bench.report import DTYPE_CHOICES, cost_model_arg, device_arg, mask_ratio, out_path, side_pixels
-from retouch.bench.step import flux_setup, write_report
+from retouch.bench.step import TEXT_TOKENS, flux_setup, write_report
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import CacheStore, StoreConfig
 from retouch.cache.staging import CopyEngine, StagedActivations
@@ -40,7 +40,7 @@ RECORDED = {"y": ("out",), "kv": None}
 
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(prog="retouch bench overlap", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="flux-size")
+    parser.add_argument("--model", default="flux-size", choices=sorted(TEXT_TOKENS))
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                         help="default: bfloat16 on cuda, float32 on cpu")
@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="retouch profile output for the planner")
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
+    if min(args.steps, args.repeats, args.lookahead) < 1:
+        parser.error("--steps, --repeats and --lookahead must be >= 1")
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

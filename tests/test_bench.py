@@ -130,6 +130,17 @@ def test_every_benchmark_refuses_bad_shared_options_at_parsing(name, capsys):
         assert exit_.value.code == 2 and named in error and len(error.splitlines()) == 1, error
 
 
+@pytest.mark.parametrize("name, options, named", [
+    ("overlap", ["--model", "nope"], "--model"), ("overlap", ["--steps", "0"], "--steps"),
+    ("overlap", ["--lookahead", "-1"], "--lookahead"), ("copy", ["--tokens-per-request", "0"], "tokens_per_request")])
+def test_benchmark_specific_options_are_checked_before_building(name, options, named, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"retouch.bench.{name}").main(options)
+    assert exit_.value.code == 2 and named in capsys.readouterr().err
+
+
 def test_flops_match_the_per_op_prediction(tmp_path):
     out = tmp_path / "flops.json"
     report = flops.main(["--model", "tiny-flux-fill", "--mask-ratios", "0.2,1.0", "--out", str(out)])
