@@ -135,6 +135,20 @@ def test_half_open_connections_are_closed_after_their_deadline_and_do_not_block_
             sock.close()
 
 
+def test_a_request_that_is_not_http_gets_a_json_400():
+    """h11's refusal of bytes that are not HTTP (uvicorn answers plain text) has the API's error body."""
+    limits = Limits()
+    with router_without_workers() as router, serving(create_app(router, limits), limits) as address:
+        with socket.create_connection(address) as sock:
+            sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            answer = bytearray()
+            read_all(sock, answer)
+    head, _, body = bytes(answer).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "malformed_http" and error["type"] == "invalid_request_error" and error["message"]
+
+
 def test_connections_beyond_the_cap_are_refused_until_one_closes():
     limits = Limits(header_timeout_s=60.0, max_connections=8)
     with router_without_workers() as router, serving(app := create_app(router, limits), limits) as address:

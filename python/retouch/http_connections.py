@@ -14,6 +14,7 @@ when it starts, and gets 503 when that would exceed the budget.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 from collections.abc import Callable
@@ -45,6 +46,17 @@ class GuardedH11Protocol(H11Protocol):
 
     _deadline: asyncio.TimerHandle | None = None
     _phase: str | None = None  # "headers", "body" or None: which deadline is armed
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse gets the API's JSON error body (uvicorn's is plain text)."""
+        body = json.dumps({"error": {"message": msg, "type": "invalid_request_error", "param": None,
+                                     "code": "malformed_http"}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
