@@ -14,6 +14,7 @@ difference between the modes).
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import sys
@@ -53,8 +54,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
-    if args.requests < 1 or args.rps <= 0 or args.steps < 1 or args.size < 32 or args.templates < 1:
-        parser.error("--requests, --steps, --templates >= 1, --rps > 0, --size >= 32")
+    if min(args.requests, args.steps, args.templates, args.max_batch, args.helpers) < 1 or args.size < 32:
+        parser.error("--requests, --steps, --templates, --max-batch and --helpers must be >= 1, --size >= 32")
+    if not (math.isfinite(args.rps) and args.rps > 0):
+        parser.error("--rps must be a finite number > 0")
     if args.size % FLUX_STRIDE:
         parser.error(f"--size must be a multiple of {FLUX_STRIDE}")
 

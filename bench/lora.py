@@ -44,6 +44,7 @@ from retouch.errors import ArgumentParser
 from retouch.lora.files import LoraModule, LoraWeights
 from retouch.lora.layers import LoraLayers
 from retouch.masks import centred_token_rectangle
+from retouch.models.registry import is_builtin
 from retouch.models.inputs import random_flux_inputs
 from retouch.progress import bar
 
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--batch, --rank, --load-rank, --repeats and --load-repeats must be >= 1 and --mask-ratio in "
                      "(0, 1]")
     args.engine_model = args.engine_model or ("flux-demo" if args.model == "flux-small" else args.model)
+    if not (is_builtin(args.engine_model) or Path(args.engine_model).is_dir()):
+        parser.error(f"--engine-model {args.engine_model!r} is neither a built-in model nor a pipeline folder")
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
 

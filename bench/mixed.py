@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--sizes takes integers separated by commas, got {args.sizes!r}")
     if any(size < 16 or size % 16 for size in sizes) or len(set(sizes)) < 2:
         parser.error(f"--sizes needs two or more distinct multiples of 16, got {args.sizes!r}")
-    if args.per_size < 1 or not 0 < args.mask_ratio <= 1:
-        parser.error("--per-size must be >= 1 and --mask-ratio in (0, 1]")
+    if args.per_size < 1 or args.repeats < 1 or not 0 < args.mask_ratio <= 1:
+        parser.error("--per-size and --repeats must be >= 1 and --mask-ratio in (0, 1]")
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

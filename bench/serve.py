@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 import random
 import statistics
 import sys
@@ -115,8 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.requests < 1 or args.concurrency < 1 or args.steps < 1 or args.size < 1:
         parser.error("--requests, --concurrency, --steps and --size must be >= 1")
-    if (args.rps is not None and args.rps <= 0) or args.timeout <= 0:
-        parser.error("--rps and --timeout must be > 0")
+    if not all(math.isfinite(value) and value > 0 for value in (args.rps or 1.0, args.timeout)):
+        parser.error("--rps and --timeout must be finite numbers > 0")
     if not 0 <= args.one_off <= 1 or args.registrations < 0 or args.stock_samples < 1:
         parser.error("--one-off must lie in [0, 1], --registrations >= 0 and --stock-samples >= 1")
     if args.stock_model is not None and args.concurrency != 1:
