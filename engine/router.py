@@ -199,12 +199,17 @@ class RouterConfig:
     # least loaded eligible worker; None: the policy alone decides. 0 cut reads without costing latency in
     # `retouch simulate --loras`; 1 cuts more reads, but adds to p95 when loads are mostly hidden.
     lora_affinity: int | None = 0
+    # With no worker connected for this long, parked edits are answered 503 and new ones refused at once (a
+    # restarting worker rejoins well within it; a cluster without workers should not hold clients for minutes).
+    no_worker_s: float = 30.0
 
     def __post_init__(self):
         if self.dead_after_s <= self.heartbeat_s:
             raise ValueError("dead_after_s must exceed heartbeat_s")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if not self.no_worker_s > 0:
+            raise ValueError(f"no_worker_s must be > 0, got {self.no_worker_s}")
         if self.max_one_off < 1:
             raise ValueError(f"max_one_off must be >= 1, got {self.max_one_off}")
         if self.lora_affinity is not None and self.lora_affinity < 0:
@@ -247,6 +252,7 @@ class Router:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._stopped = False
+        self._no_worker_since: float | None = time.monotonic()  # None while a worker is connected
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
                          "one_offs_evicted": 0, "lora_affinity": 0}
         # size class -> {"with_deadline": n, and n per SLO_OUTCOMES}
@@ -309,6 +315,8 @@ class Router:
         with self._lock:
             if self._closing:
                 raise Unavailable("the server is shutting down")
+            if (idle := self._without_workers_s()) > self.config.no_worker_s:
+                raise Unavailable(f"no worker has been connected for {idle:.0f} s")
             if len(self.pending) + len(tasks) > self.config.max_queue:
                 raise QueueFull(f"{len(self.pending)} requests are waiting (max_queue {self.config.max_queue})")
             new_one_off = one_off is not None and one_off.template_id not in self.templates
@@ -692,6 +700,8 @@ class Router:
             return
         self.counters["workers_removed"] += 1
         self.cluster.remove_worker(worker.slot)
+        if not self.workers:
+            self._no_worker_since = time.monotonic()
         for record in self.templates.values():
             if record.states.pop(name, None) is not None:
                 record.progress.pop(name, None)
@@ -763,6 +773,15 @@ class Router:
         for name, worker in list(self.workers.items()):
             if now - worker.last_seen > self.config.dead_after_s:
                 self._remove_worker(name, f"no heartbeat for {now - worker.last_seen:.1f} s")
+        if self.parked and (idle := self._without_workers_s()) > self.config.no_worker_s:
+            for template_id in list(self.parked):
+                for request_id in self.parked.pop(template_id):
+                    self._answer(self.pending[request_id], EditAnswer(
+                        None, 503, "NoWorker", f"no worker has been connected for {idle:.0f} s; retry later"))
+
+    def _without_workers_s(self) -> float:
+        """Seconds since the last worker left (or the router started without one); 0 while one is connected."""
+        return 0.0 if self._no_worker_since is None else time.monotonic() - self._no_worker_since
 
     def _on_message(self, identity: bytes, frames: list) -> None:
         try:
@@ -821,6 +840,7 @@ class Router:
         slot = self.cluster.add_worker(int(header["max_batch"]))
         worker = WorkerState(name, identity, slot, int(header.get("pid", 0)), time.monotonic())
         self.workers[name] = worker
+        self._no_worker_since = None
         self._send(worker, {"kind": "welcome", "heartbeat_s": self.config.heartbeat_s})
         for template_id in header.get("templates", ()):  # recorded before it (re)joined: ready there
             record = self.templates.get(template_id)

@@ -9,7 +9,7 @@ import pytest
 from scripted_worker import TIMEOUT_S, ScriptedWorker
 
 from retouch.engine.policies import RequestLoad
-from retouch.engine.router import EditTask, QueueFull, RouterConfig, TemplateRecord
+from retouch.engine.router import EditTask, QueueFull, RouterConfig, TemplateRecord, Unavailable
 from retouch.lora import LoraUse, parse_lora
 
 LOAD = RequestLoad(image_tokens=16, masked_tokens=4, steps=2)
@@ -89,6 +89,29 @@ def test_exited_worker_is_rerouted_at_once(context, make_router):
         w1.answer(request)
     assert all(f.result(TIMEOUT_S).status == 200 for f in futures)
     assert router.snapshot()["counters"]["rerouted"] == 2
+
+
+def test_with_no_worker_left_waiting_edits_get_503_and_new_ones_are_refused(context, make_router):
+    """A cluster whose last worker died answers its parked edits 503 after `no_worker_s`, and refuses new
+    ones at once (they waited the whole request timeout for a 504); a worker that joins ends it."""
+    router = make_router(no_worker_s=0.3)
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(template())
+    w0.register("t1")
+    future = router.submit(task())
+    w0.receive("edit")
+    router.worker_exited("w0")  # its edit is parked: no worker holds the template now
+    answer = future.result(TIMEOUT_S)
+    assert (answer.status, answer.error) == (503, "NoWorker") and "no worker" in answer.message
+    with pytest.raises(Unavailable, match="no worker has been connected"):
+        router.submit(task())
+    w1 = ScriptedWorker(context, router, "w1")
+    w1.register("t1")
+    accepted = router.submit(task())
+    w1.answer(w1.receive("edit")["request"])
+    assert accepted.result(TIMEOUT_S).status == 200
+    with pytest.raises(ValueError, match="no_worker_s"):
+        RouterConfig(no_worker_s=0)
 
 
 def test_replicas_one_records_on_one_worker_and_again_when_it_dies(context, make_router):

@@ -248,6 +248,8 @@ class ServeOptions:
     max_inflight_mb: float = option(1024.0, help="request bodies being received at once (MiB); beyond it: 503")
     heartbeat_s: float = option(0.5, help="seconds between worker heartbeats")
     dead_after_s: float = option(5.0, help="a worker silent this long is removed and its requests re-routed")
+    no_worker_s: float = option(30.0, help="with no worker connected this long, waiting edits are answered 503 "
+                                "and new ones refused at once (a restarting worker rejoins well within it)")
     restart: bool = option(True, help="start a replacement when a worker process exits")
     compile: bool = option(False, help="workers run the blocks through torch.compile (their first steps compile)")
     cuda_graphs: bool = option(False, help="workers replay CUDA graphs of the compiled blocks (CUDA only; implies "
@@ -295,6 +297,8 @@ class ServeOptions:
                              "that omits steps would be refused the steps its template was recorded with")
         if self.dead_after_s <= self.heartbeat_s:
             raise InputError("--dead-after-s must exceed --heartbeat-s")
+        if not (math.isfinite(self.no_worker_s) and self.no_worker_s > 0):
+            raise InputError(f"--no-worker-s must be a finite number > 0, got {self.no_worker_s}")
         if self.cost_model is not None and not Path(self.cost_model).is_file():
             raise InputError(f"--cost-model {self.cost_model} not found")
         _check_lora_options(self)

@@ -987,7 +987,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         """A worker's failed answer; a LoRA it could not load (`retouch.lora.LoraError`) names the param."""
         return ApiError(answer.status, answer.message or "the edit failed",
                         "lora" if answer.error == LoraError.__name__ else None,
-                        "cancelled" if answer.error == "Cancelled" else answer.error)
+                        "cancelled" if answer.error == "Cancelled" else answer.error,
+                        {"Retry-After": "5"} if answer.status == 503 else None)
 
     def edit_in_flight(request: Request, request_id: str) -> list[int]:
         ids = in_flight.get((request.state.tenant, request_id))

@@ -56,7 +56,8 @@ def step_cost(opts: ServeOptions) -> StepCost | None:
 def router_config(opts: ServeOptions) -> RouterConfig:
     return RouterConfig(opts.worker_listen, opts.policy, opts.heartbeat_s, opts.dead_after_s, opts.max_queue,
                         slo_admission=opts.slo_admission,
-                        lora_affinity=None if opts.lora_affinity < 0 else opts.lora_affinity)
+                        lora_affinity=None if opts.lora_affinity < 0 else opts.lora_affinity,
+                        no_worker_s=opts.no_worker_s)
 
 
 def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = ()) -> Limits:
