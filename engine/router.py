@@ -220,9 +220,11 @@ class RouterConfig:
 
 class Router:
     def __init__(self, config: RouterConfig = RouterConfig(), cost: StepCost | None = None,
-                 on_decision: Callable[[float], None] | None = None, security: RouterSecurity | None = None):
+                 on_decision: Callable[[float], None] | None = None, security: RouterSecurity | None = None,
+                 on_worker: Callable[[str], None] | None = None):
         """`on_decision(seconds)`: told the policy's time of every routing decision (metrics).
-        `security`: CURVE keys; required to bind an address other hosts can reach."""
+        `security`: CURVE keys; required to bind an address other hosts can reach. `on_worker(line)`: told
+        each worker that joins or leaves, and why (the server's log)."""
         if security is None and not is_loopback(config.address):
             raise InputError(f"refusing to listen for workers on {config.address} without CURVE keys "
                              "(--curve-secret, --curve-allowed): anyone who can reach it could join as a worker")
@@ -252,6 +254,7 @@ class Router:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._stopped = False
+        self._on_worker = on_worker or (lambda line: None)
         self._no_worker_since: float | None = time.monotonic()  # None while a worker is connected
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
                          "one_offs_evicted": 0, "lora_affinity": 0}
@@ -700,6 +703,7 @@ class Router:
             return
         self.counters["workers_removed"] += 1
         self.cluster.remove_worker(worker.slot)
+        self._on_worker(f"worker {name} left: {why}; {len(self.workers)} connected")
         if not self.workers:
             self._no_worker_since = time.monotonic()
         for record in self.templates.values():
@@ -841,6 +845,7 @@ class Router:
         worker = WorkerState(name, identity, slot, int(header.get("pid", 0)), time.monotonic())
         self.workers[name] = worker
         self._no_worker_since = None
+        self._on_worker(f"worker {name} joined (pid {worker.pid}); {len(self.workers)} connected")
         self._send(worker, {"kind": "welcome", "heartbeat_s": self.config.heartbeat_s})
         for template_id in header.get("templates", ()):  # recorded before it (re)joined: ready there
             record = self.templates.get(template_id)

@@ -5,6 +5,7 @@ edit it held still gets its answer."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -85,6 +86,9 @@ def test_ctrl_c_stops_the_server_with_no_process_or_folder_left(short_tmp):
             if "serving tiny-flux-fill on" in line:
                 break
         assert server.poll() is None, "the server did not start: " + "".join(said)
+        # The log names where workers join (a port-0 address is chosen at bind) and each worker that joined.
+        assert re.search(r"workers join at tcp://127\.0\.0\.1:[1-9]", said[-1]), said[-1]
+        assert sorted(re.findall(r"worker (w\d)\S* joined", "".join(said))) == ["w0", "w1"], said
         started = descendants_of(server.pid)
         assert len(started) >= 4  # two workers and a helper each
         assert any(tmp_path.glob("retouch-serve-*/w*/retouch-helpers-*"))

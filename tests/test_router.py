@@ -94,7 +94,8 @@ def test_exited_worker_is_rerouted_at_once(context, make_router):
 def test_with_no_worker_left_waiting_edits_get_503_and_new_ones_are_refused(context, make_router):
     """A cluster whose last worker died answers its parked edits 503 after `no_worker_s`, and refuses new
     ones at once (they waited the whole request timeout for a 504); a worker that joins ends it."""
-    router = make_router(no_worker_s=0.3)
+    said = []
+    router = make_router(no_worker_s=0.3, on_worker=said.append)
     w0 = ScriptedWorker(context, router, "w0")
     router.register_template(template())
     w0.register("t1")
@@ -103,6 +104,7 @@ def test_with_no_worker_left_waiting_edits_get_503_and_new_ones_are_refused(cont
     router.worker_exited("w0")  # its edit is parked: no worker holds the template now
     answer = future.result(TIMEOUT_S)
     assert (answer.status, answer.error) == (503, "NoWorker") and "no worker" in answer.message
+    assert said == ["worker w0 joined (pid 1); 1 connected", "worker w0 left: its process exited; 0 connected"]
     with pytest.raises(Unavailable, match="no worker has been connected"):
         router.submit(task())
     w1 = ScriptedWorker(context, router, "w1")

@@ -125,7 +125,8 @@ class Server:
         security = None
         if opts.curve_secret is not None:
             security = RouterSecurity(opts.curve_secret, AllowedKeys.from_dir(opts.curve_allowed))
-        self.router = Router(router_config(opts), step_cost(opts), security=security).start()
+        self.router = Router(router_config(opts), step_cost(opts), security=security,
+                             on_worker=lambda line: print(f"retouch: {line}", file=sys.stderr, flush=True)).start()
         process_tree.remove_stale_run_dirs()
         self.run_dir = process_tree.new_run_dir()
         node_args = ["--model", opts.model, "--device", device, "--dtype", str(dtype).removeprefix("torch."),
@@ -192,7 +193,8 @@ class Server:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())
         print(f"retouch: serving {self.opts.model} on {self.url} ({self.opts.workers} workers, "
-              f"policy {self.opts.policy}); Ctrl-C drains and stops", file=sys.stderr)
+              f"policy {self.opts.policy}); workers join at {self.router.address}; Ctrl-C drains and stops",
+              file=sys.stderr)
         stop.wait()
         print("retouch: draining", file=sys.stderr)
         self.close()
