@@ -66,12 +66,18 @@ def status_of(exc: BaseException) -> int:
     return 422 if isinstance(exc, InputError) else 500
 
 
+# A worker started by hand that no router answers says so after this long, then again at this interval.
+JOIN_NOTE_S = 5.0
+JOIN_NOTE_REPEAT_S = 30.0
+
+
 class Node:
     def __init__(self, engine: Engine, router_address: str, name: str, heartbeat_s: float = 0.5,
                  keys: WorkerKeys | None = None, supervised: bool = True):
         """`supervised`: started by the server on this host, so it stops when the server is gone."""
         self.engine = engine
         self.name = name
+        self.router_address = router_address
         self.heartbeat_s = heartbeat_s
         self.supervised = supervised
         self.welcomed = threading.Event()  # the router took it in (readiness)
@@ -103,7 +109,10 @@ class Node:
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self._wakeup.socket, zmq.POLLIN)
         next_heartbeat = 0.0
+        next_join_note = time.monotonic() + JOIN_NOTE_S
         stopping = False
+        if not self.supervised:  # a worker started by hand says where it is going, and when it is there
+            print(f"{self.name}: connecting to {self.router_address}", file=sys.stderr, flush=True)
         while True:
             timeout_ms = max(0, int((next_heartbeat - time.monotonic()) * 1000))
             events = dict(poller.poll(timeout_ms))
@@ -117,6 +126,10 @@ class Node:
                 self._post(self._heartbeat())
                 self._flush()
                 next_heartbeat = time.monotonic() + self.heartbeat_s
+            if not self.supervised and not self.welcomed.is_set() and time.monotonic() >= next_join_note:
+                print(f"{self.name}: no router has answered at {self.router_address} yet (is `retouch serve "
+                      "--worker-listen` there, with matching CURVE keys?); still trying", file=sys.stderr, flush=True)
+                next_join_note = time.monotonic() + JOIN_NOTE_REPEAT_S
             if stopping or self._stop_requested.is_set() or (self.supervised and os.getppid() != self._parent):
                 break
         self.engine.close()  # finishes every accepted edit; their answers are queued
@@ -135,6 +148,8 @@ class Node:
             return False
         if kind == "welcome":
             self.heartbeat_s = float(header["heartbeat_s"])
+            if not self.supervised and not self.welcomed.is_set():
+                print(f"{self.name}: joined the router at {self.router_address}", file=sys.stderr, flush=True)
             self.welcomed.set()
         elif kind == "rejoin":
             self.welcomed.clear()

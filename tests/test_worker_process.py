@@ -1,4 +1,5 @@
-"""`retouch worker` on its own: its health port answers liveness while the model loads and readiness
+"""`retouch worker` on its own: it says where it connects and when it joined (or that nobody answers yet);
+its health port answers liveness while the model loads and readiness
 once the router took it in; SIGTERM (how Kubernetes stops a pod) drains it, it says bye and the
 router drops it at once instead of waiting for its heartbeats to stop."""
 
@@ -30,7 +31,8 @@ def test_a_standalone_worker_reports_health_and_leaves_cleanly_on_sigterm():
     port = free_port()
     worker = subprocess.Popen([sys.executable, "-m", "retouch.cli", "worker", "--connect", router.address,
                                "--model", "tiny-flux-fill", "--mode", "naive", "--threads", "1", "--name", "solo",
-                               "--health-port", str(port), "--health-host", "127.0.0.1"])
+                               "--health-port", str(port), "--health-host", "127.0.0.1"],
+                              stderr=subprocess.PIPE, text=True)
     try:
         health = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + TIMEOUT_S
@@ -51,9 +53,39 @@ def test_a_standalone_worker_reports_health_and_leaves_cleanly_on_sigterm():
         assert families["retouch_worker_joined"].samples[0].value == 1.0
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=TIMEOUT_S) == 0
+        said = worker.stderr.read()
+        assert f"solo: connecting to {router.address}" in said
+        assert f"solo: joined the router at {router.address}" in said
+        assert "no router has answered" not in said
         assert router.wait_until(lambda r: "solo" not in r.workers, 10)  # its bye, not the 60 s silence
         assert router.snapshot()["counters"]["workers_removed"] == 1
     finally:
         if worker.poll() is None:
             worker.kill()
         router.close(drain_s=0)
+
+
+def test_a_worker_no_router_answers_says_so_and_a_bad_address_is_refused():
+    """Nothing listens at the port: the worker says it is still trying (it was silent forever), and SIGTERM
+    still stops it. An address without a valid port is refused before the model loads (it was an internal
+    error after it, or a silent hang)."""
+    port = free_port()
+    worker = subprocess.Popen([sys.executable, "-m", "retouch.cli", "worker", "--connect", f"tcp://127.0.0.1:{port}",
+                               "--model", "tiny-flux-fill", "--mode", "naive", "--threads", "1", "--name", "alone"],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        said = []
+        for line in worker.stderr:  # ends at EOF if the worker dies: the assertion below says so
+            said.append(line)
+            if "no router has answered" in line:
+                break
+        assert said and said[-1].startswith(f"alone: no router has answered at tcp://127.0.0.1:{port}"), said
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=TIMEOUT_S) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    for address in ("tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:99999"):
+        refused = subprocess.run([sys.executable, "-m", "retouch.cli", "worker", "--connect", address, "--model",
+                                  "tiny-flux-fill"], capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert refused.returncode == 2 and "--connect must be tcp://HOST:PORT" in refused.stderr, refused.stderr

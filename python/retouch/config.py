@@ -307,6 +307,7 @@ class ServeOptions:
 
 
 WORKER_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+ROUTER_ADDRESS = re.compile(r"tcp://(?P<host>[^:/\s]+|\[[0-9a-fA-F:.]+\]):(?P<port>\d{1,5})|ipc://\S+")
 
 
 @dataclass(slots=True)
@@ -352,6 +353,8 @@ class WorkerOptions:
             raise InputError("--curve-secret and --curve-server go together (this worker's key, the router's key)")
         if self.cuda_graphs and self.device == "cpu":
             raise InputError("--cuda-graphs needs a CUDA device")
-        if not self.connect.startswith(("tcp://", "ipc://")):
-            raise InputError(f"--connect must be tcp://HOST:PORT (or ipc://PATH), got {self.connect!r}")
+        address = ROUTER_ADDRESS.fullmatch(self.connect)
+        if address is None or (address["port"] is not None and not 0 < int(address["port"]) < 65536):
+            raise InputError(f"--connect must be tcp://HOST:PORT with PORT in [1, 65535] (or ipc://PATH), "
+                             f"got {self.connect!r}")
         _check_lora_options(self)
