@@ -91,6 +91,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import os
 import random
 import re
@@ -113,6 +114,8 @@ from retouch.engine.process_tree import (PROC, SERVE_ID_ENV, ProcessInfo, descen
                                          read_process, rss_bytes, scan_processes)
 from retouch.errors import ArgumentParser, InputError
 from retouch.images import png_bytes
+from retouch.models.registry import is_builtin
+from retouch.paths import check_writable
 
 SIZE = (64, 48)  # width, height of every image the load sends
 CANCEL_STEPS = 40  # the cancelled requests' template: long enough that most still run when their client goes
@@ -147,13 +150,17 @@ class SoakOptions:
     out: Path | None = option(None, help="folder for soak.json and soak.png")
 
     def __post_init__(self):
-        if self.duration <= 0 or self.timeout <= 0:
-            raise InputError("--duration and --timeout must be > 0")
-        if self.kill_every is not None and self.kill_every <= 0:
-            raise InputError("--kill-every must be > 0")
+        for name in ("duration", "timeout", "kill_every"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise InputError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
         for name in ("workers", "concurrency", "steps", "helpers"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if not is_builtin(self.model):  # each worker would fail to load it, with its traceback
+            raise InputError(f"--model {self.model!r} is not a built-in model (see `retouch models`)")
+        if self.out is not None:
+            check_writable(Path(self.out) / "soak.json")
 
 
 # ---- /proc ----

@@ -217,6 +217,14 @@ def test_options_are_checked_and_derived_as_flags():
         SoakOptions(duration=0)
     with pytest.raises(InputError):
         SoakOptions(duration=5, kill_every=0)
+    # Non-finite values ran (NaN: nothing sent, exit 0; inf: an OverflowError); an unknown model printed a
+    # traceback per worker; an --out that cannot be written failed after the whole soak.
+    for bad, named in ((dict(duration=float("nan")), "--duration"), (dict(duration=float("inf")), "--duration"),
+                       (dict(duration=5, kill_every=float("nan")), "--kill-every"),
+                       (dict(duration=5, timeout=float("nan")), "--timeout"), (dict(duration=5, model="nope"), "nope"),
+                       (dict(duration=5, out=Path("/proc/no/such")), "cannot write")):
+        with pytest.raises(InputError, match=named):
+            SoakOptions(**bad)
     with pytest.raises(SystemExit):  # --duration is required
         soak.main([])
 
