@@ -14,13 +14,12 @@ with per-channel scales quarters the host memory and PCIe bytes of fp32).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import environment, mask_ratios, out_path, pyplot, write_json
+from retouch.bench.report import environment, json_text, mask_ratios, out_path, pyplot, write_json
 from retouch.cache import CacheStore, StoreConfig
 from retouch.cache.layout import STORAGE_DTYPES
 from retouch.editor import CACHE_MODES, load
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         write_json(report, args.out)
         plot(report, args.out.with_suffix(".png"))
-    print(json.dumps(report))
+    print(json_text(report))
     return report
 
 

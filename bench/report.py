@@ -98,9 +98,25 @@ def mask_ratios(text: str) -> list[float]:
     return ratios
 
 
+def json_text(report: dict, indent: int | None = None) -> str:
+    """Strict JSON: an infinite or NaN figure (the PSNR of equal images) is null, which every parser reads;
+    Python writes `Infinity`, which JavaScript's JSON.parse and jq refuse."""
+    return json.dumps(_finite(report), indent=indent, allow_nan=False)
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
 def write_json(report: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.write_text(json_text(report, indent=2) + "\n")
 
 
 def environment(bench: str, argv: list[str] | None, device: str | torch.device) -> dict:

@@ -221,3 +221,18 @@ def test_mask_ratios_are_checked_before_anything_runs(bench, ratios, message, ca
     with pytest.raises(SystemExit) as exited:
         importlib.import_module(f"retouch.bench.{bench}").main(["--mask-ratios", ratios])
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_benchmark_json_is_strict_json(tmp_path):
+    """PSNR of equal images is infinite: Python would write `Infinity`, which JSON.parse and jq refuse."""
+    from retouch.bench.report import json_text, write_json
+
+    report = {"psnr_db": float("inf"), "nested": [{"x": float("nan")}, (1.5, float("-inf"))], "n": 3}
+    write_json(report, tmp_path / "r.json")
+
+    def refuse(constant):
+        raise ValueError(constant)
+
+    for text in ((tmp_path / "r.json").read_text(), json_text(report)):
+        assert json.loads(text, parse_constant=refuse) == {"psnr_db": None, "nested": [{"x": None}, [1.5, None]],
+                                                            "n": 3}
