@@ -227,9 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
-    if min(args.batch, args.rank, args.load_rank, args.repeats, args.load_repeats) < 1 or not 0 < args.mask_ratio <= 1:
-        parser.error("--batch, --rank, --load-rank, --repeats and --load-repeats must be >= 1 and --mask-ratio in "
-                     "(0, 1]")
+    if min(args.batch, args.rank, args.load_rank, args.repeats, args.load_repeats, args.steps) < 1:
+        parser.error("--batch, --rank, --load-rank, --repeats, --load-repeats and --steps must be >= 1")
     args.engine_model = args.engine_model or ("flux-demo" if args.model == "flux-small" else args.model)
     if not (is_builtin(args.engine_model) or Path(args.engine_model).is_dir()):
         parser.error(f"--engine-model {args.engine_model!r} is neither a built-in model nor a pipeline folder")

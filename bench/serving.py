@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from retouch.bench import workload
-from retouch.bench.report import environment, pyplot, write_json
+from retouch.bench.report import environment, positive_float, pyplot, write_json
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.api import Engine
 from retouch.engine.metrics import now
@@ -67,7 +67,7 @@ SYSTEMS = ("retouch", "diffusers")
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(prog="retouch bench serving", description=__doc__.splitlines()[0])
     workload.add_editor_options(parser)
-    parser.add_argument("--rps", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0], help="request rates")
+    parser.add_argument("--rps", type=positive_float, nargs="+", default=[0.5, 1.0, 2.0, 4.0], help="request rates")
     parser.add_argument("--requests", type=int, default=16, help="requests per RPS point")
     parser.add_argument("--mask-dist", choices=tuple(MASK_BETA), default="public")
     parser.add_argument("--max-batch", type=int, default=8, help="requests per batch, both systems")

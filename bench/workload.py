@@ -68,6 +68,8 @@ def add_editor_options(parser: argparse.ArgumentParser) -> None:
 
 def check_editor_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Fills in `args.size` and `args.dtype`; parser.error on values no run can use."""
+    if not (is_builtin(args.model) or Path(args.model).is_dir()):
+        parser.error(f"--model {args.model!r} is neither a built-in model nor a pipeline folder")
     if args.size is None:
         if not is_builtin(args.model):
             parser.error("--size is required for a pipeline folder")

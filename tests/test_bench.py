@@ -135,7 +135,10 @@ def test_every_benchmark_refuses_bad_shared_options_at_parsing(name, capsys):
     ("overlap", ["--lookahead", "-1"], "--lookahead"), ("copy", ["--tokens-per-request", "0"], "tokens_per_request"),
     ("mixed", ["--model", "tiny-flux-fill", "--repeats", "0"], "--repeats"),
     ("batching", ["--max-batch", "0"], "--max-batch"), ("batching", ["--rps", "nan"], "--rps"),
-    ("serve", ["--timeout", "nan"], "--timeout"), ("lora", ["--engine-model", "nope"], "--engine-model")])
+    ("serve", ["--timeout", "nan"], "--timeout"), ("lora", ["--engine-model", "nope"], "--engine-model"),
+    ("lora", ["--model", "tiny-flux-fill", "--steps", "0"], "--steps"), ("serving", ["--rps", "nan"], "--rps"),
+    ("serving", ["--model", "nope"], "neither a built-in model"),
+    ("throughput", ["--model", "nope"], "neither a built-in model")])
 def test_benchmark_specific_options_are_checked_before_building(name, options, named, capsys):
     import importlib
 
