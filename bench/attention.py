@@ -126,7 +126,7 @@ def _flag_options(hint) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool, Path | None]:
-    parser = ArgumentParser(prog="retouch bench attention", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench attention", description=__doc__)
     hints = typing.get_type_hints(BenchConfig)
     shared = {"device": {"type": device_arg}, "dtype": {"choices": DTYPE_CHOICES}}
     for field in dataclasses.fields(BenchConfig):

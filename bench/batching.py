@@ -39,7 +39,7 @@ MASK_BETA = (1.9, 8.1)  # mean 0.19
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench batching", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench batching", description=__doc__)
     parser.add_argument("--model", default="tiny-flux-fill")
     parser.add_argument("--compare", action="store_true", help="run every mode (default: only --mode)")
     parser.add_argument("--mode", choices=MODES, default="disagg")

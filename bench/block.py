@@ -31,7 +31,7 @@ MODES = {"y": "y-cache", "kv": "kv-cache"}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench block", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench block", description=__doc__)
     parser.add_argument("--model", default="flux-size")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,

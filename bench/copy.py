@@ -66,7 +66,7 @@ class CopyBenchConfig:
 
 
 def parse_args(argv: list[str] | None) -> tuple[CopyBenchConfig, bool, Path | None]:
-    parser = ArgumentParser(prog="retouch bench copy", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench copy", description=__doc__)
     defaults = CopyBenchConfig()
     for field in dataclasses.fields(CopyBenchConfig):
         value = getattr(defaults, field.name)

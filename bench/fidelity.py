@@ -40,7 +40,7 @@ def template_image(size: int) -> Image.Image:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench fidelity", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench fidelity", description=__doc__)
     parser.add_argument("--model", default="tiny-flux-fill")
     parser.add_argument("--mask-ratios", dest="ratios", type=mask_ratios, default="0.1,0.2,0.3")
     parser.add_argument("--steps", type=int, default=4)

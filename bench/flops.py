@@ -24,7 +24,7 @@ from retouch.progress import bar
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench flops", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench flops", description=__doc__)
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
     parser.add_argument("--mask-ratios", dest="ratios", type=mask_ratios, default="0.1,0.2,0.5,1.0")
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")

@@ -207,7 +207,7 @@ def load_hiding(args, device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench lora", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench lora", description=__doc__)
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
     parser.add_argument("--engine-model", default=None, help="pipeline of the loading part (default: flux-demo for "
                         "flux-small: its transformer with a VAE that leaves the denoiser its share)")

@@ -48,7 +48,7 @@ def mixed(adapter, context, packed_inputs) -> list[torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench mixed", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench mixed", description=__doc__)
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
     parser.add_argument("--sizes", default="256,384,512", help="image sizes in pixels per side, comma-separated")
     parser.add_argument("--per-size", type=int, default=1, help="requests of each size")

@@ -36,7 +36,7 @@ MASK_AWARE = ("y", "kv")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench overhead", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench overhead", description=__doc__)
     parser.add_argument("--model", default="flux-size", help="a bench spec (flux-size, sd3-size, sdxl-size, sd2-size)")
     parser.add_argument("--grid", type=int, default=8, help="tokens per side (a UNet's latent pixels)")
     parser.add_argument("--text-tokens", type=int, default=16, help="prompt tokens (few: compute stays negligible)")

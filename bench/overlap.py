@@ -39,7 +39,7 @@ RECORDED = {"y": ("out",), "kv": None}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench overlap", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench overlap", description=__doc__)
     parser.add_argument("--model", default="flux-size", choices=sorted(TEXT_TOKENS))
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,

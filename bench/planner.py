@@ -97,7 +97,7 @@ def gap_summary(rows: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench planner", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench planner", description=__doc__)
     parser.add_argument("--instances", type=int, default=200, help="random instances compared with brute force")
     parser.add_argument("--blocks", type=int, default=12, help="blocks per compared instance (2^blocks plans)")
     parser.add_argument("--timing-instances", type=int, default=100, help="Flux-shaped 57-block instances timed")

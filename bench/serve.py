@@ -86,7 +86,7 @@ class Outcome:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench serve", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench serve", description=__doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     parser.add_argument("--requests", type=int, default=100, help="edits to send")
     parser.add_argument("--concurrency", type=int, default=8, help="most edits in flight at once")

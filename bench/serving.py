@@ -65,7 +65,7 @@ SYSTEMS = ("retouch", "diffusers")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench serving", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench serving", description=__doc__)
     workload.add_editor_options(parser)
     parser.add_argument("--rps", type=positive_float, nargs="+", default=[0.5, 1.0, 2.0, 4.0], help="request rates")
     parser.add_argument("--requests", type=int, default=16, help="requests per RPS point")

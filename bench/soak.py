@@ -715,7 +715,7 @@ def run(opts: SoakOptions) -> tuple[dict, list[Outcome]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench soak", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench soak", description=__doc__)
     add_arguments(parser, SoakOptions)
     args = parser.parse_args(argv)
     try:

@@ -60,7 +60,7 @@ def run_with(adapter, context, transformer, inputs):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench step", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench step", description=__doc__)
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
     parser.add_argument("--mask-ratio", "--mask-ratios", dest="ratios", type=mask_ratios, default="0.05,0.2,0.5,1.0",
                         help="one ratio or a comma-separated list, each in (0, 1]")

@@ -42,7 +42,7 @@ SYSTEMS = ("retouch", "diffusers")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch bench throughput", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch bench throughput", description=__doc__)
     workload.add_editor_options(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--mask-dist", choices=tuple(MASK_BETA), default="public")

@@ -318,7 +318,7 @@ def _progress_printer(name: str, every_s: float = 2.0):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = ArgumentParser(prog="retouch simulate", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="retouch simulate", description=__doc__)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--rps", type=float, default=4.0,
                         help="mean arrival rate of the whole cluster (default: 0.5 per worker of the default 8, "

@@ -121,6 +121,8 @@ def test_every_benchmark_refuses_bad_shared_options_at_parsing(name, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--help"])
     flags = capsys.readouterr().out
+    summary = bench.__doc__.split("\n\n")[0].split()  # the help shows it whole, not its first line cut short
+    assert " ".join(summary[-4:]) in " ".join(flags.split()).replace("- ", "-")
     tried = [(options, named) for options, named in SHARED_BAD_OPTIONS if f"{named} " in flags]
     assert tried, flags
     for options, named in tried:

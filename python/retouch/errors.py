@@ -19,7 +19,14 @@ class InputError(RetouchError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line naming the flag (exit 2), not the whole usage block above it."""
+    """argparse whose usage errors are one line naming the flag (exit 2), not the whole usage block above it;
+    a `description` given as a module docstring is cut to its first paragraph (its first line would end
+    mid-sentence)."""
+
+    def __init__(self, *args, description: str | None = None, **kwargs):
+        if description is not None:
+            description = " ".join(description.split("\n\n")[0].split())
+        super().__init__(*args, description=description, **kwargs)
 
     def error(self, message: str):
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
