@@ -286,3 +286,6 @@ def test_unwritable_folders_of_export_and_keys_are_input_errors(tmp_path, capsys
     assert retouch_cli.main(["keys", "generate", "w1", "--out", str(tmp_path / "a_file")]) == 2
     errors = capsys.readouterr().err
     assert errors.count("cannot write") == 2 and "Traceback" not in errors and "internal error" not in errors
+    assert "it is not a folder" in errors  # not "File exists"
+    assert retouch_cli.main(["models", "export", "tiny-sd2-inpaint", " "]) == 2  # it exported into "."
+    assert "needs a folder" in capsys.readouterr().err

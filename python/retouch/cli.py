@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from retouch.config import (EditOptions, ProfileOptions, ServeOptions, WorkerOptions, add_arguments, from_arguments,
                             resolve_device)
@@ -152,9 +153,14 @@ def cmd_profile(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from retouch.models import export_pipeline, list_models
+    from retouch.models import export_pipeline, get_spec, list_models
 
     if args.models_command == "export":
+        if not args.directory.strip():
+            raise InputError("models export needs a folder to write (it wrote into the current one)")
+        if get_spec(args.name).kind == "bench":  # minutes, and weights of the published model's size
+            print(f"exporting {args.name}: a full-size spec with random weights, as large as the published model "
+                  "(minutes, and tens of GB for Flux)", file=sys.stderr, flush=True)
         try:
             path = export_pipeline(args.name, args.directory)
         except OSError as exc:  # a folder that cannot be made or written: the user's to fix
@@ -184,7 +190,6 @@ def cmd_bench(args) -> int:
 
 def cmd_serve(args) -> int:
     opts = from_arguments(ServeOptions, args)
-    from pathlib import Path
 
     from retouch.models import get_spec
 
@@ -198,7 +203,6 @@ def cmd_serve(args) -> int:
 
 def cmd_worker(args) -> int:
     opts = from_arguments(WorkerOptions, args)
-    from pathlib import Path
 
     from retouch.models import get_spec
 
@@ -216,6 +220,8 @@ def cmd_worker(args) -> int:
 def cmd_keys(args) -> int:
     from retouch.engine.curve import generate
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise InputError(f"cannot write keys into {args.out}: it is not a folder")
     try:
         public, secret = generate(args.name, args.out)
     except OSError as exc:
