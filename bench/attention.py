@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -53,7 +52,8 @@ from pathlib import Path
 
 import torch
 
-from retouch.bench.report import DTYPE_CHOICES, device_arg, device_name, environment, out_path, pyplot, write_json
+from retouch.bench.report import (DTYPE_CHOICES, device_arg, device_name, environment, json_text, out_path, pyplot,
+                                  write_json)
 from retouch.bench.timing import seconds_of
 from retouch.errors import ArgumentParser
 from retouch.progress import bar, note
@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> dict:
         out.parent.mkdir(parents=True, exist_ok=True)
         report["plot"] = write_plot(report, out.with_suffix(".png"))
         write_json(report, out)
-    print(json.dumps(report))
+    print(json_text(report))
     return report
 
 

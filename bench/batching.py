@@ -13,7 +13,6 @@ difference between the modes).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import device_arg, out_path, pyplot, write_json
+from retouch.bench.report import device_arg, json_text, out_path, pyplot, write_json
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.api import Engine
 from retouch.engine.metrics import now
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         write_json(report, args.out)
         _plot(report, args.out.with_suffix(".png"))
-    print(json.dumps(report))
+    print(json_text(report))
     return report
 
 

@@ -12,14 +12,13 @@ Prints one JSON object; `--out F.json` also writes F.png (speedup against mask r
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-from retouch.bench.report import (DTYPE_CHOICES, device_arg, environment, mask_ratios, out_path, pyplot, side_pixels,
-                                  write_json)
+from retouch.bench.report import (DTYPE_CHOICES, device_arg, environment, json_text, mask_ratios, out_path, pyplot,
+                                  side_pixels, write_json)
 from retouch.bench.timing import interleaved_medians
 from retouch.errors import ArgumentParser
 from retouch.models import get_spec
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         write_json(report, args.out)
         _plot(report, args.out.with_suffix(".png"))
-    print(json.dumps(report))
+    print(json_text(report))
     return report
 
 

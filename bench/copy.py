@@ -19,14 +19,13 @@ GB/s count the bytes of the rows copied. Prints one JSON object; progress goes t
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 from retouch import ops
-from retouch.bench.report import device_arg, out_path, pyplot, write_json
+from retouch.bench.report import device_arg, json_text, out_path, pyplot, write_json
 from retouch.bench.timing import interleaved_medians
 from retouch.errors import ArgumentParser
 from retouch.masks import centred_token_rectangle
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     if out is not None:
         write_json(report, out)
         write_plot(report, out.with_suffix(".png"))
-    print(json.dumps(report))
+    print(json_text(report))
     return report
 
 

@@ -9,13 +9,12 @@ masked tokens for token-wise ops, masked queries x all keys for attention, text 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from retouch.adapters import MaskAwareContext
-from retouch.bench.report import environment, mask_ratios, out_path, pyplot, write_json
+from retouch.bench.report import environment, json_text, mask_ratios, out_path, pyplot, write_json
 from retouch.bench.step import MODES, TEXT_TOKENS, flux_setup
 from retouch.errors import ArgumentParser
 from retouch.flops import count_flops, flux_forward_macs
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         write_json(report, args.out)
         plot(report, args.out.with_suffix(".png"))
-    print(json.dumps(report))
+    print(json_text(report))
     return report
 
 

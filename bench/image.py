@@ -16,7 +16,6 @@ ratio's edit are timed interleaved. Prints one JSON object
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from pathlib import Path
 
@@ -24,8 +23,8 @@ import numpy as np
 import torch
 
 from retouch.bench import workload
-from retouch.bench.report import (DTYPE_CHOICES, cost_model_arg, device_arg, environment, mask_ratios, out_path,
-                                  positive_float, pyplot, side_pixels, write_json)
+from retouch.bench.report import (DTYPE_CHOICES, cost_model_arg, device_arg, environment, json_text, mask_ratios,
+                                  out_path, positive_float, pyplot, side_pixels, write_json)
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import CacheStore, StoreConfig
 from retouch.editor import PLANNERS, EditRequest, MaskAwareEditor
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         write_json(report, args.out)
         _plot(report, args.out.with_suffix(".png"))
-    print(json.dumps(report))
+    print(json_text(report))
     return report
 
 

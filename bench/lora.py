@@ -25,7 +25,6 @@ Prints one JSON object; writes a PNG beside `--out`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -37,15 +36,16 @@ import torch
 from safetensors.torch import save_file
 
 from retouch.adapters import CacheMode, MaskAwareContext
-from retouch.bench.report import DTYPE_CHOICES, device_arg, mask_ratio, out_path, pyplot, side_pixels, write_json
+from retouch.bench.report import (DTYPE_CHOICES, device_arg, json_text, mask_ratio, out_path, pyplot, side_pixels,
+                                  write_json)
 from retouch.bench.step import TEXT_TOKENS, flux_setup
 from retouch.bench.timing import interleaved_medians
 from retouch.errors import ArgumentParser
 from retouch.lora.files import LoraModule, LoraWeights
 from retouch.lora.layers import LoraLayers
 from retouch.masks import centred_token_rectangle
-from retouch.models.registry import is_builtin
 from retouch.models.inputs import random_flux_inputs
+from retouch.models.registry import is_builtin
 from retouch.progress import bar
 
 # diffusers' Flux LoRA training script's default targets (examples/dreambooth/train_dreambooth_lora_flux.py).
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         write_json(report, args.out)
         plot(report, args.out.with_suffix(".png"))
-    print(json.dumps(report))
+    print(json_text(report))
     return report
 
 

@@ -15,7 +15,6 @@ Prints one JSON object; `--out F.json` also writes F.png.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from retouch.bench.report import environment, mask_ratios, out_path, pyplot, write_json
+from retouch.bench.report import environment, json_text, mask_ratios, out_path, pyplot, write_json
 from retouch.errors import ArgumentParser
 from retouch.host_syncs import counting_host_syncs
 from retouch.models import build_denoiser
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         write_json(report, args.out)
         plot(report, args.out.with_suffix(".png"))
-    print(json.dumps(report))
+    print(json_text(report))
     return report
 
 

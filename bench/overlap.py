@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import sys
 
 import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext
 from retouch.adapters.reads import staged_context
-from retouch.bench.report import DTYPE_CHOICES, cost_model_arg, device_arg, mask_ratio, out_path, side_pixels
+from retouch.bench.report import DTYPE_CHOICES, cost_model_arg, device_arg, json_text, mask_ratio, out_path, side_pixels
 from retouch.bench.step import TEXT_TOKENS, flux_setup, write_report
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import CacheStore, StoreConfig
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
             row.setdefault("mask_ratio", report["mask_ratio"])
             row["mode"] = row["variant"]
         write_report(report, args.out, "vs_ideal", "latency / ideal (cache in device memory)")
-    print(json.dumps(report))
+    print(json_text(report))
     engine.close()
     store.close()
     return report

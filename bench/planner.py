@@ -15,7 +15,6 @@ goes to stderr. Deterministic for a --seed, timings aside.
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 import random
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retouch.bench.report import out_path, pyplot, write_json
+from retouch.bench.report import json_text, out_path, pyplot, write_json
 from retouch.errors import ArgumentParser
 from retouch.planner import TIE_RTOL, BlockCosts, algorithm1, brute_force, optimal_plan, simulate
 from retouch.progress import bar
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
               "python": platform.python_version()}
     if args.out:
         write_report(report, rows, optimal_us, algo1_us, args.out)
-    print(json.dumps(report))
+    print(json_text(report))
     return report
 
 

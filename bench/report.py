@@ -51,6 +51,7 @@ def side_pixels(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
+    """argparse `type` of a rate, a duration or a budget: finite and > 0."""
     try:
         value = float(text)
     except ValueError:

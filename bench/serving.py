@@ -39,7 +39,6 @@ runs it), so the device carries the transformer once, next to the baseline's bat
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 import sys
 import threading
@@ -52,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from retouch.bench import workload
-from retouch.bench.report import environment, positive_float, pyplot, write_json
+from retouch.bench.report import environment, json_text, positive_float, pyplot, write_json
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.api import Engine
 from retouch.engine.metrics import now
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         write_json(report, args.out)
         _plot(report, args.out.with_suffix(".png"))
-    print(json.dumps(report))
+    print(json_text(report))
     return report
 
 

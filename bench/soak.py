@@ -90,7 +90,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import math
 import os
 import random
@@ -732,7 +731,9 @@ def main(argv: list[str] | None = None) -> dict:
     if opts.out is not None:
         write_json(report, opts.out / "soak.json")
         plot(report, outcomes, opts.out / "soak.png")
-    print(json.dumps(report))
+    from retouch.bench.report import json_text
+
+    print(json_text(report))
     if report["failed"]:
         print(f"soak: FAILED: {report['lost']} lost, {len(report['leftovers']['processes'])} processes and "
               f"{len(report['leftovers']['folders'])} folders left behind", file=sys.stderr)

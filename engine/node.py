@@ -126,7 +126,9 @@ class Node:
                 self._post(self._heartbeat())
                 self._flush()
                 next_heartbeat = time.monotonic() + self.heartbeat_s
-            if not self.supervised and not self.welcomed.is_set() and time.monotonic() >= next_join_note:
+            if self.welcomed.is_set():  # the note counts from the last time the router stopped answering
+                next_join_note = time.monotonic() + JOIN_NOTE_S
+            elif not self.supervised and time.monotonic() >= next_join_note:
                 print(f"{self.name}: no router has answered at {self.router_address} yet (is `retouch serve "
                       "--worker-listen` there, with matching CURVE keys?); still trying", file=sys.stderr, flush=True)
                 next_join_note = time.monotonic() + JOIN_NOTE_REPEAT_S

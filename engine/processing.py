@@ -262,8 +262,8 @@ class HelperPool:
                 return
             if job in self._backlog:
                 self._backlog.remove(job)
-            elif entry[0] >= 0:
-                self.control.send_multipart([str(entry[0]).encode(), *wire.encode({"kind": "cancel", "job": job})])
+            elif entry[0] >= 0 and not self._closing.is_set():
+                self.control.send_multipart([cancel_topic(entry[0]), *wire.encode({"kind": "cancel", "job": job})])
 
     def _dispatch(self, job: int) -> None:
         """With the lock held: send `job` to a live helper, or keep it until one is."""
@@ -360,10 +360,16 @@ class HelperPool:
             self._receiver.join(timeout=10)
         for socket in self.tasks:
             socket.close(linger=0)
-        self.control.close(linger=0)
+        with self._lock:  # a future's callback may be cancelling a job on another thread
+            self.control.close(linger=0)
         self.results.close(linger=0)
         self.context.term()
         self._dir.cleanup()
+
+
+def cancel_topic(helper: int) -> bytes:
+    """The PUB/SUB topic of one helper's cancels; delimited, since subscriptions match by prefix (1 and 10)."""
+    return f"{helper}:".encode()
 
 
 class CancelledJobs:
@@ -425,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     control = None
     if args.control is not None:
         control = context.socket(zmq.SUB)
-        control.setsockopt(zmq.SUBSCRIBE, str(args.index).encode())
+        control.setsockopt(zmq.SUBSCRIBE, cancel_topic(args.index))
         control.connect(args.control)
     cancelled = CancelledJobs()
     results.send_multipart(wire.encode({"kind": "hello", "pid": os.getpid(), "index": args.index}))
@@ -433,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         frames = tasks.recv_multipart(copy=False)
         while control is not None and control.poll(0):
             _, *message = control.recv_multipart()
-            cancelled.add(int(wire.decode(message)[0]["job"]))
+            cancelled.add(int(wire.peek(message)["job"]))
         buffers = [frame.buffer for frame in frames]
         job = wire.peek(buffers).get("job")
         if cancelled.take(job):

@@ -69,8 +69,15 @@ class QueueFull(RuntimeError):
     """More requests are waiting than the router accepts (`max_queue`): answer 429."""
 
 
+NO_WORKER = "no_worker"  # the error code of an edit refused or answered because no worker is connected
+
+
 class Unavailable(RuntimeError):
     """The router is closing, or no worker can take the request."""
+
+
+class NoWorkerConnected(Unavailable):
+    """No worker has been connected for `RouterConfig.no_worker_s`: edits are refused (503) until one joins."""
 
 
 class DeadlineUnattainable(RuntimeError):
@@ -199,8 +206,9 @@ class RouterConfig:
     # least loaded eligible worker; None: the policy alone decides. 0 cut reads without costing latency in
     # `retouch simulate --loras`; 1 cuts more reads, but adds to p95 when loads are mostly hidden.
     lora_affinity: int | None = 0
-    # With no worker connected for this long, parked edits are answered 503 and new ones refused at once (a
-    # restarting worker rejoins well within it; a cluster without workers should not hold clients for minutes).
+    # With no worker connected for this long, parked edits are answered 503 and new ones refused at once: a
+    # cluster without workers should not hold clients for minutes. inf: wait for one (a single worker whose
+    # restart reloads a large model may take longer than the default).
     no_worker_s: float = 30.0
 
     def __post_init__(self):
@@ -224,7 +232,8 @@ class Router:
                  on_worker: Callable[[str], None] | None = None):
         """`on_decision(seconds)`: told the policy's time of every routing decision (metrics).
         `security`: CURVE keys; required to bind an address other hosts can reach. `on_worker(line)`: told
-        each worker that joins or leaves, and why (the server's log)."""
+        each worker that joins or leaves, and why (the server's log); called with the router's lock held, so
+        it must not block or call the router."""
         if security is None and not is_loopback(config.address):
             raise InputError(f"refusing to listen for workers on {config.address} without CURVE keys "
                              "(--curve-secret, --curve-allowed): anyone who can reach it could join as a worker")
@@ -319,7 +328,7 @@ class Router:
             if self._closing:
                 raise Unavailable("the server is shutting down")
             if (idle := self._without_workers_s()) > self.config.no_worker_s:
-                raise Unavailable(f"no worker has been connected for {idle:.0f} s")
+                raise NoWorkerConnected(f"no worker has been connected for {idle:.0f} s; retry later")
             if len(self.pending) + len(tasks) > self.config.max_queue:
                 raise QueueFull(f"{len(self.pending)} requests are waiting (max_queue {self.config.max_queue})")
             new_one_off = one_off is not None and one_off.template_id not in self.templates
@@ -780,8 +789,10 @@ class Router:
         if self.parked and (idle := self._without_workers_s()) > self.config.no_worker_s:
             for template_id in list(self.parked):
                 for request_id in self.parked.pop(template_id):
-                    self._answer(self.pending[request_id], EditAnswer(
-                        None, 503, "NoWorker", f"no worker has been connected for {idle:.0f} s; retry later"))
+                    pending = self.pending.get(request_id)
+                    if pending is not None:
+                        self._answer(pending, EditAnswer(None, 503, NO_WORKER,
+                                                         f"no worker has been connected for {idle:.0f} s; retry later"))
 
     def _without_workers_s(self) -> float:
         """Seconds since the last worker left (or the router started without one); 0 while one is connected."""

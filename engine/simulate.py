@@ -38,7 +38,6 @@ policy then runs twice on the same arrivals: alone, and after the router's LoRA 
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import sys
 import time
@@ -414,7 +413,9 @@ def main(argv: list[str] | None = None) -> dict:
               "mean_mask_ratio": float(np.mean([x.masked_tokens for x in workload.loads]) / image_tokens),
               "alone_at_mean_mask_s": float(alone) * args.steps, "wall_s": time.perf_counter() - started,
               "command": "retouch simulate " + " ".join(sys.argv[1:] if argv is None else argv)}
-    print(json.dumps(report))
+    from retouch.bench.report import json_text
+
+    print(json_text(report))
     if args.out is not None:
         from retouch.bench.report import write_json
 
@@ -442,7 +443,9 @@ def _find_loads(cost, model, args, parser, image_tokens, text_tokens, policies, 
               "seed": args.seed, "image_tokens": image_tokens, "text_tokens": text_tokens,
               "wall_s": time.perf_counter() - started,
               "command": "retouch simulate " + " ".join(sys.argv[1:] if argv is None else argv)}
-    print(json.dumps(report))
+    from retouch.bench.report import json_text
+
+    print(json_text(report))
     if args.out is not None:
         from retouch.bench.report import write_json
 

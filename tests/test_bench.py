@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from retouch.bench import fidelity, flops, lora, mixed, overhead, step
 
@@ -104,7 +105,8 @@ def test_mixed_options_are_checked(options, capsys):
 
 
 SHARED_BAD_OPTIONS = [(["--out", "/proc/no/such.json"], "--out"), (["--device", "gpu"], "--device"),
-                      (["--device", "cuda"], "--device"), (["--dtype", "int8"], "--dtype"),
+                      *([(["--device", "cuda"], "--device")] if not torch.cuda.is_available() else []),
+                      (["--dtype", "int8"], "--dtype"),
                       (["--resolution", "99999999"], "--resolution"), (["--resolution", "17"], "--resolution"),
                       (["--cost-model", "/no/such.json"], "--cost-model"), (["--host-gib", "nan"], "--host-gib"),
                       (["--mask-ratio", "0.2,0.3"], "--mask-ratio")]

@@ -215,7 +215,8 @@ def test_resident_names_the_adapters_that_need_no_file_read(flux, lora_dir):
             future.result(timeout=60)
         assert manager.resident() == ["A", "B"]
         assert (manager.metrics()["hits"], manager.metrics()["misses"]) == (0, 2)
-        manager.acquire((LoraUse("A"),))[0].result(timeout=60)  # reused on the device: a hit, no read
+        manager.prefetch((LoraUse("A"),))  # a request's lookup (at submission): on the device, a hit, no read
+        manager.acquire((LoraUse("A"),))[0].result(timeout=60)  # its admission: not counted again
         assert (manager.metrics()["hits"], manager.metrics()["misses"], manager.metrics()["loads"]) == (1, 2, 2)
         manager.clear()
         assert manager.resident() == []

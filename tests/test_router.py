@@ -9,7 +9,7 @@ import pytest
 from scripted_worker import TIMEOUT_S, ScriptedWorker
 
 from retouch.engine.policies import RequestLoad
-from retouch.engine.router import EditTask, QueueFull, RouterConfig, TemplateRecord, Unavailable
+from retouch.engine.router import EditTask, NoWorkerConnected, QueueFull, RouterConfig, TemplateRecord
 from retouch.lora import LoraUse, parse_lora
 
 LOAD = RequestLoad(image_tokens=16, masked_tokens=4, steps=2)
@@ -103,9 +103,9 @@ def test_with_no_worker_left_waiting_edits_get_503_and_new_ones_are_refused(cont
     w0.receive("edit")
     router.worker_exited("w0")  # its edit is parked: no worker holds the template now
     answer = future.result(TIMEOUT_S)
-    assert (answer.status, answer.error) == (503, "NoWorker") and "no worker" in answer.message
+    assert (answer.status, answer.error) == (503, "no_worker") and "no worker" in answer.message
     assert said == ["worker w0 joined (pid 1); 1 connected", "worker w0 left: its process exited; 0 connected"]
-    with pytest.raises(Unavailable, match="no worker has been connected"):
+    with pytest.raises(NoWorkerConnected, match="no worker has been connected"):
         router.submit(task())
     w1 = ScriptedWorker(context, router, "w1")
     w1.register("t1")

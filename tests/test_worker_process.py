@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -25,14 +26,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_a_standalone_worker_reports_health_and_leaves_cleanly_on_sigterm():
+def test_a_standalone_worker_reports_health_and_leaves_cleanly_on_sigterm(tmp_path):
     router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.2,
                                  dead_after_s=60.0)).start()
     port = free_port()
     worker = subprocess.Popen([sys.executable, "-m", "retouch.cli", "worker", "--connect", router.address,
                                "--model", "tiny-flux-fill", "--mode", "naive", "--threads", "1", "--name", "solo",
                                "--health-port", str(port), "--health-host", "127.0.0.1"],
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=(log := open(tmp_path / "worker.log", "w")))  # a file: a pipe could fill up
     try:
         health = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + TIMEOUT_S
@@ -53,7 +54,8 @@ def test_a_standalone_worker_reports_health_and_leaves_cleanly_on_sigterm():
         assert families["retouch_worker_joined"].samples[0].value == 1.0
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=TIMEOUT_S) == 0
-        said = worker.stderr.read()
+        log.close()
+        said = (tmp_path / "worker.log").read_text()
         assert f"solo: connecting to {router.address}" in said
         assert f"solo: joined the router at {router.address}" in said
         assert "no router has answered" not in said
@@ -73,6 +75,8 @@ def test_a_worker_no_router_answers_says_so_and_a_bad_address_is_refused():
     worker = subprocess.Popen([sys.executable, "-m", "retouch.cli", "worker", "--connect", f"tcp://127.0.0.1:{port}",
                                "--model", "tiny-flux-fill", "--mode", "naive", "--threads", "1", "--name", "alone"],
                               stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(TIMEOUT_S, worker.kill)  # a worker that stalls silently ends the read below
+    watchdog.start()
     try:
         said = []
         for line in worker.stderr:  # ends at EOF if the worker dies: the assertion below says so
@@ -83,6 +87,7 @@ def test_a_worker_no_router_answers_says_so_and_a_bad_address_is_refused():
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=TIMEOUT_S) == 0
     finally:
+        watchdog.cancel()
         if worker.poll() is None:
             worker.kill()
     for address in ("tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:99999"):

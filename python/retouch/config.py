@@ -191,7 +191,8 @@ class ProfileOptions:
         if self.repeats < 1:
             raise InputError(f"--repeats must be >= 1, got {self.repeats}")
         # Each block's full-compute fit sees one sample per (grid, batch size) point: a least-squares fit of
-        # the cost features and an intercept needs more points than it has unknowns; the load fit, two sizes.
+        # the cost features and an intercept is determined only with at least as many points as unknowns
+        # (more to judge its R^2); the load fit needs two sizes.
         points = len(set(self.values("grids", int))) * len(set(self.values("batch_sizes", int)))
         if points < PROFILE_MIN_POINTS:
             raise InputError(f"--grids x --batch-sizes give {points} distinct points; the cost fit needs at "
@@ -249,7 +250,8 @@ class ServeOptions:
     heartbeat_s: float = option(0.5, help="seconds between worker heartbeats")
     dead_after_s: float = option(5.0, help="a worker silent this long is removed and its requests re-routed")
     no_worker_s: float = option(30.0, help="with no worker connected this long, waiting edits are answered 503 "
-                                "and new ones refused at once (a restarting worker rejoins well within it)")
+                                "and new ones refused at once (inf: wait; for a single worker whose restart "
+                                "reloads a large model)")
     restart: bool = option(True, help="start a replacement when a worker process exits")
     compile: bool = option(False, help="workers run the blocks through torch.compile (their first steps compile)")
     cuda_graphs: bool = option(False, help="workers replay CUDA graphs of the compiled blocks (CUDA only; implies "
@@ -297,8 +299,8 @@ class ServeOptions:
                              "that omits steps would be refused the steps its template was recorded with")
         if self.dead_after_s <= self.heartbeat_s:
             raise InputError("--dead-after-s must exceed --heartbeat-s")
-        if not (math.isfinite(self.no_worker_s) and self.no_worker_s > 0):
-            raise InputError(f"--no-worker-s must be a finite number > 0, got {self.no_worker_s}")
+        if not self.no_worker_s > 0:  # inf: edits wait for a worker however long none is connected
+            raise InputError(f"--no-worker-s must be > 0 (inf: wait for a worker), got {self.no_worker_s}")
         if self.cost_model is not None and not Path(self.cost_model).is_file():
             raise InputError(f"--cost-model {self.cost_model} not found")
         _check_lora_options(self)

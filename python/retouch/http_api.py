@@ -64,8 +64,8 @@ from starlette.formparsers import MultiPartException
 from retouch import playground
 from retouch.canvas import Canvas
 from retouch.engine.policies import RequestLoad
-from retouch.engine.router import (DeadlineUnattainable, EditAnswer, EditTask, QueueFull, Router, TemplateRecord,
-                                   Unavailable)
+from retouch.engine.router import (NO_WORKER, DeadlineUnattainable, EditAnswer, EditTask, NoWorkerConnected, QueueFull,
+                                   Router, TemplateRecord, Unavailable)
 from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
@@ -755,7 +755,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         except DeadlineUnattainable as exc:
             raise ApiError(429, f"the edit cannot meet its deadline: {exc}", "slo_ms", "slo_unattainable") from None
         except Unavailable as exc:
-            raise ApiError(503, str(exc), None, "unavailable", {"Retry-After": "5"}) from None
+            code = NO_WORKER if isinstance(exc, NoWorkerConnected) else "unavailable"
+            raise ApiError(503, str(exc), None, code, {"Retry-After": "5"}) from None
         except KeyError:
             raise ApiError(404, f"template {template_id!r} was deleted", "template_id", "template_not_found") from None
         in_flight[(request.state.tenant, request.state.request_id)] = ids

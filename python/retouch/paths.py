@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -15,13 +16,14 @@ def check_writable(path: Path | str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise InputError(f"cannot write {path}: it is a folder")
+    probe = path.parent / f".retouch-probe-{os.getpid()}"  # short: a 255-byte name must still pass
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        probe = path.parent / f".{path.name}.{os.getpid()}.probe"
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-        probe.unlink()
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    with contextlib.suppress(OSError):  # a folder that takes files but refuses removals is still writable
+        probe.unlink()
     if path.exists() and not os.access(path, os.W_OK):
         raise InputError(f"cannot write {path}: permission denied")
     return path

@@ -80,8 +80,11 @@ class LoraManager:
             lora_path(self.lora_dir, use.name)
 
     def prefetch(self, choice: LoraChoice) -> None:
-        """Start loading `choice`'s adapters now (submission: the load overlaps pre-processing too)."""
-        self.acquire(choice)
+        """Start loading `choice`'s adapters now (submission: the load overlaps pre-processing too). This is a
+        request's lookup in the metrics: a hit on the device here, or in the host cache or a miss in the loader;
+        the `acquire` at its admission that follows is not counted again."""
+        for use in choice:
+            self._load(use.name, lookup=True)
 
     def acquire(self, choice: LoraChoice) -> list[Future]:
         """Futures of `choice`'s `DeviceLora`s, in order."""
@@ -117,12 +120,12 @@ class LoraManager:
 
     # ---- loading ----
 
-    def _load(self, name: str) -> Future:
+    def _load(self, name: str, lookup: bool = False) -> Future:
         with self._lock:
             resident = self._device.get(name)
             if resident is not None:
                 self._device.move_to_end(name)
-                self.device_hits += 1
+                self.device_hits += lookup
                 return _resolved(resident)
             failed = self._failed.get(name)
             if failed is not None and failed[0] == self._file_identity(name):  # the same broken file: not read again
