@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from retouch.bench.report import environment, json_text, mask_ratios, out_path, pyplot, write_json
+from retouch.bench.report import device_arg, environment, json_text, mask_ratios, out_path, pyplot, write_json
 from retouch.errors import ArgumentParser
 from retouch.host_syncs import counting_host_syncs
 from retouch.models import build_denoiser
@@ -42,14 +42,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--mask-ratios", type=mask_ratios, default="0.1,0.2,0.5")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--device", type=device_arg, default="cpu")
     parser.add_argument("--compile", action="store_true", help="also time the torch.compile'd variants")
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if min(args.grid, args.batch, args.repeats, args.text_tokens) < 1:
         parser.error("--grid, --text-tokens, --batch and --repeats must be >= 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
 
     device = torch.device(args.device)
     print(f"building a narrow {args.model} ({args.grid}x{args.grid} tokens)", file=sys.stderr)

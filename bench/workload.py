@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import cost_model_arg, device_arg, out_path, positive_float
+from retouch.bench.report import DTYPE_CHOICES, cost_model_arg, device_arg, out_path, positive_float
 from retouch.cache import CacheFull, CacheStore, StoreConfig
 from retouch.editor import PATCH_STRIDE, EditRequest, MaskAwareEditor
 from retouch.engine.simulate import MASK_BETA
@@ -29,7 +29,6 @@ from retouch.models.registry import is_builtin
 from retouch.progress import bar
 
 GiB = 1 << 30
-DTYPES = ("float32", "bfloat16", "float16")
 # Host cache budgets: flux-size at 1024 px records ~1.4 GB of Y-cache per step and template, so two
 # templates of 8 steps need ~23 GB (the GPU machine has 128 GiB); tiny CPU models need kilobytes.
 DEFAULT_HOST_GIB = {"cuda": 40.0, "cpu": 1.0}
@@ -52,7 +51,8 @@ def add_editor_options(parser: argparse.ArgumentParser) -> None:
     """The options both benchmarks build their editor and templates from (`load_editors`)."""
     parser.add_argument("--model", default="flux-size", help="built-in name or local diffusers pipeline folder")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                        help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--steps", type=int, default=8, help="denoising steps of every template and edit")
     parser.add_argument("--size", type=int, default=None, help="template side in pixels (default: the model's)")
     parser.add_argument("--templates", type=int, default=2, help="templates the requests edit")
