@@ -413,12 +413,10 @@ def main(argv: list[str] | None = None) -> dict:
               "mean_mask_ratio": float(np.mean([x.masked_tokens for x in workload.loads]) / image_tokens),
               "alone_at_mean_mask_s": float(alone) * args.steps, "wall_s": time.perf_counter() - started,
               "command": "retouch simulate " + " ".join(sys.argv[1:] if argv is None else argv)}
-    from retouch.bench.report import json_text
+    from retouch.bench.report import json_text, write_json
 
     print(json_text(report))
     if args.out is not None:
-        from retouch.bench.report import write_json
-
         write_json(report, args.out)
         _plot(report, latencies, args.out.with_suffix(".png"))
     return report
@@ -443,12 +441,10 @@ def _find_loads(cost, model, args, parser, image_tokens, text_tokens, policies, 
               "seed": args.seed, "image_tokens": image_tokens, "text_tokens": text_tokens,
               "wall_s": time.perf_counter() - started,
               "command": "retouch simulate " + " ".join(sys.argv[1:] if argv is None else argv)}
-    from retouch.bench.report import json_text
+    from retouch.bench.report import json_text, write_json
 
     print(json_text(report))
     if args.out is not None:
-        from retouch.bench.report import write_json
-
         write_json(report, args.out)
         _plot_loads(report, args.out.with_suffix(".png"))
     return report

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from editor_inputs import square_mask, template_image
 from PIL import Image
-from polling import wait_for
+from polling import lines_until, wait_for
 
 from retouch.config import ServeOptions
 from retouch.editor import EditRequest
@@ -80,11 +80,7 @@ def test_ctrl_c_stops_the_server_with_no_process_or_folder_left(short_tmp):
     env = dict(os.environ, TMPDIR=str(tmp_path))
     server = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     try:
-        said = []
-        for line in server.stderr:  # ends at EOF if the server dies: the assertion below says so
-            said.append(line)
-            if "serving tiny-flux-fill on" in line:
-                break
+        said = lines_until(server.stderr, "serving tiny-flux-fill on")
         assert server.poll() is None, "the server did not start: " + "".join(said)
         # The log names where workers join (a port-0 address is chosen at bind) and each worker that joined.
         assert re.search(r"workers join at tcp://127\.0\.0\.1:[1-9]", said[-1]), said[-1]

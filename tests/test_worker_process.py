@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+from polling import lines_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from retouch.engine.router import Router, RouterConfig
@@ -78,11 +79,7 @@ def test_a_worker_no_router_answers_says_so_and_a_bad_address_is_refused():
     watchdog = threading.Timer(TIMEOUT_S, worker.kill)  # a worker that stalls silently ends the read below
     watchdog.start()
     try:
-        said = []
-        for line in worker.stderr:  # ends at EOF if the worker dies: the assertion below says so
-            said.append(line)
-            if "no router has answered" in line:
-                break
+        said = lines_until(worker.stderr, "no router has answered")
         assert said and said[-1].startswith(f"alone: no router has answered at tcp://127.0.0.1:{port}"), said
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=TIMEOUT_S) == 0
