@@ -28,7 +28,8 @@ from retouch.server import Server
 
 SIZE = (48, 32)
 STEPS = 4
-LONG_STEPS = 40  # long enough to watch, cancel or leave mid-way
+LONG_STEPS = 40  # long enough to cancel or leave mid-way
+WATCHED_STEPS = 200  # long enough that the edit is still running when the watcher comes, under load too
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def test_a_template_streams_its_recording_until_ready(client):
 
 
 def test_an_edit_in_flight_is_watched_from_where_it_is_to_the_end(client):
-    template_id = register(client, random_image(SIZE, seed=4), LONG_STEPS)
+    template_id = register(client, random_image(SIZE, seed=4), WATCHED_STEPS)
     answered = {}
     posting = threading.Thread(target=lambda: answered.setdefault(
         "response", client.post("/v1/edits", headers={"X-Request-Id": "watched"}, **edit_form(template_id))))
@@ -130,7 +131,7 @@ def test_an_edit_in_flight_is_watched_from_where_it_is_to_the_end(client):
     assert answered["response"].status_code == 200
     assert seen[0][0] in ("parked", "queued", "running") and seen[-1] == ("done", {"id": "watched", "status": 200})
     steps = [data["step"] for name, data in seen if name == "step"]
-    assert steps == list(range(steps[0], LONG_STEPS + 1))
+    assert steps == list(range(steps[0], WATCHED_STEPS + 1))
     assert client.get("/v1/edits/watched/events").status_code == 404  # answered: nothing in flight
 
 

@@ -69,7 +69,7 @@ from retouch.engine.router import (NO_WORKER, DeadlineUnattainable, EditAnswer, 
 from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
-from retouch.http_events import KEEPALIVE, KEEPALIVE_S, EventRelay, sse, with_image
+from retouch.http_events import KEEPALIVE, KEEPALIVE_S, EventRelay, NativeEvents, OpenAIEvents, sse, with_image
 from retouch.images import ImageTooLarge, as_image, as_mask, decode_image, has_alpha, png_bytes
 from retouch.lora import MAX_PER_REQUEST, LoraChoice, LoraError, choice_header, parse_lora
 from retouch.lora.files import list_loras, lora_path
@@ -277,6 +277,13 @@ class Form:
                 return value
         return None
 
+    def files(self, name: str, *aliases: str) -> list:
+        """Every upload under `name` and its aliases (a field may repeat)."""
+        values = [value for key in (name, *aliases) for value in self.form.getlist(key)]
+        if any(not isinstance(value, UploadFile) for value in values):
+            raise ApiError(400, f"{name} must be a file upload (multipart/form-data)", name)
+        return values
+
     def text(self, name: str, default: str | None = None) -> str | None:
         value = self.form.get(name)
         if value is None:
@@ -362,6 +369,12 @@ OPENAI_EDIT_FIELDS = {
     "output_format": _field("string", "encoding of the answers", enum=list(OUTPUT_FORMATS), default="png"),
     "output_compression": _field("integer", "quality of jpeg and webp answers, 0-100 (100: webp lossless)",
                                  default=100),
+    "background": _field("string", "auto or opaque (retouch answers opaque images)", enum=["auto", "opaque"],
+                         default="auto"),
+    "stream": _field("boolean", "answer with the OpenAI edit stream's events: image_edit.partial_image, then "
+                     "image_edit.completed (n=1)", default=False),
+    "partial_images": _field("integer", "with stream: previews sent before the image, 0-3 (1/8 of its side)",
+                             default=0),
     "seed": EDIT_FIELDS["seed"],
     "template_id": EDIT_FIELDS["template_id"],
     "slo_ms": EDIT_FIELDS["slo_ms"],
@@ -873,9 +886,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     async def openai_edit(request: Request):
         """The OpenAI Images API edit: `image` (or `image[]`), optional `mask` whose alpha 0 marks
         the region to repaint (without one, the image's own alpha does), `prompt`, `n`, `size`,
-        `response_format` (b64_json), `output_format` (png, jpeg, webp) and `output_compression`;
-        retouch's extras: `template_id` reuses a registered template,
-        `lora` names LoRA adapters."""
+        `response_format` (b64_json), `output_format` (png, jpeg, webp), `output_compression`, and
+        `stream` with `partial_images`; `model`, `quality`, `input_fidelity` and `user` are accepted
+        and ignored. retouch's extras: `template_id` reuses a registered template, `lora` names
+        LoRA adapters."""
         request.state.arrived = time.monotonic()
         request.state.request_id = client_request_id(request)
         form = await read_form(request)
@@ -894,7 +908,19 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                            "output_format")
         compression = form.integer("output_compression", 100, 0, 100)
         seed = form.integer("seed", 0, 0, 2**63 - 1)
-        upload = form.file("image", "image[]")
+        if form.text("background", "auto") not in ("auto", "opaque"):
+            raise ApiError(400, "background must be auto or opaque: retouch answers opaque images", "background")
+        stream = form.boolean("stream")
+        partial_images = form.integer("partial_images", 0, 0, 3)
+        if stream and n > 1:
+            raise ApiError(400, "stream=true answers one image: send n=1", "n")
+        if partial_images and not stream:
+            raise ApiError(400, "partial_images needs stream=true (they are events of the stream)", "partial_images")
+        images = form.files("image", "image[]")
+        if len(images) > 1:
+            raise ApiError(400, f"image: send one image (the one to edit), got {len(images)}; retouch takes no "
+                           "reference images", "image")
+        upload = images[0] if images else None
         image = None if upload is None else await read_upload(upload, "image", limits.max_pixels)
         mask_upload = form.file("mask")
         if mask_upload is not None:
@@ -905,39 +931,51 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(400, "send a mask, or an image with transparency (alpha 0 = repaint)", "mask")
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, None, None, image, mask, n)
+        width, height = target or mask.size
+        if stream:
+            def encoded(png: bytes, final: bool) -> tuple[bytes, tuple[int, int]]:
+                data = reencoded(png, target if final else None, output_format, compression)
+                return data, (width, height) if final else Image.open(io.BytesIO(png)).size
+
+            # K partial images spread over the steps: a preview every steps // (K + 1) steps, the first K of them
+            preview_every = max(1, steps // (partial_images + 1)) if partial_images else 0
+            return await streamed_edit(request, template_id, one_off, steps, mask, prompt, seed, preview_every, lora,
+                                       OpenAIEvents(partial_images, output_format, encoded))
         pngs = await edit(request, "/v1/images/edits", template_id, one_off, steps, mask, prompt, seed, n, lora)
-        images = [await anyio.to_thread.run_sync(reencoded, png, target, output_format, compression) for png in pngs]
-        return b64_json_response({"created": int(time.time()), "output_format": output_format}, images,
-                                 {"X-Request-Id": request.state.request_id})
+        answers = [await anyio.to_thread.run_sync(reencoded, png, target, output_format, compression) for png in pngs]
+        envelope = {"created": int(time.time()), "output_format": output_format, "size": f"{width}x{height}",
+                    "background": "opaque"}
+        return b64_json_response(envelope, answers, {"X-Request-Id": request.state.request_id})
 
     async def streamed_edit(request: Request, template_id: str, one_off: TemplateRecord | None, steps: int,
                             mask: Image.Image, prompt: str, seed: int, preview_every: int,
-                            lora: LoraChoice = ()) -> StreamingResponse:
-        """POST /v1/edits with stream=true: the edit's progress and then its image, as events
-        (`retouch.http_events`). Validation and admission errors were answered before: once the
-        stream starts, the edit was accepted, and a failure is an `error` event."""
+                            lora: LoraChoice = (), openai: OpenAIEvents | None = None) -> StreamingResponse:
+        """An edit's progress and then its image, as events (`retouch.http_events`): retouch's own
+        (POST /v1/edits stream=true), or with `openai`, the OpenAI Images API's (POST /v1/images/edits
+        stream=true). Validation and admission errors were answered before: once the stream starts,
+        the edit was accepted, and a failure is an `error` event."""
         payload = await anyio.to_thread.run_sync(mask_payload, mask, steps)
         request_id, tenant = request.state.request_id, request.state.tenant
         load = payload[1] if payload is not None else request_load(mask, steps)
-        ratio = round(load.masked_tokens / load.image_tokens, 4)
-        accepted = {"id": request_id, "template_id": template_id, "steps": steps, "mask_ratio": ratio,
+        accepted = {"id": request_id, "template_id": template_id, "steps": steps,
+                    "mask_ratio": round(load.masked_tokens / load.image_tokens, 4),
                     "masked_tokens": load.masked_tokens, "image_tokens": load.image_tokens}
         if lora:
             accepted["lora"] = choice_header(lora)
+        style = openai or NativeEvents(accepted)
+        endpoint = "/v1/images/edits" if openai else "/v1/edits"
         headers = {**EVENT_HEADERS, "X-Template-Id": template_id, "X-Request-Id": request_id}
         started = time.perf_counter()
 
-        def done(png_b64: bytes, metrics_json: dict) -> bytes:
-            return sse("done", {"id": request_id, "template_id": template_id, "b64_json": png_b64.decode(),
-                                "latency_s": round(time.perf_counter() - started, 3), "mask_ratio": ratio,
-                                "metrics": metrics_json})
+        def written(*events: bytes | None) -> list[bytes]:
+            return [event for event in events if event is not None]
 
         if payload is None:  # nothing to repaint
             png = await unchanged(template_id, one_off)
 
             async def unchanged_events() -> AsyncIterator[bytes]:
-                yield sse("accepted", accepted)
-                yield done(await anyio.to_thread.run_sync(base64.b64encode, png), {})
+                for event in written(style.opening(), await style.done(png, {})):
+                    yield event
             return StreamingResponse(unchanged_events(), media_type="text/event-stream", headers=headers)
 
         relay = EventRelay()
@@ -948,7 +986,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             outcome = "client_gone"  # until the stream ends otherwise: a client that leaves cancels it
             deadline = time.monotonic() + limits.request_timeout_s
             try:
-                yield sse("accepted", accepted)
+                for event in written(style.opening()):
+                    yield event
                 while True:
                     event = await relay.next(min(KEEPALIVE_S, deadline - time.monotonic()))
                     if event is None:
@@ -959,28 +998,32 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                         outcome = "timeout"
                         timed_out = ApiError(504, f"the edit took longer than {limits.request_timeout_s:.0f} s", None,
                                              "timeout")
-                        yield sse("error", {"status": 504, **timed_out.body()})
+                        yield style.error(504, timed_out.body())
                         return
                     name = event.pop("event")
                     event.pop("request", None)
                     if name == "answered":
                         break
                     if name == "preview":
-                        yield sse("preview", await with_image(event))
+                        told = await style.preview(event)
                     elif name in ("parked", "queued", "step"):
-                        yield sse(name, event)
+                        told = style.progress(name, event)
+                    else:
+                        told = None
+                    if told is not None:
+                        yield told
                 answer = await asyncio.wrap_future(future)
                 if answer.status == 200:
                     outcome = "ok"
-                    yield done(await anyio.to_thread.run_sync(base64.b64encode, answer.png), answer.metrics)
+                    yield await style.done(answer.png, answer.metrics)
                 else:
                     outcome = "error"
-                    yield sse("error", {"status": answer.status, **answer_error(answer).body()})
+                    yield style.error(answer.status, answer_error(answer).body())
             finally:
                 if not future.done():
                     router.cancel(router_id, "the client went away")
                 in_flight.pop((tenant, request_id), None)
-                metrics.latency.labels("/v1/edits", outcome).observe(time.perf_counter() - started)
+                metrics.latency.labels(endpoint, outcome).observe(time.perf_counter() - started)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 

@@ -19,6 +19,10 @@ A template's: `template` {id, status, progress: {step, steps, workers_ready, ...
 ending when its status is ready or failed; `deleted` if it is deleted meanwhile.
 A comment line (`: keep-alive`) goes out after KEEPALIVE_S without an event, so proxies keep the
 connection open. A client that goes away from a POST stream cancels its edit.
+
+POST /v1/images/edits stream=true [partial_images=K] answers in the OpenAI Images API's stream format
+instead (what its SDKs parse; `OpenAIEvents`): up to K `image_edit.partial_image` events (the previews,
+K in 0..3, spread over the steps), then `image_edit.completed`, or `error` {type, error}.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+
+import time
+from collections.abc import Callable
 
 import anyio
 
@@ -82,3 +89,69 @@ class EventRelay:
         for stop in self._stops:
             stop()
         self._stops.clear()
+
+
+class NativeEvents:
+    """How a POST /v1/edits stream writes an edit's life: retouch's own events (above)."""
+
+    def __init__(self, accepted: dict):
+        self.accepted = accepted
+        self.started = time.perf_counter()
+
+    def opening(self) -> bytes | None:
+        return sse("accepted", self.accepted)
+
+    def progress(self, name: str, event: dict) -> bytes | None:
+        return sse(name, event)
+
+    async def preview(self, event: dict) -> bytes | None:
+        return sse("preview", await with_image(event))
+
+    async def done(self, png: bytes, metrics: dict) -> bytes:
+        return sse("done", {"id": self.accepted["id"], "template_id": self.accepted["template_id"],
+                            "b64_json": (await anyio.to_thread.run_sync(base64.b64encode, png)).decode(),
+                            "latency_s": round(time.perf_counter() - self.started, 3),
+                            "mask_ratio": self.accepted["mask_ratio"], "metrics": metrics})
+
+    def error(self, status: int, body: dict) -> bytes:
+        return sse("error", {"status": status, **body})
+
+
+class OpenAIEvents:
+    """How a POST /v1/images/edits stream writes it: the OpenAI Images API's edit events. `encode(png,
+    final)` turns a preview (final False) or the answer into the requested output format and returns
+    (bytes, (width, height)); it runs in a worker thread."""
+
+    def __init__(self, partial_images: int, output_format: str,
+                 encode: Callable[[bytes, bool], tuple[bytes, tuple[int, int]]]):
+        self.partial_images, self.output_format, self.encode = partial_images, output_format, encode
+        self.partials = 0
+
+    def opening(self) -> bytes | None:
+        return None
+
+    def progress(self, name: str, event: dict) -> bytes | None:
+        return None  # the format has no queue or step events; keep-alives hold the connection
+
+    async def preview(self, event: dict) -> bytes | None:
+        if self.partials >= self.partial_images:
+            return None
+        image = await self._image("image_edit.partial_image", event["png"], False)
+        self.partials += 1
+        return sse("image_edit.partial_image", {**image, "partial_image_index": self.partials - 1})
+
+    async def done(self, png: bytes, metrics: dict) -> bytes:
+        return sse("image_edit.completed", await self._image("image_edit.completed", png, True))
+
+    def error(self, status: int, body: dict) -> bytes:
+        return sse("error", {"type": "error", **body})
+
+    async def _image(self, kind: str, png: bytes, final: bool) -> dict:
+        def encoded() -> tuple[str, tuple[int, int]]:
+            data, size = self.encode(png, final)
+            return base64.b64encode(data).decode(), size
+
+        b64, (width, height) = await anyio.to_thread.run_sync(encoded)
+        # background: retouch answers opaque images; quality: it has no quality setting to report
+        return {"type": kind, "b64_json": b64, "created_at": int(time.time()), "size": f"{width}x{height}",
+                "output_format": self.output_format, "background": "opaque", "quality": "auto"}

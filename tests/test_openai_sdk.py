@@ -1,0 +1,136 @@
+"""POST /v1/images/edits driven by OpenAI's own Python SDK (`openai`), as users of the OpenAI Images
+API would: its edit, its edit stream (partial images, then the image), its errors and its API key all
+read as the SDK expects, and the unmasked pixels come back unchanged."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from mask_strategies import random_image
+from PIL import Image
+
+from retouch.config import ServeOptions
+from retouch.images import png_bytes
+from retouch.server import Server
+
+SIZE = (48, 32)
+STEPS = 4
+LONG_STEPS = 120  # long enough to cancel after the first partial image (step 30)
+KEY = "sk-retouch-test-key-0123"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(KEY + "\n")
+    opts = ServeOptions(model="tiny-flux-fill", workers=1, port=0, mode="naive", worker_threads=1, steps=STEPS,
+                        heartbeat_s=0.1, dead_after_s=5.0, api_keys_file=keys)
+    with Server(opts).start() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120) as client:
+        yield client
+
+
+def with_hole(image: Image.Image, rect=(8, 8, 24, 24)) -> tuple[bytes, np.ndarray]:
+    """`image` as an RGBA PNG whose alpha is 0 in `rect` (OpenAI's way to say: repaint here), and the
+    boolean map of the pixels to keep."""
+    rgba = image.convert("RGBA")
+    rgba.paste((0, 0, 0, 0), rect)
+    keep = np.asarray(rgba)[..., 3] == 255
+    return png_bytes(rgba), keep
+
+
+def decoded(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def test_the_sdk_edit_answers_the_image_with_its_unmasked_pixels_unchanged(client):
+    image = random_image(SIZE, seed=1)
+    holed, keep = with_hole(image)
+    answer = client.images.edit(image=("t.png", holed, "image/png"), prompt="a cat", model="any", n=2)
+    assert len(answer.data) == 2 and answer.size == "48x32" and answer.output_format == "png"
+    first, second = (np.asarray(decoded(item.b64_json).convert("RGB")) for item in answer.data)
+    assert first.shape == second.shape == (32, 48, 3)
+    assert np.array_equal(first[keep], np.asarray(image)[keep])
+    assert not np.array_equal(first[~keep], second[~keep])  # n images are n seeds
+
+
+def test_the_sdk_stream_gives_partial_images_then_the_image_it_would_have_answered(client):
+    image = random_image(SIZE, seed=2)
+    holed, keep = with_hole(image)
+    plain = client.images.edit(image=("t.png", holed, "image/png"), prompt="a cat", output_format="webp",
+                               output_compression=100)
+    events = list(client.images.edit(image=("t.png", holed, "image/png"), prompt="a cat", stream=True,
+                                     partial_images=2, output_format="webp", output_compression=100))
+    assert [event.type for event in events] == ["image_edit.partial_image"] * 2 + ["image_edit.completed"]
+    assert [event.partial_image_index for event in events[:2]] == [0, 1]
+    for partial in events[:2]:  # previews: 1/8 of the side, in the asked format
+        preview = decoded(partial.b64_json)
+        assert preview.format == "WEBP" and preview.size == (6, 4) and partial.size == "6x4"
+    completed = events[-1]
+    assert completed.size == "48x32" and completed.output_format == "webp" and completed.background == "opaque"
+    streamed = np.asarray(decoded(completed.b64_json).convert("RGB"))
+    assert np.array_equal(streamed, np.asarray(decoded(plain.data[0].b64_json).convert("RGB")))  # webp lossless
+    assert np.array_equal(streamed[keep], np.asarray(image)[keep])
+
+
+def test_the_sdk_stream_resizes_its_image_to_the_asked_size(client):
+    holed, _ = with_hole(random_image(SIZE, seed=3))
+    [completed] = client.images.edit(image=("t.png", holed, "image/png"), prompt="a cat", stream=True, size="24x16")
+    assert completed.type == "image_edit.completed" and completed.size == "24x16"
+    assert decoded(completed.b64_json).size == (24, 16)
+
+
+def test_an_edit_cancelled_mid_stream_raises_the_sdk_error(server, client):
+    image = random_image(SIZE, seed=4)
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        registered = http.post("/v1/templates", files={"image": ("t.png", png_bytes(image), "image/png")},
+                               data={"prompt": "a room", "steps": str(LONG_STEPS)})
+        template_id = registered.json()["id"]
+        assert http.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
+        holed, _ = with_hole(image)
+        stream = client.images.edit(image=("t.png", holed, "image/png"), prompt="a cat", stream=True,
+                                    partial_images=3, extra_body={"template_id": template_id},
+                                    extra_headers={"X-Request-Id": "cancel-me"})
+        seen = []
+        with pytest.raises(openai.APIError, match="cancelled") as raised:
+            for event in stream:
+                seen.append(event.type)
+                if len(seen) == 1:  # the first partial image came: cancel the rest
+                    deleted = http.delete("/v1/edits/cancel-me")
+                    assert deleted.status_code == 200 and deleted.json()["cancelled"] is True, deleted.text
+        assert seen[0] == "image_edit.partial_image" and "image_edit.completed" not in seen
+        assert raised.value.body["code"] == "cancelled"
+
+
+@pytest.mark.parametrize("fields, status, param", [
+    ({"image": [("a.png", b"A"), ("b.png", b"B")]}, 400, "image"),  # reference images: retouch edits one
+    ({"background": "transparent"}, 400, "background"),
+    ({"stream": True, "n": 2}, 400, "n"),
+    ({"partial_images": 2}, 400, "partial_images"),  # without stream
+    ({"stream": True, "partial_images": 4}, 422, "partial_images"),  # out of range, as every number field
+    ({"response_format": "url"}, 400, "response_format"),
+    ({"output_format": "gif"}, 400, "output_format"),
+])
+def test_what_retouch_cannot_do_is_an_sdk_error_naming_the_field(client, fields, status, param):
+    holed, _ = with_hole(random_image(SIZE, seed=5))
+    request = {"image": ("t.png", holed, "image/png"), "prompt": "a cat", **fields}
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.images.edit(**request)
+    assert raised.value.status_code == status and raised.value.body["param"] == param
+
+
+def test_a_wrong_key_is_the_sdk_authentication_error(server):
+    holed, _ = with_hole(random_image(SIZE, seed=6))
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0) as stranger:
+        with pytest.raises(openai.AuthenticationError):
+            stranger.images.edit(image=("t.png", holed, "image/png"), prompt="a cat")
