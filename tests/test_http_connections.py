@@ -29,7 +29,6 @@ from retouch.engine.router import Router, RouterConfig
 from retouch.http_api import Limits, create_app
 from retouch.http_connections import guarded_protocol
 
-HEALTHZ_WITHIN_S = 0.1
 DEADLINE_S = 30.0  # for conditions polled by the tests; never reached when things work
 
 
@@ -106,18 +105,16 @@ def test_half_open_connections_are_closed_after_their_deadline_and_do_not_block_
         kinds = [i % 4 for i in range(200)]
         sockets = [half_open(address, kind) for kind in kinds]
         silent = [sock for sock, kind in zip(sockets, kinds) if kind != 3]  # kind 3 had one answer
-        polls_while_open = []
+        polls_while_open = 0
         with httpx.Client(base_url=f"http://{address[0]}:{address[1]}") as client:
             while True:
-                started = time.perf_counter()
                 assert client.get("/healthz").status_code == 200
-                latency = time.perf_counter() - started
                 readable, _, _ = select.select(silent, [], [], 0)
                 if readable:  # the deadlines have started closing them
                     break
-                polls_while_open.append(latency)
-            assert polls_while_open, "the half-open connections were closed before any poll"
-            assert max(polls_while_open) < HEALTHZ_WITHIN_S, polls_while_open
+                polls_while_open += 1
+            # a server blocked by them would answer only once their deadlines closed them
+            assert polls_while_open, "no poll was answered while the half-open connections were open"
             still_open, received = wait_closed(sockets)
             assert still_open == []
             assert client.get("/healthz").status_code == 200
@@ -242,12 +239,31 @@ def read_all(sock: socket.socket, into: bytearray) -> None:
         into += view[:received]
 
 
-def test_large_b64_json_answers_leave_the_event_loop_free():
+def on_an_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_large_b64_json_answers_leave_the_event_loop_free(monkeypatch):
+    """n large answers as b64_json: every large encode runs off the event loop (anyio's worker threads),
+    and the server answers /healthz while it sends them."""
     limits = Limits(default_steps=2)
     router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
                                  dead_after_s=60.0)).start()
     context = zmq.Context()
     blob = os.urandom(ANSWER_BYTES)
+    large_encodes = []  # per base64 encode of 64 KiB or more: did it run on the event loop?
+    b64encode = base64.b64encode
+
+    def recorded_b64encode(data, *args):
+        if len(data) >= 1 << 16:
+            large_encodes.append(on_an_event_loop())
+        return b64encode(data, *args)
+
+    monkeypatch.setattr(base64, "b64encode", recorded_b64encode)
     try:
         worker = ScriptedWorker(context, router, "w0")
         with serving(create_app(router, limits), limits) as address, \
@@ -267,12 +283,10 @@ def test_large_b64_json_answers_leave_the_event_loop_free():
             big.sendall(big_request(address, registered.json()["id"]))
             reading = threading.Thread(target=read_all, args=(big, response))
             reading.start()
-            latencies, while_sending = [], 0
+            while_sending = 0
             while reading.is_alive():
                 answered = not answering.is_alive() and router.snapshot()["pending"] == 0
-                started = time.perf_counter()
                 assert client.get("/healthz").status_code == 200
-                latencies.append(time.perf_counter() - started)
                 while_sending += answered and reading.is_alive()
             reading.join()
             answering.join()
@@ -281,7 +295,8 @@ def test_large_b64_json_answers_leave_the_event_loop_free():
         router.close(drain_s=0)
         context.destroy(linger=0)
     assert while_sending > 0, "no poll happened while the answers were encoded and sent"
-    assert max(latencies) < HEALTHZ_WITHIN_S, f"worst /healthz {max(latencies) * 1000:.0f} ms over {len(latencies)}"
+    assert len(large_encodes) >= IMAGES * ANSWER_BYTES // (1 << 20)  # in chunks, not one call per image
+    assert not any(large_encodes), f"{sum(large_encodes)} large base64 encodes ran on the event loop"
 
     body_starts = response.index(b"\r\n\r\n") + 4
     head = bytes(response[:body_starts])
