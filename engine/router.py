@@ -80,6 +80,10 @@ class NoWorkerConnected(Unavailable):
     """No worker has been connected for `RouterConfig.no_worker_s`: edits are refused (503) until one joins."""
 
 
+def no_worker_message(idle_s: float) -> str:
+    return f"no worker has been connected for {idle_s:.0f} s; retry later"
+
+
 class DeadlineUnattainable(RuntimeError):
     """With `slo_admission="reject"`: the request is predicted to finish after its deadline (429)."""
 
@@ -163,6 +167,8 @@ class TemplateRecord:
                 "created": int(self.created), "error": self.error, "one_off": self.one_off,
                 "progress": {"workers_ready": sum(1 for w, s in self.states.items() if s == "ready" and w in live),
                              "workers_recording": len(recording),
+                             # 0: it waits for a worker to join and record it (its edits get 503 after no_worker_s)
+                             "workers_connected": len(live),
                              # Once one replica is ready the template is, whatever the others are at.
                              "step": self.steps if self.status == "ready"
                              else max((self.progress.get(w, 0) for w in recording), default=0),
@@ -328,7 +334,7 @@ class Router:
             if self._closing:
                 raise Unavailable("the server is shutting down")
             if (idle := self._without_workers_s()) > self.config.no_worker_s:
-                raise NoWorkerConnected(f"no worker has been connected for {idle:.0f} s; retry later")
+                raise NoWorkerConnected(no_worker_message(idle))
             if len(self.pending) + len(tasks) > self.config.max_queue:
                 raise QueueFull(f"{len(self.pending)} requests are waiting (max_queue {self.config.max_queue})")
             new_one_off = one_off is not None and one_off.template_id not in self.templates
@@ -791,8 +797,7 @@ class Router:
                 for request_id in self.parked.pop(template_id):
                     pending = self.pending.get(request_id)
                     if pending is not None:
-                        self._answer(pending, EditAnswer(None, 503, NO_WORKER,
-                                                         f"no worker has been connected for {idle:.0f} s; retry later"))
+                        self._answer(pending, EditAnswer(None, 503, NO_WORKER, no_worker_message(idle)))
 
     def _without_workers_s(self) -> float:
         """Seconds since the last worker left (or the router started without one); 0 while one is connected."""

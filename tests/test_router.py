@@ -105,9 +105,12 @@ def test_with_no_worker_left_waiting_edits_get_503_and_new_ones_are_refused(cont
     answer = future.result(TIMEOUT_S)
     assert (answer.status, answer.error) == (503, "no_worker") and "no worker" in answer.message
     assert said == ["worker w0 joined (pid 1); 1 connected", "worker w0 left: its process exited; 0 connected"]
+    assert router.template("t1")["status"] == "recording"  # by the next worker that joins
+    assert router.template("t1")["progress"]["workers_connected"] == 0  # which a client can see
     with pytest.raises(NoWorkerConnected, match="no worker has been connected"):
         router.submit(task())
     w1 = ScriptedWorker(context, router, "w1")
+    assert router.template("t1")["progress"]["workers_connected"] == 1
     w1.register("t1")
     accepted = router.submit(task())
     w1.answer(w1.receive("edit")["request"])
@@ -283,7 +286,8 @@ def test_template_watchers_see_its_recording_to_the_end(context, make_router):
     assert w1.receive("register")["template"] == "t1"
     w1.send({"kind": "progress", "template": "t1", "step": 1})
     w1.sync()
-    assert router.template("t1")["progress"] == {"workers_ready": 1, "workers_recording": 1, "step": 3, "steps": 3}
+    assert router.template("t1")["progress"] == {"workers_ready": 1, "workers_recording": 1, "workers_connected": 2,
+                                                 "step": 3, "steps": 3}
     assert all(e["progress"]["step"] == 3 for e in seen if e["status"] == "ready")
     stop()
     assert router.watch("template", "unknown", seen.append) is None and not router._watchers

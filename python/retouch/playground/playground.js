@@ -249,6 +249,7 @@ function showRecording(template) {
   if (template.status === "ready") meter(element, 1, `ready: ${template.steps} steps recorded`);
   else if (template.status === "failed") meter(element, 1, `failed: ${template.error || "recording failed"}`, "error");
   else if (template.status === "pending") meter(element, 0, "recorded by its first edit");
+  else if (progress.workers_connected === 0) meter(element, 0, "waiting for a worker to join and record it", "error");
   else meter(element, progress.steps ? progress.step / progress.steps : 0,
     `recording step ${progress.step || 0} of ${progress.steps || template.steps}`, "busy");
   $("template-info").textContent = `${template.width}×${template.height} · ${template.steps} steps`;
