@@ -183,3 +183,28 @@ def test_a_long_prompt_is_refused_naming_it_before_any_work():
     assert (over_limit["param"], over_limit["code"]) == ("prompt", "prompt_too_long")
     assert outcome[120_000].status_code == 413 and over_parser["code"] == "field_too_large"
     assert over_parser["param"] == "body" and "prompt may have at most 4000 characters" in over_parser["message"]
+
+
+async def unknown_routes(docs: bool) -> dict:
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
+    app = create_app(router, Limits(docs=docs))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            return {"generations": await client.post("/v1/images/generations", json={"prompt": "a cat"}),
+                    "typo": await client.get("/v1/template"),
+                    "put": await client.put("/v1/edits")}
+    finally:
+        await asyncio.to_thread(router.close, 0)
+
+
+@pytest.mark.parametrize("docs", [True, False])
+def test_an_unknown_endpoint_or_method_is_a_json_error_saying_what_there_is(docs):
+    outcome = asyncio.run(unknown_routes(docs))
+    generations, typo, put = (outcome[name] for name in ("generations", "typo", "put"))
+    assert generations.status_code == typo.status_code == 404
+    assert generations.json()["error"]["code"] == typo.json()["error"]["code"] == "unknown_endpoint"
+    assert "POST /v1/images/generations" in generations.json()["error"]["message"]
+    assert "POST /v1/images/edits" in generations.json()["error"]["message"]  # an OpenAI client's way here
+    assert ("/docs" in typo.json()["error"]["message"]) == docs
+    assert put.status_code == 405 and put.json()["error"]["code"] == "method_not_allowed"
+    assert "POST" in put.headers["allow"]

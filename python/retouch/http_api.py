@@ -549,6 +549,14 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        route = f"{request.method} {request.url.path}"
+        if exc.status_code == 404 and exc.detail == "Not Found":
+            hint = ("; retouch edits images: POST /v1/images/edits or /v1/edits"
+                    if request.url.path.startswith("/v1/images/")
+                    else "; the endpoints are listed at /docs" if limits.docs else "")
+            return ApiError(404, f"no endpoint {route}{hint}", None, "unknown_endpoint").response()
+        if exc.status_code == 405:
+            return ApiError(405, f"{route} is not allowed here", None, "method_not_allowed", exc.headers).response()
         return ApiError(exc.status_code, str(exc.detail)).response()
 
     # Added innermost first: CountAnswers sees every answer, Authenticate's 401 and BodyLimit's 413
