@@ -177,6 +177,56 @@ def test_an_unusable_file_is_a_miss_and_is_removed(tmp_path, damage):
     assert_intact(store, "a")
 
 
+def test_a_file_that_cannot_be_read_is_a_miss_and_is_forgotten(tmp_path):
+    """Not corrupt but unreadable (here a folder where the file was; EIO or EACCES alike): a miss, and
+    the template is recorded again, rather than an error on every edit of it."""
+    store = make_store(tmp_path, templates_in_host=1)
+    record(store, "a")
+    record(store, "b")  # a -> disk
+    path = store.disk.path("a")
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(CacheMiss):
+        store.acquire("a")
+    assert not store.contains("a") and store.metrics()["misses"] == 1
+    record(store, "a")  # its write-back, when b's next use evicts it, fails on the folder: see below
+    assert_intact(store, "a")
+
+
+def test_a_failed_write_back_still_frees_the_host_budget(tmp_path, monkeypatch):
+    """A disk that is full (or gone) when a template is evicted: the template leaves host memory all
+    the same, counted, and later templates are recorded and read as if there were no disk tier."""
+    store = make_store(tmp_path, templates_in_host=1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("retouch.cache.disk.write_template", disk_full)
+    record(store, "a")
+    record(store, "b")  # a is evicted; its write-back fails
+    record(store, "c")  # and b's: neither holds the budget
+    assert_intact(store, "c")
+    metrics = store.metrics()
+    assert metrics["disk_write_failures"] == 2 and metrics["evictions"] == 2 and metrics["disk_writes"] == 0
+    assert not store.contains("a") and not store.contains("b")
+    with pytest.raises(CacheMiss):
+        store.acquire("a")
+
+
+def test_hits_count_host_lookups_and_disk_loads_count_once(tmp_path):
+    store = make_store(tmp_path, templates_in_host=1)
+    record(store, "a")
+    record(store, "b")  # a -> disk
+    assert_intact(store, "b")
+    assert_intact(store, "a")  # loaded from disk: a disk hit, not also a host hit
+    metrics = store.metrics()
+    assert (metrics["hits"], metrics["disk_hits"], metrics["misses"]) == (1, 1, 0)
+    with store.acquire("a"):  # a is read: b, on disk, cannot be loaded now; that is not a miss
+        with pytest.raises(CacheFull):
+            store.acquire("b")
+    assert store.metrics()["misses"] == 0 and store.contains("b")
+
+
 def test_prefetch_loads_from_disk_in_the_background(tmp_path):
     store = make_store(tmp_path, templates_in_host=1)
     record(store, "a")

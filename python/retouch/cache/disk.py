@@ -188,13 +188,21 @@ class DiskTier:
         return result
 
     def remove(self, template_id: str) -> None:
+        """Forget the template's file and delete it; a path that cannot be deleted (not a file, a
+        read-only folder) is forgotten all the same: it is never read again."""
         with self._lock:
             self._files.pop(template_id, None)
-        self.path(template_id).unlink(missing_ok=True)
+        try:
+            self.path(template_id).unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def _evict_to(self, limit: int) -> None:
         # Holding the lock: unlinking is quick, and an open reader keeps its file until it closes it.
         while self._files and sum(self._files.values()) > limit:
             victim, _ = self._files.popitem(last=False)
-            (self.directory / (victim + SUFFIX)).unlink(missing_ok=True)
+            try:
+                (self.directory / (victim + SUFFIX)).unlink(missing_ok=True)
+            except OSError:
+                pass  # forgotten all the same (see `remove`)
             self.evictions += 1

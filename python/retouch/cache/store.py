@@ -18,6 +18,7 @@ host-resident templates never wait for disk I/O.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -37,6 +38,7 @@ from retouch.cache.layout import STORAGE_DTYPES, Entry, StepLayout, decode, dtyp
 from retouch.errors import RetouchError
 
 GiB = 1 << 30
+logger = logging.getLogger("retouch.cache")
 
 
 class CacheMiss(KeyError):
@@ -282,6 +284,7 @@ class CacheStore(ActivationCache):
         """A handle on the template in host memory, loading it from disk first if needed (CacheMiss if
         no tier holds it, or its file was corrupt: the file is then deleted)."""
         check_template_id(template_id)
+        loaded = False  # by this call (or a prefetch it waited for): a disk hit, not a host hit
         while True:
             with self._lock:
                 template = self._host.get(template_id)
@@ -290,7 +293,8 @@ class CacheStore(ActivationCache):
                     for offset in template.step_offsets:
                         self.arena.retain(offset)
                     self._host.move_to_end(template_id)
-                    self.counters["hits"] += 1
+                    if not loaded:
+                        self.counters["hits"] += 1
                     return TemplateHandle(self, template)
                 future, owner = self._loading.get(template_id), False
                 if future is None:
@@ -302,6 +306,7 @@ class CacheStore(ActivationCache):
             if owner:
                 self._load_into(future, template_id)
             future.result()  # raises CacheMiss when the load failed
+            loaded = True
 
     def prefetch(self, template_id: str) -> Future:
         """Load the template from disk into host memory in the background (a request for it is
@@ -369,13 +374,15 @@ class CacheStore(ActivationCache):
             return 0 if template is None else template.nbytes
 
     def metrics(self) -> dict[str, int | float]:
-        """Counters (hits, misses, disk_hits, evictions, prefetches, prefetch_bytes, prefetch_seconds,
-        disk_reads, disk_writes, disk_bytes_read, disk_bytes_written, corrupt_files, registrations) and
-        tier occupancy."""
+        """Counters (hits: found in host memory; misses: in no tier, or its file was unusable;
+        disk_hits: loaded from disk; evictions, prefetches, prefetch_bytes, prefetch_seconds, disk_reads,
+        disk_writes, disk_write_failures, disk_bytes_read, disk_bytes_written, corrupt_files,
+        registrations) and tier occupancy."""
         with self._lock:
             report = {name: 0 for name in ("hits", "misses", "disk_hits", "evictions", "prefetches",
-                                           "prefetch_bytes", "disk_reads", "disk_writes", "disk_bytes_read",
-                                           "disk_bytes_written", "corrupt_files", "registrations")}
+                                           "prefetch_bytes", "disk_reads", "disk_writes", "disk_write_failures",
+                                           "disk_bytes_read", "disk_bytes_written", "corrupt_files",
+                                           "registrations")}
             report.update(self.counters)
             report["prefetch_seconds"] = float(self.counters.get("prefetch_microseconds", 0)) / 1e6
             report.pop("prefetch_microseconds", None)
@@ -408,13 +415,23 @@ class CacheStore(ActivationCache):
                 victim = next((t for t in self._host.values() if t.readers == 0 and not t.evicting), None)
                 if victim is None:
                     raise CacheFull(f"{nbytes} bytes do not fit the host cache budget of {self.arena.capacity} "
-                                    f"bytes ({self.arena.used} held by templates in use or being recorded)")
+                                    f"bytes ({self.arena.used} held by templates in use or being recorded, this "
+                                    "one's steps so far included); a larger host budget (--cache-host-gib) "
+                                    "holds it")
                 victim.evicting = True
             self._evict(victim)
 
     def _evict(self, template: _Template) -> None:
-        """Write back (the template is marked evicting: readers may still take it meanwhile), then unlink."""
-        self._write_back(template)
+        """Write back (the template is marked evicting: readers may still take it meanwhile), then unlink.
+        A write-back that fails (a full or broken disk) still unlinks it: its next edit records it again,
+        and the host budget is not held by a template nobody can evict."""
+        try:
+            self._write_back(template)
+        except OSError as exc:
+            logger.warning("template %s: writing it to the disk tier failed (%s); it will be recorded again "
+                           "when next edited", template.template_id, exc)
+            with self._lock:
+                self.counters["disk_write_failures"] += 1
         with self._lock:
             if self._host.get(template.template_id) is template:
                 self._unlink_host(template.template_id)
@@ -445,14 +462,16 @@ class CacheStore(ActivationCache):
             _, _, template.meta = self.disk.read(template_id, allocate)
             if "source_dtype" not in template.meta:
                 raise CorruptCacheFile("no source_dtype in the header")
-        except (CorruptCacheFile, FileNotFoundError, CacheFull) as exc:
+        except (CorruptCacheFile, OSError, CacheFull) as exc:
+            # OSError: gone, unreadable (EIO, EACCES) or not a file: as unusable as a corrupt one
             with self._lock:
                 for offset in template.step_offsets:
                     self.arena.release(offset)
                 del self._loading[template_id]
                 if isinstance(exc, CorruptCacheFile):
                     self.counters["corrupt_files"] += 1
-                self.counters["misses"] += 1
+                if not isinstance(exc, CacheFull):  # full: the file stays, and the caller retries later
+                    self.counters["misses"] += 1
             if not isinstance(exc, CacheFull):  # the file is unusable or gone: forget it
                 self.disk.remove(template_id)
             future.set_exception(exc if isinstance(exc, CacheFull) else
