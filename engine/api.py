@@ -156,7 +156,7 @@ class Engine:
     def submit_recording(self, template: Template, on_step: Callable[[int], None] | None = None) -> Future[str]:
         """`submit_template` of a template already made (`MaskAwareEditor.new_template`)."""
         self._check_running()
-        if self.editor.is_recorded(template.template_id):
+        if self.editor.is_recorded(template.template_id) or self.editor.adopt(template):
             done: Future = Future()
             done.set_result(template.template_id)
             return done
@@ -234,6 +234,9 @@ class Engine:
             raise InputError(f"unknown template {request.template_id!r}; register it first")
         job = Worker.new_job(self.editor.check_request(request, template), watch=watch, deadline=_deadline(budget_s),
                              lora=lora)
+        # A template evicted to disk is read back while the request is pre-processed and queued; the
+        # loop admits it once it is in host memory, stepping the running batch meanwhile.
+        job.template_load = self.editor.prefetch(template)
         self._enqueue(job)
         return job.future
 

@@ -332,7 +332,7 @@ def run_worker(opts: WorkerOptions) -> None:
                           run_dir=None if opts.run_dir is None else str(opts.run_dir),
                           lora_dir=None if opts.lora_dir is None else str(opts.lora_dir),
                           lora_cache_mb=opts.lora_cache_mb, lora_latest_step=opts.lora_latest_step)
-    engine = Engine.load(opts.model, config, device=device, dtype=dtype,
+    engine = Engine.load(opts.model, config, device=device, dtype=dtype, cache=CacheStore(opts.cache_config()),
                          compile=opts.compile, cuda_graphs=opts.cuda_graphs)
     if opts.compile or opts.cuda_graphs:
         # Before the worker says hello: the router sends it nothing while it compiles.

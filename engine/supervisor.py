@@ -37,11 +37,13 @@ class Supervisor:
     def __init__(self, count: int, node_args: Sequence[str], router_address: str,
                  on_exit: Callable[[str], None], run_dir: Path, restart: bool = True, max_restarts: int = 5,
                  poll_s: float = 0.2, env: dict | None = None, gpus: bool = False, serve_id: str | None = None,
-                 extra_env: dict | None = None):
+                 extra_env: dict | None = None, cache_disk_dir: Path | None = None):
         """`node_args`: the arguments of `python -m retouch.engine.node` other than --router/--name;
         with `gpus`, worker i sees only GPU i (CUDA_VISIBLE_DEVICES). `run_dir`: the server's folder;
-        worker `name` gets `run_dir/name`. `extra_env`: for the workers only (their CURVE keys)."""
+        worker `name` gets `run_dir/name`. `extra_env`: for the workers only (their CURVE keys).
+        `cache_disk_dir`: worker i's disk tier is its subfolder `w{i}`, which its replacements reuse."""
         self.node_args = list(node_args)
+        self.cache_disk_dir = cache_disk_dir
         self.router_address = router_address
         self.on_exit = on_exit
         self.run_dir = Path(run_dir)
@@ -68,6 +70,8 @@ class Supervisor:
         run_dir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "retouch.engine.node", *self.node_args,
                    "--connect", self.router_address, "--name", name, "--run-dir", str(run_dir), "--supervised"]
+        if self.cache_disk_dir is not None:
+            command += ["--cache-disk-dir", str(Path(self.cache_disk_dir) / f"w{slot}")]
         env = dict(self.env, CUDA_VISIBLE_DEVICES=str(slot)) if self.gpus else self.env
         # A process group of its own: the worker and its helpers, killed together if the worker dies.
         process = subprocess.Popen(command, env=env, start_new_session=True)

@@ -136,6 +136,7 @@ class Job:
     handles: dict = field(default_factory=dict)
     lora_loads: list[Future] = field(default_factory=list)  # its adapters' loads (`LoraManager.acquire`)
     lora_entry: EntryAdapters = ()  # what its rows bind, from the step its LoRA applies
+    template_load: Future | None = None  # its template's read from disk (`MaskAwareEditor.prefetch`)
 
     def lora_latest_step(self, fraction: float) -> int:
         """The step (0-based) from which its LoRA must apply: it waits there while still loading."""
@@ -270,8 +271,12 @@ class Worker:
     def admit(self) -> None:
         if self.config.mode == "static" and self.running:
             return
+        loading = []  # jobs whose template is still being read from disk: admitted at a later step
         while self.waiting and len(self.running) < self.config.max_batch:
             job = self.next_waiting()
+            if job.template_load is not None and not job.template_load.done() and (self.running or self.waiting):
+                loading.append(job)
+                continue
             if job.ready is None:  # static and naive: pre-processing inline
                 ready = self._inline(lambda: self._prepare(job), job)
                 if ready is None:
@@ -303,6 +308,7 @@ class Worker:
             job.metrics.admitted = now()
             job.metrics.admitted_step = len(self.metrics.step_s)
             self.running.append(job)
+        self.waiting.extendleft(reversed(loading))  # first in line again, in their order
 
     def next_waiting(self) -> Job:
         """Take the waiting job to admit next: the least slack (deadline - now - `predict_s`) among

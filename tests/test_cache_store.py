@@ -202,12 +202,13 @@ def test_a_failed_write_back_still_frees_the_host_budget(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("retouch.cache.disk.write_template", disk_full)
-    record(store, "a")
-    record(store, "b")  # a is evicted; its write-back fails
+    record(store, "a")  # its write-through fails
+    record(store, "b")  # a is evicted; its write-back is tried again and fails
     record(store, "c")  # and b's: neither holds the budget
     assert_intact(store, "c")
+    store.flush()
     metrics = store.metrics()
-    assert metrics["disk_write_failures"] == 2 and metrics["evictions"] == 2 and metrics["disk_writes"] == 0
+    assert metrics["disk_write_failures"] == 3 + 2 and metrics["evictions"] == 2 and metrics["disk_writes"] == 0
     assert not store.contains("a") and not store.contains("b")
     with pytest.raises(CacheMiss):
         store.acquire("a")
@@ -225,6 +226,27 @@ def test_hits_count_host_lookups_and_disk_loads_count_once(tmp_path):
         with pytest.raises(CacheFull):
             store.acquire("b")
     assert store.metrics()["misses"] == 0 and store.contains("b")
+
+
+def test_committed_templates_are_written_through_and_outlive_the_store(tmp_path):
+    """With a disk tier every committed template is written in the background: a store opened later on
+    the same folder (a restarted worker) reads it back bit for bit, with its meta, and evicting it
+    writes nothing more."""
+    store = make_store(tmp_path, templates_in_host=2)
+    store.begin("a", meta={"recorded_by": "model-1"})
+    for step in range(STEPS):
+        for block in range(BLOCKS):
+            store.put("a", step, block, "out", activations("a", step, block))
+    store.commit("a")
+    store.flush()
+    assert store.disk.contains("a") and store.metrics()["disk_writes"] == 1
+    assert store.evict("a") and store.metrics()["disk_writes"] == 1  # nothing more to write
+    store.close()
+    later = make_store(tmp_path, templates_in_host=2)
+    assert later.contains("a") and later.meta("a") == {"recorded_by": "model-1", "source_dtype": "float32"}
+    assert_intact(later, "a")
+    later.drop("a")
+    assert not later.disk.path("a").exists() and later.meta("a") is None
 
 
 def test_prefetch_loads_from_disk_in_the_background(tmp_path):

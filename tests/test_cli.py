@@ -219,6 +219,12 @@ def test_simulate_prints_every_policy(cli):
     (["--model", "tiny-flux-fill", "--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA device"),
     (["--model", "tiny-flux-fill", "--max-upload-mb", "2000"], "--max-inflight-mb (1024) must hold one upload"),
     (["--model", "tiny-flux-fill", "--steps", "60", "--max-steps", "50"], "--steps (60) must not exceed --max-steps"),
+    (["--model", "tiny-flux-fill", "--cache-host-gib", "nan"], "--cache-host-gib must be a finite number > 0"),
+    (["--model", "tiny-flux-fill", "--cache-disk-gib", "inf"], "--cache-disk-gib must be a finite number > 0"),
+    (["--model", "tiny-flux-fill", "--cache-host-gib", "1e-9"], "--cache-host-gib must hold at least 1 MiB"),
+    (["--model", "tiny-flux-fill", "--cache-disk-dir", "/etc/hostname"], "cannot use /etc/hostname as a folder"),
+    (["--model", "tiny-flux-fill", "--cache-disk-dir", "/proc/retouch"], "cannot write in /proc/retouch"),
+    (["--model", "tiny-flux-fill", "--cache-dtype", "int8"], "invalid choice"),
 ])
 def test_serve_refuses_bad_options_before_starting_anything(cli, args, message):
     result = cli("serve", *args)

@@ -2,6 +2,7 @@
 and staged by the copy engine; lost or damaged files cost a recompute, never a wrong edit."""
 
 import pytest
+import torch
 from editor_inputs import LATENT_ATOL, max_diff, square_mask, template_image
 
 from retouch import load
@@ -92,3 +93,41 @@ def test_the_planner_chooses_per_block_and_the_edit_follows_the_plan(disk_editor
         assert disk_editor.copy_engine.stats.bytes > copied
     finally:
         disk_editor.cost_model = None
+
+
+def test_a_restarted_editor_adopts_the_recordings_its_disk_tier_kept(tmp_path):
+    """A worker that restarts on the same disk folder finds its templates there: registering one again
+    reads its file's header instead of recording it, and its edits are the earlier process's, bit for
+    bit. Other weights under the same model name, or a recording that lacks what the cache mode reads,
+    are recorded again."""
+    def editor(mode: str = "y"):
+        store = CacheStore(StoreConfig(host_bytes=64 << 20, disk_dir=tmp_path / "disk", disk_bytes=256 << 20))
+        return load("tiny-flux-fill", cache=store, cache_mode=mode)
+
+    mask = square_mask((40, 40, 90, 90))
+    first = editor()
+    template_id = register_replay_template(first)
+    expected = first.edit(template_id, mask, "a blue hat", seed=2, output_type="latent")
+    assert first.cache.evict(template_id)
+    first.cache.close()
+
+    restarted = editor()
+    assert register_replay_template(restarted) == template_id
+    assert restarted.cache.metrics()["registrations"] == 0  # adopted, not recorded
+    assert max_diff(restarted.edit(template_id, mask, "a blue hat", seed=2, output_type="latent"), expected) == 0.0
+    assert restarted.cache.metrics()["disk_hits"] == 1 and restarted.recomputes == 0
+    restarted.cache.evict(template_id)
+
+    kv = editor("kv")  # a Y-cache recording holds no keys and values
+    register_replay_template(kv)
+    assert kv.cache.metrics()["registrations"] == 1
+    assert kv.cache.evict(template_id)  # its file now holds a KV-cache recording
+    kv.cache.close()
+
+    assert editor("kv").adopt(kv.templates[template_id])  # the same weights would adopt it
+    retrained = editor("kv")
+    with torch.no_grad():
+        next(retrained.denoiser.parameters()).add_(1e-3)
+    assert not retrained.adopt(kv.templates[template_id])
+    register_replay_template(retrained)
+    assert retrained.cache.metrics()["registrations"] == 1

@@ -228,3 +228,40 @@ def test_leaving_the_engine_on_an_error_cancels_its_requests_within_a_step(flux_
             assert first_step.wait(120)
             raise KeyboardInterrupt  # what Ctrl-C raises in the caller's thread
     assert future.cancelled() and len(steps_done) < 500
+
+
+def test_a_template_on_disk_is_read_while_the_batch_steps_and_its_edit_is_the_same(tmp_path, monkeypatch):
+    """An edit of a template evicted to disk: the read starts when the edit is submitted and runs in
+    the background; the loop admits it once the read is done, stepping the running batch meanwhile
+    (a read held until the batch's second step ends: it joins after it, not before its first)."""
+    from retouch.cache import CacheStore, StoreConfig
+    from retouch.cache.disk import DiskTier
+
+    store = CacheStore(StoreConfig(host_bytes=64 << 20, disk_dir=tmp_path, disk_bytes=256 << 20))
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=store)
+    running_id = editor.register_template(template_image(), prompt="a scene", steps=6, seed=1)
+    evicted_id = editor.register_template(template_image((200, 90, 30)), prompt="a room", steps=4, seed=2)
+    joiner = EditRequest(evicted_id, square_mask((16, 48, 79, 95)), "a blue door", seed=7)
+    _, (alone,) = run(editor, EngineConfig(mode="naive"), [joiner])
+    assert store.evict(evicted_id)
+
+    released, read = threading.Event(), DiskTier.read
+    monkeypatch.setattr(DiskTier, "read", lambda self, *args: released.wait(60) and read(self, *args))
+    first, late = Worker.new_job(EditRequest(running_id, square_mask(), "a red hat", seed=5)), Worker.new_job(joiner)
+    late.template_load = editor.prefetch(editor.templates[evicted_id])
+
+    def inject(worker, steps_run):
+        if steps_run == 2:
+            released.set()
+
+    run_loop(editor, EngineConfig(mode="naive"), [first, late], inject)
+    assert late.metrics.admitted_step >= 2 and first.metrics.admitted_step == 0
+    assert max_diff(final_latents(late), final_latents(alone)) <= BATCH_ATOL
+    metrics = store.metrics()
+    assert (metrics["prefetches"], metrics["disk_hits"], metrics["misses"]) == (1, 1, 0)
+
+    assert store.evict(evicted_id)  # Engine.submit starts that read itself
+    monkeypatch.setattr(DiskTier, "read", read)
+    with Engine(editor, EngineConfig(mode="naive")) as engine:
+        result = engine.submit(joiner).result(120)
+    assert store.metrics()["prefetches"] == 2 and result.image.size == template_image().size

@@ -155,3 +155,33 @@ def test_a_helper_dies_with_its_parent_however_the_parent_dies(tmp_path, signum)
     parent.send_signal(signum)
     parent.wait(timeout=30)
     wait_for(lambda: not alive(child), "the child exits with its parent", 30)
+
+
+def test_a_replacement_worker_adopts_the_templates_its_disk_tier_kept(tmp_path):
+    """With --cache-disk-dir each template is written through to the worker's own subfolder; a worker
+    killed outright is replaced, the router registers its templates on the replacement, which finds them
+    there instead of recording them again, and edits them as before."""
+    opts = ServeOptions(model="tiny-flux-fill", workers=1, port=0, mode="naive", worker_threads=1, steps=2,
+                        heartbeat_s=0.2, dead_after_s=3.0, cache_disk_dir=tmp_path / "cache")
+    image = Image.fromarray(np.arange(32 * 48 * 3, dtype=np.uint8).reshape(32, 48, 3))
+    mask = Image.new("L", (48, 32), 0)
+    mask.paste(255, (8, 8, 24, 24))
+    with Server(opts).start() as server, httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
+        template_id = client.post("/v1/templates", files={"image": ("t.png", png_bytes(image))},
+                                  data={"prompt": "a room"}).json()["id"]
+        assert client.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
+        edit = {"data": {"template_id": template_id, "prompt": "a hat", "seed": "3"},
+                "files": {"mask": ("m.png", png_bytes(mask))}}
+        before = client.post("/v1/edits", **edit)
+        assert before.status_code == 200, before.text
+        wait_for(lambda: list((tmp_path / "cache" / "w0").glob("*.rtc")), "the template's file", TIMEOUT_S)
+        os.kill(server.supervisor.pids()["w0"], signal.SIGKILL)
+        wait_for(lambda: "w0.1" in server.router.snapshot()["workers"], "a replacement joins", TIMEOUT_S)
+        assert client.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
+        after = client.post("/v1/edits", **edit)
+        assert after.status_code == 200 and after.content == before.content
+        def replacement_cache() -> dict:  # as of its last heartbeat
+            return server.router.snapshot()["workers"]["w0.1"].get("cache", {})
+
+        wait_for(lambda: replacement_cache().get("disk_hits") == 1, "the edit read the file", TIMEOUT_S)
+        assert replacement_cache()["registrations"] == 0  # adopted, not recorded

@@ -14,11 +14,21 @@ from pathlib import Path
 
 from retouch.engine.policies import POLICIES
 from retouch.errors import InputError, RetouchError
+from retouch.paths import check_writable_folder
 from retouch.lora import LoraChoice, LoraError, parse_lora
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LORA_DIR_HELP = "folder of LoRA adapters requests may name: NAME.safetensors or NAME/pytorch_lora_weights.safetensors"
+CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")  # retouch.cache.layout.STORAGE_DTYPES
+CACHE_HOST_HELP = ("pinned host memory of {whose} template cache (GiB): every template being recorded or edited "
+                   "is held whole in it (a flux-size template at 1024 px, 28 steps, bf16, Y-cache: about 40 GB)")
+CACHE_DISK_HELP = ("folder of {whose} disk tier: templates evicted from host memory are written there and read "
+                   "back on their next edit, and found again after a restart (default: none; evicted templates "
+                   "are recorded again)")
+CACHE_DISK_GIB_HELP = "disk tier budget of {whose} template cache (GiB); least recently used files go first"
+CACHE_DTYPE_HELP = ("how cached activations are stored: auto keeps the model's dtype (lossless); float8_e4m3fn "
+                    "halves bf16")
 
 
 def option(default=dataclasses.MISSING, *, help: str, choices=None, flag: str | None = None):  # noqa: A002
@@ -119,6 +129,17 @@ def _check_lora_options(options) -> None:
     _require(options, ("lora_cache_mb",), "> 0")
     if not 0.0 <= options.lora_latest_step <= 1.0:
         raise InputError(f"--lora-latest-step must be in [0, 1], got {options.lora_latest_step}")
+
+
+def _check_cache_options(options) -> None:
+    """--cache-host-gib, --cache-disk-dir and --cache-disk-gib of a server or worker."""
+    for name in ("cache_host_gib", "cache_disk_gib"):
+        if not (math.isfinite(getattr(options, name)) and getattr(options, name) > 0):
+            raise InputError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(options, name)}")
+    if options.cache_host_gib * 2**30 < 1 << 20:
+        raise InputError(f"--cache-host-gib must hold at least 1 MiB, got {options.cache_host_gib:g}")
+    if options.cache_disk_dir is not None:
+        check_writable_folder(options.cache_disk_dir)
 
 
 def _require(options, names: tuple[str, ...], bound: str) -> None:
@@ -261,6 +282,11 @@ class ServeOptions:
     slo_admission: str = option("accept", help="an edit predicted to miss its SLO: accept it anyway, or reject it "
                                 "at once (429 slo_unattainable; predicted with the cost model)",
                                 choices=("accept", "reject"))
+    cache_host_gib: float = option(4.0, help=CACHE_HOST_HELP.format(whose="each worker's"))
+    cache_disk_dir: Path | None = option(None, help=CACHE_DISK_HELP.format(whose="this host's workers'") +
+                                         "; each worker keeps a subfolder of its own (w0, w1, ...)")
+    cache_disk_gib: float = option(64.0, help=CACHE_DISK_GIB_HELP.format(whose="each worker's"))
+    cache_dtype: str = option("auto", help=CACHE_DTYPE_HELP, choices=CACHE_DTYPES)
     lora_dir: Path | None = option(None, help=LORA_DIR_HELP + " (given to this host's workers; an edit naming "
                                    "one it lacks is refused before it queues)")
     lora_cache_mb: float = option(2048.0, help="host memory of each worker's cache of loaded LoRAs (MiB)")
@@ -304,6 +330,7 @@ class ServeOptions:
         if self.cost_model is not None and not Path(self.cost_model).is_file():
             raise InputError(f"--cost-model {self.cost_model} not found")
         _check_lora_options(self)
+        _check_cache_options(self)
         if self.lora_affinity < -1:
             raise InputError(f"--lora-affinity must be >= -1 (-1: off), got {self.lora_affinity}")
 
@@ -336,6 +363,10 @@ class WorkerOptions:
     health_host: str = option("0.0.0.0", help="address of the health port")
     run_dir: Path | None = option(None, help="folder for the helpers' sockets (default: a new temporary folder)")
     supervised: bool = option(False, help="started by `retouch serve` on this host: exit when it does")
+    cache_host_gib: float = option(4.0, help=CACHE_HOST_HELP.format(whose="this worker's"))
+    cache_disk_dir: Path | None = option(None, help=CACHE_DISK_HELP.format(whose="this worker's"))
+    cache_disk_gib: float = option(64.0, help=CACHE_DISK_GIB_HELP.format(whose="this worker's"))
+    cache_dtype: str = option("auto", help=CACHE_DTYPE_HELP, choices=CACHE_DTYPES)
     lora_dir: Path | None = option(None, help=LORA_DIR_HELP)
     lora_cache_mb: float = option(2048.0, help="host memory of this worker's cache of loaded LoRAs (MiB)")
     lora_latest_step: float = option(0.3, help="a LoRA loads while its request already denoises and applies from "
@@ -360,3 +391,11 @@ class WorkerOptions:
             raise InputError(f"--connect must be tcp://HOST:PORT with PORT in [1, 65535] (or ipc://PATH), "
                              f"got {self.connect!r}")
         _check_lora_options(self)
+        _check_cache_options(self)
+
+    def cache_config(self):
+        """The template cache these options ask for (`retouch.cache.StoreConfig`)."""
+        from retouch.cache import StoreConfig
+
+        return StoreConfig(host_bytes=int(self.cache_host_gib * 2**30), disk_dir=self.cache_disk_dir,
+                           disk_bytes=int(self.cache_disk_gib * 2**30), dtype=self.cache_dtype)

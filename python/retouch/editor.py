@@ -17,6 +17,7 @@ unconditional rows are recorded and read under their own template id (`<id>/unco
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import Future
 import inspect
 import math
 from collections.abc import Sequence
@@ -70,6 +71,7 @@ class Template:
     num_text_tokens: int
     recorded_mask: Image.Image  # what the recorded run repainted (`Canvas.mask`; nothing by default)
     recorded_mode: str  # the cache mode it was recorded for: "kv" recordings serve Y-cache edits too
+    one_off: bool = False  # a one-off image's, recorded by its first edit (`one_off_template`)
 
     @cached_property
     def image(self) -> Image.Image:
@@ -181,6 +183,7 @@ class MaskAwareEditor:
             self.copy_engine = copy_engine if copy_engine is not None else CopyEngine(self.pipe.device)
         self.templates: dict[str, Template] = {}
         self.recomputes = 0  # templates recorded again because no cache tier held them any more
+        self._fingerprint: str | None = None
 
     @property
     def token_stride(self) -> int:
@@ -206,7 +209,7 @@ class MaskAwareEditor:
         (recorded for "y", now editing in "kv"): then it is recorded again.
         """
         template = self.new_template(image, prompt, steps, seed, guidance, mask)
-        if not self.is_recorded(template.template_id):
+        if not (self.is_recorded(template.template_id) or self.adopt(template)):
             self.drop_template(template.template_id)
             self._record(template)
             self.templates[template.template_id] = template
@@ -235,8 +238,8 @@ class MaskAwareEditor:
         check_guidance(guidance)
         image = as_image(image)
         mask = as_mask(mask, image.size)
-        return self._template_on_canvas(self.one_off_id(image, steps, guidance), image, prompt, steps, seed,
-                                        guidance, mask)
+        return replace(self._template_on_canvas(self.one_off_id(image, steps, guidance), image, prompt, steps, seed,
+                                                guidance, mask), one_off=True)
 
     def one_off_id(self, image: Image.Image, steps: int, guidance: float | None) -> str:
         """The id of one-off edits' recording of `image` (RGB, as `as_image` returns it)."""
@@ -307,9 +310,41 @@ class MaskAwareEditor:
         return output
 
     def begin_recording(self, template: Template) -> None:
-        """Before the first recorded step: what the recording keeps (its cache mode's names)."""
+        """Before the first recorded step: what the recording keeps (its cache mode's names), and what
+        it was recorded by (`adopt` reads that back)."""
         if isinstance(self.cache, CacheStore):
-            self.cache.begin(template.template_id, RECORDED_NAMES[CACHE_MODES[template.recorded_mode]])
+            self.cache.begin(template.template_id, RECORDED_NAMES[CACHE_MODES[template.recorded_mode]],
+                             {"recorded_by": self.model_fingerprint(), "recorded_mode": template.recorded_mode,
+                              "one_off": template.one_off})
+
+    def adopt(self, template: Template) -> bool:
+        """Whether a recording of `template` that this editor did not make serves it: one that the disk
+        tier kept from an earlier process (a restarted worker, or server), recorded by the same model
+        weights. If so, it is this editor's from now on, at the cost of reading its file's header. A
+        one-off image's recording is not adopted: its recorded region is the first edit's mask."""
+        if template.template_id in self.templates or not isinstance(self.cache, CacheStore):
+            return False
+        meta = self.cache.meta(template.template_id)
+        if (meta is None or meta.get("recorded_by") != self.model_fingerprint() or meta.get("one_off", True)
+                or meta.get("recorded_mode") not in CACHE_MODES):
+            return False
+        adopted = replace(template, recorded_mode=meta["recorded_mode"])
+        if not self._covers(adopted):
+            return False
+        self.templates[template.template_id] = adopted
+        return True
+
+    def model_fingerprint(self) -> str:
+        """A digest of the model: its name, dtype and a sample of every weight (the first 64 values of
+        each tensor), so that a recording is never read by other weights under the same name."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256(f"{self.model.name}|{self.model.family}|{self.dtype}|".encode())
+            for name, tensor in self.denoiser.state_dict().items():
+                sample = tensor.detach().flatten()[:64].to("cpu", torch.float32)
+                digest.update(f"{name}|{tuple(tensor.shape)}|".encode())
+                digest.update(sample.numpy().tobytes())
+            self._fingerprint = digest.hexdigest()[:24]
+        return self._fingerprint
 
     def commit_recording(self, template: Template) -> None:
         """After the last recorded step: edits can read the template from now on."""
@@ -500,6 +535,14 @@ class MaskAwareEditor:
         costs = self.cost_model.block_costs(row_tokens(context, self.cost_model.block_kinds), self.mode_name)
         self.last_plan = (planner.optimal_plan if self.planner == "optimal" else planner.algorithm1)(costs)
         return self.last_plan.use_cache
+
+    def prefetch(self, template: Template) -> Future | None:
+        """Start reading the template's recording from disk into host memory, in the background, if
+        it is there and not in host memory (the store's `prefetch`); None when there is nothing to wait
+        for. `acquire` then finds it loaded, or waits for the read under way."""
+        if not isinstance(self.cache, CacheStore) or self.cache.resident(template.template_id):
+            return None
+        return self.cache.prefetch(template.template_id)
 
     def acquire(self, templates: Sequence[Template]) -> dict[str, TemplateHandle]:
         """Handles on the templates' recordings in host memory (none when the cache is not the store).

@@ -27,3 +27,20 @@ def check_writable(path: Path | str) -> Path:
     if path.exists() and not os.access(path, os.W_OK):
         raise InputError(f"cannot write {path}: permission denied")
     return path
+
+
+def check_writable_folder(path: Path | str) -> Path:
+    """`path` as a Path, once it is a folder files can be created in (made if missing; see
+    `check_writable`). InputError naming the path otherwise."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"cannot use {path} as a folder: it is a file")
+    probe = path / f".retouch-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError as exc:
+        raise InputError(f"cannot write in {path}: {exc.strerror or exc}") from None
+    with contextlib.suppress(OSError):
+        probe.unlink()
+    return path

@@ -136,11 +136,15 @@ class Server:
                      "--threads", str(opts.worker_threads)]
         node_args += ["--compile"] * opts.compile + ["--cuda-graphs"] * opts.cuda_graphs
         node_args += ["--lora-cache-mb", str(opts.lora_cache_mb), "--lora-latest-step", str(opts.lora_latest_step)]
+        node_args += ["--cache-host-gib", repr(opts.cache_host_gib), "--cache-disk-gib", repr(opts.cache_disk_gib),
+                      "--cache-dtype", opts.cache_dtype]
         if opts.lora_dir is not None:
             node_args += ["--lora-dir", str(Path(opts.lora_dir).resolve())]
         self.supervisor = Supervisor(opts.workers, node_args, self.router.address, self.router.worker_exited,
                                      self.run_dir, restart=opts.restart, gpus=device == "cuda", serve_id=self.serve_id,
-                                     extra_env=security.local_worker_env() if security is not None else None)
+                                     extra_env=security.local_worker_env() if security is not None else None,
+                                     cache_disk_dir=None if opts.cache_disk_dir is None
+                                     else Path(opts.cache_disk_dir).resolve())
         self._await_workers(ready_timeout_s)
         app = create_app(self.router, limits, opts.model)
         # Listen now, not when uvicorn's loop gets to it: start() returns the URL, and a client that

@@ -187,6 +187,14 @@ class DiskTier:
         self.touch(template_id)
         return result
 
+    def read_meta(self, template_id: str) -> dict:
+        """The `meta` in the header of the template's file (its header checked, not its steps)."""
+        with open(self.path(template_id), "rb") as f:
+            header = read_header(f)
+        if header["template_id"] != template_id or not isinstance(header["meta"], dict):
+            raise CorruptCacheFile(f"the header of {template_id}'s file does not describe it")
+        return header["meta"]
+
     def remove(self, template_id: str) -> None:
         """Forget the template's file and delete it; a path that cannot be deleted (not a file, a
         read-only folder) is forgotten all the same: it is never read again."""

@@ -4,8 +4,10 @@ disk tier, loaded back (or prefetched while a request queues), recomputed when n
 Tiers (paper §4.2, "hierarchical storage"; DESIGN.md "Cache store"):
 - host: one `HostArena` (C++, pinned when CUDA is present) whose capacity is the budget, so it cannot
   be exceeded. Each recorded step of a template is one aligned allocation laid out by `StepLayout`.
-- disk (optional): `DiskTier`, written when a template is evicted from the host (write-back) and read
-  back into the arena on the next use. A missing or corrupt file is a miss: the caller re-registers.
+- disk (optional): `DiskTier`, written in the background when a template is committed (write-through:
+  it outlives the process, and its eviction costs no write), or at its eviction if that write had
+  failed, and read back into the arena on the next use. A missing or corrupt file is a miss: the
+  caller re-registers.
 
 Lifetimes: the store's index holds one arena reference per step allocation; every `TemplateHandle`
 (from `acquire`) holds one more. Eviction and `drop` release only the index's reference, so memory
@@ -23,7 +25,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +81,7 @@ class _Template:
     readers: int = 0
     linked: bool = False  # in the index: holds one arena reference per step
     evicting: bool = False
+    written: Future | None = None  # its write-through to the disk tier
 
     @property
     def nbytes(self) -> int:
@@ -181,17 +184,20 @@ class CacheStore(ActivationCache):
         self._recordings: dict[str, _Recording] = {}
         self._loading: dict[str, Future] = {}
         self._prefetcher: ThreadPoolExecutor | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._writes: list[Future] = []
         self.counters: Counter[str] = Counter()
 
     # ---- recording ----
 
-    def begin(self, template_id: str, names: Iterable[str] | None = None) -> None:
+    def begin(self, template_id: str, names: Iterable[str] | None = None, meta: dict | None = None) -> None:
         """Start recording `template_id`, keeping only activations whose base name is in `names`
-        (None: all). An earlier recording of it in progress is discarded."""
+        (None: all). An earlier recording of it in progress is discarded. `meta` (JSON) is kept with
+        the recording, in its file too: `meta(template_id)` reads it back, in a later process too."""
         check_template_id(template_id)
         with self._lock:
             self._discard_recording(template_id)
-            self._recordings[template_id] = _Recording(_Template(template_id, None, [], {}),
+            self._recordings[template_id] = _Recording(_Template(template_id, None, [], dict(meta or {})),
                                                        None if names is None else frozenset(names))
 
     def put(self, template_id, step, block, name, tensor):
@@ -233,6 +239,41 @@ class CacheStore(ActivationCache):
             template.linked = True
             self._host[template_id] = template
             self.counters["registrations"] += 1
+            if self.disk is not None:
+                template.readers += 1  # the writer reads it: it is not evicted before its file is whole
+                for offset in template.step_offsets:
+                    self.arena.retain(offset)
+                if self._writer is None:
+                    self._writer = ThreadPoolExecutor(1, thread_name_prefix="retouch-write-through")
+                self._writes = [write for write in self._writes if not write.done()]
+                template.written = self._writer.submit(self._write_through, template)
+                self._writes.append(template.written)
+
+    def _write_through(self, template: _Template) -> None:
+        """Write a newly committed template to the disk tier in the background, so that it outlives this
+        process (a restarted worker adopts it) and its eviction costs no write."""
+        try:
+            self._write_back(template)
+        except OSError as exc:
+            logger.warning("template %s: writing it to the disk tier failed (%s)", template.template_id, exc)
+            with self._lock:
+                self.counters["disk_write_failures"] += 1
+        finally:
+            self._release(template)
+        with self._lock:
+            dropped = not template.linked and template.template_id not in self._host
+        if dropped:  # while it was written: its file must not outlive it
+            self.disk.remove(template.template_id)
+
+    def flush(self) -> None:
+        """Wait for the disk writes of committed templates under way."""
+        while True:
+            with self._lock:
+                writes, self._writes = self._writes, []
+            if not writes:
+                return
+            for write in writes:
+                write.result()
 
     def _write_step(self, recording: _Recording) -> None:
         """Encode the step's tensors into one new arena allocation. A step that cannot be written (the
@@ -253,7 +294,7 @@ class CacheStore(ActivationCache):
                                         self.config.alignment)
         if template.layout is None:
             template.layout = layout
-            template.meta = {"source_dtype": dtype_name(source_dtype)}
+            template.meta = {**template.meta, "source_dtype": dtype_name(source_dtype)}
         elif layout != template.layout:
             raise ValueError(f"template {template.template_id!r}: step {recording.step} recorded other "
                              "activations than step 0")
@@ -329,6 +370,30 @@ class CacheStore(ActivationCache):
         future.add_done_callback(lambda f: result.set_result(f.exception() is None))
         return result
 
+    def resident(self, template_id: str) -> bool:
+        """Whether the template is in host memory now (an `acquire` would not read its file)."""
+        with self._lock:
+            return template_id in self._host
+
+    def meta(self, template_id: str) -> dict | None:
+        """The `meta` a committed recording of the template was begun with (and its source_dtype), from
+        host memory or its file's header; None if no tier holds it (an unusable file is forgotten)."""
+        check_template_id(template_id)
+        with self._lock:
+            template = self._host.get(template_id)
+            if template is not None:
+                return dict(template.meta)
+            if self.disk is None or not self.disk.contains(template_id):
+                return None
+        try:
+            return self.disk.read_meta(template_id)
+        except (CorruptCacheFile, OSError) as exc:
+            if isinstance(exc, CorruptCacheFile):
+                with self._lock:
+                    self.counters["corrupt_files"] += 1
+            self.disk.remove(template_id)
+            return None
+
     def get(self, template_id, step, block, name):
         template_id, name = stored_key(template_id, name)
         with self.acquire(template_id) as handle:
@@ -358,6 +423,10 @@ class CacheStore(ActivationCache):
         """Move a template out of host memory now (to disk, if there is a disk tier), as the LRU policy
         would; False if it is not resident or is being read."""
         template_id, _ = stored_key(template_id, "")
+        with self._lock:
+            template = self._host.get(template_id)
+        if template is not None and template.written is not None:
+            template.written.result()  # its write-through: then it is not read, and the eviction writes nothing
         with self._lock:
             template = self._host.get(template_id)
             if template is None or template.readers or template.evicting:
@@ -394,8 +463,11 @@ class CacheStore(ActivationCache):
         return report
 
     def close(self) -> None:
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=True)
+        """Finish the background reads and writes under way."""
+        self.flush()
+        for pool in (self._prefetcher, self._writer):
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     # ---- internals ----
 
@@ -413,13 +485,18 @@ class CacheStore(ActivationCache):
                 if offset >= 0:
                     return offset
                 victim = next((t for t in self._host.values() if t.readers == 0 and not t.evicting), None)
-                if victim is None:
+                writes = [write for write in self._writes if not write.done()]
+                if victim is not None:
+                    victim.evicting = True
+                elif not writes:
                     raise CacheFull(f"{nbytes} bytes do not fit the host cache budget of {self.arena.capacity} "
                                     f"bytes ({self.arena.used} held by templates in use or being recorded, this "
                                     "one's steps so far included); a larger host budget (--cache-host-gib) "
                                     "holds it")
-                victim.evicting = True
-            self._evict(victim)
+            if victim is not None:
+                self._evict(victim)
+            else:  # templates being written through: evictable once written
+                wait(writes, return_when=FIRST_COMPLETED)
 
     def _evict(self, template: _Template) -> None:
         """Write back (the template is marked evicting: readers may still take it meanwhile), then unlink.
