@@ -248,8 +248,9 @@ def test_a_broken_file_is_read_once_until_it_changes(flux, lora_dir):
 
 def test_unknown_names_and_no_folder_are_refused_at_submission(flux, lora_dir):
     editor, _ = flux
-    with pytest.raises(LoraError, match="nope"):
+    with pytest.raises(LoraError, match="nope") as unknown:
         Worker(editor, config_of(lora_dir)).loras.check((LoraUse("nope"),))
+    assert str(lora_dir) not in str(unknown.value)  # a worker answers 422 with it: clients see no folders
     with pytest.raises(LoraError, match="--lora-dir"):
         Worker(editor, EngineConfig(mode="naive")).loras.check((LoraUse("A"),))
 

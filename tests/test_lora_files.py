@@ -5,6 +5,7 @@ where names are looked up in --lora-dir."""
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,10 @@ from lora_files import denoiser_of, save_kohya_lora, save_random_lora
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file, save_file
 
-from retouch.lora.files import (DENOISER_COMPONENT, FLUX_FAMILIES, LoraModule, LoraWeights, all_finite,
-                                copy_all_finite, list_loras, lora_path, read_lora)
-from retouch.lora.spec import LoraError
+from retouch.lora.files import (DENOISER_COMPONENT, FLUX_FAMILIES, FOLDER_WEIGHT_NAME, LoraModule, LoraWeights,
+                                _one_line, all_finite, copy_all_finite, file_identity, list_loras, lora_path,
+                                read_lora)
+from retouch.lora.spec import LoraError, LoraUse, parse_lora
 from retouch.models import load_pipeline, quiet_libraries
 from retouch.models.inputs import random_flux_inputs, random_sd3_inputs, random_unet_inputs
 
@@ -394,6 +396,28 @@ def test_an_sd3_file_is_refused_by_flux(tmp_path):
     _check_refused(flux, path, "which this FluxTransformer2DModel does not have")
 
 
+def test_a_kohya_unet_file_refused_by_flux_names_its_first_incompatible_keys(sd2, tmp_path):
+    """diffusers' Flux converter lists every key it cannot convert after a blank line; the one-line message
+    keeps the first few (it once kept the text before the line break: an empty list)."""
+    model, _, _ = sd2
+    path, _ = save_kohya_lora(model, tmp_path / "loras")
+    message = _check_refused(load_pipeline("tiny-flux-fill"), path, "Incompatible keys detected: lora_unet_")
+    keys = sorted(key for key in load_file(path))
+    listed = message.split("Incompatible keys detected: ", 1)[1]
+    assert listed.startswith(", ".join(keys[:3])) and f"({len(keys) - 3} more)" in listed
+    assert len(message) < 600 and str(tmp_path) not in message
+
+
+@pytest.mark.parametrize("layout", ["NAME.safetensors", "NAME/" + FOLDER_WEIGHT_NAME])
+def test_a_quoted_error_names_no_server_path(tmp_path, layout):
+    """What a library says about a file may carry its path; the LoraError quoting it, which reaches HTTP
+    clients, says which file in words."""
+    path = tmp_path / "loras" / layout.replace("NAME", "style")
+    error = OSError(f"[Errno 13] Permission denied: '{path}' (in {path.parent}, under {tmp_path / 'loras'})")
+    message = _one_line(error, path)
+    assert str(tmp_path) not in message and "Permission denied: 'the adapter's file'" in message
+
+
 # --lora-dir lookups.
 def test_lora_path_finds_both_layouts_and_prefers_the_file(tmp_path):
     (tmp_path / "plain.safetensors").write_bytes(b"")
@@ -413,16 +437,69 @@ def test_lora_path_refuses_names_that_could_leave_the_folder(name, tmp_path):
     assert repr(name) in str(raised.value)
 
 
-def test_lora_path_names_what_is_missing(tmp_path):
-    with pytest.raises(LoraError, match=f"no LoRA 'absent' in {tmp_path}: expected absent.safetensors or absent/"):
-        lora_path(tmp_path, "absent")
-    with pytest.raises(LoraError, match="name it without .safetensors"):
-        lora_path(tmp_path, "style.safetensors")
-    (tmp_path / "empty").mkdir()  # a folder without the weights file is no LoRA
-    with pytest.raises(LoraError, match="no LoRA 'empty'"):
-        lora_path(tmp_path, "empty")
-    with pytest.raises(LoraError, match="does not exist"):
-        lora_path(tmp_path / "nowhere", "absent")
+def test_lora_path_names_what_is_missing_but_not_the_folder(tmp_path):
+    """Its messages reach HTTP clients (a worker answers 422 with them), who must not learn the server's
+    folders: they name the adapter and the layouts looked for."""
+    messages = []
+    for folder, name, fragment in ((tmp_path, "absent", "no LoRA 'absent' in the LoRA folder: expected "
+                                    "absent.safetensors or absent/pytorch_lora_weights.safetensors"),
+                                   (tmp_path, "style.safetensors", "name it without .safetensors"),
+                                   (tmp_path, "empty", "no LoRA 'empty'"),
+                                   (tmp_path / "nowhere", "absent", "the LoRA folder (--lora-dir) does not exist"),
+                                   (tmp_path, "../up", "must be 1-128 letters")):
+        (tmp_path / "empty").mkdir(exist_ok=True)  # a folder without the weights file is no LoRA
+        with pytest.raises(LoraError) as raised:
+            lora_path(folder, name)
+        messages.append(str(raised.value))
+        assert fragment in messages[-1]
+    with pytest.raises(LoraError) as raised:
+        list_loras(tmp_path / "nowhere")
+    messages.append(str(raised.value))
+    assert not [message for message in messages if str(tmp_path) in message]
+
+
+def test_file_identity_changes_when_the_file_is_replaced(tmp_path):
+    """What a lookup compares with its loaded copy: a copy over the file, an atomic rename over it, the
+    other layout winning, and no file at all."""
+    path = tmp_path / "style.safetensors"
+    path.write_bytes(b"one")
+    first = file_identity(tmp_path, "style")
+    assert first[0] == str(path) and file_identity(tmp_path, "style") == first
+    os.utime(path, ns=(1, 1))
+    touched = file_identity(tmp_path, "style")
+    assert touched != first
+    path.write_bytes(b"twenty")  # cp over it, its mtime kept (cp -p): same inode, another size
+    os.utime(path, ns=(1, 1))
+    assert file_identity(tmp_path, "style") != touched
+    rewritten = file_identity(tmp_path, "style")
+    (tmp_path / "new").write_bytes(b"twenty")
+    os.utime(tmp_path / "new", ns=(1, 1))
+    os.replace(tmp_path / "new", path)  # mv: same size and mtime, another inode
+    assert file_identity(tmp_path, "style") != rewritten
+    path.unlink()
+    assert file_identity(tmp_path, "style") == ()
+    (tmp_path / "style").mkdir()
+    (tmp_path / "style" / "pytorch_lora_weights.safetensors").write_bytes(b"three")
+    assert file_identity(tmp_path, "style")[0] == str(tmp_path / "style" / "pytorch_lora_weights.safetensors")
+
+
+# The lora field's syntax (retouch.lora.spec).
+SCALES = {"1": 1.0, "0.8": 0.8, "-0.5": -0.5, "+2": 2.0, ".5": 0.5, "3.": 3.0, " 0.25 ": 0.25, "16": 16.0}
+NOT_SCALES = ["1_0", "1e-1", "1E1", "inf", "-inf", "nan", "0x10", "\u0661", "", ".", "-", "1.2.3", "1 0", "½"]
+
+
+@pytest.mark.parametrize("text", list(SCALES))
+def test_a_scale_is_a_plain_decimal(text):
+    assert parse_lora(f"style:{text}") == (LoraUse("style", SCALES[text]),)
+
+
+@pytest.mark.parametrize("text", NOT_SCALES)
+def test_other_spellings_of_numbers_are_not_scales(text):
+    """float() reads "1_0" as 10 and takes exponents, inf, nan and non-ASCII digits: none is a scale here (an
+    exponent only hides a typo within [-16, 16]). A JSON number is JSON's: {"scale": 1e-1} is 0.1."""
+    with pytest.raises(LoraError, match="lora scale of 'style' must be a number"):
+        parse_lora(f"style:{text}")
+    assert parse_lora([{"name": "style", "scale": 1e-1}]) == (LoraUse("style", 0.1),)
 
 
 def test_list_loras_lists_both_layouts(tmp_path):

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,8 @@ SUFFIX = ".safetensors"
 DENOISER_COMPONENT = {"flux-fill": "transformer", "flux-inpaint": "transformer", "sd3": "transformer",
                       "sdxl": "unet", "sd2": "unet"}
 FLUX_FAMILIES = ("flux-fill", "flux-inpaint")
+MESSAGE_CHARS = 400  # a library's error quoted in a LoraError: one line, a few of its items
+LISTED_ITEMS = 3
 _FACTOR_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<factor>[AB])\.weight")
 logger = logging.getLogger("retouch.lora")
 
@@ -74,25 +78,47 @@ class LoraWeights:
 def lora_path(lora_dir: str | Path, name: str) -> Path:
     """<lora_dir>/<name>.safetensors, or <lora_dir>/<name>/pytorch_lora_weights.safetensors (the folder
     diffusers' save_lora_weights writes); the file wins if both exist. Names are spec.NAME, so no request
-    can reach outside the folder (links the operator put inside it are followed)."""
+    can reach outside the folder (links the operator put inside it are followed). Its errors reach HTTP
+    clients (a worker answers 422 with them): they name the adapter and never the folder's path."""
     folder = Path(lora_dir)
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise LoraError(f"lora name {name!r} must be 1-128 letters, digits, '.', '_' or '-' "
-                        f"(a file of the LoRA folder {folder} without its suffix)")
+                        "(a file of the LoRA folder without its suffix)")
     if not folder.is_dir():
-        raise LoraError(f"the LoRA folder {folder} does not exist (--lora-dir)")
-    for path in (folder / f"{name}{SUFFIX}", folder / name / FOLDER_WEIGHT_NAME):
+        raise LoraError("the LoRA folder (--lora-dir) does not exist")
+    for path in _candidates(folder, name):
         if path.is_file():
             return path
     hint = f"; name it without {SUFFIX}" if name.endswith(SUFFIX) else ""
-    raise LoraError(f"no LoRA {name!r} in {folder}: expected {name}{SUFFIX} or {name}/{FOLDER_WEIGHT_NAME}{hint}")
+    raise LoraError(f"no LoRA {name!r} in the LoRA folder: expected {name}{SUFFIX} or {name}/{FOLDER_WEIGHT_NAME}"
+                    f"{hint}")
+
+
+def file_identity(lora_dir: str | Path, name: str) -> tuple:
+    """What changes when the operator replaces `name`'s file, by `cp` over it (mtime, size; ctime, which
+    `cp -p` cannot set back) or by an atomic `mv` (inode): (path, device, inode, mtime_ns, ctime_ns, size) of
+    the file `lora_path` finds; () without one. One stat for a NAME.safetensors file, two for the folder
+    layout: cheap enough for every lookup."""
+    for path in _candidates(Path(lora_dir), name):
+        try:
+            info = os.stat(path)
+        except (OSError, ValueError):
+            continue
+        if stat.S_ISREG(info.st_mode):
+            return (str(path), info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size)
+    return ()
+
+
+def _candidates(folder: Path, name: str) -> tuple[Path, Path]:
+    """Where `name`'s file may be, the one that wins first."""
+    return folder / f"{name}{SUFFIX}", folder / name / FOLDER_WEIGHT_NAME
 
 
 def list_loras(lora_dir: str | Path) -> list[str]:
     """The names `lora_path` finds in the folder, sorted."""
     folder = Path(lora_dir)
     if not folder.is_dir():
-        raise LoraError(f"the LoRA folder {folder} does not exist (--lora-dir)")
+        raise LoraError("the LoRA folder (--lora-dir) does not exist")
     names = set()
     for entry in folder.iterdir():
         if entry.is_file() and entry.name.endswith(SUFFIX):
@@ -144,7 +170,7 @@ def _check_raw_file(path: Path, where: str) -> None:
         with safetensors.safe_open(str(path), framework="pt") as handle:
             keys = list(handle.keys())
     except (OSError, safetensors.SafetensorError) as error:
-        raise LoraError(f"{where} is not a readable safetensors file: {_first_line(error)}") from None
+        raise LoraError(f"{where} is not a readable safetensors file: {_one_line(error, path)}") from None
     dora = next((key for key in keys if "dora_scale" in key or "lora_magnitude_vector" in key), None)
     if dora is not None:
         raise LoraError(f"{where} is a DoRA adapter ({dora}); retouch applies plain LoRA only")
@@ -166,7 +192,8 @@ def _pipeline_state_dict(pipe, family: str, path: Path, where: str) -> tuple[dic
             return loader.lora_state_dict(str(path), unet_config=pipe.unet.config, **options)
         return loader.lora_state_dict(str(path), **options)
     except Exception as error:  # a converter failing on a user's file: say which file and why, in one line
-        raise LoraError(f"{where} is not a LoRA diffusers can read for {family}: {_first_line(error)}") from None
+        reason = _one_line(error, path)
+        raise LoraError(f"{where} is not a LoRA diffusers can read for {family}: {reason}") from None
 
 
 def _denoiser_entries(state_dict: dict, network_alphas: dict | None, metadata: dict | None, component: str,
@@ -270,7 +297,7 @@ def _lora_config(factors: dict, network_alphas: dict | None, metadata: dict | No
             re.compile(pattern_key)
         untargeted = next((path for path in factors if not check_target_module_exists(config, path)), None)
     except (TypeError, ValueError, re.error) as error:
-        raise LoraError(f"{where} has adapter metadata PEFT cannot use: {_first_line(error)}") from None
+        raise LoraError(f"{where} has adapter metadata PEFT cannot use: {_one_line(error)}") from None
     if untargeted is not None:
         raise LoraError(f"{where} has weights for {untargeted} but its adapter metadata does not target it")
     if config.use_dora:
@@ -365,5 +392,20 @@ def _numpy_views(tensor: torch.Tensor):
     return None
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+def _one_line(error: BaseException, path: Path | None = None) -> str:
+    """`error`'s message on one line of at most MESSAGE_CHARS: a long list keeps its first LISTED_ITEMS
+    (diffusers names every incompatible key of a file, hundreds, after a line break: cutting at the first
+    line kept none); `path` and its folders, which clients must not learn, become words."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if path is not None:  # the file first, then its folder(s): NAME.safetensors, or NAME/FOLDER_WEIGHT_NAME
+        folders = (path.parent, path.parent.parent) if path.name == FOLDER_WEIGHT_NAME else (path.parent,)
+        for where, words in ((path, "the adapter's file"), *((folder, "the LoRA folder") for folder in folders)):
+            if len(where.parts) > 1:  # never "/"
+                text = text.replace(str(where), words)
+    if len(text) <= MESSAGE_CHARS:
+        return text
+    head, colon, listed = text.partition(": ")
+    items = listed.split(", ")
+    if colon and len(items) > LISTED_ITEMS:
+        text = f"{head}: {', '.join(items[:LISTED_ITEMS])}, ... ({len(items) - LISTED_ITEMS} more)"
+    return text if len(text) <= MESSAGE_CHARS else text[:MESSAGE_CHARS - 3] + "..."

@@ -1,6 +1,7 @@
 """Loaded LoRAs in host memory (pinned where a GPU copies from it), least recently used first out, within
 a byte budget: thousands of adapters with long-tailed popularity (SwiftDiffusion §2) mostly hit here, and a
-miss costs a read of the file."""
+miss costs a read of the file. Each entry remembers the identity of the file it was read from
+(`files.file_identity`), so that a replaced file is never answered from the cache."""
 
 from __future__ import annotations
 
@@ -15,37 +16,49 @@ class LoraHostCache:
         if budget_bytes <= 0:
             raise ValueError(f"the LoRA cache budget must be > 0 bytes, got {budget_bytes}")
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[str, LoraWeights] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[tuple, LoraWeights]] = OrderedDict()  # name -> (identity, weights)
         self._lock = threading.Lock()
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
 
-    def get(self, name: str) -> LoraWeights | None:
+    def get(self, name: str, identity: tuple | None = None) -> LoraWeights | None:
+        """`name`'s weights; None if not held, or (dropped) if read from another file than `identity`."""
         with self._lock:
-            weights = self._entries.get(name)
-            if weights is None:
+            entry = self._entries.get(name)
+            if entry is not None and identity is not None and entry[0] != identity:
+                self._pop(name)
+                entry = None
+            if entry is None:
                 self.misses += 1
                 return None
             self._entries.move_to_end(name)
             self.hits += 1
-            return weights
+            return entry[1]
 
-    def put(self, name: str, weights: LoraWeights) -> bool:
-        """Keep `weights`, evicting the least recently used beyond the budget; False (kept nowhere) for an
-        adapter larger than the whole budget."""
-        if weights.nbytes > self.budget_bytes:
-            return False
+    def put(self, name: str, weights: LoraWeights, identity: tuple = ()) -> bool:
+        """Keep `weights` (read from the file of `identity`), evicting the least recently used beyond the
+        budget; False (kept nowhere) for an adapter larger than the whole budget."""
         with self._lock:
-            old = self._entries.pop(name, None)
-            if old is not None:
-                self.nbytes -= old.nbytes
-            self._entries[name] = weights
+            self._pop(name)
+            if weights.nbytes > self.budget_bytes:
+                return False
+            self._entries[name] = (identity, weights)
             self.nbytes += weights.nbytes
             while self.nbytes > self.budget_bytes:
-                _, evicted = self._entries.popitem(last=False)
+                _, (_, evicted) = self._entries.popitem(last=False)
                 self.nbytes -= evicted.nbytes
                 self.evictions += 1
             return True
+
+    def discard(self, name: str) -> None:
+        """Forget `name` (its file was replaced): not an eviction."""
+        with self._lock:
+            self._pop(name)
+
+    def _pop(self, name: str) -> None:
+        entry = self._entries.pop(name, None)
+        if entry is not None:
+            self.nbytes -= entry[1].nbytes
 
     def clear(self) -> None:
         with self._lock:

@@ -1,15 +1,24 @@
 """The step loop's LoRA service: adapters named by requests are loaded on a thread of their own -- file ->
 host cache (pinned) -> device, the device copy on a side CUDA stream -- while their requests already
 denoise (SwiftDiffusion §3.2: a LoRA's effect on the first ~30% of steps is imperceptible), and handed to
-the loop once their copy has landed (a CUDA event: no sync). Device copies stay for later requests, least
-recently used first out, within the budget; a running request holds its own references, so an eviction
-never takes weights from under it."""
+the loop once their copy has landed (a CUDA event: no sync).
+
+Device copies stay for later requests, least recently used first out, within a budget of their own (device
+memory is not host memory; by default as many bytes as the host cache's). A copy is pinned while a request
+needs it: from the lookup at its submission (`prefetch`) to its admission (`acquire`), which then holds a
+lease (a future of its own) until the request is gone. So a budget smaller than one adapter still reads each
+file once per lookup, and an eviction never takes weights from under a running request. Both pins are weak
+references to what the request holds (its `LoraUse`s, then its futures): a request that is cancelled, fails
+or ends unpins by going away, with no call to forget. Every lookup compares the file's identity
+(`files.file_identity`: a stat) with its copies', so a file the operator replaced is read again and its stale
+copies are dropped."""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -17,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from retouch.lora.files import LoraWeights, lora_path, read_lora
+from retouch.lora.files import LoraWeights, file_identity, lora_path, read_lora
 from retouch.lora.host_cache import LoraHostCache
 from retouch.lora.layers import EntryAdapters, LoraLayers
-from retouch.lora.spec import LoraChoice, LoraError
+from retouch.lora.spec import LoraChoice, LoraError, LoraUse
 
 
 @dataclass(eq=False)
@@ -29,28 +38,52 @@ class DeviceLora:
 
     weights: LoraWeights
     copied: torch.cuda.Event | None = None
+    identity: tuple = ()  # `files.file_identity` of the file its weights were read from
     streamed: bool = field(default=False, repr=False)  # its memory was recorded on the compute stream
+    # The futures `acquire` gave out for it, alive while their requests are: it is in use while any is.
+    leases: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)
 
     def ready(self) -> bool:
         return self.copied is None or self.copied.query()
 
 
+@dataclass(eq=False)
+class _Load:
+    """A read in flight: the future lookups share, the leases of admissions waiting for it, and how many
+    lookups wait (counted as hits, misses or failures by its outcome)."""
+
+    future: Future = field(default_factory=Future)
+    leases: list[Future] = field(default_factory=list)
+    lookups: int = 0
+
+
 class LoraManager:
     """`check(choice)` and `prefetch(choice)` at submission; `acquire(choice)` at admission gives futures whose
-    results are `DeviceLora`s; `entry(choice, futures)` is what a batch entry binds once they are `ready`."""
+    results are `DeviceLora`s; `entry(choice, futures)` is what a batch entry binds once they are `ready`. A
+    request passes the same `LoraUse` objects to both calls (its reservation in between is a weak reference).
 
-    def __init__(self, lora_dir: str | Path | None, cache_bytes: int, editor=None):
+    cache_bytes: the host cache's budget; device_bytes: the device copies' (default: the same number)."""
+
+    def __init__(self, lora_dir: str | Path | None, cache_bytes: int, editor=None, device_bytes: int | None = None):
         self.lora_dir = None if lora_dir is None else Path(lora_dir)
         self.host = LoraHostCache(cache_bytes)
+        self.device_budget_bytes = cache_bytes if device_bytes is None else device_bytes
+        if self.device_budget_bytes <= 0:
+            raise ValueError(f"the LoRA device budget must be > 0 bytes, got {self.device_budget_bytes}")
         self.editor = editor
         self._layers: LoraLayers | None = None
         self._device: OrderedDict[str, DeviceLora] = OrderedDict()
-        self._loading: dict[str, Future] = {}
+        self._loading: dict[str, _Load] = {}
         self._failed: dict[str, tuple[tuple, BaseException]] = {}  # name -> (its file's identity, the error)
+        # name -> the LoraUses of requests looked up but not admitted yet (weakly: a dropped request unpins)
+        self._reserved: dict[str, list[weakref.ref]] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self.loads = self.load_failures = self.device_evictions = self.device_hits = 0
+        # Lookups (a request's adapters at submission) end as a hit (no read), a miss (a read) or a failure
+        # (answered 422: no such file, or one that cannot be loaded; a failed read is a miss too).
+        self.hits = self.misses = self.load_failures = 0
+        self.loads = self.device_evictions = 0
         self.load_seconds = self.load_cpu_seconds = 0.0  # wall and loader-thread CPU seconds of file reads
 
     @property
@@ -71,24 +104,31 @@ class LoraManager:
     # ---- requests ----
 
     def check(self, choice: LoraChoice) -> None:
-        """Every adapter of `choice` is a file of the LoRA folder (`LoraError` naming it otherwise)."""
+        """Every adapter of `choice` is a file of the LoRA folder (`LoraError` naming it otherwise: a lookup
+        that failed, in the metrics)."""
         if not choice:
             return
         if self.lora_dir is None:
             raise LoraError("this engine serves no LoRAs (start it with a LoRA folder: --lora-dir)")
         for use in choice:
-            lora_path(self.lora_dir, use.name)
+            try:
+                lora_path(self.lora_dir, use.name)
+            except LoraError:
+                with self._lock:
+                    self.load_failures += 1
+                raise
 
     def prefetch(self, choice: LoraChoice) -> None:
-        """Start loading `choice`'s adapters now (submission: the load overlaps pre-processing too). This is a
-        request's lookup in the metrics: a hit on the device here, or in the host cache or a miss in the loader;
-        the `acquire` at its admission that follows is not counted again."""
+        """Start loading `choice`'s adapters now (submission: the load overlaps pre-processing too), and keep
+        them on the device for the `acquire` at the request's admission. This is a request's lookup in the
+        metrics; that `acquire` is not counted again."""
         for use in choice:
-            self._load(use.name, lookup=True)
+            self._request(use, lookup=True)
 
     def acquire(self, choice: LoraChoice) -> list[Future]:
-        """Futures of `choice`'s `DeviceLora`s, in order."""
-        return [self._load(use.name) for use in choice]
+        """Futures of `choice`'s `DeviceLora`s, in order: leases that keep them on the device while the
+        request holds them."""
+        return [self._request(use, lookup=False) for use in choice]
 
     @staticmethod
     def ready(futures: list[Future]) -> bool | BaseException:
@@ -120,31 +160,73 @@ class LoraManager:
 
     # ---- loading ----
 
-    def _load(self, name: str, lookup: bool = False) -> Future:
+    def _request(self, use: LoraUse, lookup: bool) -> Future:
+        """A lookup (`prefetch`: reserves the adapter for its admission) or an admission (`acquire`: takes that
+        reservation and gets a lease). A copy read from a file since replaced is dropped, host and device."""
+        name = use.name
+        identity = self._file_identity(name)  # a stat, outside the lock
         with self._lock:
+            if lookup:
+                self._reserve(use)
+            else:
+                self._unreserve(use)
             resident = self._device.get(name)
+            if resident is not None and resident.identity != identity:
+                self._drop_locked(name)
+                self.host.discard(name)
+                resident = None
             if resident is not None:
                 self._device.move_to_end(name)
-                self.device_hits += lookup
-                return _resolved(resident)
+                self.hits += lookup
+                future = _resolved(resident)
+                if not lookup:
+                    resident.leases.add(future)
+                self._evict_locked()  # leases of requests gone since the last load no longer pin theirs
+                return future
             failed = self._failed.get(name)
-            if failed is not None and failed[0] == self._file_identity(name):  # the same broken file: not read again
+            if failed is not None and failed[0] == identity:  # the same broken file: not read again
+                self.load_failures += lookup
                 return _resolved(error=failed[1])
-            future = self._loading.get(name)
-            if future is None:
-                future = self._loading[name] = Future()
+            load = self._loading.get(name)
+            if load is None:
+                load = self._loading[name] = _Load()
                 self._start_thread()
                 self._queue.put(name)
-            return future
+            if lookup:
+                load.lookups += 1
+                return load.future
+            lease: Future = Future()
+            load.leases.append(lease)
+            return lease
+
+    def _reserve(self, use: LoraUse) -> None:
+        uses = self._live_reservations(use.name)
+        if not any(ref() is use for ref in uses):  # a request looked up twice is one reservation
+            self._reserved[use.name] = [*uses, weakref.ref(use)]
+
+    def _unreserve(self, use: LoraUse) -> None:
+        uses = [ref for ref in self._live_reservations(use.name) if ref() is not use]
+        if uses:
+            self._reserved[use.name] = uses
+        else:
+            self._reserved.pop(use.name, None)
+
+    def _live_reservations(self, name: str) -> list[weakref.ref]:
+        """`name`'s reservations of requests still alive (those of requests gone are forgotten here)."""
+        uses = [ref for ref in self._reserved.get(name, ()) if ref() is not None]
+        if uses:
+            self._reserved[name] = uses
+        else:
+            self._reserved.pop(name, None)
+        return uses
+
+    def _pinned(self, name: str, device_lora: DeviceLora) -> bool:
+        """Reserved for a request still queued, or leased to one admitted (theirs are alive)."""
+        return len(device_lora.leases) > 0 or bool(self._live_reservations(name))
 
     def _file_identity(self, name: str) -> tuple:
-        """What changes when the operator replaces a name's file: (path, mtime, size); () without one."""
-        try:
-            path = lora_path(self.lora_dir, name)
-            stat = path.stat()
-        except (LoraError, OSError):
-            return ()
-        return (str(path), stat.st_mtime_ns, stat.st_size)
+        """What changes when the operator replaces a name's file (`files.file_identity`); () without one."""
+        return file_identity(self.lora_dir, name)
 
     def _start_thread(self) -> None:
         if self._thread is None:
@@ -165,36 +247,53 @@ class LoraManager:
         next (a finished load held by `_run`'s locals would keep an evicted adapter's memory). A failure is
         remembered against the file's identity: requests for it fail at once until the file changes."""
         with self._lock:
-            future = self._loading[name]
+            load = self._loading[name]
         file = self._file_identity(name)  # before the read: a file replaced during it is read again
+        weights = self.host.get(name, file)  # only a read of this very file
+        read = weights is None
         try:
-            device_lora = DeviceLora(*self._host_to_device(self._host(name), stream))
+            if read:
+                weights = self._read(name, file)
+            device_lora = DeviceLora(*self._host_to_device(weights, stream), identity=file)
         except BaseException as exc:  # noqa: BLE001 - the requests that asked fail with it
             error = exc if isinstance(exc, LoraError) else LoraError(f"LoRA {name!r} could not be loaded: {exc}")
             with self._lock:
-                self.load_failures += 1
+                lookups = max(load.lookups, 1)  # a load no lookup asked for (an admission's) counts as one
+                self.misses += lookups if read else 0
+                self.load_failures += lookups
                 del self._loading[name]
                 self._failed[name] = (file, error)
-            future.set_exception(error)
+            for future in (load.future, *load.leases):
+                future.set_exception(error)
             return
         with self._lock:
+            lookups = max(load.lookups, 1)
+            if read:
+                self.misses += lookups
+            else:
+                self.hits += lookups
+            if name in self._device:  # a copy of the file this load replaces
+                self._drop_locked(name)
             self._device[name] = device_lora
+            for lease in load.leases:
+                device_lora.leases.add(lease)
             del self._loading[name]
             self._failed.pop(name, None)
-        future.set_result(device_lora)
-        self._evict()
+        for future in (load.future, *load.leases):
+            future.set_result(device_lora)
+        with self._lock:
+            self._evict_locked()
 
-    def _host(self, name: str) -> LoraWeights:
-        weights = self.host.get(name)
-        if weights is None:
-            started, cpu_started = time.perf_counter(), time.thread_time()
-            weights = read_lora(lora_path(self.lora_dir, name), name, self.editor.pipe, self.editor.dtype,
-                                pin=self.device.type == "cuda")
-            self.host.put(name, weights)
-            with self._lock:
-                self.loads += 1
-                self.load_seconds += time.perf_counter() - started
-                self.load_cpu_seconds += time.thread_time() - cpu_started
+    def _read(self, name: str, file: tuple) -> LoraWeights:
+        """The adapter's file, read for the denoiser and kept in the host cache (as a read of `file`)."""
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        weights = read_lora(lora_path(self.lora_dir, name), name, self.editor.pipe, self.editor.dtype,
+                            pin=self.device.type == "cuda")
+        self.host.put(name, weights, file)
+        with self._lock:
+            self.loads += 1
+            self.load_seconds += time.perf_counter() - started
+            self.load_cpu_seconds += time.thread_time() - cpu_started
         return weights
 
     def _host_to_device(self, weights: LoraWeights, stream) -> tuple[LoraWeights, torch.cuda.Event | None]:
@@ -218,18 +317,23 @@ class LoraManager:
             module.B.record_stream(compute)
         device_lora.streamed = True
 
-    def _evict(self) -> None:
-        """Device copies beyond the budget, least recently used first."""
-        with self._lock:
-            total = sum(d.weights.nbytes for d in self._device.values())
-            for name in list(self._device):
-                if total <= self.host.budget_bytes:
-                    break
-                device_lora = self._device.pop(name)
-                total -= device_lora.weights.nbytes
-                self.device_evictions += 1
-                if self._layers is not None:
-                    self._layers.forget(device_lora.weights)
+    def _evict_locked(self) -> None:
+        """Device copies beyond the device budget, least recently used first, except those pinned: reserved
+        for an admission to come, or leased to a request (its futures are alive)."""
+        total = sum(d.weights.nbytes for d in self._device.values())
+        for name, device_lora in list(self._device.items()):
+            if total <= self.device_budget_bytes:
+                break
+            if self._pinned(name, device_lora):
+                continue
+            total -= device_lora.weights.nbytes
+            self._drop_locked(name)
+            self.device_evictions += 1
+
+    def _drop_locked(self, name: str) -> None:
+        device_lora = self._device.pop(name)
+        if self._layers is not None:
+            self._layers.forget(device_lora.weights)
 
     def clear(self) -> None:
         """Forget every loaded adapter (host and device; loads in flight complete): the next request reads its
@@ -255,14 +359,16 @@ class LoraManager:
         return sorted(names | set(self.host.names()))
 
     def metrics(self) -> dict:
-        """Counters (cumulative) and occupancy of the host cache, the device copies and the loader."""
+        """Counters (cumulative) and occupancy of the host cache, the device copies and the loader. hits,
+        misses and load_failures count lookups (a request's adapters at submission), not reads."""
         with self._lock:
             device_bytes = sum(d.weights.nbytes for d in self._device.values())
+            pinned = sum(1 for name, d in self._device.items() if self._pinned(name, d))
             return {"cached_bytes": self.host.nbytes, "cached_adapters": len(self.host),
-                    "budget_bytes": self.host.budget_bytes, "hits": self.device_hits + self.host.hits,
-                    "misses": self.host.misses,
+                    "budget_bytes": self.host.budget_bytes, "hits": self.hits, "misses": self.misses,
                     "evictions": self.host.evictions, "device_adapters": len(self._device),
-                    "device_bytes": device_bytes, "device_evictions": self.device_evictions, "loads": self.loads,
+                    "device_bytes": device_bytes, "device_budget_bytes": self.device_budget_bytes,
+                    "device_pinned": pinned, "device_evictions": self.device_evictions, "loads": self.loads,
                     "load_failures": self.load_failures, "load_seconds": self.load_seconds,
                     "load_cpu_seconds": self.load_cpu_seconds, "loading": len(self._loading)}
 

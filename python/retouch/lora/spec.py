@@ -13,6 +13,10 @@ MAX_PER_REQUEST = 4  # adapters one request may stack (each is one more kernel p
 MAX_SCALE = 16.0
 # A file name in --lora-dir without its suffix: no separators, no leading dot (no path escapes the folder).
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# SCALE of "NAME:SCALE": a plain decimal ("1", "0.8", "-.5", "+2."). float() alone also takes "1_0" (as 10),
+# "inf", "nan", non-ASCII digits and exponents; a scale lies in [-16, 16], where an exponent only hides a
+# typo ("1e1" for "1.1"), so none of them is a scale. JSON numbers ({"scale": 1e-1}) are JSON's, not this.
+SCALE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 
 
 class LoraError(InputError):
@@ -21,9 +25,10 @@ class LoraError(InputError):
     field = "lora"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class LoraUse:
-    """One adapter of a request: its name in --lora-dir and its scale (diffusers' `set_adapters` weight)."""
+    """One adapter of a request: its name in --lora-dir and its scale (diffusers' `set_adapters` weight).
+    Weakly referable: the LoRA manager keeps an adapter on the device while a queued request's use is alive."""
 
     name: str
     scale: float = 1.0
@@ -74,10 +79,10 @@ def _one(item) -> LoraUse:
         name = name.strip()  # " grain : 0.5 " is grain at 0.5
         if not colon:
             return LoraUse(name)
-        try:
-            return LoraUse(name, float(scale))
-        except ValueError:
-            raise LoraError(f"lora scale of {name!r} must be a number, got {scale!r}") from None
+        if not SCALE.fullmatch(scale.strip()):
+            raise LoraError(f"lora scale of {name!r} must be a number written as plain decimals (1, 0.8, -0.5), "
+                            f"got {scale!r}")
+        return LoraUse(name, float(scale))
     if isinstance(item, dict):
         unknown = set(item) - {"name", "scale"}
         if unknown or "name" not in item:
