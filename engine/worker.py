@@ -54,7 +54,7 @@ from retouch.engine.processing import ReadyEdit, postprocess, prepare_recording,
 from retouch.engine.previews import LatentPreviewer
 from retouch.engine.schedulers import BatchScheduler
 from retouch.errors import RetouchError
-from retouch.lora import LoraChoice
+from retouch.lora import LoraChoice, LoraError
 from retouch.lora.layers import AmbiguousRows, EntryAdapters
 from retouch.lora.manager import LoraManager
 
@@ -156,6 +156,16 @@ class Job:
                 self.future.set_exception(exc)
             except InvalidStateError:  # cancelled meanwhile (another thread)
                 pass
+
+
+def non_finite_error(job: Job) -> Exception:
+    """The error of an edit whose latents came out NaN or infinite: its LoRA's, when it names one (an
+    adapter whose weights or scale overflow; 422), else the model's (500)."""
+    if job.lora:
+        names = ", ".join(f"{use.name}:{use.scale:g}" for use in job.lora)
+        return LoraError(f"the edit's values overflowed (NaN or infinite) with LoRA {names}: the adapter's "
+                         "weights, or its scale, are too large")
+    return RuntimeError("the model's values overflowed (NaN or infinite) in this edit")
 
 
 class RecordingWrites(ActivationCache):
@@ -443,6 +453,12 @@ class Worker:
         for job in finished:
             job.metrics.denoised = now()
             self._release(job)
+            if job.request is not None and not bool(torch.isfinite(job.row.latents).all()):
+                # NaN or inf decode to a black region: an error, not an image (nor a recording)
+                if job.writes_cache:
+                    self.editor.abort_recording(job.recording.template_id)
+                self._fail(job, non_finite_error(job))
+                continue
             if job.writes_cache:
                 try:
                     self.editor.commit_recording(job.recording)

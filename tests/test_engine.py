@@ -265,3 +265,21 @@ def test_a_template_on_disk_is_read_while_the_batch_steps_and_its_edit_is_the_sa
     with Engine(editor, EngineConfig(mode="naive")) as engine:
         result = engine.submit(joiner).result(120)
     assert store.metrics()["prefetches"] == 2 and result.image.size == template_image().size
+
+
+def test_an_edit_whose_values_overflow_fails_instead_of_answering_a_black_region(flux_editor, tmp_path):
+    """A LoRA whose weights overflow fp32 turns its rows' latents to NaN, which would decode to black:
+    its request fails with a LoraError naming the adapter, and the request beside it is unharmed."""
+    from lora_files import save_random_lora
+
+    from retouch.lora import LoraError, LoraUse
+
+    save_random_lora(flux_editor.pipe, tmp_path, std=1e30, weight_name="huge.safetensors")
+    template_id = flux_editor.register_template(template_image(), prompt="a scene", steps=3, seed=1)
+    request = EditRequest(template_id, square_mask(), "a red hat", seed=5)
+    _, (alone,) = run(flux_editor, EngineConfig(mode="naive"), [request])
+    huge, plain = Worker.new_job(request, lora=(LoraUse("huge", 2.0),)), Worker.new_job(request)
+    run_loop(flux_editor, EngineConfig(mode="naive", lora_dir=str(tmp_path)), [huge, plain])
+    assert isinstance(huge.future.exception(), LoraError) and "huge:2" in str(huge.future.exception())
+    assert not torch.isfinite(huge.row.latents).all()
+    assert max_diff(final_latents(plain), final_latents(alone)) <= BATCH_ATOL
