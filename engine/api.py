@@ -183,7 +183,7 @@ class Engine:
         template = self.editor.one_off_template(image, mask, prompt, seed, steps, guidance)
         request = self.editor.check_request(EditRequest(template.template_id, mask, prompt, seed), template)
         if self.editor.is_recorded(template.template_id):
-            return self.submit(request, watch, budget_s, lora)
+            return self._submit_checked(request, self.editor.templates[template.template_id], watch, budget_s, lora)
         with self._jobs_lock:
             records = template.template_id not in self._recordings and not lora
             job = Worker.new_job(request, recording=template, records=records, watch=watch,
@@ -228,12 +228,16 @@ class Engine:
         adapters (names in `EngineConfig.lora_dir`, with scales: `retouch.lora.parse_lora`), loaded while
         it already denoises (`EngineConfig.lora_latest_step`)."""
         self._check_running()
-        lora = self.check_lora(lora)
         template = self.editor.templates.get(request.template_id)
         if template is None:
             raise InputError(f"unknown template {request.template_id!r}; register it first")
-        job = Worker.new_job(self.editor.check_request(request, template), watch=watch, deadline=_deadline(budget_s),
-                             lora=lora)
+        request = self.editor.check_request(request, template)
+        return self._submit_checked(request, template, watch, budget_s, self.check_lora(lora))
+
+    def _submit_checked(self, request: EditRequest, template: Template, watch: StepWatch | None,
+                        budget_s: float | None, lora: LoraChoice) -> Future[EditResult]:
+        """`submit` of a request and LoRA choice already checked (and the LoRA looked up: once per request)."""
+        job = Worker.new_job(request, watch=watch, deadline=_deadline(budget_s), lora=lora)
         # A template evicted to disk is read back while the request is pre-processed and queued; the
         # loop admits it once it is in host memory, stepping the running batch meanwhile.
         job.template_load = self.editor.prefetch(template)

@@ -331,7 +331,8 @@ def run_worker(opts: WorkerOptions) -> None:
                           helper_threads=opts.helper_threads,
                           run_dir=None if opts.run_dir is None else str(opts.run_dir),
                           lora_dir=None if opts.lora_dir is None else str(opts.lora_dir),
-                          lora_cache_mb=opts.lora_cache_mb, lora_latest_step=opts.lora_latest_step)
+                          lora_cache_mb=opts.lora_cache_mb, lora_device_mb=opts.lora_device_mb,
+                          lora_latest_step=opts.lora_latest_step)
     engine = Engine.load(opts.model, config, device=device, dtype=dtype, cache=CacheStore(opts.cache_config()),
                          compile=opts.compile, cuda_graphs=opts.cuda_graphs)
     if opts.compile or opts.cuda_graphs:

@@ -71,6 +71,7 @@ class EngineConfig:
     mixed_sizes: bool = True  # Flux/SD3: requests of different image sizes share one forward (False: one per size)
     lora_dir: str | None = None  # the folder of LoRA files requests name (`retouch.lora.files`); None: no LoRA
     lora_cache_mb: float = 2048.0  # host memory of the LRU cache of loaded LoRAs
+    lora_device_mb: float | None = None  # device memory of LoRA copies kept for later requests (None: lora_cache_mb)
     # A request's LoRA applies from the first step after it is loaded, at the latest before this fraction
     # of its steps (it waits there if still loading); 0: before its first step (synchronous loading).
     lora_latest_step: float = 0.3
@@ -84,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"helper_threads must be >= 0, got {self.helper_threads}")
         if self.lora_cache_mb <= 0:
             raise ValueError(f"lora_cache_mb must be > 0, got {self.lora_cache_mb}")
+        if self.lora_device_mb is not None and not self.lora_device_mb > 0:
+            raise ValueError(f"lora_device_mb must be > 0, got {self.lora_device_mb}")
         if not 0.0 <= self.lora_latest_step <= 1.0:
             raise ValueError(f"lora_latest_step must be in [0, 1], got {self.lora_latest_step}")
 
@@ -222,7 +225,8 @@ class Worker:
         self._forward_s = self._inline_s = 0.0
         self._previewer: LatentPreviewer | None = None
         self.predict_s = predict_s or self.predicted_s
-        self.loras = LoraManager(config.lora_dir, int(config.lora_cache_mb * 2**20), editor)
+        self.loras = LoraManager(config.lora_dir, int(config.lora_cache_mb * 2**20), editor,
+                                 None if config.lora_device_mb is None else int(config.lora_device_mb * 2**20))
 
     @classmethod
     def new_job(cls, request: EditRequest | None, recording: Template | None = None, records: bool = True,

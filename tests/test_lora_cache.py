@@ -186,8 +186,8 @@ def test_the_device_budget_is_its_own(editor, lora_dir, make_manager):
 
 def test_an_engine_with_a_budget_below_one_adapter_reads_it_once(editor, lora_dir):
     """Through `Engine.submit` (lookup at submission, admission in the loop, with the request's own LoraUse
-    objects): edits one after another read the adapter once; a request refused after its lookup (an unknown
-    template) and a finished one leave no reservation behind."""
+    objects): edits one after another read the adapter once; a request refused (an unknown template, checked
+    before its LoRA is looked up) and a finished one leave no reservation behind."""
     size = adapter_bytes(editor, lora_dir / "A.safetensors")
     config = EngineConfig(mode="naive", lora_dir=str(lora_dir), lora_latest_step=0.0,
                           lora_cache_mb=size / 2 / 2**20)
@@ -199,7 +199,7 @@ def test_an_engine_with_a_budget_below_one_adapter_reads_it_once(editor, lora_di
         with pytest.raises(InputError, match="unknown template"):
             engine.submit(EditRequest("tpl-nope", square_mask(), "a red hat"), lora="A")
         manager = engine.worker.loras
-        assert counts(manager) == (3, 1, 0, 1)  # the refused request's lookup was a hit too
+        assert counts(manager) == (2, 1, 0, 1)  # the refused request was refused before any lookup
     gc.collect()
     with manager._lock:
         assert manager._live_reservations("A") == []

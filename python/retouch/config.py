@@ -20,6 +20,8 @@ from retouch.lora import LoraChoice, LoraError, parse_lora
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LORA_DIR_HELP = "folder of LoRA adapters requests may name: NAME.safetensors or NAME/pytorch_lora_weights.safetensors"
+LORA_DEVICE_HELP = ("device memory of {whose} LoRA copies kept for later requests (MiB; default: --lora-cache-mb); "
+                    "adapters a queued or running request needs stay beyond it")
 CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")  # retouch.cache.layout.STORAGE_DTYPES
 CACHE_HOST_HELP = ("pinned host memory of {whose} template cache (GiB): every template being recorded or edited "
                    "is held whole in it (a flux-size template at 1024 px, 28 steps, bf16, Y-cache: about 40 GB)")
@@ -127,6 +129,9 @@ def _check_lora_options(options) -> None:
     """--lora-dir, --lora-cache-mb and --lora-latest-step of a server or worker."""
     _check_lora_dir(options.lora_dir)
     _require(options, ("lora_cache_mb",), "> 0")
+    device_mb = options.lora_device_mb
+    if device_mb is not None and not (math.isfinite(device_mb) and device_mb > 0):
+        raise InputError(f"--lora-device-mb must be a finite number > 0, got {device_mb}")
     if not 0.0 <= options.lora_latest_step <= 1.0:
         raise InputError(f"--lora-latest-step must be in [0, 1], got {options.lora_latest_step}")
 
@@ -290,6 +295,7 @@ class ServeOptions:
     lora_dir: Path | None = option(None, help=LORA_DIR_HELP + " (given to this host's workers; an edit naming "
                                    "one it lacks is refused before it queues)")
     lora_cache_mb: float = option(2048.0, help="host memory of each worker's cache of loaded LoRAs (MiB)")
+    lora_device_mb: float | None = option(None, help=LORA_DEVICE_HELP.format(whose="each worker's"))
     lora_latest_step: float = option(0.3, help="a LoRA loads while its request already denoises and applies from "
                                      "the step after, at the latest from this fraction of the request's steps "
                                      "(0: loaded before its first step)")
@@ -369,6 +375,7 @@ class WorkerOptions:
     cache_dtype: str = option("auto", help=CACHE_DTYPE_HELP, choices=CACHE_DTYPES)
     lora_dir: Path | None = option(None, help=LORA_DIR_HELP)
     lora_cache_mb: float = option(2048.0, help="host memory of this worker's cache of loaded LoRAs (MiB)")
+    lora_device_mb: float | None = option(None, help=LORA_DEVICE_HELP.format(whose="this worker's"))
     lora_latest_step: float = option(0.3, help="a LoRA loads while its request already denoises and applies from "
                                      "the step after, at the latest from this fraction of the request's steps "
                                      "(0: loaded before its first step)")

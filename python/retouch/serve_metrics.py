@@ -73,15 +73,18 @@ CACHE_GAUGES = (("host_bytes_used", "bytes of activations in pinned host memory"
                 ("disk_bytes_budget", "the disk tier's budget in bytes"))
 # The keys of lora.manager.LoraManager.metrics.
 LORA_COUNTERS = (("hits", "LoRA lookups served without reading the file (on the device or in the host cache)"),
-                 ("misses", "LoRA lookups that read the file"),
+                 ("misses", "LoRA lookups that needed a read of the file (failed reads included)"),
                  ("evictions", "LoRAs evicted from the host cache"),
                  ("loads", "LoRA files loaded"),
-                 ("load_failures", "LoRA loads that failed (their requests were answered 422)"),
+                 ("load_failures", "LoRA lookups a worker answered 422: no such file, or one that cannot be "
+                  "loaded (names the HTTP frontend answers 404 never reach a worker)"),
                  ("load_seconds", "seconds spent loading LoRA files"),
                  ("load_cpu_seconds", "CPU seconds the loader thread spent on them (the rest: waiting on storage)"))
 LORA_GAUGES = (("cached_bytes", "bytes of LoRA weights in the worker's host cache"),
                ("cached_adapters", "LoRAs in the worker's host cache"),
-               ("budget_bytes", "the LoRA host cache's budget in bytes"))
+               ("budget_bytes", "the LoRA host cache's budget in bytes"),
+               ("device_bytes", "bytes of LoRA weights on the worker's device"),
+               ("device_budget_bytes", "the budget of the LoRA copies on the device in bytes"))
 
 
 def endpoint_label(path: str) -> str:

@@ -136,6 +136,8 @@ class Server:
                      "--threads", str(opts.worker_threads)]
         node_args += ["--compile"] * opts.compile + ["--cuda-graphs"] * opts.cuda_graphs
         node_args += ["--lora-cache-mb", str(opts.lora_cache_mb), "--lora-latest-step", str(opts.lora_latest_step)]
+        if opts.lora_device_mb is not None:
+            node_args += ["--lora-device-mb", repr(opts.lora_device_mb)]
         node_args += ["--cache-host-gib", repr(opts.cache_host_gib), "--cache-disk-gib", repr(opts.cache_disk_gib),
                       "--cache-dtype", opts.cache_dtype]
         if opts.lora_dir is not None:
