@@ -157,7 +157,7 @@ def test_one_failed_image_cancels_its_siblings_at_once():
     answer = outcome["answer"]  # answered while the worker still held the other two
     assert answer.status_code == 500, answer.text
     assert answer.json()["error"] == {"message": "out of memory", "type": "server_error", "param": None,
-                                      "code": "RuntimeError"}
+                                      "code": "internal_error"}
     assert outcome["cancelled"] == outcome["siblings"]
     assert outcome["pending"] == 0 and outcome["counters"]["cancelled"] == 2
 
@@ -208,3 +208,37 @@ def test_an_unknown_endpoint_or_method_is_a_json_error_saying_what_there_is(docs
     assert ("/docs" in typo.json()["error"]["message"]) == docs
     assert put.status_code == 405 and put.json()["error"]["code"] == "method_not_allowed"
     assert "POST" in put.headers["allow"]
+
+
+async def repeated_fields() -> dict:
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
+    app = create_app(router, Limits(default_steps=2))
+    image = ("t.png", png(Image.new("RGB", (32, 32), "red")), "image/png")
+    mask = ("m.png", png(Image.new("L", (32, 32), 255)), "image/png")
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            return {
+                "two loras": await client.post("/v1/edits", files=[("mask", mask), ("image", image)],
+                                               data={"prompt": "a cat", "lora": ["style", "grain"]}),
+                "two prompts": await client.post("/v1/edits", files=[("mask", mask), ("image", image)],
+                                                 data={"prompt": ["a cat", "a dog"]}),
+                "two masks": await client.post("/v1/edits", files=[("mask", mask), ("mask", mask), ("image", image)],
+                                               data={"prompt": "a cat"}),
+                "template lora": await client.post("/v1/templates", files={"image": image},
+                                                   data={"lora": "style"}),
+                "templates": router.snapshot()["templates"], "pending": router.snapshot()["pending"]}
+    finally:
+        await asyncio.to_thread(router.close, 0)
+
+
+def test_a_field_sent_twice_or_a_lora_on_a_template_is_refused_naming_it():
+    """Multipart lets a field repeat; the last value silently winning (two `lora` fields: only the second
+    adapter applied) is refused instead, as is a `lora` on a template (recorded without LoRA)."""
+    outcome = asyncio.run(repeated_fields())
+    for name, param in (("two loras", "lora"), ("two prompts", "prompt"), ("two masks", "mask")):
+        assert outcome[name].status_code == 400 and outcome[name].json()["error"]["param"] == param, name
+        assert "sent 2 times" in outcome[name].json()["error"]["message"]
+    assert "NAME,NAME" in outcome["two loras"].json()["error"]["message"]
+    refused = outcome["template lora"]
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "lora_unsupported"
+    assert outcome["templates"] == 0 and outcome["pending"] == 0

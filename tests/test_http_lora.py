@@ -255,7 +255,7 @@ def test_a_lora_reaches_the_engine_through_router_and_node_and_its_failure_names
     failure = seen["load failure"]
     assert failure.status_code == 422
     assert failure.json()["error"] == {"message": "ink is not a LoRA of this model", "type": "invalid_request_error",
-                                       "param": "lora", "code": "LoraError"}
+                                       "param": "lora", "code": "lora_failed"}
     name, error = seen["streamed load failure"][-1]
     assert name == "error" and error["status"] == 422 and error["error"]["param"] == "lora"
     assert seen["heartbeat"] == LORA_METRICS

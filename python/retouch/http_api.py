@@ -18,7 +18,7 @@ Accepted edits are answered exactly once (the router guarantees it across worker
 LoRA: an edit may carry `lora`, adapters of the server's --lora-dir (`lora_field`): "NAME[:SCALE]",
 comma-separated, or a JSON list of such strings or of {"name", "scale"} objects. A malformed one, or
 any on a server without --lora-dir, is 400; a name the folder lacks is 404 (code lora_not_found);
-both before anything is queued. A LoRA its worker then fails to load answers 422 (code LoraError);
+both before anything is queued. A LoRA its worker then fails to load answers 422 (code lora_failed);
 each of these names the param "lora". A streamed edit's `done` metrics say from which step it applied
 (`lora_applied_step`).
 
@@ -268,8 +268,15 @@ class Form:
     def __init__(self, form):
         self.form = form
 
+    def once(self, name: str) -> None:
+        """A field sent more than once is refused: which of its values was meant is not ours to guess."""
+        if len(self.form.getlist(name)) > 1:
+            raise ApiError(400, f"{name} was sent {len(self.form.getlist(name))} times; send it once"
+                           + (" (several adapters go in one field: NAME,NAME)" if name == "lora" else ""), name)
+
     def file(self, name: str, *aliases: str) -> bytes | None:
         for key in (name, *aliases):
+            self.once(key)
             value = self.form.get(key)
             if value is not None:
                 if not isinstance(value, UploadFile):
@@ -285,6 +292,7 @@ class Form:
         return values
 
     def text(self, name: str, default: str | None = None) -> str | None:
+        self.once(name)
         value = self.form.get(name)
         if value is None:
             return default
@@ -358,6 +366,9 @@ EDIT_FIELDS = {
     "lora": LORA_FIELD,
 }
 
+# A worker's error (its exception's class name) -> the code of the answer's error body.
+WORKER_ERROR_CODES = {"Cancelled": "cancelled", LoraError.__name__: "lora_failed",
+                      "MissingTemplate": "template_missing"}
 OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}  # OpenAI's output_format -> Pillow's
 OPENAI_EDIT_FIELDS = {
     "image": _field("file", "the image to edit (also as image[])"),
@@ -616,6 +627,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     @app.post("/v1/templates", status_code=202)
     async def create_template(request: Request):
         form = await read_form(request)
+        if form.text("lora") is not None:  # a client may think the template carries the adapter
+            raise ApiError(400, "templates are recorded without LoRA (the cache holds the base model's "
+                           "activations); name the adapters on each edit", "lora", "lora_unsupported")
         upload = form.file("image")
         if upload is None:
             raise ApiError(400, "image is required (a file field)", "image")
@@ -1036,10 +1050,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     def answer_error(answer: EditAnswer) -> ApiError:
-        """A worker's failed answer; a LoRA it could not load (`retouch.lora.LoraError`) names the param."""
+        """A worker's failed answer, its error (an exception's class name) as a snake_case code; a LoRA it
+        could not load (`retouch.lora.LoraError`) names the param."""
+        code = WORKER_ERROR_CODES.get(answer.error) or (
+            answer.error if answer.error and answer.error.islower()  # the router's own: no_worker, ...
+            else "internal_error" if answer.status >= 500 else "invalid_request")
         return ApiError(answer.status, answer.message or "the edit failed",
-                        "lora" if answer.error == LoraError.__name__ else None,
-                        "cancelled" if answer.error == "Cancelled" else answer.error,
+                        "lora" if answer.error == LoraError.__name__ else None, code,
                         {"Retry-After": "5"} if answer.status == 503 else None)
 
     def edit_in_flight(request: Request, request_id: str) -> list[int]:
