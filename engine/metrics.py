@@ -97,6 +97,7 @@ class WorkerMetrics:
             "steps": steps, "completed": self.completed, "failed": self.failed, "cancelled": self.cancelled,
             "recorded": self.recorded, "watch_errors": self.watch_errors,
             "interruptions": self.interruptions,
+            "step_seconds": sum(self.step_s), "batch_rows": sum(self.batch_sizes),
             "mean_batch_size": statistics.fmean(self.batch_sizes) if steps else 0.0,
             "max_batch_size": max(self.batch_sizes, default=0),
             "mean_step_s": statistics.fmean(self.step_s) if steps else 0.0,

@@ -25,7 +25,7 @@ OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 # A worker's heartbeat: engine.metrics summary keys, CacheStore.metrics() under "cache" and
 # LoraManager.metrics() under "lora".
 WORKER_REPORT = {"steps": 12, "completed": 5, "failed": 1, "cancelled": 2, "recorded": 1, "interruptions": 3,
-                 "mean_batch_size": 1.5, "mean_step_s": 0.25,
+                 "mean_batch_size": 1.5, "mean_step_s": 0.25, "step_seconds": 3.0, "batch_rows": 18,
                  "cache": {"hits": 7, "misses": 2, "disk_hits": 1, "evictions": 0, "prefetches": 1,
                            "prefetch_bytes": 4096, "disk_reads": 1, "disk_writes": 2, "disk_bytes_read": 4096,
                            "disk_bytes_written": 8192, "corrupt_files": 0, "registrations": 1,
@@ -34,7 +34,10 @@ WORKER_REPORT = {"steps": 12, "completed": 5, "failed": 1, "cancelled": 2, "reco
                  "lora": {"cached_bytes": 1 << 20, "cached_adapters": 2, "budget_bytes": 1 << 31, "hits": 9,
                           "misses": 3, "evictions": 1, "loads": 3, "load_failures": 1,
                           "load_seconds": 0.75, "load_cpu_seconds": 0.25}}
-CACHE_GAUGES = {"host_bytes_used", "host_bytes_budget", "host_templates", "disk_bytes_used", "disk_bytes_budget"}
+# heartbeat key -> its gauge's name (Prometheus: the unit last); the other cache keys are counters
+CACHE_GAUGES = {"host_bytes_used": "host_used_bytes", "host_bytes_budget": "host_budget_bytes",
+                "host_templates": "host_templates", "disk_bytes_used": "disk_used_bytes",
+                "disk_bytes_budget": "disk_budget_bytes"}
 LORA_GAUGES = {"cached_bytes", "cached_adapters", "budget_bytes"}
 
 
@@ -110,12 +113,13 @@ def test_metrics_count_every_answer_and_expose_router_and_worker_state():
     assert sample(found, "retouch_router_events_total", event="routed") == 1
     assert sample(found, "retouch_http_inflight_body_bytes") == 0
 
-    for key in ("mean_batch_size", "mean_step_s"):
-        assert sample(found, f"retouch_worker_{key}", worker="w0") == WORKER_REPORT[key]
-    for key in ("steps", "completed", "failed", "cancelled", "recorded", "interruptions"):
+    assert sample(found, "retouch_worker_mean_batch_size", worker="w0") == WORKER_REPORT["mean_batch_size"]
+    assert sample(found, "retouch_worker_mean_step_seconds", worker="w0") == WORKER_REPORT["mean_step_s"]
+    for key in ("steps", "step_seconds", "batch_rows", "completed", "failed", "cancelled", "recorded",
+                "interruptions"):
         assert sample(found, f"retouch_worker_{key}_total", worker="w0") == WORKER_REPORT[key]
     for key, value in WORKER_REPORT["cache"].items():
-        name = f"retouch_worker_cache_{key}" + ("" if key in CACHE_GAUGES else "_total")
+        name = "retouch_worker_cache_" + (CACHE_GAUGES[key] if key in CACHE_GAUGES else f"{key}_total")
         assert sample(found, name, worker="w0") == value, name
     for key, value in WORKER_REPORT["lora"].items():
         name = f"retouch_worker_lora_{key}" + ("" if key in LORA_GAUGES else "_total")
@@ -157,3 +161,21 @@ def test_a_bug_is_answered_with_a_json_500_and_counted():
     assert outcome["answer"].status_code == 500
     assert outcome["answer"].json()["error"]["code"] == "internal_error"
     assert sample(outcome["metrics"], "retouch_http_requests_total", endpoint="/v1/templates", status="500") == 1
+
+
+def test_a_replacement_worker_keeps_its_slots_label():
+    """`retouch serve` names a worker's replacement w0.1: its series stay worker="w0" (a counter reset for
+    rate()), and while the dead w0 is still connected, only the replacement's report is exposed."""
+    from retouch.serve_metrics import RouterCollector
+
+    with router_and_context() as (router, context):
+        old, replacement = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w0.1")
+        other = ScriptedWorker(context, router, "host-7.1")  # not a local worker's name: kept as it is
+        old.heartbeat({"steps": 40})
+        replacement.heartbeat({"steps": 2})
+        other.heartbeat({"steps": 5})
+        assert router.wait_until(lambda r: all(r.workers[name].report for name in ("w0", "w0.1", "host-7.1")), 30)
+        found = samples(RouterCollector(router).collect())
+    assert sample(found, "retouch_worker_steps_total", worker="w0") == 2
+    assert sample(found, "retouch_worker_steps_total", worker="host-7.1") == 5
+    assert not any(("worker", "w0.1") in labels for _, labels in found)

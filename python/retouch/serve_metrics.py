@@ -9,8 +9,10 @@ from `router.snapshot()` when scraped (`RouterCollector`), so nothing is copied 
     body, content_type = metrics.exposition(request.headers.get("accept", ""))
 
 A worker's counters (steps, completed, cache hits, LoRA loads, ...) are cumulative in its process and
-arrive in its heartbeat; they are exposed as counters that restart from zero when the worker does, which
-Prometheus' rate() reads as a counter reset.
+arrive in its heartbeat (so they lag the HTTP counters by up to one heartbeat); they are exposed as
+counters that restart from zero when the worker does, which Prometheus' rate() reads as a counter
+reset. A local worker's replacement (w0.1 of `retouch serve`) keeps its slot's label (w0); a worker
+that joins with `retouch worker` keeps its label across restarts only with a fixed `--name`.
 
 SLOs, per size class (`engine.router.size_class`): `retouch_slo_requests_total{class, outcome}`
 counts edits with a deadline (outcome "with_deadline") and how each ended (met, missed, refused at
@@ -19,6 +21,7 @@ admission, cancelled); `retouch_slo_goodput{class}` is met / (met + missed + ref
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -28,28 +31,34 @@ from prometheus_client.registry import Collector
 
 from retouch.engine.router import SLO_OUTCOMES, Router
 
+LOCAL_WORKER = re.compile(r"(?P<slot>w\d+)(\.(?P<restart>\d+))?")  # the supervisor's names: w0, w0.1, ...
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
 # A policy decision takes microseconds (least-requests) to a millisecond or so (mask-aware, many workers).
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
 # Routes, not URLs: a label per route keeps unknown paths and template ids from growing the series.
-ENDPOINTS = ("/v1/templates", "/v1/edits", "/v1/images/edits", "/metrics", "/healthz", "/readyz",
-             "/openapi.json", "/docs", "/redoc")
+ENDPOINTS = ("/v1/templates", "/v1/edits", "/v1/images/edits", "/v1/models", "/v1/loras", "/metrics", "/healthz",
+             "/readyz", "/openapi.json", "/docs", "/redoc", "/")
 ROUTES_WITH_ID = ("/v1/templates/", "/v1/edits/")
 
-# (heartbeat key, help) per worker; the keys of engine.metrics.WorkerMetrics.summary and of the
-# router's own per-worker view.
+# (heartbeat key, help[, metric name when not the key]) per worker; the keys of
+# engine.metrics.WorkerMetrics.summary and of the router's own per-worker view.
 WORKER_GAUGES = (("running", "requests in the worker's running batch"),
                  ("queued", "requests queued at the worker"),
                  ("assigned", "requests the router has sent the worker and not yet had answered"),
-                 ("mean_batch_size", "mean batch size over the worker's steps"),
-                 ("mean_step_s", "mean seconds per denoising step"))
+                 ("mean_batch_size", "mean batch size over the worker process's life (windowed: "
+                  "rate(batch_rows) / rate(steps))"),
+                 ("mean_step_s", "mean seconds per denoising step over the worker process's life (windowed: "
+                  "rate(step_seconds) / rate(steps))", "mean_step_seconds"))
 WORKER_COUNTERS = (("steps", "denoising steps run"),
+                   ("step_seconds", "seconds spent in denoising steps"),
+                   ("batch_rows", "requests summed over the denoising steps (their batch sizes)"),
                    ("completed", "edits completed"),
                    ("failed", "edits failed"),
                    ("cancelled", "edits cancelled"),
                    ("recorded", "templates recorded"),
-                   ("interruptions", "pre/post-processing tasks run mid-denoising"))
+                   ("interruptions", "inline pre/post-processing tasks, and templates recorded again, while "
+                    "other requests were denoising"))
 # The keys of cache.store.CacheStore.metrics.
 CACHE_COUNTERS = (("hits", "template activation lookups found in host memory"),
                   ("misses", "template activation lookups in no tier (or an unusable file): recorded again"),
@@ -66,11 +75,11 @@ CACHE_COUNTERS = (("hits", "template activation lookups found in host memory"),
                   ("disk_evictions", "templates evicted from the disk tier"),
                   ("corrupt_files", "activation files found corrupt and dropped"),
                   ("registrations", "templates registered in the cache"))
-CACHE_GAUGES = (("host_bytes_used", "bytes of activations in pinned host memory"),
-                ("host_bytes_budget", "the host tier's budget in bytes"),
+CACHE_GAUGES = (("host_bytes_used", "bytes of activations in pinned host memory", "host_used_bytes"),
+                ("host_bytes_budget", "the host tier's budget in bytes", "host_budget_bytes"),
                 ("host_templates", "templates resident in host memory"),
-                ("disk_bytes_used", "bytes of activations on disk"),
-                ("disk_bytes_budget", "the disk tier's budget in bytes"))
+                ("disk_bytes_used", "bytes of activations on disk", "disk_used_bytes"),
+                ("disk_bytes_budget", "the disk tier's budget in bytes", "disk_budget_bytes"))
 # The keys of lora.manager.LoraManager.metrics.
 LORA_COUNTERS = (("hits", "LoRA lookups served without reading the file (on the device or in the host cache)"),
                  ("misses", "LoRA lookups that needed a read of the file (failed reads included)"),
@@ -137,7 +146,7 @@ class RouterCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self.router.snapshot()
-        workers = sorted(snapshot["workers"].items())
+        workers = stable_labels(list(snapshot["workers"].items()))
         for name, help_text, value in (("retouch_queue_depth", "edits accepted and not yet answered",
                                         snapshot["pending"]),
                                        ("retouch_parked_edits", "edits waiting for their template's recording",
@@ -175,11 +184,31 @@ def _slo(per_class: dict[str, dict[str, int]]) -> Iterator[Metric]:
     yield goodput
 
 
-def _per_worker(prefix: str, reports: list[tuple[str, dict]], gauges: Iterable[tuple[str, str]],
-                counters: Iterable[tuple[str, str]]) -> Iterator[Metric]:
+def worker_label(name: str) -> str:
+    """A worker's `worker` label: a local worker's replacement (w0.1, w0.2, ... of `retouch serve`'s
+    supervisor) reports as its slot (w0), so its series go on across restarts, as a counter reset."""
+    local = LOCAL_WORKER.fullmatch(name)
+    return local["slot"] if local else name
+
+
+def stable_labels(workers: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """(label, report) per worker; of a slot's old process and its replacement, both still connected
+    (the old one not yet declared dead), the newest."""
+    newest: dict[str, tuple[int, str, dict]] = {}
+    for name, report in workers:
+        local = LOCAL_WORKER.fullmatch(name)
+        restart = int(local["restart"] or 0) if local else 0
+        label = worker_label(name)
+        if label not in newest or restart > newest[label][0]:
+            newest[label] = (restart, name, report)
+    return [(label, report) for label, (_, _, report) in sorted(newest.items())]
+
+
+def _per_worker(prefix: str, reports: list[tuple[str, dict]], gauges: Iterable[tuple[str, ...]],
+                counters: Iterable[tuple[str, ...]]) -> Iterator[Metric]:
     for kind, fields in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
-        for key, help_text in fields:
-            family = kind(prefix + key, help_text, labels=("worker",))
+        for key, help_text, *renamed in fields:
+            family = kind(prefix + (renamed[0] if renamed else key), help_text, labels=("worker",))
             for name, report in reports:
                 value = report.get(key)
                 if isinstance(value, (int, float)):
