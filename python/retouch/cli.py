@@ -75,13 +75,15 @@ def edit_steps(opts: EditOptions) -> int:
 
 def _mask_aware_edit(opts: EditOptions, model, image, mask, load_seconds: float) -> int:
     """Register the image as a template (full compute, recorded), then edit it with the cache."""
+    from retouch.cache import CacheStore, StoreConfig
     from retouch.editor import MaskAwareEditor
     from retouch.images import save_image
     from retouch.progress import pipeline_bar
 
     if not opts.paste_back:
         raise RetouchError("--no-paste-back applies to the baseline edit; mask-aware edits keep unmasked pixels")
-    editor = MaskAwareEditor(model, cache_mode=opts.cache_mode, dilation=opts.dilation, compile=opts.compile,
+    editor = MaskAwareEditor(model, cache=CacheStore(StoreConfig(host_bytes=int(opts.cache_host_gib * 2**30))),
+                             cache_mode=opts.cache_mode, dilation=opts.dilation, compile=opts.compile,
                              cuda_graphs=opts.cuda_graphs)
     started = time.perf_counter()
     with pipeline_bar(model.pipe, "register template"):

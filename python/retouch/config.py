@@ -58,6 +58,8 @@ class EditOptions:
     cache_mode: str = option("y", help="mask-aware cache: y (block outputs, Fig. 5) or kv (keys/values, Fig. 7)",
                              choices=("y", "kv"))
     dilation: int = option(0, help="mask-aware: also recompute tokens within this many tokens of the mask")
+    cache_host_gib: float = option(4.0, help="mask-aware: host memory of the template cache (GiB); the template is "
+                                   "held whole in it (a flux-size template at 1024 px, 28 steps: about 40 GB)")
     compile: bool = option(False, help="mask-aware: run the blocks through torch.compile (the first steps compile)")
     cuda_graphs: bool = option(False, help="mask-aware, CUDA: replay CUDA graphs of the compiled blocks (implies "
                                "--compile)")
@@ -78,8 +80,10 @@ class EditOptions:
             raise InputError(f"--dilation must be >= 0, got {self.dilation}")
         if (self.compile or self.cuda_graphs) and not self.mask_aware:
             raise InputError("--compile and --cuda-graphs apply to mask-aware edits (add --mask-aware)")
-        if (self.dilation or self.cache_mode != "y") and not self.mask_aware:
-            raise InputError("--dilation and --cache-mode apply to mask-aware edits (add --mask-aware)")
+        if (self.dilation or self.cache_mode != "y" or self.cache_host_gib != 4.0) and not self.mask_aware:
+            raise InputError("--dilation, --cache-mode and --cache-host-gib apply to mask-aware edits (add --mask-aware)")
+        if not (math.isfinite(self.cache_host_gib) and self.cache_host_gib * 2**30 >= 1 << 20):
+            raise InputError(f"--cache-host-gib must be a finite number of at least 1 MiB, got {self.cache_host_gib}")
         if self.cuda_graphs and self.device == "cpu":
             raise InputError("--cuda-graphs needs a CUDA device (--device cuda or auto)")
         if self.mask_aware and self.strength != 1.0:
