@@ -146,6 +146,7 @@ class TemplateRecord:
     owner: str = ""  # the tenant (API key) that registered it: others neither see nor use it
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)  # its last edit (one-off images are evicted by it)
+    alpha: bytes | None = None  # its transparency (PNG, "L"), which answers get back; the frontend's only
     states: dict[str, str] = field(default_factory=dict)  # worker -> recording | ready | failed
     progress: dict[str, int] = field(default_factory=dict)  # worker -> recorded steps
     error: str | None = None

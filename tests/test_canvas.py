@@ -9,7 +9,8 @@ from PIL import Image
 
 from mask_strategies import sized_masks
 
-from retouch.canvas import Canvas, paste_unmasked
+from retouch.canvas import Canvas, paste_alpha, paste_unmasked
+from retouch.images import alpha_of
 
 sides = st.integers(1, 70)
 
@@ -59,6 +60,33 @@ def test_paste_keeps_the_template_where_the_mask_is_zero_and_takes_the_edit_wher
     assert (pasted[weight == 255] == edit[weight == 255]).all()
     expected = (template * (255 - weight[..., None].astype(int)) + edit * weight[..., None].astype(int)) / 255
     assert np.abs(pasted - expected).max() <= 0.5  # grey blends, rounded to the nearest level
+
+
+@given(sized_masks())
+@settings(max_examples=60, deadline=None)
+def test_a_transparent_templates_alpha_comes_back_outside_the_mask_and_opaque_inside(mask):
+    """What the mask keeps is the template's RGBA pixel exactly; what the model painted is opaque."""
+    rng = np.random.default_rng(mask.width * 7 + mask.height)
+    alpha = rng.integers(0, 256, (mask.height, mask.width), dtype=np.uint8)
+    edit = rng.integers(0, 256, (mask.height, mask.width, 3), dtype=np.uint8)
+    answer = paste_alpha(Image.fromarray(edit), Image.fromarray(alpha), mask)
+    assert answer.mode == "RGBA"
+    pixels, weight = np.asarray(answer), np.asarray(mask)
+    assert (pixels[..., :3] == edit).all()
+    assert (pixels[..., 3][weight == 0] == alpha[weight == 0]).all() and (pixels[..., 3][weight == 255] == 255).all()
+    assert paste_alpha(Image.fromarray(edit), None, mask).mode == "RGB"  # an opaque template: as it was
+
+
+def test_transparency_is_read_from_alpha_palettes_and_colour_keys_and_opaque_alpha_is_none():
+    rgba = Image.new("RGBA", (4, 2), (10, 20, 30, 255))
+    assert alpha_of(rgba) is None and alpha_of(rgba.convert("RGB")) is None
+    rgba.putpixel((1, 1), (10, 20, 30, 0))
+    assert np.asarray(alpha_of(rgba)).tolist() == [[255] * 4, [255, 0, 255, 255]]
+    assert np.asarray(alpha_of(rgba.convert("LA"))).tolist() == [[255] * 4, [255, 0, 255, 255]]
+    keyed = Image.new("RGB", (2, 1), (0, 0, 0))
+    keyed.putpixel((1, 0), (9, 9, 9))
+    keyed.info["transparency"] = (9, 9, 9)
+    assert np.asarray(alpha_of(keyed)).tolist() == [[255, 0]]
 
 
 def test_sizes_that_are_already_whole_are_left_alone():

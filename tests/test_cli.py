@@ -87,6 +87,28 @@ def test_an_odd_size_keeps_every_unmasked_pixel_and_repaints_a_single_one(cli, t
     assert differs[48, 65] and differs.sum() == 1
 
 
+def test_a_transparent_template_keeps_its_alpha_outside_the_mask(cli, tmp_path):
+    """A cut-out (RGBA) edited mask-aware: the PNG answer is RGBA, every unmasked pixel the file's own
+    RGBA pixel, the repainted ones opaque; a JPEG answer says it drops the alpha."""
+    rng = np.random.default_rng(1)
+    cutout = rng.integers(0, 256, (48, 64, 4), dtype=np.uint8)
+    cutout[..., 3] = np.where(rng.random((48, 64)) < 0.5, 0, 255)
+    Image.fromarray(cutout).save(tmp_path / "T.png")
+    mask = Image.new("L", (64, 48), 0)
+    mask.paste(255, (16, 16, 40, 40))
+    mask.save(tmp_path / "M.png")
+    for out in ("O.png", "O.jpg"):
+        result = cli("edit", "--model", "tiny-flux-fill", "--mask-aware", "--image", tmp_path / "T.png",
+                     "--mask", tmp_path / "M.png", "--prompt", "a red hat", "--steps", "2", "--out", tmp_path / out)
+        assert result.returncode == 0, result.stderr
+        assert ("drops the alpha" in result.stderr) == (out == "O.jpg")
+    with Image.open(tmp_path / "O.png") as edited:
+        answer = np.asarray(edited)
+    keep = np.asarray(mask) == 0
+    assert answer.shape == (48, 64, 4) and (answer[keep] == cutout[keep]).all()
+    assert (answer[..., 3][~keep] == 255).all()
+
+
 def test_edit_keeps_odd_input_size(cli, tmp_path):
     # 100x75 is not a multiple of the latent patch: run on a 112x80 canvas, returned at 100x75.
     Image.new("RGB", (100, 75), (200, 10, 10)).save(tmp_path / "T.png")

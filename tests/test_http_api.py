@@ -242,3 +242,55 @@ def test_a_field_sent_twice_or_a_lora_on_a_template_is_refused_naming_it():
     refused = outcome["template lora"]
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "lora_unsupported"
     assert outcome["templates"] == 0 and outcome["pending"] == 0
+
+
+async def transparent_edits() -> dict:
+    """An RGBA template registered and edited (a scripted worker answers with a gradient), and the same
+    image as a one-off; a half-transparent cut-out, repainted in its top-left quarter."""
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
+                                 dead_after_s=60.0)).start()
+    context = zmq.Context()
+    app = create_app(router, Limits(default_steps=2))
+    cutout = np.zeros((32, 32, 4), np.uint8)
+    cutout[..., :3] = 200
+    cutout[8:24, 8:24, 3] = 255
+    cutout[:, :8, 3] = 128
+    mask = Image.new("L", (32, 32), 0)
+    mask.paste(255, (0, 0, 16, 16))
+    answer = np.arange(32 * 32 * 3, dtype=np.uint8).reshape(32, 32, 3)
+    outcome = {"cutout": cutout, "mask": np.asarray(mask), "worker answer": answer}
+    try:
+        worker = ScriptedWorker(context, router, "w0")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            registered = await client.post("/v1/templates", data={"steps": "2"},
+                                           files={"image": ("t.png", png(Image.fromarray(cutout)), "image/png")})
+            await asyncio.to_thread(worker.register, registered.json()["id"])
+            for name, fields in (("template", {"data": {"template_id": registered.json()["id"], "prompt": "a cat"}}),
+                                 ("one-off", {"data": {"prompt": "a cat"},
+                                              "files": {"image": ("t.png", png(Image.fromarray(cutout)))}})):
+                files = {**fields.get("files", {}), "mask": ("m.png", png(mask), "image/png")}
+                posted = asyncio.create_task(client.post("/v1/edits", data=fields["data"], files=files))
+                edit = await asyncio.to_thread(worker.receive, "edit")
+                await asyncio.to_thread(worker.answer, edit["request"], png(Image.fromarray(answer)))
+                outcome[name] = await posted
+            opaque = await client.post("/v1/templates", data={"steps": "2"},
+                                       files={"image": ("t.png", png(Image.fromarray(cutout[..., :3])))})
+            outcome["ids"] = (registered.json()["id"], opaque.json()["id"])
+    finally:
+        router.close(drain_s=0)
+        context.destroy(linger=0)
+    return outcome
+
+
+def test_a_transparent_template_is_answered_with_its_alpha_outside_the_mask():
+    outcome = asyncio.run(transparent_edits())
+    keep = outcome["mask"] == 0
+    for name in ("template", "one-off"):
+        assert outcome[name].status_code == 200, outcome[name].text
+        answer = np.asarray(Image.open(io.BytesIO(outcome[name].content)))
+        assert answer.shape == (32, 32, 4), name
+        assert (answer[..., 3][keep] == outcome["cutout"][..., 3][keep]).all()  # the cut-out's own alpha
+        assert (answer[..., 3][~keep] == 255).all()  # what the model painted is opaque
+        assert (answer[..., :3] == outcome["worker answer"]).all()
+    template_id, opaque_id = outcome["ids"]
+    assert template_id != opaque_id  # the same colours, another alpha: another template

@@ -85,6 +85,22 @@ class Canvas:
             raise ValueError(f"expected an image of {self.size[0]}x{self.size[1]}, got {image.width}x{image.height}")
 
 
+def paste_alpha(edited: Image.Image, alpha: Image.Image | None, mask: Image.Image) -> Image.Image:
+    """A transparent template's answer: `edited` (RGB) with the template's `alpha` ("L") where `mask` is
+    black, opaque where it is white (what the model painted covers), blended in between; so where the
+    mask is 0 the answer is the template's RGBA pixel exactly. `alpha` None: `edited` as it is."""
+    if alpha is None:
+        return edited
+    if not (alpha.size == edited.size == mask.size):
+        raise ValueError(f"alpha {alpha.size}, edit {edited.size} and mask {mask.size} must have one size")
+    keep = np.asarray(alpha, dtype=np.uint32)
+    weight = np.asarray(mask, dtype=np.uint32)
+    blended = (keep * (255 - weight) + 255 * weight + 127) // 255
+    answer = edited.convert("RGB")
+    answer.putalpha(Image.fromarray(blended.astype(np.uint8), mode="L"))
+    return answer
+
+
 def paste_unmasked(template: Image.Image, edited: Image.Image, mask: Image.Image) -> Image.Image:
     """`edited` where `mask` is white, `template` where it is black, blended in between; all three at
     the user's size (mask "L" as `retouch.images.as_mask` reads it). Where the mask is 0 the result is

@@ -7,6 +7,7 @@ answer at once.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -22,16 +23,23 @@ EXIT_INTERNAL = 1
 
 
 def cmd_edit(args) -> int:
-    from retouch.images import check_output_path, load_image, load_mask, lossy_output_note, save_image
+    from retouch.images import (alpha_output_note, check_output_path, load_image_with_alpha, load_mask,
+                                lossy_output_note)
 
     opts = from_arguments(EditOptions, args)
     cap_log_messages()  # the text encoders log the part of a long prompt they cut, whole
     # Everything that can be checked without the model is checked before loading it.
-    image = load_image(opts.image)
+    image, alpha = load_image_with_alpha(opts.image)
     mask = load_mask(opts.mask, image.size, alpha=opts.mask_alpha)
     check_output_path(opts.out)
     if opts.paste_back and (note := lossy_output_note(opts.out)) is not None:
         print(f"retouch: {note}", file=sys.stderr)
+    if not opts.paste_back:
+        alpha = None  # the raw pipeline output
+    elif alpha is not None and (note := alpha_output_note(opts.out)) is not None:
+        print(f"retouch: {note}", file=sys.stderr)
+    # A transparent template's answer keeps its alpha outside the mask: a cut-out stays one.
+    out = functools.partial(_save_answer, alpha=alpha, mask=mask, path=opts.out)
     lora = opts.lora_choice()
     if lora:
         from retouch.lora.files import lora_path
@@ -46,9 +54,9 @@ def cmd_edit(args) -> int:
     model = load_pipeline(opts.model, device=device, dtype=dtype)
     loaded = time.perf_counter()
     if lora:
-        return _lora_edit(opts, model, image, mask, lora, loaded - started)
+        return _lora_edit(opts, model, image, mask, lora, loaded - started, out)
     if opts.mask_aware:
-        return _mask_aware_edit(opts, model, image, mask, loaded - started)
+        return _mask_aware_edit(opts, model, image, mask, loaded - started, out)
 
     from retouch.baseline import run_baseline_edit
     from retouch.progress import pipeline_bar
@@ -59,10 +67,18 @@ def cmd_edit(args) -> int:
             strength=opts.strength, call_defaults=model.call_defaults,
             paste_back=opts.paste_back)
     finished = time.perf_counter()
-    path = save_image(edited, opts.out)
+    path = out(edited)
     print(f"wrote {path} ({edited.width}x{edited.height}) with {model.name} on {model.pipe.device}: "
           f"load {loaded - started:.2f} s, edit {finished - loaded:.2f} s")
     return 0
+
+
+def _save_answer(edited, alpha, mask, path):
+    """Write the answer; a transparent template's gets its alpha back (`canvas.paste_alpha`)."""
+    from retouch.canvas import paste_alpha
+    from retouch.images import save_image
+
+    return save_image(paste_alpha(edited, alpha, mask), path)
 
 
 def edit_steps(opts: EditOptions) -> int:
@@ -73,11 +89,10 @@ def edit_steps(opts: EditOptions) -> int:
     return opts.steps or DEFAULT_STEPS
 
 
-def _mask_aware_edit(opts: EditOptions, model, image, mask, load_seconds: float) -> int:
+def _mask_aware_edit(opts: EditOptions, model, image, mask, load_seconds: float, out) -> int:
     """Register the image as a template (full compute, recorded), then edit it with the cache."""
     from retouch.cache import CacheStore, StoreConfig
     from retouch.editor import MaskAwareEditor
-    from retouch.images import save_image
     from retouch.progress import pipeline_bar
 
     if not opts.paste_back:
@@ -93,21 +108,20 @@ def _mask_aware_edit(opts: EditOptions, model, image, mask, load_seconds: float)
     with pipeline_bar(model.pipe, "edit"):
         edited = editor.edit(template_id, mask, opts.prompt, seed=opts.seed)
     finished = time.perf_counter()
-    path = save_image(edited, opts.out)
+    path = out(edited)
     print(f"wrote {path} ({edited.width}x{edited.height}) with {model.name}, mask-aware ({opts.cache_mode}-cache): "
           f"load {load_seconds:.2f} s, register template {template_id} {registered - started:.2f} s "
           f"(full compute), edit {finished - registered:.2f} s")
     return 0
 
 
-def _lora_edit(opts: EditOptions, model, image, mask, lora, load_seconds: float) -> int:
+def _lora_edit(opts: EditOptions, model, image, mask, lora, load_seconds: float, out) -> int:
     """An edit with LoRA adapters, through an in-process engine that loads them before the first step.
     Without --mask-aware a one-off edit, computed in full: the stock pipeline's result with the LoRA.
     With it, the image is recorded as a template by the base model, then edited computing masked tokens."""
     from retouch.editor import EditRequest, MaskAwareEditor
     from retouch.engine.api import Engine
     from retouch.engine.worker import EngineConfig, StepWatch
-    from retouch.images import save_image
     from retouch.progress import bar
 
     editor = MaskAwareEditor(model, cache_mode=opts.cache_mode, dilation=opts.dilation, compile=opts.compile,
@@ -132,7 +146,7 @@ def _lora_edit(opts: EditOptions, model, image, mask, lora, load_seconds: float)
                                              guidance=opts.guidance, watch=watch, lora=lora)
             result = future.result()
     finished = time.perf_counter()
-    path = save_image(result.image, opts.out)
+    path = out(result.image)
     how = f"mask-aware ({opts.cache_mode}-cache)" if opts.mask_aware else "in full"
     names = ",".join(f"{use.name}:{use.scale:g}" for use in lora)
     print(f"wrote {path} ({result.image.width}x{result.image.height}) with {model.name}, {how}, LoRA {names}: "

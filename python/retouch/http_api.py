@@ -62,7 +62,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
 
 from retouch import playground
-from retouch.canvas import Canvas
+from retouch.canvas import Canvas, paste_alpha
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (NO_WORKER, DeadlineUnattainable, EditAnswer, EditTask, NoWorkerConnected, QueueFull,
                                    Router, TemplateRecord, Unavailable)
@@ -70,7 +70,7 @@ from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
 from retouch.http_events import KEEPALIVE, KEEPALIVE_S, EventRelay, NativeEvents, OpenAIEvents, sse, with_image
-from retouch.images import ImageTooLarge, as_image, as_mask, decode_image, has_alpha, png_bytes
+from retouch.images import ImageTooLarge, alpha_of, as_image, as_mask, decode_image, has_alpha, png_bytes
 from retouch.lora import MAX_PER_REQUEST, LoraChoice, LoraError, choice_header, parse_lora
 from retouch.lora.files import list_loras, lora_path
 from retouch.lora.spec import MAX_SCALE
@@ -452,19 +452,25 @@ def lora_field(form: Form, lora_dir: Path | None) -> LoraChoice:
 
 
 def template_id_of(image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None,
-                   owner: str) -> str:
-    """A registered template's id: its content, recording parameters and tenant (two tenants
-    registering the same image never share a record). Hashes the pixels: call it off the loop."""
+                   owner: str, alpha: Image.Image | None = None) -> str:
+    """A registered template's id: its content (transparency included), recording parameters and
+    tenant (two tenants registering the same image never share a record). Hashes the pixels: call it
+    off the loop."""
     digest = hashlib.sha256(image.tobytes())
     digest.update(f"|{owner}|{image.size}|{prompt}|{steps}|{seed}|{guidance}".encode())
+    if alpha is not None:
+        digest.update(b"|alpha|" + alpha.tobytes())
     return "tpl-" + digest.hexdigest()[:24]
 
 
-def one_off_id_of(image: Image.Image, steps: int, guidance: float | None, owner: str) -> str:
-    """A one-off image's template: its content, schedule and tenant, not the prompt, seed or mask of
-    the request that first sent it. Hashes the pixels: call it off the loop."""
+def one_off_id_of(image: Image.Image, steps: int, guidance: float | None, owner: str,
+                  alpha: Image.Image | None = None) -> str:
+    """A one-off image's template: its content (transparency included), schedule and tenant, not the
+    prompt, seed or mask of the request that first sent it. Hashes the pixels: call it off the loop."""
     digest = hashlib.sha256(image.tobytes())
     digest.update(f"|{owner}|{image.size}|{steps}|{guidance}".encode())
+    if alpha is not None:
+        digest.update(b"|alpha|" + alpha.tobytes())
     return "img-" + digest.hexdigest()[:24]
 
 
@@ -613,13 +619,14 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
     async def register(tenant: str, image: Image.Image, prompt: str, steps: int, seed: int,
                        guidance: float | None) -> dict:
-        def identify() -> tuple[str, bytes, tuple[int, int]]:
-            rgb = as_image(image)
-            return template_id_of(rgb, prompt, steps, seed, guidance, tenant), png_bytes(rgb), rgb.size
+        def identify() -> tuple[str, bytes, tuple[int, int], bytes | None]:
+            rgb, alpha = as_image(image), alpha_of(image)
+            return (template_id_of(rgb, prompt, steps, seed, guidance, tenant, alpha), png_bytes(rgb), rgb.size,
+                    None if alpha is None else png_bytes(alpha))
 
-        template_id, png, size = await anyio.to_thread.run_sync(identify)
+        template_id, png, size, alpha = await anyio.to_thread.run_sync(identify)
         router.register_template(TemplateRecord(template_id, png, size, prompt, steps, seed, guidance, replicas=0,
-                                                owner=tenant))
+                                                owner=tenant, alpha=alpha))
         return template_or_404(template_id, tenant)
 
     # ---- templates ----
@@ -751,12 +758,26 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         check_work(upload.image.size, steps, n, "n" if n > 1 else "image")
         # A one-off image: its first edit records it as it runs, and later edits of the same image
         # (whatever their prompt, seed or mask) find that recording. It travels as the client sent it.
+        alpha = await anyio.to_thread.run_sync(alpha_of, upload.image)
         template_id = await anyio.to_thread.run_sync(
-            lambda: one_off_id_of(as_image(upload.image), steps, guidance, tenant))
+            lambda: one_off_id_of(as_image(upload.image), steps, guidance, tenant, alpha))
         if router.template(template_id, tenant) is not None:
             return template_id, None, steps
         return template_id, TemplateRecord(template_id, upload.data, upload.image.size, "", steps, 0, guidance,
-                                           replicas=1, one_off=True, owner=tenant), steps
+                                           replicas=1, one_off=True, owner=tenant,
+                                           alpha=None if alpha is None else png_bytes(alpha)), steps
+
+    async def with_template_alpha(template_id: str, one_off: TemplateRecord | None, mask: Image.Image,
+                                  png: bytes) -> bytes:
+        """A native answer of a transparent template: its alpha back outside the mask (`paste_alpha`)."""
+        record = one_off if one_off is not None else router.templates.get(template_id)
+        if record is None or record.alpha is None:
+            return png
+
+        def attach() -> bytes:
+            alpha = Image.open(io.BytesIO(record.alpha))
+            return png_bytes(paste_alpha(Image.open(io.BytesIO(png)), alpha.convert("L"), mask))
+        return await anyio.to_thread.run_sync(attach)
 
     async def unchanged(template_id: str, one_off: TemplateRecord | None) -> bytes:
         """The answer to a mask that repaints nothing: the template itself, as PNG."""
@@ -899,6 +920,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         if stream:
             return await streamed_edit(request, template_id, one_off, steps, mask, prompt, seed, preview_every, lora)
         [png] = await edit(request, "/v1/edits", template_id, one_off, steps, mask, prompt, seed, lora=lora)
+        png = await with_template_alpha(template_id, one_off, mask, png)
         headers = {"X-Template-Id": template_id, "X-Request-Id": request.state.request_id}
         if response_format == "png":
             return Response(png, media_type="image/png", headers=headers)
@@ -992,8 +1014,11 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         def written(*events: bytes | None) -> list[bytes]:
             return [event for event in events if event is not None]
 
+        async def answer_png(png: bytes) -> bytes:
+            return png if openai else await with_template_alpha(template_id, one_off, mask, png)
+
         if payload is None:  # nothing to repaint
-            png = await unchanged(template_id, one_off)
+            png = await answer_png(await unchanged(template_id, one_off))
 
             async def unchanged_events() -> AsyncIterator[bytes]:
                 for event in written(style.opening(), await style.done(png, {})):
@@ -1037,7 +1062,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                 answer = await asyncio.wrap_future(future)
                 if answer.status == 200:
                     outcome = "ok"
-                    yield await style.done(answer.png, answer.metrics)
+                    yield await style.done(await answer_png(answer.png), answer.metrics)
                 else:
                     outcome = "error"
                     yield style.error(answer.status, answer_error(answer).body())

@@ -73,6 +73,12 @@ def load_image(path: Path) -> Image.Image:
     return as_image(_open(path, "image"), f"image {path}")
 
 
+def load_image_with_alpha(path: Path) -> tuple[Image.Image, Image.Image | None]:
+    """The template image file as `as_image` reads it, and its transparency (`alpha_of`)."""
+    decoded = _open(path, "image")
+    return as_image(decoded, f"image {path}"), alpha_of(decoded)
+
+
 def load_mask(path: Path, size: tuple[int, int] | None = None, *, alpha: bool = False) -> Image.Image:
     """The mask file, as `as_mask` reads it (8-bit, white = repaint), checked against `size`."""
     return as_mask(_open(path, "mask"), size, alpha=alpha, what=f"mask {path}")
@@ -200,6 +206,16 @@ def has_alpha(image: Image.Image) -> bool:
     return bool({"A", "a"} & set(image.getbands())) or "transparency" in image.info
 
 
+def alpha_of(image: Image.Image) -> Image.Image | None:
+    """A decoded template's transparency as "L" (alpha, palette or colour-key transparency), or None if
+    it has none or is opaque everywhere. The model sees its RGB; answers get the alpha back
+    (`canvas.paste_alpha`), so a cut-out stays one."""
+    if not has_alpha(image):
+        return None
+    alpha = image.convert("RGBA").getchannel("A")
+    return None if alpha.getextrema()[0] == 255 else alpha
+
+
 def png_bytes(image: Image.Image) -> bytes:
     out = io.BytesIO()
     image.save(out, format="PNG")
@@ -229,8 +245,19 @@ def lossy_output_note(path: Path) -> str | None:
             f"write {', '.join(LOSSLESS_SUFFIXES[:2])} to keep them exactly")
 
 
+ALPHA_SUFFIXES = (".png", ".webp", ".tif", ".tiff", ".tga", ".gif")  # formats Pillow writes transparency in
+
+
+def alpha_output_note(path: Path) -> str | None:
+    """A one-line note when `path`'s format cannot keep a transparent template's alpha."""
+    suffix = Path(path).suffix.lower()
+    return None if suffix in ALPHA_SUFFIXES else f"note: {suffix} has no transparency, so the answer drops the alpha"
+
+
 def save_image(image: Image.Image, path: Path) -> Path:
     path = Path(path)
+    if image.mode == "RGBA" and path.suffix.lower() not in ALPHA_SUFFIXES:
+        image = image.convert("RGB")  # the caller said so (`alpha_output_note`)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         image.save(path, **({"lossless": True} if path.suffix.lower() == ".webp" else {}))
