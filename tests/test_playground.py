@@ -1,6 +1,10 @@
 """The playground at `/`, driven in a real headless Chromium (Debian's, through playwright): upload an
 image, paint a stroke with the mouse, submit, and get back an image whose pixels outside the painted
-mask are the upload's, byte for byte; with API keys, the key typed into the page is what opens /v1.
+mask are the upload's, byte for byte; with API keys, the key typed into the page is what opens /v1 and
+a new key shows that tenant's templates only. Also: the layout at narrow and short windows (Submit and
+the mask canvas uncovered), the mask always of the template shown, a template the server lost
+registered again, previews that keep the template outside the mask, accessible names, the keyboard,
+and the server's errors in the page's words.
 
 Chromium is /usr/bin/chromium; where it is missing, the set-up installs Debian's package if it can
 (root and apt-get) and skips, saying why, if it cannot. playwright never downloads a browser here.
@@ -35,6 +39,7 @@ SIZE = (256, 192)
 STEPS = 3  # typed into the page's steps field: the template records, and every edit of it runs, this many
 VIEWPORT = {"width": 1280, "height": 720}
 API_KEY = "sk-playground-0123456789"
+OTHER_KEY = "sk-playground-other-tenant"
 # The stroke, as fractions of the displayed image: across the sky, where the docs' screenshot asks
 # for a balloon.
 STROKE = [(0.18, 0.22), (0.28, 0.14), (0.40, 0.20), (0.52, 0.13), (0.62, 0.22)]
@@ -91,7 +96,7 @@ def server():
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
-    keys.write_text(f"{API_KEY}\n")
+    keys.write_text(f"{API_KEY}\n{OTHER_KEY}\n")
     with serve(api_keys_file=keys) as running:
         yield running
 
@@ -137,7 +142,7 @@ RECORD_PROGRESS = """() => {
         for (const record of records) for (const node of record.addedNodes) window.progressSeen.push(node.textContent);
     }).observe(document.getElementById("progress-text"), {childList: true});
     new MutationObserver(() => { window.previewsSeen++; })
-        .observe(document.getElementById("preview"), {attributes: true, attributeFilter: ["src"]});
+        .observe(document.getElementById("preview"), {attributes: true, attributeFilter: ["data-step"]});
 }"""
 
 
@@ -215,10 +220,12 @@ def test_playground_paints_a_mask_and_keeps_every_pixel_outside_it(server, page,
     page.evaluate(RECORD_PROGRESS)
     page.click("#submit")
     expect(page.locator("#result")).to_be_visible(timeout=WAIT_MS)
-    expect(page.locator("#progress-text")).to_have_text(f"step {STEPS} of {STEPS}")
+    expect(page.locator("#progress-text")).to_have_text(f"done: {STEPS} steps")
     progress_seen = page.evaluate("window.progressSeen")
     steps_seen = [text for text in progress_seen if text.startswith("step ")]
-    assert steps_seen == [f"step {k} of {STEPS}" for k in range(1, STEPS + 1)], progress_seen
+    # the last step is followed by the server's decode and encode: a stage of its own, not a full bar
+    assert steps_seen == [f"step {k} of {STEPS}" for k in range(1, STEPS)], progress_seen
+    assert progress_seen.index("finishing: decoding the image") > progress_seen.index(steps_seen[-1]), progress_seen
     assert page.evaluate("window.previewsSeen") >= 1
     expect(page.locator("#latency")).to_have_text(re.compile(r"^\d+\.\d\d s$"))
     expect(page.locator("#mask-ratio")).to_have_text(re.compile(r"^\d+\.\d %$"))
@@ -229,6 +236,9 @@ def test_playground_paints_a_mask_and_keeps_every_pixel_outside_it(server, page,
     edited, upload = np.asarray(edited.convert("RGB")), np.asarray(template)
     assert np.array_equal(edited[~mask], upload[~mask]), "pixels outside the mask changed"
     assert not np.array_equal(edited[mask], upload[mask]), "the edit repainted nothing"
+    # the page keeps the upload's name: in the list of templates and in the download's file name
+    expect(page.locator("#template-select option:checked")).to_have_text(re.compile(r"^scene\.png · "))
+    expect(page.locator("#download")).to_have_attribute("download", "scene-edit-1.png")
     assert page_errors == []
 
     screenshot = ROOT / "out" / "playground.png"
@@ -246,8 +256,9 @@ def test_playground_sends_the_api_key_it_is_given(keyed_server, page, page_error
     template_id = registered.json()["id"]
 
     page.goto(keyed_server.url + "/")
-    expect(page.locator("#status")).to_contain_text("missing or wrong API key")
+    expect(page.locator("#alert")).to_contain_text("missing or wrong API key")
     expect(page.locator("#api-key")).to_have_attribute("aria-invalid", "true")
+    expect(page.locator("#api-key")).to_be_focused()  # where the message points
     page.fill("#api-key", API_KEY)
     page.press("#api-key", "Enter")
     expect(page.locator(f"#template-select option[value='{template_id}']")).to_have_count(1)
@@ -257,4 +268,315 @@ def test_playground_sends_the_api_key_it_is_given(keyed_server, page, page_error
     page.reload()  # the key is remembered
     expect(page.locator("#api-key")).to_have_value(API_KEY)
     expect(page.locator(f"#template-select option[value='{template_id}']")).to_have_count(1)
+    assert page_errors == []
+
+
+# ---- helpers of the tests below ----
+
+def upload(page, image: Image.Image, name: str = "scene.png") -> None:
+    """Upload `image` through the page's file field and wait until its template is recorded."""
+    page.fill("#steps", str(STEPS))
+    page.set_input_files("#file", files=[{"name": name, "mimeType": "image/png", "buffer": png_bytes(image)}])
+    expect(page.locator("#template-progress")).to_contain_text(f"ready: {STEPS} steps recorded", timeout=WAIT_MS)
+    expect(page.locator("#submit")).to_be_enabled()
+
+
+def register(server, image: Image.Image, key: str | None = None) -> str:
+    """Register `image` through the API, as another client would; its template id."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    answer = httpx.post(server.url + "/v1/templates", headers=headers, data={"steps": str(STEPS)},
+                        files={"image": ("image.png", png_bytes(image), "image/png")}, timeout=30)
+    assert answer.status_code in (200, 202), answer.text
+    return answer.json()["id"]
+
+
+def canvas_size(page) -> list[int]:
+    return page.eval_on_selector("#mask-canvas", "canvas => [canvas.width, canvas.height]")
+
+
+# What is on top at nine points of an element's box, by document.elementFromPoint: "self" where the
+# element itself is hit; null where the point is outside the window.
+TOP_ELEMENTS = """(element) => {
+    const box = element.getBoundingClientRect();
+    const hits = [];
+    for (const fx of [0.05, 0.5, 0.95]) for (const fy of [0.05, 0.5, 0.95]) {
+        const hit = document.elementFromPoint(box.left + fx * box.width, box.top + fy * box.height);
+        hits.push(hit === element ? "self" : hit && (hit.id || hit.className || hit.tagName));
+    }
+    return hits;
+}"""
+
+# The boxes the page is made of: none may overlap another, at any window size.
+BOXES = ["#template-fields", "#mask-fields", "#edit-fields", ".actions", "#template-panel", "#result-panel"]
+
+
+def overlap(a: dict, b: dict) -> bool:
+    return (a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"]
+            and a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"])
+
+
+# ---- layout ----
+
+@pytest.mark.parametrize("width, height", [(375, 667), (800, 600), (1280, 720), (1440, 900)])
+def test_the_mask_and_submit_are_in_reach_at_every_window_size(server, page, page_errors, width, height):
+    page.set_viewport_size({"width": width, "height": height})
+    page.goto(server.url + "/")
+    upload(page, scene())
+    submit = page.locator("#submit")
+    if width > 900:  # one screen: Submit shows without scrolling anything
+        assert submit.evaluate(TOP_ELEMENTS) == ["self"] * 9
+        assert page.evaluate("document.documentElement.scrollHeight <= innerHeight")
+
+    boxes = {selector: page.locator(selector).bounding_box() for selector in BOXES}
+    for i, a in enumerate(BOXES):
+        for b in BOXES[i + 1:]:
+            # on one screen the Submit bar sticks over the controls scrolling under it, by design
+            if width > 900 and {a, b} == {"#edit-fields", ".actions"}:
+                continue
+            assert not overlap(boxes[a], boxes[b]), (a, b, boxes)
+    assert page.evaluate("document.documentElement.scrollWidth <= innerWidth"), "the page scrolls sideways"
+
+    canvas = page.locator("#mask-canvas")
+    canvas.scroll_into_view_if_needed()
+    assert canvas.evaluate(TOP_ELEMENTS) == ["self"] * 9  # nothing covers any part of it
+    paint(page, STROKE)
+    assert painted_mask(page).any()
+    page.fill("#prompt", "a red hot-air balloon")
+    submit.scroll_into_view_if_needed()
+    assert submit.evaluate(TOP_ELEMENTS) == ["self"] * 9
+    submit.click()
+    expect(page.locator("#result")).to_be_visible(timeout=WAIT_MS)
+    assert page_errors == []
+
+
+# ---- the template shown and its mask ----
+
+# Holds the page's fetch of one template's image until window.releaseImage() is called.
+HOLD_IMAGE = """(templateId) => {
+    const held = new Promise((resolve) => { window.releaseImage = resolve; });
+    const fetchFirst = window.fetch;
+    window.fetch = async (url, init) => {
+        if (String(url).endsWith(`/${templateId}/image`)) await held;
+        return fetchFirst(url, init);
+    };
+}"""
+
+
+def test_the_mask_is_always_of_the_template_shown(server, page, page_errors):
+    small, large = register(server, scene((64, 48))), register(server, scene((96, 64)))
+    page.goto(server.url + "/")
+    expect(page.locator(f"#template-select option[value='{large}']")).to_have_count(1)
+    page.select_option("#template-select", small)
+    page.wait_for_function("() => document.getElementById('mask-canvas').width === 64")
+    expect(page.locator("#submit")).to_be_enabled()
+
+    # while the next template's image loads, the shown one stays with its mask, and Submit waits
+    page.evaluate(HOLD_IMAGE, large)
+    page.select_option("#template-select", large)
+    expect(page.locator("#submit")).to_be_disabled()
+    assert canvas_size(page) == [64, 48]
+    expect(page.locator("#template-info")).to_have_text(f"64×48 · {STEPS} steps")
+    page.evaluate("window.releaseImage()")
+    expect(page.locator("#submit")).to_be_enabled()
+    assert canvas_size(page) == [96, 64]
+    expect(page.locator("#template-info")).to_have_text(f"96×64 · {STEPS} steps")
+
+    # an image that cannot be fetched: the template shown stays, and the page says why
+    page.route(f"**/v1/templates/{small}/image", lambda route: route.abort())
+    page.select_option("#template-select", small)
+    expect(page.locator("#alert")).to_contain_text("could not show template")
+    expect(page.locator("#template-select")).to_have_value(large)
+    expect(page.locator("#submit")).to_be_enabled()
+    assert canvas_size(page) == [96, 64]
+    assert page_errors == []
+
+
+def test_a_new_api_key_shows_that_tenants_templates_only(keyed_server, page, page_errors):
+    mine = register(keyed_server, scene((64, 48)), API_KEY)
+    page.goto(keyed_server.url + "/")
+    page.fill("#api-key", API_KEY)
+    page.press("#api-key", "Enter")
+    expect(page.locator("#template-select")).to_have_value(mine)
+    expect(page.locator("#stage")).to_be_visible()
+
+    page.fill("#api-key", OTHER_KEY)  # another tenant, with no template yet
+    page.press("#api-key", "Enter")
+    expect(page.locator("#status")).to_have_text("upload an image to start")
+    expect(page.locator("#stage")).to_be_hidden()
+    expect(page.locator("#template-empty")).to_be_visible()
+    expect(page.locator(f"#template-select option[value='{mine}']")).to_have_count(0)
+
+    upload(page, scene((96, 64)), "theirs.png")
+    theirs = page.input_value("#template-select")
+    page.fill("#api-key", API_KEY)
+    page.press("#api-key", "Enter")
+    expect(page.locator("#template-select")).to_have_value(mine)
+    page.wait_for_function("() => document.getElementById('mask-canvas').width === 64")
+    expect(page.locator(f"#template-select option[value='{theirs}']")).to_have_count(0)
+    assert page_errors == []
+
+
+def test_a_template_the_server_lost_is_registered_again(server, page, page_errors):
+    page.goto(server.url + "/")
+    upload(page, scene((80, 60)), "lost.png")
+    template_id = page.input_value("#template-select")
+    paint(page, STROKE)
+    page.fill("#prompt", "a kite")
+    assert httpx.delete(f"{server.url}/v1/templates/{template_id}", timeout=30).status_code == 200
+
+    page.click("#submit")
+    expect(page.locator("#result")).to_be_visible(timeout=WAIT_MS)
+    # registered again from the page's copy, under the same id (ids are content hashes)
+    assert httpx.get(f"{server.url}/v1/templates/{template_id}", timeout=30).status_code == 200
+    expect(page.locator("#template-select")).to_have_value(template_id)
+    expect(page.locator("#template-select option:checked")).to_have_text(re.compile(r"^lost\.png · "))
+    assert page_errors == []
+
+
+# ---- the edit ----
+
+def test_previews_keep_the_template_outside_the_mask(server, page, page_errors):
+    template = scene()
+    page.goto(server.url + "/")
+    upload(page, template)
+    paint(page, STROKE)
+    mask = painted_mask(page)
+    page.fill("#prompt", "a red hot-air balloon")
+    page.fill("#preview-every", "1")
+    page.click("#submit")
+    expect(page.locator("#result")).to_be_visible(timeout=WAIT_MS)
+    expect(page.locator("#preview")).to_have_attribute("data-step", re.compile(r"^\d+$"))
+
+    url = page.eval_on_selector("#preview", "canvas => canvas.toDataURL('image/png')")
+    preview, upload_pixels = np.asarray(Image.open(io.BytesIO(data_url_bytes(url))).convert("RGB")), np.asarray(template)
+    assert preview.shape == upload_pixels.shape
+    assert np.array_equal(preview[~mask], upload_pixels[~mask]), "the preview changed pixels outside the mask"
+    assert not np.array_equal(preview[mask], upload_pixels[mask]), "the preview shows nothing inside the mask"
+    assert page_errors == []
+
+
+# Edits that are never answered: only the page can end them (by aborting its fetch).
+HANG_EDITS = """() => {
+    const fetchFirst = window.fetch;
+    window.fetch = (url, init = {}) => {
+        if (!String(url).endsWith("/v1/edits")) return fetchFirst(url, init);
+        return new Promise((_, reject) => {
+            if (init.signal.aborted) reject(init.signal.reason);
+            init.signal.addEventListener("abort", () => reject(init.signal.reason));
+        });
+    };
+}"""
+
+
+def test_keyboard_submits_cancels_and_keeps_the_focus(server, page, page_errors):
+    other = register(server, scene((72, 54)))
+    page.goto(server.url + "/")
+    upload(page, scene())
+    paint(page, STROKE)
+    page.evaluate(HANG_EDITS)
+
+    page.fill("#prompt", "a kite")
+    page.press("#prompt", "Control+Enter")
+    expect(page.locator("#cancel")).to_be_visible()
+    expect(page.locator("#submit")).to_be_disabled()
+    page.keyboard.press("Escape")
+    expect(page.locator("#status")).to_have_text("edit cancelled")
+    expect(page.locator("#cancel")).to_be_hidden()
+
+    # Submit disables itself: the focus goes to Cancel, and back to Submit when Cancel hides
+    page.click("#submit")
+    expect(page.locator("#cancel")).to_be_focused()
+    page.keyboard.press("Enter")
+    expect(page.locator("#submit")).to_be_focused()
+    expect(page.locator("#status")).to_have_text("edit cancelled")
+
+    # another template picked mid-edit ends the edit, and the page says so
+    page.click("#submit")
+    expect(page.locator("#cancel")).to_be_visible()
+    page.select_option("#template-select", other)
+    expect(page.locator("#status")).to_have_text("edit cancelled; template loaded: paint a mask")
+
+    # the mask canvas takes the keyboard: Space paints under the brush, Shift+arrows paint a line
+    page.focus("#mask-canvas")
+    page.keyboard.press("Space")
+    dot = painted_mask(page).sum()
+    assert dot > 0
+    page.keyboard.press("Shift+ArrowRight")
+    assert painted_mask(page).sum() > dot
+    assert page_errors == []
+
+
+def test_controls_have_accessible_names(server, page, page_errors):
+    page.goto(server.url + "/")
+    upload(page, scene())
+    snapshot = page.locator("body").aria_snapshot()
+    for line in ('slider "Brush size"', 'combobox "Registered"', 'button "Reload the list of templates"',
+                 'application "mask: paint the region to repaint"', 'button "Submit"', 'progressbar "edit progress"',
+                 'textbox "API key"', "- alert"):
+        assert line in snapshot, snapshot
+    assert "↻" not in snapshot, snapshot
+    assert page_errors == []
+
+
+# ---- the server's answers in the page's words ----
+
+ACCEPTED = 'event: accepted\ndata: {"id":"e","steps":3,"mask_ratio":0.1,"masked_tokens":1,"image_tokens":10}\n\n'
+
+
+@pytest.mark.parametrize("stream, said", [
+    (ACCEPTED, "lost the connection to the server during the edit; it did not complete"),
+    (ACCEPTED + "event: step\ndata: {not json\n\n", 'the server sent a "step" event this page cannot read'),
+])
+def test_a_broken_edit_stream_is_said_plainly(server, page, page_errors, stream, said):
+    page.goto(server.url + "/")
+    upload(page, scene())
+    paint(page, STROKE)
+    page.route("**/v1/edits", lambda route: route.fulfill(status=200, content_type="text/event-stream", body=stream))
+    page.click("#submit")
+    expect(page.locator("#alert")).to_contain_text(said)
+    expect(page.locator("#mask-ratio")).to_have_text("–")  # no result, so no ratio of one
+    expect(page.locator("#submit")).to_be_enabled()
+    assert page_errors == []
+
+
+def error_body(code: str, message: str) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+
+
+def test_an_upload_over_the_limit_is_said_in_megabytes(server, page, page_errors):
+    page.goto(server.url + "/")
+    page.route("**/v1/templates", lambda route: route.fulfill(
+        status=413, json=error_body("body_too_large", "request body over the limit of 33554432 bytes"))
+        if route.request.method == "POST" else route.fallback())
+    page.set_input_files("#file", files=[{"name": "big.png", "mimeType": "image/png", "buffer": png_bytes(scene())}])
+    expect(page.locator("#alert")).to_have_text("could not register big.png: the image is too large to upload "
+                                                "(limit 32 MB)")
+    assert page_errors == []
+
+
+def test_a_full_queue_is_tried_again_after_retry_after(server, page, page_errors):
+    page.goto(server.url + "/")
+    upload(page, scene())
+    paint(page, STROKE)
+    page.fill("#prompt", "a kite")
+    # The first edit is refused with 429 in the page itself (a route would lose the form's files when
+    # the second is let through).
+    page.evaluate("""(refusal) => {
+        const fetchFirst = window.fetch;
+        window.refusals = 0;
+        window.fetch = (url, init) => {
+            if (!String(url).endsWith("/v1/edits") || window.refusals++) return fetchFirst(url, init);
+            return Promise.resolve(new Response(JSON.stringify(refusal),
+                {status: 429, headers: {"Retry-After": "1", "Content-Type": "application/json"}}));
+        };
+    }""", error_body("queue_full", "server busy"))
+    page.evaluate("""() => {
+        window.statusSeen = [];
+        new MutationObserver(() => window.statusSeen.push(document.getElementById("status").textContent))
+            .observe(document.getElementById("status"), {childList: true});
+    }""")
+    page.click("#submit")
+    expect(page.locator("#result")).to_be_visible(timeout=WAIT_MS)
+    assert page.evaluate("window.refusals") == 2  # refused once, then sent again
+    assert "the server is busy; retrying in 1 s" in page.evaluate("window.statusSeen")
     assert page_errors == []

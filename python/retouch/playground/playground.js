@@ -6,6 +6,10 @@
 
 const $ = (id) => document.getElementById(id);
 const KEY_STORAGE = "retouch.apiKey";
+// The file each template was uploaded from, by template id. The server keeps no file names (a
+// template is its pixels and settings), so the browser does, to tell templates apart in the list.
+const NAMES_STORAGE = "retouch.templateNames";
+const NAMES_KEPT = 200;
 // Mask pixels as the overlay shows them (magenta reads over skin, sky and foliage alike). Alpha is
 // what marks a pixel as masked: every masked pixel has exactly this alpha, every other pixel 0.
 const OVERLAY = [255, 40, 130, 140];
@@ -14,9 +18,21 @@ const PIXELATED_FROM = 3; // display scales at or above this show image pixels a
 // ---- the API ----
 
 class ApiError extends Error {
-  constructor(status, message) {
+  // status: the HTTP status (0: no answer); code: the API's error.code, which is what the page
+  // decides on (never the message's wording)
+  constructor(status, message, code = null) {
     super(message);
+    this.name = "ApiError";
     this.status = status;
+    this.code = code;
+  }
+}
+
+// An event stream that broke off: the server died or a proxy cut the connection.
+class ConnectionLost extends Error {
+  constructor(cause) {
+    super(`lost the connection to the server (${cause})`);
+    this.name = "ConnectionLost";
   }
 }
 
@@ -25,27 +41,71 @@ function apiHeaders() {
   return key ? { Authorization: `Bearer ${key}` } : {};
 }
 
-// fetch() with the API key; a non-2xx answer throws ApiError carrying the server's error.message.
-async function api(path, init = {}) {
-  let response;
-  try {
-    response = await fetch(path, { ...init, headers: { ...apiHeaders(), ...(init.headers || {}) } });
-  } catch (error) {
-    if (error.name === "AbortError") throw error;
-    throw new ApiError(0, `cannot reach the server (${error.message})`);
+// The server's error in the page's words: the API's messages are written for developers (field
+// names, flags, byte counts).
+function readable(status, error) {
+  const message = error.message || `the server answered ${status}`;
+  switch (error.code) {
+    case "invalid_api_key":
+      return "missing or wrong API key: type the server's key into the API key field";
+    case "body_too_large": {
+      const limit = /(\d+) bytes/.exec(message); // the limit is in no field of its own
+      return limit ? `the image is too large to upload (limit ${Math.floor(Number(limit[1]) / 2 ** 20)} MB)`
+        : "the image is too large to upload";
+    }
+    case "too_much_work":
+      return "the image is too large for this server at this many steps: use fewer steps or a smaller image";
+    case "queue_full":
+      return "the server is busy (its queue is full): try again in a moment";
+    case "server_busy":
+      return "the server is busy receiving other uploads: try again in a moment";
+    case "template_not_found":
+      return "the template is gone from the server (deleted, or the server restarted)";
+    case "no_worker":
+      return "no worker is connected to the server: edits wait until one joins";
+    case "cancelled":
+      return "edit cancelled";
+    default:
+      return message;
   }
-  if (!response.ok) {
-    let message = `${response.status} ${response.statusText}`;
+}
+
+async function errorOf(response) {
+  try {
+    const { error } = await response.json();
+    return new ApiError(response.status, readable(response.status, error), error.code);
+  } catch (_) {
+    // not the API's JSON error shape (a proxy's page, say): the status line says enough
+    return new ApiError(response.status, `the server answered ${response.status} ${response.statusText}`.trim());
+  }
+}
+
+function sleep(seconds, signal) {
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(resolve, 1000 * seconds);
+    if (signal) signal.addEventListener("abort", () => { clearTimeout(timer); reject(signal.reason); }, { once: true });
+  });
+}
+
+// fetch() with the API key; a non-2xx answer throws ApiError. A full queue (429) is tried once more
+// after the Retry-After the server names: it is what a person would do, and the page says so.
+async function api(path, init = {}) {
+  for (let attempt = 1; ; attempt++) {
+    let response;
     try {
-      message = (await response.json()).error.message || message;
-    } catch (_) {
-      // not the API's JSON error shape (a proxy's page, say): the status line says enough
+      response = await fetch(path, { ...init, headers: { ...apiHeaders(), ...(init.headers || {}) } });
+    } catch (error) {
+      if (error.name === "AbortError") throw error;
+      throw new ApiError(0, `cannot reach the server (${error.message})`);
     }
     $("api-key").setAttribute("aria-invalid", String(response.status === 401));
-    throw new ApiError(response.status, message);
+    if (response.ok) return response;
+    const error = await errorOf(response);
+    if (error.code !== "queue_full" || attempt > 1) throw error;
+    const seconds = Number(response.headers.get("Retry-After")) || 1;
+    status(`the server is busy; retrying in ${seconds} s`, "busy");
+    await sleep(seconds, init.signal);
   }
-  $("api-key").removeAttribute("aria-invalid");
-  return response;
 }
 
 // The events of a text/event-stream body, as {event, data} with data parsed from JSON. Lines are cut
@@ -57,7 +117,13 @@ async function* serverEvents(response) {
   let name = "message";
   let data = [];
   for (;;) {
-    const { value: chunk, done } = await reader.read();
+    let chunk, done;
+    try {
+      ({ value: chunk, done } = await reader.read());
+    } catch (error) {
+      if (error.name === "AbortError") throw error;
+      throw new ConnectionLost(error.message);
+    }
     if (done) return;
     let start = 0;
     for (let newline = chunk.indexOf("\n"); newline >= 0; newline = chunk.indexOf("\n", start)) {
@@ -67,7 +133,7 @@ async function* serverEvents(response) {
       partial = [];
       if (line.endsWith("\r")) line = line.slice(0, -1);
       if (line === "") {
-        if (data.length) yield { event: name, data: JSON.parse(data.join("\n")) };
+        if (data.length) yield { event: name, data: eventData(name, data.join("\n")) };
         name = "message";
         data = [];
       } else if (!line.startsWith(":")) { // ":" starts a comment: the server's keep-alive
@@ -79,6 +145,15 @@ async function* serverEvents(response) {
       }
     }
     partial.push(chunk.slice(start));
+  }
+}
+
+function eventData(name, text) {
+  try {
+    return JSON.parse(text);
+  } catch (_) {
+    throw new ApiError(0, `the server sent a "${name}" event this page cannot read (its data is not JSON)`,
+      "malformed_event");
   }
 }
 
@@ -157,19 +232,22 @@ class Mask {
     return this.painted / this.pixels.length;
   }
 
-  // What POST /v1/edits takes: a PNG of the template's size, white = repaint.
-  png() {
+  // A canvas of the mask as it is now, masked pixels in `inside` and the rest in `outside` (RGBA).
+  snapshot(inside, outside) {
     const canvas = document.createElement("canvas");
     canvas.width = this.width;
     canvas.height = this.height;
     const context = canvas.getContext("2d");
     const image = context.createImageData(this.width, this.height);
     const rgba = image.data;
-    for (let i = 0; i < this.pixels.length; i++) {
-      rgba[4 * i] = rgba[4 * i + 1] = rgba[4 * i + 2] = this.pixels[i] ? 255 : 0;
-      rgba[4 * i + 3] = 255;
-    }
+    for (let i = 0; i < this.pixels.length; i++) rgba.set(this.pixels[i] ? inside : outside, 4 * i);
     context.putImageData(image, 0, 0);
+    return canvas;
+  }
+
+  // What POST /v1/edits takes: a PNG of the template's size, white = repaint.
+  png() {
+    const canvas = this.snapshot([255, 255, 255, 255], [0, 0, 0, 255]);
     return new Promise((resolve) => canvas.toBlob(resolve, "image/png"));
   }
 }
@@ -178,36 +256,61 @@ class Mask {
 
 const mask = new Mask($("mask-canvas"));
 const page = {
-  template: null, // the template shown (its JSON from the API)
-  watching: null, // AbortController of its recording's event stream
-  editing: null, // AbortController of the edit in flight
+  template: null, // the template shown (its JSON from the API): the image and the mask are of this one
+  templateImage: null, // its image as the server sent it (a Blob): what registers it again if the server lost it
+  templateGone: false, // the server deleted it: the next Submit registers it again
+  loading: null, // a token of the template being uploaded or loaded; Submit waits for it to show
+  watching: null, // AbortController of the shown template's recording events
+  editing: null, // the edit in flight: {controller, cancelReason, accepted, steps, maskAlpha}
+  appliedKey: null, // the API key the page last loaded the templates with
   imageUrl: null, // object URL of the template image shown
   resultUrl: null,
+  saved: 0, // results offered for download so far: numbers their file names
   erasing: false,
   stroke: null, // the last point of the stroke being painted
+  keyboardPoint: null, // where the keyboard's brush is (image pixels)
 };
 
 function status(message, kind = "info") {
-  const line = $("status");
-  line.textContent = message;
-  line.dataset.kind = kind;
+  // Errors go to the role=alert line, which screen readers read out at once; the rest to role=status.
+  $("alert").textContent = kind === "error" ? message : "";
+  $("status").textContent = kind === "error" ? "" : message;
+  $("status").dataset.kind = kind;
 }
 
-function failed(error) {
+function failed(error, context = "") {
   if (error.name === "AbortError") return;
-  status(error.message, "error");
+  status(context ? `${context}: ${error.message}` : error.message, "error");
+  if (error.code === "invalid_api_key") $("api-key").focus();
 }
 
-function meter(element, fraction, text, kind = "info") {
+function meter(element, fraction, text, kind = "info", stage = "") {
   element.hidden = false;
   element.dataset.kind = kind;
+  element.dataset.stage = stage;
   element.querySelector(".fill").style.width = `${Math.round(100 * Math.max(0, Math.min(1, fraction)))}%`;
   element.querySelector(".text").textContent = text;
-  if (element.getAttribute("role") === "progressbar") element.setAttribute("aria-valuenow", String(fraction));
+  if (element.getAttribute("role") === "progressbar") {
+    element.setAttribute("aria-valuenow", String(fraction));
+    element.setAttribute("aria-valuetext", text);
+  }
 }
 
 function percent(fraction) {
   return `${(100 * fraction).toFixed(fraction > 0 && fraction < 0.001 ? 2 : 1)} %`;
+}
+
+// Submit waits for a template being loaded (its mask would be the old one's) and for the edit in
+// flight; Cancel shows while one is. A button that disables or hides itself drops the keyboard
+// focus to <body>, so the focus moves to the button that takes its place.
+function updateActions() {
+  const submit = $("submit");
+  const cancel = $("cancel");
+  const focused = document.activeElement;
+  submit.disabled = Boolean(page.editing || page.loading);
+  cancel.hidden = !page.editing;
+  if (page.editing && focused === submit) cancel.focus();
+  else if (!page.editing && focused === cancel && !submit.disabled) submit.focus();
 }
 
 // Fits a stage of the template's aspect into its viewport. Small templates are scaled up (a 96x64
@@ -226,27 +329,60 @@ function layout() {
 
 // ---- templates ----
 
-// What tells templates apart comes first: a narrow <select> cuts the end off.
-function describe(template) {
-  const name = template.prompt ? `"${template.prompt.slice(0, 24)}"` : template.id.replace(/^tpl-/, "").slice(0, 8);
-  return `${template.width}×${template.height} · ${template.steps} steps · ${template.status} · ${name}`;
+function templateNames() {
+  try {
+    return JSON.parse(localStorage.getItem(NAMES_STORAGE)) || {};
+  } catch (_) {
+    return {}; // storage off, or a value this page did not write
+  }
 }
 
+function rememberName(templateId, fileName) {
+  const names = templateNames();
+  delete names[templateId]; // re-inserted last: the oldest names are the first keys
+  names[templateId] = fileName;
+  const ids = Object.keys(names);
+  for (const id of ids.slice(0, Math.max(0, ids.length - NAMES_KEPT))) delete names[id];
+  try {
+    localStorage.setItem(NAMES_STORAGE, JSON.stringify(names));
+  } catch (_) {
+    // storage full or off: the list shows hashes, as before
+  }
+}
+
+function shortName(template) {
+  return templateNames()[template.id]
+    || (template.prompt ? `"${template.prompt.slice(0, 24)}"` : template.id.replace(/^tpl-/, "").slice(0, 8));
+}
+
+// What tells templates apart comes first: a narrow <select> cuts the end off.
+function describe(template, state = template.status) {
+  return `${shortName(template)} · ${template.width}×${template.height} · ${template.steps} steps · ${state}`;
+}
+
+// The templates, newest first, into the list. The one shown stays listed even when the server has
+// lost it, so the list always names what is on screen.
 async function refreshTemplates() {
   const { data } = await (await api("/v1/templates")).json();
   const select = $("template-select");
-  const chosen = page.template ? page.template.id : select.value;
+  const chosen = page.loading && page.loading.template ? page.loading.template.id
+    : page.template ? page.template.id : "";
   data.sort((a, b) => b.created - a.created);
-  select.replaceChildren(...data.map((template) => new Option(describe(template), template.id)));
-  if (!data.length) select.append(new Option("(none yet)", ""));
-  select.value = data.some((template) => template.id === chosen) ? chosen : "";
+  const options = data.map((template) => new Option(describe(template), template.id));
+  if (page.template && !data.some((template) => template.id === page.template.id)) {
+    options.unshift(new Option(describe(page.template, "gone from the server"), page.template.id));
+  }
+  if (!options.length) options.push(new Option("(none yet)", ""));
+  select.replaceChildren(...options);
+  select.value = options.some((option) => option.value === chosen) ? chosen : "";
   return data;
 }
 
 function showRecording(template) {
   const progress = template.progress || {};
   const element = $("template-progress");
-  if (template.status === "ready") meter(element, 1, `ready: ${template.steps} steps recorded`);
+  if (page.templateGone) meter(element, 0, "gone from the server: Submit registers it again", "error");
+  else if (template.status === "ready") meter(element, 1, `ready: ${template.steps} steps recorded`);
   else if (template.status === "failed") meter(element, 1, `failed: ${template.error || "recording failed"}`, "error");
   else if (template.status === "pending") meter(element, 0, "recorded by its first edit");
   else if (progress.workers_connected === 0) meter(element, 0, "waiting for a worker to join and record it", "error");
@@ -255,34 +391,96 @@ function showRecording(template) {
   $("template-info").textContent = `${template.width}×${template.height} · ${template.steps} steps`;
 }
 
+function beginLoading(template = null) {
+  const token = { template };
+  page.loading = token;
+  updateActions();
+  return token;
+}
+
+function endLoading(token) {
+  if (page.loading !== token) return;
+  page.loading = null;
+  updateActions();
+}
+
 // Shows the template: its image as the server holds it (EXIF orientation applied, so the mask lines
-// up with what the server repaints), an empty mask of its size, and its recording's progress.
+// up with what the server repaints), an empty mask of its size, and its recording's progress. The
+// template shown before stays, with its mask, until the new image has arrived and decoded; if it
+// cannot, the old one stays. True once shown; false if another was chosen meanwhile.
 async function showTemplate(template) {
-  stopEdit();
-  if (page.watching) page.watching.abort();
-  page.template = template;
+  const token = beginLoading(template);
   $("template-select").value = template.id;
-  const blob = await (await api(`/v1/templates/${encodeURIComponent(template.id)}/image`)).blob();
-  if (page.template !== template) return; // another was chosen meanwhile
+  let url = null;
+  try {
+    const blob = await (await api(`/v1/templates/${encodeURIComponent(template.id)}/image`)).blob();
+    url = URL.createObjectURL(blob);
+    const image = new Image();
+    image.src = url;
+    await image.decode().catch(() => { throw new ApiError(0, "its image does not decode in this browser"); });
+    if (page.loading !== token) {
+      URL.revokeObjectURL(url);
+      return false;
+    }
+    if (page.watching) page.watching.abort();
+    if (page.imageUrl) URL.revokeObjectURL(page.imageUrl);
+    page.imageUrl = url;
+    page.templateImage = blob;
+    page.template = template;
+    page.templateGone = false;
+    $("template-image").src = url;
+    mask.reset(template.width, template.height);
+    const longest = Math.max(template.width, template.height);
+    const brush = $("brush-size");
+    brush.max = String(Math.max(16, Math.round(longest / 4)));
+    brush.value = String(Math.max(2, Math.round(longest / 16)));
+    page.keyboardPoint = null;
+    showBrushSize();
+    showCoverage();
+    $("stage").hidden = false;
+    $("template-empty").hidden = true;
+    $("template-viewport").style.setProperty("--aspect", `${template.width} / ${template.height}`);
+    $("result-viewport").style.setProperty("--aspect", `${template.width} / ${template.height}`);
+    clearResult();
+    layout();
+    showRecording(template);
+    if (template.status === "recording") watchRecording(template.id);
+    return true;
+  } catch (error) {
+    if (url) URL.revokeObjectURL(url);
+    if (page.loading === token) $("template-select").value = page.template ? page.template.id : "";
+    const kept = page.template ? "; the template shown stays" : "";
+    if (error.name !== "AbortError") error.message = `could not show template ${shortName(template)}: ${error.message}${kept}`;
+    throw error;
+  } finally {
+    endLoading(token);
+  }
+}
+
+// Nothing shown: what a new API key starts from (the old key's templates are not the new one's).
+function forgetTemplate() {
+  page.loading = null;
+  if (page.watching) page.watching.abort();
   if (page.imageUrl) URL.revokeObjectURL(page.imageUrl);
-  page.imageUrl = URL.createObjectURL(blob);
-  const image = $("template-image");
-  image.src = page.imageUrl;
-  await image.decode();
-  if (page.template !== template) return;
-  mask.reset(template.width, template.height);
-  const longest = Math.max(template.width, template.height);
-  const brush = $("brush-size");
-  brush.max = String(Math.max(16, Math.round(longest / 4)));
-  brush.value = String(Math.max(2, Math.round(longest / 16)));
-  showBrushSize();
+  page.template = page.templateImage = page.imageUrl = null;
+  page.templateGone = false;
+  $("template-image").removeAttribute("src");
+  mask.reset(1, 1);
   showCoverage();
-  $("stage").hidden = false;
-  $("template-empty").hidden = true;
+  $("stage").hidden = true;
+  $("template-empty").hidden = false;
+  $("template-progress").hidden = true;
+  $("template-info").textContent = "";
+  $("template-select").replaceChildren(new Option("(loading)", ""));
   clearResult();
-  layout();
-  showRecording(template);
-  if (template.status === "recording") watchRecording(template.id);
+  updateActions();
+}
+
+function templateGone(templateId) {
+  if (!page.template || page.template.id !== templateId) return;
+  page.templateGone = true;
+  showRecording(page.template);
+  status("the template was deleted on the server: Submit registers it again from this page's copy", "error");
 }
 
 async function watchRecording(templateId) {
@@ -292,7 +490,7 @@ async function watchRecording(templateId) {
     const response = await api(`/v1/templates/${encodeURIComponent(templateId)}/events`, { signal: watch.signal });
     for await (const { event, data } of serverEvents(response)) {
       if (event === "deleted") {
-        status(`template ${templateId} was deleted`, "error");
+        templateGone(templateId);
       } else if (event === "template" && page.template && page.template.id === templateId) {
         page.template = { ...page.template, ...data };
         showRecording(page.template);
@@ -300,20 +498,51 @@ async function watchRecording(templateId) {
     }
     await refreshTemplates();
   } catch (error) {
-    failed(error);
+    if (error.code === "template_not_found") templateGone(templateId);
+    else failed(error, "watching the recording");
   }
 }
 
 async function register(file) {
+  const token = beginLoading();
+  try {
+    const form = new FormData();
+    form.append("image", file);
+    if ($("steps").value) form.append("steps", $("steps").value);
+    status(`registering ${file.name}…`, "busy");
+    const template = await (await api("/v1/templates", { method: "POST", body: form })).json();
+    rememberName(template.id, file.name);
+    await refreshTemplates();
+    if (page.loading !== token) return; // another template was picked meanwhile
+    if (!await showTemplate(template)) return;
+    status(template.status === "ready" ? "template ready: paint a mask"
+      : "template registered: paint a mask while it records");
+  } finally {
+    endLoading(token);
+  }
+}
+
+// Template ids are hashes of the image and its recording settings, so registering the page's copy
+// of a template the server lost (deleted, or the server restarted) gives it back under its id.
+async function registerAgain(template, signal) {
+  status("the template is gone from the server: registering it again from this page's copy…", "busy");
   const form = new FormData();
-  form.append("image", file);
-  if ($("steps").value) form.append("steps", $("steps").value);
-  status(`registering ${file.name}…`, "busy");
-  const template = await (await api("/v1/templates", { method: "POST", body: form })).json();
-  await refreshTemplates();
-  await showTemplate(template);
-  status(template.status === "ready" ? "template ready: paint a mask"
-    : "template registered: paint a mask while it records");
+  form.append("image", page.templateImage, "template.png");
+  form.append("steps", String(template.steps));
+  form.append("seed", String(template.seed || 0));
+  if (template.prompt) form.append("prompt", template.prompt);
+  if (template.guidance !== null && template.guidance !== undefined) form.append("guidance", String(template.guidance));
+  const again = await (await api("/v1/templates", { method: "POST", body: form, signal })).json();
+  const name = templateNames()[template.id];
+  if (name) rememberName(again.id, name);
+  if (page.template && page.template.id === template.id) {
+    page.template = again;
+    page.templateGone = false;
+    showRecording(again);
+    if (again.status === "recording") watchRecording(again.id);
+  }
+  refreshTemplates().catch(() => {}); // the list is a nicety here; the edit goes on
+  return again;
 }
 
 // ---- painting ----
@@ -331,21 +560,52 @@ function brushRadius() {
   return Math.max(Number($("brush-size").value) / 2, Math.SQRT1_2);
 }
 
-function paint(event) {
-  const point = imagePoint(event);
-  mask.stroke(page.stroke || point, point, brushRadius(), page.erasing ? 0 : 1);
-  page.stroke = point;
+function paintLine(from, to) {
+  mask.stroke(from, to, brushRadius(), page.erasing ? 0 : 1);
   showCoverage();
 }
 
-function moveCursor(event) {
+function paint(event) {
+  const point = imagePoint(event);
+  paintLine(page.stroke || point, point);
+  page.stroke = point;
+}
+
+// The brush outline at `point` (image pixels).
+function showCursor(point) {
   const cursor = $("brush-cursor");
   const box = $("mask-canvas").getBoundingClientRect();
-  const diameter = (2 * brushRadius() * box.width) / mask.width;
+  const scale = box.width / mask.width;
+  const diameter = 2 * brushRadius() * scale;
   cursor.hidden = false;
   cursor.style.width = cursor.style.height = `${diameter}px`;
-  cursor.style.left = `${event.clientX - box.left - diameter / 2}px`;
-  cursor.style.top = `${event.clientY - box.top - diameter / 2}px`;
+  cursor.style.left = `${point.x * scale - diameter / 2}px`;
+  cursor.style.top = `${point.y * scale - diameter / 2}px`;
+}
+
+// The keyboard's brush: arrows move it by its radius (Shift paints along the way), Space or Enter
+// paints where it is. A mouse is not the only way to say which region to repaint.
+const KEY_MOVES = { ArrowLeft: [-1, 0], ArrowRight: [1, 0], ArrowUp: [0, -1], ArrowDown: [0, 1] };
+
+function paintWithKeys(event) {
+  const from = page.keyboardPoint || { x: mask.width / 2, y: mask.height / 2 };
+  let to = from;
+  if (event.key in KEY_MOVES) {
+    const [dx, dy] = KEY_MOVES[event.key];
+    const step = Math.max(1, brushRadius());
+    to = {
+      x: Math.max(0, Math.min(mask.width, from.x + dx * step)),
+      y: Math.max(0, Math.min(mask.height, from.y + dy * step)),
+    };
+    if (event.shiftKey) paintLine(from, to);
+  } else if (event.key === " " || event.key === "Enter") {
+    paintLine(from, from);
+  } else {
+    return;
+  }
+  event.preventDefault();
+  page.keyboardPoint = to;
+  showCursor(to);
 }
 
 function showCoverage() {
@@ -353,7 +613,9 @@ function showCoverage() {
 }
 
 function showBrushSize() {
-  $("brush-size-value").textContent = `${$("brush-size").value} px`;
+  const size = `${$("brush-size").value} px`;
+  $("brush-size-value").textContent = size;
+  $("brush-size").setAttribute("aria-valuetext", size);
 }
 
 function setErasing(erasing) {
@@ -370,17 +632,70 @@ function clearResult() {
   $("preview").hidden = true;
   $("result-stage").hidden = true;
   $("result-empty").hidden = false;
+  $("result-empty").textContent = "Paint a mask, write a prompt, submit";
   $("latency").textContent = "–";
   $("mask-ratio").textContent = "–";
   $("download").hidden = true;
   meter($("progress"), 0, "idle");
 }
 
-function stopEdit() {
-  if (page.editing) page.editing.abort();
+// Cancels the edit in flight, if any; `reason` is said with "edit cancelled". True if one was.
+function stopEdit(reason = "") {
+  const edit = page.editing;
+  if (!edit) return false;
+  edit.cancelReason = reason;
   page.editing = null;
-  $("submit").disabled = false;
-  $("cancel").hidden = true;
+  edit.controller.abort();
+  updateActions();
+  return true;
+}
+
+// The server's previous answer stays until a new edit is accepted: a refused one leaves it as it was.
+function editAccepted(edit, data) {
+  edit.accepted = true;
+  edit.steps = data.steps;
+  $("result").hidden = true;
+  $("download").hidden = true;
+  $("latency").textContent = "–";
+  $("mask-ratio").textContent = percent(data.mask_ratio);
+  $("result-stage").hidden = false;
+  $("result-empty").hidden = true;
+  const preview = $("preview");
+  preview.width = page.template.width;
+  preview.height = page.template.height;
+  preview.hidden = true;
+  layout();
+}
+
+// What an accepted edit that did not finish leaves: no result, and no mask ratio of a result.
+function editFailed(edit, why) {
+  if (!edit.accepted) return;
+  $("preview").hidden = true;
+  $("result-stage").hidden = true;
+  $("result-empty").hidden = false;
+  $("result-empty").textContent = why;
+  $("mask-ratio").textContent = "–";
+}
+
+// A preview is the whole image at 1/8 of its side, but only masked pixels change: the rest of the
+// image is the template's, exactly, so the preview is painted inside the mask sent, over the template.
+async function showPreview(edit, data) {
+  const image = new Image();
+  image.src = `data:image/png;base64,${data.image}`;
+  await image.decode();
+  if (page.editing !== edit) return;
+  const canvas = $("preview");
+  const context = canvas.getContext("2d");
+  context.imageSmoothingQuality = "high";
+  context.globalCompositeOperation = "copy";
+  context.drawImage(image, 0, 0, canvas.width, canvas.height);
+  context.globalCompositeOperation = "destination-in";
+  context.drawImage(edit.maskAlpha, 0, 0);
+  context.globalCompositeOperation = "destination-over";
+  context.drawImage($("template-image"), 0, 0, canvas.width, canvas.height);
+  context.globalCompositeOperation = "source-over";
+  canvas.dataset.step = String(data.step);
+  canvas.hidden = !$("result").hidden;
 }
 
 async function showResult(data) {
@@ -390,20 +705,26 @@ async function showResult(data) {
   const result = $("result");
   result.src = page.resultUrl;
   await result.decode();
+  $("result-stage").hidden = false;
+  $("result-empty").hidden = true;
   result.hidden = false;
   $("preview").hidden = true;
   $("latency").textContent = `${data.latency_s.toFixed(2)} s`;
   $("mask-ratio").textContent = percent(data.mask_ratio);
+  // Named after the upload and numbered: every download used to be retouch-edit.png.
+  const stem = (templateNames()[page.template.id] || page.template.id).replace(/\.[^.]*$/, "");
+  page.saved += 1;
+  $("download").download = `${stem}-edit-${page.saved}.png`;
   $("download").href = page.resultUrl;
   $("download").hidden = false;
 }
 
 // One edit event of POST /v1/edits stream=true onto the page; true once the stream's answer came.
-async function showEditEvent(event, data, steps) {
+async function showEditEvent(edit, event, data) {
   const progress = $("progress");
   switch (event) {
     case "accepted":
-      $("mask-ratio").textContent = percent(data.mask_ratio);
+      editAccepted(edit, data);
       meter(progress, 0, `accepted: ${data.masked_tokens} of ${data.image_tokens} tokens to repaint`, "busy");
       return false;
     case "parked":
@@ -414,72 +735,95 @@ async function showEditEvent(event, data, steps) {
         : `queued at ${data.worker}`, "busy");
       return false;
     case "step":
-      meter(progress, data.step / data.steps, `step ${data.step} of ${data.steps}`, "busy");
+      edit.stepsSeen = true;
+      // The last step is not the end: the server still decodes the latents and encodes the PNG,
+      // seconds for a large image. That stage gets the bar's last part and a line of its own.
+      if (data.step < data.steps) meter(progress, data.step / (data.steps + 1), `step ${data.step} of ${data.steps}`, "busy");
+      else meter(progress, data.step / (data.steps + 1), "finishing: decoding the image", "busy", "finishing");
       return false;
     case "preview":
-      $("preview").src = `data:image/png;base64,${data.image}`;
-      $("preview").hidden = !$("result").hidden;
+      await showPreview(edit, data);
       return false;
     case "done":
       await showResult(data);
-      progress.dataset.kind = "info";
-      if (!steps.seen) meter(progress, 1, "nothing to repaint: the template itself");
+      meter(progress, 1, edit.stepsSeen ? `done: ${edit.steps} steps` : "nothing to repaint: the template itself");
       status(`done in ${data.latency_s.toFixed(2)} s`);
       return true;
     case "error":
-      meter(progress, 1, `failed (${data.status})`, "error");
-      status(data.error.message, "error");
-      return true;
+      throw new ApiError(data.status, readable(data.status, data.error || {}), (data.error || {}).code);
     default:
       return false; // an event this page does not know yet
   }
 }
 
-async function submit() {
-  const template = page.template;
-  if (!template) {
-    status("upload an image or pick a template first", "error");
-    return;
-  }
-  stopEdit();
-  const edit = new AbortController();
-  page.editing = edit;
-  $("submit").disabled = true;
-  $("cancel").hidden = false;
+async function editForm(templateId) {
   const form = new FormData();
-  form.append("template_id", template.id);
+  form.append("template_id", templateId);
   form.append("mask", await mask.png(), "mask.png");
   form.append("prompt", $("prompt").value);
   form.append("seed", $("seed").value || "0");
   form.append("stream", "true");
   if (Number($("preview-every").value) > 0) form.append("preview_every", $("preview-every").value);
   if ($("lora").value.trim()) form.append("lora", $("lora").value.trim());
-  $("result-stage").hidden = false;
-  $("result-empty").hidden = true;
-  $("result").hidden = true;
-  $("latency").textContent = "–";
+  return form;
+}
+
+// POST /v1/edits; a template the server lost is registered again from the page's copy, once.
+async function postEdit(edit, form) {
+  const init = { method: "POST", body: form, signal: edit.controller.signal };
+  if (!page.templateGone) {
+    try {
+      return await api("/v1/edits", init);
+    } catch (error) {
+      if (error.code !== "template_not_found") throw error;
+    }
+  }
+  const again = await registerAgain(page.template, edit.controller.signal);
+  form.set("template_id", again.id);
+  status("editing…", "busy");
+  return api("/v1/edits", init);
+}
+
+async function submit() {
+  if (!page.template) {
+    status("upload an image or pick a template first", "error");
+    return;
+  }
+  if (page.editing || page.loading) return; // Enter in a field while Submit is disabled
+  const edit = { controller: new AbortController(), cancelReason: "", accepted: false, stepsSeen: false, steps: 0 };
+  // The mask as sent: previews are painted inside it, whatever is painted meanwhile.
+  edit.maskAlpha = mask.snapshot([0, 0, 0, 255], [0, 0, 0, 0]);
+  page.editing = edit;
+  updateActions();
   meter($("progress"), 0, "sending", "busy");
   status("editing…", "busy");
-  const steps = { seen: false };
   try {
-    const response = await api("/v1/edits", { method: "POST", body: form, signal: edit.signal });
+    const response = await postEdit(edit, await editForm(page.template.id));
     let answered = false;
     for await (const { event, data } of serverEvents(response)) {
-      steps.seen ||= event === "step";
-      answered = await showEditEvent(event, data, steps);
+      answered = await showEditEvent(edit, event, data);
       if (answered) break;
     }
-    if (!answered) throw new ApiError(0, "the server closed the stream before the edit was answered");
+    if (!answered) throw new ConnectionLost("the stream ended before the answer");
   } catch (error) {
     if (error.name === "AbortError") {
       meter($("progress"), 0, "cancelled");
-      status("edit cancelled");
+      status(edit.cancelReason ? `edit cancelled: ${edit.cancelReason}` : "edit cancelled");
+      editFailed(edit, "Edit cancelled");
+    } else if (error.name === "ConnectionLost") {
+      meter($("progress"), 1, "connection lost", "error");
+      status("lost the connection to the server during the edit; it did not complete", "error");
+      editFailed(edit, "The edit did not complete");
     } else {
-      meter($("progress"), 1, "failed", "error");
+      meter($("progress"), 1, error.status ? `failed (${error.status})` : "failed", "error");
       failed(error);
+      editFailed(edit, "The edit did not complete");
     }
   } finally {
-    if (page.editing === edit) stopEdit();
+    if (page.editing === edit) {
+      page.editing = null;
+      updateActions();
+    }
   }
 }
 
@@ -493,11 +837,16 @@ canvas.addEventListener("pointerdown", (event) => {
   paint(event);
 });
 canvas.addEventListener("pointermove", (event) => {
-  moveCursor(event);
+  showCursor(imagePoint(event));
   if (page.stroke) paint(event);
 });
 for (const name of ["pointerup", "pointercancel"]) canvas.addEventListener(name, () => { page.stroke = null; });
 canvas.addEventListener("pointerleave", () => { $("brush-cursor").hidden = true; });
+canvas.addEventListener("keydown", paintWithKeys);
+canvas.addEventListener("focus", () => {
+  if (canvas.matches(":focus-visible")) showCursor(page.keyboardPoint || { x: mask.width / 2, y: mask.height / 2 });
+});
+canvas.addEventListener("blur", () => { $("brush-cursor").hidden = true; });
 
 $("brush-size").addEventListener("input", showBrushSize);
 $("brush").addEventListener("click", () => setErasing(false));
@@ -508,17 +857,23 @@ $("invert").addEventListener("click", () => { mask.invert(); showCoverage(); });
 $("file").addEventListener("change", () => {
   const file = $("file").files[0];
   if (!file) return;
-  register(file).catch(failed).finally(() => { $("file").value = ""; });
+  const cancelled = stopEdit("an image was uploaded");
+  register(file)
+    .then(() => { if (cancelled) status(`edit cancelled; ${$("status").textContent}`); })
+    .catch((error) => failed(error, `could not register ${file.name}`))
+    .finally(() => { $("file").value = ""; });
 });
 $("template-select").addEventListener("change", async () => {
   const id = $("template-select").value;
-  if (!id) return;
+  if (!id || (page.template && page.template.id === id && !page.loading)) return;
+  const cancelled = stopEdit("another template was picked");
   try {
     const template = await (await api(`/v1/templates/${encodeURIComponent(id)}`)).json();
-    await showTemplate(template);
-    status("template loaded: paint a mask");
+    if (await showTemplate(template)) status(`${cancelled ? "edit cancelled; " : ""}template loaded: paint a mask`);
   } catch (error) {
-    failed(error);
+    $("template-select").value = page.template ? page.template.id : "";
+    failed(error, cancelled ? "edit cancelled" : "");
+    if (error.code === "template_not_found") refreshTemplates().catch(() => {});
   }
 });
 $("refresh").addEventListener("click", () => refreshTemplates().then(() => status("templates reloaded")).catch(failed));
@@ -526,24 +881,46 @@ $("controls").addEventListener("submit", (event) => {
   event.preventDefault();
   submit();
 });
-$("cancel").addEventListener("click", stopEdit);
+$("cancel").addEventListener("click", () => stopEdit());
+$("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) {
+    event.preventDefault();
+    $("controls").requestSubmit();
+  }
+});
+document.addEventListener("keydown", (event) => {
+  if (event.key === "Escape" && page.editing) {
+    event.preventDefault();
+    stopEdit();
+  }
+});
 
-$("api-key").value = localStorage.getItem(KEY_STORAGE) || "";
-$("api-key").addEventListener("change", () => {
+// A new key is another tenant: what the old one showed is not theirs to see, nor to edit.
+function applyKey() {
   const key = $("api-key").value.trim();
+  if (key === page.appliedKey) return;
   if (key) localStorage.setItem(KEY_STORAGE, key);
   else localStorage.removeItem(KEY_STORAGE);
+  stopEdit("the API key changed");
+  forgetTemplate();
   start();
+}
+$("api-key").value = localStorage.getItem(KEY_STORAGE) || "";
+$("api-key").addEventListener("change", applyKey);
+$("key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  applyKey();
 });
 
 new ResizeObserver(layout).observe($("template-viewport"));
 
 // Lists the templates and, when none is shown yet, shows the newest.
 async function start() {
+  page.appliedKey = $("api-key").value.trim();
   try {
     const templates = await refreshTemplates();
     status(templates.length ? "pick a template or upload an image" : "upload an image to start");
-    if (!page.template && templates.length) await showTemplate(templates[0]);
+    if (!page.template && !page.loading && templates.length) await showTemplate(templates[0]);
   } catch (error) {
     failed(error);
   }
