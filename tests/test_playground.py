@@ -580,3 +580,12 @@ def test_a_full_queue_is_tried_again_after_retry_after(server, page, page_errors
     assert page.evaluate("window.refusals") == 2  # refused once, then sent again
     assert "the server is busy; retrying in 1 s" in page.evaluate("window.statusSeen")
     assert page_errors == []
+
+
+def test_the_form_follows_the_servers_limits(server, page, page_errors):
+    """The steps field takes what the server takes (GET /v1/limits), and says its default."""
+    limits = httpx.get(server.url + "/v1/limits").json()
+    page.goto(server.url + "/")
+    expect(page.locator("#steps")).to_have_attribute("max", str(limits["max_steps"]))
+    expect(page.locator("#steps")).to_have_attribute("placeholder", f"server default ({limits['default_steps']})")
+    assert (limits["default_steps"], limits["max_upload_bytes"]) == (2, 32 << 20) and page_errors == []

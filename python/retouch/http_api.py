@@ -665,6 +665,16 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             names = []
         return {"data": [{"name": name} for name in names]}
 
+    @app.get("/v1/limits")
+    async def list_limits():
+        """What a request may ask for here (clients, the playground among them, size their forms by it):
+        steps, pixels, upload bytes, work (pixel-steps), images per request, prompt characters, and
+        whether edits may name LoRAs."""
+        return {"default_steps": limits.default_steps, "max_steps": limits.max_steps,
+                "max_pixels": limits.max_pixels, "max_upload_bytes": limits.max_upload_bytes,
+                "max_work": limits.max_work, "max_n": limits.max_n, "max_prompt_chars": limits.max_prompt_chars,
+                "lora": limits.lora_dir is not None}
+
     @app.get("/v1/models")
     async def list_models():
         """OpenAI's model list (clients ask it first): the one model this server serves."""

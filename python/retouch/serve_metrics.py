@@ -37,8 +37,8 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0,
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
 # Routes, not URLs: a label per route keeps unknown paths and template ids from growing the series.
-ENDPOINTS = ("/v1/templates", "/v1/edits", "/v1/images/edits", "/v1/models", "/v1/loras", "/metrics", "/healthz",
-             "/readyz", "/openapi.json", "/docs", "/redoc", "/")
+ENDPOINTS = ("/v1/templates", "/v1/edits", "/v1/images/edits", "/v1/models", "/v1/loras", "/v1/limits", "/metrics",
+             "/healthz", "/readyz", "/openapi.json", "/docs", "/redoc", "/")
 ROUTES_WITH_ID = ("/v1/templates/", "/v1/edits/")
 
 # (heartbeat key, help[, metric name when not the key]) per worker; the keys of

@@ -48,11 +48,9 @@ function readable(status, error) {
   switch (error.code) {
     case "invalid_api_key":
       return "missing or wrong API key: type the server's key into the API key field";
-    case "body_too_large": {
-      const limit = /(\d+) bytes/.exec(message); // the limit is in no field of its own
-      return limit ? `the image is too large to upload (limit ${Math.floor(Number(limit[1]) / 2 ** 20)} MB)`
+    case "body_too_large":
+      return page.limits ? `the image is too large to upload (limit ${Math.floor(page.limits.max_upload_bytes / 2 ** 20)} MB)`
         : "the image is too large to upload";
-    }
     case "too_much_work":
       return "the image is too large for this server at this many steps: use fewer steps or a smaller image";
     case "queue_full":
@@ -266,6 +264,7 @@ const page = {
   imageUrl: null, // object URL of the template image shown
   resultUrl: null,
   saved: 0, // results offered for download so far: numbers their file names
+  limits: null, // GET /v1/limits: what this server takes (steps, upload bytes, ...)
   erasing: false,
   stroke: null, // the last point of the stroke being painted
   keyboardPoint: null, // where the keyboard's brush is (image pixels)
@@ -914,10 +913,18 @@ $("key-form").addEventListener("submit", (event) => {
 
 new ResizeObserver(layout).observe($("template-viewport"));
 
+// The form follows the server's limits: its largest and default steps.
+async function readLimits() {
+  page.limits = await (await api("/v1/limits")).json();
+  $("steps").max = String(page.limits.max_steps);
+  $("steps").placeholder = `server default (${page.limits.default_steps})`;
+}
+
 // Lists the templates and, when none is shown yet, shows the newest.
 async function start() {
   page.appliedKey = $("api-key").value.trim();
   try {
+    await readLimits();
     const templates = await refreshTemplates();
     status(templates.length ? "pick a template or upload an image" : "upload an image to start");
     if (!page.template && !page.loading && templates.length) await showTemplate(templates[0]);
