@@ -179,9 +179,9 @@ class Engine:
         image is being recorded another one-off edit of it is computed in full without recording; so is
         one with a LoRA (the cache holds the base model's activations, which its rows are not)."""
         self._check_running()
-        lora = self.check_lora(lora)
         template = self.editor.one_off_template(image, mask, prompt, seed, steps, guidance)
         request = self.editor.check_request(EditRequest(template.template_id, mask, prompt, seed), template)
+        lora = self.check_lora(lora)  # looked up once the request is known to be good
         if self.editor.is_recorded(template.template_id):
             return self._submit_checked(request, self.editor.templates[template.template_id], watch, budget_s, lora)
         with self._jobs_lock:

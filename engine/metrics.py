@@ -74,11 +74,13 @@ class WorkerMetrics:
     watch_errors: int = 0  # progress callbacks or previews that raised (the edits went on)
     last_watch_error: str | None = None
     total_step_s: float = 0.0  # sum of step_s, kept so the mean is O(1) (slack ordering asks often)
+    total_batch_rows: int = 0  # sum of batch_sizes
 
     def record_step(self, batch_size: int, step_s: float, forward_s: float, inline_s: float) -> None:
         self.batch_sizes.append(batch_size)
         self.step_s.append(step_s)
         self.total_step_s += step_s
+        self.total_batch_rows += batch_size
         self.forward_s.append(forward_s)
         self.inline_s.append(inline_s)
 
@@ -97,7 +99,7 @@ class WorkerMetrics:
             "steps": steps, "completed": self.completed, "failed": self.failed, "cancelled": self.cancelled,
             "recorded": self.recorded, "watch_errors": self.watch_errors,
             "interruptions": self.interruptions,
-            "step_seconds": sum(self.step_s), "batch_rows": sum(self.batch_sizes),
+            "step_seconds": self.total_step_s, "batch_rows": self.total_batch_rows,
             "mean_batch_size": statistics.fmean(self.batch_sizes) if steps else 0.0,
             "max_batch_size": max(self.batch_sizes, default=0),
             "mean_step_s": statistics.fmean(self.step_s) if steps else 0.0,

@@ -286,43 +286,46 @@ class Worker:
         if self.config.mode == "static" and self.running:
             return
         loading = []  # jobs whose template is still being read from disk: admitted at a later step
-        while self.waiting and len(self.running) < self.config.max_batch:
-            job = self.next_waiting()
-            if job.template_load is not None and not job.template_load.done() and (self.running or self.waiting):
-                loading.append(job)
-                continue
-            if job.ready is None:  # static and naive: pre-processing inline
-                ready = self._inline(lambda: self._prepare(job), job)
-                if ready is None:
+        try:
+            while self.waiting and len(self.running) < self.config.max_batch:
+                job = self.next_waiting()
+                still_loading = job.template_load is not None and not job.template_load.done()
+                if still_loading and (self.running or self.waiting):
+                    loading.append(job)
                     continue
-                job.ready = ready
-            try:
-                if job.recording is not None:
-                    if job.writes_cache:
-                        self.editor.begin_recording(job.recording)
-                else:
-                    recomputes = self.editor.recomputes
-                    job.handles = self.editor.acquire([job.template])
-                    if self.editor.recomputes != recomputes and self._mid_denoising():
-                        self.metrics.interruptions += 1  # the template was lost and recorded again
-            except CacheFull:
-                if self.running:  # host memory is held by the running batch: wait for it to shrink
-                    self.waiting.appendleft(job)
-                    return
-                self._fail(job, RetouchError("the template's activations do not fit the host cache"))
-                continue
-            except Exception as exc:
-                self._fail(job, exc)
-                continue
-            job.row = recipes.Running(job.ready.prepared, job.ready.prepared.latents)
-            if job.lora:
-                job.lora_loads = self.loras.acquire(job.lora)
-            job.metrics.tokens = self.editor.num_tokens(job.template)
-            job.metrics.computed_tokens = len(job.ready.inputs.masked_idx)
-            job.metrics.admitted = now()
-            job.metrics.admitted_step = len(self.metrics.step_s)
-            self.running.append(job)
-        self.waiting.extendleft(reversed(loading))  # first in line again, in their order
+                if job.ready is None:  # static and naive: pre-processing inline
+                    ready = self._inline(lambda: self._prepare(job), job)
+                    if ready is None:
+                        continue
+                    job.ready = ready
+                try:
+                    if job.recording is not None:
+                        if job.writes_cache:
+                            self.editor.begin_recording(job.recording)
+                    else:
+                        recomputes = self.editor.recomputes
+                        job.handles = self.editor.acquire([job.template])
+                        if self.editor.recomputes != recomputes and self._mid_denoising():
+                            self.metrics.interruptions += 1  # the template was lost and recorded again
+                except CacheFull:
+                    if self.running:  # host memory is held by the running batch: wait for it to shrink
+                        self.waiting.appendleft(job)
+                        return
+                    self._fail(job, RetouchError("the template's activations do not fit the host cache"))
+                    continue
+                except Exception as exc:
+                    self._fail(job, exc)
+                    continue
+                job.row = recipes.Running(job.ready.prepared, job.ready.prepared.latents)
+                if job.lora:
+                    job.lora_loads = self.loras.acquire(job.lora)
+                job.metrics.tokens = self.editor.num_tokens(job.template)
+                job.metrics.computed_tokens = len(job.ready.inputs.masked_idx)
+                job.metrics.admitted = now()
+                job.metrics.admitted_step = len(self.metrics.step_s)
+                self.running.append(job)
+        finally:
+            self.waiting.extendleft(reversed(loading))  # first in line again, in their order
 
     def next_waiting(self) -> Job:
         """Take the waiting job to admit next: the least slack (deadline - now - `predict_s`) among
@@ -529,9 +532,12 @@ class Worker:
         job.fail(exc)
 
     def _release(self, job: Job) -> None:
+        """The job leaves the batch: its template handles and its LoRA leases go now, not when the Job
+        object is collected (its future's callbacks may keep it in a reference cycle for long)."""
         for handle in job.handles.values():
             handle.release()
         job.handles = {}
+        job.lora_loads, job.lora_entry = [], ()
 
     def _mid_denoising(self) -> bool:
         return any(job.metrics.steps for job in self.running)

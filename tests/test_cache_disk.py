@@ -121,3 +121,17 @@ def test_disk_tier_keeps_its_budget_and_evicts_least_recently_used(tmp_path):
     # A new tier over the same folder adopts the files; a smaller budget evicts the oldest.
     again = DiskTier(tmp_path, budget=2 * file_bytes)
     assert again.used <= again.budget and again.contains("d")
+
+
+def test_copies_the_host_also_holds_are_evicted_first(tmp_path):
+    """With write-through every recording is on disk too; a new file pushes out a copy whose template is
+    in host memory before the only copy of another."""
+    layout = StepLayout.for_tensors({(0, "out"): (64, 64)}, torch.float32, 64)
+    steps = random_steps(layout, 1, seed=3)
+    in_host = {"b"}
+    tier = DiskTier(tmp_path, budget=3 * (layout.nbytes + 1024), redundant=lambda name: name in in_host)
+    for name in ["a", "b", "c", "d"]:
+        assert tier.write(name, layout, steps)
+    assert not tier.contains("b") and all(tier.contains(n) for n in "acd")  # a was older, but only on disk
+    in_host.clear()
+    assert tier.write("e", layout, steps) and not tier.contains("a")  # then least recently used

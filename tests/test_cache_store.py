@@ -2,6 +2,7 @@
 prefetch, concurrent readers with an evicting writer, and budgets under random churn."""
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -249,6 +250,27 @@ def test_committed_templates_are_written_through_and_outlive_the_store(tmp_path)
     assert not later.disk.path("a").exists() and later.meta("a") is None
 
 
+def test_a_template_recorded_again_while_its_first_write_waited_keeps_the_second_on_disk(tmp_path):
+    """Two commits of one id while the writer is busy (a drop and a new recording): the file on disk is
+    the second recording's, never the first's standing in for it."""
+    store = make_store(tmp_path, templates_in_host=4)
+    busy = threading.Event()
+    store._writer = ThreadPoolExecutor(1)
+    store._writer.submit(busy.wait)  # an earlier template's write
+    for mode in ("first", "second"):
+        store.begin("a", meta={"recording": mode})
+        for step in range(STEPS):
+            for block in range(BLOCKS):
+                store.put("a", step, block, "out", activations("a", step, block))
+        store.commit("a")
+    busy.set()
+    store.flush()
+    assert store.disk.read_meta("a")["recording"] == "second" and store.metrics()["disk_writes"] == 1
+    assert store.evict("a")
+    assert store.meta("a")["recording"] == "second"
+    assert_intact(store, "a")
+
+
 def test_prefetch_loads_from_disk_in_the_background(tmp_path):
     store = make_store(tmp_path, templates_in_host=1)
     record(store, "a")
@@ -338,6 +360,7 @@ def test_budgets_hold_and_data_stays_intact_under_random_churn(tmp_path_factory,
             store.drop(name)
         elif operation == "prefetch":
             store.prefetch(name).result(timeout=30)
+        store.flush()  # the write-through of what was recorded: its files may come and go until then
         assert store.arena.used <= store.arena.capacity
         assert store.disk.used <= store.disk.budget
         assert sum(p.stat().st_size for p in store.disk.directory.glob("*.rtc")) <= store.disk.budget

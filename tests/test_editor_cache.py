@@ -100,8 +100,9 @@ def test_a_restarted_editor_adopts_the_recordings_its_disk_tier_kept(tmp_path):
     reads its file's header instead of recording it, and its edits are the earlier process's, bit for
     bit. Other weights under the same model name, or a recording that lacks what the cache mode reads,
     are recorded again."""
-    def editor(mode: str = "y"):
-        store = CacheStore(StoreConfig(host_bytes=64 << 20, disk_dir=tmp_path / "disk", disk_bytes=256 << 20))
+    def editor(mode: str = "y", storage: str = "auto"):
+        store = CacheStore(StoreConfig(host_bytes=64 << 20, disk_dir=tmp_path / "disk", disk_bytes=256 << 20,
+                                       dtype=storage))
         return load("tiny-flux-fill", cache=store, cache_mode=mode)
 
     mask = square_mask((40, 40, 90, 90))
@@ -125,9 +126,11 @@ def test_a_restarted_editor_adopts_the_recordings_its_disk_tier_kept(tmp_path):
     kv.cache.close()
 
     assert editor("kv").adopt(kv.templates[template_id])  # the same weights would adopt it
-    retrained = editor("kv")
+    assert not editor("kv", storage="float16").adopt(kv.templates[template_id])  # auto is lossless, fp16 not
+    retrained, other_vae = editor("kv"), editor("kv")
     with torch.no_grad():
         next(retrained.denoiser.parameters()).add_(1e-3)
-    assert not retrained.adopt(kv.templates[template_id])
+        next(other_vae.pipe.vae.parameters()).add_(1e-3)  # other latents under the same name
+    assert not retrained.adopt(kv.templates[template_id]) and not other_vae.adopt(kv.templates[template_id])
     register_replay_template(retrained)
     assert retrained.cache.metrics()["registrations"] == 1

@@ -283,3 +283,30 @@ def test_an_edit_whose_values_overflow_fails_instead_of_answering_a_black_region
     assert isinstance(huge.future.exception(), LoraError) and "huge:2" in str(huge.future.exception())
     assert not torch.isfinite(huge.row.latents).all()
     assert max_diff(final_latents(plain), final_latents(alone)) <= BATCH_ATOL
+
+
+def test_an_edit_waiting_for_its_template_stays_queued_when_another_does_not_fit(flux_editor):
+    """Admission sets aside an edit whose template is still being read from disk; one behind it that
+    finds the host cache full (the running batch holds it) goes back to wait, and so does the first:
+    neither is dropped."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from retouch.cache import CacheFull
+
+    worker = Worker(flux_editor, EngineConfig(mode="naive"))
+    template_id = flux_editor.register_template(template_image(), prompt="a scene", steps=2, seed=1)
+    loading, full = (Worker.new_job(EditRequest(template_id, square_mask(), "a hat", seed=s)) for s in (1, 2))
+    loading.template_load = Future()  # its read from disk, not done
+    for job in (loading, full):  # pre-processed (what admission reads of it: its template)
+        job.ready = SimpleNamespace(inputs=SimpleNamespace(template=flux_editor.templates[template_id]))
+    worker.running = [object()]  # a batch runs: the loading edit is set aside, not waited for
+    worker.waiting.extend([loading, full])
+
+    def host_full(templates):
+        raise CacheFull("the running batch holds the host cache")
+
+    worker.editor = type("Editor", (), {"acquire": staticmethod(host_full), "recomputes": 0})()
+    worker.admit()
+    assert list(worker.waiting) == [loading, full] and not loading.future.done() and not full.future.done()
+    worker.loras.close()

@@ -246,3 +246,23 @@ def test_lossless_outputs_keep_every_pixel_and_lossy_ones_are_noted(tmp_path):
     jpeg = images.save_image(noisy, tmp_path / "out.JPG")
     assert not np.array_equal(np.asarray(Image.open(jpeg).convert("RGB")), np.asarray(noisy))
     assert ".jpg is lossy" in images.lossy_output_note(jpeg)
+
+
+def test_formats_with_transparency_keep_every_rgba_pixel_even_under_alpha_0(tmp_path):
+    """A transparent template's answer: its RGBA is kept exactly (WebP rewrites colour under alpha 0
+    unless told not to); other formats drop the alpha, which a note says."""
+    rng = np.random.default_rng(1)
+    cutout = rng.integers(0, 256, (24, 32, 4), dtype=np.uint8)
+    cutout[..., 3] = np.where(rng.random((24, 32)) < 0.5, 0, 255)
+    for suffix in (".png", ".webp", ".tif", ".tga"):
+        path = images.save_image(Image.fromarray(cutout), tmp_path / f"out{suffix}")
+        assert np.array_equal(np.asarray(Image.open(path).convert("RGBA")), cutout), suffix
+        assert images.alpha_output_note(path) is None
+    assert "drops the alpha" in images.alpha_output_note(tmp_path / "out.jpg")
+    assert Image.open(images.save_image(Image.fromarray(cutout), tmp_path / "out.jpg")).mode == "RGB"
+
+
+def test_a_16_bit_grey_colour_key_is_transparency():
+    grey = Image.fromarray(np.array([[0, 1000], [65535, 1000]], dtype=np.uint16))
+    grey.info["transparency"] = 1000
+    assert np.asarray(images.alpha_of(grey)).tolist() == [[255, 0], [255, 0]]

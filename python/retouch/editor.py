@@ -315,7 +315,7 @@ class MaskAwareEditor:
         if isinstance(self.cache, CacheStore):
             self.cache.begin(template.template_id, RECORDED_NAMES[CACHE_MODES[template.recorded_mode]],
                              {"recorded_by": self.model_fingerprint(), "recorded_mode": template.recorded_mode,
-                              "one_off": template.one_off})
+                              "one_off": template.one_off, "shape": self._recording_shape(template)})
 
     def adopt(self, template: Template) -> bool:
         """Whether a recording of `template` that this editor did not make serves it: one that the disk
@@ -326,7 +326,8 @@ class MaskAwareEditor:
             return False
         meta = self.cache.meta(template.template_id)
         if (meta is None or meta.get("recorded_by") != self.model_fingerprint() or meta.get("one_off", True)
-                or meta.get("recorded_mode") not in CACHE_MODES):
+                or meta.get("recorded_mode") not in CACHE_MODES
+                or meta.get("shape") != self._recording_shape(template)):
             return False
         adopted = replace(template, recorded_mode=meta["recorded_mode"])
         if not self._covers(adopted):
@@ -334,15 +335,25 @@ class MaskAwareEditor:
         self.templates[template.template_id] = adopted
         return True
 
+    def _recording_shape(self, template: Template) -> dict:
+        """What a recording's layout follows besides the weights: the file format, the latents' and
+        text's token counts, and the cache's storage dtype (an fp8 file is not what `auto` promises)."""
+        return {"format": 1, "latent_shape": list(template.latent_shape), "text_tokens": template.num_text_tokens,
+                "storage": self.cache.config.dtype if isinstance(self.cache, CacheStore) else None}
+
     def model_fingerprint(self) -> str:
-        """A digest of the model: its name, dtype and a sample of every weight (the first 64 values of
-        each tensor), so that a recording is never read by other weights under the same name."""
+        """A digest of the pipeline: its name, dtype and a sample of every weight of every component
+        (denoiser, VAE, text encoders: the first 64 values of each tensor), so that a recording is never
+        read by other weights, latents or embeddings under the same name."""
         if self._fingerprint is None:
             digest = hashlib.sha256(f"{self.model.name}|{self.model.family}|{self.dtype}|".encode())
-            for name, tensor in self.denoiser.state_dict().items():
-                sample = tensor.detach().flatten()[:64].to("cpu", torch.float32)
-                digest.update(f"{name}|{tuple(tensor.shape)}|".encode())
-                digest.update(sample.numpy().tobytes())
+            modules = {name: component for name, component in sorted(self.pipe.components.items())
+                       if isinstance(component, torch.nn.Module)}
+            for component, module in modules.items():
+                for name, tensor in module.state_dict().items():
+                    sample = tensor.detach().flatten()[:64].to("cpu", torch.float32)
+                    digest.update(f"{component}.{name}|{tuple(tensor.shape)}|".encode())
+                    digest.update(sample.numpy().tobytes())
             self._fingerprint = digest.hexdigest()[:24]
         return self._fingerprint
 

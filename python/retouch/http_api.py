@@ -535,7 +535,8 @@ def reencoded(png: bytes, size: tuple[int, int] | None, output_format: str, comp
     if output_format == "png":
         return png_bytes(image)
     out = io.BytesIO()
-    options = {"lossless": True} if output_format == "webp" and compression == 100 else {"quality": compression}
+    lossless = output_format == "webp" and compression == 100
+    options = {"lossless": True, "exact": True} if lossless else {"quality": compression}
     image.convert("RGB").save(out, format=OUTPUT_FORMATS[output_format], **options)
     return out.getvalue()
 

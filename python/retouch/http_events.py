@@ -117,6 +117,10 @@ class NativeEvents:
         return sse("error", {"status": status, **body})
 
 
+NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}, "output_tokens": 0,
+            "total_tokens": 0}
+
+
 class OpenAIEvents:
     """How a POST /v1/images/edits stream writes it: the OpenAI Images API's edit events. `encode(png,
     final)` turns a preview (final False) or the answer into the requested output format and returns
@@ -141,7 +145,9 @@ class OpenAIEvents:
         return sse("image_edit.partial_image", {**image, "partial_image_index": self.partials - 1})
 
     async def done(self, png: bytes, metrics: dict) -> bytes:
-        return sse("image_edit.completed", await self._image("image_edit.completed", png, True))
+        # usage: the SDK's type requires it; retouch meters no tokens, so every count is 0
+        return sse("image_edit.completed", {**await self._image("image_edit.completed", png, True),
+                                            "usage": NO_USAGE})
 
     def error(self, status: int, body: dict) -> bytes:
         return sse("error", {"type": "error", **body})

@@ -212,7 +212,12 @@ def alpha_of(image: Image.Image) -> Image.Image | None:
     (`canvas.paste_alpha`), so a cut-out stays one."""
     if not has_alpha(image):
         return None
-    alpha = image.convert("RGBA").getchannel("A")
+    if image.mode.startswith("I") and isinstance(image.info.get("transparency"), int):
+        # a 16-bit grey colour key, which Pillow's convert("RGBA") ignores
+        keyed = np.asarray(image) != image.info["transparency"]
+        alpha = Image.fromarray(np.where(keyed, 255, 0).astype(np.uint8), mode="L")
+    else:
+        alpha = image.convert("RGBA").getchannel("A")
     return None if alpha.getextrema()[0] == 255 else alpha
 
 
@@ -260,7 +265,8 @@ def save_image(image: Image.Image, path: Path) -> Path:
         image = image.convert("RGB")  # the caller said so (`alpha_output_note`)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        image.save(path, **({"lossless": True} if path.suffix.lower() == ".webp" else {}))
+        # exact: libwebp otherwise rewrites the colour under alpha 0, which the paste-back promise keeps
+        image.save(path, **({"lossless": True, "exact": True} if path.suffix.lower() == ".webp" else {}))
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc}") from None
     return path

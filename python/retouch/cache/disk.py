@@ -121,15 +121,19 @@ class DiskTier:
     """Template files in `directory` under `budget` bytes, least recently used evicted first.
 
     Files already in the directory (an earlier process's) are adopted at start, oldest first.
+    `redundant(template_id)`: whether the template has another copy (in host memory); such files go
+    first, so that a write-through does not push out the only copy of a template. It is called with
+    the tier's lock held: it must take no lock that is held while calling into the tier.
     Thread-safe; file I/O happens outside the lock.
     """
 
-    def __init__(self, directory: Path | str, budget: int):
+    def __init__(self, directory: Path | str, budget: int, redundant: Callable[[str], bool] | None = None):
         if budget < 0:
             raise ValueError(f"disk budget must be >= 0 bytes, got {budget}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.budget = budget
+        self.redundant = redundant or (lambda template_id: False)
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()  # template id -> bytes, least recent first
         self.evictions = 0
@@ -208,7 +212,8 @@ class DiskTier:
     def _evict_to(self, limit: int) -> None:
         # Holding the lock: unlinking is quick, and an open reader keeps its file until it closes it.
         while self._files and sum(self._files.values()) > limit:
-            victim, _ = self._files.popitem(last=False)
+            victim = next((name for name in self._files if self.redundant(name)), next(iter(self._files)))
+            del self._files[victim]
             try:
                 (self.directory / (victim + SUFFIX)).unlink(missing_ok=True)
             except OSError:

@@ -178,14 +178,18 @@ class CacheStore(ActivationCache):
         self.config = config
         self.arena = ops.HostArena(config.host_bytes, config.alignment, config.pinned)
         self.arena_bytes = self.arena.tensor()
-        self.disk = DiskTier(config.disk_dir, config.disk_bytes) if config.disk_dir is not None else None
         self._lock = threading.RLock()
         self._host: OrderedDict[str, _Template] = OrderedDict()  # least recently used first
+        # A file whose template is in host memory is a redundant copy: the disk tier evicts those first.
+        # (A lock-free read of the index: the tier calls it holding its own lock.)
+        self.disk = (DiskTier(config.disk_dir, config.disk_bytes, redundant=lambda name: name in self._host)
+                     if config.disk_dir is not None else None)
         self._recordings: dict[str, _Recording] = {}
         self._loading: dict[str, Future] = {}
         self._prefetcher: ThreadPoolExecutor | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._writes: list[Future] = []
+        self._closed = False
         self.counters: Counter[str] = Counter()
 
     # ---- recording ----
@@ -239,7 +243,7 @@ class CacheStore(ActivationCache):
             template.linked = True
             self._host[template_id] = template
             self.counters["registrations"] += 1
-            if self.disk is not None:
+            if self.disk is not None and not self._closed:
                 template.readers += 1  # the writer reads it: it is not evicted before its file is whole
                 for offset in template.step_offsets:
                     self.arena.retain(offset)
@@ -253,7 +257,10 @@ class CacheStore(ActivationCache):
         """Write a newly committed template to the disk tier in the background, so that it outlives this
         process (a restarted worker adopts it) and its eviction costs no write."""
         try:
-            self._write_back(template)
+            with self._lock:
+                current = self._host.get(template.template_id) is template
+            if current:  # not dropped, nor recorded again, while its write waited
+                self._write_back(template)
         except OSError as exc:
             logger.warning("template %s: writing it to the disk tier failed (%s)", template.template_id, exc)
             with self._lock:
@@ -261,19 +268,20 @@ class CacheStore(ActivationCache):
         finally:
             self._release(template)
         with self._lock:
-            dropped = not template.linked and template.template_id not in self._host
-        if dropped:  # while it was written: its file must not outlive it
+            replaced = self._host.get(template.template_id) is not template
+        if replaced:  # dropped or recorded again while it was written: its file must not stand for either
             self.disk.remove(template.template_id)
 
     def flush(self) -> None:
-        """Wait for the disk writes of committed templates under way."""
+        """Wait for the disk writes of committed templates under way (they stay listed until done:
+        `_allocate` waits for them too)."""
         while True:
             with self._lock:
-                writes, self._writes = self._writes, []
-            if not writes:
+                self._writes = [write for write in self._writes if not write.done()]
+                pending = list(self._writes)
+            if not pending:
                 return
-            for write in writes:
-                write.result()
+            wait(pending)
 
     def _write_step(self, recording: _Recording) -> None:
         """Encode the step's tensors into one new arena allocation. A step that cannot be written (the
@@ -463,11 +471,15 @@ class CacheStore(ActivationCache):
         return report
 
     def close(self) -> None:
-        """Finish the background reads and writes under way."""
-        self.flush()
-        for pool in (self._prefetcher, self._writer):
-            if pool is not None:
-                pool.shutdown(wait=True)
+        """Finish the background reads and writes under way; templates committed later are not written."""
+        with self._lock:
+            self._closed = True
+        try:
+            self.flush()
+        finally:
+            for pool in (self._prefetcher, self._writer):
+                if pool is not None:
+                    pool.shutdown(wait=True)
 
     # ---- internals ----
 
