@@ -913,9 +913,15 @@ $("key-form").addEventListener("submit", (event) => {
 
 new ResizeObserver(layout).observe($("template-viewport"));
 
-// The form follows the server's limits: its largest and default steps.
+// The form follows the server's limits: its largest and default steps. Without them (a missing key,
+// which the template list then reports; an older server) the form stays as it is.
 async function readLimits() {
-  page.limits = await (await api("/v1/limits")).json();
+  try {
+    page.limits = await (await api("/v1/limits")).json();
+  } catch (error) {
+    page.limits = null;
+    return;
+  }
   $("steps").max = String(page.limits.max_steps);
   $("steps").placeholder = `server default (${page.limits.default_steps})`;
 }
