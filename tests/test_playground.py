@@ -44,6 +44,9 @@ OTHER_KEY = "sk-playground-other-tenant"
 # for a balloon.
 STROKE = [(0.18, 0.22), (0.28, 0.14), (0.40, 0.20), (0.52, 0.13), (0.62, 0.22)]
 WAIT_MS = 60_000
+# Every wait is for a state, never a fixed time; a loaded machine (CI's two cores running the server, its
+# worker and chromium) may take longer than playwright's 5 s default to reach it.
+expect.set_options(timeout=WAIT_MS)
 
 
 def install_chromium() -> None:
