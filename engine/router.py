@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import sys
 import threading
 import time
@@ -52,6 +53,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq
@@ -63,6 +65,11 @@ from retouch.engine.step_cost import StepCost
 from retouch.engine.wakeup import Wakeup
 from retouch.errors import InputError
 from retouch.lora import LoraChoice, choice_header
+
+if TYPE_CHECKING:
+    from retouch.engine.registry import TemplateRegistry
+
+logger = logging.getLogger("retouch.router")
 
 
 class QueueFull(RuntimeError):
@@ -236,11 +243,13 @@ class RouterConfig:
 class Router:
     def __init__(self, config: RouterConfig = RouterConfig(), cost: StepCost | None = None,
                  on_decision: Callable[[float], None] | None = None, security: RouterSecurity | None = None,
-                 on_worker: Callable[[str], None] | None = None):
+                 on_worker: Callable[[str], None] | None = None, registry: TemplateRegistry | None = None):
         """`on_decision(seconds)`: told the policy's time of every routing decision (metrics).
         `security`: CURVE keys; required to bind an address other hosts can reach. `on_worker(line)`: told
         each worker that joins or leaves, and why (the server's log); called with the router's lock held, so
-        it must not block or call the router."""
+        it must not block or call the router. `registry`: where registered templates are kept across
+        restarts (`engine.registry`); the ones it holds are the router's from the start, recorded by each
+        worker that joins (which adopts its disk tier's file of one, if it has it)."""
         if security is None and not is_loopback(config.address):
             raise InputError(f"refusing to listen for workers on {config.address} without CURVE keys "
                              "(--curve-secret, --curve-allowed): anyone who can reach it could join as a worker")
@@ -263,7 +272,9 @@ class Router:
         self._lock = threading.RLock()
         self._outgoing: deque[tuple[bytes, list]] = deque()
         self.workers: dict[str, WorkerState] = {}
-        self.templates: dict[str, TemplateRecord] = {}
+        self.registry = registry
+        self.templates: dict[str, TemplateRecord] = {} if registry is None else {
+            record.template_id: record for record in registry.load()}
         self.pending: dict[int, Pending] = {}
         self.parked: dict[str, deque[int]] = {}  # template -> requests waiting for a ready replica
         self._ids = itertools.count(1)
@@ -504,6 +515,7 @@ class Router:
             self.templates[record.template_id] = record
             self._ensure_replicas(record)
         self._wake()
+        self._keep(lambda registry: registry.save(record), record.template_id)
         return record
 
     def template(self, template_id: str, owner: str | None = None) -> dict | None:
@@ -525,7 +537,18 @@ class Router:
                 return False
             self._drop(template_id)
         self._wake()
+        self._keep(lambda registry: registry.remove(template_id), template_id)
         return True
+
+    def _keep(self, change: Callable[[TemplateRegistry], None], template_id: str) -> None:
+        """Apply a template change to the registry (outside the lock: it writes files). A failed write is
+        logged: the template serves on, it just does not outlive the server."""
+        if self.registry is None:
+            return
+        try:
+            change(self.registry)
+        except OSError as exc:
+            logger.warning("template %s: the template registry could not be updated (%s)", template_id, exc)
 
     def _drop(self, template_id: str) -> None:
         record = self.templates.pop(template_id)

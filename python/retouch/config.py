@@ -293,7 +293,9 @@ class ServeOptions:
                                 choices=("accept", "reject"))
     cache_host_gib: float = option(4.0, help=CACHE_HOST_HELP.format(whose="each worker's"))
     cache_disk_dir: Path | None = option(None, help=CACHE_DISK_HELP.format(whose="this host's workers'") +
-                                         "; each worker keeps a subfolder of its own (w0, w1, ...)")
+                                         "; each worker keeps a subfolder of its own (w0, w1, ...), and the "
+                                         "registered templates are kept in DIR/templates: a restarted server "
+                                         "serves them again")
     cache_disk_gib: float = option(64.0, help=CACHE_DISK_GIB_HELP.format(whose="each worker's"))
     cache_dtype: str = option("auto", help=CACHE_DTYPE_HELP, choices=CACHE_DTYPES)
     lora_dir: Path | None = option(None, help=LORA_DIR_HELP + " (given to this host's workers; an edit naming "

@@ -626,8 +626,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                     None if alpha is None else png_bytes(alpha))
 
         template_id, png, size, alpha = await anyio.to_thread.run_sync(identify)
-        router.register_template(TemplateRecord(template_id, png, size, prompt, steps, seed, guidance, replicas=0,
-                                                owner=tenant, alpha=alpha))
+        record = TemplateRecord(template_id, png, size, prompt, steps, seed, guidance, replicas=0, owner=tenant,
+                                alpha=alpha)
+        await anyio.to_thread.run_sync(router.register_template, record)  # it may save it to disk
         return template_or_404(template_id, tenant)
 
     # ---- templates ----
@@ -727,7 +728,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
     @app.delete("/v1/templates/{template_id}")
     async def delete_template(request: Request, template_id: str):
-        if not router.drop_template(template_id, request.state.tenant):
+        if not await anyio.to_thread.run_sync(router.drop_template, template_id, request.state.tenant):
             template_or_404(template_id, request.state.tenant)
         return {"id": template_id, "deleted": True}
 

@@ -30,6 +30,7 @@ from retouch.config import ServeOptions, resolve_device
 from retouch.engine import process_tree
 from retouch.engine.curve import AllowedKeys, RouterSecurity
 from retouch.engine.reference_costs import h800_flux
+from retouch.engine.registry import TemplateRegistry
 from retouch.engine.router import Router, RouterConfig
 from retouch.engine.step_cost import StepCost
 from retouch.engine.supervisor import Supervisor
@@ -125,8 +126,12 @@ class Server:
         security = None
         if opts.curve_secret is not None:
             security = RouterSecurity(opts.curve_secret, AllowedKeys.from_dir(opts.curve_allowed))
-        self.router = Router(router_config(opts), step_cost(opts), security=security,
+        registry = None if opts.cache_disk_dir is None else TemplateRegistry(Path(opts.cache_disk_dir) / "templates")
+        self.router = Router(router_config(opts), step_cost(opts), security=security, registry=registry,
                              on_worker=lambda line: print(f"retouch: {line}", file=sys.stderr, flush=True)).start()
+        if self.router.templates:
+            print(f"retouch: {len(self.router.templates)} templates kept in {registry.directory}; workers record "
+                  "them (or find them in their disk tier) as they join", file=sys.stderr, flush=True)
         process_tree.remove_stale_run_dirs()
         self.run_dir = process_tree.new_run_dir()
         node_args = ["--model", opts.model, "--device", device, "--dtype", str(dtype).removeprefix("torch."),

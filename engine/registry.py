@@ -1,0 +1,97 @@
+"""Registered templates that outlive the server: the router's records, one set of files per template in
+a folder (`retouch serve --cache-disk-dir DIR` keeps them in DIR/templates), read back when the router
+starts. The workers' disk tiers keep the recordings themselves (`retouch.cache`): a worker that joins is
+asked to record each template and adopts its file instead. So a restarted server answers the templates
+registered before it stopped, without the clients registering them again.
+
+    <id>.json        {"format", "id", "size", "prompt", "steps", "seed", "guidance", "replicas", "owner",
+                      "created"}; written last, so a template without it was not saved whole
+    <id>.png         the image the workers record
+    <id>.alpha.png   its transparency, when it has any (`TemplateRecord.alpha`)
+
+One-off images are not kept: they are evicted by use and recorded again by their next edit anyway.
+`owner` is the tenant's id, a digest of its API key (`http_api.tenant_of`), never the key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+from retouch.engine.router import TemplateRecord
+
+FORMAT = 1
+TEMPLATE_ID = re.compile(r"tpl-[0-9a-f]{8,64}")
+logger = logging.getLogger("retouch.registry")
+
+
+class TemplateRegistry:
+    """The folder of saved template records. Not thread-safe by itself: the router calls it outside its
+    lock, one call per template change."""
+
+    def __init__(self, directory: Path | str):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def save(self, record: TemplateRecord) -> None:
+        """Keep `record` (a registered template); a one-off image is not kept."""
+        if record.one_off or not TEMPLATE_ID.fullmatch(record.template_id):
+            return
+        _write(self._path(record.template_id, ".png"), record.image)
+        if record.alpha is not None:
+            _write(self._path(record.template_id, ".alpha.png"), record.alpha)
+        header = {"format": FORMAT, "id": record.template_id, "size": list(record.size), "prompt": record.prompt,
+                  "steps": record.steps, "seed": record.seed, "guidance": record.guidance,
+                  "replicas": record.replicas, "owner": record.owner, "created": record.created}
+        _write(self._path(record.template_id, ".json"), json.dumps(header).encode())
+
+    def remove(self, template_id: str) -> None:
+        if not TEMPLATE_ID.fullmatch(template_id):
+            return
+        for suffix in (".json", ".png", ".alpha.png"):  # the header first: a half-removed one is not loaded
+            self._path(template_id, suffix).unlink(missing_ok=True)
+
+    def load(self) -> list[TemplateRecord]:
+        """Every template saved whole, oldest first; one that cannot be read is logged and skipped."""
+        records = []
+        for path in sorted(self.directory.glob("tpl-*.json")):
+            template_id = path.name.removesuffix(".json")
+            try:
+                records.append(self._read(template_id))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                logger.warning("template %s in %s cannot be read (%s); skipped", template_id, self.directory, exc)
+        return sorted(records, key=lambda record: record.created)
+
+    def _read(self, template_id: str) -> TemplateRecord:
+        if not TEMPLATE_ID.fullmatch(template_id):
+            raise ValueError("not a template id")
+        header = json.loads(self._path(template_id, ".json").read_bytes())
+        if header["format"] != FORMAT or header["id"] != template_id:
+            raise ValueError(f"format {header['format']} of template {header['id']}")
+        alpha_path = self._path(template_id, ".alpha.png")
+        width, height = (int(side) for side in header["size"])
+        guidance = header["guidance"]
+        return TemplateRecord(template_id, self._path(template_id, ".png").read_bytes(), (width, height),
+                              str(header["prompt"]), int(header["steps"]), int(header["seed"]),
+                              None if guidance is None else float(guidance), replicas=int(header["replicas"]),
+                              owner=str(header["owner"]), created=float(header["created"]),
+                              alpha=alpha_path.read_bytes() if alpha_path.exists() else None)
+
+    def _path(self, template_id: str, suffix: str) -> Path:
+        return self.directory / (template_id + suffix)
+
+
+def _write(path: Path, data: bytes) -> None:
+    """`data` to `path` whole or not at all (a temporary file renamed over it)."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

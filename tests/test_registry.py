@@ -1,0 +1,65 @@
+"""The template registry: registered templates saved whole and read back (the router's records across
+a restart); one-offs not kept; a template saved in part, or damaged, skipped; a deleted one gone."""
+
+from __future__ import annotations
+
+import zmq
+from scripted_worker import ScriptedWorker
+
+from retouch.engine.registry import TemplateRegistry
+from retouch.engine.router import Router, RouterConfig, TemplateRecord
+
+
+def record(template_id: str, **fields) -> TemplateRecord:
+    values = {"image": b"\x89PNG image of " + template_id.encode(), "size": (48, 32), "prompt": "a room",
+              "steps": 4, "seed": 7, "guidance": None, "replicas": 0, "owner": "0123abcd", **fields}
+    return TemplateRecord(template_id, values.pop("image"), values.pop("size"), values.pop("prompt"),
+                          values.pop("steps"), values.pop("seed"), values.pop("guidance"), **values)
+
+
+def fields(template: TemplateRecord) -> tuple:
+    return (template.template_id, template.image, template.size, template.prompt, template.steps, template.seed,
+            template.guidance, template.replicas, template.owner, template.created, template.alpha)
+
+
+def test_saved_templates_are_read_back_whole_oldest_first_and_one_offs_are_not_kept(tmp_path):
+    registry = TemplateRegistry(tmp_path)
+    kept = [record("tpl-00aa11bb", created=2.0, guidance=3.5, alpha=b"alpha png"), record("tpl-00cc22dd", created=1.0)]
+    for template in kept:
+        registry.save(template)
+    registry.save(record("img-00ee33ff", one_off=True))
+    assert [fields(t) for t in TemplateRegistry(tmp_path).load()] == [fields(kept[1]), fields(kept[0])]
+    registry.remove("tpl-00aa11bb")
+    assert [t.template_id for t in registry.load()] == ["tpl-00cc22dd"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tpl-00cc22dd.json", "tpl-00cc22dd.png"]
+
+
+def test_a_template_saved_in_part_or_damaged_is_skipped(tmp_path, caplog):
+    registry = TemplateRegistry(tmp_path)
+    for template_id in ("tpl-00000001", "tpl-00000002", "tpl-00000003"):
+        registry.save(record(template_id))
+    (tmp_path / "tpl-00000001.json").unlink()  # stopped before its header: not saved whole
+    (tmp_path / "tpl-00000002.json").write_text("{not json")
+    (tmp_path / "tpl-00000004.png").write_bytes(b"an image without a header")
+    assert [t.template_id for t in registry.load()] == ["tpl-00000003"]
+    assert "tpl-00000002" in caplog.text
+
+
+def test_the_router_starts_with_the_kept_templates_and_keeps_what_changes(tmp_path):
+    """A router on a registry registers what it held on each worker that joins; a new registration is
+    saved, a deletion removed."""
+    TemplateRegistry(tmp_path).save(record("tpl-0000aaaa"))
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", heartbeat_s=0.05, dead_after_s=60.0),
+                    registry=TemplateRegistry(tmp_path)).start()
+    context = zmq.Context()
+    try:
+        assert router.template("tpl-0000aaaa", "0123abcd")["status"] == "recording"
+        assert router.template("tpl-0000aaaa", "another tenant") is None
+        worker = ScriptedWorker(context, router, "w0")
+        assert worker.receive("register")["template"] == "tpl-0000aaaa"
+        router.register_template(record("tpl-0000bbbb"))
+        assert router.drop_template("tpl-0000aaaa")
+    finally:
+        router.close(drain_s=0)
+        context.destroy(linger=0)
+    assert [t.template_id for t in TemplateRegistry(tmp_path).load()] == ["tpl-0000bbbb"]
