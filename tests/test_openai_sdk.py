@@ -73,9 +73,10 @@ def test_the_sdk_stream_gives_partial_images_then_the_image_it_would_have_answer
                                      partial_images=2, output_format="webp", output_compression=100))
     assert [event.type for event in events] == ["image_edit.partial_image"] * 2 + ["image_edit.completed"]
     assert [event.partial_image_index for event in events[:2]] == [0, 1]
-    for partial in events[:2]:  # previews: 1/8 of the side, in the asked format
+    for partial in events[:2]:  # whole pictures in the asked format: the preview inside the mask, the template outside
         preview = decoded(partial.b64_json)
-        assert preview.format == "WEBP" and preview.size == (6, 4) and partial.size == "6x4"
+        assert preview.format == "WEBP" and preview.size == (48, 32) and partial.size == "48x32"
+        assert np.array_equal(np.asarray(preview.convert("RGB"))[keep], np.asarray(image)[keep])
     completed = events[-1]
     assert completed.size == "48x32" and completed.output_format == "webp" and completed.background == "opaque"
     assert type(completed).model_validate(completed.model_dump()).usage.total_tokens == 0  # the whole type holds

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import hmac
 import io
@@ -62,7 +63,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
 
 from retouch import playground
-from retouch.canvas import Canvas, paste_alpha
+from retouch.canvas import Canvas, paste_alpha, paste_unmasked
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (NO_WORKER, DeadlineUnattainable, EditAnswer, EditTask, NoWorkerConnected, QueueFull,
                                    Router, TemplateRecord, Unavailable)
@@ -384,7 +385,7 @@ OPENAI_EDIT_FIELDS = {
                          default="auto"),
     "stream": _field("boolean", "answer with the OpenAI edit stream's events: image_edit.partial_image, then "
                      "image_edit.completed (n=1)", default=False),
-    "partial_images": _field("integer", "with stream: previews sent before the image, 0-3 (1/8 of its side)",
+    "partial_images": _field("integer", "with stream: pictures of the edit under way sent before the image, 0-3",
                              default=0),
     "seed": EDIT_FIELDS["seed"],
     "template_id": EDIT_FIELDS["template_id"],
@@ -989,9 +990,19 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         template_id, one_off, steps = await edit_target(request, form, None, None, image, mask, n)
         width, height = target or mask.size
         if stream:
+            record = one_off if one_off is not None else router.templates[template_id]
+
+            @functools.cache
+            def template_rgb() -> Image.Image:
+                return as_image(decode_image(record.image, "template"))
+
             def encoded(png: bytes, final: bool) -> tuple[bytes, tuple[int, int]]:
-                data = reencoded(png, target if final else None, output_format, compression)
-                return data, (width, height) if final else Image.open(io.BytesIO(png)).size
+                if not final:
+                    # OpenAI's partial images are whole pictures: the preview (1/8 of the side), scaled up,
+                    # inside the mask, over the template, which is what the answer keeps outside it
+                    preview = Image.open(io.BytesIO(png)).convert("RGB").resize(mask.size, Image.Resampling.BILINEAR)
+                    png = png_bytes(paste_unmasked(template_rgb(), preview, mask))
+                return reencoded(png, target, output_format, compression), (width, height)
 
             # K partial images spread over the steps: a preview every steps // (K + 1) steps, the first K of them
             preview_every = max(1, steps // (partial_images + 1)) if partial_images else 0

@@ -21,8 +21,9 @@ A comment line (`: keep-alive`) goes out after KEEPALIVE_S without an event, so 
 connection open. A client that goes away from a POST stream cancels its edit.
 
 POST /v1/images/edits stream=true [partial_images=K] answers in the OpenAI Images API's stream format
-instead (what its SDKs parse; `OpenAIEvents`): up to K `image_edit.partial_image` events (the previews,
-K in 0..3, spread over the steps), then `image_edit.completed`, or `error` {type, error}.
+instead (what its SDKs parse; `OpenAIEvents`): up to K `image_edit.partial_image` events (K in 0..3,
+spread over the steps: the previews, scaled up inside the mask over the template), then
+`image_edit.completed`, or `error` {type, error}.
 """
 
 from __future__ import annotations
