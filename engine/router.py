@@ -525,10 +525,11 @@ class Router:
             return None if record is None else record.to_json(set(self.workers))
 
     def list_templates(self, owner: str | None = None) -> list[dict]:
-        """Every template, or (`owner` given) that tenant's."""
+        """Every template, or (`owner` given) that tenant's, newest first."""
         with self._lock:
-            return [record.to_json(set(self.workers)) for record in self.templates.values()
-                    if owner is None or record.owner == owner]
+            records = sorted((record for record in self.templates.values() if owner is None or record.owner == owner),
+                             key=lambda record: (-record.created, record.template_id))
+            return [record.to_json(set(self.workers)) for record in records]
 
     def drop_template(self, template_id: str, owner: str | None = None) -> bool:
         """Forget a template (False if unknown or, `owner` given, another tenant's)."""

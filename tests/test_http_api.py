@@ -294,3 +294,39 @@ def test_a_transparent_template_is_answered_with_its_alpha_outside_the_mask():
         assert (answer[..., :3] == outcome["worker answer"]).all()
     template_id, opaque_id = outcome["ids"]
     assert template_id != opaque_id  # the same colours, another alpha: another template
+
+
+async def listed_pages() -> dict:
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
+    app = create_app(router, Limits(default_steps=2))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            registered = []
+            for shade in range(5):
+                answer = await client.post("/v1/templates", data={"steps": "2"}, files={
+                    "image": ("t.png", png(Image.new("RGB", (32, 32), (shade, 0, 0))), "image/png")})
+                registered.append(answer.json()["id"])
+            pages, after = [], None
+            while True:
+                page = (await client.get("/v1/templates", params={"limit": 2, **({"after": after} if after else {})}))
+                pages.append(page.json())
+                if not page.json()["has_more"]:
+                    break
+                after = page.json()["last_id"]
+            return {"registered": registered, "pages": pages, "everything": (await client.get("/v1/templates")).json(),
+                    "bad limit": await client.get("/v1/templates", params={"limit": 0}),
+                    "bad after": await client.get("/v1/templates", params={"after": "tpl-gone"})}
+    finally:
+        await asyncio.to_thread(router.close, 0)
+
+
+def test_templates_are_listed_newest_first_a_page_at_a_time():
+    outcome = asyncio.run(listed_pages())
+    newest_first = outcome["registered"][::-1]
+    assert [[t["id"] for t in page["data"]] for page in outcome["pages"]] == [newest_first[:2], newest_first[2:4],
+                                                                            newest_first[4:]]
+    assert [page["has_more"] for page in outcome["pages"]] == [True, True, False]
+    assert outcome["pages"][0]["first_id"] == newest_first[0] and outcome["pages"][0]["object"] == "list"
+    assert [t["id"] for t in outcome["everything"]["data"]] == newest_first  # the default page holds them all
+    assert outcome["bad limit"].status_code == 422 and outcome["bad limit"].json()["error"]["param"] == "limit"
+    assert outcome["bad after"].status_code == 400 and outcome["bad after"].json()["error"]["param"] == "after"

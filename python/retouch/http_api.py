@@ -370,6 +370,7 @@ EDIT_FIELDS = {
 # A worker's error (its exception's class name) -> the code of the answer's error body.
 WORKER_ERROR_CODES = {"Cancelled": "cancelled", LoraError.__name__: "lora_failed",
                       "MissingTemplate": "template_missing"}
+LIST_LIMIT, LIST_MAX = 100, 1000  # templates per page of GET /v1/templates: by default, at most
 OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}  # OpenAI's output_format -> Pillow's
 OPENAI_EDIT_FIELDS = {
     "image": _field("file", "the image to edit (also as image[])"),
@@ -654,8 +655,22 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                             headers={"Location": f"/v1/templates/{record['id']}"})
 
     @app.get("/v1/templates")
-    async def list_templates(request: Request):
-        return {"data": router.list_templates(request.state.tenant)}
+    async def list_templates(request: Request, limit: int = LIST_LIMIT, after: str | None = None):
+        """The tenant's templates, newest first, a page at a time (OpenAI's list shape): `limit` (1 to
+        LIST_MAX) of them after the id `after`; `has_more` says whether a next page exists (ask for it
+        with `after=last_id`)."""
+        if not 1 <= limit <= LIST_MAX:
+            raise ApiError(422, f"limit must be in [1, {LIST_MAX}], got {limit}", "limit")
+        templates = router.list_templates(request.state.tenant)
+        start = 0
+        if after is not None:
+            ids = [t["id"] for t in templates]
+            if after not in ids:
+                raise ApiError(400, f"after: no template {after!r} to list after (deleted, or not yours)", "after")
+            start = ids.index(after) + 1
+        page = templates[start:start + limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(templates)}
 
     @app.get("/v1/loras")
     async def list_served_loras():
