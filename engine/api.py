@@ -17,6 +17,7 @@ from concurrent.futures import CancelledError, Future
 import torch
 from PIL import Image
 
+from retouch.cache import CacheStore
 from retouch.editor import DEFAULT_STEPS, EditRequest, MaskAwareEditor, Template, warm_up_inputs
 from retouch.engine import processing, recipes
 from retouch.engine.metrics import now
@@ -96,6 +97,8 @@ class Engine:
             self.helpers.close()
             self.helpers = None
         self.worker.loras.close()
+        if isinstance(self.editor.cache, CacheStore):
+            self.editor.cache.flush()  # recordings still being written to disk: a restart adopts them
         self._running = False
         self._closing = False
 
