@@ -157,62 +157,59 @@ def test_a_helper_dies_with_its_parent_however_the_parent_dies(tmp_path, signum)
     wait_for(lambda: not alive(child), "the child exits with its parent", 30)
 
 
+def disk_tier_server(tmp_path) -> Server:
+    return Server(ServeOptions(model="tiny-flux-fill", workers=1, port=0, mode="naive", worker_threads=1, steps=2,
+                               heartbeat_s=0.2, dead_after_s=3.0, cache_disk_dir=tmp_path / "cache"))
+
+
+def register_and_edit(client: httpx.Client, tmp_path) -> tuple[dict, httpx.Response]:
+    """A template registered and ready, and an edit of it, once its recording is on disk: (the edit's
+    request, to send again, and its answer)."""
+    image = Image.fromarray(np.arange(32 * 48 * 3, dtype=np.uint8).reshape(32, 48, 3))
+    mask = Image.new("L", (48, 32), 0)
+    mask.paste(255, (8, 8, 24, 24))
+    template_id = client.post("/v1/templates", files={"image": ("t.png", png_bytes(image))},
+                              data={"prompt": "a room"}).json()["id"]
+    assert client.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
+    edit = {"data": {"template_id": template_id, "prompt": "a hat", "seed": "3"},
+            "files": {"mask": ("m.png", png_bytes(mask))}}
+    answer = client.post("/v1/edits", **edit)
+    assert answer.status_code == 200, answer.text
+    wait_for(lambda: list((tmp_path / "cache" / "w0").glob("*.rtc")), "the recording's file", TIMEOUT_S)
+    return edit, answer
+
+
+def assert_adopted_and_edited_as_before(server: Server, client: httpx.Client, worker: str, edit: dict,
+                                        before: httpx.Response) -> None:
+    template_id = edit["data"]["template_id"]
+    assert client.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
+    after = client.post("/v1/edits", **edit)
+    assert after.status_code == 200 and after.content == before.content
+
+    def worker_cache() -> dict:  # as of its last heartbeat
+        return server.router.snapshot()["workers"][worker].get("cache", {})
+
+    wait_for(lambda: worker_cache().get("disk_hits") == 1, "the edit read the recording's file", TIMEOUT_S)
+    assert worker_cache()["registrations"] == 0  # adopted, not recorded again
+
+
 def test_a_replacement_worker_adopts_the_templates_its_disk_tier_kept(tmp_path):
     """With --cache-disk-dir each template is written through to the worker's own subfolder; a worker
     killed outright is replaced, the router registers its templates on the replacement, which finds them
     there instead of recording them again, and edits them as before."""
-    opts = ServeOptions(model="tiny-flux-fill", workers=1, port=0, mode="naive", worker_threads=1, steps=2,
-                        heartbeat_s=0.2, dead_after_s=3.0, cache_disk_dir=tmp_path / "cache")
-    image = Image.fromarray(np.arange(32 * 48 * 3, dtype=np.uint8).reshape(32, 48, 3))
-    mask = Image.new("L", (48, 32), 0)
-    mask.paste(255, (8, 8, 24, 24))
-    with Server(opts).start() as server, httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
-        template_id = client.post("/v1/templates", files={"image": ("t.png", png_bytes(image))},
-                                  data={"prompt": "a room"}).json()["id"]
-        assert client.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
-        edit = {"data": {"template_id": template_id, "prompt": "a hat", "seed": "3"},
-                "files": {"mask": ("m.png", png_bytes(mask))}}
-        before = client.post("/v1/edits", **edit)
-        assert before.status_code == 200, before.text
-        wait_for(lambda: list((tmp_path / "cache" / "w0").glob("*.rtc")), "the template's file", TIMEOUT_S)
+    with disk_tier_server(tmp_path).start() as server, httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
+        edit, before = register_and_edit(client, tmp_path)
         os.kill(server.supervisor.pids()["w0"], signal.SIGKILL)
         wait_for(lambda: "w0.1" in server.router.snapshot()["workers"], "a replacement joins", TIMEOUT_S)
-        assert client.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
-        after = client.post("/v1/edits", **edit)
-        assert after.status_code == 200 and after.content == before.content
-        def replacement_cache() -> dict:  # as of its last heartbeat
-            return server.router.snapshot()["workers"]["w0.1"].get("cache", {})
-
-        wait_for(lambda: replacement_cache().get("disk_hits") == 1, "the edit read the file", TIMEOUT_S)
-        assert replacement_cache()["registrations"] == 0  # adopted, not recorded
+        assert_adopted_and_edited_as_before(server, client, "w0.1", edit, before)
 
 
 def test_a_restarted_server_serves_the_templates_registered_before(tmp_path):
     """--cache-disk-dir keeps the registered templates (DIR/templates) and each worker's recordings
     (DIR/w0): a server started again lists them, its worker adopts the recording instead of recording it,
     and an edit by the old template id is the same image."""
-    opts = ServeOptions(model="tiny-flux-fill", workers=1, port=0, mode="naive", worker_threads=1, steps=2,
-                        heartbeat_s=0.2, dead_after_s=3.0, cache_disk_dir=tmp_path / "cache")
-    image = Image.fromarray(np.arange(32 * 48 * 3, dtype=np.uint8).reshape(32, 48, 3)[::-1].copy())
-    mask = Image.new("L", (48, 32), 0)
-    mask.paste(255, (24, 8, 40, 24))
-    with Server(opts).start() as server, httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
-        template_id = client.post("/v1/templates", files={"image": ("t.png", png_bytes(image))},
-                                  data={"prompt": "a hall"}).json()["id"]
-        assert client.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
-        edit = {"data": {"template_id": template_id, "prompt": "a lamp", "seed": "5"},
-                "files": {"mask": ("m.png", png_bytes(mask))}}
-        before = client.post("/v1/edits", **edit)
-        assert before.status_code == 200, before.text
-        wait_for(lambda: list((tmp_path / "cache" / "w0").glob("*.rtc")), "the recording's file", TIMEOUT_S)
-    with Server(opts).start() as server, httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
-        assert [t["id"] for t in client.get("/v1/templates").json()["data"]] == [template_id]
-        assert client.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
-        after = client.post("/v1/edits", **edit)
-        assert after.status_code == 200 and after.content == before.content
-
-        def worker_cache() -> dict:  # as of its last heartbeat
-            return server.router.snapshot()["workers"]["w0"].get("cache", {})
-
-        wait_for(lambda: worker_cache().get("disk_hits") == 1, "the edit read the recording's file", TIMEOUT_S)
-        assert worker_cache()["registrations"] == 0  # adopted, not recorded again
+    with disk_tier_server(tmp_path).start() as server, httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
+        edit, before = register_and_edit(client, tmp_path)
+    with disk_tier_server(tmp_path).start() as server, httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
+        assert [t["id"] for t in client.get("/v1/templates").json()["data"]] == [edit["data"]["template_id"]]
+        assert_adopted_and_edited_as_before(server, client, "w0", edit, before)
