@@ -15,6 +15,7 @@ One-off images are not kept: they are evicted by use and recorded again by their
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import re
 from pathlib import Path
 
 from retouch.engine.router import TemplateRecord
+from retouch.errors import InputError
 
 FORMAT = 1
 TEMPLATE_ID = re.compile(r"tpl-[0-9a-f]{8,64}")
@@ -35,6 +37,19 @@ class TemplateRegistry:
     def __init__(self, directory: Path | str):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        # One server per folder: two would each miss the other's templates and delete each other's files.
+        self._lock_file = open(self.directory / ".lock", "a")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise InputError(f"another retouch serve uses {self.directory.parent} (--cache-disk-dir); give each "
+                             "server a folder of its own") from None
+        for stale in self.directory.glob(".*.tmp"):  # a save cut short by a kill
+            stale.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self._lock_file.close()
 
     def save(self, record: TemplateRecord) -> None:
         """Keep `record` (a registered template); a one-off image is not kept."""
@@ -45,7 +60,8 @@ class TemplateRegistry:
             _write(self._path(record.template_id, ".alpha.png"), record.alpha)
         header = {"format": FORMAT, "id": record.template_id, "size": list(record.size), "prompt": record.prompt,
                   "steps": record.steps, "seed": record.seed, "guidance": record.guidance,
-                  "replicas": record.replicas, "owner": record.owner, "created": record.created}
+                  "replicas": record.replicas, "owner": record.owner, "created": record.created,
+                  "alpha": record.alpha is not None}
         _write(self._path(record.template_id, ".json"), json.dumps(header).encode())
 
     def remove(self, template_id: str) -> None:
@@ -72,13 +88,15 @@ class TemplateRegistry:
         if header["format"] != FORMAT or header["id"] != template_id:
             raise ValueError(f"format {header['format']} of template {header['id']}")
         alpha_path = self._path(template_id, ".alpha.png")
+        if header["alpha"] and not alpha_path.exists():  # its answers would lose their transparency
+            raise ValueError("its transparency file is missing")
         width, height = (int(side) for side in header["size"])
         guidance = header["guidance"]
         return TemplateRecord(template_id, self._path(template_id, ".png").read_bytes(), (width, height),
                               str(header["prompt"]), int(header["steps"]), int(header["seed"]),
                               None if guidance is None else float(guidance), replicas=int(header["replicas"]),
                               owner=str(header["owner"]), created=float(header["created"]),
-                              alpha=alpha_path.read_bytes() if alpha_path.exists() else None)
+                              alpha=alpha_path.read_bytes() if header["alpha"] else None)
 
     def _path(self, template_id: str, suffix: str) -> Path:
         return self.directory / (template_id + suffix)

@@ -328,6 +328,8 @@ class Router:
         self.socket.close(0)
         if self.security is not None:
             self.security.close()
+        if self.registry is not None:
+            self.registry.close()
         self.context.term()
 
     # ---- the frontend's calls ----

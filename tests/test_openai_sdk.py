@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
 
 import httpx
 import numpy as np
@@ -13,6 +14,7 @@ import openai
 import pytest
 from mask_strategies import random_image
 from PIL import Image
+from polling import wait_for
 
 from retouch.config import ServeOptions
 from retouch.images import png_bytes
@@ -112,6 +114,41 @@ def test_an_edit_cancelled_mid_stream_raises_the_sdk_error(server, client):
             for event in stream:
                 seen.append(event.type)
         assert "image_edit.completed" not in seen and raised.value.body["code"] == "cancelled"
+
+
+def test_a_cancelled_edit_is_not_sent_again_by_the_sdks_retries(server):
+    """The SDK retries a 409 (up to max_retries) unless the answer says not to: a cancel must stay one."""
+    image = random_image(SIZE, seed=8)
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        registered = http.post("/v1/templates", files={"image": ("t.png", png_bytes(image), "image/png")},
+                               data={"prompt": "a room", "steps": str(LONG_STEPS)})
+        template_id = registered.json()["id"]
+        assert http.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
+        holed, _ = with_hole(image)
+        retrying = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=2, timeout=120)
+        answer = {}
+
+        def edit():
+            try:
+                retrying.images.edit(image=("t.png", holed, "image/png"), prompt="a cat",
+                                     extra_body={"template_id": template_id}, extra_headers={"X-Request-Id": "once"})
+            except openai.APIStatusError as exc:
+                answer["error"] = exc
+
+        editing = threading.Thread(target=edit)
+        editing.start()
+        wait_for(lambda: http.get("/v1/edits/once").status_code == 200, "the edit in flight", 60)
+        assert http.delete("/v1/edits/once").json()["cancelled"] is True
+        editing.join(120)
+    assert answer["error"].status_code == 409 and answer["error"].body["code"] == "cancelled"
+    assert answer["error"].response.headers["x-should-retry"] == "false"  # a retried edit would have answered 200
+
+
+def test_an_opaque_image_without_a_mask_is_refused_not_answered_unchanged(client):
+    opaque = png_bytes(random_image(SIZE, seed=9).convert("RGBA"))  # alpha 255 everywhere: nothing marked
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.images.edit(image=("t.png", opaque, "image/png"), prompt="make it a watercolor")
+    assert raised.value.body["param"] == "mask" and "has none" in raised.value.body["message"]
 
 
 @pytest.mark.parametrize("fields, status, param", [

@@ -24,6 +24,7 @@ def fields(template: TemplateRecord) -> tuple:
 
 def test_saved_templates_are_read_back_whole_oldest_first_and_one_offs_are_not_kept(tmp_path):
     registry = TemplateRegistry(tmp_path)
+    registry.close()  # the folder's lock; saving and loading do not need it held
     kept = [record("tpl-00aa11bb", created=2.0, guidance=3.5, alpha=b"alpha png"), record("tpl-00cc22dd", created=1.0)]
     for template in kept:
         registry.save(template)
@@ -31,24 +32,40 @@ def test_saved_templates_are_read_back_whole_oldest_first_and_one_offs_are_not_k
     assert [fields(t) for t in TemplateRegistry(tmp_path).load()] == [fields(kept[1]), fields(kept[0])]
     registry.remove("tpl-00aa11bb")
     assert [t.template_id for t in registry.load()] == ["tpl-00cc22dd"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tpl-00cc22dd.json", "tpl-00cc22dd.png"]
+    assert sorted(p.name for p in tmp_path.glob("tpl-*")) == ["tpl-00cc22dd.json", "tpl-00cc22dd.png"]
 
 
 def test_a_template_saved_in_part_or_damaged_is_skipped(tmp_path, caplog):
     registry = TemplateRegistry(tmp_path)
     for template_id in ("tpl-00000001", "tpl-00000002", "tpl-00000003"):
         registry.save(record(template_id))
+    registry.save(record("tpl-00000005", alpha=b"alpha png"))
     (tmp_path / "tpl-00000001.json").unlink()  # stopped before its header: not saved whole
     (tmp_path / "tpl-00000002.json").write_text("{not json")
     (tmp_path / "tpl-00000004.png").write_bytes(b"an image without a header")
+    (tmp_path / "tpl-00000005.alpha.png").unlink()  # answered opaque, it would not be the template it was
     assert [t.template_id for t in registry.load()] == ["tpl-00000003"]
-    assert "tpl-00000002" in caplog.text
+    assert "tpl-00000002" in caplog.text and "transparency file is missing" in caplog.text
+
+
+def test_one_server_at_a_time_uses_a_folder(tmp_path):
+    import pytest
+
+    from retouch.errors import InputError
+
+    first = TemplateRegistry(tmp_path)
+    with pytest.raises(InputError, match="another retouch serve uses"):
+        TemplateRegistry(tmp_path)
+    first.close()
+    TemplateRegistry(tmp_path).close()  # free again once the first has closed
 
 
 def test_the_router_starts_with_the_kept_templates_and_keeps_what_changes(tmp_path):
     """A router on a registry registers what it held on each worker that joins; a new registration is
     saved, a deletion removed."""
-    TemplateRegistry(tmp_path).save(record("tpl-0000aaaa"))
+    kept = TemplateRegistry(tmp_path)
+    kept.save(record("tpl-0000aaaa"))
+    kept.close()
     router = Router(RouterConfig(address="tcp://127.0.0.1:0", heartbeat_s=0.05, dead_after_s=60.0),
                     registry=TemplateRegistry(tmp_path)).start()
     context = zmq.Context()
@@ -62,4 +79,5 @@ def test_the_router_starts_with_the_kept_templates_and_keeps_what_changes(tmp_pa
     finally:
         router.close(drain_s=0)
         context.destroy(linger=0)
-    assert [t.template_id for t in TemplateRegistry(tmp_path).load()] == ["tpl-0000bbbb"]
+    registry = TemplateRegistry(tmp_path)  # the router's, closed with it
+    assert [t.template_id for t in registry.load()] == ["tpl-0000bbbb"]

@@ -71,7 +71,7 @@ from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
 from retouch.http_events import KEEPALIVE, KEEPALIVE_S, EventRelay, NativeEvents, OpenAIEvents, sse, with_image
-from retouch.images import ImageTooLarge, alpha_of, as_image, as_mask, decode_image, has_alpha, png_bytes
+from retouch.images import ImageTooLarge, alpha_of, as_image, as_mask, decode_image, png_bytes
 from retouch.lora import MAX_PER_REQUEST, LoraChoice, LoraError, choice_header, parse_lora
 from retouch.lora.files import list_loras, lora_path
 from retouch.lora.spec import MAX_SCALE
@@ -138,6 +138,11 @@ class Limits:
                              f"(max_upload_bytes {self.max_upload_bytes})")
 
 
+# Answers a client must not repeat as they are: sending the edit again would undo a cancel, run a
+# duplicate, or miss the deadline again (or, for a timeout, run a stuck edit once more).
+FINAL_CODES = frozenset({"cancelled", "duplicate_request_id", "slo_unattainable", "timeout"})
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
@@ -149,7 +154,10 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        headers = dict(self.headers or {})
+        if self.code in FINAL_CODES:  # OpenAI's SDKs retry 409, 429 and 5xx unless told not to
+            headers["x-should-retry"] = "false"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 # ---- middleware (plain ASGI rather than Starlette's BaseHTTPMiddleware, which hides a client's
@@ -997,10 +1005,11 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         mask_upload = form.file("mask")
         if mask_upload is not None:
             mask = await read_mask_upload(mask_upload, limits.max_pixels, alpha=True)
-        elif image is not None and has_alpha(image.image):
+        elif image is not None and await anyio.to_thread.run_sync(alpha_of, image.image) is not None:
             mask = await anyio.to_thread.run_sync(lambda: read_mask(image.image, alpha=True))
-        else:
-            raise ApiError(400, "send a mask, or an image with transparency (alpha 0 = repaint)", "mask")
+        else:  # an alpha channel that is opaque everywhere marks nothing to repaint: say so, not answer the image
+            raise ApiError(400, "send a mask, or an image with transparent pixels (alpha 0 = repaint)"
+                           + ("; this image has none" if image is not None else ""), "mask")
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, None, None, image, mask, n)
         width, height = target or mask.size

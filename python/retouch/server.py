@@ -127,8 +127,13 @@ class Server:
         if opts.curve_secret is not None:
             security = RouterSecurity(opts.curve_secret, AllowedKeys.from_dir(opts.curve_allowed))
         registry = None if opts.cache_disk_dir is None else TemplateRegistry(Path(opts.cache_disk_dir) / "templates")
-        self.router = Router(router_config(opts), step_cost(opts), security=security, registry=registry,
-                             on_worker=lambda line: print(f"retouch: {line}", file=sys.stderr, flush=True)).start()
+        try:
+            self.router = Router(router_config(opts), step_cost(opts), security=security, registry=registry,
+                                 on_worker=lambda line: print(f"retouch: {line}", file=sys.stderr, flush=True)).start()
+        except BaseException:
+            if registry is not None:
+                registry.close()
+            raise
         if self.router.templates:
             print(f"retouch: {len(self.router.templates)} templates kept in {registry.directory}; workers record "
                   "them (or find them in their disk tier) as they join", file=sys.stderr, flush=True)
