@@ -5,6 +5,7 @@ read as the SDK expects, and the unmasked pixels come back unchanged."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import threading
 
@@ -94,16 +95,23 @@ def test_the_sdk_stream_resizes_its_image_to_the_asked_size(client):
     assert decoded(completed.b64_json).size == (24, 16)
 
 
-def test_an_edit_cancelled_mid_stream_raises_the_sdk_error(server, client):
-    """The stream's headers come once the edit is accepted: cancelled then (DELETE by its X-Request-Id),
-    well before its 200 steps end, the stream's error event is the SDK's APIError with our code."""
-    image = random_image(SIZE, seed=4)
+@contextlib.contextmanager
+def long_template(server, seed: int):
+    """A ready template of LONG_STEPS steps and an HTTP client with the key: (client, template id, the
+    template's image with a hole, as the SDK sends it)."""
+    image = random_image(SIZE, seed=seed)
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
         registered = http.post("/v1/templates", files={"image": ("t.png", png_bytes(image), "image/png")},
                                data={"prompt": "a room", "steps": str(LONG_STEPS)})
         template_id = registered.json()["id"]
         assert http.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
-        holed, _ = with_hole(image)
+        yield http, template_id, with_hole(image)[0]
+
+
+def test_an_edit_cancelled_mid_stream_raises_the_sdk_error(server, client):
+    """The stream's headers come once the edit is accepted: cancelled then (DELETE by its X-Request-Id),
+    well before its 200 steps end, the stream's error event is the SDK's APIError with our code."""
+    with long_template(server, seed=4) as (http, template_id, holed):
         stream = client.images.edit(image=("t.png", holed, "image/png"), prompt="a cat", stream=True,
                                     partial_images=1, extra_body={"template_id": template_id},
                                     extra_headers={"X-Request-Id": "cancel-me"})
@@ -118,13 +126,7 @@ def test_an_edit_cancelled_mid_stream_raises_the_sdk_error(server, client):
 
 def test_a_cancelled_edit_is_not_sent_again_by_the_sdks_retries(server):
     """The SDK retries a 409 (up to max_retries) unless the answer says not to: a cancel must stay one."""
-    image = random_image(SIZE, seed=8)
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
-        registered = http.post("/v1/templates", files={"image": ("t.png", png_bytes(image), "image/png")},
-                               data={"prompt": "a room", "steps": str(LONG_STEPS)})
-        template_id = registered.json()["id"]
-        assert http.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
-        holed, _ = with_hole(image)
+    with long_template(server, seed=8) as (http, template_id, holed):
         retrying = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=2, timeout=120)
         answer = {}
 
