@@ -93,11 +93,8 @@ def paste_alpha(edited: Image.Image, alpha: Image.Image | None, mask: Image.Imag
         return edited
     if not (alpha.size == edited.size == mask.size):
         raise ValueError(f"alpha {alpha.size}, edit {edited.size} and mask {mask.size} must have one size")
-    keep = np.asarray(alpha, dtype=np.uint32)
-    weight = np.asarray(mask, dtype=np.uint32)
-    blended = (keep * (255 - weight) + 255 * weight + 127) // 255
     answer = edited.convert("RGB")
-    answer.putalpha(Image.fromarray(blended.astype(np.uint8), mode="L"))
+    answer.putalpha(Image.fromarray(_blend(np.asarray(alpha), 255, np.asarray(mask)), mode="L"))
     return answer
 
 
@@ -107,8 +104,12 @@ def paste_unmasked(template: Image.Image, edited: Image.Image, mask: Image.Image
     the template's pixel exactly."""
     if not (template.size == edited.size == mask.size):
         raise ValueError(f"template {template.size}, edit {edited.size} and mask {mask.size} must have one size")
-    keep = np.asarray(template.convert("RGB"), dtype=np.uint32)
-    new = np.asarray(edited.convert("RGB"), dtype=np.uint32)
-    weight = np.asarray(mask, dtype=np.uint32)[..., None]
-    blended = (keep * (255 - weight) + new * weight + 127) // 255  # exact at 0 and 255
-    return Image.fromarray(blended.astype(np.uint8), mode="RGB")
+    blended = _blend(np.asarray(template.convert("RGB")), np.asarray(edited.convert("RGB")),
+                     np.asarray(mask)[..., None])
+    return Image.fromarray(blended, mode="RGB")
+
+
+def _blend(keep, new, weight: np.ndarray) -> np.ndarray:
+    """uint8 `keep` where `weight` is 0, `new` where it is 255, rounded between: exact at 0 and 255."""
+    keep, new, weight = (np.asarray(a, dtype=np.uint32) for a in (keep, new, weight))
+    return ((keep * (255 - weight) + new * weight + 127) // 255).astype(np.uint8)

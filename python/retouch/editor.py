@@ -17,10 +17,10 @@ unconditional rows are recorded and read under their own template id (`<id>/unco
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import Future
 import inspect
 import math
 from collections.abc import Sequence
+from concurrent.futures import Future
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -549,11 +549,10 @@ class MaskAwareEditor:
 
     def prefetch(self, template: Template) -> Future | None:
         """Start reading the template's recording from disk into host memory, in the background, if
-        it is there and not in host memory (the store's `prefetch`); None when there is nothing to wait
-        for. `acquire` then finds it loaded, or waits for the read under way."""
-        if not isinstance(self.cache, CacheStore) or self.cache.resident(template.template_id):
-            return None
-        return self.cache.prefetch(template.template_id)
+        it is there and not in host memory (the store's `prefetch`: a done future when there is nothing
+        to read); None when the cache is not the store. `acquire` then finds it loaded, or waits for
+        the read under way."""
+        return self.cache.prefetch(template.template_id) if isinstance(self.cache, CacheStore) else None
 
     def acquire(self, templates: Sequence[Template]) -> dict[str, TemplateHandle]:
         """Handles on the templates' recordings in host memory (none when the cache is not the store).

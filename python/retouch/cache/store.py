@@ -378,11 +378,6 @@ class CacheStore(ActivationCache):
         future.add_done_callback(lambda f: result.set_result(f.exception() is None))
         return result
 
-    def resident(self, template_id: str) -> bool:
-        """Whether the template is in host memory now (an `acquire` would not read its file)."""
-        with self._lock:
-            return template_id in self._host
-
     def meta(self, template_id: str) -> dict | None:
         """The `meta` a committed recording of the template was begun with (and its source_dtype), from
         host memory or its file's header; None if no tier holds it (an unusable file is forgotten)."""
