@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import sys
 import threading
 import time
@@ -73,7 +74,17 @@ logger = logging.getLogger("retouch.router")
 
 
 class QueueFull(RuntimeError):
-    """More requests are waiting than the router accepts (`max_queue`): answer 429."""
+    """More requests are waiting than the router accepts (`max_queue`): answer 429, with
+    `retry_after_s`, when the queue should have room for them at the rate edits were answered lately."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+# Retry-After of a full queue: without answers to go by yet, this long; never beyond the cap (OpenAI's
+# SDKs honour at most 60 s).
+RETRY_AFTER_UNKNOWN_S, RETRY_AFTER_MAX_S = 5, 60
 
 
 NO_WORKER = "no_worker"  # the error code of an edit refused or answered because no worker is connected
@@ -276,6 +287,7 @@ class Router:
         self.templates: dict[str, TemplateRecord] = {} if registry is None else {
             record.template_id: record for record in registry.load()}
         self.pending: dict[int, Pending] = {}
+        self._answered: deque[float] = deque(maxlen=64)  # when the last edits were answered (Retry-After)
         self.parked: dict[str, deque[int]] = {}  # template -> requests waiting for a ready replica
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -349,8 +361,10 @@ class Router:
                 raise Unavailable("the server is shutting down")
             if (idle := self._without_workers_s()) > self.config.no_worker_s:
                 raise NoWorkerConnected(no_worker_message(idle))
-            if len(self.pending) + len(tasks) > self.config.max_queue:
-                raise QueueFull(f"{len(self.pending)} requests are waiting (max_queue {self.config.max_queue})")
+            excess = len(self.pending) + len(tasks) - self.config.max_queue
+            if excess > 0:
+                raise QueueFull(f"{len(self.pending)} requests are waiting (max_queue {self.config.max_queue})",
+                                self._retry_after_s(excess))
             new_one_off = one_off is not None and one_off.template_id not in self.templates
             unknown = [task.template_id for task in tasks if task.template_id not in self.templates
                        and not (new_one_off and task.template_id == one_off.template_id)]
@@ -372,6 +386,14 @@ class Router:
                 self._route(pending)
         self._wake()
         return [p.request_id for p in accepted], [p.future for p in accepted]
+
+    def _retry_after_s(self, excess: int) -> int:
+        """Seconds until `excess` more requests have been answered, at the rate of the last answers
+        (counted up to now, so a stalled cluster reads slow)."""
+        if not self._answered:
+            return RETRY_AFTER_UNKNOWN_S
+        rate = len(self._answered) / max(time.monotonic() - self._answered[0], 1.0)
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(excess / rate)))
 
     def _admit_deadlines(self, tasks: list[EditTask]) -> None:
         """Count the tasks with a deadline; in reject mode refuse them all (DeadlineUnattainable) if
@@ -770,7 +792,8 @@ class Router:
             self._slo_count(pending.task.load, "cancelled" if answer.error == "Cancelled" else
                             "met" if met else "missed")
             answer = replace(answer, metrics={**answer.metrics, "deadline_met": met})
-        self.pending.pop(pending.request_id, None)
+        if self.pending.pop(pending.request_id, None) is not None:
+            self._answered.append(time.monotonic())
         self._tell("request", pending.request_id, {"event": "answered", "status": answer.status,
                                                    "error": answer.error, "message": answer.message})
         self._watchers.pop(("request", pending.request_id), None)

@@ -16,7 +16,7 @@ import zmq
 from PIL import Image
 from scripted_worker import ScriptedWorker
 
-from retouch.engine.router import Router, RouterConfig
+from retouch.engine.router import RETRY_AFTER_UNKNOWN_S, Router, RouterConfig
 from retouch.http_api import Limits, create_app
 
 KEY = "sk-test"
@@ -35,7 +35,8 @@ async def scenario() -> dict:
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://retouch") as client:
         outcome = {"no key": await client.get("/v1/templates"),
-                   "wrong key": await client.get("/v1/templates", headers={"Authorization": "Bearer nope"}),
+                   "wrong key": await client.get("/v1/templates", headers={"Authorization": "Bearer nope",
+                                                                           "X-Request-Id": "trace-7"}),
                    "health without key": await client.get("/healthz"),
                    "not ready": await client.get("/readyz")}
         registered = await client.post("/v1/templates", headers=auth, data={"steps": "2"},
@@ -57,12 +58,18 @@ def test_api_key_back_pressure_and_shutdown():
     outcome = asyncio.run(scenario())
     for name in ("no key", "wrong key"):
         assert outcome[name].status_code == 401 and outcome[name].json()["error"]["param"] == "authorization"
+    # every answer, errors included, carries a request id to quote: the client's, else a new one
+    assert outcome["wrong key"].headers["X-Request-Id"] == "trace-7"
+    assert outcome["no key"].headers["X-Request-Id"].startswith("req-")
+    assert outcome["health without key"].headers["X-Request-Id"] != outcome["no key"].headers["X-Request-Id"]
     assert outcome["health without key"].status_code == 200
     assert outcome["not ready"].status_code == 503
     assert outcome["registered"].status_code == 202 and outcome["registered"].json()["status"] == "recording"
     busy = outcome["over the queue"]
-    assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
-    assert busy.json()["error"]["code"] == "queue_full"
+    # no edit answered yet to estimate the wait from: the router's default
+    assert busy.status_code == 429 and busy.headers["Retry-After"] == str(RETRY_AFTER_UNKNOWN_S)
+    assert busy.json()["error"]["code"] == "queue_full" and busy.json()["error"]["type"] == "rate_limit_error"
+    assert busy.headers["X-Request-Id"].startswith("edit-")  # the id the refused edit would have run under
     assert outcome["shut down"].status_code == 503 and "shut down" in outcome["shut down"].json()["error"]["message"]
 
 

@@ -115,6 +115,11 @@ def test_the_served_loras_and_model_are_listed(make_router, lora_dir):
     assert loras == {"data": [{"name": "grain"}, {"name": "ink"}]}
     assert [model["id"] for model in models["data"]] == ["my-pipeline"]  # a folder's name, not its path
     assert asyncio.run(lists(Limits(), "tiny-flux-fill"))[0] == {"data": []}
+    # --served-model-name: the names a request's `model` may give, each listed
+    names = ServeOptions(model=str(lora_dir / "my-pipeline"), served_model_name="flux-fill, gpt-image-1").model_names()
+    assert names == ("flux-fill", "gpt-image-1")
+    _, models = asyncio.run(lists(Limits(model_names=names), "my-pipeline"))
+    assert [model["id"] for model in models["data"]] == ["flux-fill", "gpt-image-1"]
 
 
 def test_spaces_around_a_lora_scale_are_allowed():

@@ -32,7 +32,8 @@ def server(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(KEY + "\n")
     opts = ServeOptions(model="tiny-flux-fill", workers=1, port=0, mode="naive", worker_threads=1, steps=STEPS,
-                        heartbeat_s=0.1, dead_after_s=5.0, api_keys_file=keys)
+                        heartbeat_s=0.1, dead_after_s=5.0, api_keys_file=keys,
+                        served_model_name="tiny-flux-fill,gpt-image-1")  # an alias for clients that hard-code it
     with Server(opts).start() as running:
         yield running
 
@@ -59,7 +60,7 @@ def decoded(b64: str) -> Image.Image:
 def test_the_sdk_edit_answers_the_image_with_its_unmasked_pixels_unchanged(client):
     image = random_image(SIZE, seed=1)
     holed, keep = with_hole(image)
-    answer = client.images.edit(image=("t.png", holed, "image/png"), prompt="a cat", model="any", n=2)
+    answer = client.images.edit(image=("t.png", holed, "image/png"), prompt="a cat", model="gpt-image-1", n=2)
     assert len(answer.data) == 2 and answer.size == "48x32" and answer.output_format == "png"
     first, second = (np.asarray(decoded(item.b64_json).convert("RGB")) for item in answer.data)
     assert first.shape == second.shape == (32, 48, 3)
@@ -161,6 +162,8 @@ def test_an_opaque_image_without_a_mask_is_refused_not_answered_unchanged(client
     ({"stream": True, "partial_images": 4}, 422, "partial_images"),  # out of range, as every number field
     ({"response_format": "url"}, 400, "response_format"),
     ({"output_format": "gif"}, 400, "output_format"),
+    ({"size": "48x48"}, 400, "size"),  # the image is 48x32: it would be stretched
+    ({"model": "dall-e-2"}, 404, "model"),  # not served here (nor listed as an alias)
 ])
 def test_what_retouch_cannot_do_is_an_sdk_error_naming_the_field(client, fields, status, param):
     holed, _ = with_hole(random_image(SIZE, seed=5))
@@ -168,6 +171,13 @@ def test_what_retouch_cannot_do_is_an_sdk_error_naming_the_field(client, fields,
     with pytest.raises(openai.APIStatusError) as raised:
         client.images.edit(**request)
     assert raised.value.status_code == status and raised.value.body["param"] == param
+
+
+def test_the_sdk_lists_and_retrieves_the_served_model_by_each_name(client):
+    assert [model.id for model in client.models.list()] == ["tiny-flux-fill", "gpt-image-1"]
+    assert client.models.retrieve("gpt-image-1").id == "gpt-image-1"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("dall-e-2")
 
 
 def test_a_wrong_key_is_the_sdk_authentication_error(server):

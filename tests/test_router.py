@@ -5,11 +5,14 @@ carried along (as JSON) wherever it goes."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from scripted_worker import TIMEOUT_S, ScriptedWorker
 
 from retouch.engine.policies import RequestLoad
-from retouch.engine.router import EditTask, NoWorkerConnected, QueueFull, RouterConfig, TemplateRecord
+from retouch.engine.router import (RETRY_AFTER_MAX_S, RETRY_AFTER_UNKNOWN_S, EditTask, NoWorkerConnected, QueueFull,
+                                   RouterConfig, TemplateRecord)
 from retouch.lora import LoraUse, parse_lora
 
 LOAD = RequestLoad(image_tokens=16, masked_tokens=4, steps=2)
@@ -150,6 +153,25 @@ def test_back_pressure_deletion_and_failed_recordings(context, make_router):
     answer = parked[1].result(TIMEOUT_S)
     assert answer.status == 422 and "out of memory" in answer.message
     assert router.template("t2")["status"] == "failed"
+
+
+def test_a_full_queue_says_when_to_retry_from_the_rate_of_recent_answers(make_router):
+    router = make_router(max_queue=1)
+    router.register_template(template("t1"))
+    router.submit(task("t1"))  # parked: no worker
+    with pytest.raises(QueueFull) as nothing_answered:
+        router.submit(task("t1"))
+    assert nothing_answered.value.retry_after_s == RETRY_AFTER_UNKNOWN_S
+    now = time.monotonic()
+    router._answered.extend(now - 25 + 2.5 * i for i in range(10))  # 10 answers in the last 25 s: 0.4/s
+    with pytest.raises(QueueFull) as three_over:
+        router.submit_many([task("t1")] * 3)
+    assert three_over.value.retry_after_s == 8  # 3 more answers at 0.4/s: 7.5 s
+    router._answered.clear()
+    router._answered.append(now - 1000)  # a stalled cluster: never more than the cap
+    with pytest.raises(QueueFull) as stalled:
+        router.submit(task("t1"))
+    assert stalled.value.retry_after_s == RETRY_AFTER_MAX_S
 
 
 def test_close_answers_what_it_could_not_run(context, make_router):

@@ -198,7 +198,7 @@ def test_openai_images_edit_form(client, template_id):
     mask.paste((0, 0, 0, 0), (16, 16, 40, 40))  # alpha 0 = repaint
     # The multipart form the OpenAI client sends for images.edit(...).
     files = [("image", ("image.png", png(image), "image/png")), ("mask", ("mask.png", png(mask), "image/png"))]
-    data = {"prompt": "a red sofa", "n": "2", "size": "32x24", "response_format": "b64_json", "model": "dall-e-2"}
+    data = {"prompt": "a red sofa", "n": "2", "size": "32x24", "response_format": "b64_json", "model": "tiny-flux-fill"}
     response = client.post("/v1/images/edits", files=files, data=data)
     assert response.status_code == 200, response.text
     body = response.json()
@@ -217,12 +217,30 @@ def test_openai_images_edit_form(client, template_id):
     reuse = client.post("/v1/images/edits", files=[files[1]], data={**data, "n": "1", "template_id": template_id,
                                                                     "size": ""})
     assert reuse.status_code == 200, reuse.text
+    small = ("image", ("s.png", png(image.resize((32, 24))), "image/png"))
+    other_size = client.post("/v1/images/edits", files=[small, files[1]], data={**data, "n": "1",
+                                                                             "template_id": template_id})
+    assert_error(other_size, 422, "image")
+    # the native endpoint edits one or the other: both is ambiguous
+    both = client.post("/v1/edits", files={"image": ("t.png", png(template_image()), "image/png"),
+                                           "mask": ("m.png", png(box_mask()), "image/png")},
+                       data={"template_id": template_id, "prompt": "a cat"})
+    assert_error(both, 400, "image")
 
     no_alpha = client.post("/v1/images/edits", files=[files[0], ("mask", ("m.png", png(box_mask()), "image/png"))],
                            data=data)
     assert_error(no_alpha, 400, "mask")
     assert_error(client.post("/v1/images/edits", files=files, data={**data, "n": "0"}), 422, "n")
     assert_error(client.post("/v1/images/edits", files=files, data={**data, "size": "big"}), 400, "size")
+    stretched = client.post("/v1/images/edits", files=files, data={**data, "size": "32x32"})  # the image is 64x48
+    assert_error(stretched, 400, "size")
+    assert "32x24" in stretched.json()["error"]["message"]  # a size of the image's aspect ratio, suggested
+    # a model this server does not serve is refused, not answered by the one it does
+    other_model = client.post("/v1/images/edits", files=files, data={**data, "model": "dall-e-2"})
+    assert_error(other_model, 404, "model")
+    assert other_model.json()["error"]["code"] == "model_not_found"
+    assert client.get("/v1/models/tiny-flux-fill").json()["id"] == "tiny-flux-fill"
+    assert_error(client.get("/v1/models/dall-e-2"), 404, "model_id")
     assert_error(client.post("/v1/images/edits", files=files, data={**data, "response_format": "url"}), 400,
                  "response_format")
 

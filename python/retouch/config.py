@@ -18,6 +18,7 @@ from retouch.paths import check_writable_folder
 from retouch.lora import LoraChoice, LoraError, parse_lora
 
 DEVICES = ("auto", "cpu", "cuda")
+MODEL_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")  # --served-model-name: what clients put in `model`
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LORA_DIR_HELP = "folder of LoRA adapters requests may name: NAME.safetensors or NAME/pytorch_lora_weights.safetensors"
 LORA_DEVICE_HELP = ("device memory of {whose} LoRA copies kept for later requests (MiB; default: --lora-cache-mb); "
@@ -243,6 +244,10 @@ class ServeOptions:
                           "`retouch worker --connect`")
     host: str = option("127.0.0.1", help="HTTP address to bind (loopback unless you mean otherwise)")
     port: int = option(8000, help="HTTP port (0: any free port, printed on start)")
+    served_model_name: str | None = option(None, help="the names a request's `model` may give, comma-separated "
+                                           "(default: the model's name, a pipeline folder's without its path); an "
+                                           "edit naming another is refused (404 model_not_found); list OpenAI's "
+                                           "(gpt-image-1) to serve clients that hard-code it")
     policy: str = option("mask-aware", help="how the router picks a worker",
                          choices=POLICIES)
     cost_model: Path | None = option(None, help="fitted cost models (`retouch profile`) for mask-aware routing")
@@ -341,10 +346,20 @@ class ServeOptions:
             raise InputError(f"--no-worker-s must be > 0 (inf: wait for a worker), got {self.no_worker_s}")
         if self.cost_model is not None and not Path(self.cost_model).is_file():
             raise InputError(f"--cost-model {self.cost_model} not found")
+        if self.served_model_name is not None and not all(
+                MODEL_NAME.fullmatch(name.strip()) for name in self.served_model_name.split(",")):
+            raise InputError("--served-model-name takes names of 1-128 letters, digits, '.', '_', ':', '/' or '-', "
+                             f"comma-separated; got {self.served_model_name!r}")
         _check_lora_options(self)
         _check_cache_options(self)
         if self.lora_affinity < -1:
             raise InputError(f"--lora-affinity must be >= -1 (-1: off), got {self.lora_affinity}")
+
+    def model_names(self) -> tuple[str, ...]:
+        """What a request's `model` may say (the first is what /v1/models lists first)."""
+        if self.served_model_name is None:
+            return (Path(self.model).name or "retouch",)
+        return tuple(dict.fromkeys(name.strip() for name in self.served_model_name.split(",")))
 
 
 WORKER_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")

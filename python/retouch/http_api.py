@@ -9,10 +9,11 @@
     GET    /v1/templates/{id}/events  a template's recording as events    GET /v1/templates/{id}/image
     DELETE /v1/edits/{id}         cancel it
     POST   /v1/images/edits       the OpenAI Images API's edit form (alpha 0 = repaint)
-    GET    /metrics  /healthz  /readyz
+    GET    /v1/models[/{id}]  /v1/loras  /v1/limits  /metrics  /healthz  /readyz
 
 Every bad input is answered at once with a 4xx and a JSON body naming the field, in the OpenAI
-error shape: {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}.
+error shape: {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
+(type rate_limit_error for a 429, server_error for a 5xx). Every answer carries an X-Request-Id.
 Accepted edits are answered exactly once (the router guarantees it across worker failures).
 
 LoRA: an edit may carry `lora`, adapters of the server's --lora-dir (`lora_field`): "NAME[:SCALE]",
@@ -117,9 +118,11 @@ class Limits:
     max_inflight_bytes: int = 1 << 30  # request bodies being handled at once (503 beyond)
     slo_ms_per_megapixel: float = 0.0  # an edit without slo_ms gets this x its megapixels (0: no deadline)
     lora_dir: Path | None = None  # the workers' LoRA folder (--lora-dir): edits' names are checked in it; None: none
+    model_names: tuple[str, ...] = ()  # what a request's `model` may say; none: the served model's name
 
     def __post_init__(self):
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        object.__setattr__(self, "model_names", tuple(self.model_names))
         if self.lora_dir is not None:
             object.__setattr__(self, "lora_dir", Path(self.lora_dir))
         if any(not isinstance(key, str) or not key.strip() or key != key.strip() for key in self.api_keys):
@@ -150,7 +153,8 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        kind = ("server_error" if self.status >= 500 else "rate_limit_error" if self.status == 429
+                else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
@@ -166,7 +170,9 @@ class ApiError(Exception):
 class CountAnswers:
     """Outermost: counts every answer by endpoint and status, those of the middleware inside it
     included; answers an ApiError raised before any answer (BodyLimit while the body streams in), and
-    a bug with a JSON 500."""
+    a bug with a JSON 500. Every answer carries an X-Request-Id, errors included, so a client can quote
+    one: an edit's own id (`client_request_id`), else the client's header when it is a valid id, else a
+    new one."""
 
     def __init__(self, app, metrics: ServeMetrics):
         self.app, self.metrics = app, metrics
@@ -180,6 +186,9 @@ class CountAnswers:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                headers = list(message.get("headers", ()))
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    message["headers"] = [*headers, (b"x-request-id", answer_request_id(scope).encode())]
             await send(message)
 
         try:
@@ -196,6 +205,15 @@ class CountAnswers:
         finally:
             if status is not None:
                 self.metrics.count(scope["path"], status)
+
+
+def answer_request_id(scope) -> str:
+    """The X-Request-Id an answer carries when its endpoint set none (see `CountAnswers`)."""
+    assigned = scope.get("state", {}).get("request_id")
+    if assigned:
+        return assigned
+    sent = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+    return sent if REQUEST_ID.fullmatch(sent) else f"req-{uuid.uuid4().hex}"
 
 
 def tenant_of(api_key: str) -> str:
@@ -559,7 +577,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     metrics = ServeMetrics(router)
     router.on_decision = metrics.decisions.observe
     app.state.router, app.state.limits, app.state.metrics = router, limits, metrics
-    served_model = Path(model).name if model else "retouch"  # a pipeline folder's name, not the server's path
+    # A pipeline folder by its name, not the server's path
+    model_names = limits.model_names or ((Path(model).name if model else "") or "retouch",)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -701,11 +720,25 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                 "max_work": limits.max_work, "max_n": limits.max_n, "max_prompt_chars": limits.max_prompt_chars,
                 "lora": limits.lora_dir is not None}
 
+    def model_entry(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "retouch"}
+
+    def check_model(name: str | None, param: str = "model") -> None:
+        if name and name not in model_names:
+            raise ApiError(404, f"the model {name!r} is not served here; this server serves "
+                           f"{', '.join(map(repr, model_names))} (GET /v1/models)", param, "model_not_found")
+
     @app.get("/v1/models")
     async def list_models():
-        """OpenAI's model list (clients ask it first): the one model this server serves."""
-        return {"object": "list", "data": [{"id": served_model, "object": "model", "created": 0,
-                                            "owned_by": "retouch"}]}
+        """OpenAI's model list (clients ask it first): the model this server serves, under each name a
+        request's `model` may give (--served-model-name)."""
+        return {"object": "list", "data": [model_entry(name) for name in model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        """OpenAI's model retrieval: the served model under `model_id`, else 404."""
+        check_model(model_id, "model_id")
+        return model_entry(model_id)
 
     @app.get("/v1/templates/{template_id}")
     async def get_template(request: Request, template_id: str, wait: float = 0.0):
@@ -769,14 +802,26 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                            f"steps{images}), over the limit of {limits.max_work} (--max-work)", param, "too_much_work")
 
     async def edit_target(request: Request, form: Form, steps: int | None, guidance: float | None,
-                          upload: Upload | None, mask: Image.Image, n: int) -> tuple[str, TemplateRecord | None, int]:
+                          upload: Upload | None, mask: Image.Image, n: int,
+                          image_carries_mask: bool = False) -> tuple[str, TemplateRecord | None, int]:
         """What an edit repaints, checked before anything is created: (template id, the one-off
-        image's record to create with the edit or None, steps)."""
+        image's record to create with the edit or None, steps). An image sent with a template_id is
+        refused, since which of the two to edit is not ours to guess; unless the endpoint reads the
+        mask from it (`image_carries_mask`, OpenAI's form, whose clients must send an image)."""
         tenant = request.state.tenant
         template_id = form.text("template_id")
         if template_id:
             template = template_or_404(template_id, tenant)
-            check_mask_size(mask, (template["width"], template["height"]), "the template")
+            size = (template["width"], template["height"])
+            if upload is not None and not image_carries_mask:
+                raise ApiError(400, "send image (a one-off edit) or template_id (a registered template), not both",
+                               "image")
+            if upload is not None and upload.image.size != size:
+                raise ApiError(422, f"image is {upload.image.width}x{upload.image.height} but template "
+                               f"{template_id!r} is {size[0]}x{size[1]}; with a template_id the template is "
+                               "edited, and the image serves only as the mask (its transparency)", "image",
+                               "mask_size")
+            check_mask_size(mask, size, "the template")
             if template["status"] == "failed":
                 raise ApiError(422, f"template {template_id!r} failed to record: {template['error']}", "template_id")
             if steps is not None and steps != template["steps"]:
@@ -843,7 +888,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         try:
             ids, futures = router.submit_many(tasks, one_off, on_event)
         except QueueFull as exc:
-            raise ApiError(429, f"server busy: {exc}; retry later", None, "queue_full", {"Retry-After": "1"}) from None
+            raise ApiError(429, f"server busy: {exc}; retry in {exc.retry_after_s} s", None, "queue_full",
+                           {"Retry-After": str(exc.retry_after_s)}) from None
         except DeadlineUnattainable as exc:
             raise ApiError(429, f"the edit cannot meet its deadline: {exc}", "slo_ms", "slo_unattainable") from None
         except Unavailable as exc:
@@ -932,6 +978,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         request.state.arrived = time.monotonic()
         request.state.request_id = client_request_id(request)
         form = await read_form(request)
+        check_model(form.text("model"))
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required: say what to paint into the masked region")
         lora = lora_field(form, limits.lora_dir)
         response_format = form.text("response_format", "png")
@@ -967,12 +1014,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         """The OpenAI Images API edit: `image` (or `image[]`), optional `mask` whose alpha 0 marks
         the region to repaint (without one, the image's own alpha does), `prompt`, `n`, `size`,
         `response_format` (b64_json), `output_format` (png, jpeg, webp), `output_compression`, and
-        `stream` with `partial_images`; `model`, `quality`, `input_fidelity` and `user` are accepted
-        and ignored. retouch's extras: `template_id` reuses a registered template, `lora` names
+        `stream` with `partial_images`; `model` must be a served name (404 otherwise); `quality`,
+        `input_fidelity` and `user` are accepted and ignored. retouch's extras: `template_id` reuses a registered template, `lora` names
         LoRA adapters."""
         request.state.arrived = time.monotonic()
         request.state.request_id = client_request_id(request)
         form = await read_form(request)
+        check_model(form.text("model"))
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required")
         lora = lora_field(form, limits.lora_dir)
         n = form.integer("n", 1, 1, limits.max_n)
@@ -1011,7 +1059,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(400, "send a mask, or an image with transparent pixels (alpha 0 = repaint)"
                            + ("; this image has none" if image is not None else ""), "mask")
         slo_deadline(request, form, mask.size)
-        template_id, one_off, steps = await edit_target(request, form, None, None, image, mask, n)
+        template_id, one_off, steps = await edit_target(request, form, None, None, image, mask, n,
+                                                        image_carries_mask=True)
+        if target is not None:
+            check_aspect(target, mask.size)
         width, height = target or mask.size
         if stream:
             record = one_off if one_off is not None else router.templates[template_id]
@@ -1242,6 +1293,16 @@ def check_mask_size(mask: Image.Image, size: tuple[int, int], what: str) -> None
     if mask.size != tuple(size):
         raise ApiError(422, f"mask is {mask.width}x{mask.height} but {what} is {size[0]}x{size[1]}; they must match",
                        "mask", "mask_size")
+
+
+def check_aspect(target: tuple[int, int], size: tuple[int, int]) -> None:
+    """A `size` answer is the edit scaled, never stretched: its sides must keep the image's aspect ratio
+    (within the rounding of one side to whole pixels)."""
+    (width, height), (image_width, image_height) = target, size
+    if round(width * image_height / image_width) != height and round(height * image_width / image_height) != width:
+        keep = (width, max(1, round(width * image_height / image_width)))
+        raise ApiError(400, f"size {width}x{height} would stretch the {image_width}x{image_height} image; send "
+                       f"size=auto, or one of its aspect ratio (e.g. {keep[0]}x{keep[1]})", "size", "size_aspect")
 
 
 def _parse_size(size: str, max_pixels: int) -> tuple[int, int]:

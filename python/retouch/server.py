@@ -70,7 +70,7 @@ def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = ()) -> Limits:
                   header_timeout_s=opts.header_timeout_s, body_timeout_s=opts.body_timeout_s,
                   max_connections=opts.max_connections, max_inflight_bytes=int(opts.max_inflight_mb * (1 << 20)),
                   slo_ms_per_megapixel=opts.slo_ms_per_megapixel, lora_dir=opts.lora_dir,
-                  max_n=min(Limits.max_n, opts.max_queue))
+                  max_n=min(Limits.max_n, opts.max_queue), model_names=opts.model_names())
 
 
 def _bind(host: str, port: int) -> socket.socket:
