@@ -102,6 +102,10 @@ def no_worker_message(idle_s: float) -> str:
     return f"no worker has been connected for {idle_s:.0f} s; retry later"
 
 
+class RegistryError(RuntimeError):
+    """The template registry (`--cache-disk-dir`) could not save or remove a template's files."""
+
+
 class DeadlineUnattainable(RuntimeError):
     """With `slo_admission="reject"`: the request is predicted to finish after its deadline (429)."""
 
@@ -284,6 +288,7 @@ class Router:
         self._outgoing: deque[tuple[bytes, list]] = deque()
         self.workers: dict[str, WorkerState] = {}
         self.registry = registry
+        self._registry_lock = threading.Lock()  # taken before self._lock, never after
         self.templates: dict[str, TemplateRecord] = {} if registry is None else {
             record.template_id: record for record in registry.load()}
         self.pending: dict[int, Pending] = {}
@@ -296,7 +301,7 @@ class Router:
         self._on_worker = on_worker or (lambda line: None)
         self._no_worker_since: float | None = time.monotonic()  # None while a worker is connected
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
-                         "one_offs_evicted": 0, "lora_affinity": 0}
+                         "one_offs_evicted": 0, "lora_affinity": 0, "registry_failures": 0}
         # size class -> {"with_deadline": n, and n per SLO_OUTCOMES}
         self.slo: dict[str, dict[str, int]] = {}
         # Notified on every dispatch, answer, heartbeat and worker change.
@@ -531,15 +536,19 @@ class Router:
                     "steps": steps}
 
     def register_template(self, record: TemplateRecord) -> TemplateRecord:
-        """Record `record` on its replicas (again if it was dropped); the same id twice is one template."""
-        with self._lock:
-            existing = self.templates.get(record.template_id)
-            if existing is not None and existing.status != "failed":
-                return existing
-            self.templates[record.template_id] = record
-            self._ensure_replicas(record)
+        """Record `record` on its replicas (again if it was dropped); the same id twice is one template.
+        With a registry it is saved first: one that cannot be saved is not registered (RegistryError),
+        since its id would not outlive the server as promised."""
+        with self._registry_lock:  # a save and the change it follows are one step for deletions too
+            with self._lock:
+                existing = self.templates.get(record.template_id)
+                if existing is not None and existing.status != "failed":
+                    return existing
+            self._keep(lambda registry: registry.save(record), record.template_id, "saved")
+            with self._lock:
+                self.templates[record.template_id] = record
+                self._ensure_replicas(record)
         self._wake()
-        self._keep(lambda registry: registry.save(record), record.template_id)
         return record
 
     def template(self, template_id: str, owner: str | None = None) -> dict | None:
@@ -556,24 +565,35 @@ class Router:
             return [record.to_json(set(self.workers)) for record in records]
 
     def drop_template(self, template_id: str, owner: str | None = None) -> bool:
-        """Forget a template (False if unknown or, `owner` given, another tenant's)."""
-        with self._lock:
-            if self._owned(template_id, owner) is None:
-                return False
-            self._drop(template_id)
+        """Forget a template (False if unknown or, `owner` given, another tenant's). Its saved copy goes
+        first: one that cannot be removed leaves the template registered (RegistryError), rather than
+        forgotten now and back after a restart."""
+        with self._registry_lock:
+            with self._lock:
+                if self._owned(template_id, owner) is None:
+                    return False
+            self._keep(lambda registry: registry.remove(template_id), template_id, "removed")
+            with self._lock:
+                if self._owned(template_id, owner) is None:
+                    return False
+                self._drop(template_id)
         self._wake()
-        self._keep(lambda registry: registry.remove(template_id), template_id)
         return True
 
-    def _keep(self, change: Callable[[TemplateRegistry], None], template_id: str) -> None:
-        """Apply a template change to the registry (outside the lock: it writes files). A failed write is
-        logged: the template serves on, it just does not outlive the server."""
+    def _keep(self, change: Callable[[TemplateRegistry], None], template_id: str, what: str) -> None:
+        """Apply a template change to the registry, outside the router's lock (it writes files); a
+        failure is counted, logged and raised as RegistryError."""
         if self.registry is None:
             return
         try:
             change(self.registry)
         except OSError as exc:
-            logger.warning("template %s: the template registry could not be updated (%s)", template_id, exc)
+            with self._lock:
+                self.counters["registry_failures"] += 1
+            logger.error("template %s could not be %s (template registry %s: %s)", template_id, what,
+                         self.registry.directory, exc)
+            raise RegistryError(f"the template could not be {what} on the server's disk "
+                                f"({exc.strerror or exc}); try again later") from None
 
     def _drop(self, template_id: str) -> None:
         record = self.templates.pop(template_id)

@@ -1,13 +1,22 @@
 """The template registry: registered templates saved whole and read back (the router's records across
-a restart); one-offs not kept; a template saved in part, or damaged, skipped; a deleted one gone."""
+a restart); one-offs not kept; a template saved in part, or damaged, skipped; a deleted one gone; one
+that cannot be saved is not registered, one whose files cannot be removed is not deleted."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import io
+
+import httpx
+import pytest
 import zmq
+from PIL import Image
 from scripted_worker import ScriptedWorker
 
 from retouch.engine.registry import TemplateRegistry
-from retouch.engine.router import Router, RouterConfig, TemplateRecord
+from retouch.engine.router import RegistryError, Router, RouterConfig, TemplateRecord
+from retouch.http_api import Limits, create_app
 
 
 def record(template_id: str, **fields) -> TemplateRecord:
@@ -81,3 +90,53 @@ def test_the_router_starts_with_the_kept_templates_and_keeps_what_changes(tmp_pa
         context.destroy(linger=0)
     registry = TemplateRegistry(tmp_path)  # the router's, closed with it
     assert [t.template_id for t in registry.load()] == ["tpl-0000bbbb"]
+
+
+class FailingRegistry(TemplateRegistry):
+    """A registry on a full disk (saves fail) whose files cannot be removed either, while `failing`."""
+
+    failing = True
+
+    def save(self, record):
+        if self.failing:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super().save(record)
+
+    def remove(self, template_id):
+        if self.failing:
+            raise OSError(errno.EACCES, "Permission denied")
+        super().remove(template_id)
+
+
+def test_a_template_that_cannot_be_saved_is_refused_and_one_that_cannot_be_removed_stays(tmp_path):
+    registry = FailingRegistry(tmp_path)
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0"), registry=registry).start()
+    try:
+        with pytest.raises(RegistryError, match="No space left on device"):
+            router.register_template(record("tpl-0000aaaa"))
+        assert router.template("tpl-0000aaaa") is None  # its id would not outlive the server: not handed out
+        registry.failing = False
+        router.register_template(record("tpl-0000aaaa", owner=""))  # the tenant of a server without keys
+        registry.failing = True
+        with pytest.raises(RegistryError, match="could not be removed"):
+            router.drop_template("tpl-0000aaaa")
+        assert router.template("tpl-0000aaaa") is not None  # not forgotten now to come back after a restart
+        assert router.snapshot()["counters"]["registry_failures"] == 2
+
+        async def over_http() -> tuple[httpx.Response, httpx.Response]:
+            app = create_app(router, Limits(default_steps=4))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+                image = io.BytesIO()
+                Image.new("RGB", (16, 16), "red").save(image, format="PNG")
+                registered = await client.post("/v1/templates", files={"image": ("t.png", image.getvalue())})
+                return registered, await client.delete("/v1/templates/tpl-0000aaaa")
+
+        registered, deleted = asyncio.run(over_http())
+        assert registered.status_code == 507 and registered.json()["error"]["code"] == "storage_error"
+        assert router.list_templates() == [router.template("tpl-0000aaaa")]  # nothing registered
+        assert deleted.status_code == 500 and "still registered" in deleted.json()["error"]["message"]
+        registry.failing = False
+        assert router.drop_template("tpl-0000aaaa") and router.template("tpl-0000aaaa") is None
+    finally:
+        router.close(drain_s=0)
+    assert TemplateRegistry(tmp_path).load() == []

@@ -67,7 +67,7 @@ from retouch import playground
 from retouch.canvas import Canvas, paste_alpha, paste_unmasked
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (NO_WORKER, DeadlineUnattainable, EditAnswer, EditTask, NoWorkerConnected, QueueFull,
-                                   Router, TemplateRecord, Unavailable)
+                                   RegistryError, Router, TemplateRecord, Unavailable)
 from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
@@ -657,7 +657,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         template_id, png, size, alpha = await anyio.to_thread.run_sync(identify)
         record = TemplateRecord(template_id, png, size, prompt, steps, seed, guidance, replicas=0, owner=tenant,
                                 alpha=alpha)
-        await anyio.to_thread.run_sync(router.register_template, record)  # it may save it to disk
+        try:
+            await anyio.to_thread.run_sync(router.register_template, record)  # it may save it to disk
+        except RegistryError as exc:
+            raise ApiError(507, str(exc), None, "storage_error") from None
         return template_or_404(template_id, tenant)
 
     # ---- templates ----
@@ -785,7 +788,11 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
     @app.delete("/v1/templates/{template_id}")
     async def delete_template(request: Request, template_id: str):
-        if not await anyio.to_thread.run_sync(router.drop_template, template_id, request.state.tenant):
+        try:
+            dropped = await anyio.to_thread.run_sync(router.drop_template, template_id, request.state.tenant)
+        except RegistryError as exc:
+            raise ApiError(500, f"{exc}; it is still registered", None, "storage_error") from None
+        if not dropped:
             template_or_404(template_id, request.state.tenant)
         return {"id": template_id, "deleted": True}
 
