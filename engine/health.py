@@ -2,7 +2,9 @@
 
     GET /healthz   200 while the process serves (liveness)
     GET /readyz    200 once the model is loaded and the router took the worker in, else 503
-    GET /metrics   the engine's counters (prometheus_client exposition)
+    GET /metrics   the worker's metrics under the names and `worker` label the head gives them
+                   (`serve_metrics.worker_families`): steps, batches, its template cache, its LoRA
+                   cache; its running and queued requests; whether the router took it in
 
 The standard library's threaded HTTP server is enough for three probes; the step loop never sees it.
 """
@@ -14,14 +16,12 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, exposition
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 
-COUNTERS = ("steps", "completed", "failed", "cancelled", "recorded", "interruptions")
-GAUGES = ("mean_batch_size", "max_batch_size", "mean_step_s", "mean_overhead_s", "overhead_fraction")
-
+from retouch.serve_metrics import worker_families, worker_label
 
 class EngineCollector:
-    """The engine's summary (`Engine.metrics`) at scrape time."""
+    """The node's metrics (`Node.metrics`) at scrape time."""
 
     def __init__(self, health: HealthServer):
         self.health = health
@@ -30,13 +30,9 @@ class EngineCollector:
         node = self.health.node
         if node is None:  # still loading the model
             return
-        summary = node.engine.metrics()
-        for field in COUNTERS:
-            yield CounterMetricFamily(f"retouch_worker_{field}", f"worker {field} since it started",
-                                      value=summary.get(field, 0))
-        for field in GAUGES:
-            yield GaugeMetricFamily(f"retouch_worker_{field}", f"worker {field.replace('_', ' ')}",
-                                    value=summary.get(field, 0))
+        running, queued = node.engine.load_report()
+        report = {**node.metrics(), "running": len(running), "queued": len(queued)}
+        yield from worker_families([(worker_label(node.name), report)])
         yield GaugeMetricFamily("retouch_worker_joined", "1 while the router has taken this worker in",
                                 value=float(node.welcomed.is_set()))
 

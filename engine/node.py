@@ -226,13 +226,18 @@ class Node:
         with self._lock:
             running = [[self.requests[f], steps] for f, steps in running if f in self.requests]
             queued = [self.requests[f] for f in queued if f in self.requests]
+        return {"kind": "heartbeat", "running": running, "queued": queued, "metrics": self.metrics(),
+                "loras": self.engine.worker.loras.resident()}
+
+    def metrics(self) -> dict:
+        """The engine's counters, with its template cache's under "cache" and its LoRA cache's under "lora"
+        (what the heartbeat carries to the head, and the health port exposes)."""
         metrics = self.engine.metrics()
         cache = self.engine.editor.cache
         if isinstance(cache, CacheStore):
             metrics["cache"] = cache.metrics()  # CacheStore.metrics: cumulative counters and tier occupancy
         metrics["lora"] = self.engine.worker.loras.metrics()  # LoraManager.metrics: likewise, of the LoRA cache
-        return {"kind": "heartbeat", "running": running, "queued": queued, "metrics": metrics,
-                "loras": self.engine.worker.loras.resident()}
+        return metrics
 
     # ---- other threads ----
 

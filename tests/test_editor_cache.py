@@ -115,13 +115,14 @@ def test_a_restarted_editor_adopts_the_recordings_its_disk_tier_kept(tmp_path):
     restarted = editor()
     assert register_replay_template(restarted) == template_id
     assert restarted.cache.metrics()["registrations"] == 0  # adopted, not recorded
+    assert restarted.cache.metrics()["adoptions"] == 1 and first.cache.metrics()["adoptions"] == 0
     assert max_diff(restarted.edit(template_id, mask, "a blue hat", seed=2, output_type="latent"), expected) == 0.0
     assert restarted.cache.metrics()["disk_hits"] == 1 and restarted.recomputes == 0
     restarted.cache.evict(template_id)
 
     kv = editor("kv")  # a Y-cache recording holds no keys and values
     register_replay_template(kv)
-    assert kv.cache.metrics()["registrations"] == 1
+    assert kv.cache.metrics()["registrations"] == 1 and kv.cache.metrics()["adoptions"] == 0
     assert kv.cache.evict(template_id)  # its file now holds a KV-cache recording
     kv.cache.close()
 

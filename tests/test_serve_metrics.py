@@ -28,7 +28,7 @@ WORKER_REPORT = {"steps": 12, "completed": 5, "failed": 1, "cancelled": 2, "reco
                  "mean_batch_size": 1.5, "mean_step_s": 0.25, "step_seconds": 3.0, "batch_rows": 18,
                  "cache": {"hits": 7, "misses": 2, "disk_hits": 1, "evictions": 0, "prefetches": 1,
                            "prefetch_bytes": 4096, "disk_reads": 1, "disk_writes": 2, "disk_bytes_read": 4096,
-                           "disk_bytes_written": 8192, "corrupt_files": 0, "registrations": 1,
+                           "disk_bytes_written": 8192, "corrupt_files": 0, "registrations": 1, "adoptions": 1,
                            "host_bytes_used": 1 << 20, "host_bytes_budget": 1 << 30, "host_templates": 1,
                            "disk_bytes_used": 8192, "disk_bytes_budget": 1 << 32},
                  "lora": {"cached_bytes": 1 << 20, "cached_adapters": 2, "budget_bytes": 1 << 31, "hits": 9,

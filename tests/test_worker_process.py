@@ -53,6 +53,13 @@ def test_a_standalone_worker_reports_health_and_leaves_cleanly_on_sigterm(tmp_pa
         assert set(readiness) <= {200, 503} and "solo" in router.snapshot()["workers"]
         families = {f.name: f for f in text_string_to_metric_families(httpx.get(health + "/metrics").text)}
         assert families["retouch_worker_joined"].samples[0].value == 1.0
+        # what the head shows of it, under the same names: its loop, its template cache, its LoRA cache
+        [budget] = families["retouch_worker_cache_host_budget_bytes"].samples
+        assert budget.labels == {"worker": "solo"} and budget.value == 4 << 30  # --cache-host-gib's default
+        assert families["retouch_worker_steps"].type == "counter"
+        assert families["retouch_worker_queued"].samples[0].value == 0
+        assert families["retouch_worker_cache_adoptions"].samples[0].value == 0
+        assert "retouch_worker_lora_budget_bytes" in families
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=TIMEOUT_S) == 0
         log.close()

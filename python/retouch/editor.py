@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 import math
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -44,6 +45,7 @@ from retouch.noise import seeded_noise
 if TYPE_CHECKING:
     from retouch.costs import CostModel
 
+logger = logging.getLogger("retouch.editor")
 PATCH_STRIDE = FLUX_STRIDE  # Flux and SD3 both patchify 2x2 latent pixels (VAE /8): 16 px per token
 UNET_FAMILIES = ("sdxl", "sd2")
 DEFAULT_STEPS = 28
@@ -333,6 +335,9 @@ class MaskAwareEditor:
         if not self._covers(adopted):
             return False
         self.templates[template.template_id] = adopted
+        self.cache.count_adoption()
+        logger.info("template %s: adopted its recording (%s cache) from the disk tier instead of recording it",
+                    template.template_id, meta["recorded_mode"])
         return True
 
     def _recording_shape(self, template: Template) -> dict:

@@ -74,7 +74,9 @@ CACHE_COUNTERS = (("hits", "template activation lookups found in host memory"),
                   ("disk_bytes_written", "bytes written to the disk tier"),
                   ("disk_evictions", "templates evicted from the disk tier"),
                   ("corrupt_files", "activation files found corrupt and dropped"),
-                  ("registrations", "templates registered in the cache"))
+                  ("registrations", "templates registered in the cache"),
+                  ("adoptions", "templates served by the disk tier's recording of an earlier process instead "
+                   "of being recorded again"))
 CACHE_GAUGES = (("host_bytes_used", "bytes of activations in pinned host memory", "host_used_bytes"),
                 ("host_bytes_budget", "the host tier's budget in bytes", "host_budget_bytes"),
                 ("host_templates", "templates resident in host memory"),
@@ -161,11 +163,7 @@ class RouterCollector(Collector):
             events.add_metric((event,), value)
         yield events
         yield from _slo(snapshot.get("slo", {}))
-        yield from _per_worker("retouch_worker_", workers, WORKER_GAUGES, WORKER_COUNTERS)
-        caches = [(name, report["cache"]) for name, report in workers if isinstance(report.get("cache"), dict)]
-        yield from _per_worker("retouch_worker_cache_", caches, CACHE_GAUGES, CACHE_COUNTERS)
-        loras = [(name, report["lora"]) for name, report in workers if isinstance(report.get("lora"), dict)]
-        yield from _per_worker("retouch_worker_lora_", loras, LORA_GAUGES, LORA_COUNTERS)
+        yield from worker_families(workers)
 
 
 def _slo(per_class: dict[str, dict[str, int]]) -> Iterator[Metric]:
@@ -202,6 +200,16 @@ def stable_labels(workers: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
         if label not in newest or restart > newest[label][0]:
             newest[label] = (restart, name, report)
     return [(label, report) for label, (_, _, report) in sorted(newest.items())]
+
+
+def worker_families(workers: list[tuple[str, dict]]) -> Iterator[Metric]:
+    """The per-worker families of (label, heartbeat metrics) pairs: the head's view of every worker,
+    and a worker's own health port (`engine.health`), under the same names."""
+    yield from _per_worker("retouch_worker_", workers, WORKER_GAUGES, WORKER_COUNTERS)
+    caches = [(name, report["cache"]) for name, report in workers if isinstance(report.get("cache"), dict)]
+    yield from _per_worker("retouch_worker_cache_", caches, CACHE_GAUGES, CACHE_COUNTERS)
+    loras = [(name, report["lora"]) for name, report in workers if isinstance(report.get("lora"), dict)]
+    yield from _per_worker("retouch_worker_lora_", loras, LORA_GAUGES, LORA_COUNTERS)
 
 
 def _per_worker(prefix: str, reports: list[tuple[str, dict]], gauges: Iterable[tuple[str, ...]],

@@ -397,6 +397,11 @@ class CacheStore(ActivationCache):
             self.disk.remove(template_id)
             return None
 
+    def count_adoption(self) -> None:
+        """A recording of an earlier process served a template registered again (`MaskAwareEditor.adopt`)."""
+        with self._lock:
+            self.counters["adoptions"] += 1
+
     def get(self, template_id, step, block, name):
         template_id, name = stored_key(template_id, name)
         with self.acquire(template_id) as handle:
@@ -449,12 +454,12 @@ class CacheStore(ActivationCache):
         """Counters (hits: found in host memory; misses: in no tier, or its file was unusable;
         disk_hits: loaded from disk; evictions, prefetches, prefetch_bytes, prefetch_seconds, disk_reads,
         disk_writes, disk_write_failures, disk_bytes_read, disk_bytes_written, corrupt_files,
-        registrations) and tier occupancy."""
+        registrations, adoptions) and tier occupancy."""
         with self._lock:
             report = {name: 0 for name in ("hits", "misses", "disk_hits", "evictions", "prefetches",
                                            "prefetch_bytes", "disk_reads", "disk_writes", "disk_write_failures",
                                            "disk_bytes_read", "disk_bytes_written", "corrupt_files",
-                                           "registrations")}
+                                           "registrations", "adoptions")}
             report.update(self.counters)
             report["prefetch_seconds"] = float(self.counters.get("prefetch_microseconds", 0)) / 1e6
             report.pop("prefetch_microseconds", None)
