@@ -272,9 +272,13 @@ async def transparent_edits() -> dict:
             registered = await client.post("/v1/templates", data={"steps": "2"},
                                            files={"image": ("t.png", png(Image.fromarray(cutout)), "image/png")})
             await asyncio.to_thread(worker.register, registered.json()["id"])
-            for name, fields in (("template", {"data": {"template_id": registered.json()["id"], "prompt": "a cat"}}),
+            edit_template = {"template_id": registered.json()["id"], "prompt": "a cat"}
+            outcome["as jpeg"] = await client.post("/v1/edits", data={**edit_template, "output_format": "jpeg"},
+                                                   files={"mask": ("m.png", png(mask), "image/png")})
+            for name, fields in (("template", {"data": edit_template}),
                                  ("one-off", {"data": {"prompt": "a cat"},
-                                              "files": {"image": ("t.png", png(Image.fromarray(cutout)))}})):
+                                              "files": {"image": ("t.png", png(Image.fromarray(cutout)))}}),
+                                 ("as webp", {"data": {**edit_template, "output_format": "webp"}})):
                 files = {**fields.get("files", {}), "mask": ("m.png", png(mask), "image/png")}
                 posted = asyncio.create_task(client.post("/v1/edits", data=fields["data"], files=files))
                 edit = await asyncio.to_thread(worker.receive, "edit")
@@ -292,15 +296,20 @@ async def transparent_edits() -> dict:
 def test_a_transparent_template_is_answered_with_its_alpha_outside_the_mask():
     outcome = asyncio.run(transparent_edits())
     keep = outcome["mask"] == 0
-    for name in ("template", "one-off"):
+    for name in ("template", "one-off", "as webp"):
         assert outcome[name].status_code == 200, outcome[name].text
-        answer = np.asarray(Image.open(io.BytesIO(outcome[name].content)))
+        decoded = Image.open(io.BytesIO(outcome[name].content))
+        assert decoded.format == ("WEBP" if name == "as webp" else "PNG")  # lossless: the same pixels
+        assert outcome[name].headers["content-type"] == f"image/{decoded.format.lower()}"
+        answer = np.asarray(decoded)
         assert answer.shape == (32, 32, 4), name
         assert (answer[..., 3][keep] == outcome["cutout"][..., 3][keep]).all()  # the cut-out's own alpha
         assert (answer[..., 3][~keep] == 255).all()  # what the model painted is opaque
         assert (answer[..., :3] == outcome["worker answer"]).all()
     template_id, opaque_id = outcome["ids"]
     assert template_id != opaque_id  # the same colours, another alpha: another template
+    refused = outcome["as jpeg"]  # JPEG has no alpha: said, not flattened
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "output_format"
 
 
 async def listed_pages() -> dict:

@@ -107,6 +107,13 @@ def test_edit_repaints_the_mask_and_keeps_the_rest(client, template_id):
     decoded = Image.open(io.BytesIO(base64.b64decode(as_json.json()["data"][0]["b64_json"])))
     assert decoded.size == SIZE
 
+    as_jpeg = edit(client, template_id, box_mask(), seed="3", output_format="jpeg", output_compression="80")
+    assert as_jpeg.status_code == 200 and as_jpeg.headers["content-type"] == "image/jpeg"
+    jpeg = Image.open(io.BytesIO(as_jpeg.content))
+    assert jpeg.format == "JPEG" and jpeg.size == SIZE
+    assert np.abs(np.asarray(jpeg).astype(int) - edited).mean() < 8  # the same picture, lossy
+    assert_error(edit(client, template_id, box_mask(), output_format="gif"), 400, "output_format")
+
 
 def test_all_zero_mask_returns_the_template_and_all_one_repaints_everything(client, template_id):
     nothing = edit(client, template_id, Image.new("L", SIZE, 0))

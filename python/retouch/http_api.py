@@ -376,6 +376,7 @@ LORA_FIELD = _field("string", "LoRA adapters of the server's --lora-dir: NAME[:S
                     "comma-separated, or a JSON list of names or of {\"name\", \"scale\"} objects; at most "
                     f"{MAX_PER_REQUEST}, scales in [-{MAX_SCALE:g}, {MAX_SCALE:g}]. 400 if malformed, 404 for a name "
                     "the folder lacks, 422 if the worker cannot load it", example="film-grain:0.8,watercolor")
+OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}  # OpenAI's output_format -> Pillow's
 EDIT_FIELDS = {
     "template_id": _field("string", "a registered template (POST /v1/templates); or send image"),
     "image": _field("file", "a one-off image to edit (its first edit without a LoRA records it)"),
@@ -384,8 +385,12 @@ EDIT_FIELDS = {
     "steps": _field("integer", "denoising steps of a one-off image (a template's edits run its own)"),
     "seed": _field("integer", "random seed of the initial noise", default=0),
     "guidance": _field("number", "guidance scale of a one-off image"),
-    "response_format": _field("string", "the PNG itself, or JSON with its base64", enum=["png", "b64_json"],
-                              default="png"),
+    "response_format": _field("string", "the image itself (in its output_format), or JSON with its base64",
+                              enum=["png", "b64_json"], default="png"),
+    "output_format": _field("string", "encoding of the answer (jpeg: not for a transparent image)",
+                            enum=list(OUTPUT_FORMATS), default="png"),
+    "output_compression": _field("integer", "quality of jpeg and webp answers, 0-100 (100: webp lossless)",
+                                 default=100),
     "stream": _field("boolean", "answer with Server-Sent Events: accepted, steps, then done with the image "
                      "and the edit's metrics", default=False),
     "preview_every": _field("integer", "with stream: a preview image every that many steps", default=0),
@@ -397,7 +402,6 @@ EDIT_FIELDS = {
 WORKER_ERROR_CODES = {"Cancelled": "cancelled", LoraError.__name__: "lora_failed",
                       "MissingTemplate": "template_missing"}
 LIST_LIMIT, LIST_MAX = 100, 1000  # templates per page of GET /v1/templates: by default, at most
-OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}  # OpenAI's output_format -> Pillow's
 OPENAI_EDIT_FIELDS = {
     "image": _field("file", "the image to edit (also as image[])"),
     "mask": _field("file", "alpha 0 = repaint (without a mask, the image's own alpha)"),
@@ -565,8 +569,18 @@ def reencoded(png: bytes, size: tuple[int, int] | None, output_format: str, comp
     out = io.BytesIO()
     lossless = output_format == "webp" and compression == 100
     options = {"lossless": True, "exact": True} if lossless else {"quality": compression}
-    image.convert("RGB").save(out, format=OUTPUT_FORMATS[output_format], **options)
+    keeps_alpha = output_format == "webp" and image.mode == "RGBA"  # a transparent template's answer
+    image.convert("RGBA" if keeps_alpha else "RGB").save(out, format=OUTPUT_FORMATS[output_format], **options)
     return out.getvalue()
+
+
+def output_encoding(form: Form) -> tuple[str, int]:
+    """The answer's `output_format` (png, jpeg, webp) and `output_compression` (their quality, 0-100)."""
+    output_format = form.text("output_format", "png")
+    if output_format not in OUTPUT_FORMATS:
+        raise ApiError(400, f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {output_format!r}",
+                       "output_format")
+    return output_format, form.integer("output_compression", 100, 0, 100)
 
 
 # ---- the app ----
@@ -867,6 +881,12 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             return png_bytes(paste_alpha(Image.open(io.BytesIO(png)), alpha.convert("L"), mask))
         return await anyio.to_thread.run_sync(attach)
 
+    async def native_answer(template_id: str, one_off: TemplateRecord | None, mask: Image.Image, png: bytes,
+                            encoding: tuple[str, int]) -> bytes:
+        """A /v1/edits answer: the worker's PNG with the template's alpha back, in the asked encoding."""
+        png = await with_template_alpha(template_id, one_off, mask, png)
+        return await anyio.to_thread.run_sync(reencoded, png, None, *encoding)
+
     async def unchanged(template_id: str, one_off: TemplateRecord | None) -> bytes:
         """The answer to a mask that repaints nothing: the template itself, as PNG."""
         record = one_off if one_off is not None else router.templates.get(template_id)
@@ -990,8 +1010,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         lora = lora_field(form, limits.lora_dir)
         response_format = form.text("response_format", "png")
         if response_format not in ("png", "b64_json"):
-            raise ApiError(400, f"response_format must be png or b64_json, got {response_format!r}",
-                           "response_format")
+            raise ApiError(400, f"response_format must be png (the image itself, in its output_format) or "
+                           f"b64_json, got {response_format!r}", "response_format")
+        output_format, compression = output_encoding(form)
         steps = form.integer("steps", None, 1, limits.max_steps)
         seed = form.integer("seed", 0, 0, 2**63 - 1)
         guidance = form.number("guidance", 0.0, 100.0)
@@ -1007,14 +1028,21 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         mask = await read_mask_upload(mask_upload, limits.max_pixels)
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1)
+        transparent = (one_off if one_off is not None else router.templates[template_id]).alpha is not None
+        if transparent and output_format == "jpeg":
+            raise ApiError(400, "this image is transparent and JPEG has no alpha: ask for png or webp",
+                           "output_format")
+        encoding = (output_format, compression)
         if stream:
-            return await streamed_edit(request, template_id, one_off, steps, mask, prompt, seed, preview_every, lora)
+            return await streamed_edit(request, template_id, one_off, steps, mask, prompt, seed, preview_every, lora,
+                                       encoding=encoding)
         [png] = await edit(request, "/v1/edits", template_id, one_off, steps, mask, prompt, seed, lora=lora)
-        png = await with_template_alpha(template_id, one_off, mask, png)
+        answer = await native_answer(template_id, one_off, mask, png, encoding)
         headers = {"X-Template-Id": template_id, "X-Request-Id": request.state.request_id}
         if response_format == "png":
-            return Response(png, media_type="image/png", headers=headers)
-        return b64_json_response({"created": int(time.time()), "template_id": template_id}, [png], headers)
+            return Response(answer, media_type=f"image/{output_format}", headers=headers)
+        return b64_json_response({"created": int(time.time()), "template_id": template_id,
+                                  "output_format": output_format}, [answer], headers)
 
     @app.post("/v1/images/edits", openapi_extra=multipart_body(OPENAI_EDIT_FIELDS, ("prompt",)))
     async def openai_edit(request: Request):
@@ -1037,11 +1065,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                            "response_format")
         size = form.text("size")
         target = None if size in (None, "", "auto") else _parse_size(size, limits.max_pixels)
-        output_format = form.text("output_format", "png")
-        if output_format not in OUTPUT_FORMATS:
-            raise ApiError(400, f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {output_format!r}",
-                           "output_format")
-        compression = form.integer("output_compression", 100, 0, 100)
+        output_format, compression = output_encoding(form)
         seed = form.integer("seed", 0, 0, 2**63 - 1)
         if form.text("background", "auto") not in ("auto", "opaque"):
             raise ApiError(400, "background must be auto or opaque: retouch answers opaque images", "background")
@@ -1098,7 +1122,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
     async def streamed_edit(request: Request, template_id: str, one_off: TemplateRecord | None, steps: int,
                             mask: Image.Image, prompt: str, seed: int, preview_every: int,
-                            lora: LoraChoice = (), openai: OpenAIEvents | None = None) -> StreamingResponse:
+                            lora: LoraChoice = (), openai: OpenAIEvents | None = None,
+                            encoding: tuple[str, int] = ("png", 100)) -> StreamingResponse:
         """An edit's progress and then its image, as events (`retouch.http_events`): retouch's own
         (POST /v1/edits stream=true), or with `openai`, the OpenAI Images API's (POST /v1/images/edits
         stream=true). Validation and admission errors were answered before: once the stream starts,
@@ -1111,6 +1136,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                     "masked_tokens": load.masked_tokens, "image_tokens": load.image_tokens}
         if lora:
             accepted["lora"] = choice_header(lora)
+        if not openai:
+            accepted["output_format"] = encoding[0]
         style = openai or NativeEvents(accepted)
         endpoint = "/v1/images/edits" if openai else "/v1/edits"
         headers = {**EVENT_HEADERS, "X-Template-Id": template_id, "X-Request-Id": request_id}
@@ -1120,7 +1147,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             return [event for event in events if event is not None]
 
         async def answer_png(png: bytes) -> bytes:
-            return png if openai else await with_template_alpha(template_id, one_off, mask, png)
+            return png if openai else await native_answer(template_id, one_off, mask, png, encoding)
 
         if payload is None:  # nothing to repaint
             png = await answer_png(await unchanged(template_id, one_off))

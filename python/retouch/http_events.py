@@ -5,8 +5,9 @@
     GET  /v1/templates/{id}/events                  a template's recording
 
 An edit's events, in order (each `event: NAME` and one `data: {json}` line):
-    accepted  {id, template_id, steps, mask_ratio, masked_tokens, image_tokens[, lora]}   (POST only; lora:
-                the request's adapters as [{name, scale}], when it names any)
+    accepted  {id, template_id, steps, mask_ratio, masked_tokens, image_tokens, output_format[, lora]}
+                (POST only; output_format: done's image encoding; lora: the request's adapters as
+                [{name, scale}], when it names any)
     parked    {steps}           its template is not ready on any worker yet (it is being recorded)
     queued    {worker, attempt, steps}   sent to a worker
     step      {step, steps}     after each denoising step: 1..n, each once, in order
