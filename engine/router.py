@@ -102,6 +102,10 @@ def no_worker_message(idle_s: float) -> str:
     return f"no worker has been connected for {idle_s:.0f} s; retry later"
 
 
+class TemplateLimit(RuntimeError):
+    """The tenant already keeps `RouterConfig.max_templates_per_tenant` registered templates."""
+
+
 class RegistryError(RuntimeError):
     """The template registry (`--cache-disk-dir`) could not save or remove a template's files."""
 
@@ -239,6 +243,10 @@ class RouterConfig:
     # cluster without workers should not hold clients for minutes. inf: wait for one (a single worker whose
     # restart reloads a large model may take longer than the default).
     no_worker_s: float = 30.0
+    # Registered templates one tenant (API key) may keep; the router holds each one's image in memory (and
+    # the registry on disk), so without a bound one client could grow the head without end. One-off
+    # images are bounded by max_one_off instead.
+    max_templates_per_tenant: int = 1000
 
     def __post_init__(self):
         if self.dead_after_s <= self.heartbeat_s:
@@ -249,6 +257,8 @@ class RouterConfig:
             raise ValueError(f"no_worker_s must be > 0, got {self.no_worker_s}")
         if self.max_one_off < 1:
             raise ValueError(f"max_one_off must be >= 1, got {self.max_one_off}")
+        if self.max_templates_per_tenant < 1:
+            raise ValueError(f"max_templates_per_tenant must be >= 1, got {self.max_templates_per_tenant}")
         if self.lora_affinity is not None and self.lora_affinity < 0:
             raise ValueError(f"lora_affinity must be >= 0 or None, got {self.lora_affinity}")
         if self.slo_admission not in SLO_ADMISSION:
@@ -538,12 +548,17 @@ class Router:
     def register_template(self, record: TemplateRecord) -> TemplateRecord:
         """Record `record` on its replicas (again if it was dropped); the same id twice is one template.
         With a registry it is saved first: one that cannot be saved is not registered (RegistryError),
-        since its id would not outlive the server as promised."""
+        since its id would not outlive the server as promised. A tenant keeping its most templates
+        already is refused (TemplateLimit)."""
         with self._registry_lock:  # a save and the change it follows are one step for deletions too
             with self._lock:
                 existing = self.templates.get(record.template_id)
                 if existing is not None and existing.status != "failed":
                     return existing
+                kept = sum(1 for other in self.templates.values() if other.owner == record.owner and not other.one_off)
+                if existing is None and kept >= self.config.max_templates_per_tenant:
+                    raise TemplateLimit(f"this API key keeps {kept} templates, the most this server allows "
+                                        f"(--max-templates-per-tenant); delete some (DELETE /v1/templates/ID)")
             self._keep(lambda registry: registry.save(record), record.template_id, "saved")
             with self._lock:
                 self.templates[record.template_id] = record

@@ -312,6 +312,27 @@ def test_a_transparent_template_is_answered_with_its_alpha_outside_the_mask():
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "output_format"
 
 
+async def over_the_template_limit() -> httpx.Response:
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", max_templates_per_tenant=1)).start()
+    app = create_app(router, Limits(default_steps=2))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            for shade in range(2):
+                answer = await client.post("/v1/templates", data={"steps": "2"}, files={
+                    "image": ("t.png", png(Image.new("RGB", (32, 32), (shade, 0, 0))), "image/png")})
+            limits = (await client.get("/v1/limits")).json()
+            return answer, limits
+    finally:
+        await asyncio.to_thread(router.close, 0)
+
+
+def test_a_template_over_the_tenants_limit_is_refused_for_good():
+    refused, limits = asyncio.run(over_the_template_limit())
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "template_limit"
+    assert refused.headers["x-should-retry"] == "false"  # deleting templates makes room, not retrying
+    assert limits["max_templates"] == 1
+
+
 async def listed_pages() -> dict:
     router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
     app = create_app(router, Limits(default_steps=2))

@@ -6,13 +6,14 @@ carried along (as JSON) wherever it goes."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 from scripted_worker import TIMEOUT_S, ScriptedWorker
 
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (RETRY_AFTER_MAX_S, RETRY_AFTER_UNKNOWN_S, EditTask, NoWorkerConnected, QueueFull,
-                                   RouterConfig, TemplateRecord)
+                                   RouterConfig, TemplateLimit, TemplateRecord)
 from retouch.lora import LoraUse, parse_lora
 
 LOAD = RequestLoad(image_tokens=16, masked_tokens=4, steps=2)
@@ -172,6 +173,20 @@ def test_a_full_queue_says_when_to_retry_from_the_rate_of_recent_answers(make_ro
     with pytest.raises(QueueFull) as stalled:
         router.submit(task("t1"))
     assert stalled.value.retry_after_s == RETRY_AFTER_MAX_S
+
+
+def test_a_tenant_keeps_at_most_its_template_limit_and_one_offs_do_not_count(make_router):
+    router = make_router(max_templates_per_tenant=2)
+    router.register_template(template("t1"))
+    router.register_template(template("t2"))
+    router.register_template(template("t2"))  # the same template again is no new one
+    router.submit_many([task("o1")], one_off=replace(template("o1"), one_off=True))
+    with pytest.raises(TemplateLimit, match="keeps 2 templates"):
+        router.register_template(template("t3"))
+    router.register_template(replace(template("u1"), owner="another key"))  # its own count
+    assert router.drop_template("t1")
+    router.register_template(template("t3"))  # room again
+    assert {t["id"] for t in router.list_templates("")} == {"t2", "t3", "o1"}
 
 
 def test_close_answers_what_it_could_not_run(context, make_router):

@@ -271,6 +271,8 @@ class ServeOptions:
     max_work: int = option(4096 * 4096 * 28, help="most work one request may ask for, in pixel-steps (width x "
                            "height x steps x n); beyond it: 413")
     max_queue: int = option(256, help="edits accepted and not yet answered; beyond it: 429 with Retry-After")
+    max_templates_per_tenant: int = option(1000, help="registered templates each API key may keep (the head holds "
+                                           "their images in memory); beyond it: 409 template_limit")
     api_keys_file: Path | None = option(None, help="file of API keys, one per line: /v1 needs `Authorization: Bearer "
                                         "KEY`, and each key sees only its own templates (default: $RETOUCH_API_KEYS, "
                                         "comma-separated; neither: no keys)")
@@ -323,7 +325,7 @@ class ServeOptions:
             raise InputError(f"--api-keys-file {self.api_keys_file} not found")
         _require(self, ("header_timeout_s", "body_timeout_s", "max_inflight_mb"), "> 0")
         _require(self, ("max_connections", "max_prompt_chars", "max_batch", "steps", "max_steps", "max_queue",
-                        "max_pixels", "max_work"), ">= 1")
+                        "max_pixels", "max_work", "max_templates_per_tenant"), ">= 1")
         _require(self, ("worker_threads", "helper_threads", "slo_ms_per_megapixel"), ">= 0")
         if self.cuda_graphs and self.device == "cpu":
             raise InputError("--cuda-graphs needs a CUDA device (--device cuda or auto)")

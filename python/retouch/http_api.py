@@ -67,7 +67,7 @@ from retouch import playground
 from retouch.canvas import Canvas, paste_alpha, paste_unmasked
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (NO_WORKER, DeadlineUnattainable, EditAnswer, EditTask, NoWorkerConnected, QueueFull,
-                                   RegistryError, Router, TemplateRecord, Unavailable)
+                                   RegistryError, Router, TemplateLimit, TemplateRecord, Unavailable)
 from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
@@ -143,7 +143,7 @@ class Limits:
 
 # Answers a client must not repeat as they are: sending the edit again would undo a cancel, run a
 # duplicate, or miss the deadline again (or, for a timeout, run a stuck edit once more).
-FINAL_CODES = frozenset({"cancelled", "duplicate_request_id", "slo_unattainable", "timeout"})
+FINAL_CODES = frozenset({"cancelled", "duplicate_request_id", "slo_unattainable", "template_limit", "timeout"})
 
 
 class ApiError(Exception):
@@ -675,6 +675,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             await anyio.to_thread.run_sync(router.register_template, record)  # it may save it to disk
         except RegistryError as exc:
             raise ApiError(507, str(exc), None, "storage_error") from None
+        except TemplateLimit as exc:
+            raise ApiError(409, str(exc), "image", "template_limit") from None
         return template_or_404(template_id, tenant)
 
     # ---- templates ----
@@ -730,12 +732,12 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     @app.get("/v1/limits")
     async def list_limits():
         """What a request may ask for here (clients, the playground among them, size their forms by it):
-        steps, pixels, upload bytes, work (pixel-steps), images per request, prompt characters, and
-        whether edits may name LoRAs."""
+        steps, pixels, upload bytes, work (pixel-steps), images per request, prompt characters, templates
+        kept per API key, and whether edits may name LoRAs."""
         return {"default_steps": limits.default_steps, "max_steps": limits.max_steps,
                 "max_pixels": limits.max_pixels, "max_upload_bytes": limits.max_upload_bytes,
                 "max_work": limits.max_work, "max_n": limits.max_n, "max_prompt_chars": limits.max_prompt_chars,
-                "lora": limits.lora_dir is not None}
+                "max_templates": router.config.max_templates_per_tenant, "lora": limits.lora_dir is not None}
 
     def model_entry(name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "retouch"}

@@ -58,7 +58,7 @@ def router_config(opts: ServeOptions) -> RouterConfig:
     return RouterConfig(opts.worker_listen, opts.policy, opts.heartbeat_s, opts.dead_after_s, opts.max_queue,
                         slo_admission=opts.slo_admission,
                         lora_affinity=None if opts.lora_affinity < 0 else opts.lora_affinity,
-                        no_worker_s=opts.no_worker_s)
+                        no_worker_s=opts.no_worker_s, max_templates_per_tenant=opts.max_templates_per_tenant)
 
 
 def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = ()) -> Limits:
