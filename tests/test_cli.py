@@ -88,12 +88,16 @@ def test_an_odd_size_keeps_every_unmasked_pixel_and_repaints_a_single_one(cli, t
 
 
 def test_a_transparent_template_keeps_its_alpha_outside_the_mask(cli, tmp_path):
-    """A cut-out (RGBA) edited mask-aware: the PNG answer is RGBA, every unmasked pixel the file's own
-    RGBA pixel, the repainted ones opaque; a JPEG answer says it drops the alpha."""
+    """A cut-out (RGBA, with a colour profile) edited mask-aware: the PNG answer is RGBA, every unmasked
+    pixel the file's own RGBA pixel, the repainted ones opaque; a JPEG answer says it drops the alpha;
+    both keep the profile."""
     rng = np.random.default_rng(1)
     cutout = rng.integers(0, 256, (48, 64, 4), dtype=np.uint8)
     cutout[..., 3] = np.where(rng.random((48, 64)) < 0.5, 0, 255)
-    Image.fromarray(cutout).save(tmp_path / "T.png")
+    from PIL import ImageCms
+
+    profile = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    Image.fromarray(cutout).save(tmp_path / "T.png", icc_profile=profile)
     mask = Image.new("L", (64, 48), 0)
     mask.paste(255, (16, 16, 40, 40))
     mask.save(tmp_path / "M.png")
@@ -102,6 +106,7 @@ def test_a_transparent_template_keeps_its_alpha_outside_the_mask(cli, tmp_path):
                      "--mask", tmp_path / "M.png", "--prompt", "a red hat", "--steps", "2", "--out", tmp_path / out)
         assert result.returncode == 0, result.stderr
         assert ("drops the alpha" in result.stderr) == (out == "O.jpg")
+        assert Image.open(tmp_path / out).info.get("icc_profile") == profile  # the colours as the file had them
     with Image.open(tmp_path / "O.png") as edited:
         answer = np.asarray(edited)
     keep = np.asarray(mask) == 0

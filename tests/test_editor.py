@@ -86,6 +86,20 @@ def test_edit_keeps_unmasked_pixels_and_follows_the_seed(editor):
     assert not np.array_equal(pixels(first)[32:64, 32:64], pixels(other)[32:64, 32:64])
 
 
+def test_an_edit_carries_its_templates_colour_profile_and_a_profile_makes_another_template(editor):
+    from PIL import ImageCms
+
+    profile = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    tagged = template_image()
+    tagged.info["icc_profile"] = profile
+    plain_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
+    tagged_id = editor.register_template(tagged, prompt="a scene", steps=STEPS, seed=0)
+    assert tagged_id != plain_id
+    assert editor.edit(tagged_id, square_mask(), "a red hat", seed=1).info["icc_profile"] == profile
+    assert "icc_profile" not in editor.edit(plain_id, square_mask(), "a red hat", seed=1).info
+    assert editor.edit_image(tagged, square_mask(), "a red hat", steps=STEPS).info["icc_profile"] == profile
+
+
 def test_replay_identity_of_the_same_request(editor):
     # Recorded from a full-compute run of exactly this request (image, mask, prompt, seed, steps):
     # the mask-aware run must give the same latents.

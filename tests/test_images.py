@@ -2,6 +2,7 @@
 orientation, size checks, limits, and errors that name the input."""
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,8 +53,10 @@ def test_alpha_flag_on_mask_without_alpha(tmp_path):
     ("L", [[0, 1, 128, 255]], [[0, 1, 128, 255]]),
     ("1", [[0, 1, 1, 0]], [[0, 255, 255, 0]]),
     ("I;16", [[0, 1, 32768, 65535]], [[0, 1, 128, 255]]),  # 16-bit: 0..65535, a faint pixel stays non-zero
-    ("I;16", [[0, 1, 200, 255]], [[0, 1, 200, 255]]),  # largest value <= 255: 0..255
-    ("I", [[0, 1, 0, 1]], [[0, 255, 0, 255]]),  # largest value <= 1: 0..1
+    # 16-bit whatever its values: by its largest value, 255 read as white and 256 as level 1
+    ("I;16", [[0, 1, 200, 65535]], [[0, 1, 1, 255]]),
+    ("I;16", [[0, 1, 255, 256]], [[0, 1, 1, 1]]),
+    ("I", [[0, 1, 0, 1]], [[0, 1, 0, 1]]),
     ("F", [[0.0, 0.001, 0.5, 1.0]], [[0, 1, 128, 255]]),  # 0..1; 0.001 is still repainted
     ("F", [[0.0, 0.5, 100.0, 255.0]], [[0, 1, 100, 255]]),  # largest value > 1: 0..255
 ])
@@ -183,8 +186,9 @@ def test_oversized_image_is_refused_before_decoding(tmp_path, monkeypatch):
 
 
 def test_unknown_output_format():
-    with pytest.raises(InputError, match="unknown image format"):
-        images.check_output_path("out.nope")
+    for refused in ("out.nope", "out.xbm", "out.pdf", "out"):  # xbm: Pillow knows it but not for RGB (it
+        with pytest.raises(InputError, match="not an image format retouch writes"):  # failed after the edit)
+            images.check_output_path(refused)
     images.check_output_path("out.png")
 
 
@@ -227,7 +231,7 @@ def test_out_of_range_deep_images_are_refused(mode, pixels):
 
 def test_an_output_path_that_cannot_be_written_is_refused_before_any_compute(tmp_path):
     (tmp_path / "a_file.png").write_bytes(b"x")
-    for bad, says in ((tmp_path / "a_file.png" / "out.png", "cannot write"), (tmp_path, "unknown image format"),
+    for bad, says in ((tmp_path / "a_file.png" / "out.png", "cannot write"), (tmp_path, "not an image format"),
                       (tmp_path / "a_file.png" / "sub" / "out.png", "cannot write")):
         with pytest.raises(InputError, match=says):
             images.check_output_path(bad)
@@ -266,3 +270,82 @@ def test_a_16_bit_grey_colour_key_is_transparency():
     grey = Image.fromarray(np.array([[0, 1000], [65535, 1000]], dtype=np.uint16))
     grey.info["transparency"] = 1000
     assert np.asarray(images.alpha_of(grey)).tolist() == [[255, 0], [255, 0]]
+
+
+def rgb_profile() -> bytes:
+    from PIL import ImageCms
+
+    return ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+
+
+def test_an_rgb_colour_profile_goes_with_the_image_into_every_answer_and_others_are_dropped(tmp_path):
+    profile = rgb_profile()
+    assert profile[16:20] == b"RGB "
+    tagged = Image.new("RGB", (8, 6), (10, 200, 30))
+    tagged.info["icc_profile"] = profile
+    data = io.BytesIO()
+    tagged.save(data, format="JPEG", icc_profile=profile)
+    read = images.as_image(images.decode_image(data.getvalue(), "image"))
+    assert images.colour_profile(read) == profile
+    from retouch.canvas import paste_unmasked
+
+    answer = paste_unmasked(read, Image.new("RGB", (8, 6)), Image.new("L", (8, 6), 255))
+    assert answer.info["icc_profile"] == profile  # the kept pixels look as they did
+    for suffix in (".png", ".jpg", ".webp", ".tif"):
+        images.save_image(answer, tmp_path / f"a{suffix}")
+        assert Image.open(tmp_path / f"a{suffix}").info.get("icc_profile") == profile, suffix
+    grey = Image.new("L", (8, 6), 9)
+    grey.info["icc_profile"] = profile[:16] + b"GRAY" + profile[20:]  # describes grey, not the RGB answer
+    assert "icc_profile" not in images.as_image(grey).info and images.colour_profile(grey) is None
+
+
+def test_jpeg_answers_keep_colour_edges():
+    """Pillow's default JPEG (quality 75, 4:2:0 chroma) moved the colour of pixels next to a red patch by
+    tens of levels; the CLI writes quality 95 without subsampling."""
+    picture = np.full((32, 32, 3), 128, np.uint8)
+    picture[8:24, 8:24] = (220, 20, 20)
+    path = images.save_image(Image.fromarray(picture), Path("/dev/shm") / "retouch-edge-test.jpg")
+    try:
+        assert np.abs(np.asarray(Image.open(path)).astype(int) - picture).max() <= 12
+    finally:
+        path.unlink()
+
+
+@pytest.mark.parametrize("save", [
+    lambda out: Image.new("RGB", (8, 8)).save(out, format="TGA"),
+    lambda out: Image.new("RGB", (8, 8)).save(out, format="PPM"),
+    lambda out: Image.new("RGB", (8, 8)).save(out, format="PCX"),
+    lambda out: Image.new("RGB", (8, 8)).save(out, format="EPS"),  # decoding it would run Ghostscript
+])
+def test_formats_outside_the_list_are_not_decoded(save):
+    out = io.BytesIO()
+    save(out)
+    with pytest.raises(InputError, match="not an image in a format retouch reads"):
+        images.decode_image(out.getvalue(), "image")
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "WEBP", "PNG", "TIFF"])
+def test_an_animation_or_a_multi_page_file_is_refused_not_cut_to_its_first_frame(fmt):
+    frames = [Image.new("RGB", (8, 8), colour) for colour in ("red", "green", "blue")]
+    out = io.BytesIO()
+    frames[0].save(out, format=fmt, save_all=True, append_images=frames[1:])
+    with pytest.raises(InputError, match="has 3 frames"):
+        images.decode_image(out.getvalue(), "image")
+
+
+def test_a_phones_mpo_jpeg_is_its_primary_picture():
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), "red").save(out, format="MPO", save_all=True,
+                                         append_images=[Image.new("RGB", (4, 4), "blue")])
+    with Image.open(io.BytesIO(out.getvalue())) as opened:
+        assert opened.format == "MPO" and opened.n_frames == 2
+    decoded = images.decode_image(out.getvalue(), "image")
+    assert decoded.size == (8, 8) and decoded.getpixel((0, 0))[0] > 200
+
+
+def test_a_mask_with_the_sides_swapped_hints_at_exif_orientation():
+    with pytest.raises(InputError, match="after EXIF orientation"):
+        images.as_mask(Image.new("L", (48, 80)), (80, 48))
+    with pytest.raises(InputError) as other:
+        images.as_mask(Image.new("L", (48, 81)), (80, 48))
+    assert "EXIF" not in str(other.value)

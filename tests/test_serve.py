@@ -252,6 +252,33 @@ def test_openai_images_edit_form(client, template_id):
                  "response_format")
 
 
+def test_a_colour_profile_goes_into_every_answer_and_names_another_template(client, template_id):
+    """A Display P3 photo's pixels kept by an edit must look as they did: the answer carries the image's
+    ICC profile, whatever its encoding; the same pixels with a profile are another template."""
+    from PIL import ImageCms
+
+    profile = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    tagged = io.BytesIO()
+    template_image().save(tagged, format="PNG", icc_profile=profile)
+    files = {"image": ("p3.png", tagged.getvalue(), "image/png"), "mask": ("m.png", png(box_mask()), "image/png")}
+    for encoding in ({}, {"output_format": "webp"}, {"output_format": "jpeg"}):
+        answer = client.post("/v1/edits", files=files, data={"prompt": "a hat", **encoding})
+        assert answer.status_code == 200, answer.text
+        assert Image.open(io.BytesIO(answer.content)).info.get("icc_profile") == profile, encoding
+    alpha_mask = Image.new("RGBA", SIZE, (0, 0, 0, 255))
+    alpha_mask.paste((0, 0, 0, 0), (16, 16, 40, 40))
+    openai = client.post("/v1/images/edits", data={"prompt": "a hat", "output_format": "jpeg"},
+                         files={"image": files["image"], "mask": ("m.png", png(alpha_mask), "image/png")})
+    encoded = base64.b64decode(openai.json()["data"][0]["b64_json"])
+    assert Image.open(io.BytesIO(encoded)).info.get("icc_profile") == profile
+    registered = client.post("/v1/templates", files={"image": files["image"]},
+                             data={"prompt": "a living room", "steps": str(STEPS)}).json()
+    assert registered["id"] != template_id  # the fixture's template: the same pixels, prompt and steps, no profile
+    assert Image.open(io.BytesIO(client.get(f"/v1/templates/{registered['id']}/image").content)
+                      ).info.get("icc_profile") == profile
+    client.delete(f"/v1/templates/{registered['id']}")
+
+
 def test_templates_list_delete_and_metrics(client, template_id):
     other = client.post("/v1/templates", files={"image": ("t.png", png(Image.new("RGB", (32, 32), "blue")), "image/png")},
                         data={"steps": str(STEPS)}).json()

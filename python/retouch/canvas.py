@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from retouch.images import colour_profile
 from retouch.masks import token_mask
 
 
@@ -93,7 +94,7 @@ def paste_alpha(edited: Image.Image, alpha: Image.Image | None, mask: Image.Imag
         return edited
     if not (alpha.size == edited.size == mask.size):
         raise ValueError(f"alpha {alpha.size}, edit {edited.size} and mask {mask.size} must have one size")
-    answer = edited.convert("RGB")
+    answer = edited.convert("RGB")  # its info (the colour profile) goes along
     answer.putalpha(Image.fromarray(_blend(np.asarray(alpha), 255, np.asarray(mask)), mode="L"))
     return answer
 
@@ -101,12 +102,17 @@ def paste_alpha(edited: Image.Image, alpha: Image.Image | None, mask: Image.Imag
 def paste_unmasked(template: Image.Image, edited: Image.Image, mask: Image.Image) -> Image.Image:
     """`edited` where `mask` is white, `template` where it is black, blended in between; all three at
     the user's size (mask "L" as `retouch.images.as_mask` reads it). Where the mask is 0 the result is
-    the template's pixel exactly."""
+    the template's pixel exactly, and the result carries the template's colour profile, so those pixels
+    also look the same (`retouch.images.colour_profile`)."""
     if not (template.size == edited.size == mask.size):
         raise ValueError(f"template {template.size}, edit {edited.size} and mask {mask.size} must have one size")
     blended = _blend(np.asarray(template.convert("RGB")), np.asarray(edited.convert("RGB")),
                      np.asarray(mask)[..., None])
-    return Image.fromarray(blended, mode="RGB")
+    answer = Image.fromarray(blended, mode="RGB")
+    profile = colour_profile(template)
+    if profile is not None:
+        answer.info["icc_profile"] = profile
+    return answer
 
 
 def _blend(keep, new, weight: np.ndarray) -> np.ndarray:

@@ -36,7 +36,7 @@ from retouch.cache import ActivationCache, CacheMiss, CacheStore, StoreConfig, T
 from retouch.cache.staging import CopyEngine, StagedActivations
 from retouch.canvas import Canvas, paste_unmasked
 from retouch.errors import InputError, ModelError
-from retouch.images import as_image, as_mask
+from retouch.images import as_image, as_mask, colour_profile
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
 from retouch.models import LoadedModel, load_pipeline, quiet_libraries
 from retouch.noise import initial_noise, latent_shape, latents_argument, pack_flux_latents  # noqa: F401 - API
@@ -247,6 +247,7 @@ class MaskAwareEditor:
         """The id of one-off edits' recording of `image` (RGB, as `as_image` returns it)."""
         digest = hashlib.sha256(f"one-off|{self.model.name}|{image.size}|{steps}|{guidance}|".encode())
         digest.update(image.tobytes())
+        _digest_profile(digest, image)
         return digest.hexdigest()[:16]
 
     def is_recorded(self, template_id: str) -> bool:
@@ -693,7 +694,16 @@ class MaskAwareEditor:
         digest.update(image.tobytes())
         if mask is not None:
             digest.update(b"mask|" + mask.tobytes())
+        _digest_profile(digest, image)
         return digest.hexdigest()[:16]
+
+
+def _digest_profile(digest, image: Image.Image) -> None:
+    """A template's answers carry its colour profile (`paste_unmasked`): the same pixels under another
+    profile are another template, or its edits would answer in the first one's colours."""
+    profile = colour_profile(image)
+    if profile is not None:
+        digest.update(b"icc|" + profile)
 
 
 def check_steps(steps) -> None:

@@ -72,7 +72,8 @@ from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
 from retouch.http_events import KEEPALIVE, KEEPALIVE_S, EventRelay, NativeEvents, OpenAIEvents, sse, with_image
-from retouch.images import ImageTooLarge, alpha_of, as_image, as_mask, decode_image, png_bytes
+from retouch.images import (ImageTooLarge, alpha_of, as_image, as_mask, colour_profile, decode_image, orientation_hint,
+                            png_bytes)
 from retouch.lora import MAX_PER_REQUEST, LoraChoice, LoraError, choice_header, parse_lora
 from retouch.lora.files import list_loras, lora_path
 from retouch.lora.spec import MAX_SCALE
@@ -485,24 +486,32 @@ def lora_field(form: Form, lora_dir: Path | None) -> LoraChoice:
 
 def template_id_of(image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None,
                    owner: str, alpha: Image.Image | None = None) -> str:
-    """A registered template's id: its content (transparency included), recording parameters and
+    """A registered template's id: its content (transparency and colour profile included), recording parameters and
     tenant (two tenants registering the same image never share a record). Hashes the pixels: call it
     off the loop."""
     digest = hashlib.sha256(image.tobytes())
     digest.update(f"|{owner}|{image.size}|{prompt}|{steps}|{seed}|{guidance}".encode())
+    _digest_extras(digest, image, alpha)
+    return "tpl-" + digest.hexdigest()[:24]
+
+
+def _digest_extras(digest, image: Image.Image, alpha: Image.Image | None) -> None:
+    """What an answer carries besides the RGB pixels: the transparency and the colour profile (the same
+    pixels in Display P3 and in sRGB are two pictures)."""
     if alpha is not None:
         digest.update(b"|alpha|" + alpha.tobytes())
-    return "tpl-" + digest.hexdigest()[:24]
+    profile = colour_profile(image)
+    if profile is not None:
+        digest.update(b"|icc|" + profile)
 
 
 def one_off_id_of(image: Image.Image, steps: int, guidance: float | None, owner: str,
                   alpha: Image.Image | None = None) -> str:
-    """A one-off image's template: its content (transparency included), schedule and tenant, not the
+    """A one-off image's template: its content (transparency, colour profile), schedule and tenant, not the
     prompt, seed or mask of the request that first sent it. Hashes the pixels: call it off the loop."""
     digest = hashlib.sha256(image.tobytes())
     digest.update(f"|{owner}|{image.size}|{steps}|{guidance}".encode())
-    if alpha is not None:
-        digest.update(b"|alpha|" + alpha.tobytes())
+    _digest_extras(digest, image, alpha)
     return "img-" + digest.hexdigest()[:24]
 
 
@@ -569,6 +578,10 @@ def reencoded(png: bytes, size: tuple[int, int] | None, output_format: str, comp
     out = io.BytesIO()
     lossless = output_format == "webp" and compression == 100
     options = {"lossless": True, "exact": True} if lossless else {"quality": compression}
+    if output_format == "jpeg" and compression >= 90:  # 4:2:0 moved unmasked colour edges by tens of levels
+        options["subsampling"] = 0
+    if colour_profile(image) is not None:
+        options["icc_profile"] = colour_profile(image)
     keeps_alpha = output_format == "webp" and image.mode == "RGBA"  # a transparent template's answer
     image.convert("RGBA" if keeps_alpha else "RGB").save(out, format=OUTPUT_FORMATS[output_format], **options)
     return out.getvalue()
@@ -1327,8 +1340,8 @@ def read_mask(upload: Image.Image, alpha: bool = False) -> Image.Image:
 
 def check_mask_size(mask: Image.Image, size: tuple[int, int], what: str) -> None:
     if mask.size != tuple(size):
-        raise ApiError(422, f"mask is {mask.width}x{mask.height} but {what} is {size[0]}x{size[1]}; they must match",
-                       "mask", "mask_size")
+        raise ApiError(422, f"mask is {mask.width}x{mask.height} but {what} is {size[0]}x{size[1]}; they must match"
+                       + orientation_hint(mask.size, size), "mask", "mask_size")
 
 
 def check_aspect(target: tuple[int, int], size: tuple[int, int]) -> None:

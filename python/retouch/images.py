@@ -12,13 +12,19 @@ template there: 0 keeps the template's pixel exactly, full scale takes the edit,
     "RGBA", "LA", "PA", "P" + tRNS   luminance x alpha: the mask as it looks over black, so white
                                      strokes on a transparent background mark the region
     alpha=True (OpenAI convention)   1 - alpha: transparent = repaint; the colours are ignored
-    "I;16", "I", "F", numpy arrays,  bool as 0/1, uint8 as 0..255; other numbers by their largest
+    "F", numpy arrays,               bool as 0/1, uint8 as 0..255; other numbers by their largest
     torch tensors ([H, W]; arrays     value: <= 1 means 0..1, <= 255 means 0..255, and <= 65535
     [H, W, 1], tensors [1, H, W])     means 0..65535 (16-bit integers); negative, NaN or larger
                                      values are refused
+    PIL "I;16", "I" (16-bit PNGs)     0..65535, as their mode says (not judged by their values)
 Images: converted to RGB. Greyscale images of more than 8 bits are scaled, not clipped: "I;16" and
 "I" (16-bit PNGs, integer TIFFs) as 0..65535, "F" as 0..1 (or 0..255 when its values exceed 1);
-negative, NaN or larger values are refused.
+negative, NaN or larger values are refused. An RGB colour profile (ICC: a phone's Display P3) stays
+with the image and every answer made from it (`colour_profile`), so the pixels an edit keeps look as
+they did; a grey or CMYK profile does not describe the RGB image and is dropped.
+Files: the formats of READ_FORMATS only (an upload never reaches Pillow's other decoders, Ghostscript's
+for EPS among them); one frame (an animated image or a multi-page TIFF is refused, not cut to its
+first frame; a phone's MPO JPEG is its primary picture).
 EXIF orientation is applied to images and masks alike before anything else, so a photo and the mask
 drawn over it as displayed line up.
 """
@@ -26,16 +32,25 @@ drawn over it as displayed line up.
 from __future__ import annotations
 
 import io
+import warnings
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError, features
 
 from retouch.errors import InputError
 from retouch.paths import check_writable
 
 # Larger inputs are refused rather than decoded: a decompression bomb must not take the process down.
 MAX_PIXELS = 8192 * 8192
+# What uploads may be (Pillow's names; its JPEG reader also opens phones' MPO JPEGs). Image.open looks
+# formats up among the plugins loaded, which are only the commonest until init().
+Image.init()
+READ_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "TIFF", "GIF") + (("AVIF",) if features.check("avif") else ())
+FORMAT_NAMES = "PNG, JPEG, WebP, BMP, TIFF, GIF" + (", AVIF" if "AVIF" in READ_FORMATS else "")
+# A photo's damaged EXIF block is no reason to refuse it (its orientation is then not applied), nor to
+# print Pillow's two-line warning into every log.
+warnings.filterwarnings("ignore", message="Corrupt EXIF data", category=UserWarning)
 
 
 class ImageTooLarge(InputError):
@@ -54,16 +69,19 @@ def decode_image(data: bytes, what: str, max_pixels: int | None = None) -> Image
     any pixel is decoded, so a small file that claims to be huge (a decompression bomb) costs nothing."""
     max_pixels = MAX_PIXELS if max_pixels is None else max_pixels
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data), formats=READ_FORMATS) as img:
             if img.width * img.height > max_pixels:
                 raise ImageTooLarge(f"{what} is {img.width}x{img.height}, over the limit of {max_pixels} pixels")
+            frames = getattr(img, "n_frames", 1)
+            if frames > 1 and img.format != "MPO":  # MPO: a phone photo's extra frames are depth maps, previews
+                raise InputError(f"{what} has {frames} frames (an animation or a multi-page file); send one "
+                                 "picture")
             img.load()
             return ImageOps.exif_transpose(img)
     except Image.DecompressionBombError:  # PIL's own, looser check fired first
         raise ImageTooLarge(f"{what} is over the limit of {max_pixels} pixels") from None
     except UnidentifiedImageError:
-        raise InputError(f"cannot read {what}: not an image in a format this server reads "
-                         "(PNG, JPEG, WebP, BMP, TIFF, GIF)") from None
+        raise InputError(f"cannot read {what}: not an image in a format retouch reads ({FORMAT_NAMES})") from None
     except (OSError, SyntaxError, ValueError) as exc:  # truncated or corrupt data
         raise InputError(f"cannot read {what}: {exc}") from None
 
@@ -97,7 +115,19 @@ def as_image(image, what: str = "image") -> Image.Image:
         raise InputError(f"{what} must be a PIL image or a uint8 array, got {type(image).__name__}")
     if image.width < 1 or image.height < 1:
         raise InputError(f"{what} is empty ({image.width}x{image.height})")
-    return _eight_bit(ImageOps.exif_transpose(image), what).convert("RGB")
+    profile = colour_profile(image)
+    rgb = _eight_bit(ImageOps.exif_transpose(image), what).convert("RGB")
+    rgb.info.pop("icc_profile", None)  # a grey or CMYK one would mislabel the RGB image
+    if profile is not None:
+        rgb.info["icc_profile"] = profile
+    return rgb
+
+
+def colour_profile(image: Image.Image) -> bytes | None:
+    """The image's ICC profile when it describes RGB (the profile's data colour space, bytes 16-20 of
+    its header, is 'RGB '): what an RGB answer made from it carries."""
+    profile = image.info.get("icc_profile")
+    return profile if isinstance(profile, bytes) and profile[16:20] == b"RGB " else None
 
 
 def _eight_bit(image: Image.Image, what: str) -> Image.Image:
@@ -135,18 +165,34 @@ def as_mask(mask, size: tuple[int, int] | None = None, *, alpha: bool = False, w
         raise InputError(f"{what} is empty ({result.width}x{result.height})")
     if size is not None and result.size != tuple(size):
         raise InputError(f"{what} is {result.width}x{result.height} but image is {size[0]}x{size[1]}; "
-                         "they must match")
+                         "they must match" + orientation_hint(result.size, size))
     return result
+
+
+def orientation_hint(mask_size: tuple[int, int], image_size: tuple[int, int]) -> str:
+    """When a mask has the image's sides swapped, the likely cause: sizes are as displayed, after EXIF
+    orientation, and the mask was drawn over the image as stored."""
+    if tuple(mask_size) == tuple(image_size)[::-1]:
+        return (" (sizes are as displayed, after EXIF orientation: a photo taken turned is stored with its "
+                "sides swapped; draw the mask over the image as it is displayed)")
+    return ""
 
 
 def _image_levels(mask: Image.Image, alpha: bool, what: str) -> np.ndarray:
     if alpha:
         if not has_alpha(mask):
-            raise InputError(f"{what} has no alpha channel (alpha 0 = repaint); send a black/white mask instead")
+            raise InputError(f"{what} has no alpha channel, and it is read by its alpha: send a PNG (or WebP) "
+                             "that is transparent (alpha 0) where to repaint")
         return 255 - np.asarray(mask.convert("RGBA").getchannel("A"))
     if mask.mode == "1" or mask.mode == "L":
         return np.asarray(mask.convert("L"))
-    if mask.mode.startswith("I") or mask.mode == "F":
+    if mask.mode.startswith("I"):  # 16-bit: its mode says its scale (by its values, 255 read as white)
+        values = np.asarray(mask, dtype=np.int64)
+        if values.size and (values.min() < 0 or values.max() > 65535):
+            raise InputError(f"{what} ({mask.mode}) has values from {values.min()} to {values.max()}; a 16-bit "
+                             "mask holds 0..65535")
+        return _at_least_one(np.rint(values * (255.0 / 65535.0)), values)
+    if mask.mode == "F":
         return _array_levels(np.asarray(mask), what)
     if has_alpha(mask):
         rgba = mask.convert("RGBA")
@@ -227,12 +273,17 @@ def png_bytes(image: Image.Image) -> bytes:
     return out.getvalue()
 
 
+# What the CLI writes answers as: formats Pillow saves an RGB (or RGBA) picture in.
+WRITE_SUFFIXES = (".png", ".webp", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".gif", ".tga", ".ppm")
+
+
 def check_output_path(path: Path) -> None:
-    """Fail before any compute if the output cannot be written: an unknown format, or a folder that
-    cannot be made or written to (made now if missing)."""
+    """Fail before any compute if the output cannot be written: a format not in WRITE_SUFFIXES, or a
+    folder that cannot be made or written to (made now if missing)."""
     path = Path(path)
-    if path.suffix.lower() not in Image.registered_extensions():
-        raise InputError(f"cannot write {path}: unknown image format {path.suffix!r} (use .png or .jpg)")
+    if path.suffix.lower() not in WRITE_SUFFIXES:
+        raise InputError(f"cannot write {path}: {path.suffix or 'no suffix'!r} is not an image format retouch "
+                         f"writes ({', '.join(WRITE_SUFFIXES)})")
     check_writable(path)
 
 
@@ -260,13 +311,20 @@ def alpha_output_note(path: Path) -> str | None:
 
 
 def save_image(image: Image.Image, path: Path) -> Path:
+    """Write an answer by its suffix, with its colour profile: WebP lossless, JPEG at quality 95 without
+    chroma subsampling (Pillow's default 75 at 4:2:0 moved unmasked colour edges by tens of levels)."""
     path = Path(path)
     if image.mode == "RGBA" and path.suffix.lower() not in ALPHA_SUFFIXES:
         image = image.convert("RGB")  # the caller said so (`alpha_output_note`)
+    options = {"icc_profile": colour_profile(image)} if colour_profile(image) else {}
+    suffix = path.suffix.lower()
+    if suffix == ".webp":  # exact: libwebp otherwise rewrites the colour under alpha 0, which paste-back keeps
+        options.update(lossless=True, exact=True)
+    elif suffix in (".jpg", ".jpeg"):
+        options.update(quality=95, subsampling=0)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # exact: libwebp otherwise rewrites the colour under alpha 0, which the paste-back promise keeps
-        image.save(path, **({"lossless": True, "exact": True} if path.suffix.lower() == ".webp" else {}))
+        image.save(path, **options)
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc}") from None
     return path
