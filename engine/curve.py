@@ -13,6 +13,7 @@ handed over in their environment (readable only by the same user) and allowed fo
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from retouch.errors import InputError
+
+logger = logging.getLogger("retouch.curve")
 
 # The keys of a worker the server starts itself (z85 text), passed in its environment.
 SECRET_ENV, PUBLIC_ENV, SERVER_ENV = "RETOUCH_CURVE_SECRET", "RETOUCH_CURVE_PUBLIC", "RETOUCH_CURVE_SERVER"
@@ -85,6 +88,7 @@ class AllowedKeys:
     keys: set[bytes] = field(default_factory=set)
     refused: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _logged: set[bytes] = field(default_factory=set)  # refused keys already logged
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike) -> AllowedKeys:
@@ -104,6 +108,12 @@ class AllowedKeys:
         with self._lock:
             allowed = key in self.keys
             self.refused += not allowed
+            first = not allowed and key not in self._logged
+            if first:
+                self._logged.add(key)
+        if first:  # once per key: a refused worker keeps trying every second
+            logger.warning("refused a worker whose CURVE public key %s is not in --curve-allowed",
+                           key.decode("ascii", "replace"))
         return allowed
 
 

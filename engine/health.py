@@ -62,11 +62,14 @@ class HealthServer:
                     self._answer(404, "application/json", b'{"error": "not found"}')
 
             def _answer(self, status: int, content_type: str, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", content_type)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):  # a probe that timed out and left: not news
+                    pass
 
             def log_message(self, *args):  # probes every few seconds are not news
                 pass

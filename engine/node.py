@@ -20,10 +20,17 @@ It says hello (its batch size, the templates it holds), then answers the router'
               ready before the answer
     cancel    drop an edit whose client is gone: it leaves the batch at the next step
     drop      forget a template (a recording of it in progress stops at the next step)
-    stop      finish every accepted edit, say bye and exit
+    stop      finish every accepted edit, say bye and exit (sent to a supervised worker only: a worker
+              started on its own outlives the server and joins it again when it is back)
+    closing   the server is shutting down: wait for it (or its successor) and say hello again
+    refused   the router will not take this worker (another model): say why and exit with status 2
     rejoin    the router removed it (it fell silent, e.g. a network cut) and hears it again: hello again
+    alive     the answer to each heartbeat: a router silent for its `dead_after_s` is presumed gone
+              (restarted): the worker is not ready until a router welcomes it again
 and heartbeats its running batch (each request's steps left), queue and metrics (its template cache
-under "cache", its LoRA cache and loader under "lora") every `heartbeat_s`.
+under "cache", its LoRA cache and loader under "lora") every `heartbeat_s`. Sends never block: a
+router that cannot be reached (down, or refusing the CURVE key) leaves the node's loop running, so it
+keeps saying so and stops on SIGTERM; heartbeats that cannot go out are dropped, other messages wait.
 
 The main thread owns the socket. Answers produced on other threads (the engine's futures and its
 progress callbacks) are queued and the main thread is woken through an inproc socket.
@@ -32,6 +39,8 @@ progress callbacks) are queued and the main thread is woken through an inproc so
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 import os
 import queue
 import signal
@@ -39,6 +48,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 
 import torch
@@ -56,7 +66,7 @@ from retouch.engine.wakeup import Wakeup
 from retouch.engine.worker import EditResult, EngineConfig, StepWatch
 from retouch.config import WorkerOptions, add_arguments, from_arguments, resolve_device
 from retouch.errors import InputError
-from retouch.log_limits import cap_log_messages
+from retouch.log_limits import setup_logging
 from retouch.lora import parse_lora
 from retouch.images import decode_image, png_bytes
 
@@ -66,6 +76,7 @@ def status_of(exc: BaseException) -> int:
     return 422 if isinstance(exc, InputError) else 500
 
 
+logger = logging.getLogger("retouch.node")
 # A worker started by hand that no router answers says so after this long, then again at this interval.
 JOIN_NOTE_S = 5.0
 JOIN_NOTE_REPEAT_S = 30.0
@@ -81,11 +92,15 @@ class Node:
         self.heartbeat_s = heartbeat_s
         self.supervised = supervised
         self.welcomed = threading.Event()  # the router took it in (readiness)
+        self.refused: str | None = None  # why the router would not take it in
         self._stop_requested = threading.Event()
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, f"{name}:{os.getpid()}".encode())
         self.socket.setsockopt(zmq.LINGER, 2000)
+        # Nothing is queued for a link that is not up (CURVE handshake done): a router that went away does
+        # not get minutes of stale heartbeats when it is back, and sends fail at once (_flush) instead.
+        self.socket.setsockopt(zmq.IMMEDIATE, 1)
         # ZeroMQ's own heartbeats notice a dead TCP link (a cut cable sends no FIN) and reconnect.
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
@@ -94,7 +109,11 @@ class Node:
         self.socket.connect(router_address)
         self._wakeup = Wakeup(self.context)
         self._lock = threading.Lock()
-        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()  # (kind, frames), from any thread
+        self._unsent: deque[tuple[str, list]] = deque()  # what the socket would not take yet, in order
+        self.dead_after_s = 5.0  # the router's, told in its welcome
+        self._last_heard = time.monotonic()  # the router's last message
+        self._hello_at = -math.inf
         self.templates: dict[str, str] = {}  # router template id -> the editor's (recorded)
         self.registrations: dict[str, tuple[str, Future]] = {}  # router template id -> (editor's, recording)
         self.requests: dict[Future, int] = {}  # engine future -> router request id
@@ -126,9 +145,14 @@ class Node:
                 self._post(self._heartbeat())
                 self._flush()
                 next_heartbeat = time.monotonic() + self.heartbeat_s
+            if self.welcomed.is_set() and time.monotonic() - self._last_heard > self.dead_after_s:
+                self._router_lost(f"no word from the router at {self.router_address} for "
+                                  f"{time.monotonic() - self._last_heard:.0f} s")
             if self.welcomed.is_set():  # the note counts from the last time the router stopped answering
                 next_join_note = time.monotonic() + JOIN_NOTE_S
-            elif not self.supervised and time.monotonic() >= next_join_note:
+            elif time.monotonic() - self._hello_at > self.heartbeat_s:  # hello again until it is heard
+                self._hello()
+            if not self.welcomed.is_set() and not self.supervised and time.monotonic() >= next_join_note:
                 print(f"{self.name}: no router has answered at {self.router_address} yet (is `retouch serve "
                       "--worker-listen` there, with matching CURVE keys?); still trying", file=sys.stderr, flush=True)
                 next_join_note = time.monotonic() + JOIN_NOTE_REPEAT_S
@@ -137,7 +161,7 @@ class Node:
         self.engine.close()  # finishes every accepted edit; their answers are queued
         self._post({"kind": "bye"})
         self._flush()
-        self.socket.close()
+        self.socket.close(linger=0 if self._unsent else None)  # a router that is gone is not waited for
         self._wakeup.close()
         self.context.term()
 
@@ -148,14 +172,24 @@ class Node:
             kind = header["kind"]
         except (wire.WireError, KeyError):
             return False
+        self._last_heard = time.monotonic()
         if kind == "welcome":
             self.heartbeat_s = float(header["heartbeat_s"])
+            self.dead_after_s = float(header.get("dead_after_s", self.dead_after_s))
             if not self.supervised and not self.welcomed.is_set():
                 print(f"{self.name}: joined the router at {self.router_address}", file=sys.stderr, flush=True)
             self.welcomed.set()
-        elif kind == "rejoin":
+        elif kind == "refused":
+            self.refused = str(header.get("reason", "refused"))
+            print(f"{self.name}: the router at {self.router_address} refused this worker: {self.refused}",
+                  file=sys.stderr, flush=True)
+            return True
+        elif kind == "closing":
+            self._router_lost(f"the router at {self.router_address} is shutting down")
+        elif kind == "rejoin":  # one hello per episode: a burst of rejoins (stale heartbeats) is one
             self.welcomed.clear()
-            self._hello()
+            if time.monotonic() - self._hello_at > self.heartbeat_s:
+                self._hello()
         elif kind == "edit":
             self._edit(header, blobs)
         elif kind == "cancel":
@@ -175,11 +209,23 @@ class Node:
         `Wakeup.wake`, whose lock it would then wait for forever."""
         self._stop_requested.set()
 
+    def _router_lost(self, why: str) -> None:
+        """Not ready until a router welcomes it again (its edits were, or will be, moved elsewhere)."""
+        if self.welcomed.is_set():
+            self.welcomed.clear()
+            print(f"{self.name}: {why}; joining again when it answers", file=sys.stderr, flush=True)
+            self._hello()
+
     def _hello(self) -> None:
+        """Who it is: the router refuses another model, and tells apart other weights or dtypes."""
         with self._lock:
             templates = list(self.templates)
+        editor = self.engine.editor
+        self._hello_at = time.monotonic()
         self._post({"kind": "hello", "max_batch": self.engine.config.max_batch, "pid": os.getpid(),
-                    "model": self.engine.model_name, "templates": templates})
+                    "model": self.engine.model_name, "dtype": str(editor.dtype).removeprefix("torch."),
+                    "weights": editor.model_fingerprint(), "supervised": self.supervised,
+                    "lora": self.engine.worker.loras.lora_dir is not None, "templates": templates})
 
     def _edit(self, header: dict, blobs: dict) -> None:
         request_id, router_template = header["request"], header["template"]
@@ -208,7 +254,8 @@ class Node:
         with self._lock:
             self.requests[future] = request_id
             self.futures[request_id] = future
-        future.add_done_callback(lambda f: self._answer(f, router_template))
+        trace = str(header.get("trace") or request_id)
+        future.add_done_callback(lambda f: self._answer(f, router_template, trace))
 
     def _watch(self, request_id: int, preview_every: int) -> StepWatch:
         """The router hears of every step of an edit (its clients may be streaming its progress) and
@@ -241,20 +288,27 @@ class Node:
 
     # ---- other threads ----
 
-    def _answer(self, future: Future, router_template: str) -> None:
+    def _answer(self, future: Future, router_template: str, trace: str) -> None:
+        """Tell the router how an edit ended, and log it under the client's request id (`trace`)."""
         with self._lock:
             request_id = self.requests.pop(future)
             self.futures.pop(request_id, None)
         if future.cancelled():  # the router answered it when it cancelled; this closes the books
+            logger.info("edit %s of %s cancelled", trace, router_template)
             self._post({"kind": "result", "request": request_id, "status": 409, "error": "Cancelled",
                         "message": "the edit was cancelled"})
             return
         exc = future.exception()
         if exc is not None:
+            logger.warning("edit %s of %s failed (%d): %s", trace, router_template, status_of(exc), exc)
             self._post({"kind": "result", "request": request_id, "status": status_of(exc),
                         "error": type(exc).__name__, "message": str(exc)})
             return
         result: EditResult = future.result()
+        metrics = result.metrics
+        logger.info("edit %s of %s done: %d steps, %d/%d tokens computed, queued %.3fs, ran %.3fs", trace,
+                    router_template, metrics.steps, metrics.computed_tokens, metrics.tokens, metrics.queue_s,
+                    metrics.inference_s)
         if result.recorded is not None:  # a one-off's first edit recorded its image: later edits come here
             with self._lock:
                 self.templates[router_template] = result.recorded
@@ -304,23 +358,32 @@ class Node:
             self.engine.drop_template(editor_template, wait=False)
 
     def _post(self, header: dict, blobs: dict | None = None) -> None:
-        self._outgoing.put(wire.encode({**header, "worker": self.name}, blobs=blobs))
+        self._outgoing.put((header["kind"], wire.encode({**header, "worker": self.name}, blobs=blobs)))
         self._wakeup.wake()
 
     def _flush(self) -> None:
+        """Send what is queued, in order, without blocking: what the socket will not take now (no router
+        connected) waits for the next flush; heartbeats and hellos are dropped instead (newer ones follow)."""
         while True:
             try:
-                frames = self._outgoing.get_nowait()
+                self._unsent.append(self._outgoing.get_nowait())
             except queue.Empty:
+                break
+        while self._unsent:
+            kind, frames = self._unsent[0]
+            try:
+                self.socket.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:  # heartbeats and hellos go out again anyway, newer
+                self._unsent = deque(m for m in self._unsent if m[0] not in ("heartbeat", "hello"))
                 return
-            self.socket.send_multipart(frames)
+            self._unsent.popleft()
 
 
 def run_worker(opts: WorkerOptions) -> None:
     """Load the model, join the router, run the step loop until told to stop."""
     if opts.supervised:
         die_with_parent()  # the server is gone: so is this worker (and, with it, its helpers)
-    cap_log_messages()
+    setup_logging(opts.log_level)
     # Ctrl-C reaches the whole process group; a supervised worker is drained and stopped by the
     # server, one on its own by the signal handler below.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -359,6 +422,8 @@ def run_worker(opts: WorkerOptions) -> None:
     thread.join()
     if health is not None:
         health.close()
+    if node.refused is not None:  # a configuration error: exit status 2, the reason in one line
+        raise InputError(f"the router refused this worker: {node.refused}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,10 @@ supervisor saw exit, is removed; every request it held is routed again. An answe
 the worker the request is assigned to at that moment, so a request is answered exactly once even if
 a worker presumed dead speaks again. A worker removed while still alive (a network cut that healed)
 is told to join again; its hello lists the templates it still holds, which need no new recording.
+A hello says the worker's model, dtype and weights digest: another model (`RouterConfig.model`) is
+refused ("refused", the worker exits); other weights join with a warning (`on_worker`). Each heartbeat
+is answered ("alive"), so a worker notices a head that crashed. Closing tells the workers the server
+started ("supervised") to stop, and the others that it is closing: they outlive it and join the next.
 
 Deadlines (SLOs): an edit's `RequestLoad.deadline` is on this router's clock (time.monotonic());
 each worker is sent what is left of it (`budget_s`: clocks differ across hosts) and orders its queue
@@ -50,6 +54,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -71,6 +76,12 @@ if TYPE_CHECKING:
     from retouch.engine.registry import TemplateRegistry
 
 logger = logging.getLogger("retouch.router")
+
+
+def model_label(model: str) -> str:
+    """How workers and the server name a model: a built-in's name, a pipeline folder's name (each host
+    may mount it elsewhere)."""
+    return Path(model).name or model
 
 
 class QueueFull(RuntimeError):
@@ -144,6 +155,7 @@ class EditTask:
     load: RequestLoad
     preview_every: int = 0  # a preview PNG of its latents every that many steps (0: none)
     lora: LoraChoice = ()  # its LoRA adapters (checked against the LoRA folder at the frontend); () for none
+    trace: str = ""  # the client's X-Request-Id (#i for the i-th of n images): the worker logs it with the edit
 
 
 @dataclass(frozen=True)
@@ -223,6 +235,7 @@ class WorkerState:
     assigned: set[int] = field(default_factory=set)
     report: dict = field(default_factory=dict)  # its last heartbeat's metrics
     loras: frozenset[str] = frozenset()  # the LoRAs its last heartbeat held (`LoraManager.resident`)
+    info: dict = field(default_factory=dict)  # from its hello: model, dtype, weights (digest), supervised, lora
 
 
 @dataclass(frozen=True)
@@ -243,6 +256,9 @@ class RouterConfig:
     # cluster without workers should not hold clients for minutes. inf: wait for one (a single worker whose
     # restart reloads a large model may take longer than the default).
     no_worker_s: float = 30.0
+    # The model workers must serve (a pipeline folder by its name: hosts mount it at their own paths); a
+    # worker of another model is refused. None: any (tests with scripted workers).
+    model: str | None = None
     # Registered templates one tenant (API key) may keep; the router holds each one's image in memory (and
     # the registry on disk), so without a bound one client could grow the head without end. One-off
     # images are bounded by max_one_off instead.
@@ -311,7 +327,7 @@ class Router:
         self._on_worker = on_worker or (lambda line: None)
         self._no_worker_since: float | None = time.monotonic()  # None while a worker is connected
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
-                         "one_offs_evicted": 0, "lora_affinity": 0, "registry_failures": 0}
+                         "one_offs_evicted": 0, "lora_affinity": 0, "registry_failures": 0, "workers_mismatched": 0}
         # size class -> {"with_deadline": n, and n per SLO_OUTCOMES}
         self.slo: dict[str, dict[str, int]] = {}
         # Notified on every dispatch, answer, heartbeat and worker change.
@@ -343,8 +359,8 @@ class Router:
         with self._lock:
             for pending in list(self.pending.values()):
                 self._answer(pending, EditAnswer(None, 503, "Unavailable", "the server shut down before the edit ran"))
-            for worker in self.workers.values():
-                self._send(worker, {"kind": "stop"})
+            for worker in self.workers.values():  # a worker started on its own outlives the server
+                self._send(worker, {"kind": "closing" if worker.info.get("supervised") is False else "stop"})
         self._wake()
         if self._thread is not None:
             # The stop messages go out before the loop ends.
@@ -660,7 +676,7 @@ class Router:
             for name, worker in self.workers.items():
                 workers[name] = {"running": int(self.cluster.running[worker.slot]),
                                  "queued": int(self.cluster.queued[worker.slot]), "assigned": len(worker.assigned),
-                                 "pid": worker.pid, **worker.report}
+                                 "pid": worker.pid, "info": dict(worker.info), **worker.report}
             return {"workers": workers, "pending": len(self.pending),
                     "parked": sum(len(q) for q in self.parked.values()),
                     "templates": len(self.templates),
@@ -694,7 +710,18 @@ class Router:
                     self._fail_parked(record)
                 return
         if pending.task.lora:
-            eligible = self._lora_holders(pending.task.lora, eligible)
+            serving = np.zeros_like(eligible)
+            for worker in self.workers.values():  # one started without --lora-dir would fail it
+                serving[worker.slot] = worker.info.get("lora") is not False
+            if not (serving & self.cluster.alive).any():
+                self._answer(pending, EditAnswer(None, 503, "lora_unavailable", "no connected worker serves LoRAs "
+                                                 "(none was started with --lora-dir); retry later"))
+                return
+            if not (eligible & serving).any():  # the workers that do will hold the template: wait for them
+                self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
+                self._tell("request", pending.request_id, {"event": "parked", "steps": record.steps})
+                return
+            eligible = self._lora_holders(pending.task.lora, eligible & serving)
         load = pending.task.load
         if carries_image:
             load = replace(load, masked_tokens=load.image_tokens)
@@ -720,7 +747,7 @@ class Router:
         self._changed.notify_all()
         header = {"kind": "edit", "request": pending.request_id, "template": task.template_id,
                   "prompt": task.prompt, "seed": task.seed, "mask_size": list(task.mask_size),
-                  "preview_every": task.preview_every}
+                  "preview_every": task.preview_every, "trace": task.trace}
         if task.load.deadline is not None:  # what is left of it: the worker's clock is its own
             header["budget_s"] = task.load.deadline - time.monotonic()
         if task.lora:
@@ -908,6 +935,7 @@ class Router:
             worker.last_seen = time.monotonic()
             if kind == "heartbeat":
                 self._on_heartbeat(worker, header)
+                self._send(worker, {"kind": "alive"})  # a worker hearing nothing presumes the router gone
             elif kind == "result":
                 self._on_result(worker, header, blobs)
             elif kind == "template":
@@ -940,14 +968,31 @@ class Router:
 
     def _on_hello(self, identity: bytes, header: dict) -> None:
         name = header["worker"]
-        if name in self.workers:
+        known = self.workers.get(name)
+        if known is not None and known.identity == identity:  # the same process again (a lost welcome)
+            known.last_seen = time.monotonic()
+            self._send(known, self._welcome())
+            return
+        refusal = self._refusal(header)
+        if refusal is not None:
+            self.counters["workers_mismatched"] += 1
+            self._outgoing.append((identity, wire.encode({"kind": "refused", "reason": refusal})))
+            self._on_worker(f"warning: worker {name} refused: {refusal}")
+            return
+        if known is not None:
             self._remove_worker(name, "it said hello again (restarted)")
         slot = self.cluster.add_worker(int(header["max_batch"]))
-        worker = WorkerState(name, identity, slot, int(header.get("pid", 0)), time.monotonic())
+        info = {key: header.get(key) for key in ("model", "dtype", "weights", "supervised", "lora")}
+        worker = WorkerState(name, identity, slot, int(header.get("pid", 0)), time.monotonic(), info=info)
+        others = [other for other in self.workers.values() if other.info.get("weights") != info["weights"]]
         self.workers[name] = worker
         self._no_worker_since = None
         self._on_worker(f"worker {name} joined (pid {worker.pid}); {len(self.workers)} connected")
-        self._send(worker, {"kind": "welcome", "heartbeat_s": self.config.heartbeat_s})
+        if others and info["weights"] is not None:  # a rolling update does this for a while; say so
+            self._on_worker(f"warning: worker {name} runs other weights or dtype ({info['dtype']}) than worker "
+                            f"{others[0].name} ({others[0].info.get('dtype')}): an edit's image depends on which "
+                            "of them runs it")
+        self._send(worker, self._welcome())
         for template_id in header.get("templates", ()):  # recorded before it (re)joined: ready there
             record = self.templates.get(template_id)
             if record is not None:
@@ -958,6 +1003,16 @@ class Router:
         for record in self.templates.values():
             self._ensure_replicas(record)
         self._changed.notify_all()
+
+    def _welcome(self) -> dict:
+        return {"kind": "welcome", "heartbeat_s": self.config.heartbeat_s, "dead_after_s": self.config.dead_after_s}
+
+    def _refusal(self, header: dict) -> str | None:
+        """Why a worker saying `header` must not serve here, or None."""
+        model = header.get("model")
+        if self.config.model is not None and (model is None or model_label(model) != self.config.model):
+            return f"it serves the model {model_label(model or '?')!r}, this server {self.config.model!r}"
+        return None
 
     def _on_heartbeat(self, worker: WorkerState, header: dict) -> None:
         for request_id, steps_left in header.get("running", []):

@@ -16,15 +16,18 @@ TIMEOUT_S = 10.0
 
 
 class ScriptedWorker:
-    def __init__(self, context: zmq.Context, router: Router, name: str, max_batch: int = 4):
+    def __init__(self, context: zmq.Context, router: Router, name: str, max_batch: int = 4, welcome: str = "welcome",
+                 **hello):
+        """Joins the router (`hello`: more of what a worker says: model, dtype, weights, lora, ...) and
+        waits for its answer, `welcome` or (refused) `refused`."""
         self.name = name
         self.inbox: list[dict] = []
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, f"{name}:1".encode())
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(router.address)
-        self.send({"kind": "hello", "max_batch": max_batch, "pid": 1})
-        assert self.receive("welcome")
+        self.send({"kind": "hello", "max_batch": max_batch, "pid": 1, **hello})
+        self.answer_to_hello = self.receive(welcome)
 
     def send(self, header: dict, blobs: dict | None = None) -> None:
         self.socket.send_multipart(wire.encode({**header, "worker": self.name}, blobs=blobs))

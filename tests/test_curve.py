@@ -58,7 +58,7 @@ def hello(context: zmq.Context, address: str, keys: WorkerKeys | None, name: str
     return answer
 
 
-def test_allowed_workers_join_and_others_are_refused(tmp_path):
+def test_allowed_workers_join_and_others_are_refused(tmp_path, caplog):
     generate("router", tmp_path)
     generate("worker", tmp_path / "allowed")
     generate("intruder", tmp_path)
@@ -71,7 +71,13 @@ def test_allowed_workers_join_and_others_are_refused(tmp_path):
         allowed = WorkerKeys.from_files(tmp_path / "allowed" / "worker.key_secret", server)
         assert hello(context, router.address, allowed, "good")["kind"] == "welcome"
         intruder = WorkerKeys.from_files(tmp_path / "intruder.key_secret", server)
-        assert hello(context, router.address, intruder, "bad") is None
+        with caplog.at_level("WARNING", logger="retouch.curve"):
+            assert hello(context, router.address, intruder, "bad") is None
+            assert hello(context, router.address, intruder, "bad") is None
+        # the head says whom it refused, once per key (a refused worker retries every second)
+        intruder_key = read_public(tmp_path / "intruder.key").decode()
+        assert [r.getMessage() for r in caplog.records if intruder_key in r.getMessage()] == [
+            f"refused a worker whose CURVE public key {intruder_key} is not in --curve-allowed"]
         assert hello(context, router.address, None, "plain") is None  # no CURVE at all
         snapshot = router.snapshot()
         assert set(snapshot["workers"]) == {"good"} and snapshot["counters"]["workers_refused"] >= 1

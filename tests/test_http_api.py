@@ -96,6 +96,27 @@ async def openai_edit_of_a_held_template(fields: dict, max_queue: int = RouterCo
         context.destroy(linger=0)
 
 
+async def traced_edit() -> dict:
+    async with openai_edit_of_a_held_template({"n": "2"}) as (router, worker, answer):
+        edits = [await asyncio.to_thread(worker.receive, "edit") for _ in range(2)]
+        for edit in edits:
+            worker.answer(edit["request"], png(Image.new("RGB", (32, 32), "blue")))
+        return {"answer": await answer, "traces": sorted(edit["trace"] for edit in edits)}
+
+
+def test_an_edit_is_traced_by_its_request_id_from_the_access_log_to_its_worker(caplog):
+    """The head logs one line per answer with the request id, the template and the workers that ran it;
+    each worker is told the id (#i for the i-th of n images) and logs its edit under it."""
+    with caplog.at_level("INFO", logger="retouch.access"):
+        outcome = asyncio.run(traced_edit())
+    request_id = outcome["answer"].headers["X-Request-Id"]
+    assert outcome["answer"].status_code == 200 and outcome["traces"] == [f"{request_id}#0", f"{request_id}#1"]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "retouch.access" and "/v1/images/edits" in
+              r.getMessage()]
+    assert line.startswith("POST /v1/images/edits 200 ") and f"id={request_id} template=tpl-" in line
+    assert line.endswith(" workers=w0")
+
+
 async def n_images(max_queue: int, fail_one: bool) -> dict:
     """POST /v1/images/edits with n=3 of a template a scripted worker holds; `fail_one`: the worker
     answers the first of the three with a 500 and never the others."""

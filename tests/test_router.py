@@ -437,3 +437,36 @@ def test_lora_affinity_needs_a_free_slot_and_ends_when_the_adapter_goes(context,
     assert router.snapshot()["counters"]["lora_affinity"] == 0
     with pytest.raises(ValueError, match="lora_affinity"):
         RouterConfig(lora_affinity=-1)
+
+
+def test_a_worker_of_another_model_is_refused_and_other_weights_are_told(context, make_router):
+    lines = []
+    router = make_router(model="tiny-flux-fill", on_worker=lines.append)
+    w0 = ScriptedWorker(context, router, "w0", model="tiny-flux-fill", dtype="float32", weights="aaa")
+    refused = ScriptedWorker(context, router, "w1", welcome="refused", model="/models/tiny-sd3-inpaint")
+    assert "it serves the model 'tiny-sd3-inpaint', this server 'tiny-flux-fill'" in refused.answer_to_hello["reason"]
+    ScriptedWorker(context, router, "w2", model="/mnt/x/tiny-flux-fill", dtype="bfloat16", weights="bbb")
+    assert set(router.workers) == {"w0", "w2"}  # a folder is its name: hosts mount it where they like
+    assert router.snapshot()["counters"]["workers_mismatched"] == 1
+    assert any(line.startswith("warning: worker w1 refused") for line in lines)
+    assert any(line.startswith("warning: worker w2 runs other weights or dtype (bfloat16) than worker w0")
+               for line in lines)
+    assert router.snapshot()["workers"]["w2"]["info"]["weights"] == "bbb"
+    # the same process saying hello again (its welcome lost) is welcomed, not removed and added
+    w0.send({"kind": "hello", "max_batch": 4, "pid": 1, "model": "tiny-flux-fill", "weights": "aaa"})
+    assert w0.receive("welcome") and router.snapshot()["counters"]["workers_removed"] == 0
+
+
+def test_an_edit_with_a_lora_goes_only_to_workers_that_serve_loras(context, make_router):
+    router = make_router()
+    plain = ScriptedWorker(context, router, "plain", lora=False)
+    router.register_template(template("t1"))
+    plain.register("t1")
+    lora = parse_lora("style")
+    assert router.submit(task("t1", lora)).result(TIMEOUT_S).status == 503  # nobody could run it
+    serving = ScriptedWorker(context, router, "serving", lora=True)
+    answer = router.submit(task("t1", lora))  # parked until the worker that serves LoRAs holds the template
+    serving.register("t1")
+    edit = serving.receive("edit")
+    serving.answer(edit["request"])
+    assert answer.result(TIMEOUT_S).status == 200 and "edit" not in plain.pending_kinds()

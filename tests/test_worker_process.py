@@ -16,7 +16,11 @@ import httpx
 from polling import lines_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from retouch.engine.router import Router, RouterConfig
+from PIL import Image
+
+from retouch.engine.policies import RequestLoad
+from retouch.engine.router import EditTask, Router, RouterConfig, TemplateRecord
+from retouch.images import png_bytes
 
 TIMEOUT_S = 120.0
 
@@ -60,12 +64,21 @@ def test_a_standalone_worker_reports_health_and_leaves_cleanly_on_sigterm(tmp_pa
         assert families["retouch_worker_queued"].samples[0].value == 0
         assert families["retouch_worker_cache_adoptions"].samples[0].value == 0
         assert "retouch_worker_lora_budget_bytes" in families
+        # an edit, logged by the worker under the client's request id (the head's access log carries it too)
+        router.register_template(TemplateRecord("tpl-traced", png_bytes(Image.new("RGB", (32, 32), "red")),
+                                                (32, 32), "a room", 2, 0, None, replicas=0))
+        mask = Image.new("L", (32, 32), 0)
+        mask.paste(255, (0, 0, 16, 16))
+        task = EditTask("tpl-traced", mask.tobytes(), (32, 32), "a hat", 1,
+                        RequestLoad(image_tokens=4, masked_tokens=1, steps=2), trace="trace-7")
+        assert router.submit(task).result(TIMEOUT_S).status == 200
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=TIMEOUT_S) == 0
         log.close()
         said = (tmp_path / "worker.log").read_text()
         assert f"solo: connecting to {router.address}" in said
         assert f"solo: joined the router at {router.address}" in said
+        assert "INFO retouch.node: edit trace-7 of tpl-traced done: 2 steps" in said
         assert "no router has answered" not in said
         assert router.wait_until(lambda r: "solo" not in r.workers, 10)  # its bye, not the 60 s silence
         assert router.snapshot()["counters"]["workers_removed"] == 1
@@ -98,3 +111,78 @@ def test_a_worker_no_router_answers_says_so_and_a_bad_address_is_refused():
         refused = subprocess.run([sys.executable, "-m", "retouch.cli", "worker", "--connect", address, "--model",
                                   "tiny-flux-fill"], capture_output=True, text=True, timeout=TIMEOUT_S)
         assert refused.returncode == 2 and "--connect must be tcp://HOST:PORT" in refused.stderr, refused.stderr
+
+
+def worker_command(address: str, model: str, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "retouch.cli", "worker", "--connect", address, "--model", model, "--mode", "naive",
+            "--threads", "1", "--name", name, *extra]
+
+
+def test_a_worker_outlives_its_server_joins_the_next_once_and_another_model_is_refused(tmp_path):
+    """A head restart (a new image, a crash) must not take the GPU fleet down with it: the head tells a
+    worker started on its own that it is closing, the worker stays up and joins the head that follows on
+    the same address, once (stale heartbeats once made it leave and join hundreds of times). A worker
+    of another model is refused by name and exits with status 2, rather than serving other images."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    config = RouterConfig(address=address, policy="least-requests", heartbeat_s=0.2, dead_after_s=2.0,
+                          model="tiny-flux-fill")
+    first = Router(config).start()
+    worker = subprocess.Popen(worker_command(address, "tiny-flux-fill", "solo"),
+                              stderr=(log := open(tmp_path / "worker.log", "w")))
+    second = None
+    try:
+        assert first.wait_until(lambda r: "solo" in r.workers, TIMEOUT_S), "the worker never joined"
+        assert first.snapshot()["workers"]["solo"]["info"]["model"] == "tiny-flux-fill"
+        first.close(drain_s=0)
+        second = Router(config).start()
+        assert second.wait_until(lambda r: "solo" in r.workers, TIMEOUT_S), "the worker did not join the next head"
+        # a few heartbeats later it is still there, never removed and joined again
+        assert not second.wait_until(lambda r: r.snapshot()["counters"]["workers_removed"] > 0, 2.0)
+        assert worker.poll() is None and "solo" in second.workers
+        other = subprocess.run(worker_command(address, "tiny-sd3-inpaint", "other"), capture_output=True,
+                               text=True, timeout=TIMEOUT_S)
+        assert other.returncode == 2, other.stderr
+        assert "it serves the model 'tiny-sd3-inpaint', this server 'tiny-flux-fill'" in other.stderr
+        assert "Traceback" not in other.stderr and set(second.workers) == {"solo"}
+        assert second.snapshot()["counters"]["workers_mismatched"] == 1
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=TIMEOUT_S) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        log.close()
+        for router in (first, second):
+            if router is not None:
+                router.close(drain_s=0)
+    said = (tmp_path / "worker.log").read_text()
+    assert f"solo: the router at {address} is shutting down; joining again when it answers" in said
+    assert said.count(f"solo: joined the router at {address}") == 2
+
+
+def test_a_worker_the_router_refuses_by_its_curve_key_says_so_and_stops_on_sigterm(tmp_path):
+    """The router drops a worker whose key it does not allow: the worker's sends once blocked forever,
+    so it never said it was not joining and ignored SIGTERM."""
+    from retouch.engine.curve import AllowedKeys, RouterSecurity, generate
+
+    generate("router", tmp_path)
+    generate("worker", tmp_path / "allowed")
+    generate("rogue", tmp_path)
+    security = RouterSecurity(tmp_path / "router.key_secret", AllowedKeys.from_dir(tmp_path / "allowed"))
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", dead_after_s=60),
+                    security=security).start()
+    worker = subprocess.Popen(worker_command(router.address, "tiny-flux-fill", "rogue", "--curve-secret",
+                                             str(tmp_path / "rogue.key_secret"), "--curve-server",
+                                             str(tmp_path / "router.key")), stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(TIMEOUT_S, worker.kill)
+    watchdog.start()
+    try:
+        said = lines_until(worker.stderr, "no router has answered")
+        assert said and "matching CURVE keys?" in said[-1], said
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0
+        assert router.snapshot()["counters"]["workers_refused"] >= 1 and not router.workers
+    finally:
+        watchdog.cancel()
+        if worker.poll() is None:
+            worker.kill()
+        router.close(drain_s=0)

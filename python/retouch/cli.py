@@ -211,8 +211,10 @@ def cmd_serve(args) -> int:
 
     if not Path(opts.model).is_dir():
         get_spec(opts.model)  # an unknown model is one error here, not one in every worker
+    from retouch.log_limits import setup_logging
     from retouch.server import Server
 
+    setup_logging(opts.log_level)
     Server(opts).start().serve_forever()
     return 0
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from retouch.engine.policies import POLICIES
 from retouch.errors import InputError, RetouchError
 from retouch.paths import check_writable_folder
+from retouch.log_limits import LOG_LEVELS
 from retouch.lora import LoraChoice, LoraError, parse_lora
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -271,6 +272,8 @@ class ServeOptions:
     max_work: int = option(4096 * 4096 * 28, help="most work one request may ask for, in pixel-steps (width x "
                            "height x steps x n); beyond it: 413")
     max_queue: int = option(256, help="edits accepted and not yet answered; beyond it: 429 with Retry-After")
+    log_level: str = option("info", help="the least severe log lines written (info: one per HTTP answer, and "
+                            "the workers' one per edit)", choices=LOG_LEVELS)
     max_templates_per_tenant: int = option(1000, help="registered templates each API key may keep (the head holds "
                                            "their images in memory); beyond it: 409 template_limit")
     api_keys_file: Path | None = option(None, help="file of API keys, one per line: /v1 needs `Authorization: Bearer "
@@ -392,6 +395,8 @@ class WorkerOptions:
     health_host: str = option("0.0.0.0", help="address of the health port")
     run_dir: Path | None = option(None, help="folder for the helpers' sockets (default: a new temporary folder)")
     supervised: bool = option(False, help="started by `retouch serve` on this host: exit when it does")
+    log_level: str = option("info", help="the least severe log lines written (info: one per edit)",
+                            choices=LOG_LEVELS)
     cache_host_gib: float = option(4.0, help=CACHE_HOST_HELP.format(whose="this worker's"))
     cache_disk_dir: Path | None = option(None, help=CACHE_DISK_HELP.format(whose="this worker's"))
     cache_disk_gib: float = option(64.0, help=CACHE_DISK_GIB_HELP.format(whose="this worker's"))

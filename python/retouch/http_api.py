@@ -86,6 +86,8 @@ TOKEN_STRIDE = FLUX_STRIDE  # the policies' token grid: 16 px per token (Flux/SD
 DEFAULT_MAX_WORK = 4096 * 4096 * 28
 DISCONNECT_POLL_S = 0.25  # how often a waiting edit checks whether its client is still there
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+access_log = logging.getLogger("retouch.access")
+QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # asked every few seconds: not news
 # PNG bytes base64-encoded per step of a streamed answer: a multiple of 3 (chunks concatenate), and
 # ~1 ms of encoding, so no step holds the GIL long.
 B64_CHUNK = 3 << 18
@@ -182,6 +184,7 @@ class CountAnswers:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = None
+        started = time.perf_counter()
 
         async def counted(message):
             nonlocal status
@@ -206,6 +209,17 @@ class CountAnswers:
         finally:
             if status is not None:
                 self.metrics.count(scope["path"], status)
+                log_answer(scope, status, time.perf_counter() - started)
+
+
+def log_answer(scope, status: int, seconds: float) -> None:
+    """The access log: one line per answer (probes and scrapes only at debug level), with the request id
+    to trace it by and, for an edit, its template and the workers that ran it."""
+    state = scope.get("state", {})
+    details = "".join(f" {name}={state[name]}" for name in ("template", "workers") if state.get(name))
+    level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
+    access_log.log(level, "%s %s %d %.3fs id=%s%s", scope["method"], scope["path"], status, seconds,
+                   answer_request_id(scope), details)
 
 
 def answer_request_id(scope) -> str:
@@ -925,8 +939,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         the request's X-Request-Id until the caller pops them. (ids, futures)."""
         mask_bytes, load = payload
         load = replace(load, deadline=getattr(request.state, "deadline", None))
-        tasks = [EditTask(template_id, mask_bytes, mask.size, prompt, seed + i, load, preview_every, lora)
-                 for i in range(n)]
+        trace = request.state.request_id
+        tasks = [EditTask(template_id, mask_bytes, mask.size, prompt, seed + i, load, preview_every, lora,
+                          trace=trace if n == 1 else f"{trace}#{i}") for i in range(n)]
+        request.state.template = template_id
         try:
             ids, futures = router.submit_many(tasks, one_off, on_event)
         except QueueFull as exc:
@@ -956,6 +972,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         outcome = "error"
         try:
             answers = await answers_or_cancel(request, ids, futures)
+            request.state.workers = ",".join(sorted({a.worker for a in answers if a.worker}))
             outcome = "ok"
         except TimeoutError:
             outcome = "timeout"
@@ -965,6 +982,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             outcome = "client_gone"
             raise
         except EditFailed as failure:
+            request.state.workers = failure.answer.worker
             raise answer_error(failure.answer) from None
         finally:
             in_flight.pop(key, None)
@@ -1207,6 +1225,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                     if told is not None:
                         yield told
                 answer = await asyncio.wrap_future(future)
+                request.state.workers = answer.worker
                 if answer.status == 200:
                     outcome = "ok"
                     yield await style.done(await answer_png(answer.png), answer.metrics)

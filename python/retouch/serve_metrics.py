@@ -164,6 +164,13 @@ class RouterCollector(Collector):
         yield events
         yield from _slo(snapshot.get("slo", {}))
         yield from worker_families(workers)
+        info = GaugeMetricFamily("retouch_worker_info", "1 per worker, labelled with the model, dtype and weights "
+                                 "(a digest) it serves: workers whose weights differ answer one edit differently",
+                                 labels=("worker", "model", "dtype", "weights"))
+        for name, report in workers:
+            about = report.get("info") or {}
+            info.add_metric((name, *(str(about.get(key) or "") for key in ("model", "dtype", "weights"))), 1)
+        yield info
 
 
 def _slo(per_class: dict[str, dict[str, int]]) -> Iterator[Metric]:

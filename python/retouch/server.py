@@ -14,6 +14,7 @@ folder; both are gone when it stops (`engine.process_tree`).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -31,13 +32,15 @@ from retouch.engine import process_tree
 from retouch.engine.curve import AllowedKeys, RouterSecurity
 from retouch.engine.reference_costs import h800_flux
 from retouch.engine.registry import TemplateRegistry
-from retouch.engine.router import Router, RouterConfig
+from retouch.engine.router import Router, RouterConfig, model_label
 from retouch.engine.step_cost import StepCost
 from retouch.engine.supervisor import Supervisor
 from retouch.errors import InputError, RetouchError
 from retouch.http_api import Limits, create_app
 from retouch.http_connections import guarded_protocol
 from retouch.log_limits import cap_log_messages
+
+logger = logging.getLogger("retouch.router")  # the router's news of its workers
 
 
 def step_cost(opts: ServeOptions) -> StepCost | None:
@@ -58,7 +61,8 @@ def router_config(opts: ServeOptions) -> RouterConfig:
     return RouterConfig(opts.worker_listen, opts.policy, opts.heartbeat_s, opts.dead_after_s, opts.max_queue,
                         slo_admission=opts.slo_admission,
                         lora_affinity=None if opts.lora_affinity < 0 else opts.lora_affinity,
-                        no_worker_s=opts.no_worker_s, max_templates_per_tenant=opts.max_templates_per_tenant)
+                        no_worker_s=opts.no_worker_s, max_templates_per_tenant=opts.max_templates_per_tenant,
+                        model=model_label(opts.model))
 
 
 def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = ()) -> Limits:
@@ -129,7 +133,7 @@ class Server:
         registry = None if opts.cache_disk_dir is None else TemplateRegistry(Path(opts.cache_disk_dir) / "templates")
         try:
             self.router = Router(router_config(opts), step_cost(opts), security=security, registry=registry,
-                                 on_worker=lambda line: print(f"retouch: {line}", file=sys.stderr, flush=True)).start()
+                                 on_worker=log_worker_line).start()
         except BaseException:
             if registry is not None:
                 registry.close()
@@ -143,7 +147,7 @@ class Server:
                      "--mode", opts.mode,
                      "--max-batch", str(opts.max_batch), "--helpers", str(opts.helpers),
                      "--helper-threads", str(opts.helper_threads),
-                     "--threads", str(opts.worker_threads)]
+                     "--threads", str(opts.worker_threads), "--log-level", opts.log_level]
         node_args += ["--compile"] * opts.compile + ["--cuda-graphs"] * opts.cuda_graphs
         node_args += ["--lora-cache-mb", str(opts.lora_cache_mb), "--lora-latest-step", str(opts.lora_latest_step)]
         if opts.lora_device_mb is not None:
@@ -220,6 +224,14 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def log_worker_line(line: str) -> None:
+    """The router's news of its workers (joined, left and why, refused, warnings), timestamped."""
+    if line.startswith("warning: "):
+        logger.warning(line.removeprefix("warning: "))
+    else:
+        logger.info(line)
 
 
 def read_api_keys(path: Path | None) -> tuple[str, ...]:
