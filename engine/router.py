@@ -223,6 +223,7 @@ class Pending:
     routes: int = 0  # how many times it was sent (re-routes after failures add to it)
     records: bool = False  # sent as a one-off edit that records its template on `worker`
     steps_left: int | None = None  # from the worker's heartbeats once it runs
+    owner: str = ""  # the tenant of its template (`max_queue_per_tenant`)
 
 
 @dataclass(eq=False)
@@ -245,6 +246,9 @@ class RouterConfig:
     heartbeat_s: float = 0.5  # told to workers in the welcome
     dead_after_s: float = 5.0  # silence after which a worker is removed
     max_queue: int = 256  # requests accepted and not yet answered
+    # Of them, one tenant's (API key's) at most, so that one client's burst cannot refuse every other
+    # client for as long as it lasts; None: max_queue.
+    max_queue_per_tenant: int | None = None
     max_one_off: int = 1024  # one-off images remembered; beyond it the least recently edited idle one goes
     slo_admission: str = "accept"  # reject: refuse an edit predicted to miss its deadline (needs a StepCost)
     # An edit with a LoRA goes to a worker that holds its adapters (no file read, no second copy evicting
@@ -269,6 +273,8 @@ class RouterConfig:
             raise ValueError("dead_after_s must exceed heartbeat_s")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.max_queue_per_tenant is not None and self.max_queue_per_tenant < 1:
+            raise ValueError(f"max_queue_per_tenant must be >= 1 or None, got {self.max_queue_per_tenant}")
         if not self.no_worker_s > 0:
             raise ValueError(f"no_worker_s must be > 0, got {self.no_worker_s}")
         if self.max_one_off < 1:
@@ -401,6 +407,8 @@ class Router:
                        and not (new_one_off and task.template_id == one_off.template_id)]
             if unknown:
                 raise KeyError(unknown[0])
+            owner = (one_off if new_one_off else self.templates[tasks[0].template_id]).owner if tasks else ""
+            self._admit_tenant(owner, len(tasks))
             self._admit_deadlines(tasks)
             # Registered only once the edits are accepted: a refused one-off leaves no template.
             if new_one_off:
@@ -408,7 +416,7 @@ class Router:
                 self._evict_one_offs(keep=one_off.template_id)
             for task in tasks:
                 self.templates[task.template_id].last_used = time.monotonic()
-            accepted = [Pending(next(self._ids), task, Future()) for task in tasks]
+            accepted = [Pending(next(self._ids), task, Future(), owner=owner) for task in tasks]
             for pending in accepted:
                 self.pending[pending.request_id] = pending
                 if on_event is not None:
@@ -417,6 +425,16 @@ class Router:
                 self._route(pending)
         self._wake()
         return [p.request_id for p in accepted], [p.future for p in accepted]
+
+    def _admit_tenant(self, owner: str, count: int) -> None:
+        """QueueFull when the tenant would hold more than its share of the queue (`max_queue_per_tenant`)."""
+        limit = self.config.max_queue_per_tenant
+        if limit is None:
+            return
+        held = sum(1 for pending in self.pending.values() if pending.owner == owner)
+        if held + count > limit:
+            raise QueueFull(f"this API key has {held} requests waiting, its most (max_queue_per_tenant {limit})",
+                            self._retry_after_s(held + count - limit))
 
     def _retry_after_s(self, excess: int) -> int:
         """Seconds until `excess` more requests have been answered, at the rate of the last answers

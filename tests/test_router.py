@@ -175,6 +175,18 @@ def test_a_full_queue_says_when_to_retry_from_the_rate_of_recent_answers(make_ro
     assert stalled.value.retry_after_s == RETRY_AFTER_MAX_S
 
 
+def test_one_tenants_burst_does_not_fill_the_queue_for_everyone(make_router):
+    router = make_router(max_queue=4, max_queue_per_tenant=2)
+    router.register_template(replace(template("a"), owner="tenant a"))
+    router.register_template(replace(template("b"), owner="tenant b"))
+    router.submit_many([task("a"), task("a")])  # parked: no worker
+    with pytest.raises(QueueFull, match="this API key has 2 requests waiting"):
+        router.submit(task("a"))
+    router.submit_many([task("b"), task("b")])  # another key still gets its share
+    with pytest.raises(QueueFull, match="max_queue 4"):
+        router.submit(task("b"))
+
+
 def test_a_tenant_keeps_at_most_its_template_limit_and_one_offs_do_not_count(make_router):
     router = make_router(max_templates_per_tenant=2)
     router.register_template(template("t1"))

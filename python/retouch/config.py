@@ -272,6 +272,8 @@ class ServeOptions:
     max_work: int = option(4096 * 4096 * 28, help="most work one request may ask for, in pixel-steps (width x "
                            "height x steps x n); beyond it: 413")
     max_queue: int = option(256, help="edits accepted and not yet answered; beyond it: 429 with Retry-After")
+    max_queue_per_tenant: int = option(0, help="of them, one API key's at most (429 beyond), so one client's "
+                                       "burst does not refuse every other client (0: --max-queue)")
     log_level: str = option("info", help="the least severe log lines written (info: one per HTTP answer, and "
                             "the workers' one per edit)", choices=LOG_LEVELS)
     max_templates_per_tenant: int = option(1000, help="registered templates each API key may keep (the head holds "
@@ -329,7 +331,7 @@ class ServeOptions:
         _require(self, ("header_timeout_s", "body_timeout_s", "max_inflight_mb"), "> 0")
         _require(self, ("max_connections", "max_prompt_chars", "max_batch", "steps", "max_steps", "max_queue",
                         "max_pixels", "max_work", "max_templates_per_tenant"), ">= 1")
-        _require(self, ("worker_threads", "helper_threads", "slo_ms_per_megapixel"), ">= 0")
+        _require(self, ("worker_threads", "helper_threads", "slo_ms_per_megapixel", "max_queue_per_tenant"), ">= 0")
         if self.cuda_graphs and self.device == "cpu":
             raise InputError("--cuda-graphs needs a CUDA device (--device cuda or auto)")
         if self.helpers < 1 and self.mode == "disagg":

@@ -62,7 +62,7 @@ def router_config(opts: ServeOptions) -> RouterConfig:
                         slo_admission=opts.slo_admission,
                         lora_affinity=None if opts.lora_affinity < 0 else opts.lora_affinity,
                         no_worker_s=opts.no_worker_s, max_templates_per_tenant=opts.max_templates_per_tenant,
-                        model=model_label(opts.model))
+                        model=model_label(opts.model), max_queue_per_tenant=opts.max_queue_per_tenant or None)
 
 
 def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = ()) -> Limits:
@@ -74,7 +74,8 @@ def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = ()) -> Limits:
                   header_timeout_s=opts.header_timeout_s, body_timeout_s=opts.body_timeout_s,
                   max_connections=opts.max_connections, max_inflight_bytes=int(opts.max_inflight_mb * (1 << 20)),
                   slo_ms_per_megapixel=opts.slo_ms_per_megapixel, lora_dir=opts.lora_dir,
-                  max_n=min(Limits.max_n, opts.max_queue), model_names=opts.model_names())
+                  max_n=min(Limits.max_n, opts.max_queue, opts.max_queue_per_tenant or opts.max_queue),
+                  model_names=opts.model_names())
 
 
 def _bind(host: str, port: int) -> socket.socket:
