@@ -256,6 +256,7 @@ def test_simulate_prints_every_policy(cli):
     (["--model", "tiny-flux-fill", "--cache-dtype", "int8"], "invalid choice"),
     (["--model", "tiny-flux-fill", "--lora-device-mb", "0"], "--lora-device-mb must be a finite number > 0"),
     (["--model", "tiny-flux-fill", "--served-model-name", "flux,,gpt-image-1"], "--served-model-name takes names"),
+    (["--model", "tiny-flux-fill", "--cors-origins", "shop.example.com"], "--cors-origins takes scheme://host"),
 ])
 def test_serve_refuses_bad_options_before_starting_anything(cli, args, message):
     result = cli("serve", *args)

@@ -388,3 +388,37 @@ def test_templates_are_listed_newest_first_a_page_at_a_time():
     assert [t["id"] for t in outcome["everything"]["data"]] == newest_first  # the default page holds them all
     assert outcome["bad limit"].status_code == 422 and outcome["bad limit"].json()["error"]["param"] == "limit"
     assert outcome["bad after"].status_code == 400 and outcome["bad after"].json()["error"]["param"] == "after"
+
+
+async def from_a_browser() -> dict:
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
+    app = create_app(router, Limits(api_keys=(KEY,), cors_origins=("https://shop.example.com",)))
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            return {
+                "preflight": await client.options("/v1/edits", headers={"Origin": "https://shop.example.com",
+                                                                        **preflight}),
+                "other origin": await client.options("/v1/edits", headers={"Origin": "https://evil.example",
+                                                                           **preflight}),
+                "refused": await client.get("/v1/templates", headers={"Origin": "https://shop.example.com"}),
+                "listed": await client.get("/v1/templates", headers={"Origin": "https://shop.example.com",
+                                                                     "Authorization": f"Bearer {KEY}"})}
+    finally:
+        await asyncio.to_thread(router.close, 0)
+
+
+def test_pages_of_the_allowed_origins_may_call_the_api_and_read_its_errors():
+    outcome = asyncio.run(from_a_browser())
+    preflight = outcome["preflight"]  # carries no key: answered before authentication
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://shop.example.com"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    assert "access-control-allow-origin" not in outcome["other origin"].headers
+    for name, status in (("refused", 401), ("listed", 200)):  # a page reads its 401 and the request id too
+        answer = outcome[name]
+        assert answer.status_code == status
+        assert answer.headers["access-control-allow-origin"] == "https://shop.example.com"
+        assert "x-request-id" in answer.headers["access-control-expose-headers"].lower()
+    with pytest.raises(ValueError, match="CORS origins"):
+        Limits(cors_origins=("shop.example.com",))

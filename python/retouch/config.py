@@ -20,6 +20,7 @@ from retouch.lora import LoraChoice, LoraError, parse_lora
 
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")  # --served-model-name: what clients put in `model`
+CORS_ORIGIN = re.compile(r"\*|https?://[A-Za-z0-9.-]+(:\d{1,5})?")  # --cors-origins: a browser's Origin header
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LORA_DIR_HELP = "folder of LoRA adapters requests may name: NAME.safetensors or NAME/pytorch_lora_weights.safetensors"
 LORA_DEVICE_HELP = ("device memory of {whose} LoRA copies kept for later requests (MiB; default: --lora-cache-mb); "
@@ -281,6 +282,8 @@ class ServeOptions:
     api_keys_file: Path | None = option(None, help="file of API keys, one per line: /v1 needs `Authorization: Bearer "
                                         "KEY`, and each key sees only its own templates (default: $RETOUCH_API_KEYS, "
                                         "comma-separated; neither: no keys)")
+    cors_origins: str | None = option(None, help="web pages of these origins may call the API from a browser, "
+                                      "comma-separated scheme://host[:port] (or *); default: none (same origin)")
     docs: bool = option(True, help="serve /docs and /openapi.json (behind the API key when keys are set)")
     playground: bool = option(True, help="serve the playground page at / (it holds no data; its requests carry "
                                          "the API key typed into it)")
@@ -353,6 +356,10 @@ class ServeOptions:
             raise InputError(f"--no-worker-s must be > 0 (inf: wait for a worker), got {self.no_worker_s}")
         if self.cost_model is not None and not Path(self.cost_model).is_file():
             raise InputError(f"--cost-model {self.cost_model} not found")
+        if self.cors_origins is not None and not all(
+                CORS_ORIGIN.fullmatch(origin.strip()) for origin in self.cors_origins.split(",") if origin.strip()):
+            raise InputError(f"--cors-origins takes scheme://host[:port] origins (or *), comma-separated; got "
+                             f"{self.cors_origins!r}")
         if self.served_model_name is not None and not all(
                 MODEL_NAME.fullmatch(name.strip()) for name in self.served_model_name.split(",")):
             raise InputError("--served-model-name takes names of 1-128 letters, digits, '.', '_', ':', '/' or '-', "

@@ -57,6 +57,7 @@ from pathlib import Path
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
 from starlette.datastructures import UploadFile
@@ -68,6 +69,7 @@ from retouch.canvas import Canvas, paste_alpha, paste_unmasked
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (NO_WORKER, DeadlineUnattainable, EditAnswer, EditTask, NoWorkerConnected, QueueFull,
                                    RegistryError, Router, TemplateLimit, TemplateRecord, Unavailable)
+from retouch.config import CORS_ORIGIN
 from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
@@ -122,10 +124,16 @@ class Limits:
     slo_ms_per_megapixel: float = 0.0  # an edit without slo_ms gets this x its megapixels (0: no deadline)
     lora_dir: Path | None = None  # the workers' LoRA folder (--lora-dir): edits' names are checked in it; None: none
     model_names: tuple[str, ...] = ()  # what a request's `model` may say; none: the served model's name
+    # Browser pages of these origins (scheme://host[:port], or "*") may call the API (CORS); none: same origin only
+    cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         object.__setattr__(self, "model_names", tuple(self.model_names))
+        object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
+        bad = [origin for origin in self.cors_origins if not CORS_ORIGIN.fullmatch(origin)]
+        if bad:
+            raise ValueError(f"CORS origins are scheme://host[:port] or *, got {bad[0]!r}")
         if self.lora_dir is not None:
             object.__setattr__(self, "lora_dir", Path(self.lora_dir))
         if any(not isinstance(key, str) or not key.strip() or key != key.strip() for key in self.api_keys):
@@ -648,12 +656,17 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         return ApiError(exc.status_code, str(exc.detail)).response()
 
     # Added innermost first: CountAnswers sees every answer, Authenticate's 401 and BodyLimit's 413
-    # included; a request is authenticated before its body is reserved.
+    # included (and CORS headers on them, so a page can read its errors); a request is authenticated
+    # before its body is reserved.
     app.add_middleware(ReserveBody, budget=BodyBudget(limits.max_inflight_bytes),
                        unknown_length_bytes=limits.max_upload_bytes, refusal=server_busy,
                        on_change=metrics.inflight_body_bytes.set)
     app.add_middleware(BodyLimit, max_bytes=limits.max_upload_bytes)
     app.add_middleware(Authenticate, api_keys=limits.api_keys)
+    if limits.cors_origins:  # outside Authenticate: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST",
+                           "DELETE"], allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id", "X-Template-Id", "Retry-After", "Location"], max_age=600)
     app.add_middleware(CountAnswers, metrics=metrics)
 
     async def read_form(request: Request) -> Form:

@@ -75,7 +75,8 @@ def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = ()) -> Limits:
                   max_connections=opts.max_connections, max_inflight_bytes=int(opts.max_inflight_mb * (1 << 20)),
                   slo_ms_per_megapixel=opts.slo_ms_per_megapixel, lora_dir=opts.lora_dir,
                   max_n=min(Limits.max_n, opts.max_queue, opts.max_queue_per_tenant or opts.max_queue),
-                  model_names=opts.model_names())
+                  model_names=opts.model_names(),
+                  cors_origins=tuple(o.strip() for o in (opts.cors_origins or "").split(",") if o.strip()))
 
 
 def _bind(host: str, port: int) -> socket.socket:
