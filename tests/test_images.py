@@ -349,3 +349,23 @@ def test_a_mask_with_the_sides_swapped_hints_at_exif_orientation():
     with pytest.raises(InputError) as other:
         images.as_mask(Image.new("L", (48, 81)), (80, 48))
     assert "EXIF" not in str(other.value)
+
+
+def test_a_jpeg_masks_compression_noise_is_not_repainted():
+    """A black/white mask saved as JPEG comes back with levels 1-3 around its stroke: those pixels were
+    repainted faintly, and their tokens computed. Levels near black or white are snapped; feathering stays."""
+    drawn = np.zeros((32, 32), np.uint8)
+    drawn[8:24, 8:24] = 255
+    drawn[8:24, 24:26] = 128  # a feathered edge
+    out = io.BytesIO()
+    Image.fromarray(drawn).save(out, format="JPEG", quality=75)
+    noisy = np.asarray(Image.open(io.BytesIO(out.getvalue())))
+    assert ((noisy > 0) & (noisy <= 3) & (drawn == 0)).any()  # the noise this is about
+    read = np.asarray(images.as_mask(images.decode_image(out.getvalue(), "mask")))
+    far = np.ones_like(drawn, bool)
+    far[6:26, 6:28] = False
+    assert (read[far] == 0).all() and (read[10:22, 10:22] == 255).all()
+    assert 100 < read[16, 24] < 160  # the feathered edge is still a blend
+    png = io.BytesIO()
+    Image.fromarray(noisy).save(png, format="PNG")  # the same levels from a lossless file are taken as drawn
+    assert (np.asarray(images.as_mask(images.decode_image(png.getvalue(), "mask"))) == noisy).all()

@@ -5,7 +5,8 @@ Every entry point (CLI, Python API, engine, HTTP) reads images with `as_image` a
 
 Masks: white = repaint (diffusers' convention). A pixel's value is how much of the edit replaces the
 template there: 0 keeps the template's pixel exactly, full scale takes the edit, values between blend
-(a feathered brush stays feathered). Any non-zero pixel is repainted: its token is recomputed.
+(a feathered brush stays feathered). Any non-zero pixel is repainted: its token is recomputed. A mask
+file in a lossy format (JPEG) has levels within JPEG_SNAP of black or white snapped to them first.
 
     PIL "1"                          set = repaint
     "L", "P", "RGB", "CMYK", ...     luminance, 0..255
@@ -48,6 +49,12 @@ MAX_PIXELS = 8192 * 8192
 Image.init()
 READ_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "TIFF", "GIF") + (("AVIF",) if features.check("avif") else ())
 FORMAT_NAMES = "PNG, JPEG, WebP, BMP, TIFF, GIF" + (", AVIF" if "AVIF" in READ_FORMATS else "")
+# A mask decoded from a lossy file (JPEG) has its levels within JPEG_SNAP of black or white snapped to
+# them: compression noise of 1-3 levels around a stroke repainted pixels faintly and recomputed tokens
+# the user never marked. Feathering in between stays.
+LOSSY_FORMATS = ("JPEG", "MPO")
+LOSSY = "retouch.lossy"  # the decoded image's info key saying so
+JPEG_SNAP = 8
 # A photo's damaged EXIF block is no reason to refuse it (its orientation is then not applied), nor to
 # print Pillow's two-line warning into every log.
 warnings.filterwarnings("ignore", message="Corrupt EXIF data", category=UserWarning)
@@ -77,7 +84,10 @@ def decode_image(data: bytes, what: str, max_pixels: int | None = None) -> Image
                 raise InputError(f"{what} has {frames} frames (an animation or a multi-page file); send one "
                                  "picture")
             img.load()
-            return ImageOps.exif_transpose(img)
+            decoded = ImageOps.exif_transpose(img)
+            if img.format in LOSSY_FORMATS:
+                decoded.info[LOSSY] = True  # as a mask, its compression noise is not the user's stroke
+            return decoded
     except Image.DecompressionBombError:  # PIL's own, looser check fired first
         raise ImageTooLarge(f"{what} is over the limit of {max_pixels} pixels") from None
     except UnidentifiedImageError:
@@ -156,6 +166,8 @@ def as_mask(mask, size: tuple[int, int] | None = None, *, alpha: bool = False, w
         raise InputError(f"{what} is missing: send a mask (white = repaint)")
     if isinstance(mask, Image.Image):
         levels = _image_levels(ImageOps.exif_transpose(mask), alpha, what)
+        if mask.info.get(LOSSY):
+            levels = np.where(levels <= JPEG_SNAP, 0, np.where(levels >= 255 - JPEG_SNAP, 255, levels)).astype(np.uint8)
     else:
         if alpha:
             raise InputError(f"{what}: alpha masks are images with an alpha channel (alpha 0 = repaint)")
