@@ -422,3 +422,20 @@ def test_pages_of_the_allowed_origins_may_call_the_api_and_read_its_errors():
         assert "x-request-id" in answer.headers["access-control-expose-headers"].lower()
     with pytest.raises(ValueError, match="CORS origins"):
         Limits(cors_origins=("shop.example.com",))
+
+
+async def uncoded_errors() -> list[httpx.Response]:
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(router)),
+                                     base_url="http://retouch") as client:
+            return [await client.post("/v1/edits", json={"prompt": "a cat"}),
+                    await client.post("/v1/edits", data={"prompt": "a cat"}, files={"image": ("i.png", b"x")}),
+                    await client.get("/v1/templates/tpl-none")]
+    finally:
+        await asyncio.to_thread(router.close, 0)
+
+
+def test_every_error_has_a_code_to_switch_on():
+    codes = [answer.json()["error"]["code"] for answer in asyncio.run(uncoded_errors())]
+    assert codes == ["unsupported_media_type", "invalid_request", "template_not_found"]

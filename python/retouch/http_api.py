@@ -157,6 +157,11 @@ class Limits:
 FINAL_CODES = frozenset({"cancelled", "duplicate_request_id", "slo_unattainable", "template_limit", "timeout"})
 
 
+# An error's code when nothing more precise names it, so that a client can always switch on the code.
+STATUS_CODES = {400: "invalid_request", 404: "not_found", 409: "conflict", 413: "too_large",
+                415: "unsupported_media_type", 422: "invalid_value", 500: "internal_error"}
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
@@ -166,7 +171,8 @@ class ApiError(Exception):
     def body(self) -> dict:
         kind = ("server_error" if self.status >= 500 else "rate_limit_error" if self.status == 429
                 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        code = self.code or STATUS_CODES.get(self.status, "server_error" if self.status >= 500 else "invalid_request")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": code}}
 
     def response(self) -> JSONResponse:
         headers = dict(self.headers or {})
