@@ -88,3 +88,16 @@ def router_and_context() -> Iterator[tuple[Router, zmq.Context]]:
     finally:
         router.close(drain_s=0)
         context.destroy(linger=0)
+
+
+def curve_router(folder, outsider: str) -> Router:
+    """A started router with CURVE keys made in `folder`: its own (router.key[_secret]), an allowed worker's
+    (allowed/worker.key[_secret]) and `outsider`'s, which it does not allow."""
+    from retouch.engine.curve import AllowedKeys, RouterSecurity, generate
+
+    generate("router", folder)
+    generate("worker", folder / "allowed")
+    generate(outsider, folder)
+    security = RouterSecurity(folder / "router.key_secret", AllowedKeys.from_dir(folder / "allowed"))
+    return Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", dead_after_s=60),
+                  security=security).start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import zmq
+from scripted_worker import curve_router
 
 from retouch.engine import wire
 from retouch.engine.curve import AllowedKeys, RouterSecurity, WorkerKeys, generate, is_loopback, read_public
@@ -59,12 +60,8 @@ def hello(context: zmq.Context, address: str, keys: WorkerKeys | None, name: str
 
 
 def test_allowed_workers_join_and_others_are_refused(tmp_path, caplog):
-    generate("router", tmp_path)
-    generate("worker", tmp_path / "allowed")
-    generate("intruder", tmp_path)
-    security = RouterSecurity(tmp_path / "router.key_secret", AllowedKeys.from_dir(tmp_path / "allowed"))
-    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", dead_after_s=60),
-                    security=security).start()
+    router = curve_router(tmp_path, "intruder")
+    security = router.security
     context = zmq.Context()
     try:
         server = tmp_path / "router.key"

@@ -14,6 +14,7 @@ import time
 
 import httpx
 from polling import lines_until
+from scripted_worker import curve_router
 from prometheus_client.parser import text_string_to_metric_families
 
 from PIL import Image
@@ -162,14 +163,7 @@ def test_a_worker_outlives_its_server_joins_the_next_once_and_another_model_is_r
 def test_a_worker_the_router_refuses_by_its_curve_key_says_so_and_stops_on_sigterm(tmp_path):
     """The router drops a worker whose key it does not allow: the worker's sends once blocked forever,
     so it never said it was not joining and ignored SIGTERM."""
-    from retouch.engine.curve import AllowedKeys, RouterSecurity, generate
-
-    generate("router", tmp_path)
-    generate("worker", tmp_path / "allowed")
-    generate("rogue", tmp_path)
-    security = RouterSecurity(tmp_path / "router.key_secret", AllowedKeys.from_dir(tmp_path / "allowed"))
-    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", dead_after_s=60),
-                    security=security).start()
+    router = curve_router(tmp_path, "rogue")
     worker = subprocess.Popen(worker_command(router.address, "tiny-flux-fill", "rogue", "--curve-secret",
                                              str(tmp_path / "rogue.key_secret"), "--curve-server",
                                              str(tmp_path / "router.key")), stderr=subprocess.PIPE, text=True)
