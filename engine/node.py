@@ -20,15 +20,17 @@ It says hello (its batch size, the templates it holds), then answers the router'
               ready before the answer
     cancel    drop an edit whose client is gone: it leaves the batch at the next step
     drop      forget a template (a recording of it in progress stops at the next step)
-    stop      finish every accepted edit, say bye and exit (sent to a supervised worker only: a worker
-              started on its own outlives the server and joins it again when it is back)
+    stop      finish every accepted edit ("draining": the router sends nothing new, and heartbeats go
+              on meanwhile), say bye and exit (sent to a supervised worker only: a worker started on its
+              own outlives the server and joins it again when it is back); SIGTERM does the same
     closing   the server is shutting down: wait for it (or its successor) and say hello again
     refused   the router will not take this worker (another model): say why and exit with status 2
     rejoin    the router removed it (it fell silent, e.g. a network cut) and hears it again: hello again
     alive     the answer to each heartbeat: a router silent for its `dead_after_s` is presumed gone
               (restarted): the worker is not ready until a router welcomes it again
 and heartbeats its running batch (each request's steps left), queue and metrics (its template cache
-under "cache", its LoRA cache and loader under "lora") every `heartbeat_s`. Sends never block: a
+under "cache", its LoRA cache and loader under "lora"; "held": every edit it has accepted and not yet
+answered, from which the router finds edits lost on the way) every `heartbeat_s`. Sends never block: a
 router that cannot be reached (down, or refusing the CURVE key) leaves the node's loop running, so it
 keeps saying so and stops on SIGTERM; heartbeats that cannot go out are dropped, other messages wait.
 
@@ -48,6 +50,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent.futures import Future
 
@@ -80,6 +83,7 @@ logger = logging.getLogger("retouch.node")
 # A worker started by hand that no router answers says so after this long, then again at this interval.
 JOIN_NOTE_S = 5.0
 JOIN_NOTE_REPEAT_S = 30.0
+FINAL_FLUSH_S = 5.0  # at most this long, once drained, for the last answers to go out
 
 
 class Node:
@@ -93,14 +97,12 @@ class Node:
         self.supervised = supervised
         self.welcomed = threading.Event()  # the router took it in (readiness)
         self.refused: str | None = None  # why the router would not take it in
+        self.draining = False  # stopping: it finishes what it accepted and takes nothing new
         self._stop_requested = threading.Event()
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, f"{name}:{os.getpid()}".encode())
         self.socket.setsockopt(zmq.LINGER, 2000)
-        # Nothing is queued for a link that is not up (CURVE handshake done): a router that went away does
-        # not get minutes of stale heartbeats when it is back, and sends fail at once (_flush) instead.
-        self.socket.setsockopt(zmq.IMMEDIATE, 1)
         # ZeroMQ's own heartbeats notice a dead TCP link (a cut cable sends no FIN) and reconnect.
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
@@ -114,6 +116,8 @@ class Node:
         self.dead_after_s = 5.0  # the router's, told in its welcome
         self._last_heard = time.monotonic()  # the router's last message
         self._hello_at = -math.inf
+        self._session: str | None = None  # the welcoming router's (a new one: the old edits are orphans)
+        self._boot = uuid.uuid4().hex  # this process: a restart may reuse the name and pid (PID 1 in a container)
         self.templates: dict[str, str] = {}  # router template id -> the editor's (recorded)
         self.registrations: dict[str, tuple[str, Future]] = {}  # router template id -> (editor's, recording)
         self.requests: dict[Future, int] = {}  # engine future -> router request id
@@ -130,6 +134,7 @@ class Node:
         next_heartbeat = 0.0
         next_join_note = time.monotonic() + JOIN_NOTE_S
         stopping = False
+        drain: threading.Thread | None = None  # finishing the accepted edits while heartbeats go on
         if not self.supervised:  # a worker started by hand says where it is going, and when it is there
             print(f"{self.name}: connecting to {self.router_address}", file=sys.stderr, flush=True)
         while True:
@@ -150,18 +155,30 @@ class Node:
                                   f"{time.monotonic() - self._last_heard:.0f} s")
             if self.welcomed.is_set():  # the note counts from the last time the router stopped answering
                 next_join_note = time.monotonic() + JOIN_NOTE_S
-            elif time.monotonic() - self._hello_at > self.heartbeat_s:  # hello again until it is heard
+            elif drain is None and time.monotonic() - self._hello_at > self.heartbeat_s:  # until it is heard
                 self._hello()
             if not self.welcomed.is_set() and not self.supervised and time.monotonic() >= next_join_note:
                 print(f"{self.name}: no router has answered at {self.router_address} yet (is `retouch serve "
                       "--worker-listen` there, with matching CURVE keys?); still trying", file=sys.stderr, flush=True)
                 next_join_note = time.monotonic() + JOIN_NOTE_REPEAT_S
-            if stopping or self._stop_requested.is_set() or (self.supervised and os.getppid() != self._parent):
+            if drain is None and (stopping or self._stop_requested.is_set()
+                                  or (self.supervised and os.getppid() != self._parent)):
+                # The router sends nothing new once told; heartbeats go on, so a drain longer than its
+                # dead_after_s is not taken for a death (its edits sent elsewhere, their results dropped).
+                self.draining = True
+                self._post({"kind": "draining"})
+                drain = threading.Thread(target=self.engine.close, name="retouch-drain", daemon=True)
+                drain.start()  # finishes every accepted edit; their answers are queued
+            if drain is not None and not drain.is_alive():
                 break
-        self.engine.close()  # finishes every accepted edit; their answers are queued
         self._post({"kind": "bye"})
         self._flush()
-        self.socket.close(linger=0 if self._unsent else None)  # a router that is gone is not waited for
+        deadline = time.monotonic() + FINAL_FLUSH_S
+        while self._unsent and self.welcomed.is_set() and time.monotonic() < deadline:
+            self.socket.poll(100, zmq.POLLOUT)  # the drained answers, to a router that is there
+            self._flush()
+        # a router that is gone is not waited for
+        self.socket.close(linger=0 if self._unsent or not self.welcomed.is_set() else None)
         self._wakeup.close()
         self.context.term()
 
@@ -176,6 +193,10 @@ class Node:
         if kind == "welcome":
             self.heartbeat_s = float(header["heartbeat_s"])
             self.dead_after_s = float(header.get("dead_after_s", self.dead_after_s))
+            session = header.get("session")
+            if session != self._session and self._session is not None:
+                self._forget_old_session()
+            self._session = session
             if not self.supervised and not self.welcomed.is_set():
                 print(f"{self.name}: joined the router at {self.router_address}", file=sys.stderr, flush=True)
             self.welcomed.set()
@@ -209,6 +230,16 @@ class Node:
         `Wakeup.wake`, whose lock it would then wait for forever."""
         self._stop_requested.set()
 
+    def _forget_old_session(self) -> None:
+        """A new router took this worker in: the last one's edits have no client any more (that router
+        answered them, or died with them), so they leave the batch at the next step."""
+        with self._lock:
+            futures = list(self.futures.values())
+        for future in futures:
+            future.cancel()
+        if futures:
+            logger.info("%d edits of the previous router cancelled", len(futures))
+
     def _router_lost(self, why: str) -> None:
         """Not ready until a router welcomes it again (its edits were, or will be, moved elsewhere)."""
         if self.welcomed.is_set():
@@ -225,10 +256,15 @@ class Node:
         self._post({"kind": "hello", "max_batch": self.engine.config.max_batch, "pid": os.getpid(),
                     "model": self.engine.model_name, "dtype": str(editor.dtype).removeprefix("torch."),
                     "weights": editor.model_fingerprint(), "supervised": self.supervised,
-                    "lora": self.engine.worker.loras.lora_dir is not None, "templates": templates})
+                    "lora": self.engine.worker.loras.lora_dir is not None, "boot": self._boot,
+                    "templates": templates})
 
     def _edit(self, header: dict, blobs: dict) -> None:
         request_id, router_template = header["request"], header["template"]
+        if self.draining:  # sent before the router heard it is draining: it goes elsewhere
+            self._post({"kind": "result", "request": request_id, "status": 503, "error": "WorkerDraining",
+                        "message": "this worker is stopping"})
+            return
         one_off = header.get("one_off")
         template_id = self.templates.get(router_template)
         if template_id is None and one_off is None:
@@ -273,7 +309,8 @@ class Node:
         with self._lock:
             running = [[self.requests[f], steps] for f, steps in running if f in self.requests]
             queued = [self.requests[f] for f in queued if f in self.requests]
-        return {"kind": "heartbeat", "running": running, "queued": queued, "metrics": self.metrics(),
+            held = list(self.futures)  # every edit accepted and not yet answered, wherever it is
+        return {"kind": "heartbeat", "running": running, "queued": queued, "held": held, "metrics": self.metrics(),
                 "loras": self.engine.worker.loras.resident()}
 
     def metrics(self) -> dict:

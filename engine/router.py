@@ -50,6 +50,7 @@ import functools
 import itertools
 import logging
 import math
+import secrets
 import sys
 import threading
 import time
@@ -93,12 +94,18 @@ class QueueFull(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+CLOSE_LINGER_MS = 1000  # at most this long for the last messages to a worker when the router closes
 # Retry-After of a full queue: without answers to go by yet, this long; never beyond the cap (OpenAI's
 # SDKs honour at most 60 s).
 RETRY_AFTER_UNKNOWN_S, RETRY_AFTER_MAX_S = 5, 60
 
 
 NO_WORKER = "no_worker"  # the error code of an edit refused or answered because no worker is connected
+LORA_UNAVAILABLE = "lora_unavailable"  # ... of an edit with a LoRA that no connected worker serves
+
+
+def no_lora_worker_message() -> str:
+    return "no connected worker serves LoRAs (none was started with --lora-dir); retry later"
 
 
 class Unavailable(RuntimeError):
@@ -237,6 +244,8 @@ class WorkerState:
     report: dict = field(default_factory=dict)  # its last heartbeat's metrics
     loras: frozenset[str] = frozenset()  # the LoRAs its last heartbeat held (`LoraManager.resident`)
     info: dict = field(default_factory=dict)  # from its hello: model, dtype, weights (digest), supervised, lora
+    missing: dict[int, float] = field(default_factory=dict)  # assigned edits its heartbeats lack, since when
+    draining: bool = False  # stopping: it finishes its edits, and gets no new edit or template
 
 
 @dataclass(frozen=True)
@@ -326,14 +335,20 @@ class Router:
         self.pending: dict[int, Pending] = {}
         self._answered: deque[float] = deque(maxlen=64)  # when the last edits were answered (Retry-After)
         self.parked: dict[str, deque[int]] = {}  # template -> requests waiting for a ready replica
-        self._ids = itertools.count(1)
+        # Request ids start at random, with a session id told in each welcome: a worker that outlived the
+        # last router (it rejoins with its old edits still running) can never answer one of this router's
+        # requests with an old one's image.
+        self.session = secrets.token_hex(8)
+        self._ids = itertools.count(secrets.randbelow(1 << 62) + 1)
         self._thread: threading.Thread | None = None
         self._closing = False
         self._stopped = False
         self._on_worker = on_worker or (lambda line: None)
         self._no_worker_since: float | None = time.monotonic()  # None while a worker is connected
+        self._lora_workers_since = time.monotonic()  # when a worker that serves LoRAs was last connected
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
-                         "one_offs_evicted": 0, "lora_affinity": 0, "registry_failures": 0, "workers_mismatched": 0}
+                         "one_offs_evicted": 0, "lora_affinity": 0, "registry_failures": 0, "workers_mismatched": 0,
+                         "lost_requests": 0}
         # size class -> {"with_deadline": n, and n per SLO_OUTCOMES}
         self.slo: dict[str, dict[str, int]] = {}
         # Notified on every dispatch, answer, heartbeat and worker change.
@@ -374,7 +389,8 @@ class Router:
             self._wake()
             self._thread.join(timeout=10)
         self._wakeup.close()
-        self.socket.close(0)
+        # The last messages (stop, closing) were handed to the socket, not yet to TCP: a moment to go out.
+        self.socket.close(linger=CLOSE_LINGER_MS)
         if self.security is not None:
             self.security.close()
         if self.registry is not None:
@@ -712,14 +728,14 @@ class Router:
             return
         eligible = np.zeros_like(self.cluster.alive)
         for name, state in record.states.items():
-            if state == "ready" and name in self.workers:
+            if state == "ready" and name in self.workers and not self.workers[name].draining:
                 eligible[self.workers[name].slot] = True
         carries_image = records = False
         if not eligible.any():
-            if record.one_off and self.workers and not self._holders(record):
+            if record.one_off and self._open_workers().any() and not self._holders(record):
                 # Nobody holds the image: this edit goes with it to any worker, computing every token,
                 # and records it as it runs unless it has a LoRA (its activations are not the base model's).
-                eligible, carries_image, records = self.cluster.alive.copy(), True, not pending.task.lora
+                eligible, carries_image, records = self._open_workers(), True, not pending.task.lora
             else:
                 self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
                 self._tell("request", pending.request_id, {"event": "parked", "steps": record.steps})
@@ -728,17 +744,19 @@ class Router:
                     self._fail_parked(record)
                 return
         if pending.task.lora:
-            serving = np.zeros_like(eligible)
-            for worker in self.workers.values():  # one started without --lora-dir would fail it
-                serving[worker.slot] = worker.info.get("lora") is not False
-            if not (serving & self.cluster.alive).any():
-                self._answer(pending, EditAnswer(None, 503, "lora_unavailable", "no connected worker serves LoRAs "
-                                                 "(none was started with --lora-dir); retry later"))
+            serving = self._serving_loras()  # a worker started without --lora-dir would fail the edit
+            if not serving.any():
+                if self._without_lora_workers_s() > self.config.no_worker_s:
+                    self._answer(pending, EditAnswer(None, 503, LORA_UNAVAILABLE, no_lora_worker_message()))
+                else:  # one may be restarting: wait for it as for any worker
+                    self._park(pending, record)
                 return
-            if not (eligible & serving).any():  # the workers that do will hold the template: wait for them
-                self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
-                self._tell("request", pending.request_id, {"event": "parked", "steps": record.steps})
-                return
+            if not (eligible & serving).any():
+                if not record.one_off:  # the workers that serve LoRAs record every template: wait for them
+                    self._park(pending, record)
+                    return
+                # held only where LoRAs are not served: one that serves them computes it from the image
+                eligible, carries_image, records = serving, True, False
             eligible = self._lora_holders(pending.task.lora, eligible & serving)
         load = pending.task.load
         if carries_image:
@@ -780,6 +798,28 @@ class Router:
         # A request sent again (its worker died) starts over: its watchers see it queued, then steps from 1.
         self._tell("request", pending.request_id, {"event": "queued", "worker": worker.name, "attempt": pending.routes,
                                                    "steps": record.steps})
+
+    def _park(self, pending: Pending, record: TemplateRecord) -> None:
+        self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
+        self._tell("request", pending.request_id, {"event": "parked", "steps": record.steps})
+
+    def _open_workers(self) -> np.ndarray:
+        """The live workers that take new edits (not draining)."""
+        open_ = np.zeros_like(self.cluster.alive)
+        for worker in self.workers.values():
+            open_[worker.slot] = not worker.draining
+        return open_ & self.cluster.alive
+
+    def _serving_loras(self) -> np.ndarray:
+        """The live workers that serve LoRAs (their hello said they have a --lora-dir) and take new edits."""
+        serving = np.zeros_like(self.cluster.alive)
+        for worker in self.workers.values():
+            serving[worker.slot] = worker.info.get("lora") is not False
+        return serving & self._open_workers()
+
+    def _without_lora_workers_s(self) -> float:
+        """Seconds since a worker that serves LoRAs was last connected (or the router started); 0 while one is."""
+        return 0.0 if self._serving_loras().any() else time.monotonic() - self._lora_workers_since
 
     def _lora_holders(self, choice, eligible: np.ndarray) -> np.ndarray:
         """`policies.prefer_holders` for an edit's adapters: a worker holds what its last heartbeat reported and
@@ -829,7 +869,7 @@ class Router:
             if self.workers and not self._holders(record) and self.parked.get(record.template_id):
                 self._dispatch_parked(record.template_id)
             return
-        live = list(self.workers.values())  # none yet: the first hello records it
+        live = [w for w in self.workers.values() if not w.draining]  # none yet: the first hello records it
         holding = [w for w in live if record.states.get(w.name) in ("recording", "ready")]
         wanted = len(live) if record.replicas == 0 else min(record.replicas, len(live))
         candidates = [w for w in live if w.name not in record.states]
@@ -847,6 +887,8 @@ class Router:
             return
         self.counters["workers_removed"] += 1
         self.cluster.remove_worker(worker.slot)
+        if worker.info.get("lora") is not False:
+            self._lora_workers_since = time.monotonic()  # served LoRAs until now
         self._on_worker(f"worker {name} left: {why}; {len(self.workers)} connected")
         if not self.workers:
             self._no_worker_since = time.monotonic()
@@ -880,6 +922,7 @@ class Router:
         if pending.worker is not None and pending.worker in self.workers:
             worker = self.workers[pending.worker]
             worker.assigned.discard(pending.request_id)
+            worker.missing.pop(pending.request_id, None)
             self.cluster.finish(worker.slot, pending.request_id)
         if not pending.future.done():
             pending.future.set_result(answer)
@@ -928,6 +971,14 @@ class Router:
                     pending = self.pending.get(request_id)
                     if pending is not None:
                         self._answer(pending, EditAnswer(None, 503, NO_WORKER, no_worker_message(idle)))
+        if self.parked and self._without_lora_workers_s() > self.config.no_worker_s:
+            for template_id, waiting in list(self.parked.items()):
+                for request_id in [r for r in waiting if r in self.pending and self.pending[r].task.lora]:
+                    waiting.remove(request_id)
+                    self._answer(self.pending[request_id], EditAnswer(None, 503, LORA_UNAVAILABLE,
+                                                                      no_lora_worker_message()))
+                if not waiting:
+                    del self.parked[template_id]
 
     def _without_workers_s(self) -> float:
         """Seconds since the last worker left (or the router started without one); 0 while one is connected."""
@@ -960,6 +1011,9 @@ class Router:
                 self._on_template(worker, header)
             elif kind == "bye":  # it stopped: whatever it still held goes elsewhere now
                 self._remove_worker(name, "it said bye")
+            elif kind == "draining":  # stopping: no new work; its heartbeats and answers go on
+                worker.draining = True
+                self._on_worker(f"worker {name} is draining: it finishes its {len(worker.assigned)} edits")
             elif kind == "ping":  # everything this worker sent before it has been handled
                 self._send(worker, {"kind": "pong"})
             elif kind == "progress" and "request" in header:
@@ -987,7 +1041,8 @@ class Router:
     def _on_hello(self, identity: bytes, header: dict) -> None:
         name = header["worker"]
         known = self.workers.get(name)
-        if known is not None and known.identity == identity:  # the same process again (a lost welcome)
+        if known is not None and known.identity == identity and known.info.get("boot") == header.get("boot"):
+            # the same process again (its welcome lost); a restart in the same pod may reuse name and pid
             known.last_seen = time.monotonic()
             self._send(known, self._welcome())
             return
@@ -1000,7 +1055,7 @@ class Router:
         if known is not None:
             self._remove_worker(name, "it said hello again (restarted)")
         slot = self.cluster.add_worker(int(header["max_batch"]))
-        info = {key: header.get(key) for key in ("model", "dtype", "weights", "supervised", "lora")}
+        info = {key: header.get(key) for key in ("model", "dtype", "weights", "supervised", "lora", "boot")}
         worker = WorkerState(name, identity, slot, int(header.get("pid", 0)), time.monotonic(), info=info)
         others = [other for other in self.workers.values() if other.info.get("weights") != info["weights"]]
         self.workers[name] = worker
@@ -1023,7 +1078,8 @@ class Router:
         self._changed.notify_all()
 
     def _welcome(self) -> dict:
-        return {"kind": "welcome", "heartbeat_s": self.config.heartbeat_s, "dead_after_s": self.config.dead_after_s}
+        return {"kind": "welcome", "heartbeat_s": self.config.heartbeat_s, "dead_after_s": self.config.dead_after_s,
+                "session": self.session}
 
     def _refusal(self, header: dict) -> str | None:
         """Why a worker saying `header` must not serve here, or None."""
@@ -1040,7 +1096,26 @@ class Router:
                 self.pending[request_id].steps_left = int(steps_left)
         worker.report = dict(header.get("metrics", {}))
         worker.loras = frozenset(header.get("loras", ()))
+        if "held" in header:
+            self._find_lost(worker, set(header["held"]))
         self._changed.notify_all()
+
+    def _find_lost(self, worker: WorkerState, held: set[int]) -> None:
+        """Edits sent to the worker that it has not held for `dead_after_s` (lost on the way: a link that
+        dropped and came back before the worker was presumed dead loses what was in flight) go elsewhere."""
+        now = time.monotonic()
+        for request_id in list(worker.assigned):
+            if request_id in held:
+                worker.missing.pop(request_id, None)
+            elif now - worker.missing.setdefault(request_id, now) > self.config.dead_after_s:
+                worker.missing.pop(request_id)
+                worker.assigned.discard(request_id)
+                self.cluster.finish(worker.slot, request_id)
+                self.counters["lost_requests"] += 1
+                pending = self.pending.get(request_id)
+                if pending is not None:
+                    pending.worker = None
+                    self._route(pending)
 
     def _on_result(self, worker: WorkerState, header: dict, blobs: dict) -> None:
         pending = self.pending.get(header["request"])
@@ -1049,11 +1124,12 @@ class Router:
         if pending is None or pending.worker != worker.name:
             self.counters["duplicates_dropped"] += 1
             return
-        if header.get("error") == "MissingTemplate":  # the worker lost it (restart race): elsewhere
+        if header.get("error") in ("MissingTemplate", "WorkerDraining"):  # lost it (restart race), stopping
             record = self.templates.get(pending.task.template_id)
             if record is not None:
                 record.states.pop(worker.name, None)
             worker.assigned.discard(pending.request_id)
+            worker.missing.pop(pending.request_id, None)
             self.cluster.finish(worker.slot, pending.request_id)
             pending.worker = None
             self._route(pending)

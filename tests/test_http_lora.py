@@ -13,6 +13,7 @@ import io
 import json
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -23,6 +24,8 @@ from PIL import Image
 from retouch.config import EditOptions, ServeOptions, WorkerOptions
 from retouch.engine.metrics import RequestMetrics, now
 from retouch.engine.node import Node
+from retouch.engine.policies import RequestLoad
+from retouch.engine.router import EditTask, TemplateRecord
 from retouch.engine.worker import EditResult, EngineConfig
 from retouch.errors import InputError
 from retouch.http_api import Limits, create_app
@@ -151,9 +154,10 @@ class RecordingEngine:
 
     def __init__(self):
         self.submitted: queue.Queue = queue.Queue()
-        self.editor = SimpleNamespace(cache=None, new_template=lambda *args: SimpleNamespace(template_id="e-1"))
+        self.editor = SimpleNamespace(cache=None, new_template=lambda *args: SimpleNamespace(template_id="e-1"),
+                                      dtype="float32", model_fingerprint=lambda: "stand-in-weights")
         self.worker = SimpleNamespace(loras=SimpleNamespace(metrics=lambda: dict(LORA_METRICS),
-                                                            resident=lambda: ["grain", "ink"]))
+                                                            resident=lambda: ["grain", "ink"], lora_dir="loras"))
 
     def submit(self, request, watch=None, budget_s=None, lora=()) -> Future:
         return self._recorded("submit", request, lora)
@@ -238,14 +242,26 @@ async def through_a_node(router, lora_dir) -> dict:
         seen["held"] = router.workers["n0"].loras  # what LoRA affinity routes by
     finally:
         await asyncio.to_thread(router.close, 0)
+        # a worker started on its own is told the router is closing, and stays up for the next one
+        seen["told closing"] = await asyncio.to_thread(lambda: wait_until_true(lambda: not node.welcomed.is_set()))
+        node.stop()
         await asyncio.to_thread(thread.join, TIMEOUT_S)
     seen["node stopped"] = not thread.is_alive()
     return seen
 
 
+def wait_until_true(predicate) -> bool:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def test_a_lora_reaches_the_engine_through_router_and_node_and_its_failure_names_the_param(make_router, lora_dir):
     seen = asyncio.run(through_a_node(make_router(), lora_dir))
-    assert seen["node stopped"]
+    assert seen["told closing"] and seen["node stopped"]
     assert seen["template edit"] == ("submit", "e-1", (LoraUse("grain", 0.5), LoraUse("ink", 1.0)))
     assert seen["template answer"].status_code == 200
     assert seen["template answer"].headers["content-type"] == "image/png"
@@ -302,3 +318,32 @@ def test_the_serve_flags_reach_the_options(tmp_path):
     for flags, affinity in (([], 0), (["--lora-affinity", "2"], 2), (["--lora-affinity", "-1"], None)):
         args = build_parser().parse_args(["serve", "--model", "m", *flags])
         assert router_config(from_arguments(ServeOptions, args)).lora_affinity == affinity
+
+
+def test_a_worker_that_joins_a_new_router_drops_the_old_ones_edits(make_router):
+    """Their clients were answered by the router that died (or it died with them): the worker cancels them
+    when another router (another session) welcomes it, instead of computing them for nobody."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    old = make_router(address=address)
+    engine = RecordingEngine()
+    node = Node(engine, address, "n0", supervised=False)
+    thread = threading.Thread(target=node.run, name="test-node")
+    thread.start()
+    try:
+        assert old.wait_for_workers(1, TIMEOUT_S)
+        old.register_template(TemplateRecord("t1", png(Image.new("RGB", SIZE, "red")), SIZE, "", 2, 0, None, 0))
+        assert old.wait_until(lambda r: r.template("t1")["status"] == "ready", TIMEOUT_S)
+        old.submit(EditTask("t1", bytes(SIZE[0] * SIZE[1]), SIZE, "a cat", 0,
+                            RequestLoad(image_tokens=4, masked_tokens=1, steps=2)))
+        *_, orphan = engine.next_submit()
+        old.close(drain_s=0)
+        new = make_router(address=address)
+        assert new.wait_for_workers(1, TIMEOUT_S)
+        assert wait_until_true(orphan.cancelled)
+    finally:
+        node.stop()
+        thread.join(TIMEOUT_S)

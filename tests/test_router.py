@@ -16,6 +16,14 @@ from retouch.engine.router import (RETRY_AFTER_MAX_S, RETRY_AFTER_UNKNOWN_S, Edi
                                    RouterConfig, TemplateLimit, TemplateRecord)
 from retouch.lora import LoraUse, parse_lora
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 LOAD = RequestLoad(image_tokens=16, masked_tokens=4, steps=2)
 
 
@@ -470,15 +478,89 @@ def test_a_worker_of_another_model_is_refused_and_other_weights_are_told(context
 
 
 def test_an_edit_with_a_lora_goes_only_to_workers_that_serve_loras(context, make_router):
-    router = make_router()
+    router = make_router(no_worker_s=0.3)
     plain = ScriptedWorker(context, router, "plain", lora=False)
     router.register_template(template("t1"))
     plain.register("t1")
     lora = parse_lora("style")
-    assert router.submit(task("t1", lora)).result(TIMEOUT_S).status == 503  # nobody could run it
+    refused = router.submit(task("t1", lora)).result(TIMEOUT_S)  # nobody could run it, for no_worker_s
+    assert refused.status == 503 and refused.error == "lora_unavailable"
+    one_off = replace(template("o1", replicas=1), one_off=True)  # recorded where LoRAs are not served
+    first = router.submit_many([task("o1")], one_off=one_off)[1][0]
+    recording = plain.receive("edit")
+    plain.send({"kind": "template", "template": "o1", "ok": True})
+    plain.answer(recording["request"])
+    assert first.result(TIMEOUT_S).status == 200
     serving = ScriptedWorker(context, router, "serving", lora=True)
+    with_lora = router.submit(task("o1", lora))  # one that serves LoRAs computes it from the image
+    edit = serving.receive("edit")
+    assert edit["template"] == "o1" and "image" in edit["blobs"]
+    serving.answer(edit["request"])
+    assert with_lora.result(TIMEOUT_S).status == 200
     answer = router.submit(task("t1", lora))  # parked until the worker that serves LoRAs holds the template
     serving.register("t1")
     edit = serving.receive("edit")
     serving.answer(edit["request"])
     assert answer.result(TIMEOUT_S).status == 200 and "edit" not in plain.pending_kinds()
+
+def test_a_worker_that_outlived_its_router_cannot_answer_the_next_ones_requests(context, make_router):
+    """Request ids start at random per router and each welcome names the router's session: an edit of the
+    last router that finishes after the worker joined the next one is dropped, not given to whichever of
+    the new router's requests had the same id (another tenant's, maybe)."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    old = make_router(address=address)
+    w0 = ScriptedWorker(context, old, "w0")
+    old.register_template(template("t1"))
+    w0.register("t1")
+    old.submit(task("t1"))
+    stale = w0.receive("edit")
+    old_session = w0.answer_to_hello["session"]
+    old.close(drain_s=0)
+    new = make_router(address=address)
+    new.register_template(template("t1"))
+    w0.send({"kind": "hello", "max_batch": 4, "pid": 1, "templates": ["t1"]})
+    assert w0.receive("welcome")["session"] != old_session
+    answer = new.submit(task("t1"))
+    current = w0.receive("edit")
+    assert current["request"] != stale["request"]
+    w0.answer(stale["request"], b"the old request's image")
+    w0.answer(current["request"], b"its own image")
+    assert answer.result(TIMEOUT_S).png == b"its own image"
+    assert new.snapshot()["counters"]["duplicates_dropped"] == 1
+
+
+def test_an_edit_lost_on_the_way_to_a_live_worker_is_sent_again(context, make_router):
+    """A link that drops and comes back before the worker is presumed dead loses what was in flight; the
+    worker's heartbeats list what it holds, and an edit missing from them for dead_after_s goes again."""
+    router = make_router(dead_after_s=0.5)
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(template("t1"))
+    w0.register("t1")
+    answer = router.submit(task("t1"))
+    lost = w0.receive("edit")  # as if it never arrived: the worker does not hold it
+    deadline = time.monotonic() + TIMEOUT_S
+    while router.snapshot()["counters"]["lost_requests"] == 0 and time.monotonic() < deadline:
+        w0.send({"kind": "heartbeat", "running": [], "queued": [], "held": []})
+        w0.sync()
+    again = w0.receive("edit")
+    assert again["request"] == lost["request"] and router.snapshot()["counters"]["lost_requests"] == 1
+    w0.answer(again["request"])
+    assert answer.result(TIMEOUT_S).status == 200
+
+
+def test_a_restarted_process_with_the_same_name_and_pid_is_a_new_worker(context, make_router):
+    """PID 1 in a container restarted in its pod: the same identity, another process (boot id). Its
+    edits must go elsewhere, not wait for a process that is gone."""
+    router = make_router()
+    first = ScriptedWorker(context, router, "w0", boot="one")
+    router.register_template(template("t1"))
+    first.register("t1")
+    answer = router.submit(task("t1"))
+    first.receive("edit")
+    first.send({"kind": "hello", "max_batch": 4, "pid": 1, "boot": "two"})  # the restarted process
+    first.receive("welcome")
+    assert router.snapshot()["counters"]["workers_removed"] == 1
+    first.register("t1")  # the new process records the template again, then gets the edit again
+    edit = first.receive("edit")
+    first.answer(edit["request"])
+    assert answer.result(TIMEOUT_S).status == 200

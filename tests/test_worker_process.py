@@ -13,7 +13,7 @@ import threading
 import time
 
 import httpx
-from polling import lines_until
+from polling import lines_until, wait_for
 from scripted_worker import curve_router
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -132,7 +132,8 @@ def test_a_worker_outlives_its_server_joins_the_next_once_and_another_model_is_r
                               stderr=(log := open(tmp_path / "worker.log", "w")))
     second = None
     try:
-        assert first.wait_until(lambda r: "solo" in r.workers, TIMEOUT_S), "the worker never joined"
+        wait_for(lambda: "solo: joined the router" in (tmp_path / "worker.log").read_text(), "the worker's join",
+                 TIMEOUT_S)
         assert first.snapshot()["workers"]["solo"]["info"]["model"] == "tiny-flux-fill"
         first.close(drain_s=0)
         second = Router(config).start()
@@ -156,7 +157,7 @@ def test_a_worker_outlives_its_server_joins_the_next_once_and_another_model_is_r
             if router is not None:
                 router.close(drain_s=0)
     said = (tmp_path / "worker.log").read_text()
-    assert f"solo: the router at {address} is shutting down; joining again when it answers" in said
+    assert f"solo: the router at {address} is shutting down; joining again when it answers" in said, said
     assert said.count(f"solo: joined the router at {address}") == 2
 
 
@@ -179,4 +180,42 @@ def test_a_worker_the_router_refuses_by_its_curve_key_says_so_and_stops_on_sigte
         watchdog.cancel()
         if worker.poll() is None:
             worker.kill()
+        router.close(drain_s=0)
+
+
+def test_sigterm_drains_the_accepted_edits_while_the_router_sends_nothing_new(tmp_path):
+    """Kubernetes stops a worker with SIGTERM (a rolling update): it finishes what it accepted. Its
+    heartbeats went silent meanwhile, so a drain longer than dead_after_s got it removed and its edits
+    computed again elsewhere; and the router kept sending it new ones."""
+    lines = []
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.1,
+                                 dead_after_s=1.0), on_worker=lines.append).start()
+    worker = subprocess.Popen(worker_command(router.address, "tiny-flux-fill", "solo"),
+                              stderr=(log := open(tmp_path / "worker.log", "w")))
+    try:
+        assert router.wait_until(lambda r: "solo" in r.workers, TIMEOUT_S), "the worker never joined"
+        steps = 600  # seconds of denoising on this CPU: a drain longer than dead_after_s
+        image = png_bytes(Image.new("RGB", (128, 128), "red"))
+        router.register_template(TemplateRecord("tpl-long", image, (128, 128), "a room", steps, 0, None, replicas=0))
+        assert router.wait_until(lambda r: r.template("tpl-long")["status"] == "ready", TIMEOUT_S)
+        mask = Image.new("L", (128, 128), 0)
+        mask.paste(255, (0, 0, 64, 64))
+        task = EditTask("tpl-long", mask.tobytes(), (128, 128), "a hat", 1,
+                        RequestLoad(image_tokens=64, masked_tokens=16, steps=steps))
+        accepted = router.submit(task)
+        [request_id] = router.pending
+        wait_for(lambda: (router.request_status(request_id) or {}).get("status") == "running", "the edit runs",
+                 TIMEOUT_S)
+        worker.send_signal(signal.SIGTERM)
+        assert router.wait_until(lambda r: r.workers["solo"].draining, TIMEOUT_S)
+        later = router.submit(task)  # not for a worker that is stopping: it waits for another
+        assert accepted.result(TIMEOUT_S).status == 200
+        assert worker.wait(timeout=TIMEOUT_S) == 0
+        assert later.done() is False
+        assert any("solo left: it said bye" in line for line in lines), lines
+        assert not any("no heartbeat" in line for line in lines), lines
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        log.close()
         router.close(drain_s=0)
