@@ -56,7 +56,8 @@ def test_alpha_flag_on_mask_without_alpha(tmp_path):
     # 16-bit whatever its values: by its largest value, 255 read as white and 256 as level 1
     ("I;16", [[0, 1, 200, 65535]], [[0, 1, 1, 255]]),
     ("I;16", [[0, 1, 255, 256]], [[0, 1, 1, 1]]),
-    ("I", [[0, 1, 0, 1]], [[0, 1, 0, 1]]),
+    ("I", [[0, 1, 0, 1]], [[0, 255, 0, 255]]),  # 32-bit (made in memory): by its largest value, 0..1
+    ("I", [[0, 1, 128, 255]], [[0, 1, 128, 255]]),  # 0..255, as the same numbers in a numpy array
     ("F", [[0.0, 0.001, 0.5, 1.0]], [[0, 1, 128, 255]]),  # 0..1; 0.001 is still repainted
     ("F", [[0.0, 0.5, 100.0, 255.0]], [[0, 1, 100, 255]]),  # largest value > 1: 0..255
 ])

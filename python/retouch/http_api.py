@@ -237,12 +237,13 @@ def log_answer(scope, status: int, seconds: float) -> None:
 
 
 def answer_request_id(scope) -> str:
-    """The X-Request-Id an answer carries when its endpoint set none (see `CountAnswers`)."""
-    assigned = scope.get("state", {}).get("request_id")
-    if assigned:
-        return assigned
-    sent = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-    return sent if REQUEST_ID.fullmatch(sent) else f"req-{uuid.uuid4().hex}"
+    """The X-Request-Id an answer carries when its endpoint set none (see `CountAnswers`); made once, so
+    the answer and its access-log line say the same."""
+    state = scope.setdefault("state", {})
+    if not state.get("request_id"):
+        sent = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        state["request_id"] = sent if REQUEST_ID.fullmatch(sent) else f"req-{uuid.uuid4().hex}"
+    return state["request_id"]
 
 
 def tenant_of(api_key: str) -> str:
@@ -935,9 +936,17 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         png = await with_template_alpha(template_id, one_off, mask, png)
         return await anyio.to_thread.run_sync(reencoded, png, None, *encoding)
 
+    def record_of(template_id: str, one_off: TemplateRecord | None) -> TemplateRecord:
+        """The edit's template (the one-off record it brings, or the registered one), or 404 when a DELETE
+        took it since the edit was checked."""
+        record = one_off if one_off is not None else router.templates.get(template_id)
+        if record is None:
+            raise ApiError(404, f"template {template_id!r} was deleted", "template_id", "template_not_found")
+        return record
+
     async def unchanged(template_id: str, one_off: TemplateRecord | None) -> bytes:
         """The answer to a mask that repaints nothing: the template itself, as PNG."""
-        record = one_off if one_off is not None else router.templates.get(template_id)
+        record = record_of(template_id, one_off)
         if not record.one_off:
             return record.image
         # A one-off's image is the client's upload, in whatever format it came.
@@ -1080,7 +1089,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         mask = await read_mask_upload(mask_upload, limits.max_pixels)
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1)
-        transparent = (one_off if one_off is not None else router.templates[template_id]).alpha is not None
+        transparent = record_of(template_id, one_off).alpha is not None
         if transparent and output_format == "jpeg":
             raise ApiError(400, "this image is transparent and JPEG has no alpha: ask for png or webp",
                            "output_format")
@@ -1148,7 +1157,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             check_aspect(target, mask.size)
         width, height = target or mask.size
         if stream:
-            record = one_off if one_off is not None else router.templates[template_id]
+            record = record_of(template_id, one_off)
 
             @functools.cache
             def template_rgb() -> Image.Image:

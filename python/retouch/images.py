@@ -13,11 +13,11 @@ file in a lossy format (JPEG) has levels within JPEG_SNAP of black or white snap
     "RGBA", "LA", "PA", "P" + tRNS   luminance x alpha: the mask as it looks over black, so white
                                      strokes on a transparent background mark the region
     alpha=True (OpenAI convention)   1 - alpha: transparent = repaint; the colours are ignored
-    "F", numpy arrays,               bool as 0/1, uint8 as 0..255; other numbers by their largest
+    "I", "F", numpy arrays,          bool as 0/1, uint8 as 0..255; other numbers by their largest
     torch tensors ([H, W]; arrays     value: <= 1 means 0..1, <= 255 means 0..255, and <= 65535
     [H, W, 1], tensors [1, H, W])     means 0..65535 (16-bit integers); negative, NaN or larger
                                      values are refused
-    PIL "I;16", "I" (16-bit PNGs)     0..65535, as their mode says (not judged by their values)
+    PIL "I;16" (16-bit PNGs)         0..65535, as their mode says (not judged by their values)
 Images: converted to RGB. Greyscale images of more than 8 bits are scaled, not clipped: "I;16" and
 "I" (16-bit PNGs, integer TIFFs) as 0..65535, "F" as 0..1 (or 0..255 when its values exceed 1);
 negative, NaN or larger values are refused. An RGB colour profile (ICC: a phone's Display P3) stays
@@ -198,13 +198,13 @@ def _image_levels(mask: Image.Image, alpha: bool, what: str) -> np.ndarray:
         return 255 - np.asarray(mask.convert("RGBA").getchannel("A"))
     if mask.mode == "1" or mask.mode == "L":
         return np.asarray(mask.convert("L"))
-    if mask.mode.startswith("I"):  # 16-bit: its mode says its scale (by its values, 255 read as white)
+    if mask.mode.startswith("I;16"):  # 16-bit: its mode says its scale (by its values, 255 read as white)
         values = np.asarray(mask, dtype=np.int64)
         if values.size and (values.min() < 0 or values.max() > 65535):
             raise InputError(f"{what} ({mask.mode}) has values from {values.min()} to {values.max()}; a 16-bit "
                              "mask holds 0..65535")
         return _at_least_one(np.rint(values * (255.0 / 65535.0)), values)
-    if mask.mode == "F":
+    if mask.mode in ("I", "F"):  # 32-bit: a 16-bit file, or numbers made in memory: judged by their values
         return _array_levels(np.asarray(mask), what)
     if has_alpha(mask):
         rgba = mask.convert("RGBA")
