@@ -436,6 +436,11 @@ async def uncoded_errors() -> list[httpx.Response]:
         await asyncio.to_thread(router.close, 0)
 
 
-def test_every_error_has_a_code_to_switch_on():
-    codes = [answer.json()["error"]["code"] for answer in asyncio.run(uncoded_errors())]
-    assert codes == ["unsupported_media_type", "invalid_request", "template_not_found"]
+def test_every_error_has_a_code_to_switch_on_and_its_request_id_is_the_logged_one(caplog):
+    with caplog.at_level("INFO", logger="retouch.access"):
+        answers = asyncio.run(uncoded_errors())
+    assert [answer.json()["error"]["code"] for answer in answers] == ["unsupported_media_type", "invalid_request",
+                                                                      "template_not_found"]
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name == "retouch.access")
+    for answer in answers:  # the id a client quotes is the one in the log
+        assert f"id={answer.headers['X-Request-Id']}" in logged
