@@ -257,7 +257,7 @@ class Node:
                     "model": self.engine.model_name, "dtype": str(editor.dtype).removeprefix("torch."),
                     "weights": editor.model_fingerprint(), "supervised": self.supervised,
                     "lora": self.engine.worker.loras.lora_dir is not None, "boot": self._boot,
-                    "templates": templates})
+                    "draining": self.draining, "templates": templates})
 
     def _edit(self, header: dict, blobs: dict) -> None:
         request_id, router_template = header["request"], header["template"]
@@ -311,7 +311,7 @@ class Node:
             queued = [self.requests[f] for f in queued if f in self.requests]
             held = list(self.futures)  # every edit accepted and not yet answered, wherever it is
         return {"kind": "heartbeat", "running": running, "queued": queued, "held": held, "metrics": self.metrics(),
-                "loras": self.engine.worker.loras.resident()}
+                "loras": self.engine.worker.loras.resident(), "draining": self.draining}
 
     def metrics(self) -> dict:
         """The engine's counters, with its template cache's under "cache" and its LoRA cache's under "lora"
@@ -326,10 +326,19 @@ class Node:
     # ---- other threads ----
 
     def _answer(self, future: Future, router_template: str, trace: str) -> None:
-        """Tell the router how an edit ended, and log it under the client's request id (`trace`)."""
+        """Tell the router how an edit ended, and log it under the client's request id (`trace`). It counts
+        as held (heartbeats) until its answer is queued: a slow encode is not an edit lost."""
         with self._lock:
-            request_id = self.requests.pop(future)
-            self.futures.pop(request_id, None)
+            request_id = self.requests[future]
+        try:
+            self._post_answer(future, request_id, router_template, trace)
+        finally:
+            with self._lock:
+                self.requests.pop(future, None)
+                if self.futures.get(request_id) is future:  # not a later copy of the same edit
+                    del self.futures[request_id]
+
+    def _post_answer(self, future: Future, request_id: int, router_template: str, trace: str) -> None:
         if future.cancelled():  # the router answered it when it cancelled; this closes the books
             logger.info("edit %s of %s cancelled", trace, router_template)
             self._post({"kind": "result", "request": request_id, "status": 409, "error": "Cancelled",
@@ -372,8 +381,11 @@ class Node:
                 self._post({"kind": "template", "template": router_template, "ok": True})
             else:
                 self._post({"kind": "template", "template": router_template, "ok": False,
-                            "message": f"{type(exc).__name__}: {exc}"})
+                            "message": f"{type(exc).__name__}: {exc}", "draining": self.draining})
 
+        if self.draining:  # sent before the router heard: not a failure of the template, another records it
+            self._post({"kind": "template", "template": router_template, "ok": False, "draining": True})
+            return
         try:
             image = decode_image(blobs["image"], f"template {router_template}")
             template = self.engine.editor.new_template(image, header["prompt"], int(header["steps"]),

@@ -710,7 +710,8 @@ class Router:
             for name, worker in self.workers.items():
                 workers[name] = {"running": int(self.cluster.running[worker.slot]),
                                  "queued": int(self.cluster.queued[worker.slot]), "assigned": len(worker.assigned),
-                                 "pid": worker.pid, "info": dict(worker.info), **worker.report}
+                                 "pid": worker.pid, "info": dict(worker.info), "draining": worker.draining,
+                                 **worker.report}
             return {"workers": workers, "pending": len(self.pending),
                     "parked": sum(len(q) for q in self.parked.values()),
                     "templates": len(self.templates),
@@ -752,10 +753,8 @@ class Router:
                     self._park(pending, record)
                 return
             if not (eligible & serving).any():
-                if not record.one_off:  # the workers that serve LoRAs record every template: wait for them
-                    self._park(pending, record)
-                    return
-                # held only where LoRAs are not served: one that serves them computes it from the image
+                # held only where LoRAs are not served: one that serves them computes it in full from the
+                # image (the router keeps every template's), recording nothing
                 eligible, carries_image, records = serving, True, False
             eligible = self._lora_holders(pending.task.lora, eligible & serving)
         load = pending.task.load
@@ -818,8 +817,12 @@ class Router:
         return serving & self._open_workers()
 
     def _without_lora_workers_s(self) -> float:
-        """Seconds since a worker that serves LoRAs was last connected (or the router started); 0 while one is."""
-        return 0.0 if self._serving_loras().any() else time.monotonic() - self._lora_workers_since
+        """Seconds since a worker that serves LoRAs was last connected, draining ones included (or since the
+        router started); 0 while one is."""
+        if any(worker.info.get("lora") is not False for worker in self.workers.values()):
+            self._lora_workers_since = time.monotonic()
+            return 0.0
+        return time.monotonic() - self._lora_workers_since
 
     def _lora_holders(self, choice, eligible: np.ndarray) -> np.ndarray:
         """`policies.prefer_holders` for an edit's adapters: a worker holds what its last heartbeat reported and
@@ -838,8 +841,10 @@ class Router:
         return preferred
 
     def _holders(self, record: TemplateRecord) -> list[str]:
-        """Live workers where the template is recording or ready."""
-        return [w for w, state in record.states.items() if state in ("recording", "ready") and w in self.workers]
+        """Live workers that take new edits where the template is recording or ready (a draining one's
+        copy serves no new edit)."""
+        return [w for w, state in record.states.items() if state in ("recording", "ready") and w in self.workers
+                and not self.workers[w].draining]
 
     def _recording_ended(self, template_id: str, worker: str | None) -> None:
         """A one-off edit that was recording its template on `worker` ended without it: the next edit
@@ -1012,8 +1017,7 @@ class Router:
             elif kind == "bye":  # it stopped: whatever it still held goes elsewhere now
                 self._remove_worker(name, "it said bye")
             elif kind == "draining":  # stopping: no new work; its heartbeats and answers go on
-                worker.draining = True
-                self._on_worker(f"worker {name} is draining: it finishes its {len(worker.assigned)} edits")
+                self._draining(worker)
             elif kind == "ping":  # everything this worker sent before it has been handled
                 self._send(worker, {"kind": "pong"})
             elif kind == "progress" and "request" in header:
@@ -1066,6 +1070,11 @@ class Router:
                             f"{others[0].name} ({others[0].info.get('dtype')}): an edit's image depends on which "
                             "of them runs it")
         self._send(worker, self._welcome())
+        if header.get("draining"):  # joined (a new head) while stopping: it only finishes what it holds
+            self._draining(worker)
+        elif info["lora"] is not False:  # LoRA edits that waited for a worker that serves them
+            for template_id in list(self.parked):
+                self._dispatch_parked(template_id)
         for template_id in header.get("templates", ()):  # recorded before it (re)joined: ready there
             record = self.templates.get(template_id)
             if record is not None:
@@ -1076,6 +1085,18 @@ class Router:
         for record in self.templates.values():
             self._ensure_replicas(record)
         self._changed.notify_all()
+
+    def _draining(self, worker: WorkerState) -> None:
+        """The worker stops (it said so, in a message, a heartbeat, its hello or an answer): it gets nothing
+        new; what only it held is recorded elsewhere, and what waited for it goes on now."""
+        if worker.draining:
+            return
+        worker.draining = True
+        self._on_worker(f"worker {worker.name} is draining: it finishes its {len(worker.assigned)} edits")
+        for record in list(self.templates.values()):
+            if worker.name in record.states:
+                self._ensure_replicas(record)
+                self._dispatch_parked(record.template_id)
 
     def _welcome(self) -> dict:
         return {"kind": "welcome", "heartbeat_s": self.config.heartbeat_s, "dead_after_s": self.config.dead_after_s,
@@ -1096,6 +1117,8 @@ class Router:
                 self.pending[request_id].steps_left = int(steps_left)
         worker.report = dict(header.get("metrics", {}))
         worker.loras = frozenset(header.get("loras", ()))
+        if header.get("draining"):  # said in every heartbeat: a lost "draining" message is not missed
+            self._draining(worker)
         if "held" in header:
             self._find_lost(worker, set(header["held"]))
         self._changed.notify_all()
@@ -1108,14 +1131,26 @@ class Router:
             if request_id in held:
                 worker.missing.pop(request_id, None)
             elif now - worker.missing.setdefault(request_id, now) > self.config.dead_after_s:
-                worker.missing.pop(request_id)
-                worker.assigned.discard(request_id)
-                self.cluster.finish(worker.slot, request_id)
                 self.counters["lost_requests"] += 1
                 pending = self.pending.get(request_id)
-                if pending is not None:
-                    pending.worker = None
+                if pending is None:
+                    worker.assigned.discard(request_id)
+                    worker.missing.pop(request_id, None)
+                    self.cluster.finish(worker.slot, request_id)
+                else:
+                    self._take_back(worker, pending)
                     self._route(pending)
+
+    def _take_back(self, worker: WorkerState, pending: Pending) -> None:
+        """The edit is no longer the worker's (lost, refused, or the worker is stopping): its load leaves the
+        worker's, and a recording it was making of its one-off image is no longer under way."""
+        worker.assigned.discard(pending.request_id)
+        worker.missing.pop(pending.request_id, None)
+        self.cluster.finish(worker.slot, pending.request_id)
+        pending.worker = None
+        if pending.records:
+            pending.records = False
+            self._recording_ended(pending.task.template_id, worker.name)
 
     def _on_result(self, worker: WorkerState, header: dict, blobs: dict) -> None:
         pending = self.pending.get(header["request"])
@@ -1126,12 +1161,11 @@ class Router:
             return
         if header.get("error") in ("MissingTemplate", "WorkerDraining"):  # lost it (restart race), stopping
             record = self.templates.get(pending.task.template_id)
-            if record is not None:
+            if header["error"] == "WorkerDraining":
+                self._draining(worker)
+            elif record is not None:
                 record.states.pop(worker.name, None)
-            worker.assigned.discard(pending.request_id)
-            worker.missing.pop(pending.request_id, None)
-            self.cluster.finish(worker.slot, pending.request_id)
-            pending.worker = None
+            self._take_back(worker, pending)
             self._route(pending)
             return
         self._answer(pending, EditAnswer(blobs.get("png"), int(header.get("status", 200)), header.get("error"),
@@ -1145,6 +1179,11 @@ class Router:
             self._send(worker, {"kind": "drop", "template": header["template"]})  # deleted meanwhile
             return
         self._changed.notify_all()
+        if header.get("draining"):  # asked to record while stopping: not a failure of the template
+            record.states.pop(worker.name, None)
+            record.progress.pop(worker.name, None)
+            self._draining(worker)
+            return
         if header.get("ok"):
             record.states[worker.name] = "ready"
             record.progress[worker.name] = record.steps

@@ -564,3 +564,68 @@ def test_a_restarted_process_with_the_same_name_and_pid_is_a_new_worker(context,
     edit = first.receive("edit")
     first.answer(edit["request"])
     assert answer.result(TIMEOUT_S).status == 200
+
+
+def test_a_lost_first_edit_of_a_one_off_is_sent_again_and_records_it(context, make_router):
+    """The lost edit was recording the image on its worker: that recording is over too, so the edit goes
+    again with the image (it once waited for a recording nobody was making)."""
+    router = make_router(dead_after_s=0.3)
+    w0 = ScriptedWorker(context, router, "w0")
+    answer = router.submit_many([task("o1")], one_off=replace(template("o1", replicas=1), one_off=True))[1][0]
+    lost = w0.receive("edit")
+    deadline = time.monotonic() + TIMEOUT_S
+    while router.snapshot()["counters"]["lost_requests"] == 0 and time.monotonic() < deadline:
+        w0.send({"kind": "heartbeat", "running": [], "queued": [], "held": []})
+        w0.sync()
+    again = w0.receive("edit")
+    assert again["request"] == lost["request"] and "image" in again["blobs"]
+    w0.send({"kind": "template", "template": "o1", "ok": True})
+    w0.answer(again["request"])
+    assert answer.result(TIMEOUT_S).status == 200
+
+
+def test_a_draining_worker_is_known_from_its_heartbeats_and_its_refusals_fail_no_template(context, make_router):
+    """Its "draining" message may be lost, or the head may be new: every heartbeat says it, and an edit or
+    a recording it refuses while stopping goes elsewhere without marking the template failed."""
+    router = make_router()
+    stopping = ScriptedWorker(context, router, "stopping")
+    router.register_template(template("t1"))
+    stopping.register("t1")
+    answer = router.submit(task("t1"))
+    edit = stopping.receive("edit")
+    stopping.fail(edit["request"], 503, "WorkerDraining", "this worker is stopping")
+    stopping.sync()
+    assert router.workers["stopping"].draining and router.template("t1")["status"] != "failed"
+    other = ScriptedWorker(context, router, "other")
+    register = other.receive("register")
+    other.send({"kind": "template", "template": register["template"], "ok": True})
+    again = other.receive("edit")
+    other.answer(again["request"])
+    assert answer.result(TIMEOUT_S).status == 200
+    router.register_template(template("t2"))  # recorded by the open worker only
+    assert other.receive("register")["template"] == "t2" and "register" not in stopping.pending_kinds()
+    late = ScriptedWorker(context, router, "late")  # a heartbeat says it drains, though nothing else did
+    late.send({"kind": "heartbeat", "running": [], "queued": [], "held": [], "draining": True})
+    late.sync()
+    assert router.workers["late"].draining
+
+
+def test_lora_edits_wait_while_the_worker_that_serves_them_drains_and_go_where_the_image_can(context, make_router):
+    router = make_router(no_worker_s=0.3)
+    lora = parse_lora("style")
+    plain = ScriptedWorker(context, router, "plain", lora=False)
+    first = router.submit_many([task("o1")], one_off=replace(template("o1", replicas=1), one_off=True))[1][0]
+    recording = plain.receive("edit")
+    plain.send({"kind": "template", "template": "o1", "ok": True})
+    plain.answer(recording["request"])
+    assert first.result(TIMEOUT_S).status == 200
+    serving = ScriptedWorker(context, router, "serving", lora=True)
+    serving.send({"kind": "draining"})
+    serving.sync()
+    waiting = router.submit(task("o1", lora))  # the only worker that serves LoRAs stops: wait, not 503
+    assert not router.wait_until(lambda r: waiting.done(), 0.6)
+    replacement = ScriptedWorker(context, router, "replacement", lora=True)  # the waiting edit goes there
+    edit = replacement.receive("edit")
+    assert edit["template"] == "o1" and "image" in edit["blobs"]  # the image only the plain worker holds
+    replacement.answer(edit["request"])
+    assert waiting.result(TIMEOUT_S).status == 200

@@ -1361,8 +1361,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
     @app.get("/readyz")
     async def readyz():
-        workers = len(router.snapshot()["workers"])
-        if workers == 0:
+        workers = sum(1 for report in router.snapshot()["workers"].values() if not report.get("draining"))
+        if workers == 0:  # none, or only workers that are stopping
             return JSONResponse({"status": "not ready", "workers": 0}, status_code=503, headers={"Retry-After": "1"})
         return {"status": "ready", "workers": workers, "model": model}
 
