@@ -384,8 +384,8 @@ class Router:
                 self._send(worker, {"kind": "closing" if worker.info.get("supervised") is False else "stop"})
         self._wake()
         if self._thread is not None:
-            # The stop messages go out before the loop ends.
-            self._stopped = True
+            with self._lock:  # the loop's next swap, which sends the stop messages, is its last
+                self._stopped = True
             self._wake()
             self._thread.join(timeout=10)
         self._wakeup.close()
@@ -959,10 +959,11 @@ class Router:
                         traceback.print_exc(file=sys.stderr)
             with self._lock:
                 self._check_liveness()
+                stopped = self._stopped  # read with the swap: what close() queued before stopping goes out
                 outgoing, self._outgoing = self._outgoing, deque()
             for identity, frames in outgoing:
                 self.socket.send_multipart([identity, *frames])
-            if self._stopped:
+            if stopped:
                 return
 
     def _check_liveness(self) -> None:
