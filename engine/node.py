@@ -30,7 +30,8 @@ It says hello (its batch size, the templates it holds), then answers the router'
               (restarted): the worker is not ready until a router welcomes it again
 and heartbeats its running batch (each request's steps left), queue and metrics (its template cache
 under "cache", its LoRA cache and loader under "lora"; "held": every edit it has accepted and not yet
-answered, from which the router finds edits lost on the way) every `heartbeat_s`. Sends never block: a
+answered, and "recording": the templates it records, from which the router finds edits and templates
+lost on the way) every `heartbeat_s`. Sends never block: a
 router that cannot be reached (down, or refusing the CURVE key) leaves the node's loop running, so it
 keeps saying so and stops on SIGTERM; heartbeats that cannot go out are dropped, other messages wait.
 
@@ -310,7 +311,9 @@ class Node:
             running = [[self.requests[f], steps] for f, steps in running if f in self.requests]
             queued = [self.requests[f] for f in queued if f in self.requests]
             held = list(self.futures)  # every edit accepted and not yet answered, wherever it is
-        return {"kind": "heartbeat", "running": running, "queued": queued, "held": held, "metrics": self.metrics(),
+            recording = list(self.registrations)  # every template it records and has not yet reported
+        return {"kind": "heartbeat", "running": running, "queued": queued, "held": held, "recording": recording,
+                "metrics": self.metrics(),
                 "loras": self.engine.worker.loras.resident(), "draining": self.draining}
 
     def metrics(self) -> dict:
@@ -370,18 +373,21 @@ class Node:
             self._post({"kind": "progress", "template": router_template, "step": step})
 
         def recorded(future: Future) -> None:
-            with self._lock:
-                self.registrations.pop(router_template, None)
-            if future.cancelled():  # dropped meanwhile: the router forgot it already
-                return
-            exc = future.exception()
-            if exc is None:
+            try:
+                if future.cancelled():  # dropped meanwhile: the router forgot it already
+                    return
+                exc = future.exception()
+                if exc is None:
+                    with self._lock:
+                        self.templates[router_template] = future.result()
+                    self._post({"kind": "template", "template": router_template, "ok": True})
+                else:
+                    self._post({"kind": "template", "template": router_template, "ok": False,
+                                "message": f"{type(exc).__name__}: {exc}", "draining": self.draining})
+            finally:  # a recording counts as under way (heartbeats) until its end is queued
                 with self._lock:
-                    self.templates[router_template] = future.result()
-                self._post({"kind": "template", "template": router_template, "ok": True})
-            else:
-                self._post({"kind": "template", "template": router_template, "ok": False,
-                            "message": f"{type(exc).__name__}: {exc}", "draining": self.draining})
+                    if self.registrations.get(router_template, (None, None))[1] is future:
+                        del self.registrations[router_template]
 
         if self.draining:  # sent before the router heard: not a failure of the template, another records it
             self._post({"kind": "template", "template": router_template, "ok": False, "draining": True})

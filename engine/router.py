@@ -244,8 +244,10 @@ class WorkerState:
     report: dict = field(default_factory=dict)  # its last heartbeat's metrics
     loras: frozenset[str] = frozenset()  # the LoRAs its last heartbeat held (`LoraManager.resident`)
     info: dict = field(default_factory=dict)  # from its hello: model, dtype, weights (digest), supervised, lora
-    missing: dict[int, float] = field(default_factory=dict)  # assigned edits its heartbeats lack, since when
+    # assigned edits (by request id) and templates it records (by template id) its heartbeats lack, since when
+    missing: dict[int | str, float] = field(default_factory=dict)
     draining: bool = False  # stopping: it finishes its edits, and gets no new edit or template
+    registering: set[str] = field(default_factory=set)  # templates sent to it to record, not yet reported
 
 
 @dataclass(frozen=True)
@@ -348,7 +350,7 @@ class Router:
         self._lora_workers_since = time.monotonic()  # when a worker that serves LoRAs was last connected
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
                          "one_offs_evicted": 0, "lora_affinity": 0, "registry_failures": 0, "workers_mismatched": 0,
-                         "lost_requests": 0}
+                         "lost_requests": 0, "lost_recordings": 0}
         # size class -> {"with_deadline": n, and n per SLO_OUTCOMES}
         self.slo: dict[str, dict[str, int]] = {}
         # Notified on every dispatch, answer, heartbeat and worker change.
@@ -379,6 +381,8 @@ class Router:
                 break
         with self._lock:
             for pending in list(self.pending.values()):
+                if pending.worker in self.workers:  # answered here: its worker need not compute it while draining
+                    self._send(self.workers[pending.worker], {"kind": "cancel", "request": pending.request_id})
                 self._answer(pending, EditAnswer(None, 503, "Unavailable", "the server shut down before the edit ran"))
             for worker in self.workers.values():  # a worker started on its own outlives the server
                 self._send(worker, {"kind": "closing" if worker.info.get("supervised") is False else "stop"})
@@ -881,6 +885,7 @@ class Router:
         candidates.sort(key=lambda w: self.cluster.in_flight[w.slot])  # the least busy records it
         for worker in candidates[:max(0, wanted - len(holding))]:
             record.states[worker.name] = "recording"
+            worker.registering.add(record.template_id)
             self._send(worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
                                 "steps": record.steps, "seed": record.seed, "guidance": record.guidance},
                        {"image": record.image})
@@ -1122,7 +1127,29 @@ class Router:
             self._draining(worker)
         if "held" in header:
             self._find_lost(worker, set(header["held"]))
+        if "recording" in header:
+            self._find_lost_recordings(worker, set(header["recording"]))
         self._changed.notify_all()
+
+    def _find_lost_recordings(self, worker: WorkerState, recording: set[str]) -> None:
+        """Templates sent to the worker to record that it has not been recording for `dead_after_s` (the
+        register message lost with a link) are sent again. A one-off's recording rides on its edit
+        (`_find_lost`)."""
+        now = time.monotonic()
+        for template_id in list(worker.registering):
+            record = self.templates.get(template_id)
+            if record is None or record.states.get(worker.name) != "recording":  # deleted, or it reported
+                worker.registering.discard(template_id)
+                worker.missing.pop(template_id, None)
+            elif template_id in recording:
+                worker.missing.pop(template_id, None)
+            elif now - worker.missing.setdefault(template_id, now) > self.config.dead_after_s:
+                worker.missing.pop(template_id)
+                worker.registering.discard(template_id)
+                self.counters["lost_recordings"] += 1
+                del record.states[worker.name]
+                record.progress.pop(worker.name, None)
+                self._ensure_replicas(record)
 
     def _find_lost(self, worker: WorkerState, held: set[int]) -> None:
         """Edits sent to the worker that it has not held for `dead_after_s` (lost on the way: a link that

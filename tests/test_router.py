@@ -217,6 +217,33 @@ def test_close_answers_what_it_could_not_run(context, make_router):
     assert future.result(TIMEOUT_S).status == 503
 
 
+def test_close_cancels_on_their_workers_the_edits_it_answers(context, make_router):
+    """Answered 503 by the closing router, an edit is no longer anyone's: its worker drops it rather than
+    computing it while it drains."""
+    router = make_router()
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(template())
+    w0.register("t1")
+    future = router.submit(task())
+    edit = w0.receive("edit")
+    router.close(drain_s=0)
+    assert future.result(TIMEOUT_S).status == 503
+    assert w0.receive("cancel")["request"] == edit["request"] and w0.receive("stop")
+
+
+def test_a_template_whose_register_was_lost_is_sent_again(context, make_router):
+    router = make_router(dead_after_s=0.3)
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(template("t1"))
+    w0.receive("register")  # as if it never arrived: the worker is not recording it
+    deadline = time.monotonic() + TIMEOUT_S
+    while router.snapshot()["counters"]["lost_recordings"] == 0 and time.monotonic() < deadline:
+        w0.send({"kind": "heartbeat", "running": [], "queued": [], "held": [], "recording": []})
+        w0.sync()
+    w0.register("t1")  # sent again: recorded this time
+    assert router.template("t1")["status"] == "ready"
+
+
 def one_off(template_id: str = "img-1") -> TemplateRecord:
     return TemplateRecord(template_id, b"png-of-image", (64, 64), "", 2, 0, None, replicas=1, one_off=True)
 
