@@ -737,13 +737,13 @@ class Router:
                 eligible[self.workers[name].slot] = True
         carries_image = records = False
         if not eligible.any():
-            if record.one_off and self._open_workers().any() and not self._holders(record):
+            open_workers = self._open_workers()
+            if record.one_off and open_workers.any() and not self._holders(record):
                 # Nobody holds the image: this edit goes with it to any worker, computing every token,
                 # and records it as it runs unless it has a LoRA (its activations are not the base model's).
-                eligible, carries_image, records = self._open_workers(), True, not pending.task.lora
+                eligible, carries_image, records = open_workers, True, not pending.task.lora
             else:
-                self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
-                self._tell("request", pending.request_id, {"event": "parked", "steps": record.steps})
+                self._park(pending, record)
                 self._ensure_replicas(record)
                 if record.status == "failed":
                     self._fail_parked(record)
@@ -768,8 +768,7 @@ class Router:
         try:
             slot = self.policy.choose(load, self.cluster, eligible)
         except NoWorker:
-            self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
-            self._tell("request", pending.request_id, {"event": "parked", "steps": record.steps})
+            self._park(pending, record)
             return
         except Exception as exc:  # noqa: BLE001 - a policy bug answers the request, it does not lose it
             self._answer(pending, EditAnswer(None, 500, "RoutingError", f"{type(exc).__name__}: {exc}"))
@@ -930,10 +929,7 @@ class Router:
                                                    "error": answer.error, "message": answer.message})
         self._watchers.pop(("request", pending.request_id), None)
         if pending.worker is not None and pending.worker in self.workers:
-            worker = self.workers[pending.worker]
-            worker.assigned.discard(pending.request_id)
-            worker.missing.pop(pending.request_id, None)
-            self.cluster.finish(worker.slot, pending.request_id)
+            self._release(self.workers[pending.worker], pending.request_id)
         if not pending.future.done():
             pending.future.set_result(answer)
         self._changed.notify_all()
@@ -1162,19 +1158,21 @@ class Router:
                 self.counters["lost_requests"] += 1
                 pending = self.pending.get(request_id)
                 if pending is None:
-                    worker.assigned.discard(request_id)
-                    worker.missing.pop(request_id, None)
-                    self.cluster.finish(worker.slot, request_id)
+                    self._release(worker, request_id)
                 else:
                     self._take_back(worker, pending)
                     self._route(pending)
 
+    def _release(self, worker: WorkerState, request_id: int) -> None:
+        """The worker no longer holds the edit (answered, or taken back): its load leaves the worker's."""
+        worker.assigned.discard(request_id)
+        worker.missing.pop(request_id, None)
+        self.cluster.finish(worker.slot, request_id)
+
     def _take_back(self, worker: WorkerState, pending: Pending) -> None:
         """The edit is no longer the worker's (lost, refused, or the worker is stopping): its load leaves the
         worker's, and a recording it was making of its one-off image is no longer under way."""
-        worker.assigned.discard(pending.request_id)
-        worker.missing.pop(pending.request_id, None)
-        self.cluster.finish(worker.slot, pending.request_id)
+        self._release(worker, pending.request_id)
         pending.worker = None
         if pending.records:
             pending.records = False
