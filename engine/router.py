@@ -55,7 +55,6 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -70,6 +69,7 @@ from retouch.engine.curve import RouterSecurity, is_loopback
 from retouch.engine.policies import ClusterLoad, NoWorker, RequestLoad, make_policy, prefer_holders
 from retouch.engine.step_cost import StepCost
 from retouch.engine.wakeup import Wakeup
+from retouch.config import model_label
 from retouch.errors import InputError
 from retouch.lora import LoraChoice, choice_header
 
@@ -77,12 +77,6 @@ if TYPE_CHECKING:
     from retouch.engine.registry import TemplateRegistry
 
 logger = logging.getLogger("retouch.router")
-
-
-def model_label(model: str) -> str:
-    """How workers and the server name a model: a built-in's name, a pipeline folder's name (each host
-    may mount it elsewhere)."""
-    return Path(model).name or model
 
 
 class QueueFull(RuntimeError):

@@ -36,6 +36,17 @@ CACHE_DTYPE_HELP = ("how cached activations are stored: auto keeps the model's d
                     "halves bf16")
 
 
+def model_label(model: str) -> str:
+    """How workers, the router and clients name a model: a built-in's name, a pipeline folder's name
+    (each host may mount it elsewhere, and the server's path is not the clients' business)."""
+    return Path(model).name or model
+
+
+def comma_list(value: str | None) -> list[str]:
+    """A comma-separated option's items, stripped, empty ones left out."""
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
+
+
 def option(default=dataclasses.MISSING, *, help: str, choices=None, flag: str | None = None):  # noqa: A002
     """A dataclass field that carries its CLI help (and choices, or a flag name other than --field-name)."""
     metadata = {"help": help, "choices": choices, "flag": flag}
@@ -356,8 +367,7 @@ class ServeOptions:
             raise InputError(f"--no-worker-s must be > 0 (inf: wait for a worker), got {self.no_worker_s}")
         if self.cost_model is not None and not Path(self.cost_model).is_file():
             raise InputError(f"--cost-model {self.cost_model} not found")
-        if self.cors_origins is not None and not all(
-                CORS_ORIGIN.fullmatch(origin.strip()) for origin in self.cors_origins.split(",") if origin.strip()):
+        if not all(CORS_ORIGIN.fullmatch(origin) for origin in comma_list(self.cors_origins)):
             raise InputError(f"--cors-origins takes scheme://host[:port] origins (or *), comma-separated; got "
                              f"{self.cors_origins!r}")
         if self.served_model_name is not None and not all(
@@ -372,7 +382,7 @@ class ServeOptions:
     def model_names(self) -> tuple[str, ...]:
         """What a request's `model` may say (the first is what /v1/models lists first)."""
         if self.served_model_name is None:
-            return (Path(self.model).name or "retouch",)
+            return (model_label(self.model) or "retouch",)
         return tuple(dict.fromkeys(name.strip() for name in self.served_model_name.split(",")))
 
 

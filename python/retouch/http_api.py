@@ -69,7 +69,7 @@ from retouch.canvas import Canvas, paste_alpha, paste_unmasked
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (NO_WORKER, DeadlineUnattainable, EditAnswer, EditTask, NoWorkerConnected, QueueFull,
                                    RegistryError, Router, TemplateLimit, TemplateRecord, Unavailable)
-from retouch.config import CORS_ORIGIN
+from retouch.config import CORS_ORIGIN, model_label
 from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
@@ -609,8 +609,9 @@ def reencoded(png: bytes, size: tuple[int, int] | None, output_format: str, comp
     options = {"lossless": True, "exact": True} if lossless else {"quality": compression}
     if output_format == "jpeg" and compression >= 90:  # 4:2:0 moved unmasked colour edges by tens of levels
         options["subsampling"] = 0
-    if colour_profile(image) is not None:
-        options["icc_profile"] = colour_profile(image)
+    profile = colour_profile(image)
+    if profile is not None:
+        options["icc_profile"] = profile
     keeps_alpha = output_format == "webp" and image.mode == "RGBA"  # a transparent template's answer
     image.convert("RGBA" if keeps_alpha else "RGB").save(out, format=OUTPUT_FORMATS[output_format], **options)
     return out.getvalue()
@@ -633,8 +634,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     metrics = ServeMetrics(router)
     router.on_decision = metrics.decisions.observe
     app.state.router, app.state.limits, app.state.metrics = router, limits, metrics
-    # A pipeline folder by its name, not the server's path
-    model_names = limits.model_names or ((Path(model).name if model else "") or "retouch",)
+    model_names = limits.model_names or (model_label(model) or "retouch",)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -1111,7 +1111,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         the region to repaint (without one, the image's own alpha does), `prompt`, `n`, `size`,
         `response_format` (b64_json), `output_format` (png, jpeg, webp), `output_compression`, and
         `stream` with `partial_images`; `model` must be a served name (404 otherwise); `quality`,
-        `input_fidelity` and `user` are accepted and ignored. retouch's extras: `template_id` reuses a registered template, `lora` names
+        `input_fidelity` and `user` are accepted and ignored. retouch's extras: `template_id` reuses a
+        registered template, `lora` names
         LoRA adapters."""
         request.state.arrived = time.monotonic()
         request.state.request_id = client_request_id(request)

@@ -328,7 +328,8 @@ def save_image(image: Image.Image, path: Path) -> Path:
     path = Path(path)
     if image.mode == "RGBA" and path.suffix.lower() not in ALPHA_SUFFIXES:
         image = image.convert("RGB")  # the caller said so (`alpha_output_note`)
-    options = {"icc_profile": colour_profile(image)} if colour_profile(image) else {}
+    profile = colour_profile(image)
+    options = {"icc_profile": profile} if profile else {}
     suffix = path.suffix.lower()
     if suffix == ".webp":  # exact: libwebp otherwise rewrites the colour under alpha 0, which paste-back keeps
         options.update(lossless=True, exact=True)

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import uvicorn
 
-from retouch.config import ServeOptions, resolve_device
+from retouch.config import ServeOptions, comma_list, model_label, resolve_device
 from retouch.engine import process_tree
 from retouch.engine.curve import AllowedKeys, RouterSecurity
 from retouch.engine.reference_costs import h800_flux
 from retouch.engine.registry import TemplateRegistry
-from retouch.engine.router import Router, RouterConfig, model_label
+from retouch.engine.router import Router, RouterConfig
 from retouch.engine.step_cost import StepCost
 from retouch.engine.supervisor import Supervisor
 from retouch.errors import InputError, RetouchError
@@ -76,7 +76,7 @@ def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = ()) -> Limits:
                   slo_ms_per_megapixel=opts.slo_ms_per_megapixel, lora_dir=opts.lora_dir,
                   max_n=min(Limits.max_n, opts.max_queue, opts.max_queue_per_tenant or opts.max_queue),
                   model_names=opts.model_names(),
-                  cors_origins=tuple(o.strip() for o in (opts.cors_origins or "").split(",") if o.strip()))
+                  cors_origins=tuple(comma_list(opts.cors_origins)))
 
 
 def _bind(host: str, port: int) -> socket.socket:
