@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 
@@ -16,10 +17,24 @@ def lines_until(stream, marker: str) -> list[str]:
     return said
 
 
-def wait_for(predicate, what: str, timeout_s: float) -> None:
-    """Return once `predicate()` holds; fail naming `what` after `timeout_s` seconds."""
+def until(predicate, timeout_s: float) -> bool:
+    """Whether `predicate()` came to hold within `timeout_s` seconds (polled)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
-        time.sleep(0.05)
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def wait_for(predicate, what: str, timeout_s: float) -> None:
+    """Return once `predicate()` holds; fail naming `what` after `timeout_s` seconds."""
+    if not until(predicate, timeout_s):
+        raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+
+
+def free_port() -> int:
+    """A TCP port on loopback nothing listens at now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

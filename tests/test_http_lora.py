@@ -13,13 +13,13 @@ import io
 import json
 import queue
 import threading
-import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
 import httpx
 import pytest
 from PIL import Image
+from polling import free_port, until
 
 from retouch.config import EditOptions, ServeOptions, WorkerOptions
 from retouch.engine.metrics import RequestMetrics, now
@@ -243,20 +243,11 @@ async def through_a_node(router, lora_dir) -> dict:
     finally:
         await asyncio.to_thread(router.close, 0)
         # a worker started on its own is told the router is closing, and stays up for the next one
-        seen["told closing"] = await asyncio.to_thread(lambda: wait_until_true(lambda: not node.welcomed.is_set()))
+        seen["told closing"] = await asyncio.to_thread(lambda: until(lambda: not node.welcomed.is_set(), TIMEOUT_S))
         node.stop()
         await asyncio.to_thread(thread.join, TIMEOUT_S)
     seen["node stopped"] = not thread.is_alive()
     return seen
-
-
-def wait_until_true(predicate) -> bool:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_a_lora_reaches_the_engine_through_router_and_node_and_its_failure_names_the_param(make_router, lora_dir):
@@ -323,11 +314,7 @@ def test_the_serve_flags_reach_the_options(tmp_path):
 def test_a_worker_that_joins_a_new_router_drops_the_old_ones_edits(make_router):
     """Their clients were answered by the router that died (or it died with them): the worker cancels them
     when another router (another session) welcomes it, instead of computing them for nobody."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     old = make_router(address=address)
     engine = RecordingEngine()
     node = Node(engine, address, "n0", supervised=False)
@@ -343,7 +330,7 @@ def test_a_worker_that_joins_a_new_router_drops_the_old_ones_edits(make_router):
         old.close(drain_s=0)
         new = make_router(address=address)
         assert new.wait_for_workers(1, TIMEOUT_S)
-        assert wait_until_true(orphan.cancelled)
+        assert until(orphan.cancelled, TIMEOUT_S)
     finally:
         node.stop()
         thread.join(TIMEOUT_S)

@@ -9,20 +9,13 @@ import time
 from dataclasses import replace
 
 import pytest
+from polling import free_port
 from scripted_worker import TIMEOUT_S, ScriptedWorker
 
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (RETRY_AFTER_MAX_S, RETRY_AFTER_UNKNOWN_S, EditTask, NoWorkerConnected, QueueFull,
                                    RouterConfig, TemplateLimit, TemplateRecord)
 from retouch.lora import LoraUse, parse_lora
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 LOAD = RequestLoad(image_tokens=16, masked_tokens=4, steps=2)
 

@@ -6,14 +6,13 @@ router drops it at once instead of waiting for its heartbeats to stop."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 import httpx
-from polling import lines_until, wait_for
+from polling import free_port, lines_until, wait_for
 from scripted_worker import curve_router
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,12 +23,6 @@ from retouch.engine.router import EditTask, Router, RouterConfig, TemplateRecord
 from retouch.images import png_bytes
 
 TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_standalone_worker_reports_health_and_leaves_cleanly_on_sigterm(tmp_path):
