@@ -30,8 +30,9 @@ It says hello (its batch size, the templates it holds), then answers the router'
               (restarted): the worker is not ready until a router welcomes it again
 and heartbeats its running batch (each request's steps left), queue and metrics (its template cache
 under "cache", its LoRA cache and loader under "lora"; "held": every edit it has accepted and not yet
-answered, and "recording": the templates it records, from which the router finds edits and templates
-lost on the way) every `heartbeat_s`. Sends never block: a
+answered, "recording": the templates it records, and "seen": the number (`seq`) of the last router
+message it received, from which the router finds edits and templates lost on the way, and tells them
+from ones still on their way) every `heartbeat_s`. Sends never block: a
 router that cannot be reached (down, or refusing the CURVE key) leaves the node's loop running, so it
 keeps saying so and stops on SIGTERM; heartbeats that cannot go out are dropped, other messages wait.
 
@@ -116,6 +117,7 @@ class Node:
         self._unsent: deque[tuple[str, list]] = deque()  # what the socket would not take yet, in order
         self.dead_after_s = 5.0  # the router's, told in its welcome
         self._last_heard = time.monotonic()  # the router's last message
+        self._seen = 0  # the number (`seq`) of the last router message received
         self._hello_at = -math.inf
         self._session: str | None = None  # the welcoming router's (a new one: the old edits are orphans)
         self._boot = uuid.uuid4().hex  # this process: a restart may reuse the name and pid (PID 1 in a container)
@@ -191,6 +193,8 @@ class Node:
         except (wire.WireError, KeyError):
             return False
         self._last_heard = time.monotonic()
+        # In order on one connection: with this one, every message sent before it has come (or was lost)
+        self._seen = int(header.get("seq", self._seen))
         if kind == "welcome":
             self.heartbeat_s = float(header["heartbeat_s"])
             self.dead_after_s = float(header.get("dead_after_s", self.dead_after_s))
@@ -313,7 +317,7 @@ class Node:
             held = list(self.futures)  # every edit accepted and not yet answered, wherever it is
             recording = list(self.registrations)  # every template it records and has not yet reported
         return {"kind": "heartbeat", "running": running, "queued": queued, "held": held, "recording": recording,
-                "metrics": self.metrics(),
+                "seen": self._seen, "metrics": self.metrics(),
                 "loras": self.engine.worker.loras.resident(), "draining": self.draining}
 
     def metrics(self) -> dict:

@@ -240,6 +240,9 @@ class WorkerState:
     info: dict = field(default_factory=dict)  # from its hello: model, dtype, weights (digest), supervised, lora
     # assigned edits (by request id) and templates it records (by template id) its heartbeats lack, since when
     missing: dict[int | str, float] = field(default_factory=dict)
+    sent: int = 0  # the number of the last message sent to it (its heartbeats say the last they saw)
+    # the number of the message that carried each assigned edit and each template sent to it to record
+    sent_in: dict[int | str, int] = field(default_factory=dict)
     draining: bool = False  # stopping: it finishes its edits, and gets no new edit or template
     registering: set[str] = field(default_factory=set)  # templates sent to it to record, not yet reported
 
@@ -790,7 +793,7 @@ class Router:
         if carries_image:
             header["one_off"] = {"steps": record.steps, "guidance": record.guidance}
             blobs["image"] = record.image
-        self._send(worker, header, blobs)
+        worker.sent_in[pending.request_id] = self._send(worker, header, blobs)
         # A request sent again (its worker died) starts over: its watchers see it queued, then steps from 1.
         self._tell("request", pending.request_id, {"event": "queued", "worker": worker.name, "attempt": pending.routes,
                                                    "steps": record.steps})
@@ -879,9 +882,10 @@ class Router:
         for worker in candidates[:max(0, wanted - len(holding))]:
             record.states[worker.name] = "recording"
             worker.registering.add(record.template_id)
-            self._send(worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
-                                "steps": record.steps, "seed": record.seed, "guidance": record.guidance},
-                       {"image": record.image})
+            worker.sent_in[record.template_id] = self._send(
+                worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
+                         "steps": record.steps, "seed": record.seed, "guidance": record.guidance},
+                {"image": record.image})
             self._template_changed(record)
 
     def _remove_worker(self, name: str, why: str) -> None:
@@ -930,8 +934,11 @@ class Router:
 
     # ---- the socket (router thread) ----
 
-    def _send(self, worker: WorkerState, header: dict, blobs: dict | None = None) -> None:
-        self._outgoing.append((worker.identity, wire.encode(header, blobs=blobs)))
+    def _send(self, worker: WorkerState, header: dict, blobs: dict | None = None) -> int:
+        """Queue a message to the worker; its number (`seq`), which the worker's heartbeats echo."""
+        worker.sent += 1
+        self._outgoing.append((worker.identity, wire.encode({**header, "seq": worker.sent}, blobs=blobs)))
+        return worker.sent
 
     def _wake(self) -> None:
         self._wakeup.wake()
@@ -1115,40 +1122,51 @@ class Router:
         worker.loras = frozenset(header.get("loras", ()))
         if header.get("draining"):  # said in every heartbeat: a lost "draining" message is not missed
             self._draining(worker)
+        seen = header.get("seen")
         if "held" in header:
-            self._find_lost(worker, set(header["held"]))
+            self._find_lost(worker, set(header["held"]), seen)
         if "recording" in header:
-            self._find_lost_recordings(worker, set(header["recording"]))
+            self._find_lost_recordings(worker, set(header["recording"]), seen)
         self._changed.notify_all()
 
-    def _find_lost_recordings(self, worker: WorkerState, recording: set[str]) -> None:
-        """Templates sent to the worker to record that it has not been recording for `dead_after_s` (the
-        register message lost with a link) are sent again. A one-off's recording rides on its edit
-        (`_find_lost`)."""
+    def _overdue(self, worker: WorkerState, key: int | str, there: bool, seen: int | None, now: float) -> bool:
+        """Whether an edit (by request id) or a template (by id) sent to the worker is lost on the way: its
+        heartbeats have lacked it for `dead_after_s` although they saw the message that carried it (a link
+        that dropped and came back before the worker was presumed dead loses what was in flight). A message
+        still on its way (a large image over a slow link) is not lost. `seen`: None from a worker that does
+        not echo message numbers."""
+        on_its_way = seen is not None and worker.sent_in.get(key, 0) > int(seen)
+        if there or on_its_way:
+            worker.missing.pop(key, None)
+            return False
+        if now - worker.missing.setdefault(key, now) <= self.config.dead_after_s:
+            return False
+        worker.missing.pop(key)
+        worker.sent_in.pop(key, None)
+        return True
+
+    def _find_lost_recordings(self, worker: WorkerState, recording: set[str], seen: int | None) -> None:
+        """Templates sent to the worker to record that were lost on the way (`_overdue`) are sent again.
+        A one-off's recording rides on its edit (`_find_lost`)."""
         now = time.monotonic()
         for template_id in list(worker.registering):
             record = self.templates.get(template_id)
             if record is None or record.states.get(worker.name) != "recording":  # deleted, or it reported
                 worker.registering.discard(template_id)
                 worker.missing.pop(template_id, None)
-            elif template_id in recording:
-                worker.missing.pop(template_id, None)
-            elif now - worker.missing.setdefault(template_id, now) > self.config.dead_after_s:
-                worker.missing.pop(template_id)
+                worker.sent_in.pop(template_id, None)
+            elif self._overdue(worker, template_id, template_id in recording, seen, now):
                 worker.registering.discard(template_id)
                 self.counters["lost_recordings"] += 1
                 del record.states[worker.name]
                 record.progress.pop(worker.name, None)
                 self._ensure_replicas(record)
 
-    def _find_lost(self, worker: WorkerState, held: set[int]) -> None:
-        """Edits sent to the worker that it has not held for `dead_after_s` (lost on the way: a link that
-        dropped and came back before the worker was presumed dead loses what was in flight) go elsewhere."""
+    def _find_lost(self, worker: WorkerState, held: set[int], seen: int | None) -> None:
+        """Edits sent to the worker that were lost on the way (`_overdue`) go elsewhere."""
         now = time.monotonic()
         for request_id in list(worker.assigned):
-            if request_id in held:
-                worker.missing.pop(request_id, None)
-            elif now - worker.missing.setdefault(request_id, now) > self.config.dead_after_s:
+            if self._overdue(worker, request_id, request_id in held, seen, now):
                 self.counters["lost_requests"] += 1
                 pending = self.pending.get(request_id)
                 if pending is None:
@@ -1161,6 +1179,7 @@ class Router:
         """The worker no longer holds the edit (answered, or taken back): its load leaves the worker's."""
         worker.assigned.discard(request_id)
         worker.missing.pop(request_id, None)
+        worker.sent_in.pop(request_id, None)
         self.cluster.finish(worker.slot, request_id)
 
     def _take_back(self, worker: WorkerState, pending: Pending) -> None:

@@ -334,3 +334,20 @@ def test_a_worker_that_joins_a_new_router_drops_the_old_ones_edits(make_router):
     finally:
         node.stop()
         thread.join(TIMEOUT_S)
+
+
+def test_a_worker_echoes_the_number_of_the_last_router_message_it_received():
+    """The router tells an edit still on its way (a large image over a slow link) from one lost with a
+    dropped link by the number its heartbeats echo."""
+    from retouch.engine import wire
+
+    node = Node(RecordingEngine(), f"tcp://127.0.0.1:{free_port()}", "n0", supervised=False)
+    try:
+        assert node._heartbeat()["seen"] == 0
+        for seq in (1, 2, 7):
+            node._on_message(wire.encode({"kind": "alive", "seq": seq}))
+            assert node._heartbeat()["seen"] == seq
+        node._on_message(wire.encode({"kind": "alive"}))  # a router that does not number them: unchanged
+        assert node._heartbeat()["seen"] == 7
+    finally:
+        node.context.destroy(linger=0)

@@ -568,6 +568,31 @@ def test_an_edit_lost_on_the_way_to_a_live_worker_is_sent_again(context, make_ro
     assert answer.result(TIMEOUT_S).status == 200
 
 
+def test_an_edit_still_on_its_way_is_not_sent_again(context, make_router):
+    """A large image over a slow link takes longer than dead_after_s to arrive: the worker's heartbeats
+    say the last message number they saw, and an edit carried by a later one is on its way, not lost
+    (it was sent again, and again, to every worker in turn). Once they saw it, lacking it is a loss."""
+    router = make_router(dead_after_s=0.3)
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(template("t1"))
+    w0.register("t1")
+    answer = router.submit(task("t1"))
+    edit = w0.receive("edit")
+    window = time.monotonic() + 4 * 0.3  # the edit is still "arriving" for four times dead_after_s
+    while time.monotonic() < window:
+        w0.send({"kind": "heartbeat", "running": [], "queued": [], "held": [], "seen": edit["seq"] - 1})
+        w0.sync()
+    assert router.snapshot()["counters"]["lost_requests"] == 0
+    deadline = time.monotonic() + TIMEOUT_S
+    while router.snapshot()["counters"]["lost_requests"] == 0 and time.monotonic() < deadline:
+        w0.send({"kind": "heartbeat", "running": [], "queued": [], "held": [], "seen": edit["seq"]})
+        w0.sync()
+    again = w0.receive("edit")
+    assert again["request"] == edit["request"] and again["seq"] > edit["seq"]
+    w0.answer(again["request"])
+    assert answer.result(TIMEOUT_S).status == 200
+
+
 def test_a_restarted_process_with_the_same_name_and_pid_is_a_new_worker(context, make_router):
     """PID 1 in a container restarted in its pod: the same identity, another process (boot id). Its
     edits must go elsewhere, not wait for a process that is gone."""
