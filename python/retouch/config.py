@@ -303,6 +303,10 @@ class ServeOptions:
     body_timeout_s: float = option(120.0, help="... and its body within this many seconds after them")
     max_connections: int = option(1024, help="open HTTP connections; beyond it new ones are closed at once")
     max_inflight_mb: float = option(1024.0, help="request bodies being received at once (MiB); beyond it: 503")
+    result_ttl_s: float = option(3600.0, help="answers of asynchronous edits (async=true) and of edits sent with an "
+                                 "Idempotency-Key are kept this long (seconds) for GET /v1/edits/{id}/result and "
+                                 "retries")
+    result_store_mb: float = option(512.0, help="... and within this much memory in all (MiB; the oldest go first)")
     heartbeat_s: float = option(0.5, help="seconds between worker heartbeats")
     dead_after_s: float = option(5.0, help="a worker silent this long is removed and its requests re-routed")
     no_worker_s: float = option(30.0, help="with no worker connected this long, waiting edits are answered 503 "
@@ -342,7 +346,8 @@ class ServeOptions:
             raise InputError("--curve-secret and --curve-allowed go together (the router's key, the workers' keys)")
         if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
             raise InputError(f"--api-keys-file {self.api_keys_file} not found")
-        _require(self, ("header_timeout_s", "body_timeout_s", "max_inflight_mb"), "> 0")
+        _require(self, ("header_timeout_s", "body_timeout_s", "max_inflight_mb", "result_ttl_s", "result_store_mb"),
+                 "> 0")
         _require(self, ("max_connections", "max_prompt_chars", "max_batch", "steps", "max_steps", "max_queue",
                         "max_pixels", "max_work", "max_templates_per_tenant"), ">= 1")
         _require(self, ("worker_threads", "helper_threads", "slo_ms_per_megapixel", "max_queue_per_tenant"), ">= 0")

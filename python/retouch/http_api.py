@@ -3,11 +3,14 @@
     POST   /v1/templates          register a template image (202; recording progress via GET)
     GET    /v1/templates[/{id}]   status and progress          DELETE /v1/templates/{id}
     POST   /v1/edits              template_id (or a one-off image) + mask + prompt -> PNG or b64_json
-    GET    /v1/edits/{id}         an edit in flight (X-Request-Id): parked, queued, running step k of n
+    GET    /v1/edits/{id}         an edit in flight (X-Request-Id): parked, queued, running step k of n;
+                                  an asynchronous or keyed one (below) also once it ended
+    GET    /v1/edits/{id}/result  an asynchronous or keyed edit's answer: what its POST answered (or
+                                  would have); ?wait=S waits up to S seconds for it
     GET    /v1/edits/{id}/events  the same as Server-Sent Events, step by step (`retouch.http_events`;
                                   POST /v1/edits with stream=true answers that way itself)
     GET    /v1/templates/{id}/events  a template's recording as events    GET /v1/templates/{id}/image
-    DELETE /v1/edits/{id}         cancel it
+    DELETE /v1/edits/{id}         cancel it; forget a kept answer
     POST   /v1/images/edits       the OpenAI Images API's edit form (alpha 0 = repaint)
     GET    /v1/models[/{id}]  /v1/loras  /v1/limits  /metrics  /healthz  /readyz
 
@@ -30,6 +33,13 @@ refuses by it (429 slo_unattainable: `engine.router.DeadlineUnattainable`).
 Tenants: with API keys (`Limits.api_keys`), each key is a tenant (`tenant_of`). Templates and edits
 in flight belong to the tenant that made them; another key sees them as unknown (404). Without keys
 everything belongs to the tenant "".
+
+Edits that outlive their request (`retouch.edit_jobs`): POST /v1/edits with `async=true` (or the
+header `Prefer: respond-async`) answers 202 with the edit's status at once; the edit runs whether or not
+its client stays. An edit sent with an `Idempotency-Key` header (either edit endpoint) also runs to the
+end when its client goes away, and a retry with the same key and the same request gets that edit's
+answer, waiting for it if it still runs, instead of a second generation; the same key with another
+request is 422 (code idempotency_key_reused). Their answers are kept `Limits.result_ttl_s`.
 
 Nothing heavy runs on the event loop: decoding, mask conversion, hashing and base64 run in worker
 threads, and large JSON answers are streamed a chunk at a time (`b64_json_response`), so /healthz
@@ -70,6 +80,7 @@ from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (NO_WORKER, DeadlineUnattainable, EditAnswer, EditTask, NoWorkerConnected, QueueFull,
                                    RegistryError, Router, TemplateLimit, TemplateRecord, Unavailable)
 from retouch.config import CORS_ORIGIN, model_label
+from retouch.edit_jobs import EditJobs, Job, KeyReused, Outcome, fingerprint
 from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
@@ -88,6 +99,8 @@ TOKEN_STRIDE = FLUX_STRIDE  # the policies' token grid: 16 px per token (Flux/SD
 DEFAULT_MAX_WORK = 4096 * 4096 * 28
 DISCONNECT_POLL_S = 0.25  # how often a waiting edit checks whether its client is still there
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")  # visible ASCII: UUIDs, base64, hashes
+MAX_RESULT_WAIT_S = 60.0  # GET /v1/edits/{id}/result?wait=S: longer polls meet proxies' idle timeouts
 access_log = logging.getLogger("retouch.access")
 QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # asked every few seconds: not news
 # PNG bytes base64-encoded per step of a streamed answer: a multiple of 3 (chunks concatenate), and
@@ -126,6 +139,10 @@ class Limits:
     model_names: tuple[str, ...] = ()  # what a request's `model` may say; none: the served model's name
     # Browser pages of these origins (scheme://host[:port], or "*") may call the API (CORS); none: same origin only
     cors_origins: tuple[str, ...] = ()
+    # Answers of asynchronous edits and of edits sent with an Idempotency-Key (`retouch.edit_jobs`): kept
+    # this long after they are made, and within this many bytes in all (the oldest go first)
+    result_ttl_s: float = 3600.0
+    max_result_bytes: int = 512 << 20
 
     def __post_init__(self):
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
@@ -147,6 +164,8 @@ class Limits:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not (math.isfinite(self.slo_ms_per_megapixel) and self.slo_ms_per_megapixel >= 0):
             raise ValueError(f"slo_ms_per_megapixel must be >= 0, got {self.slo_ms_per_megapixel}")
+        if self.result_ttl_s <= 0 or self.max_result_bytes <= 0:
+            raise ValueError("result_ttl_s and max_result_bytes must be > 0")
         if self.max_inflight_bytes < self.max_upload_bytes:
             raise ValueError(f"max_inflight_bytes ({self.max_inflight_bytes}) must hold one upload "
                              f"(max_upload_bytes {self.max_upload_bytes})")
@@ -426,6 +445,8 @@ EDIT_FIELDS = {
     "preview_every": _field("integer", "with stream: a preview image every that many steps", default=0),
     "slo_ms": _field("integer", "answer within this many milliseconds of arrival (the router orders by it)"),
     "lora": LORA_FIELD,
+    "async": _field("boolean", "answer 202 with the edit's status at once; GET /v1/edits/{id}/result answers it "
+                    "later (also: header Prefer: respond-async)", default=False),
 }
 
 # A worker's error (its exception's class name) -> the code of the answer's error body.
@@ -633,7 +654,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     app = FastAPI(title="retouch", summary="mask-aware generative image editing", version="0.1", **docs)
     metrics = ServeMetrics(router)
     router.on_decision = metrics.decisions.observe
-    app.state.router, app.state.limits, app.state.metrics = router, limits, metrics
+    jobs = EditJobs(limits.result_ttl_s, limits.max_result_bytes)
+    metrics.watch_jobs(jobs)
+    app.state.router, app.state.limits, app.state.metrics, app.state.jobs = router, limits, metrics, jobs
     model_names = limits.model_names or (model_label(model) or "retouch",)
 
     @app.exception_handler(ApiError)
@@ -672,7 +695,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     app.add_middleware(Authenticate, api_keys=limits.api_keys)
     if limits.cors_origins:  # outside Authenticate: a browser's preflight carries no key
         app.add_middleware(CORSMiddleware, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST",
-                           "DELETE"], allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           "DELETE"], allow_headers=["Authorization", "Content-Type", "X-Request-Id",
+                           "Idempotency-Key", "Prefer"],
                            expose_headers=["X-Request-Id", "X-Template-Id", "Retry-After", "Location"], max_age=600)
     app.add_middleware(CountAnswers, metrics=metrics)
 
@@ -780,11 +804,12 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     async def list_limits():
         """What a request may ask for here (clients, the playground among them, size their forms by it):
         steps, pixels, upload bytes, work (pixel-steps), images per request, prompt characters, templates
-        kept per API key, and whether edits may name LoRAs."""
+        kept per API key, whether edits may name LoRAs, and how long an asynchronous edit's answer is kept."""
         return {"default_steps": limits.default_steps, "max_steps": limits.max_steps,
                 "max_pixels": limits.max_pixels, "max_upload_bytes": limits.max_upload_bytes,
                 "max_work": limits.max_work, "max_n": limits.max_n, "max_prompt_chars": limits.max_prompt_chars,
-                "max_templates": router.config.max_templates_per_tenant, "lora": limits.lora_dir is not None}
+                "max_templates": router.config.max_templates_per_tenant, "lora": limits.lora_dir is not None,
+                "result_ttl_s": limits.result_ttl_s}
 
     def model_entry(name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "retouch"}
@@ -986,61 +1011,73 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         in_flight[(request.state.tenant, request.state.request_id)] = ids
         return ids, futures
 
-    async def edit(request: Request, endpoint: str, template_id: str, one_off: TemplateRecord | None,
-                   steps: int, mask: Image.Image, prompt: str, seed: int, n: int = 1,
-                   lora: LoraChoice = ()) -> list[bytes]:
-        """Run `n` edits (seeds seed, seed+1, ...) of a validated request, all or none; PNG bytes
-        each. A client that goes away cancels them: they leave their worker's batch at its next step."""
+    async def submit_edit(request: Request, endpoint: str, template_id: str, one_off: TemplateRecord | None,
+                          steps: int, mask: Image.Image, prompt: str, seed: int, n: int = 1, lora: LoraChoice = ()):
+        """Send `n` edits (seeds seed, seed+1, ...) of a validated request to the router, all or none
+        (refusals are raised here: 429, 503, ...); returns `answers(watch_client)`, which waits for them:
+        PNG bytes each. A client that goes away cancels them (unless not `watch_client`: a job's edit goes
+        on): they leave their worker's batch at its next step."""
         payload = await anyio.to_thread.run_sync(mask_payload, mask, steps)
         if payload is None:  # nothing to repaint: the answer is the template itself
-            return [await unchanged(template_id, one_off)] * n
+            png = await unchanged(template_id, one_off)
+
+            async def unchanged_answers(watch_client: bool) -> list[bytes]:
+                return [png] * n
+            return unchanged_answers
         started = time.perf_counter()
         ids, futures = accept(request, template_id, one_off, mask, payload, prompt, seed, n, lora=lora)
         key = (request.state.tenant, request.state.request_id)
-        outcome = "error"
-        try:
-            answers = await answers_or_cancel(request, ids, futures)
-            request.state.workers = ",".join(sorted({a.worker for a in answers if a.worker}))
-            outcome = "ok"
-        except TimeoutError:
-            outcome = "timeout"
-            raise ApiError(504, f"the edit took longer than {limits.request_timeout_s:.0f} s", None,
-                           "timeout") from None
-        except ClientGone:
-            outcome = "client_gone"
-            raise
-        except EditFailed as failure:
-            request.state.workers = failure.answer.worker
-            raise answer_error(failure.answer) from None
-        finally:
-            in_flight.pop(key, None)
-            metrics.latency.labels(endpoint, outcome).observe(time.perf_counter() - started)
-        return [a.png for a in answers]
 
-    async def answers_or_cancel(request: Request, ids: list[int], futures: list) -> list[EditAnswer]:
+        async def answers(watch_client: bool) -> list[bytes]:
+            outcome = "error"
+            try:
+                answered = await answers_or_cancel(request if watch_client else None, ids, futures)
+                request.state.workers = ",".join(sorted({a.worker for a in answered if a.worker}))
+                outcome = "ok"
+            except TimeoutError:
+                outcome = "timeout"
+                raise ApiError(504, f"the edit took longer than {limits.request_timeout_s:.0f} s", None,
+                               "timeout") from None
+            except ClientGone:
+                outcome = "client_gone"
+                raise
+            except EditFailed as failure:
+                request.state.workers = failure.answer.worker
+                raise answer_error(failure.answer) from None
+            finally:
+                in_flight.pop(key, None)
+                metrics.latency.labels(endpoint, outcome).observe(time.perf_counter() - started)
+            return [a.png for a in answered]
+        return answers
+
+    async def answers_or_cancel(request: Request | None, ids: list[int], futures: list) -> list[EditAnswer]:
         """The router's answers, in order. The first that is not a success cancels the others at once
-        (EditFailed: their images would be thrown away); so do a client that disconnects (ClientGone)
-        and the timeout (TimeoutError)."""
+        (EditFailed: their images would be thrown away); so do a client that disconnects (ClientGone;
+        None: nobody watches) and the timeout (TimeoutError), and the task's cancellation."""
         waiting = {asyncio.wrap_future(f): index for index, f in enumerate(futures)}
         answers: list[EditAnswer | None] = [None] * len(futures)
         remaining = set(waiting)
         deadline = time.monotonic() + limits.request_timeout_s
-        while remaining:
-            done, remaining = await asyncio.wait(remaining, timeout=DISCONNECT_POLL_S,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-            for future in done:
-                answer = answers[waiting[future]] = future.result()
-                if answer.status != 200:
-                    cancel(ids, "another image of the same request failed")
-                    raise EditFailed(answer)
-            if not remaining:
-                break
-            gone = await request.is_disconnected()
-            if gone or time.monotonic() > deadline:
-                cancel(ids, "the client went away" if gone else "it timed out")
-                if gone:
-                    raise ClientGone()
-                raise TimeoutError
+        try:
+            while remaining:
+                done, remaining = await asyncio.wait(remaining, timeout=DISCONNECT_POLL_S,
+                                                     return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    answer = answers[waiting[future]] = future.result()
+                    if answer.status != 200:
+                        cancel(ids, "another image of the same request failed")
+                        raise EditFailed(answer)
+                if not remaining:
+                    break
+                gone = request is not None and await request.is_disconnected()
+                if gone or time.monotonic() > deadline:
+                    cancel(ids, "the client went away" if gone else "it timed out")
+                    if gone:
+                        raise ClientGone()
+                    raise TimeoutError
+        except asyncio.CancelledError:  # the server stops (or a job is dropped): nobody will read them
+            cancel(ids, "the server is stopping")
+            raise
         return answers
 
     def cancel(ids: list[int], why: str) -> None:
@@ -1054,18 +1091,113 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             return f"edit-{uuid.uuid4().hex}"
         if not REQUEST_ID.fullmatch(key):
             raise ApiError(400, "X-Request-Id must be 1-64 letters, digits, '.', '_' or '-'", "x-request-id")
-        if (request.state.tenant, key) in in_flight:
-            raise ApiError(409, f"an edit with X-Request-Id {key!r} is already running", "x-request-id",
-                           "duplicate_request_id")
         return key
+
+    def check_new_request_id(request: Request) -> None:
+        """An edit's id names one edit while it runs, and while its answer is kept."""
+        key = (request.state.tenant, request.state.request_id)
+        if key in in_flight or jobs.find(*key) is not None:
+            raise ApiError(409, f"an edit with X-Request-Id {key[1]!r} is already running or answered (its answer "
+                           "is kept: GET /v1/edits/{id}/result)", "x-request-id", "duplicate_request_id")
+
+    # ---- edits that outlive their request (`retouch.edit_jobs`) ----
+
+    def idempotency_key(request: Request) -> str | None:
+        key = request.headers.get("idempotency-key")
+        if key is not None and not IDEMPOTENCY_KEY.fullmatch(key):
+            raise ApiError(400, "Idempotency-Key must be 1-255 visible ASCII characters", "idempotency-key")
+        return key
+
+    def runs_async(request: Request, form: Form) -> bool:
+        """`async=true`, or RFC 7240's `Prefer: respond-async`."""
+        preferences = {part.split(";")[0].strip().lower() for part in request.headers.get("prefer", "").split(",")}
+        return form.boolean("async") or "respond-async" in preferences
+
+    async def keyed(request: Request, endpoint: str, form: Form, key: str | None,
+                    run_async: bool) -> tuple[str | None, Job | None]:
+        """(the request's fingerprint, the job its Idempotency-Key made before) with a key; (None, None)
+        without."""
+        if key is None:
+            return None, None
+        fields = []
+        for name, value in form.form.multi_items():
+            if isinstance(value, UploadFile):
+                fields.append((name, await value.read()))
+                await value.seek(0)
+            else:
+                fields.append((name, value))
+        digest = await anyio.to_thread.run_sync(fingerprint, endpoint, fields, run_async)
+        try:
+            job = jobs.keyed(request.state.tenant, key, digest)
+        except KeyReused as exc:
+            raise ApiError(422, str(exc), "idempotency-key", "idempotency_key_reused") from None
+        if job is not None:  # the answers of this request carry the edit's own id
+            request.state.request_id, request.state.template = job.id, job.template_id
+        return digest, job
+
+    def start_job(request: Request, template_id: str, key: str | None, digest: str | None, run_async: bool,
+                  answer) -> Job:
+        """Run `answer(watch_client=False)` (-> (a maker of the POST's answer, its bytes)) as a job."""
+        job = Job(request.state.request_id, request.state.tenant, template_id, key, digest, run_async)
+
+        async def produce() -> Outcome:
+            try:
+                make, nbytes = await answer(False)
+            except ApiError as exc:
+                return Outcome("cancelled" if exc.code == "cancelled" else "failed", exc.status, exc.response,
+                               error=exc.body())
+            except Exception:  # noqa: BLE001 - a bug is this edit's 500, kept like any other answer
+                logger.exception("edit %s failed", job.id)
+                failure = ApiError(500, "internal server error", None, "internal_error")
+                return Outcome("failed", 500, failure.response, error=failure.body())
+            return Outcome("completed", 200, make, nbytes)
+
+        stopped = ApiError(409, "the edit was cancelled (DELETE /v1/edits/{id}, or the server stopped)", None,
+                           "cancelled")
+        return jobs.start(job, produce(), Outcome("cancelled", 409, stopped.response, error=stopped.body()))
+
+    def job_view(job: Job, status_code: int = 200) -> JSONResponse:
+        """A job's status: in_progress (with its images' progress), completed, failed (with the error) or
+        cancelled; `result_url` answers what its POST would have."""
+        view = {"id": job.id, "object": "edit", "status": job.status, "created": int(job.created),
+                "template_id": job.template_id, "result_url": f"/v1/edits/{job.id}/result"}
+        if job.outcome is None:
+            ids = in_flight.get((job.tenant, job.id), [])
+            view["images"] = [router.request_status(i) or {"status": "done"} for i in ids]
+        else:
+            if job.outcome.error is not None:
+                view["error"] = job.outcome.error.get("error", job.outcome.error)
+            view["expires_in_s"] = round(max(0.0, job.finished_at + jobs.ttl_s - jobs.clock()), 1)
+        headers = {"Location": f"/v1/edits/{job.id}"} if status_code == 202 else None
+        return JSONResponse(view, status_code=status_code, headers=headers)
+
+    async def waited_answer(request: Request, job: Job) -> Response:
+        """A synchronous keyed edit's answer once its job ends. A client that goes away leaves the job
+        running: its retry will want the answer."""
+        while job.outcome is None:
+            await asyncio.wait({job.task}, timeout=DISCONNECT_POLL_S)
+            if job.outcome is None and await request.is_disconnected():
+                raise ClientGone()
+        return job.outcome.answer()
+
+    async def replayed(request: Request, job: Job) -> Response:
+        """A retry's answer: an asynchronous edit's status, or a synchronous one's answer."""
+        return job_view(job, 202) if job.runs_async else await waited_answer(request, job)
 
     @app.post("/v1/edits", openapi_extra=multipart_body(EDIT_FIELDS, ("mask", "prompt")))
     async def create_edit(request: Request):
         """Repaint the masked region of a registered template (`template_id`) or of a one-off `image`:
-        the PNG, its base64 (`response_format=b64_json`), or its progress as events (`stream=true`)."""
+        the PNG, its base64 (`response_format=b64_json`), or its progress as events (`stream=true`);
+        with `async=true`, its status at once (202) and the answer later from GET /v1/edits/{id}/result."""
         request.state.arrived = time.monotonic()
         request.state.request_id = client_request_id(request)
+        key = idempotency_key(request)
         form = await read_form(request)
+        run_async = runs_async(request, form)
+        digest, job = await keyed(request, "/v1/edits", form, key, run_async)
+        if job is not None:
+            return await replayed(request, job)
+        check_new_request_id(request)
         check_model(form.text("model"))
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required: say what to paint into the masked region")
         lora = lora_field(form, limits.lora_dir)
@@ -1086,6 +1218,12 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         preview_every = form.integer("preview_every", 0, 0, limits.max_steps)
         if preview_every and not stream:
             raise ApiError(400, "preview_every needs stream=true (previews are events of the stream)", "preview_every")
+        if stream and run_async:
+            raise ApiError(400, "send stream=true (events as it runs) or async=true (fetch it later), not both; "
+                           "GET /v1/edits/{id}/events streams an asynchronous edit", "async")
+        if stream and key is not None:
+            raise ApiError(400, "a streamed edit cannot be replayed: send it without Idempotency-Key, or send "
+                           "async=true and stream GET /v1/edits/{id}/events", "idempotency-key")
         mask = await read_mask_upload(mask_upload, limits.max_pixels)
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1)
@@ -1097,13 +1235,22 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         if stream:
             return await streamed_edit(request, template_id, one_off, steps, mask, prompt, seed, preview_every, lora,
                                        encoding=encoding)
-        [png] = await edit(request, "/v1/edits", template_id, one_off, steps, mask, prompt, seed, lora=lora)
-        answer = await native_answer(template_id, one_off, mask, png, encoding)
-        headers = {"X-Template-Id": template_id, "X-Request-Id": request.state.request_id}
-        if response_format == "png":
-            return Response(answer, media_type=f"image/{output_format}", headers=headers)
-        return b64_json_response({"created": int(time.time()), "template_id": template_id,
-                                  "output_format": output_format}, [answer], headers)
+        answers = await submit_edit(request, "/v1/edits", template_id, one_off, steps, mask, prompt, seed, lora=lora)
+
+        async def answer(watch_client: bool) -> tuple:
+            [png] = await answers(watch_client)
+            image = await native_answer(template_id, one_off, mask, png, encoding)
+            headers = {"X-Template-Id": template_id, "X-Request-Id": request.state.request_id}
+            if response_format == "png":
+                return lambda: Response(image, media_type=f"image/{output_format}", headers=headers), len(image)
+            envelope = {"created": int(time.time()), "template_id": template_id, "output_format": output_format}
+            return lambda: b64_json_response(envelope, [image], headers), len(image)
+
+        if key is None and not run_async:
+            make, _ = await answer(True)
+            return make()
+        job = start_job(request, template_id, key, digest, run_async, answer)
+        return job_view(job, 202) if run_async else await waited_answer(request, job)
 
     @app.post("/v1/images/edits", openapi_extra=multipart_body(OPENAI_EDIT_FIELDS, ("prompt",)))
     async def openai_edit(request: Request):
@@ -1116,7 +1263,12 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         LoRA adapters."""
         request.state.arrived = time.monotonic()
         request.state.request_id = client_request_id(request)
+        key = idempotency_key(request)
         form = await read_form(request)
+        digest, job = await keyed(request, "/v1/images/edits", form, key, False)
+        if job is not None:
+            return await waited_answer(request, job)
+        check_new_request_id(request)
         check_model(form.text("model"))
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required")
         lora = lora_field(form, limits.lora_dir)
@@ -1137,6 +1289,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(400, "stream=true answers one image: send n=1", "n")
         if partial_images and not stream:
             raise ApiError(400, "partial_images needs stream=true (they are events of the stream)", "partial_images")
+        if stream and key is not None:
+            raise ApiError(400, "a streamed edit cannot be replayed: send it without Idempotency-Key",
+                           "idempotency-key")
         images = form.files("image", "image[]")
         if len(images) > 1:
             raise ApiError(400, f"image: send one image (the one to edit), got {len(images)}; retouch takes no "
@@ -1176,11 +1331,22 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             preview_every = max(1, steps // (partial_images + 1)) if partial_images else 0
             return await streamed_edit(request, template_id, one_off, steps, mask, prompt, seed, preview_every, lora,
                                        OpenAIEvents(partial_images, output_format, encoded))
-        pngs = await edit(request, "/v1/images/edits", template_id, one_off, steps, mask, prompt, seed, n, lora)
-        answers = [await anyio.to_thread.run_sync(reencoded, png, target, output_format, compression) for png in pngs]
-        envelope = {"created": int(time.time()), "output_format": output_format, "size": f"{width}x{height}",
-                    "background": "opaque"}
-        return b64_json_response(envelope, answers, {"X-Request-Id": request.state.request_id})
+        answers = await submit_edit(request, "/v1/images/edits", template_id, one_off, steps, mask, prompt, seed, n,
+                                    lora)
+
+        async def answer(watch_client: bool) -> tuple:
+            pngs = await answers(watch_client)
+            images = [await anyio.to_thread.run_sync(reencoded, png, target, output_format, compression)
+                      for png in pngs]
+            envelope = {"created": int(time.time()), "output_format": output_format, "size": f"{width}x{height}",
+                        "background": "opaque"}
+            headers = {"X-Request-Id": request.state.request_id}
+            return lambda: b64_json_response(envelope, images, headers), sum(map(len, images))
+
+        if key is None:
+            make, _ = await answer(True)
+            return make()
+        return await waited_answer(request, start_job(request, template_id, key, digest, False, answer))
 
     async def streamed_edit(request: Request, template_id: str, one_off: TemplateRecord | None, steps: int,
                             mask: Image.Image, prompt: str, seed: int, preview_every: int,
@@ -1289,15 +1455,46 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     @app.get("/v1/edits/{request_id}")
     async def edit_status(request: Request, request_id: str):
         """An edit in flight (by its X-Request-Id): per image, parked, queued at a worker, or running
-        step k of n."""
+        step k of n. An asynchronous or keyed edit (a job) also once it ended: its status
+        (in_progress, completed, failed, cancelled), and where its answer is."""
+        job = jobs.find(request.state.tenant, request_id)
+        if job is not None:
+            return job_view(job)
         ids = edit_in_flight(request, request_id)
         return {"id": request_id, "images": [router.request_status(i) or {"status": "done"} for i in ids]}
+
+    @app.get("/v1/edits/{request_id}/result")
+    async def edit_result(request: Request, request_id: str, wait: float = 0.0):
+        """An asynchronous or keyed edit's answer, as its POST answered it (or would have): the image, its
+        JSON, or its error with the error's status. Still running: 409 (code edit_in_progress) after
+        waiting up to `wait` seconds for it."""
+        if not 0 <= wait <= MAX_RESULT_WAIT_S:
+            raise ApiError(400, f"wait must be 0-{MAX_RESULT_WAIT_S:g} seconds, got {wait:g}", "wait")
+        job = jobs.find(request.state.tenant, request_id)
+        if job is None:
+            known = (request.state.tenant, request_id) in in_flight
+            raise ApiError(404, f"no answer is kept for edit {request_id!r}: "
+                           + ("it is a synchronous edit (its POST answers it; send async=true or an Idempotency-Key "
+                              "to fetch one later)" if known else "unknown, or it expired"),
+                           "request_id", "edit_not_found")
+        request.state.template = job.template_id
+        if job.outcome is None and wait > 0:
+            await asyncio.wait({job.task}, timeout=wait)
+        if job.outcome is None:
+            raise ApiError(409, f"edit {request_id!r} is still running; GET /v1/edits/{request_id} tells its "
+                           "progress", "request_id", "edit_in_progress", {"Retry-After": "1"})
+        return job.outcome.answer()
 
     @app.get("/v1/edits/{request_id}/events")
     async def edit_events(request: Request, request_id: str):
         """An edit in flight as events (`retouch.http_events`), from where it is now: its first event
         is its status (parked, queued, or running at step k), then steps, then done or error. With
-        n > 1 images, every event names its `image`."""
+        n > 1 images, every event names its `image`. An asynchronous or keyed edit that ended: its `done`."""
+        job = jobs.find(request.state.tenant, request_id)
+        if job is not None and job.outcome is not None:
+            async def ended() -> AsyncIterator[bytes]:
+                yield sse("done", {"id": request_id, "status": job.outcome.http_status})
+            return StreamingResponse(ended(), media_type="text/event-stream", headers=EVENT_HEADERS)
         ids = edit_in_flight(request, request_id)
         relay = EventRelay()
         watched = [i for index, i in enumerate(ids) if relay.watch(router, "request", i, tag=index)]
@@ -1332,7 +1529,15 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     @app.delete("/v1/edits/{request_id}")
     async def cancel_edit(request: Request, request_id: str):
         """Cancel an edit in flight: it leaves its worker's batch at the next step; its POST is answered
-        409 (code "cancelled")."""
+        409 (code "cancelled"), and so is its result. An ended asynchronous or keyed edit: its kept answer
+        is forgotten (and its Idempotency-Key with it)."""
+        job = jobs.find(request.state.tenant, request_id)
+        if job is not None and job.outcome is not None:
+            jobs.forget(job)
+            return {"id": request_id, "deleted": True}
+        if job is not None and (request.state.tenant, request_id) not in in_flight:  # not yet at the router
+            job.task.cancel()
+            return {"id": request_id, "cancelled": True}
         ids = edit_in_flight(request, request_id)
         cancelled = [router.cancel(i, "DELETE /v1/edits") for i in ids]
         return {"id": request_id, "cancelled": any(cancelled)}

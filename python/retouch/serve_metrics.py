@@ -128,6 +128,10 @@ class ServeMetrics:
                                           registry=self.registry)
         self.registry.register(RouterCollector(router))
 
+    def watch_jobs(self, jobs) -> None:
+        """Asynchronous and keyed edits (`retouch.edit_jobs.EditJobs`), read at scrape time."""
+        self.registry.register(JobCollector(jobs))
+
     def count(self, path: str, status: int) -> None:
         self.requests.labels(endpoint_label(path), str(status)).inc()
 
@@ -136,6 +140,23 @@ class ServeMetrics:
         text 0.0.4; (body, content type)."""
         encoder, content_type = choose_encoder(accept)
         return encoder(self.registry), content_type
+
+
+class JobCollector(Collector):
+    def __init__(self, jobs):
+        self.jobs = jobs
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self.jobs.counts()
+        held = GaugeMetricFamily("retouch_edit_jobs", "asynchronous and keyed edits running or kept, by status",
+                                 labels=("status",))
+        for status in ("in_progress", "completed", "failed", "cancelled"):
+            held.add_metric((status,), counts[status])
+        yield held
+        yield GaugeMetricFamily("retouch_edit_job_bytes", "bytes of the kept answers of asynchronous and keyed edits",
+                                value=counts["kept_bytes"])
+        yield CounterMetricFamily("retouch_idempotent_replays", "edits answered from an earlier request with the "
+                                  "same Idempotency-Key", value=self.jobs.replays)
 
 
 class RouterCollector(Collector):

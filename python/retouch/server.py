@@ -76,7 +76,8 @@ def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = ()) -> Limits:
                   slo_ms_per_megapixel=opts.slo_ms_per_megapixel, lora_dir=opts.lora_dir,
                   max_n=min(Limits.max_n, opts.max_queue, opts.max_queue_per_tenant or opts.max_queue),
                   model_names=opts.model_names(),
-                  cors_origins=tuple(comma_list(opts.cors_origins)))
+                  cors_origins=tuple(comma_list(opts.cors_origins)), result_ttl_s=opts.result_ttl_s,
+                  max_result_bytes=int(opts.result_store_mb * (1 << 20)))
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -1,0 +1,300 @@
+"""Edits that outlive their request: asynchronous edits (202, fetched later) and Idempotency-Key retries
+that get the first request's answer instead of a second generation (`retouch.edit_jobs`), over HTTP
+against a scripted worker, and the store's bounds on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+
+import httpx
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from scripted_worker import ScriptedWorker
+
+from retouch.edit_jobs import JOB_OVERHEAD_BYTES, EditJobs, Job, KeyReused, Outcome, fingerprint
+from retouch.engine.router import Router, RouterConfig
+from retouch.http_api import Limits, create_app
+
+KEYS = ("sk-a", "sk-b")
+SIZE = (32, 32)
+
+
+def png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def auth(key: str = KEYS[0], **headers) -> dict:
+    return {"Authorization": f"Bearer {key}", **headers}
+
+
+@contextlib.asynccontextmanager
+async def server_with_a_template(**limits):
+    """A scripted worker holding a registered red 32x32 template: yields (client, router, worker, form)."""
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
+                                 dead_after_s=60.0)).start()
+    context = zmq.Context()
+    app = create_app(router, Limits(api_keys=KEYS, default_steps=2, request_timeout_s=20, **limits))
+    try:
+        worker = ScriptedWorker(context, router, "w0")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            registered = await client.post("/v1/templates", headers=auth(), data={"steps": "2"}, files={
+                "image": ("t.png", png(Image.new("RGB", SIZE, "red")), "image/png")})
+            await asyncio.to_thread(worker.register, registered.json()["id"])
+            yield client, router, worker, {"template_id": registered.json()["id"], "prompt": "a cat"}
+    finally:
+        router.close(drain_s=0)
+        context.destroy(linger=0)
+
+
+def mask_file(box=(0, 0, 16, 16)) -> dict:
+    mask = Image.new("L", SIZE, 0)
+    mask.paste(255, box)
+    return {"mask": ("m.png", png(mask), "image/png")}
+
+
+async def answer_next_edit(worker: ScriptedWorker, colour: str = "blue") -> int:
+    edit = await asyncio.to_thread(worker.receive, "edit")
+    worker.answer(edit["request"], png(Image.new("RGB", SIZE, colour)))
+    return edit["request"]
+
+
+async def asynchronous_edit() -> dict:
+    async with server_with_a_template(result_ttl_s=120) as (client, router, worker, form):
+        seen = {"limits": await client.get("/v1/limits", headers=auth())}
+        seen["accepted"] = await client.post("/v1/edits", headers=auth(), data={**form, "async": "true"},
+                                           files=mask_file())
+        edit_id = seen["accepted"].json()["id"]
+        seen["running"] = await client.get(f"/v1/edits/{edit_id}", headers=auth())
+        seen["result too early"] = await client.get(f"/v1/edits/{edit_id}/result", headers=auth())
+        seen["other tenant"] = await client.get(f"/v1/edits/{edit_id}/result", headers=auth(KEYS[1]))
+        waiting = asyncio.create_task(client.get(f"/v1/edits/{edit_id}/result?wait=20", headers=auth()))
+        await answer_next_edit(worker)
+        seen["result"] = await waiting
+        seen["again"] = await client.get(f"/v1/edits/{edit_id}/result", headers=auth())
+        seen["status"] = await client.get(f"/v1/edits/{edit_id}", headers=auth())
+        seen["events"] = await client.get(f"/v1/edits/{edit_id}/events", headers=auth())
+        seen["same id"] = await client.post("/v1/edits", headers=auth(**{"X-Request-Id": edit_id}), data=form,
+                                            files=mask_file())
+        seen["metrics"] = await client.get("/metrics", headers=auth())
+        seen["deleted"] = await client.delete(f"/v1/edits/{edit_id}", headers=auth())
+        seen["after delete"] = await client.get(f"/v1/edits/{edit_id}/result", headers=auth())
+        # Prefer: respond-async (RFC 7240) asks the same
+        seen["preferred"] = await client.post("/v1/edits", headers=auth(Prefer="respond-async"), data=form,
+                                              files=mask_file())
+        await answer_next_edit(worker)
+        seen["routed"] = router.snapshot()["counters"]["routed"]
+    return seen
+
+
+def test_an_asynchronous_edit_is_answered_at_once_and_fetched_later():
+    seen = asyncio.run(asynchronous_edit())
+    accepted = seen["accepted"]
+    assert accepted.status_code == 202 and accepted.json()["status"] == "in_progress"
+    edit_id = accepted.json()["id"]
+    assert accepted.headers["Location"] == f"/v1/edits/{edit_id}" and accepted.headers["X-Request-Id"] == edit_id
+    assert seen["running"].json()["status"] == "in_progress" and len(seen["running"].json()["images"]) == 1
+    early = seen["result too early"]
+    assert early.status_code == 409 and early.json()["error"]["code"] == "edit_in_progress"
+    assert "Retry-After" in early.headers
+    assert seen["other tenant"].status_code == 404
+    result = seen["result"]
+    assert result.status_code == 200 and result.headers["content-type"] == "image/png"
+    image = Image.open(io.BytesIO(result.content)).convert("RGB")
+    assert image.getpixel((0, 0)) == (0, 0, 255)  # the worker's image
+    assert seen["again"].content == result.content and seen["again"].headers["X-Request-Id"] == edit_id
+    status = seen["status"].json()
+    assert status["status"] == "completed" and status["result_url"] == f"/v1/edits/{edit_id}/result"
+    assert 0 < status["expires_in_s"] <= 120 and seen["limits"].json()["result_ttl_s"] == 120
+    assert seen["events"].text == f'event: done\ndata: {{"id":"{edit_id}","status":200}}\n\n'
+    assert seen["same id"].status_code == 409 and seen["same id"].json()["error"]["code"] == "duplicate_request_id"
+    assert 'retouch_edit_jobs{status="completed"} 1.0' in seen["metrics"].text
+    assert seen["deleted"].json() == {"id": edit_id, "deleted": True}
+    assert seen["after delete"].status_code == 404
+    assert seen["preferred"].status_code == 202 and seen["routed"] == 2
+
+
+async def keyed_retries() -> dict:
+    async with server_with_a_template() as (client, router, worker, form):
+        key = auth(**{"Idempotency-Key": "retry-me-1"})
+        first = asyncio.create_task(client.post("/v1/edits", headers=key, data=form, files=mask_file()))
+        while router.snapshot()["pending"] == 0:
+            await asyncio.sleep(0.01)
+        first.cancel()  # the client went away: a keyed edit goes on, for its retry
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        retry = asyncio.create_task(client.post("/v1/edits", headers=key, data=form, files=mask_file()))
+        await answer_next_edit(worker)
+        seen = {"retry": await retry}
+        seen["after"] = await client.post("/v1/edits", headers=key, data=form, files=mask_file())
+        seen["other request"] = await client.post("/v1/edits", headers=key, data={**form, "prompt": "a dog"},
+                                                  files=mask_file())
+        # another tenant's same key is its own request: of a template it cannot see
+        seen["other tenant"] = await client.post("/v1/edits", data=form, files=mask_file(),
+                                                 headers=auth(KEYS[1], **{"Idempotency-Key": "retry-me-1"}))
+        seen["bad key"] = await client.post("/v1/edits", headers=auth(**{"Idempotency-Key": "no spaces"}),
+                                            data=form, files=mask_file())
+        seen["streamed"] = await client.post("/v1/edits", headers=key, data={**form, "stream": "true"},
+                                             files=mask_file())
+        seen["stream and async"] = await client.post("/v1/edits", headers=auth(), files=mask_file(),
+                                                     data={**form, "stream": "true", "async": "true"})
+        seen["routed"] = router.snapshot()["counters"]["routed"]
+        seen["metrics"] = (await client.get("/metrics", headers=auth())).text
+    return seen
+
+
+def test_a_retry_with_the_same_idempotency_key_gets_the_first_answer_without_a_second_generation():
+    seen = asyncio.run(keyed_retries())
+    retry, after = seen["retry"], seen["after"]
+    assert retry.status_code == 200 and after.status_code == 200 and retry.content == after.content
+    assert Image.open(io.BytesIO(retry.content)).convert("RGB").getpixel((0, 0)) == (0, 0, 255)
+    assert retry.headers["X-Request-Id"] == after.headers["X-Request-Id"]
+    assert seen["routed"] == 1  # one generation for the three requests with the key
+    assert seen["other tenant"].json()["error"]["code"] == "template_not_found"
+    reused = seen["other request"]
+    assert reused.status_code == 422 and reused.json()["error"]["code"] == "idempotency_key_reused"
+    assert reused.json()["error"]["param"] == "idempotency-key"
+    assert seen["bad key"].status_code == 400 and seen["bad key"].json()["error"]["param"] == "idempotency-key"
+    assert seen["streamed"].status_code == 422  # the key names the unstreamed request: another request
+    assert seen["stream and async"].status_code == 400
+    assert seen["stream and async"].json()["error"]["param"] == "async"
+    assert "retouch_idempotent_replays_total 2.0" in seen["metrics"]
+
+
+async def cancelled_and_failed() -> dict:
+    async with server_with_a_template() as (client, router, worker, form):
+        accepted = await client.post("/v1/edits", headers=auth(), data={**form, "async": "true"}, files=mask_file())
+        edit_id = accepted.json()["id"]
+        await asyncio.to_thread(worker.receive, "edit")
+        seen = {"cancel": await client.delete(f"/v1/edits/{edit_id}", headers=auth())}
+        cancel = await asyncio.to_thread(worker.receive, "cancel")
+        worker.send({"kind": "result", "request": cancel["request"], "status": 409, "error": "Cancelled",
+                     "message": "cancelled"})
+        seen["cancelled"] = await client.get(f"/v1/edits/{edit_id}/result?wait=20", headers=auth())
+        seen["cancelled status"] = await client.get(f"/v1/edits/{edit_id}", headers=auth())
+        failing = await client.post("/v1/edits", headers=auth(), data={**form, "async": "true"}, files=mask_file())
+        edit = await asyncio.to_thread(worker.receive, "edit")
+        worker.send({"kind": "result", "request": edit["request"], "status": 500, "error": "RuntimeError",
+                     "message": "CUDA error"})
+        seen["failed"] = await client.get(f"/v1/edits/{failing.json()['id']}/result?wait=20", headers=auth())
+        seen["failed status"] = await client.get(f"/v1/edits/{failing.json()['id']}", headers=auth())
+        seen["bad wait"] = await client.get(f"/v1/edits/{edit_id}/result?wait=600", headers=auth())
+        # nothing to repaint: answered (the template) without a worker, and kept all the same
+        empty = {"mask": ("m.png", png(Image.new("L", SIZE, 0)), "image/png")}
+        nothing = await client.post("/v1/edits", headers=auth(), data={**form, "async": "true"}, files=empty)
+        seen["nothing"] = await client.get(f"/v1/edits/{nothing.json()['id']}/result?wait=20", headers=auth())
+    return seen
+
+
+def test_cancelled_and_failed_asynchronous_edits_keep_their_errors():
+    seen = asyncio.run(cancelled_and_failed())
+    assert seen["cancel"].json()["cancelled"] is True
+    assert seen["cancelled"].status_code == 409 and seen["cancelled"].json()["error"]["code"] == "cancelled"
+    assert seen["cancelled status"].json()["status"] == "cancelled"
+    assert seen["failed"].status_code == 500 and "CUDA error" in seen["failed"].json()["error"]["message"]
+    failed = seen["failed status"].json()
+    assert failed["status"] == "failed" and failed["error"]["message"] == "CUDA error"
+    assert seen["bad wait"].status_code == 400 and seen["bad wait"].json()["error"]["param"] == "wait"
+    assert seen["nothing"].status_code == 200
+    assert Image.open(io.BytesIO(seen["nothing"].content)).convert("RGB").getpixel((0, 0)) == (255, 0, 0)
+
+
+async def openai_keyed() -> dict:
+    async with server_with_a_template() as (client, router, worker, form):
+        mask = {"mask": ("m.png", png(Image.new("RGBA", SIZE, (0, 0, 0, 0))), "image/png")}
+        key = auth(**{"Idempotency-Key": "openai-1"})
+        data = {**form, "n": "2"}
+        first = asyncio.create_task(client.post("/v1/images/edits", headers=key, data=data, files=mask))
+        await answer_next_edit(worker)
+        await answer_next_edit(worker, "green")
+        seen = {"first": await first}
+        seen["retry"] = await client.post("/v1/images/edits", headers=key, data=data, files=mask)
+        seen["routed"] = router.snapshot()["counters"]["routed"]
+    return seen
+
+
+def test_the_openai_endpoint_replays_a_keyed_answer():
+    seen = asyncio.run(openai_keyed())
+    assert seen["first"].status_code == 200 and seen["first"].json()["data"] == seen["retry"].json()["data"]
+    assert len(seen["first"].json()["data"]) == 2 and seen["routed"] == 2
+
+
+# ---- the store on its own ----
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def finished(jobs: EditJobs, job_id: str, nbytes: int = 0, key: str | None = None, digest: str = "d") -> Job:
+    async def run() -> Job:
+        job = jobs.start(Job(job_id, "t", "tpl", key, digest), produce(), Outcome("cancelled", 409, dict))
+        await job.task
+        return job
+
+    async def produce() -> Outcome:
+        return Outcome("completed", 200, dict, nbytes)
+    return asyncio.run(run())
+
+
+def test_kept_answers_expire_and_keys_name_one_request():
+    clock = Clock()
+    jobs = EditJobs(ttl_s=10, max_bytes=1 << 20, clock=clock)
+    finished(jobs, "e1", key="k", digest="first")
+    assert jobs.keyed("t", "k", "first").id == "e1" and jobs.keyed("other", "k", "first") is None
+    with pytest.raises(KeyReused, match="another request"):
+        jobs.keyed("t", "k", "second")
+    clock.now = 10.5
+    assert jobs.find("t", "e1") is None and jobs.keyed("t", "k", "second") is None  # the key is free again
+    assert jobs.counts()["kept_bytes"] == 0
+
+
+def test_a_cancelled_job_keeps_its_cancelled_outcome():
+    async def run() -> Job:
+        jobs = EditJobs(ttl_s=10, max_bytes=1 << 20)
+        never = asyncio.Event()
+
+        async def produce() -> Outcome:
+            await never.wait()
+        job = jobs.start(Job("e1", "t", "tpl"), produce(), Outcome("cancelled", 409, dict))
+        await asyncio.sleep(0)
+        job.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await job.task
+        return jobs.find("t", "e1")
+    assert asyncio.run(run()).status == "cancelled"
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=12), st.integers(1, 8000))
+def test_kept_answers_stay_within_the_budget_and_the_newest_is_never_evicted(sizes, budget):
+    jobs = EditJobs(ttl_s=1e9, max_bytes=budget)
+    for index, size in enumerate(sizes):
+        finished(jobs, f"e{index}", size)
+        newest = jobs.find("t", f"e{index}")
+        assert newest is not None and newest.status == "completed"
+        kept = [job for i in range(index + 1) if (job := jobs.find("t", f"e{i}")) is not None]
+        assert jobs.kept_bytes == sum(job.nbytes() for job in kept)
+        assert jobs.kept_bytes <= budget or len(kept) == 1
+        # the oldest go first: what is kept is a suffix of what finished
+        assert [job.id for job in kept] == [f"e{i}" for i in range(index + 1 - len(kept), index + 1)]
+    assert JOB_OVERHEAD_BYTES > 0
+
+
+def test_a_fingerprint_tells_requests_apart():
+    base = [("prompt", "a cat"), ("mask", b"\x00\x01")]
+    assert fingerprint("/v1/edits", base, False) == fingerprint("/v1/edits", list(base), False)
+    for other in ([("prompt", "a dog"), ("mask", b"\x00\x01")], [("prompt", "a cat"), ("mask", b"\x00\x02")],
+                  [("prompt", "a ca"), ("tmask", b"\x00\x01")]):
+        assert fingerprint("/v1/edits", other, False) != fingerprint("/v1/edits", base, False)
+    assert fingerprint("/v1/edits", base, True) != fingerprint("/v1/edits", base, False)
+    assert fingerprint("/v1/images/edits", base, False) != fingerprint("/v1/edits", base, False)
