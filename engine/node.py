@@ -29,7 +29,8 @@ It says hello (its batch size, the templates it holds), then answers the router'
     alive     the answer to each heartbeat: a router silent for its `dead_after_s` is presumed gone
               (restarted): the worker is not ready until a router welcomes it again
 and heartbeats its running batch (each request's steps left), queue and metrics (its template cache
-under "cache", its LoRA cache and loader under "lora"; "held": every edit it has accepted and not yet
+under "cache", its LoRA cache and loader under "lora"; "loras": the adapters it holds, with their files'
+digests under "lora_digests"; "held": every edit it has accepted and not yet
 answered, "recording": the templates it records, and "seen": the number (`seq`) of the last router
 message it received, from which the router finds edits and templates lost on the way, and tells them
 from ones still on their way) every `heartbeat_s`. Sends never block: a
@@ -318,7 +319,8 @@ class Node:
             recording = list(self.registrations)  # every template it records and has not yet reported
         return {"kind": "heartbeat", "running": running, "queued": queued, "held": held, "recording": recording,
                 "seen": self._seen, "metrics": self.metrics(),
-                "loras": self.engine.worker.loras.resident(), "draining": self.draining}
+                "loras": self.engine.worker.loras.resident(), "lora_digests": self.engine.worker.loras.digests(),
+                "draining": self.draining}
 
     def metrics(self) -> dict:
         """The engine's counters, with its template cache's under "cache" and its LoRA cache's under "lora"

@@ -237,6 +237,7 @@ class WorkerState:
     assigned: set[int] = field(default_factory=set)
     report: dict = field(default_factory=dict)  # its last heartbeat's metrics
     loras: frozenset[str] = frozenset()  # the LoRAs its last heartbeat held (`LoraManager.resident`)
+    lora_digests: dict[str, str] = field(default_factory=dict)  # of their files (`LoraManager.digests`)
     info: dict = field(default_factory=dict)  # from its hello: model, dtype, weights (digest), supervised, lora
     # assigned edits (by request id) and templates it records (by template id) its heartbeats lack, since when
     missing: dict[int | str, float] = field(default_factory=dict)
@@ -347,7 +348,8 @@ class Router:
         self._lora_workers_since = time.monotonic()  # when a worker that serves LoRAs was last connected
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
                          "one_offs_evicted": 0, "lora_affinity": 0, "registry_failures": 0, "workers_mismatched": 0,
-                         "lost_requests": 0, "lost_recordings": 0}
+                         "lost_requests": 0, "lost_recordings": 0, "lora_mismatches": 0}
+        self._lora_mismatches: set[tuple[str, str, str]] = set()  # (name, digest, digest) said once
         # size class -> {"with_deadline": n, and n per SLO_OUTCOMES}
         self.slo: dict[str, dict[str, int]] = {}
         # Notified on every dispatch, answer, heartbeat and worker change.
@@ -1120,6 +1122,9 @@ class Router:
                 self.pending[request_id].steps_left = int(steps_left)
         worker.report = dict(header.get("metrics", {}))
         worker.loras = frozenset(header.get("loras", ()))
+        if "lora_digests" in header:
+            worker.lora_digests = {str(name): str(digest) for name, digest in dict(header["lora_digests"]).items()}
+            self._check_lora_files(worker)
         if header.get("draining"):  # said in every heartbeat: a lost "draining" message is not missed
             self._draining(worker)
         seen = header.get("seen")
@@ -1128,6 +1133,23 @@ class Router:
         if "recording" in header:
             self._find_lost_recordings(worker, set(header["recording"]), seen)
         self._changed.notify_all()
+
+    def _check_lora_files(self, worker: WorkerState) -> None:
+        """Workers whose LoRA folders hold other files under one name give an edit of it another image
+        depending on where it runs (a folder copied to some hosts only, or mid-copy): said once per name and
+        pair of files, and counted (`lora_mismatches`)."""
+        for name, digest in worker.lora_digests.items():
+            for other in self.workers.values():
+                theirs = other.lora_digests.get(name)
+                if other is worker or theirs is None or theirs == digest:
+                    continue
+                pair = (name, *sorted((digest, theirs)))
+                if pair not in self._lora_mismatches:
+                    self._lora_mismatches.add(pair)
+                    self.counters["lora_mismatches"] += 1
+                    self._on_worker(f"warning: LoRA {name!r} differs between worker {worker.name} (file digest "
+                                    f"{digest}) and worker {other.name} ({theirs}): its edits' images depend on "
+                                    "which worker runs them; give every worker's --lora-dir the same files")
 
     def _overdue(self, worker: WorkerState, key: int | str, there: bool, seen: int | None, now: float) -> bool:
         """Whether an edit (by request id) or a template (by id) sent to the worker is lost on the way: its

@@ -157,7 +157,8 @@ class RecordingEngine:
         self.editor = SimpleNamespace(cache=None, new_template=lambda *args: SimpleNamespace(template_id="e-1"),
                                       dtype="float32", model_fingerprint=lambda: "stand-in-weights")
         self.worker = SimpleNamespace(loras=SimpleNamespace(metrics=lambda: dict(LORA_METRICS),
-                                                            resident=lambda: ["grain", "ink"], lora_dir="loras"))
+                                                            resident=lambda: ["grain", "ink"], lora_dir="loras",
+                                                            digests=lambda: {"grain": "g1", "ink": "i1"}))
 
     def submit(self, request, watch=None, budget_s=None, lora=()) -> Future:
         return self._recorded("submit", request, lora)

@@ -214,12 +214,16 @@ def test_resident_names_the_adapters_that_need_no_file_read(flux, lora_dir):
         for future in manager.acquire((LoraUse("B"), LoraUse("A"))):
             future.result(timeout=60)
         assert manager.resident() == ["A", "B"]
+        # with their files' digests, which the router compares across workers
+        digests = manager.digests()
+        assert sorted(digests) == ["A", "B"] and digests["A"] != digests["B"]
+        assert digests["A"] == manager.acquire((LoraUse("A"),))[0].result(timeout=60).weights.digest
         assert (manager.metrics()["hits"], manager.metrics()["misses"]) == (0, 2)
         manager.prefetch((LoraUse("A"),))  # a request's lookup (at submission): on the device, a hit, no read
         manager.acquire((LoraUse("A"),))[0].result(timeout=60)  # its admission: not counted again
         assert (manager.metrics()["hits"], manager.metrics()["misses"], manager.metrics()["loads"]) == (1, 2, 2)
         manager.clear()
-        assert manager.resident() == []
+        assert manager.resident() == [] and manager.digests() == {}
     finally:
         manager.close()
 

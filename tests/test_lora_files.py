@@ -235,6 +235,25 @@ def test_weights_convert_and_report_their_size(sd2):
                for p, m in weights.modules.items())
 
 
+def test_a_digest_names_a_file_whatever_the_dtype_it_is_read_in(sd2):
+    """Workers compare their files of one name by digest (the router warns when two differ): the same file
+    (copied to another host, read in another dtype, converted, or moved to the device) has one digest,
+    and another training of the same shapes or another alpha has another."""
+    import shutil
+
+    model, _, folder = sd2
+    path = save_random_lora(model, folder / "digest", seed=1)
+    copy = folder / "digest-copy.safetensors"
+    shutil.copy(path, copy)
+    weights = read_lora(path, "digest", model.pipe)
+    same = {read_lora(copy, "digest", model.pipe, dtype=torch.bfloat16).digest, weights.to(dtype=torch.float16).digest}
+    assert len(weights.digest) == 16 and same == {weights.digest}
+    other_seed = save_random_lora(model, folder / "other-seed", seed=2)
+    other_alpha = save_random_lora(model, folder / "other-alpha", seed=1, alpha=2 * RANK)
+    others = {read_lora(other_seed, "x", model.pipe).digest, read_lora(other_alpha, "x", model.pipe).digest}
+    assert weights.digest not in others and len(others) == 2
+
+
 def test_weights_do_not_change_when_their_file_is_overwritten(sd2):
     """A file the operator overwrites in place (`cp` over it) leaves what was read as it was: the weights
     are not a mapping of the file (which would also SIGBUS once the file is truncated)."""

@@ -593,6 +593,29 @@ def test_an_edit_still_on_its_way_is_not_sent_again(context, make_router):
     assert answer.result(TIMEOUT_S).status == 200
 
 
+def test_workers_whose_lora_files_of_one_name_differ_are_said_once(context, make_router):
+    """The same LoRA name on two workers with other files (a folder copied to some hosts only) gives its edits
+    another image depending on where they run: the head says so once per pair of files, and counts it."""
+    lines = []
+    router = make_router(on_worker=lines.append)
+    w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+
+    def heartbeat(worker, digests):
+        worker.send({"kind": "heartbeat", "running": [], "queued": [], "loras": sorted(digests),
+                     "lora_digests": digests})
+        worker.sync()
+
+    heartbeat(w0, {"ink": "aaaa", "grain": "cccc"})
+    heartbeat(w1, {"ink": "aaaa"})
+    assert router.snapshot()["counters"]["lora_mismatches"] == 0
+    for _ in range(3):  # every heartbeat says it again: one warning
+        heartbeat(w1, {"ink": "bbbb", "grain": "cccc"})
+        heartbeat(w0, {"ink": "aaaa", "grain": "cccc"})
+    assert router.snapshot()["counters"]["lora_mismatches"] == 1
+    [warning] = [line for line in lines if "LoRA" in line]
+    assert warning.startswith("warning: LoRA 'ink' differs between worker") and "aaaa" in warning and "bbbb" in warning
+
+
 def test_a_restarted_process_with_the_same_name_and_pid_is_a_new_worker(context, make_router):
     """PID 1 in a container restarted in its pod: the same identity, another process (boot id). Its
     edits must go elsewhere, not wait for a process that is gone."""

@@ -13,6 +13,7 @@ and the CLI check names with `lora_path` and load no model.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -58,6 +59,7 @@ class LoraWeights:
 
     name: str
     modules: dict[str, LoraModule]  # keyed by module path, as denoiser.named_modules() names it
+    digest: str = ""  # of the file's factors (`factors_digest`): the same on every host that has the same file
 
     @property
     def nbytes(self) -> int:
@@ -72,7 +74,7 @@ class LoraWeights:
 
     def _map(self, convert) -> LoraWeights:
         return LoraWeights(self.name, {path: LoraModule(convert(m.A), convert(m.B), m.scaling)
-                                       for path, m in self.modules.items()})
+                                       for path, m in self.modules.items()}, self.digest)
 
 
 def lora_path(lora_dir: str | Path, name: str) -> Path:
@@ -153,12 +155,28 @@ def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = Non
     config = _lora_config(factors, network_alphas, metadata, name, where)
     dtype = dtype or denoiser.dtype
     modules = {}
+    digest = hashlib.blake2b(digest_size=8)
     for module_path, (A, B) in factors.items():
         what = f"{where}: {module_path}"
+        scaling = _scaling(config, module_path, A.shape[0], where)
+        _digest_module(digest, module_path, A, B, scaling)
         modules[module_path] = LoraModule(_owned(A, dtype, pin, f"{what}.lora_A"),
-                                          _owned(B, dtype, pin, f"{what}.lora_B"),
-                                          _scaling(config, module_path, A.shape[0], where))
-    return LoraWeights(name, modules)
+                                          _owned(B, dtype, pin, f"{what}.lora_B"), scaling)
+    return LoraWeights(name, modules, digest.hexdigest())
+
+
+DIGEST_VALUES = 256  # of each factor: two trainings (or two files) differ in them, and a digest reads little
+
+
+def _digest_module(digest, module_path: str, A: torch.Tensor, B: torch.Tensor, scaling: float) -> None:
+    """Add a module to an adapter's digest (`LoraWeights.digest`), as read from its file, before the cast to
+    the serving dtype, so that workers of other dtypes agree: its path, scaling, and each factor's shape,
+    dtype and first DIGEST_VALUES values. Workers whose files of one name differ report other digests
+    (`engine.router` warns)."""
+    digest.update(f"{module_path}\0{scaling!r}\0".encode())
+    for factor in (A, B):
+        digest.update(f"{list(factor.shape)}{factor.dtype}\0".encode())
+        digest.update(factor.reshape(-1)[:DIGEST_VALUES].contiguous().view(torch.uint8).numpy().tobytes())
 
 
 def _check_raw_file(path: Path, where: str) -> None:

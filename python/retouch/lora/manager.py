@@ -67,6 +67,7 @@ class LoraManager:
     def __init__(self, lora_dir: str | Path | None, cache_bytes: int, editor=None, device_bytes: int | None = None):
         self.lora_dir = None if lora_dir is None else Path(lora_dir)
         self.host = LoraHostCache(cache_bytes)
+        self._digests: dict[str, str] = {}  # name -> digest of its file's last read
         self.device_budget_bytes = cache_bytes if device_bytes is None else device_bytes
         if self.device_budget_bytes <= 0:
             raise ValueError(f"the LoRA device budget must be > 0 bytes, got {self.device_budget_bytes}")
@@ -291,6 +292,7 @@ class LoraManager:
                             pin=self.device.type == "cuda")
         self.host.put(name, weights, file)
         with self._lock:
+            self._digests[name] = weights.digest
             self.loads += 1
             self.load_seconds += time.perf_counter() - started
             self.load_cpu_seconds += time.thread_time() - cpu_started
@@ -357,6 +359,13 @@ class LoraManager:
         with self._lock:
             names = set(self._device) | set(self._loading)
         return sorted(names | set(self.host.names()))
+
+    def digests(self) -> dict[str, str]:
+        """The digest (`LoraWeights.digest`) of the last read of each resident adapter's file: the router
+        compares them across workers, whose folders should hold the same files."""
+        with self._lock:
+            digests = dict(self._digests)
+        return {name: digests[name] for name in self.resident() if name in digests}
 
     def metrics(self) -> dict:
         """Counters (cumulative) and occupancy of the host cache, the device copies and the loader. hits,
