@@ -25,7 +25,7 @@ the worker the request is assigned to at that moment, so a request is answered e
 a worker presumed dead speaks again. A worker removed while still alive (a network cut that healed)
 is told to join again; its hello lists the templates it still holds, which need no new recording.
 A hello says the worker's model, dtype and weights digest: another model (`RouterConfig.model`) is
-refused ("refused", the worker exits); other weights join with a warning (`on_worker`). Each heartbeat
+refused ("refused", the worker exits); other weights join with a warning (logged: retouch.router). Each heartbeat
 is answered ("alive"), so a worker notices a head that crashed. Closing tells the workers the server
 started ("supervised") to stop, and the others that it is closing: they outlive it and join the next.
 
@@ -299,11 +299,10 @@ class RouterConfig:
 class Router:
     def __init__(self, config: RouterConfig = RouterConfig(), cost: StepCost | None = None,
                  on_decision: Callable[[float], None] | None = None, security: RouterSecurity | None = None,
-                 on_worker: Callable[[str], None] | None = None, registry: TemplateRegistry | None = None):
+                 registry: TemplateRegistry | None = None):
         """`on_decision(seconds)`: told the policy's time of every routing decision (metrics).
-        `security`: CURVE keys; required to bind an address other hosts can reach. `on_worker(line)`: told
-        each worker that joins or leaves, and why (the server's log); called with the router's lock held, so
-        it must not block or call the router. `registry`: where registered templates are kept across
+        `security`: CURVE keys; required to bind an address other hosts can reach. Each worker that joins or
+        leaves, and why, is logged (retouch.router: info; refusals and mismatches: warning). `registry`: where registered templates are kept across
         restarts (`engine.registry`); the ones it holds are the router's from the start, recorded by each
         worker that joins (which adopts its disk tier's file of one, if it has it)."""
         if security is None and not is_loopback(config.address):
@@ -343,7 +342,6 @@ class Router:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._stopped = False
-        self._on_worker = on_worker or (lambda line: None)
         self._no_worker_since: float | None = time.monotonic()  # None while a worker is connected
         self._lora_workers_since = time.monotonic()  # when a worker that serves LoRAs was last connected
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
@@ -898,7 +896,7 @@ class Router:
         self.cluster.remove_worker(worker.slot)
         if worker.info.get("lora") is not False:
             self._lora_workers_since = time.monotonic()  # served LoRAs until now
-        self._on_worker(f"worker {name} left: {why}; {len(self.workers)} connected")
+        logger.info(f"worker {name} left: {why}; {len(self.workers)} connected")
         if not self.workers:
             self._no_worker_since = time.monotonic()
         for record in self.templates.values():
@@ -1059,7 +1057,7 @@ class Router:
         if refusal is not None:
             self.counters["workers_mismatched"] += 1
             self._outgoing.append((identity, wire.encode({"kind": "refused", "reason": refusal})))
-            self._on_worker(f"warning: worker {name} refused: {refusal}")
+            logger.warning(f"worker {name} refused: {refusal}")
             return
         if known is not None:
             self._remove_worker(name, "it said hello again (restarted)")
@@ -1069,9 +1067,9 @@ class Router:
         others = [other for other in self.workers.values() if other.info.get("weights") != info["weights"]]
         self.workers[name] = worker
         self._no_worker_since = None
-        self._on_worker(f"worker {name} joined (pid {worker.pid}); {len(self.workers)} connected")
+        logger.info(f"worker {name} joined (pid {worker.pid}); {len(self.workers)} connected")
         if others and info["weights"] is not None:  # a rolling update does this for a while; say so
-            self._on_worker(f"warning: worker {name} runs other weights or dtype ({info['dtype']}) than worker "
+            logger.warning(f"worker {name} runs other weights or dtype ({info['dtype']}) than worker "
                             f"{others[0].name} ({others[0].info.get('dtype')}): an edit's image depends on which "
                             "of them runs it")
         self._send(worker, self._welcome())
@@ -1097,7 +1095,7 @@ class Router:
         if worker.draining:
             return
         worker.draining = True
-        self._on_worker(f"worker {worker.name} is draining: it finishes its {len(worker.assigned)} edits")
+        logger.info(f"worker {worker.name} is draining: it finishes its {len(worker.assigned)} edits")
         for record in list(self.templates.values()):
             if worker.name in record.states:
                 self._ensure_replicas(record)
@@ -1147,7 +1145,7 @@ class Router:
                 if pair not in self._lora_mismatches:
                     self._lora_mismatches.add(pair)
                     self.counters["lora_mismatches"] += 1
-                    self._on_worker(f"warning: LoRA {name!r} differs between worker {worker.name} (file digest "
+                    logger.warning(f"LoRA {name!r} differs between worker {worker.name} (file digest "
                                     f"{digest}) and worker {other.name} ({theirs}): its edits' images depend on "
                                     "which worker runs them; give every worker's --lora-dir the same files")
 

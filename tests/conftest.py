@@ -54,10 +54,10 @@ def make_router():
 
     routers = []
 
-    def make(cost=None, on_worker=None, **config) -> Router:
+    def make(cost=None, **config) -> Router:
         config = {"address": "tcp://127.0.0.1:0", "policy": "least-requests", "heartbeat_s": 0.05,
                   "dead_after_s": 60.0, **config}
-        routers.append(Router(RouterConfig(**config), cost, on_worker=on_worker).start())
+        routers.append(Router(RouterConfig(**config), cost).start())
         return routers[-1]
 
     yield make

@@ -96,11 +96,16 @@ def test_exited_worker_is_rerouted_at_once(context, make_router):
     assert router.snapshot()["counters"]["rerouted"] == 2
 
 
-def test_with_no_worker_left_waiting_edits_get_503_and_new_ones_are_refused(context, make_router):
+def router_lines(caplog, level: str = "INFO") -> list[str]:
+    """What the router logged of its workers at `level` (caplog set to INFO for retouch.router)."""
+    return [r.getMessage() for r in caplog.records if r.name == "retouch.router" and r.levelname == level]
+
+
+def test_with_no_worker_left_waiting_edits_get_503_and_new_ones_are_refused(context, make_router, caplog):
     """A cluster whose last worker died answers its parked edits 503 after `no_worker_s`, and refuses new
     ones at once (they waited the whole request timeout for a 504); a worker that joins ends it."""
-    said = []
-    router = make_router(no_worker_s=0.3, on_worker=said.append)
+    caplog.set_level("INFO", logger="retouch.router")
+    router = make_router(no_worker_s=0.3)
     w0 = ScriptedWorker(context, router, "w0")
     router.register_template(template())
     w0.register("t1")
@@ -109,7 +114,8 @@ def test_with_no_worker_left_waiting_edits_get_503_and_new_ones_are_refused(cont
     router.worker_exited("w0")  # its edit is parked: no worker holds the template now
     answer = future.result(TIMEOUT_S)
     assert (answer.status, answer.error) == (503, "no_worker") and "no worker" in answer.message
-    assert said == ["worker w0 joined (pid 1); 1 connected", "worker w0 left: its process exited; 0 connected"]
+    assert router_lines(caplog) == ["worker w0 joined (pid 1); 1 connected",
+                                    "worker w0 left: its process exited; 0 connected"]
     assert router.template("t1")["status"] == "recording"  # by the next worker that joins
     assert router.template("t1")["progress"]["workers_connected"] == 0  # which a client can see
     with pytest.raises(NoWorkerConnected, match="no worker has been connected"):
@@ -479,18 +485,18 @@ def test_lora_affinity_needs_a_free_slot_and_ends_when_the_adapter_goes(context,
         RouterConfig(lora_affinity=-1)
 
 
-def test_a_worker_of_another_model_is_refused_and_other_weights_are_told(context, make_router):
-    lines = []
-    router = make_router(model="tiny-flux-fill", on_worker=lines.append)
+def test_a_worker_of_another_model_is_refused_and_other_weights_are_told(context, make_router, caplog):
+    caplog.set_level("INFO", logger="retouch.router")
+    router = make_router(model="tiny-flux-fill")
     w0 = ScriptedWorker(context, router, "w0", model="tiny-flux-fill", dtype="float32", weights="aaa")
     refused = ScriptedWorker(context, router, "w1", welcome="refused", model="/models/tiny-sd3-inpaint")
     assert "it serves the model 'tiny-sd3-inpaint', this server 'tiny-flux-fill'" in refused.answer_to_hello["reason"]
     ScriptedWorker(context, router, "w2", model="/mnt/x/tiny-flux-fill", dtype="bfloat16", weights="bbb")
     assert set(router.workers) == {"w0", "w2"}  # a folder is its name: hosts mount it where they like
     assert router.snapshot()["counters"]["workers_mismatched"] == 1
-    assert any(line.startswith("warning: worker w1 refused") for line in lines)
-    assert any(line.startswith("warning: worker w2 runs other weights or dtype (bfloat16) than worker w0")
-               for line in lines)
+    warnings = router_lines(caplog, "WARNING")
+    assert any(line.startswith("worker w1 refused") for line in warnings)
+    assert any(line.startswith("worker w2 runs other weights or dtype (bfloat16) than worker w0") for line in warnings)
     assert router.snapshot()["workers"]["w2"]["info"]["weights"] == "bbb"
     # the same process saying hello again (its welcome lost) is welcomed, not removed and added
     w0.send({"kind": "hello", "max_batch": 4, "pid": 1, "model": "tiny-flux-fill", "weights": "aaa"})
@@ -593,11 +599,11 @@ def test_an_edit_still_on_its_way_is_not_sent_again(context, make_router):
     assert answer.result(TIMEOUT_S).status == 200
 
 
-def test_workers_whose_lora_files_of_one_name_differ_are_said_once(context, make_router):
+def test_workers_whose_lora_files_of_one_name_differ_are_said_once(context, make_router, caplog):
     """The same LoRA name on two workers with other files (a folder copied to some hosts only) gives its edits
     another image depending on where they run: the head says so once per pair of files, and counts it."""
-    lines = []
-    router = make_router(on_worker=lines.append)
+    caplog.set_level("INFO", logger="retouch.router")
+    router = make_router()
     w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
 
     def heartbeat(worker, digests):
@@ -612,8 +618,8 @@ def test_workers_whose_lora_files_of_one_name_differ_are_said_once(context, make
         heartbeat(w1, {"ink": "bbbb", "grain": "cccc"})
         heartbeat(w0, {"ink": "aaaa", "grain": "cccc"})
     assert router.snapshot()["counters"]["lora_mismatches"] == 1
-    [warning] = [line for line in lines if "LoRA" in line]
-    assert warning.startswith("warning: LoRA 'ink' differs between worker") and "aaaa" in warning and "bbbb" in warning
+    [warning] = [line for line in router_lines(caplog, "WARNING") if "LoRA" in line]
+    assert warning.startswith("LoRA 'ink' differs between worker") and "aaaa" in warning and "bbbb" in warning
 
 
 def test_a_restarted_process_with_the_same_name_and_pid_is_a_new_worker(context, make_router):

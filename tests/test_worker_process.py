@@ -176,13 +176,13 @@ def test_a_worker_the_router_refuses_by_its_curve_key_says_so_and_stops_on_sigte
         router.close(drain_s=0)
 
 
-def test_sigterm_drains_the_accepted_edits_while_the_router_sends_nothing_new(tmp_path):
+def test_sigterm_drains_the_accepted_edits_while_the_router_sends_nothing_new(tmp_path, caplog):
     """Kubernetes stops a worker with SIGTERM (a rolling update): it finishes what it accepted. Its
     heartbeats went silent meanwhile, so a drain longer than dead_after_s got it removed and its edits
     computed again elsewhere; and the router kept sending it new ones."""
-    lines = []
+    caplog.set_level("INFO", logger="retouch.router")
     router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.1,
-                                 dead_after_s=1.0), on_worker=lines.append).start()
+                                 dead_after_s=1.0)).start()
     worker = subprocess.Popen(worker_command(router.address, "tiny-flux-fill", "solo"),
                               stderr=(log := open(tmp_path / "worker.log", "w")))
     try:
@@ -205,6 +205,7 @@ def test_sigterm_drains_the_accepted_edits_while_the_router_sends_nothing_new(tm
         assert accepted.result(TIMEOUT_S).status == 200
         assert worker.wait(timeout=TIMEOUT_S) == 0
         assert later.done() is False
+        lines = [r.getMessage() for r in caplog.records if r.name == "retouch.router"]
         assert any("solo left: it said bye" in line for line in lines), lines
         assert not any("no heartbeat" in line for line in lines), lines
     finally:

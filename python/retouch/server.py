@@ -14,7 +14,6 @@ folder; both are gone when it stops (`engine.process_tree`).
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import signal
@@ -40,7 +39,6 @@ from retouch.http_api import Limits, create_app
 from retouch.http_connections import guarded_protocol
 from retouch.log_limits import cap_log_messages
 
-logger = logging.getLogger("retouch.router")  # the router's news of its workers
 
 
 def step_cost(opts: ServeOptions) -> StepCost | None:
@@ -135,8 +133,7 @@ class Server:
             security = RouterSecurity(opts.curve_secret, AllowedKeys.from_dir(opts.curve_allowed))
         registry = None if opts.cache_disk_dir is None else TemplateRegistry(Path(opts.cache_disk_dir) / "templates")
         try:
-            self.router = Router(router_config(opts), step_cost(opts), security=security, registry=registry,
-                                 on_worker=log_worker_line).start()
+            self.router = Router(router_config(opts), step_cost(opts), security=security, registry=registry).start()
         except BaseException:
             if registry is not None:
                 registry.close()
@@ -227,14 +224,6 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def log_worker_line(line: str) -> None:
-    """The router's news of its workers (joined, left and why, refused, warnings), timestamped."""
-    if line.startswith("warning: "):
-        logger.warning(line.removeprefix("warning: "))
-    else:
-        logger.info(line)
 
 
 def read_api_keys(path: Path | None) -> tuple[str, ...]:
