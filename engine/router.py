@@ -301,10 +301,11 @@ class Router:
                  on_decision: Callable[[float], None] | None = None, security: RouterSecurity | None = None,
                  registry: TemplateRegistry | None = None):
         """`on_decision(seconds)`: told the policy's time of every routing decision (metrics).
-        `security`: CURVE keys; required to bind an address other hosts can reach. Each worker that joins or
-        leaves, and why, is logged (retouch.router: info; refusals and mismatches: warning). `registry`: where registered templates are kept across
-        restarts (`engine.registry`); the ones it holds are the router's from the start, recorded by each
-        worker that joins (which adopts its disk tier's file of one, if it has it)."""
+        `security`: CURVE keys; required to bind an address other hosts can reach. `registry`: where
+        registered templates are kept across restarts (`engine.registry`); the ones it holds are the router's
+        from the start, recorded by each worker that joins (which adopts its disk tier's file of one, if it has
+        it). Each worker that joins or leaves, and why, is logged (retouch.router: info; refusals and
+        mismatches: warning)."""
         if security is None and not is_loopback(config.address):
             raise InputError(f"refusing to listen for workers on {config.address} without CURVE keys "
                              "(--curve-secret, --curve-allowed): anyone who can reach it could join as a worker")
