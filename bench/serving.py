@@ -169,9 +169,14 @@ class MaskAwareServing:
         future.add_done_callback(done)
         return finished
 
-    def batch_sizes(self) -> list[list[int]]:
-        """Per engine, the requests in each denoising step run so far."""
-        return [engine.worker.metrics.batch_sizes for engine in self.engines]
+    def steps(self) -> list[int]:
+        """Per engine, the denoising steps run so far."""
+        return [engine.worker.metrics.steps for engine in self.engines]
+
+    def batch_sizes_since(self, marks: list[int]) -> list[int]:
+        """The requests in each denoising step run after `marks` (`steps()`), over every engine."""
+        return [size for engine, mark in zip(self.engines, marks)
+                for size in engine.worker.metrics.batch_sizes_since(mark)]
 
 
 class StaticBatching:
@@ -193,9 +198,13 @@ class StaticBatching:
     def submit(self, edit: workload.SyntheticEdit) -> Future[float]:
         return self.loops[next(self._turn)].submit(edit.request)
 
-    def batch_sizes(self) -> list[list[int]]:
-        """Per loop, the size of each batch run so far (a batch runs every step together)."""
-        return [loop.batch_sizes for loop in self.loops]
+    def steps(self) -> list[int]:
+        """Per loop, the batches run so far (a batch runs every step together)."""
+        return [len(loop.batch_sizes) for loop in self.loops]
+
+    def batch_sizes_since(self, marks: list[int]) -> list[int]:
+        """The size of each batch run after `marks` (`steps()`), over every loop."""
+        return [size for loop, mark in zip(self.loops, marks) for size in loop.batch_sizes[mark:]]
 
 
 class _StaticLoop:
@@ -262,7 +271,7 @@ def _warm_up(system, edits: list[workload.SyntheticEdit]) -> None:
 
 def _drive(system, arrivals: list[float], edits: list[workload.SyntheticEdit]) -> dict:
     """Send each edit at its arrival offset, wait for all; latency and batch statistics of the point."""
-    marks = [len(sizes) for sizes in system.batch_sizes()]
+    marks = system.steps()
     start = now()
     sent, futures = [], []
     for offset, edit in zip(arrivals, edits):
@@ -277,7 +286,7 @@ def _drive(system, arrivals: list[float], edits: list[workload.SyntheticEdit]) -
             latencies.append(future.result() - sent_at)
         except Exception as exc:  # a benchmark counts failures; it does not stop at one
             errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-    batch_sizes = [size for sizes, mark in zip(system.batch_sizes(), marks) for size in sizes[mark:]]
+    batch_sizes = system.batch_sizes_since(marks)
     summary = {"ok": len(latencies), "failed": len(futures) - len(latencies), "errors": errors,
                "mean_s": None, "p50_s": None, "p95_s": None, "max_s": None,
                "mean_batch_size": statistics.fmean(batch_sizes) if batch_sizes else 0.0,

@@ -3,8 +3,8 @@ the denoising loop is held up by work that is not denoising."""
 
 from __future__ import annotations
 
-import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -56,16 +56,18 @@ class RequestMetrics:
         return report
 
 
+HISTORY_STEPS = 100_000  # per-step samples kept (benchmarks read them); the totals cover the worker's whole life
+
+
 @dataclass
 class WorkerMetrics:
     """Per loop iteration that ran a step: its batch size, its wall time and the part of it spent in
     denoiser forwards; `interruptions` counts pre/post-processing tasks (and recordings of lost templates)
-    the loop ran while other requests were mid-denoising."""
+    the loop ran while other requests were mid-denoising. A worker runs for weeks: its summary comes from
+    running totals, and only the last `history` steps' samples are kept."""
 
-    batch_sizes: list[int] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)
-    forward_s: list[float] = field(default_factory=list)
-    inline_s: list[float] = field(default_factory=list)  # pre/post work run inside the iteration
+    history: int = HISTORY_STEPS
+    steps: int = 0
     interruptions: int = 0
     completed: int = 0
     failed: int = 0
@@ -73,36 +75,50 @@ class WorkerMetrics:
     recorded: int = 0  # templates recorded as members of the batch
     watch_errors: int = 0  # progress callbacks or previews that raised (the edits went on)
     last_watch_error: str | None = None
-    total_step_s: float = 0.0  # sum of step_s, kept so the mean is O(1) (slack ordering asks often)
-    total_batch_rows: int = 0  # sum of batch_sizes
+    total_step_s: float = 0.0
+    total_batch_rows: int = 0
+    total_overhead_s: float = 0.0  # the loop's own time (`record_step`)
+    max_batch_size: int = 0
+
+    def __post_init__(self):
+        if self.history < 1:
+            raise ValueError(f"history must be >= 1 step, got {self.history}")
+        self.batch_sizes: deque[int] = deque(maxlen=self.history)
+        self.step_s: deque[float] = deque(maxlen=self.history)
+        self.forward_s: deque[float] = deque(maxlen=self.history)
+        self.inline_s: deque[float] = deque(maxlen=self.history)
 
     def record_step(self, batch_size: int, step_s: float, forward_s: float, inline_s: float) -> None:
+        """One step; its overhead is the loop's own time: admission, batch assembly, planning, scheduler
+        updates and retirement (everything but forwards and inline pre/post work)."""
+        self.steps += 1
         self.batch_sizes.append(batch_size)
         self.step_s.append(step_s)
-        self.total_step_s += step_s
-        self.total_batch_rows += batch_size
         self.forward_s.append(forward_s)
         self.inline_s.append(inline_s)
+        self.total_step_s += step_s
+        self.total_batch_rows += batch_size
+        self.total_overhead_s += max(0.0, step_s - forward_s - inline_s)
+        self.max_batch_size = max(self.max_batch_size, batch_size)
 
     def mean_step_s(self) -> float:
-        return self.total_step_s / len(self.step_s) if self.step_s else 0.0
+        return self.total_step_s / self.steps if self.steps else 0.0
 
-    def overheads_s(self) -> list[float]:
-        """Per step, the loop's own time: admission, batch assembly, planning, scheduler updates and
-        retirement (everything but forwards and inline pre/post work)."""
-        return [max(0.0, s - f - i) for s, f, i in zip(self.step_s, self.forward_s, self.inline_s)]
+    def batch_sizes_since(self, mark: int) -> list[int]:
+        """The batch sizes of the steps after the first `mark` (a count of `steps`), those still kept."""
+        kept = list(self.batch_sizes)
+        return kept[len(kept) - min(len(kept), max(0, self.steps - mark)):]
 
     def summary(self) -> dict:
-        overheads = self.overheads_s()
-        steps = len(self.step_s)
+        steps = self.steps
         return {
             "steps": steps, "completed": self.completed, "failed": self.failed, "cancelled": self.cancelled,
             "recorded": self.recorded, "watch_errors": self.watch_errors,
             "interruptions": self.interruptions,
             "step_seconds": self.total_step_s, "batch_rows": self.total_batch_rows,
-            "mean_batch_size": statistics.fmean(self.batch_sizes) if steps else 0.0,
-            "max_batch_size": max(self.batch_sizes, default=0),
-            "mean_step_s": statistics.fmean(self.step_s) if steps else 0.0,
-            "mean_overhead_s": statistics.fmean(overheads) if steps else 0.0,
-            "overhead_fraction": sum(overheads) / sum(self.step_s) if steps and sum(self.step_s) else 0.0,
+            "mean_batch_size": self.total_batch_rows / steps if steps else 0.0,
+            "max_batch_size": self.max_batch_size,
+            "mean_step_s": self.mean_step_s(),
+            "mean_overhead_s": self.total_overhead_s / steps if steps else 0.0,
+            "overhead_fraction": self.total_overhead_s / self.total_step_s if self.total_step_s else 0.0,
         }

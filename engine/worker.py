@@ -322,7 +322,7 @@ class Worker:
                 job.metrics.tokens = self.editor.num_tokens(job.template)
                 job.metrics.computed_tokens = len(job.ready.inputs.masked_idx)
                 job.metrics.admitted = now()
-                job.metrics.admitted_step = len(self.metrics.step_s)
+                job.metrics.admitted_step = self.metrics.steps
                 self.running.append(job)
         finally:
             self.waiting.extendleft(reversed(loading))  # first in line again, in their order

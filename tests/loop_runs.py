@@ -16,7 +16,7 @@ def run_loop(editor, config, jobs, inject=None, send_to_postprocess=None) -> Wor
     def step_and_inject():
         stepped = step()
         if inject is not None:
-            inject(worker, len(worker.metrics.step_s) + 1)
+            inject(worker, worker.metrics.steps + 1)
         return stepped
 
     worker.step = step_and_inject

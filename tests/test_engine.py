@@ -8,6 +8,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from editor_inputs import max_diff, square_mask, template_image
 from loop_runs import run_loop
 
@@ -70,7 +72,7 @@ def test_a_request_joining_mid_way_equals_it_run_alone_and_joins_within_one_step
                            [EditRequest(long_id, square_mask(), "a red hat", seed=5)], inject)
     assert late.metrics.admitted_step == arrived_after[0]  # the very next step
     assert max_diff(final_latents(late), final_latents(alone)) <= BATCH_ATOL
-    assert worker.metrics.batch_sizes[:3] == [1, 1, 2]
+    assert list(worker.metrics.batch_sizes)[:3] == [1, 1, 2]
     assert first.metrics.steps == 6 and late.metrics.steps == 4
 
 
@@ -82,7 +84,7 @@ def test_requests_with_different_steps_and_masks_finish_correctly_together(flux_
                 EditRequest(ids[2], square_mask((16, 80, 111, 111)), "a dog", seed=3),
                 EditRequest(ids[1], square_mask((0, 64, 31, 127)), "a lamp", seed=4)]
     worker, jobs = run(flux_editor, EngineConfig(mode="naive", max_batch=8), requests)
-    assert worker.metrics.batch_sizes == [4, 4, 3, 2, 2]
+    assert list(worker.metrics.batch_sizes) == [4, 4, 3, 2, 2]
     for request, job in zip(requests, jobs):
         expected = flux_editor.edit_many([request], output_type="latent")[0]
         assert max_diff(final_latents(job), expected) <= BATCH_ATOL
@@ -102,7 +104,7 @@ def test_static_batching_never_admits_into_a_running_batch(flux_editor):
     requests = [EditRequest(long_id, square_mask(), "a hat", seed=1), EditRequest(short_id, square_mask(), "a cup")]
     worker, first = run(flux_editor, EngineConfig(mode="static", max_batch=4), requests, inject)
     # The first batch shrinks as requests finish (2 steps, then 4) and only then do the late ones join.
-    assert worker.metrics.batch_sizes == [2, 2, 1, 1, 2, 2]
+    assert list(worker.metrics.batch_sizes) == [2, 2, 1, 1, 2, 2]
     assert all(job.metrics.admitted_step == 4 for job in late)
     assert worker.metrics.interruptions == 1  # the short request's inline post-processing held up the long one
     # The same arrivals in continuous batching join at once.
@@ -310,3 +312,25 @@ def test_an_edit_waiting_for_its_template_stays_queued_when_another_does_not_fit
     worker.admit()
     assert list(worker.waiting) == [loading, full] and not loading.future.done() and not full.future.done()
     worker.loras.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 8), st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
+                max_size=40), st.integers(1, 10), st.integers(0, 45))
+def test_worker_metrics_keep_exact_totals_in_bounded_memory(steps, history, mark):
+    """A worker runs for weeks: its summary is over every step, from totals, while it keeps only the last
+    `history` steps' samples (it kept every one, and averaged them all at every heartbeat)."""
+    from retouch.engine.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(history=history)
+    for batch, step_s, forward_s, inline_s in steps:
+        metrics.record_step(batch, step_s, forward_s, inline_s)
+    summary = metrics.summary()
+    batches = [batch for batch, *_ in steps]
+    overheads = [max(0.0, s - f - i) for _, s, f, i in steps]
+    assert summary["steps"] == len(steps) and len(metrics.batch_sizes) == min(history, len(steps))
+    assert summary["batch_rows"] == sum(batches) and summary["max_batch_size"] == max(batches, default=0)
+    assert summary["mean_batch_size"] == pytest.approx(sum(batches) / len(steps) if steps else 0.0)
+    assert summary["mean_overhead_s"] == pytest.approx(sum(overheads) / len(steps) if steps else 0.0)
+    assert summary["step_seconds"] == pytest.approx(sum(s for _, s, _, _ in steps))
+    assert metrics.batch_sizes_since(mark) == batches[mark:][len(batches[mark:]) - min(history, len(batches[mark:])):]

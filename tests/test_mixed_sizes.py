@@ -75,7 +75,7 @@ def run(editor, requests, inject=None, config=EngineConfig(mode="naive")):
         finally:
             editor.in_step = False
         if inject is not None:
-            inject(worker, len(worker.metrics.step_s) + 1)
+            inject(worker, worker.metrics.steps + 1)
         return stepped
 
     worker.step = counted_step
@@ -129,7 +129,7 @@ def test_three_sizes_in_one_forward_equal_each_run_alone(editor):
     assert sizes_per_step[:3] == [3, 3, 3]  # the first steps batch all three sizes
     # One forward per step: the packed one while sizes differ, the stock call once one size is left.
     assert calls["packed"] == sum(1 for n in sizes_per_step if n > 1)
-    assert calls["packed"] + calls["stock"] == len(worker.metrics.step_s)
+    assert calls["packed"] + calls["stock"] == worker.metrics.steps
     for job, reference in zip(jobs, expected):
         assert job.row.latents[0].shape == reference.shape
         assert max_diff(job.row.latents[0], reference) <= batch_bound(reference)
@@ -183,7 +183,7 @@ def test_one_forward_per_size_when_mixing_is_off(editor):
         worker, jobs, _ = run(editor, requests, config=EngineConfig(mode="naive", mixed_sizes=False))
     finally:
         restore()
-    assert calls["packed"] == 0 and calls["stock"] > len(worker.metrics.step_s)
+    assert calls["packed"] == 0 and calls["stock"] > worker.metrics.steps
 
 
 def test_blocks_the_plan_runs_in_full_run_per_size_inside_the_packed_forward():
