@@ -242,8 +242,8 @@ class WorkerState:
     # assigned edits (by request id) and templates it records (by template id) its heartbeats lack, since when
     missing: dict[int | str, float] = field(default_factory=dict)
     sent: int = 0  # the number of the last message sent to it (its heartbeats say the last they saw)
-    # the number of the message that carried each assigned edit and each template sent to it to record
-    sent_in: dict[int | str, int] = field(default_factory=dict)
+    # the number of the message that carried each assigned edit and each template sent to it to record, and when
+    sent_in: dict[int | str, tuple[int, float]] = field(default_factory=dict)
     draining: bool = False  # stopping: it finishes its edits, and gets no new edit or template
     registering: set[str] = field(default_factory=set)  # templates sent to it to record, not yet reported
 
@@ -254,6 +254,9 @@ class RouterConfig:
     policy: str = "mask-aware"
     heartbeat_s: float = 0.5  # told to workers in the welcome
     dead_after_s: float = 5.0  # silence after which a worker is removed
+    # An edit or template sent to a worker that has not seen it yet is on its way (a large image over a slow
+    # link) for at most this long; after that, missing from its heartbeats for dead_after_s, it is lost.
+    transfer_timeout_s: float = 120.0
     max_queue: int = 256  # requests accepted and not yet answered
     # Of them, one tenant's (API key's) at most, so that one client's burst cannot refuse every other
     # client for as long as it lasts; None: max_queue.
@@ -280,6 +283,8 @@ class RouterConfig:
     def __post_init__(self):
         if self.dead_after_s <= self.heartbeat_s:
             raise ValueError("dead_after_s must exceed heartbeat_s")
+        if not self.transfer_timeout_s > 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.max_queue_per_tenant is not None and self.max_queue_per_tenant < 1:
@@ -794,7 +799,7 @@ class Router:
         if carries_image:
             header["one_off"] = {"steps": record.steps, "guidance": record.guidance}
             blobs["image"] = record.image
-        worker.sent_in[pending.request_id] = self._send(worker, header, blobs)
+        worker.sent_in[pending.request_id] = (self._send(worker, header, blobs), time.monotonic())
         # A request sent again (its worker died) starts over: its watchers see it queued, then steps from 1.
         self._tell("request", pending.request_id, {"event": "queued", "worker": worker.name, "attempt": pending.routes,
                                                    "steps": record.steps})
@@ -883,10 +888,10 @@ class Router:
         for worker in candidates[:max(0, wanted - len(holding))]:
             record.states[worker.name] = "recording"
             worker.registering.add(record.template_id)
-            worker.sent_in[record.template_id] = self._send(
-                worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
-                         "steps": record.steps, "seed": record.seed, "guidance": record.guidance},
-                {"image": record.image})
+            seq = self._send(worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
+                                      "steps": record.steps, "seed": record.seed, "guidance": record.guidance},
+                             {"image": record.image})
+            worker.sent_in[record.template_id] = (seq, time.monotonic())
             self._template_changed(record)
 
     def _remove_worker(self, name: str, why: str) -> None:
@@ -1154,9 +1159,12 @@ class Router:
         """Whether an edit (by request id) or a template (by id) sent to the worker is lost on the way: its
         heartbeats have lacked it for `dead_after_s` although they saw the message that carried it (a link
         that dropped and came back before the worker was presumed dead loses what was in flight). A message
-        still on its way (a large image over a slow link) is not lost. `seen`: None from a worker that does
-        not echo message numbers."""
-        on_its_way = seen is not None and worker.sent_in.get(key, 0) > int(seen)
+        still on its way (a large image over a slow link) is not lost, for up to `transfer_timeout_s`.
+        `seen`: None from a worker that does not echo message numbers; one above the last number sent is
+        from before this router numbered its messages (a heartbeat sent before its welcome)."""
+        seq, sent_at = worker.sent_in.get(key, (0, now))
+        on_its_way = (seen is not None and seq > int(seen) and int(seen) <= worker.sent
+                      and now - sent_at < self.config.transfer_timeout_s)
         if there or on_its_way:
             worker.missing.pop(key, None)
             return False

@@ -18,7 +18,7 @@ from scripted_worker import ScriptedWorker
 
 from retouch.edit_jobs import JOB_OVERHEAD_BYTES, EditJobs, Job, KeyReused, Outcome, fingerprint
 from retouch.engine.router import Router, RouterConfig
-from retouch.http_api import Limits, create_app
+from retouch.http_api import Limits, create_app, tenant_of
 
 KEYS = ("sk-a", "sk-b")
 SIZE = (32, 32)
@@ -100,9 +100,8 @@ def test_an_asynchronous_edit_is_answered_at_once_and_fetched_later():
     edit_id = accepted.json()["id"]
     assert accepted.headers["Location"] == f"/v1/edits/{edit_id}" and accepted.headers["X-Request-Id"] == edit_id
     assert seen["running"].json()["status"] == "in_progress" and len(seen["running"].json()["images"]) == 1
-    early = seen["result too early"]
-    assert early.status_code == 409 and early.json()["error"]["code"] == "edit_in_progress"
-    assert "Retry-After" in early.headers
+    early = seen["result too early"]  # the status, as the POST answered it
+    assert early.status_code == 202 and early.json()["status"] == "in_progress" and "Retry-After" in early.headers
     assert seen["other tenant"].status_code == 404
     result = seen["result"]
     assert result.status_code == 200 and result.headers["content-type"] == "image/png"
@@ -123,6 +122,7 @@ def test_an_asynchronous_edit_is_answered_at_once_and_fetched_later():
 async def keyed_retries() -> dict:
     async with server_with_a_template() as (client, router, worker, form):
         key = auth(**{"Idempotency-Key": "retry-me-1"})
+        quoted = auth(**{"Idempotency-Key": '"retry-me-1"'})  # the draft's sf-string form: the same key
         first = asyncio.create_task(client.post("/v1/edits", headers=key, data=form, files=mask_file()))
         while router.snapshot()["pending"] == 0:
             await asyncio.sleep(0.01)
@@ -132,7 +132,7 @@ async def keyed_retries() -> dict:
         retry = asyncio.create_task(client.post("/v1/edits", headers=key, data=form, files=mask_file()))
         await answer_next_edit(worker)
         seen = {"retry": await retry}
-        seen["after"] = await client.post("/v1/edits", headers=key, data=form, files=mask_file())
+        seen["after"] = await client.post("/v1/edits", headers=quoted, data=form, files=mask_file())
         seen["other request"] = await client.post("/v1/edits", headers=key, data={**form, "prompt": "a dog"},
                                                   files=mask_file())
         # another tenant's same key is its own request: of a template it cannot see
@@ -155,6 +155,7 @@ def test_a_retry_with_the_same_idempotency_key_gets_the_first_answer_without_a_s
     assert retry.status_code == 200 and after.status_code == 200 and retry.content == after.content
     assert Image.open(io.BytesIO(retry.content)).convert("RGB").getpixel((0, 0)) == (0, 0, 255)
     assert retry.headers["X-Request-Id"] == after.headers["X-Request-Id"]
+    assert retry.headers["Idempotent-Replayed"] == after.headers["Idempotent-Replayed"] == "true"
     assert seen["routed"] == 1  # one generation for the three requests with the key
     assert seen["other tenant"].json()["error"]["code"] == "template_not_found"
     reused = seen["other request"]
@@ -291,10 +292,94 @@ def test_kept_answers_stay_within_the_budget_and_the_newest_is_never_evicted(siz
 
 
 def test_a_fingerprint_tells_requests_apart():
-    base = [("prompt", "a cat"), ("mask", b"\x00\x01")]
-    assert fingerprint("/v1/edits", base, False) == fingerprint("/v1/edits", list(base), False)
-    for other in ([("prompt", "a dog"), ("mask", b"\x00\x01")], [("prompt", "a cat"), ("mask", b"\x00\x02")],
-                  [("prompt", "a ca"), ("tmask", b"\x00\x01")]):
-        assert fingerprint("/v1/edits", other, False) != fingerprint("/v1/edits", base, False)
-    assert fingerprint("/v1/edits", base, True) != fingerprint("/v1/edits", base, False)
-    assert fingerprint("/v1/images/edits", base, False) != fingerprint("/v1/edits", base, False)
+    def fields(prompt: str = "a cat", name: str = "mask", data: bytes = b"\x00\x01") -> list:
+        return [("prompt", prompt), (name, io.BytesIO(data))]
+
+    base = fingerprint("/v1/edits", fields(), False)
+    upload = io.BytesIO(bytes(range(256)) * 5000)  # read in chunks, and left where a later read starts
+    assert fingerprint("/v1/edits", [("mask", upload)], False) == fingerprint("/v1/edits", [("mask", upload)], False)
+    assert upload.tell() == 0
+    assert base == fingerprint("/v1/edits", fields(), False)
+    for other in (fields(prompt="a dog"), fields(data=b"\x00\x02"), fields(prompt="a ca", name="tmask")):
+        assert fingerprint("/v1/edits", other, False) != base
+    assert fingerprint("/v1/edits", fields(), True) != base
+    assert fingerprint("/v1/images/edits", fields(), False) != base
+
+
+async def concurrent_and_failing() -> dict:
+    async with server_with_a_template() as (client, router, worker, form):
+        app_jobs = client._transport.app.state.jobs
+        key = auth(**{"Idempotency-Key": "twice-at-once"})
+        both = [asyncio.create_task(client.post("/v1/edits", headers=key, data=form, files=mask_file()))
+                for _ in range(2)]
+        await answer_next_edit(worker)
+        seen = {"both": await asyncio.gather(*both)}
+        same_id = auth(**{"X-Request-Id": "one-id"})
+        seen["same id"] = await asyncio.gather(*[client.post("/v1/edits", headers=same_id, data={**form, "async": "1"},
+                                                             files=mask_file()) for _ in range(2)])
+        await answer_next_edit(worker)
+        # a GPU error is the server's: its key is given back, and the retry generates again
+        failing = auth(**{"Idempotency-Key": "flaky"})
+        first = asyncio.create_task(client.post("/v1/edits", headers=failing, data=form, files=mask_file()))
+        edit = await asyncio.to_thread(worker.receive, "edit")
+        worker.send({"kind": "result", "request": edit["request"], "status": 500, "error": "RuntimeError",
+                     "message": "CUDA error"})
+        seen["failed"] = await first
+        failed_job = app_jobs.find(tenant_of(KEYS[0]), seen["failed"].headers["X-Request-Id"])
+        seen["kept error"] = failed_job.outcome.respond.__self__
+        retry = asyncio.create_task(client.post("/v1/edits", headers=failing, data=form, files=mask_file()))
+        await answer_next_edit(worker, "green")
+        seen["retried"] = await retry
+        # a DELETE of a kept answer gives its key back too
+        seen["deleted"] = await client.delete(f"/v1/edits/{seen['retried'].headers['X-Request-Id']}", headers=auth())
+        again = asyncio.create_task(client.post("/v1/edits", headers=failing, data=form, files=mask_file()))
+        await answer_next_edit(worker)
+        seen["after delete"] = await again
+        # a streamed edit ignores a preference to run asynchronously
+        seen["preferred stream"] = asyncio.create_task(client.post(
+            "/v1/edits", headers=auth(Prefer="respond-async"), data={**form, "stream": "true"}, files=mask_file()))
+        await answer_next_edit(worker)
+        seen["preferred stream"] = await seen["preferred stream"]
+        seen["routed"] = router.snapshot()["counters"]["routed"]
+    return seen
+
+
+def test_concurrent_retries_share_one_edit_and_server_failures_give_the_key_back():
+    seen = asyncio.run(concurrent_and_failing())
+    first, second = seen["both"]
+    assert first.status_code == second.status_code == 200 and first.content == second.content
+    assert first.headers["X-Request-Id"] == second.headers["X-Request-Id"]
+    statuses = sorted(answer.status_code for answer in seen["same id"])
+    assert statuses == [202, 409] and "duplicate_request_id" in min(seen["same id"], key=lambda a: -a.status_code).text
+    assert seen["failed"].status_code == 500
+    kept = seen["kept error"]  # plain data: no traceback holding the request's images
+    assert kept.__traceback__ is None and kept.__context__ is None
+    assert seen["retried"].status_code == 200 and "Idempotent-Replayed" not in seen["retried"].headers
+    assert seen["retried"].headers["X-Request-Id"] != seen["failed"].headers["X-Request-Id"]
+    assert seen["deleted"].json()["deleted"] is True
+    assert seen["after delete"].status_code == 200 and "Idempotent-Replayed" not in seen["after delete"].headers
+    assert seen["preferred stream"].headers["content-type"].startswith("text/event-stream")
+    # twice-at-once 1, one-id 1, flaky 3 (failed, retried, after the delete), the stream 1
+    assert seen["routed"] == 6
+
+
+async def evicted() -> dict:
+    async with server_with_a_template(max_result_bytes=1) as (client, router, worker, form):
+        seen = {}
+        for name in ("first", "second", "first again"):
+            key = auth(**{"Idempotency-Key": name.split()[0]})
+            answer = asyncio.create_task(client.post("/v1/edits", headers=key, data=form, files=mask_file()))
+            await answer_next_edit(worker)
+            seen[name] = await answer
+        seen["newest"] = await client.get(f"/v1/edits/{seen['first again'].headers['X-Request-Id']}/result",
+                                          headers=auth())
+        seen["routed"] = router.snapshot()["counters"]["routed"]
+    return seen
+
+
+def test_an_evicted_answer_gives_its_key_back_and_the_newest_stays():
+    """Over the byte budget the oldest answers go first (and their keys: a retry generates again); the
+    newest stays, even alone over the budget."""
+    seen = asyncio.run(evicted())
+    assert seen["routed"] == 3 and "Idempotent-Replayed" not in seen["first again"].headers
+    assert seen["newest"].status_code == 200 and seen["newest"].content == seen["first again"].content

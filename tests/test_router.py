@@ -622,6 +622,29 @@ def test_workers_whose_lora_files_of_one_name_differ_are_said_once(context, make
     assert warning.startswith("LoRA 'ink' differs between worker") and "aaaa" in warning and "bbbb" in warning
 
 
+def test_a_template_on_its_way_waits_at_most_transfer_timeout_s(context, make_router):
+    """A template to record (its image) still on its way is not lost; one that has not arrived after
+    transfer_timeout_s is (a link that carries heartbeats but not the router's messages)."""
+    router = make_router(dead_after_s=0.2, transfer_timeout_s=1.5)
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(template("t1"))
+    register = w0.receive("register")
+
+    def heartbeat(seen: int) -> None:
+        w0.send({"kind": "heartbeat", "running": [], "queued": [], "held": [], "recording": [], "seen": seen})
+        w0.sync()
+
+    started = time.monotonic()
+    while time.monotonic() - started < 0.8:  # four dead_after_s on its way: not lost
+        heartbeat(register["seq"] - 1)
+    assert router.snapshot()["counters"]["lost_recordings"] == 0
+    deadline = time.monotonic() + TIMEOUT_S
+    while router.snapshot()["counters"]["lost_recordings"] == 0 and time.monotonic() < deadline:
+        heartbeat(register["seq"] - 1)  # past transfer_timeout_s it is lost all the same
+    assert router.snapshot()["counters"]["lost_recordings"] == 1 and time.monotonic() - started >= 1.5
+    assert w0.receive("register")["template"] == "t1"  # sent again
+
+
 def test_a_restarted_process_with_the_same_name_and_pid_is_a_new_worker(context, make_router):
     """PID 1 in a container restarted in its pod: the same identity, another process (boot id). Its
     edits must go elsewhere, not wait for a process that is gone."""

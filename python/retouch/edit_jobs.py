@@ -1,21 +1,27 @@
 """Edits that outlive the request that made them, and their kept answers.
 
-An edit sent with `async=true` (or `Prefer: respond-async`) is answered 202 at once and fetched later;
-an edit sent with an `Idempotency-Key` header is kept so that a retry of the same request (a dropped
-connection, a client's automatic retry) gets the same answer rather than a second generation. Each
-runs as a `Job` on the server's event loop, so it goes on when its client goes away, within the
-server's request timeout.
+An edit sent with `async=true` is answered 202 at once and fetched later; an edit sent with an
+`Idempotency-Key` header is kept so that a retry of the same request (a dropped connection, a client's
+automatic retry) gets the same answer rather than a second generation. Each runs as a `Job` on the
+server's event loop, so it goes on when its client goes away, within the server's request timeout.
 
     jobs = EditJobs(ttl_s=3600, max_bytes=512 << 20)
-    job = jobs.start(Job("edit-1", tenant, "tpl", key, fingerprint), produce())  # produce: -> Outcome
-    jobs.find(tenant, "edit-1")               # running or kept; None once forgotten or expired
-    jobs.keyed(tenant, key, fingerprint)      # the key's job; KeyReused if it was another request
+    job = jobs.add(Job("edit-1", tenant, key="k", fingerprint=f))  # at once: a concurrent retry finds it
+    jobs.run(job, produce(), cancelled=Outcome(...))   # once admitted; produce() -> Outcome
+    jobs.abandon(job, Outcome(...))                    # or: refused before it ran (nothing is kept)
+    await job.ended.wait(); job.outcome.respond()      # what its POST answers (or would have)
+    jobs.find(tenant, "edit-1"); jobs.keyed(tenant, "k", f)   # KeyReused: the key named another request
 
 A finished job's answer is kept for `ttl_s`, and all kept answers within `max_bytes`: beyond it the
 longest-finished go first, but the newest stays even alone over it, so that no answer is gone the
 moment it is made. A running job is never evicted. A key names one request of one tenant: the same
 key with another request (other fields or files: `fingerprint`) is refused, as the IETF
 Idempotency-Key draft says (422), since answering it with the first request's image would be wrong.
+A job that failed on the server's side (5xx: a GPU error, a timeout) gives its key back, so that a
+retry generates again rather than being answered that failure for as long as it is kept.
+
+The store belongs to the event loop; `counts()` alone may be called from another thread (a metrics
+scrape), and it only reads.
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 STATUSES = ("in_progress", "completed", "failed", "cancelled")
 JOB_OVERHEAD_BYTES = 1024  # what a kept job costs besides its answer: bounds how many failures are kept
+HASH_CHUNK = 1 << 20
 
 
 class KeyReused(Exception):
@@ -38,11 +45,12 @@ class KeyReused(Exception):
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a job ended: its status, its HTTP status, a maker of the answer the POST gave (or would have:
-    called once per request that fetches it), the answer's size, and for a failure its error body."""
+    """How a job ended: its status, its HTTP status, `respond()` making the answer its POST gave (or would
+    have; called once per request that fetches it, so it holds plain data, never a raised exception and
+    its frames), the answer's size, and for a failure its error body."""
     status: str
     http_status: int
-    answer: Callable[[], Any]
+    respond: Callable[[], Any]
     nbytes: int = 0
     error: dict | None = None
 
@@ -51,7 +59,7 @@ class Outcome:
 class Job:
     id: str
     tenant: str
-    template_id: str
+    template_id: str = ""  # known once the request is validated
     key: str | None = None  # its Idempotency-Key
     fingerprint: str | None = None  # of the request that made it (`fingerprint`)
     runs_async: bool = False  # answered 202 at once (the request's choice, part of what a key names)
@@ -59,6 +67,7 @@ class Job:
     outcome: Outcome | None = None
     task: asyncio.Task | None = None
     finished_at: float | None = None  # on the store's clock
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set with `outcome`
 
     @property
     def status(self) -> str:
@@ -68,20 +77,29 @@ class Job:
         return JOB_OVERHEAD_BYTES + (0 if self.outcome is None else self.outcome.nbytes)
 
 
-def fingerprint(endpoint: str, fields: list[tuple[str, str | bytes]], runs_async: bool) -> str:
-    """What a request asked for: its endpoint, every form field (name and value, files by their bytes)
-    in the order sent, and whether it runs asynchronously."""
+def fingerprint(endpoint: str, fields: list[tuple[str, str | IO[bytes]]], runs_async: bool) -> str:
+    """What a request asked for: its endpoint, every form field (name and value; a file by its bytes, read
+    in chunks from its start and left at its start) in the order sent, and whether it runs asynchronously.
+    Reads files: run it in a worker thread."""
     digest = hashlib.sha256(f"{endpoint}\0{int(runs_async)}\0".encode())
     for name, value in fields:
-        data = value if isinstance(value, bytes) else value.encode()
-        digest.update(f"{name}\0{len(data)}\0".encode())
-        digest.update(data)
+        if isinstance(value, str):
+            data = value.encode()
+            digest.update(f"{name}\0{len(data)}\0".encode())
+            digest.update(data)
+            continue
+        size = value.seek(0, 2)
+        value.seek(0)
+        digest.update(f"{name}\0{size}\0".encode())
+        while chunk := value.read(HASH_CHUNK):
+            digest.update(chunk)
+        value.seek(0)
     return digest.hexdigest()
 
 
 class EditJobs:
     def __init__(self, ttl_s: float, max_bytes: int, clock: Callable[[], float] = time.monotonic):
-        if ttl_s <= 0 or max_bytes <= 0:
+        if not (ttl_s > 0 and max_bytes > 0):
             raise ValueError("ttl_s and max_bytes must be > 0")
         self.ttl_s, self.max_bytes, self.clock = ttl_s, max_bytes, clock
         self._jobs: dict[tuple[str, str], Job] = {}
@@ -90,18 +108,27 @@ class EditJobs:
         self.kept_bytes = 0
         self.replays = 0  # requests answered from a kept or running job (by key)
 
-    def start(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Outcome) -> Job:
-        """Run `produce` as the job (on the running loop); its outcome is kept when it ends, and
-        `cancelled` when its task is cancelled (a DELETE before it reached a worker, or the server stops)."""
+    def add(self, job: Job) -> Job:
+        """Hold the job's id and key from now on (a concurrent retry finds it, and waits for its outcome)."""
         self._expire()
         if (job.tenant, job.id) in self._jobs:
             raise ValueError(f"job {job.id!r} exists")
+        if job.key is not None and (job.tenant, job.key) in self._keys:
+            raise ValueError(f"the key of job {job.id!r} is held")
         self._jobs[(job.tenant, job.id)] = job
         if job.key is not None:
             self._keys[(job.tenant, job.key)] = job
+        return job
+
+    def run(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Outcome) -> Job:
+        """Run `produce` as the added job (on the running loop); its outcome is kept when it ends, and
+        `cancelled` when its task is cancelled (a DELETE of its last stage, or the server stops)."""
         job.task = asyncio.get_running_loop().create_task(self._run(job, produce, cancelled),
                                                           name=f"edit-job-{job.id}")
         return job
+
+    def start(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Outcome) -> Job:
+        return self.run(self.add(job), produce, cancelled)
 
     async def _run(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Outcome) -> None:
         try:
@@ -115,11 +142,19 @@ class EditJobs:
         if outcome.status not in STATUSES[1:]:
             raise ValueError(f"a job ends completed, failed or cancelled, not {outcome.status!r}")
         job.outcome, job.finished_at = outcome, self.clock()
-        if self._jobs.get((job.tenant, job.id)) is not job:
-            return  # forgotten while it ran (DELETE): nobody will fetch it
+        job.ended.set()
+        if outcome.http_status >= 500:  # the server's failure: a retry with the key generates again
+            self._release_key(job)
         self._finished[(job.tenant, job.id)] = job
         self.kept_bytes += job.nbytes()
         self._expire()
+
+    def abandon(self, job: Job, outcome: Outcome) -> None:
+        """An added job refused before it ran (bad input, a full queue): whoever waits for it gets
+        `outcome`, and nothing is kept (its id and key are free again)."""
+        job.outcome, job.finished_at = outcome, self.clock()
+        job.ended.set()
+        self.forget(job)
 
     def find(self, tenant: str, job_id: str) -> Job | None:
         self._expire()
@@ -138,14 +173,17 @@ class EditJobs:
         return job
 
     def forget(self, job: Job) -> None:
-        """Drop a job (a DELETE): a running one finishes for nobody."""
+        """Drop a job that is not running (a DELETE of a kept answer, `abandon`)."""
         if self._jobs.get((job.tenant, job.id)) is not job:
             return
         del self._jobs[(job.tenant, job.id)]
-        if job.key is not None and self._keys.get((job.tenant, job.key)) is job:
-            del self._keys[(job.tenant, job.key)]
+        self._release_key(job)
         if self._finished.pop((job.tenant, job.id), None) is not None:
             self.kept_bytes -= job.nbytes()
+
+    def _release_key(self, job: Job) -> None:
+        if job.key is not None and self._keys.get((job.tenant, job.key)) is job:
+            del self._keys[(job.tenant, job.key)]
 
     def _expire(self) -> None:
         """Drop finished jobs past their time, then the oldest while over the byte budget (never the newest)."""
@@ -157,10 +195,13 @@ class EditJobs:
                 break
             self.forget(oldest)
 
+    def expires_in_s(self, job: Job) -> float | None:
+        return None if job.finished_at is None else max(0.0, job.finished_at + self.ttl_s - self.clock())
+
     def counts(self) -> dict[str, int]:
-        """Jobs by status, and the bytes of the kept answers."""
-        self._expire()
+        """Jobs by status, and the bytes of the kept answers (expired ones until the loop next touches the
+        store). Only reads: a scrape's thread may call it."""
         counts = dict.fromkeys(STATUSES, 0)
-        for job in self._jobs.values():
+        for job in list(self._jobs.values()):
             counts[job.status] += 1
         return {**counts, "kept_bytes": self.kept_bytes}

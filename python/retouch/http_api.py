@@ -38,8 +38,9 @@ Edits that outlive their request (`retouch.edit_jobs`): POST /v1/edits with `asy
 header `Prefer: respond-async`) answers 202 with the edit's status at once; the edit runs whether or not
 its client stays. An edit sent with an `Idempotency-Key` header (either edit endpoint) also runs to the
 end when its client goes away, and a retry with the same key and the same request gets that edit's
-answer, waiting for it if it still runs, instead of a second generation; the same key with another
-request is 422 (code idempotency_key_reused). Their answers are kept `Limits.result_ttl_s`.
+answer, waiting for it if it still runs (where the IETF draft answers 409), instead of a second
+generation; the same key with another request is 422 (code idempotency_key_reused). Their answers are
+kept `Limits.result_ttl_s`, in memory.
 
 Nothing heavy runs on the event loop: decoding, mask conversion, hashing and base64 run in worker
 threads, and large JSON answers are streamed a chunk at a time (`b64_json_response`), so /healthz
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -159,13 +161,11 @@ class Limits:
                      "max_prompt_chars", "max_connections", "max_inflight_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s"):
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "result_ttl_s", "max_result_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not (math.isfinite(self.slo_ms_per_megapixel) and self.slo_ms_per_megapixel >= 0):
             raise ValueError(f"slo_ms_per_megapixel must be >= 0, got {self.slo_ms_per_megapixel}")
-        if self.result_ttl_s <= 0 or self.max_result_bytes <= 0:
-            raise ValueError("result_ttl_s and max_result_bytes must be > 0")
         if self.max_inflight_bytes < self.max_upload_bytes:
             raise ValueError(f"max_inflight_bytes ({self.max_inflight_bytes}) must hold one upload "
                              f"(max_upload_bytes {self.max_upload_bytes})")
@@ -569,6 +569,14 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready; its edits were cancelled."""
 
 
+@dataclass
+class EditClaim:
+    """What an edit request holds once its id (and Idempotency-Key) are checked (`claimed`)."""
+    replay: Job | None = None  # the edit its key made earlier: it is answered from that
+    job: Job | None = None  # a keyed request's own job, held from its arrival on
+    runs_async: bool = False
+
+
 class EditFailed(Exception):
     """One of a request's edits was answered with an error; its siblings were cancelled."""
 
@@ -697,7 +705,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         app.add_middleware(CORSMiddleware, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST",
                            "DELETE"], allow_headers=["Authorization", "Content-Type", "X-Request-Id",
                            "Idempotency-Key", "Prefer"],
-                           expose_headers=["X-Request-Id", "X-Template-Id", "Retry-After", "Location"], max_age=600)
+                           expose_headers=["X-Request-Id", "X-Template-Id", "Retry-After", "Location",
+                                           "Idempotent-Replayed"], max_age=600)
     app.add_middleware(CountAnswers, metrics=metrics)
 
     async def read_form(request: Request) -> Form:
@@ -888,6 +897,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
     # (tenant, X-Request-Id) -> router request ids of an edit being answered
     in_flight: dict[tuple[str, str], list[int]] = {}
+    arriving: set[tuple[str, str]] = set()  # (tenant, X-Request-Id) of edits being checked (`claimed`)
 
     def check_work(size: tuple[int, int], steps: int, n: int, param: str) -> None:
         work = size[0] * size[1] * steps * n
@@ -1094,9 +1104,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         return key
 
     def check_new_request_id(request: Request) -> None:
-        """An edit's id names one edit while it runs, and while its answer is kept."""
+        """An edit's id names one edit from its arrival (`claimed` holds it meanwhile), while it runs, and
+        while its answer is kept."""
         key = (request.state.tenant, request.state.request_id)
-        if key in in_flight or jobs.find(*key) is not None:
+        if key in in_flight or key in arriving or jobs.find(*key) is not None:
             raise ApiError(409, f"an edit with X-Request-Id {key[1]!r} is already running or answered (its answer "
                            "is kept: GET /v1/edits/{id}/result)", "x-request-id", "duplicate_request_id")
 
@@ -1104,59 +1115,81 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
 
     def idempotency_key(request: Request) -> str | None:
         key = request.headers.get("idempotency-key")
+        if key is not None and len(key) > 2 and key[0] == key[-1] == '"':  # the draft's sf-string form
+            key = key[1:-1]
         if key is not None and not IDEMPOTENCY_KEY.fullmatch(key):
             raise ApiError(400, "Idempotency-Key must be 1-255 visible ASCII characters", "idempotency-key")
         return key
 
     def runs_async(request: Request, form: Form) -> bool:
-        """`async=true`, or RFC 7240's `Prefer: respond-async`."""
+        """`async=true`, or RFC 7240's `Prefer: respond-async` (a preference: a streamed edit ignores it)."""
         preferences = {part.split(";")[0].strip().lower() for part in request.headers.get("prefer", "").split(",")}
-        return form.boolean("async") or "respond-async" in preferences
+        return form.boolean("async") or ("respond-async" in preferences and not form.boolean("stream"))
 
-    async def keyed(request: Request, endpoint: str, form: Form, key: str | None,
-                    run_async: bool) -> tuple[str | None, Job | None]:
-        """(the request's fingerprint, the job its Idempotency-Key made before) with a key; (None, None)
-        without."""
-        if key is None:
-            return None, None
-        fields = []
-        for name, value in form.form.multi_items():
-            if isinstance(value, UploadFile):
-                fields.append((name, await value.read()))
-                await value.seek(0)
-            else:
-                fields.append((name, value))
-        digest = await anyio.to_thread.run_sync(fingerprint, endpoint, fields, run_async)
+    @contextlib.asynccontextmanager
+    async def claimed(request: Request, endpoint: str, form: Form, key: str | None,
+                      run_async: bool) -> AsyncIterator[EditClaim]:
+        """An edit's id (and key) held from its arrival, before any await lets another request in: a retry
+        with the key finds the edit the key made (`EditClaim.replay`), and one that comes while the first is
+        still being checked waits for it. A keyed request's own job is held at once (`EditClaim.job`); one
+        refused before it ran gives its id and key back, and whoever waited for it gets the refusal."""
+        tenant, request_id = request.state.tenant, request.state.request_id
+        digest = None
+        if key is not None:
+            fields = [(name, value.file if isinstance(value, UploadFile) else value)
+                      for name, value in form.form.multi_items()]
+            digest = await anyio.to_thread.run_sync(fingerprint, endpoint, fields, run_async)
+            try:
+                replay = jobs.keyed(tenant, key, digest)
+            except KeyReused as exc:
+                raise ApiError(422, str(exc), "idempotency-key", "idempotency_key_reused") from None
+            if replay is not None:  # the answers of this request carry the edit's own id
+                request.state.request_id, request.state.template = replay.id, replay.template_id
+                yield EditClaim(replay=replay)
+                return
+        check_new_request_id(request)
+        claim = EditClaim(runs_async=run_async)
+        if key is not None:
+            claim.job = jobs.add(Job(request_id, tenant, key=key, fingerprint=digest, runs_async=run_async))
+        arriving.add((tenant, request_id))
         try:
-            job = jobs.keyed(request.state.tenant, key, digest)
-        except KeyReused as exc:
-            raise ApiError(422, str(exc), "idempotency-key", "idempotency_key_reused") from None
-        if job is not None:  # the answers of this request carry the edit's own id
-            request.state.request_id, request.state.template = job.id, job.template_id
-        return digest, job
+            yield claim
+        except BaseException as exc:
+            if claim.job is not None and claim.job.task is None:
+                jobs.abandon(claim.job, failure_outcome(exc))
+            raise
+        finally:
+            arriving.discard((tenant, request_id))
 
-    def start_job(request: Request, template_id: str, key: str | None, digest: str | None, run_async: bool,
-                  answer) -> Job:
-        """Run `answer(watch_client=False)` (-> (a maker of the POST's answer, its bytes)) as a job."""
-        job = Job(request.state.request_id, request.state.tenant, template_id, key, digest, run_async)
+    def failure_outcome(exc: BaseException) -> Outcome:
+        """A failure as a job's outcome, as plain data: never the raised exception, whose traceback holds
+        the request's frames (its images) for as long as the answer is kept."""
+        if not isinstance(exc, ApiError):
+            exc = ApiError(500, "internal server error", None, "internal_error")
+        kept = ApiError(exc.status, exc.message, exc.param, exc.code, exc.headers)
+        return Outcome("cancelled" if kept.code == "cancelled" else "failed", kept.status, kept.response,
+                       error=kept.body())
+
+    def start_job(request: Request, claim: EditClaim, template_id: str, answer) -> Job:
+        """Run `answer(watch_client=False)` (-> (a maker of the POST's answer, its bytes)) as the claim's job
+        (a keyed request's), or a new one."""
+        job = claim.job or jobs.add(Job(request.state.request_id, request.state.tenant, runs_async=claim.runs_async))
+        job.template_id = template_id
 
         async def produce() -> Outcome:
             try:
-                make, nbytes = await answer(False)
-            except ApiError as exc:
-                return Outcome("cancelled" if exc.code == "cancelled" else "failed", exc.status, exc.response,
-                               error=exc.body())
-            except Exception:  # noqa: BLE001 - a bug is this edit's 500, kept like any other answer
-                logger.exception("edit %s failed", job.id)
-                failure = ApiError(500, "internal server error", None, "internal_error")
-                return Outcome("failed", 500, failure.response, error=failure.body())
-            return Outcome("completed", 200, make, nbytes)
+                respond, nbytes = await answer(False)
+            except Exception as exc:  # noqa: BLE001 - every failure is this edit's answer, kept like any other
+                if not isinstance(exc, ApiError):
+                    logger.exception("edit %s failed", job.id)
+                return failure_outcome(exc)
+            return Outcome("completed", 200, respond, nbytes)
 
         stopped = ApiError(409, "the edit was cancelled (DELETE /v1/edits/{id}, or the server stopped)", None,
                            "cancelled")
-        return jobs.start(job, produce(), Outcome("cancelled", 409, stopped.response, error=stopped.body()))
+        return jobs.run(job, produce(), Outcome("cancelled", 409, stopped.response, error=stopped.body()))
 
-    def job_view(job: Job, status_code: int = 200) -> JSONResponse:
+    def job_view(job: Job, status_code: int = 200, headers: dict | None = None) -> JSONResponse:
         """A job's status: in_progress (with its images' progress), completed, failed (with the error) or
         cancelled; `result_url` answers what its POST would have."""
         view = {"id": job.id, "object": "edit", "status": job.status, "created": int(job.created),
@@ -1167,37 +1200,64 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         else:
             if job.outcome.error is not None:
                 view["error"] = job.outcome.error.get("error", job.outcome.error)
-            view["expires_in_s"] = round(max(0.0, job.finished_at + jobs.ttl_s - jobs.clock()), 1)
-        headers = {"Location": f"/v1/edits/{job.id}"} if status_code == 202 else None
+            view["expires_in_s"] = round(jobs.expires_in_s(job), 1)
         return JSONResponse(view, status_code=status_code, headers=headers)
+
+    def accepted_view(job: Job) -> JSONResponse:
+        return job_view(job, 202, {"Location": f"/v1/edits/{job.id}", "Retry-After": "1"})
 
     async def waited_answer(request: Request, job: Job) -> Response:
         """A synchronous keyed edit's answer once its job ends. A client that goes away leaves the job
         running: its retry will want the answer."""
-        while job.outcome is None:
-            await asyncio.wait({job.task}, timeout=DISCONNECT_POLL_S)
-            if job.outcome is None and await request.is_disconnected():
+        while not job.ended.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(job.ended.wait(), DISCONNECT_POLL_S)
+            if not job.ended.is_set() and await request.is_disconnected():
                 raise ClientGone()
-        return job.outcome.answer()
+        return job.outcome.respond()
 
     async def replayed(request: Request, job: Job) -> Response:
-        """A retry's answer: an asynchronous edit's status, or a synchronous one's answer."""
-        return job_view(job, 202) if job.runs_async else await waited_answer(request, job)
+        """A retry's answer: an asynchronous edit's status, or a synchronous one's answer (Stripe's
+        `Idempotent-Replayed` header says it is not a new edit's)."""
+        answer = accepted_view(job) if job.runs_async else await waited_answer(request, job)
+        answer.headers["Idempotent-Replayed"] = "true"
+        return answer
+
+    async def edit_request(request: Request, endpoint: str, edit) -> Response:
+        """An edit endpoint: its id, key and form, the claim on them, then `edit(request, form, claim)`, or
+        the answer of the edit the key made."""
+        request.state.arrived = time.monotonic()
+        request.state.request_id = client_request_id(request)
+        key = idempotency_key(request)
+        form = await read_form(request)
+        run_async = runs_async(request, form) if endpoint == "/v1/edits" else False
+        async with claimed(request, endpoint, form, key, run_async) as claim:
+            if claim.replay is not None:
+                return await replayed(request, claim.replay)
+            return await edit(request, form, claim)
+
+    async def answered(request: Request, claim: EditClaim, template_id: str, answer) -> Response:
+        """The answer of an admitted edit: at once (a plain edit, its client watched), or through a job (an
+        asynchronous one's status, a keyed one's answer once it ends)."""
+        if claim.job is None and not claim.runs_async:
+            respond, _ = await answer(True)
+            return respond()
+        job = start_job(request, claim, template_id, answer)
+        return accepted_view(job) if claim.runs_async else await waited_answer(request, job)
+
+    def check_not_streamed(claim: EditClaim, stream: bool) -> None:
+        if stream and claim.job is not None:
+            raise ApiError(400, "a streamed edit cannot be replayed: send it without Idempotency-Key (or, on "
+                           "/v1/edits, send async=true and stream GET /v1/edits/{id}/events)", "idempotency-key")
 
     @app.post("/v1/edits", openapi_extra=multipart_body(EDIT_FIELDS, ("mask", "prompt")))
     async def create_edit(request: Request):
         """Repaint the masked region of a registered template (`template_id`) or of a one-off `image`:
         the PNG, its base64 (`response_format=b64_json`), or its progress as events (`stream=true`);
         with `async=true`, its status at once (202) and the answer later from GET /v1/edits/{id}/result."""
-        request.state.arrived = time.monotonic()
-        request.state.request_id = client_request_id(request)
-        key = idempotency_key(request)
-        form = await read_form(request)
-        run_async = runs_async(request, form)
-        digest, job = await keyed(request, "/v1/edits", form, key, run_async)
-        if job is not None:
-            return await replayed(request, job)
-        check_new_request_id(request)
+        return await edit_request(request, "/v1/edits", native_edit)
+
+    async def native_edit(request: Request, form: Form, claim: EditClaim) -> Response:
         check_model(form.text("model"))
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required: say what to paint into the masked region")
         lora = lora_field(form, limits.lora_dir)
@@ -1218,12 +1278,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         preview_every = form.integer("preview_every", 0, 0, limits.max_steps)
         if preview_every and not stream:
             raise ApiError(400, "preview_every needs stream=true (previews are events of the stream)", "preview_every")
-        if stream and run_async:
+        if stream and form.boolean("async"):
             raise ApiError(400, "send stream=true (events as it runs) or async=true (fetch it later), not both; "
                            "GET /v1/edits/{id}/events streams an asynchronous edit", "async")
-        if stream and key is not None:
-            raise ApiError(400, "a streamed edit cannot be replayed: send it without Idempotency-Key, or send "
-                           "async=true and stream GET /v1/edits/{id}/events", "idempotency-key")
+        check_not_streamed(claim, stream)
         mask = await read_mask_upload(mask_upload, limits.max_pixels)
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1)
@@ -1246,11 +1304,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             envelope = {"created": int(time.time()), "template_id": template_id, "output_format": output_format}
             return lambda: b64_json_response(envelope, [image], headers), len(image)
 
-        if key is None and not run_async:
-            make, _ = await answer(True)
-            return make()
-        job = start_job(request, template_id, key, digest, run_async, answer)
-        return job_view(job, 202) if run_async else await waited_answer(request, job)
+        return await answered(request, claim, template_id, answer)
 
     @app.post("/v1/images/edits", openapi_extra=multipart_body(OPENAI_EDIT_FIELDS, ("prompt",)))
     async def openai_edit(request: Request):
@@ -1259,16 +1313,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         `response_format` (b64_json), `output_format` (png, jpeg, webp), `output_compression`, and
         `stream` with `partial_images`; `model` must be a served name (404 otherwise); `quality`,
         `input_fidelity` and `user` are accepted and ignored. retouch's extras: `template_id` reuses a
-        registered template, `lora` names
-        LoRA adapters."""
-        request.state.arrived = time.monotonic()
-        request.state.request_id = client_request_id(request)
-        key = idempotency_key(request)
-        form = await read_form(request)
-        digest, job = await keyed(request, "/v1/images/edits", form, key, False)
-        if job is not None:
-            return await waited_answer(request, job)
-        check_new_request_id(request)
+        registered template, `lora` names LoRA adapters."""
+        return await edit_request(request, "/v1/images/edits", openai_images_edit)
+
+    async def openai_images_edit(request: Request, form: Form, claim: EditClaim) -> Response:
         check_model(form.text("model"))
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required")
         lora = lora_field(form, limits.lora_dir)
@@ -1289,9 +1337,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(400, "stream=true answers one image: send n=1", "n")
         if partial_images and not stream:
             raise ApiError(400, "partial_images needs stream=true (they are events of the stream)", "partial_images")
-        if stream and key is not None:
-            raise ApiError(400, "a streamed edit cannot be replayed: send it without Idempotency-Key",
-                           "idempotency-key")
+        check_not_streamed(claim, stream)
         images = form.files("image", "image[]")
         if len(images) > 1:
             raise ApiError(400, f"image: send one image (the one to edit), got {len(images)}; retouch takes no "
@@ -1343,10 +1389,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             headers = {"X-Request-Id": request.state.request_id}
             return lambda: b64_json_response(envelope, images, headers), sum(map(len, images))
 
-        if key is None:
-            make, _ = await answer(True)
-            return make()
-        return await waited_answer(request, start_job(request, template_id, key, digest, False, answer))
+        return await answered(request, claim, template_id, answer)
 
     async def streamed_edit(request: Request, template_id: str, one_off: TemplateRecord | None, steps: int,
                             mask: Image.Image, prompt: str, seed: int, preview_every: int,
@@ -1459,15 +1502,15 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         (in_progress, completed, failed, cancelled), and where its answer is."""
         job = jobs.find(request.state.tenant, request_id)
         if job is not None:
-            return job_view(job)
+            return job_view(job, headers=None if job.ended.is_set() else {"Retry-After": "1"})
         ids = edit_in_flight(request, request_id)
         return {"id": request_id, "images": [router.request_status(i) or {"status": "done"} for i in ids]}
 
     @app.get("/v1/edits/{request_id}/result")
     async def edit_result(request: Request, request_id: str, wait: float = 0.0):
         """An asynchronous or keyed edit's answer, as its POST answered it (or would have): the image, its
-        JSON, or its error with the error's status. Still running: 409 (code edit_in_progress) after
-        waiting up to `wait` seconds for it."""
+        JSON, or its error with the error's status. Still running after waiting up to `wait` seconds for
+        it: 202 with its status (and Retry-After), as the POST of an asynchronous edit answered."""
         if not 0 <= wait <= MAX_RESULT_WAIT_S:
             raise ApiError(400, f"wait must be 0-{MAX_RESULT_WAIT_S:g} seconds, got {wait:g}", "wait")
         job = jobs.find(request.state.tenant, request_id)
@@ -1478,22 +1521,25 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                               "to fetch one later)" if known else "unknown, or it expired"),
                            "request_id", "edit_not_found")
         request.state.template = job.template_id
-        if job.outcome is None and wait > 0:
-            await asyncio.wait({job.task}, timeout=wait)
-        if job.outcome is None:
-            raise ApiError(409, f"edit {request_id!r} is still running; GET /v1/edits/{request_id} tells its "
-                           "progress", "request_id", "edit_in_progress", {"Retry-After": "1"})
-        return job.outcome.answer()
+        if not job.ended.is_set() and wait > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(job.ended.wait(), wait)
+        return job.outcome.respond() if job.ended.is_set() else accepted_view(job)
 
     @app.get("/v1/edits/{request_id}/events")
     async def edit_events(request: Request, request_id: str):
         """An edit in flight as events (`retouch.http_events`), from where it is now: its first event
         is its status (parked, queued, or running at step k), then steps, then done or error. With
-        n > 1 images, every event names its `image`. An asynchronous or keyed edit that ended: its `done`."""
+        n > 1 images, every event names its `image`. An asynchronous or keyed edit that ended: its error
+        (if it failed), then done."""
         job = jobs.find(request.state.tenant, request_id)
-        if job is not None and job.outcome is not None:
+        if job is not None and job.ended.is_set():
+            outcome = job.outcome
+
             async def ended() -> AsyncIterator[bytes]:
-                yield sse("done", {"id": request_id, "status": job.outcome.http_status})
+                if outcome.error is not None:
+                    yield sse("error", {"status": outcome.http_status, **outcome.error})
+                yield sse("done", {"id": request_id, "status": outcome.http_status})
             return StreamingResponse(ended(), media_type="text/event-stream", headers=EVENT_HEADERS)
         ids = edit_in_flight(request, request_id)
         relay = EventRelay()
@@ -1532,10 +1578,11 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         409 (code "cancelled"), and so is its result. An ended asynchronous or keyed edit: its kept answer
         is forgotten (and its Idempotency-Key with it)."""
         job = jobs.find(request.state.tenant, request_id)
-        if job is not None and job.outcome is not None:
+        if job is not None and job.ended.is_set():
             jobs.forget(job)
             return {"id": request_id, "deleted": True}
-        if job is not None and (request.state.tenant, request_id) not in in_flight:  # not yet at the router
+        if (job is not None and job.task is not None  # its workers answered: it is encoding its answer
+                and (request.state.tenant, request_id) not in in_flight):
             job.task.cancel()
             return {"id": request_id, "cancelled": True}
         ids = edit_in_flight(request, request_id)

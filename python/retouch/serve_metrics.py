@@ -29,6 +29,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from retouch.edit_jobs import STATUSES, EditJobs
 from retouch.engine.router import SLO_OUTCOMES, Router
 
 LOCAL_WORKER = re.compile(r"(?P<slot>w\d+)(\.(?P<restart>\d+))?")  # the supervisor's names: w0, w0.1, ...
@@ -128,7 +129,7 @@ class ServeMetrics:
                                           registry=self.registry)
         self.registry.register(RouterCollector(router))
 
-    def watch_jobs(self, jobs) -> None:
+    def watch_jobs(self, jobs: EditJobs) -> None:
         """Asynchronous and keyed edits (`retouch.edit_jobs.EditJobs`), read at scrape time."""
         self.registry.register(JobCollector(jobs))
 
@@ -143,14 +144,14 @@ class ServeMetrics:
 
 
 class JobCollector(Collector):
-    def __init__(self, jobs):
+    def __init__(self, jobs: EditJobs):
         self.jobs = jobs
 
     def collect(self) -> Iterator[Metric]:
         counts = self.jobs.counts()
         held = GaugeMetricFamily("retouch_edit_jobs", "asynchronous and keyed edits running or kept, by status",
                                  labels=("status",))
-        for status in ("in_progress", "completed", "failed", "cancelled"):
+        for status in STATUSES:
             held.add_metric((status,), counts[status])
         yield held
         yield GaugeMetricFamily("retouch_edit_job_bytes", "bytes of the kept answers of asynchronous and keyed edits",
