@@ -21,6 +21,7 @@ from retouch.engine.router import Router, RouterConfig
 from retouch.http_api import Limits, create_app, tenant_of
 
 KEYS = ("sk-a", "sk-b")
+TIMEOUT = 10.0
 SIZE = (32, 32)
 
 
@@ -140,6 +141,10 @@ async def keyed_retries() -> dict:
                                                  headers=auth(KEYS[1], **{"Idempotency-Key": "retry-me-1"}))
         seen["bad key"] = await client.post("/v1/edits", headers=auth(**{"Idempotency-Key": "no spaces"}),
                                             data=form, files=mask_file())
+        two_keys = [*auth().items(), ("Idempotency-Key", "a"), ("Idempotency-Key", "b")]
+        seen["two keys"] = await client.post("/v1/edits", headers=two_keys, data=form, files=mask_file())
+        seen["openai async"] = await client.post("/v1/images/edits", headers=auth(), data={**form, "async": "true"},
+                                                 files=mask_file())
         seen["streamed"] = await client.post("/v1/edits", headers=key, data={**form, "stream": "true"},
                                              files=mask_file())
         seen["stream and async"] = await client.post("/v1/edits", headers=auth(), files=mask_file(),
@@ -162,6 +167,8 @@ def test_a_retry_with_the_same_idempotency_key_gets_the_first_answer_without_a_s
     assert reused.status_code == 422 and reused.json()["error"]["code"] == "idempotency_key_reused"
     assert reused.json()["error"]["param"] == "idempotency-key"
     assert seen["bad key"].status_code == 400 and seen["bad key"].json()["error"]["param"] == "idempotency-key"
+    assert seen["two keys"].status_code == 400 and "more than once" in seen["two keys"].json()["error"]["message"]
+    assert seen["openai async"].status_code == 400 and seen["openai async"].json()["error"]["param"] == "async"
     assert seen["streamed"].status_code == 422  # the key names the unstreamed request: another request
     assert seen["stream and async"].status_code == 400
     assert seen["stream and async"].json()["error"]["param"] == "async"
@@ -373,6 +380,7 @@ async def evicted() -> dict:
             seen[name] = await answer
         seen["newest"] = await client.get(f"/v1/edits/{seen['first again'].headers['X-Request-Id']}/result",
                                           headers=auth())
+        seen["metrics"] = (await client.get("/metrics", headers=auth())).text
         seen["routed"] = router.snapshot()["counters"]["routed"]
     return seen
 
@@ -383,3 +391,28 @@ def test_an_evicted_answer_gives_its_key_back_and_the_newest_stays():
     seen = asyncio.run(evicted())
     assert seen["routed"] == 3 and "Idempotent-Replayed" not in seen["first again"].headers
     assert seen["newest"].status_code == 200 and seen["newest"].content == seen["first again"].content
+    assert 'retouch_edit_jobs_dropped_total{reason="evicted"} 2.0' in seen["metrics"]
+
+
+def test_a_stopping_server_cancels_the_asynchronous_edits_and_lets_keyed_ones_finish():
+    """Nobody can fetch an asynchronous edit's answer once the server is down (answers live in its memory):
+    stopping cancels them at once, freeing their workers; a keyed synchronous edit's client is connected
+    and waits, so it goes on."""
+    async def run() -> tuple[Job, Job]:
+        jobs = EditJobs(ttl_s=10, max_bytes=1 << 20)
+        never = asyncio.Event()
+
+        async def produce() -> Outcome:
+            await never.wait()
+
+        cancelled = Outcome("cancelled", 409, dict)
+        asynchronous = jobs.start(Job("a", "t", runs_async=True), produce(), cancelled)
+        keyed = jobs.start(Job("k", "t", key="k", fingerprint="f"), produce(), cancelled)
+        await asyncio.sleep(0)
+        assert jobs.cancel_async() == 1
+        await asyncio.wait({asynchronous.task}, timeout=TIMEOUT)
+        assert keyed.ended.is_set() is False
+        keyed.task.cancel()
+        return asynchronous, keyed
+    asynchronous, keyed = asyncio.run(run())
+    assert asynchronous.status == "cancelled" and asynchronous.ended.is_set()

@@ -107,6 +107,7 @@ class EditJobs:
         self._finished: OrderedDict[tuple[str, str], Job] = OrderedDict()  # oldest first
         self.kept_bytes = 0
         self.replays = 0  # requests answered from a kept or running job (by key)
+        self.dropped = {"expired": 0, "evicted": 0}  # kept answers gone past ttl_s, and over max_bytes
 
     def add(self, job: Job) -> Job:
         """Hold the job's id and key from now on (a concurrent retry finds it, and waits for its outcome)."""
@@ -191,9 +192,21 @@ class EditJobs:
         while self._finished:
             oldest = next(iter(self._finished.values()))
             over_budget = self.kept_bytes > self.max_bytes and len(self._finished) > 1
-            if now - oldest.finished_at <= self.ttl_s and not over_budget:
+            expired = now - oldest.finished_at > self.ttl_s
+            if not expired and not over_budget:
                 break
+            self.dropped["expired" if expired else "evicted"] += 1
             self.forget(oldest)
+
+    def cancel_async(self) -> int:
+        """The server is stopping: asynchronous edits still running are cancelled, since nobody can fetch
+        their answers once it is down (answers live in its memory), and their workers are freed for the
+        edits whose clients wait. Keyed synchronous edits go on: their clients are connected. How many."""
+        running = [job for job in self._jobs.values() if job.runs_async and job.task is not None
+                   and not job.ended.is_set()]
+        for job in running:
+            job.task.cancel()
+        return len(running)
 
     def expires_in_s(self, job: Job) -> float | None:
         return None if job.finished_at is None else max(0.0, job.finished_at + self.ttl_s - self.clock())

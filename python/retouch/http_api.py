@@ -1114,6 +1114,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     # ---- edits that outlive their request (`retouch.edit_jobs`) ----
 
     def idempotency_key(request: Request) -> str | None:
+        if len(request.headers.getlist("idempotency-key")) > 1:
+            raise ApiError(400, "Idempotency-Key was sent more than once; send it once", "idempotency-key")
         key = request.headers.get("idempotency-key")
         if key is not None and len(key) > 2 and key[0] == key[-1] == '"':  # the draft's sf-string form
             key = key[1:-1]
@@ -1317,6 +1319,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         return await edit_request(request, "/v1/images/edits", openai_images_edit)
 
     async def openai_images_edit(request: Request, form: Form, claim: EditClaim) -> Response:
+        if form.text("async") is not None:
+            raise ApiError(400, "asynchronous edits are POST /v1/edits's (async=true); the OpenAI edit answers "
+                           "when done (an Idempotency-Key makes its retries safe)", "async")
         check_model(form.text("model"))
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required")
         lora = lora_field(form, limits.lora_dir)
@@ -1491,8 +1496,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     def edit_in_flight(request: Request, request_id: str) -> list[int]:
         ids = in_flight.get((request.state.tenant, request_id))
         if ids is None:
-            raise ApiError(404, f"no edit with X-Request-Id {request_id!r} is running (unknown, or answered)",
-                           "request_id", "edit_not_found")
+            raise ApiError(404, f"no edit with X-Request-Id {request_id!r} is running or kept (unknown; answered; "
+                           "or its kept answer expired, or was dropped for room)", "request_id", "edit_not_found")
         return ids
 
     @app.get("/v1/edits/{request_id}")
@@ -1518,7 +1523,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             known = (request.state.tenant, request_id) in in_flight
             raise ApiError(404, f"no answer is kept for edit {request_id!r}: "
                            + ("it is a synchronous edit (its POST answers it; send async=true or an Idempotency-Key "
-                              "to fetch one later)" if known else "unknown, or it expired"),
+                              "to fetch one later)" if known else "unknown, or it expired, or was dropped for room"),
                            "request_id", "edit_not_found")
         request.state.template = job.template_id
         if not job.ended.is_set() and wait > 0:

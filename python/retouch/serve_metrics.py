@@ -158,6 +158,11 @@ class JobCollector(Collector):
                                 value=counts["kept_bytes"])
         yield CounterMetricFamily("retouch_idempotent_replays", "edits answered from an earlier request with the "
                                   "same Idempotency-Key", value=self.jobs.replays)
+        dropped = CounterMetricFamily("retouch_edit_jobs_dropped", "kept answers dropped: past --result-ttl-s "
+                                      "(expired) or over --result-store-mb (evicted)", labels=("reason",))
+        for reason, value in self.jobs.dropped.items():
+            dropped.add_metric((reason,), value)
+        yield dropped
 
 
 class RouterCollector(Collector):

@@ -27,6 +27,7 @@ from pathlib import Path
 import uvicorn
 
 from retouch.config import ServeOptions, comma_list, model_label, resolve_device
+from retouch.edit_jobs import EditJobs
 from retouch.engine import process_tree
 from retouch.engine.curve import AllowedKeys, RouterSecurity
 from retouch.engine.reference_costs import h800_flux
@@ -171,8 +172,8 @@ class Server:
         closed = app.state.metrics.connections_closed
         protocol = guarded_protocol(limits.header_timeout_s, limits.body_timeout_s, limits.max_connections,
                                     on_close=lambda reason: closed.labels(reason).inc())
-        self._http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http=protocol,
-                                                   timeout_keep_alive=30))
+        self._http = HttpServer(uvicorn.Config(app, log_level="warning", lifespan="off", http=protocol,
+                                               timeout_keep_alive=30), app.state.jobs)
         self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [listener]},
                                              name="retouch-http", daemon=True)
         self._http_thread.start()
@@ -224,6 +225,22 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn's server that, told to stop, first cancels the asynchronous edits (`EditJobs.cancel_async`),
+    then drains the connections as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, jobs: EditJobs):
+        super().__init__(config)
+        self.jobs = jobs
+
+    async def shutdown(self, sockets=None) -> None:
+        cancelled = self.jobs.cancel_async()
+        if cancelled:
+            print(f"retouch: {cancelled} asynchronous edits cancelled (their answers could not be fetched after "
+                  "the server stops)", file=sys.stderr)
+        await super().shutdown(sockets)
 
 
 def read_api_keys(path: Path | None) -> tuple[str, ...]:
