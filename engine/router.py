@@ -248,7 +248,7 @@ class WorkerState:
     registering: set[str] = field(default_factory=set)  # templates sent to it to record, not yet reported
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # by name: a field added in the middle must not shift callers' values
 class RouterConfig:
     address: str = "tcp://127.0.0.1:0"  # bind; ipc:// on one host, tcp:// across hosts (loopback unless set)
     policy: str = "mask-aware"

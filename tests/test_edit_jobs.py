@@ -394,25 +394,88 @@ def test_an_evicted_answer_gives_its_key_back_and_the_newest_stays():
     assert 'retouch_edit_jobs_dropped_total{reason="evicted"} 2.0' in seen["metrics"]
 
 
-def test_a_stopping_server_cancels_the_asynchronous_edits_and_lets_keyed_ones_finish():
-    """Nobody can fetch an asynchronous edit's answer once the server is down (answers live in its memory):
-    stopping cancels them at once, freeing their workers; a keyed synchronous edit's client is connected
-    and waits, so it goes on."""
-    async def run() -> tuple[Job, Job]:
+def test_a_job_cancelled_before_it_first_ran_ends_cancelled_and_lets_go_of_its_task():
+    """A DELETE or a stopping server may cancel a job's task before the loop first ran it: its coroutine
+    never starts, and the job must end all the same (waiters, its id and key), holding no task (a cancelled
+    task keeps the request's frames)."""
+    async def run() -> tuple[Job, list]:
         jobs = EditJobs(ttl_s=10, max_bytes=1 << 20)
-        never = asyncio.Event()
+        started = []
 
         async def produce() -> Outcome:
-            await never.wait()
+            started.append(True)
+            return Outcome("completed", 200, dict)
 
-        cancelled = Outcome("cancelled", 409, dict)
-        asynchronous = jobs.start(Job("a", "t", runs_async=True), produce(), cancelled)
-        keyed = jobs.start(Job("k", "t", key="k", fingerprint="f"), produce(), cancelled)
-        await asyncio.sleep(0)
-        assert jobs.cancel_async() == 1
-        await asyncio.wait({asynchronous.task}, timeout=TIMEOUT)
-        assert keyed.ended.is_set() is False
-        keyed.task.cancel()
-        return asynchronous, keyed
-    asynchronous, keyed = asyncio.run(run())
-    assert asynchronous.status == "cancelled" and asynchronous.ended.is_set()
+        job = jobs.start(Job("e1", "t", key="k", fingerprint="f", runs_async=True), produce(),
+                         Outcome("cancelled", 409, dict))
+        assert jobs.running_async() == [job]
+        job.task.cancel()
+        await asyncio.wait_for(job.ended.wait(), TIMEOUT)
+        assert jobs.running_async() == [] and jobs.keyed("t", "k", "f") is job
+        return job, started
+    job, started = asyncio.run(run())
+    assert job.status == "cancelled" and job.task is None and started == []
+
+
+async def stopping() -> dict:
+    async with server_with_a_template() as (client, router, worker, form):
+        app = client._transport.app
+        accepted = await client.post("/v1/edits", headers=auth(), data={**form, "async": "true"}, files=mask_file())
+        async_edit = await asyncio.to_thread(worker.receive, "edit")
+        keyed = asyncio.create_task(client.post("/v1/edits", headers=auth(**{"Idempotency-Key": "stay"}), data=form,
+                                                files=mask_file()))
+        keyed_edit = await asyncio.to_thread(worker.receive, "edit")
+        seen = {"cancelled": app.state.cancel_async()}
+        cancel = await asyncio.to_thread(worker.receive, "cancel")
+        worker.send({"kind": "result", "request": cancel["request"], "status": 409, "error": "Cancelled",
+                     "message": "cancelled"})
+        worker.answer(keyed_edit["request"])
+        seen["keyed"] = await keyed
+        seen["async"] = await client.get(f"/v1/edits/{accepted.json()['id']}/result?wait=20", headers=auth())
+        seen["ids"] = (cancel["request"], async_edit["request"])
+        # a 5xx gives the key back also to a retry that resends its own X-Request-Id
+        flaky = auth(**{"Idempotency-Key": "flaky", "X-Request-Id": "mine-1"})
+        first = asyncio.create_task(client.post("/v1/edits", headers=flaky, data=form, files=mask_file()))
+        edit = await asyncio.to_thread(worker.receive, "edit")
+        worker.send({"kind": "result", "request": edit["request"], "status": 500, "error": "RuntimeError",
+                     "message": "CUDA error"})
+        seen["failed"] = await first
+        retry = asyncio.create_task(client.post("/v1/edits", headers=flaky, data=form, files=mask_file()))
+        await answer_next_edit(worker)
+        seen["retried"] = await retry
+    return seen
+
+
+def test_a_stopping_server_cancels_the_asynchronous_edits_and_lets_keyed_ones_finish():
+    """Nobody can fetch an asynchronous edit's answer once the server is down (answers live in its memory):
+    stopping cancels them at their workers at once; a keyed synchronous edit's client is connected and
+    waits, so it goes on."""
+    seen = asyncio.run(stopping())
+    assert seen["cancelled"] == 1 and seen["ids"][0] == seen["ids"][1]
+    assert seen["async"].status_code == 409 and seen["async"].json()["error"]["code"] == "cancelled"
+    assert seen["keyed"].status_code == 200
+    assert seen["failed"].status_code == 500
+    assert seen["retried"].status_code == 200 and seen["retried"].headers["X-Request-Id"] == "mine-1"
+
+
+def test_a_stream_cleans_up_even_when_it_never_began():
+    """Starlette cancels the stream of a client already gone before its generator starts, and the
+    generator's `finally` never runs: the edit's cleanup is the response's."""
+    from retouch.http_api import ClosingStreamingResponse
+
+    closed, began = [], []
+
+    async def events():
+        began.append(True)
+        yield b"event: done\n\n"
+
+    async def gone(message):
+        raise OSError("the client went away")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    response = ClosingStreamingResponse(events(), lambda: closed.append(True), media_type="text/event-stream")
+    with pytest.raises(OSError):
+        asyncio.run(response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, gone))
+    assert closed == [True] and began == []

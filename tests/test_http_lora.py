@@ -310,6 +310,12 @@ def test_the_serve_flags_reach_the_options(tmp_path):
     for flags, affinity in (([], 0), (["--lora-affinity", "2"], 2), (["--lora-affinity", "-1"], None)):
         args = build_parser().parse_args(["serve", "--model", "m", *flags])
         assert router_config(from_arguments(ServeOptions, args)).lora_affinity == affinity
+    # every router flag reaches its own field (a field added in the middle once shifted --max-queue)
+    args = build_parser().parse_args(["serve", "--model", "m", "--max-queue", "7", "--transfer-timeout-s", "30",
+                                      "--heartbeat-s", "0.25", "--dead-after-s", "3", "--policy", "round-robin"])
+    config = router_config(from_arguments(ServeOptions, args))
+    assert (config.max_queue, config.transfer_timeout_s, config.heartbeat_s, config.dead_after_s, config.policy) == (
+        7, 30.0, 0.25, 3.0, "round-robin")
 
 
 def test_a_worker_that_joins_a_new_router_drops_the_old_ones_edits(make_router):

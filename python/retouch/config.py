@@ -309,6 +309,9 @@ class ServeOptions:
     result_store_mb: float = option(512.0, help="... and within this much memory in all (MiB; the oldest go first)")
     heartbeat_s: float = option(0.5, help="seconds between worker heartbeats")
     dead_after_s: float = option(5.0, help="a worker silent this long is removed and its requests re-routed")
+    transfer_timeout_s: float = option(120.0, help="an edit or template sent to a worker that has not seen it yet is "
+                                       "on its way (a large image over a slow link) this long at most; then, missing "
+                                       "from its heartbeats for --dead-after-s, it is sent again")
     no_worker_s: float = option(30.0, help="with no worker connected this long, waiting edits are answered 503 "
                                 "and new ones refused at once (inf: wait; for a single worker whose restart "
                                 "reloads a large model)")
@@ -346,8 +349,8 @@ class ServeOptions:
             raise InputError("--curve-secret and --curve-allowed go together (the router's key, the workers' keys)")
         if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
             raise InputError(f"--api-keys-file {self.api_keys_file} not found")
-        _require(self, ("header_timeout_s", "body_timeout_s", "max_inflight_mb", "result_ttl_s", "result_store_mb"),
-                 "> 0")
+        _require(self, ("header_timeout_s", "body_timeout_s", "max_inflight_mb", "result_ttl_s", "result_store_mb",
+                        "transfer_timeout_s"), "> 0")
         _require(self, ("max_connections", "max_prompt_chars", "max_batch", "steps", "max_steps", "max_queue",
                         "max_pixels", "max_work", "max_templates_per_tenant"), ">= 1")
         _require(self, ("worker_threads", "helper_threads", "slo_ms_per_megapixel", "max_queue_per_tenant"), ">= 0")

@@ -65,13 +65,23 @@ class Job:
     runs_async: bool = False  # answered 202 at once (the request's choice, part of what a key names)
     created: float = field(default_factory=time.time)  # wall clock: clients read it
     outcome: Outcome | None = None
-    task: asyncio.Task | None = None
+    task: asyncio.Task | None = None  # while it runs (dropped when it ends: a cancelled task holds its frames)
     finished_at: float | None = None  # on the store's clock
+    admitted: asyncio.Event = field(default_factory=asyncio.Event)  # it runs (`EditJobs.run`): it was not refused
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # set with `outcome`
 
     @property
     def status(self) -> str:
         return "in_progress" if self.outcome is None else self.outcome.status
+
+    async def settled(self, timeout_s: float) -> None:
+        """Return once it runs or ended (a placeholder still being checked is neither), or after `timeout_s`."""
+        waits = [asyncio.ensure_future(self.admitted.wait()), asyncio.ensure_future(self.ended.wait())]
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     def nbytes(self) -> int:
         return JOB_OVERHEAD_BYTES + (0 if self.outcome is None else self.outcome.nbytes)
@@ -123,9 +133,12 @@ class EditJobs:
 
     def run(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Outcome) -> Job:
         """Run `produce` as the added job (on the running loop); its outcome is kept when it ends, and
-        `cancelled` when its task is cancelled (a DELETE of its last stage, or the server stops)."""
+        `cancelled` when its task is cancelled (a DELETE of its last stage, or the server stops), even
+        before it first ran (then `produce` never starts)."""
         job.task = asyncio.get_running_loop().create_task(self._run(job, produce, cancelled),
                                                           name=f"edit-job-{job.id}")
+        job.task.add_done_callback(lambda _: self._cancelled_unstarted(job, produce, cancelled))
+        job.admitted.set()
         return job
 
     def start(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Outcome) -> Job:
@@ -139,10 +152,17 @@ class EditJobs:
             raise
         self._finish(job, outcome)
 
+    def _cancelled_unstarted(self, job: Job, produce: Coroutine, cancelled: Outcome) -> None:
+        if not job.ended.is_set():  # its task was cancelled before `_run` began
+            produce.close()
+            self._finish(job, cancelled)
+
     def _finish(self, job: Job, outcome: Outcome) -> None:
         if outcome.status not in STATUSES[1:]:
             raise ValueError(f"a job ends completed, failed or cancelled, not {outcome.status!r}")
-        job.outcome, job.finished_at = outcome, self.clock()
+        if job.ended.is_set():
+            return
+        job.outcome, job.finished_at, job.task = outcome, self.clock(), None
         job.ended.set()
         if outcome.http_status >= 500:  # the server's failure: a retry with the key generates again
             self._release_key(job)
@@ -198,15 +218,10 @@ class EditJobs:
             self.dropped["expired" if expired else "evicted"] += 1
             self.forget(oldest)
 
-    def cancel_async(self) -> int:
-        """The server is stopping: asynchronous edits still running are cancelled, since nobody can fetch
-        their answers once it is down (answers live in its memory), and their workers are freed for the
-        edits whose clients wait. Keyed synchronous edits go on: their clients are connected. How many."""
-        running = [job for job in self._jobs.values() if job.runs_async and job.task is not None
-                   and not job.ended.is_set()]
-        for job in running:
-            job.task.cancel()
-        return len(running)
+    def running_async(self) -> list[Job]:
+        """The asynchronous edits that run (a stopping server cancels them: nobody could fetch their answers)."""
+        return [job for job in self._jobs.values() if job.runs_async and job.admitted.is_set()
+                and not job.ended.is_set()]
 
     def expires_in_s(self, job: Job) -> float | None:
         return None if job.finished_at is None else max(0.0, job.finished_at + self.ttl_s - self.clock())

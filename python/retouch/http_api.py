@@ -62,7 +62,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -102,6 +102,7 @@ DEFAULT_MAX_WORK = 4096 * 4096 * 28
 DISCONNECT_POLL_S = 0.25  # how often a waiting edit checks whether its client is still there
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")  # visible ASCII: UUIDs, base64, hashes
+SF_STRING_ESCAPE = re.compile(r'\\(["\\])')  # \" and \\ inside a quoted Idempotency-Key
 MAX_RESULT_WAIT_S = 60.0  # GET /v1/edits/{id}/result?wait=S: longer polls meet proxies' idle timeouts
 access_log = logging.getLogger("retouch.access")
 QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # asked every few seconds: not news
@@ -567,6 +568,21 @@ def one_off_id_of(image: Image.Image, steps: int, guidance: float | None, owner:
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready; its edits were cancelled."""
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A stream that calls `on_close()` however it ends: Starlette cancels the stream of a client already
+    gone before its generator starts, and then the generator's own `finally` never runs."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 @dataclass
@@ -1118,7 +1134,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(400, "Idempotency-Key was sent more than once; send it once", "idempotency-key")
         key = request.headers.get("idempotency-key")
         if key is not None and len(key) > 2 and key[0] == key[-1] == '"':  # the draft's sf-string form
-            key = key[1:-1]
+            key = SF_STRING_ESCAPE.sub(r"\1", key[1:-1])
         if key is not None and not IDEMPOTENCY_KEY.fullmatch(key):
             raise ApiError(400, "Idempotency-Key must be 1-255 visible ASCII characters", "idempotency-key")
         return key
@@ -1149,6 +1165,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                 request.state.request_id, request.state.template = replay.id, replay.template_id
                 yield EditClaim(replay=replay)
                 return
+            failed = jobs.find(tenant, request_id)
+            if (failed is not None and failed.ended.is_set() and failed.outcome.http_status >= 500
+                    and (failed.key, failed.fingerprint) == (key, digest)):  # its retry, resending its own id
+                jobs.forget(failed)
         check_new_request_id(request)
         claim = EditClaim(runs_async=run_async)
         if key is not None:
@@ -1157,7 +1177,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         try:
             yield claim
         except BaseException as exc:
-            if claim.job is not None and claim.job.task is None:
+            if claim.job is not None and not claim.job.admitted.is_set():
                 jobs.abandon(claim.job, failure_outcome(exc))
             raise
         finally:
@@ -1166,7 +1186,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     def failure_outcome(exc: BaseException) -> Outcome:
         """A failure as a job's outcome, as plain data: never the raised exception, whose traceback holds
         the request's frames (its images) for as long as the answer is kept."""
-        if not isinstance(exc, ApiError):
+        if isinstance(exc, asyncio.CancelledError):  # the server stopped while it was being checked
+            exc = ApiError(503, "the server stopped before this edit ran; send it again", None, "interrupted",
+                           {"Retry-After": "5"})
+        elif not isinstance(exc, ApiError):
             exc = ApiError(500, "internal server error", None, "internal_error")
         kept = ApiError(exc.status, exc.message, exc.param, exc.code, exc.headers)
         return Outcome("cancelled" if kept.code == "cancelled" else "failed", kept.status, kept.response,
@@ -1219,9 +1242,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         return job.outcome.respond()
 
     async def replayed(request: Request, job: Job) -> Response:
-        """A retry's answer: an asynchronous edit's status, or a synchronous one's answer (Stripe's
-        `Idempotent-Replayed` header says it is not a new edit's)."""
-        answer = accepted_view(job) if job.runs_async else await waited_answer(request, job)
+        """A retry's answer: an asynchronous edit's status once it runs (or its refusal), or a synchronous
+        one's answer (Stripe's `Idempotent-Replayed` header says it is not a new edit's)."""
+        if job.runs_async:
+            await job.settled(limits.request_timeout_s)
+        refused = job.ended.is_set() and not job.admitted.is_set()
+        answer = (job.outcome.respond() if refused else accepted_view(job) if job.runs_async
+                  else await waited_answer(request, job))
         answer.headers["Idempotent-Replayed"] = "true"
         return answer
 
@@ -1246,6 +1273,25 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             return respond()
         job = start_job(request, claim, template_id, answer)
         return accepted_view(job) if claim.runs_async else await waited_answer(request, job)
+
+    def cancel_job(job: Job, why: str) -> bool:
+        """Cancel a running job: its edits at their workers (it then ends cancelled), or, with none there
+        (nothing to repaint, or its answer being encoded), its task. False for one still being checked."""
+        ids = in_flight.get((job.tenant, job.id))
+        if ids:
+            return any([router.cancel(i, why) for i in ids])
+        if job.task is not None:
+            job.task.cancel()
+            return True
+        return False
+
+    def cancel_async() -> int:
+        """The server is stopping: the asynchronous edits that run are cancelled, since nobody can fetch their
+        answers once it is down (they live in its memory), and their workers are freed for the edits whose
+        clients wait. Keyed synchronous edits go on: their clients are connected. How many."""
+        return sum(cancel_job(job, "the server is stopping") for job in jobs.running_async())
+
+    app.state.cancel_async = cancel_async
 
     def check_not_streamed(claim: EditClaim, stream: bool) -> None:
         if stream and claim.job is not None:
@@ -1476,12 +1522,14 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                     outcome = "error"
                     yield style.error(answer.status, answer_error(answer).body())
             finally:
-                if not future.done():
-                    router.cancel(router_id, "the client went away")
-                in_flight.pop((tenant, request_id), None)
                 metrics.latency.labels(endpoint, outcome).observe(time.perf_counter() - started)
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        def closed() -> None:  # however the stream ended, even before it began (a client already gone)
+            if not future.done():
+                router.cancel(router_id, "the client went away")
+            in_flight.pop((tenant, request_id), None)
+
+        return ClosingStreamingResponse(events(), closed, media_type="text/event-stream", headers=headers)
 
     def answer_error(answer: EditAnswer) -> ApiError:
         """A worker's failed answer, its error (an exception's class name) as a snake_case code; a LoRA it
@@ -1538,10 +1586,14 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         n > 1 images, every event names its `image`. An asynchronous or keyed edit that ended: its error
         (if it failed), then done."""
         job = jobs.find(request.state.tenant, request_id)
-        if job is not None and job.ended.is_set():
-            outcome = job.outcome
-
-            async def ended() -> AsyncIterator[bytes]:
+        if job is not None and (job.ended.is_set() or (job.tenant, request_id) not in in_flight):
+            async def ended() -> AsyncIterator[bytes]:  # or about to: no edit of it is at a worker
+                while not job.ended.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(job.ended.wait(), KEEPALIVE_S)
+                    if not job.ended.is_set():
+                        yield KEEPALIVE
+                outcome = job.outcome
                 if outcome.error is not None:
                     yield sse("error", {"status": outcome.http_status, **outcome.error})
                 yield sse("done", {"id": request_id, "status": outcome.http_status})
@@ -1586,10 +1638,11 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         if job is not None and job.ended.is_set():
             jobs.forget(job)
             return {"id": request_id, "deleted": True}
-        if (job is not None and job.task is not None  # its workers answered: it is encoding its answer
-                and (request.state.tenant, request_id) not in in_flight):
-            job.task.cancel()
-            return {"id": request_id, "cancelled": True}
+        if job is not None and not job.admitted.is_set():
+            raise ApiError(409, f"edit {request_id!r} is still being checked; send DELETE again", "request_id",
+                           "edit_arriving", {"Retry-After": "1"})
+        if job is not None:
+            return {"id": request_id, "cancelled": cancel_job(job, "DELETE /v1/edits")}
         ids = edit_in_flight(request, request_id)
         cancelled = [router.cancel(i, "DELETE /v1/edits") for i in ids]
         return {"id": request_id, "cancelled": any(cancelled)}

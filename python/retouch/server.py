@@ -22,12 +22,12 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 
 from retouch.config import ServeOptions, comma_list, model_label, resolve_device
-from retouch.edit_jobs import EditJobs
 from retouch.engine import process_tree
 from retouch.engine.curve import AllowedKeys, RouterSecurity
 from retouch.engine.reference_costs import h800_flux
@@ -57,8 +57,9 @@ def step_cost(opts: ServeOptions) -> StepCost | None:
 
 
 def router_config(opts: ServeOptions) -> RouterConfig:
-    return RouterConfig(opts.worker_listen, opts.policy, opts.heartbeat_s, opts.dead_after_s, opts.max_queue,
-                        slo_admission=opts.slo_admission,
+    return RouterConfig(address=opts.worker_listen, policy=opts.policy, heartbeat_s=opts.heartbeat_s,
+                        dead_after_s=opts.dead_after_s, transfer_timeout_s=opts.transfer_timeout_s,
+                        max_queue=opts.max_queue, slo_admission=opts.slo_admission,
                         lora_affinity=None if opts.lora_affinity < 0 else opts.lora_affinity,
                         no_worker_s=opts.no_worker_s, max_templates_per_tenant=opts.max_templates_per_tenant,
                         model=model_label(opts.model), max_queue_per_tenant=opts.max_queue_per_tenant or None)
@@ -173,7 +174,7 @@ class Server:
         protocol = guarded_protocol(limits.header_timeout_s, limits.body_timeout_s, limits.max_connections,
                                     on_close=lambda reason: closed.labels(reason).inc())
         self._http = HttpServer(uvicorn.Config(app, log_level="warning", lifespan="off", http=protocol,
-                                               timeout_keep_alive=30), app.state.jobs)
+                                               timeout_keep_alive=30), app.state.cancel_async)
         self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [listener]},
                                              name="retouch-http", daemon=True)
         self._http_thread.start()
@@ -228,15 +229,15 @@ class Server:
 
 
 class HttpServer(uvicorn.Server):
-    """uvicorn's server that, told to stop, first cancels the asynchronous edits (`EditJobs.cancel_async`),
+    """uvicorn's server that, told to stop, first cancels the asynchronous edits (`cancel_async`: the app's),
     then drains the connections as uvicorn does."""
 
-    def __init__(self, config: uvicorn.Config, jobs: EditJobs):
+    def __init__(self, config: uvicorn.Config, cancel_async: Callable[[], int]):
         super().__init__(config)
-        self.jobs = jobs
+        self.cancel_async = cancel_async
 
     async def shutdown(self, sockets=None) -> None:
-        cancelled = self.jobs.cancel_async()
+        cancelled = self.cancel_async()
         if cancelled:
             print(f"retouch: {cancelled} asynchronous edits cancelled (their answers could not be fetched after "
                   "the server stops)", file=sys.stderr)
