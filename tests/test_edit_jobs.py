@@ -118,6 +118,8 @@ def test_an_asynchronous_edit_is_answered_at_once_and_fetched_later():
     assert seen["deleted"].json() == {"id": edit_id, "deleted": True}
     assert seen["after delete"].status_code == 404
     assert seen["preferred"].status_code == 202 and seen["routed"] == 2
+    assert seen["preferred"].headers["Preference-Applied"] == "respond-async"
+    assert "Preference-Applied" not in accepted.headers  # async=true asked, not a preference
 
 
 async def keyed_retries() -> dict:

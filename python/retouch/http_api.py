@@ -722,7 +722,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                            "DELETE"], allow_headers=["Authorization", "Content-Type", "X-Request-Id",
                            "Idempotency-Key", "Prefer"],
                            expose_headers=["X-Request-Id", "X-Template-Id", "Retry-After", "Location",
-                                           "Idempotent-Replayed"], max_age=600)
+                                           "Idempotent-Replayed", "Preference-Applied"], max_age=600)
     app.add_middleware(CountAnswers, metrics=metrics)
 
     async def read_form(request: Request) -> Form:
@@ -1139,10 +1139,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(400, "Idempotency-Key must be 1-255 visible ASCII characters", "idempotency-key")
         return key
 
-    def runs_async(request: Request, form: Form) -> bool:
-        """`async=true`, or RFC 7240's `Prefer: respond-async` (a preference: a streamed edit ignores it)."""
+    def prefers_async(request: Request) -> bool:
+        """RFC 7240's `Prefer: respond-async` (a preference: a streamed edit ignores it)."""
         preferences = {part.split(";")[0].strip().lower() for part in request.headers.get("prefer", "").split(",")}
-        return form.boolean("async") or ("respond-async" in preferences and not form.boolean("stream"))
+        return "respond-async" in preferences
+
+    def runs_async(request: Request, form: Form) -> bool:
+        return form.boolean("async") or (prefers_async(request) and not form.boolean("stream"))
 
     @contextlib.asynccontextmanager
     async def claimed(request: Request, endpoint: str, form: Form, key: str | None,
@@ -1261,9 +1264,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         form = await read_form(request)
         run_async = runs_async(request, form) if endpoint == "/v1/edits" else False
         async with claimed(request, endpoint, form, key, run_async) as claim:
-            if claim.replay is not None:
-                return await replayed(request, claim.replay)
-            return await edit(request, form, claim)
+            answer = await (replayed(request, claim.replay) if claim.replay is not None else edit(request, form, claim))
+        if run_async and answer.status_code == 202 and prefers_async(request):
+            answer.headers["Preference-Applied"] = "respond-async"
+        return answer
 
     async def answered(request: Request, claim: EditClaim, template_id: str, answer) -> Response:
         """The answer of an admitted edit: at once (a plain edit, its client watched), or through a job (an
