@@ -423,7 +423,9 @@ class Router:
                 raise NoWorkerConnected(no_worker_message(idle))
             excess = len(self.pending) + len(tasks) - self.config.max_queue
             if excess > 0:
-                raise QueueFull(f"{len(self.pending)} requests are waiting (max_queue {self.config.max_queue})",
+                waiting = len(self.pending)
+                raise QueueFull(f"{waiting} request{'s are' if waiting != 1 else ' is'} waiting (max_queue "
+                                f"{self.config.max_queue})",
                                 self._retry_after_s(excess))
             new_one_off = one_off is not None and one_off.template_id not in self.templates
             unknown = [task.template_id for task in tasks if task.template_id not in self.templates

@@ -247,7 +247,7 @@ class Clock:
 
 def finished(jobs: EditJobs, job_id: str, nbytes: int = 0, key: str | None = None, digest: str = "d") -> Job:
     async def run() -> Job:
-        job = jobs.start(Job(job_id, "t", "tpl", key, digest), produce(), Outcome("cancelled", 409, dict))
+        job = jobs.start(Job(job_id, "t", "tpl", key, digest), produce(), lambda: Outcome("cancelled", 409, dict))
         await job.task
         return job
 
@@ -275,7 +275,7 @@ def test_a_cancelled_job_keeps_its_cancelled_outcome():
 
         async def produce() -> Outcome:
             await never.wait()
-        job = jobs.start(Job("e1", "t", "tpl"), produce(), Outcome("cancelled", 409, dict))
+        job = jobs.start(Job("e1", "t", "tpl"), produce(), lambda: Outcome("cancelled", 409, dict))
         await asyncio.sleep(0)
         job.task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -308,7 +308,9 @@ def test_a_fingerprint_tells_requests_apart():
     upload = io.BytesIO(bytes(range(256)) * 5000)  # read in chunks, and left where a later read starts
     assert fingerprint("/v1/edits", [("mask", upload)], False) == fingerprint("/v1/edits", [("mask", upload)], False)
     assert upload.tell() == 0
-    assert base == fingerprint("/v1/edits", fields(), False)
+    assert base == fingerprint("/v1/edits", fields(), False) == fingerprint("/v1/edits", fields()[::-1], False)
+    repeated = [("lora", "a"), ("lora", "b")]  # the order of a repeated field is part of the request
+    assert fingerprint("/v1/edits", repeated, False) != fingerprint("/v1/edits", repeated[::-1], False)
     for other in (fields(prompt="a dog"), fields(data=b"\x00\x02"), fields(prompt="a ca", name="tmask")):
         assert fingerprint("/v1/edits", other, False) != base
     assert fingerprint("/v1/edits", fields(), True) != base
@@ -344,6 +346,24 @@ async def concurrent_and_failing() -> dict:
         again = asyncio.create_task(client.post("/v1/edits", headers=failing, data=form, files=mask_file()))
         await answer_next_edit(worker)
         seen["after delete"] = await again
+        # a DELETE of a running keyed edit gives its key back: the retry runs again
+        deleting = auth(**{"Idempotency-Key": "changed-my-mind", "X-Request-Id": "del-1"})
+        running = asyncio.create_task(client.post("/v1/edits", headers=deleting, data=form, files=mask_file()))
+        await asyncio.to_thread(worker.receive, "edit")
+        await client.delete("/v1/edits/del-1", headers=auth())
+        cancel = await asyncio.to_thread(worker.receive, "cancel")
+        worker.send({"kind": "result", "request": cancel["request"], "status": 409, "error": "Cancelled",
+                     "message": "cancelled"})
+        seen["deleted while running"] = await running
+        rerun = asyncio.create_task(client.post("/v1/edits", headers=auth(**{"Idempotency-Key": "changed-my-mind"}),
+                                                data=form, files=mask_file()))
+        await answer_next_edit(worker)
+        seen["rerun"] = await rerun
+        # an explicit async=false outweighs a Prefer header
+        explicit = asyncio.create_task(client.post("/v1/edits", headers=auth(Prefer="respond-async"),
+                                                   data={**form, "async": "false"}, files=mask_file()))
+        await answer_next_edit(worker)
+        seen["explicit"] = await explicit
         # a streamed edit ignores a preference to run asynchronously
         seen["preferred stream"] = asyncio.create_task(client.post(
             "/v1/edits", headers=auth(Prefer="respond-async"), data={**form, "stream": "true"}, files=mask_file()))
@@ -368,8 +388,12 @@ def test_concurrent_retries_share_one_edit_and_server_failures_give_the_key_back
     assert seen["deleted"].json()["deleted"] is True
     assert seen["after delete"].status_code == 200 and "Idempotent-Replayed" not in seen["after delete"].headers
     assert seen["preferred stream"].headers["content-type"].startswith("text/event-stream")
-    # twice-at-once 1, one-id 1, flaky 3 (failed, retried, after the delete), the stream 1
-    assert seen["routed"] == 6
+    assert seen["deleted while running"].json()["error"]["code"] == "cancelled"
+    assert seen["rerun"].status_code == 200 and "Idempotent-Replayed" not in seen["rerun"].headers
+    assert seen["explicit"].status_code == 200 and seen["explicit"].headers["content-type"] == "image/png"
+    # twice-at-once 1, one-id 1, flaky 3 (failed, retried, after the delete), deleted and rerun 2, explicit 1,
+    # the stream 1
+    assert seen["routed"] == 9
 
 
 async def evicted() -> dict:
@@ -409,11 +433,11 @@ def test_a_job_cancelled_before_it_first_ran_ends_cancelled_and_lets_go_of_its_t
             return Outcome("completed", 200, dict)
 
         job = jobs.start(Job("e1", "t", key="k", fingerprint="f", runs_async=True), produce(),
-                         Outcome("cancelled", 409, dict))
+                         lambda: Outcome("cancelled", 409, dict))
         assert jobs.running_async() == [job]
         job.task.cancel()
         await asyncio.wait_for(job.ended.wait(), TIMEOUT)
-        assert jobs.running_async() == [] and jobs.keyed("t", "k", "f") is job
+        assert jobs.running_async() == [] and jobs.keyed("t", "k", "f") is None  # a cancel gives the key back
         return job, started
     job, started = asyncio.run(run())
     assert job.status == "cancelled" and job.task is None and started == []
@@ -454,7 +478,8 @@ def test_a_stopping_server_cancels_the_asynchronous_edits_and_lets_keyed_ones_fi
     waits, so it goes on."""
     seen = asyncio.run(stopping())
     assert seen["cancelled"] == 1 and seen["ids"][0] == seen["ids"][1]
-    assert seen["async"].status_code == 409 and seen["async"].json()["error"]["code"] == "cancelled"
+    # the server's stop, not the client's doing: 503, send it again
+    assert seen["async"].status_code == 503 and seen["async"].json()["error"]["code"] == "interrupted"
     assert seen["keyed"].status_code == 200
     assert seen["failed"].status_code == 500
     assert seen["retried"].status_code == 200 and seen["retried"].headers["X-Request-Id"] == "mine-1"

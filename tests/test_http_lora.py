@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 import queue
 import threading
 from concurrent.futures import Future
@@ -316,6 +317,9 @@ def test_the_serve_flags_reach_the_options(tmp_path):
     config = router_config(from_arguments(ServeOptions, args))
     assert (config.max_queue, config.transfer_timeout_s, config.heartbeat_s, config.dead_after_s, config.policy) == (
         7, 30.0, 0.25, 3.0, "round-robin")
+    for bad in ({"drain_s": -1.0}, {"drain_s": math.nan}, {"transfer_timeout_s": 0.0}, {"result_ttl_s": 0.0}):
+        with pytest.raises(InputError, match=f"--{next(iter(bad)).replace('_', '-')} must be"):
+            ServeOptions(model="m", **bad)
 
 
 def test_a_worker_that_joins_a_new_router_drops_the_old_ones_edits(make_router):

@@ -185,6 +185,8 @@ def add_arguments(parser: argparse.ArgumentParser, options_cls: type) -> None:
         if hints[f.name] is bool:  # --flag / --no-flag
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
             continue
+        if not required and f.default is not None and "default" not in kwargs["help"]:
+            kwargs["help"] += f" (default: {f.default})"  # argparse says it for --flag/--no-flag itself
         kwargs["type"] = _scalar_type(hints[f.name])
         if f.metadata.get("choices"):
             kwargs["choices"] = f.metadata["choices"]
@@ -303,6 +305,9 @@ class ServeOptions:
     body_timeout_s: float = option(120.0, help="... and its body within this many seconds after them")
     max_connections: int = option(1024, help="open HTTP connections; beyond it new ones are closed at once")
     max_inflight_mb: float = option(1024.0, help="request bodies being received at once (MiB); beyond it: 503")
+    drain_s: float = option(60.0, help="on SIGTERM or Ctrl-C, seconds to answer the edits accepted (the rest "
+                            "are answered 503); keep it below the orchestrator's grace period (Kubernetes: 30 s "
+                            "by default)")
     result_ttl_s: float = option(3600.0, help="answers of asynchronous edits (async=true) and of edits sent with an "
                                  "Idempotency-Key are kept this long (seconds) for GET /v1/edits/{id}/result and "
                                  "retries")
@@ -351,6 +356,7 @@ class ServeOptions:
             raise InputError(f"--api-keys-file {self.api_keys_file} not found")
         _require(self, ("header_timeout_s", "body_timeout_s", "max_inflight_mb", "result_ttl_s", "result_store_mb",
                         "transfer_timeout_s"), "> 0")
+        _require(self, ("drain_s",), ">= 0")
         _require(self, ("max_connections", "max_prompt_chars", "max_batch", "steps", "max_steps", "max_queue",
                         "max_pixels", "max_work", "max_templates_per_tenant"), ">= 1")
         _require(self, ("worker_threads", "helper_threads", "slo_ms_per_megapixel", "max_queue_per_tenant"), ">= 0")

@@ -7,7 +7,7 @@ server's event loop, so it goes on when its client goes away, within the server'
 
     jobs = EditJobs(ttl_s=3600, max_bytes=512 << 20)
     job = jobs.add(Job("edit-1", tenant, key="k", fingerprint=f))  # at once: a concurrent retry finds it
-    jobs.run(job, produce(), cancelled=Outcome(...))   # once admitted; produce() -> Outcome
+    jobs.run(job, produce(), cancelled=lambda: Outcome(...))  # once admitted; produce() -> Outcome
     jobs.abandon(job, Outcome(...))                    # or: refused before it ran (nothing is kept)
     await job.ended.wait(); job.outcome.respond()      # what its POST answers (or would have)
     jobs.find(tenant, "edit-1"); jobs.keyed(tenant, "k", f)   # KeyReused: the key named another request
@@ -17,8 +17,8 @@ longest-finished go first, but the newest stays even alone over it, so that no a
 moment it is made. A running job is never evicted. A key names one request of one tenant: the same
 key with another request (other fields or files: `fingerprint`) is refused, as the IETF
 Idempotency-Key draft says (422), since answering it with the first request's image would be wrong.
-A job that failed on the server's side (5xx: a GPU error, a timeout) gives its key back, so that a
-retry generates again rather than being answered that failure for as long as it is kept.
+A job that failed on the server's side (5xx: a GPU error, a timeout) or was cancelled gives its key back,
+so that a retry runs again rather than being answered that outcome for as long as it is kept.
 
 The store belongs to the event loop; `counts()` alone may be called from another thread (a metrics
 scrape), and it only reads.
@@ -63,6 +63,7 @@ class Job:
     key: str | None = None  # its Idempotency-Key
     fingerprint: str | None = None  # of the request that made it (`fingerprint`)
     runs_async: bool = False  # answered 202 at once (the request's choice, part of what a key names)
+    interrupted: bool = False  # cancelled by the server's stop (its outcome is then the server's failure)
     created: float = field(default_factory=time.time)  # wall clock: clients read it
     outcome: Outcome | None = None
     task: asyncio.Task | None = None  # while it runs (dropped when it ends: a cancelled task holds its frames)
@@ -89,10 +90,11 @@ class Job:
 
 def fingerprint(endpoint: str, fields: list[tuple[str, str | IO[bytes]]], runs_async: bool) -> str:
     """What a request asked for: its endpoint, every form field (name and value; a file by its bytes, read
-    in chunks from its start and left at its start) in the order sent, and whether it runs asynchronously.
+    in chunks from its start and left at its start) by name, whatever their order (a client may rebuild
+    its form from a map), and whether it runs asynchronously.
     Reads files: run it in a worker thread."""
     digest = hashlib.sha256(f"{endpoint}\0{int(runs_async)}\0".encode())
-    for name, value in fields:
+    for name, value in sorted(fields, key=lambda field: field[0]):  # stable: a repeated field keeps its order
         if isinstance(value, str):
             data = value.encode()
             digest.update(f"{name}\0{len(data)}\0".encode())
@@ -131,9 +133,9 @@ class EditJobs:
             self._keys[(job.tenant, job.key)] = job
         return job
 
-    def run(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Outcome) -> Job:
+    def run(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Callable[[], Outcome]) -> Job:
         """Run `produce` as the added job (on the running loop); its outcome is kept when it ends, and
-        `cancelled` when its task is cancelled (a DELETE of its last stage, or the server stops), even
+        `cancelled()` when its task is cancelled (a DELETE of its last stage, or the server stops), even
         before it first ran (then `produce` never starts)."""
         job.task = asyncio.get_running_loop().create_task(self._run(job, produce, cancelled),
                                                           name=f"edit-job-{job.id}")
@@ -141,21 +143,21 @@ class EditJobs:
         job.admitted.set()
         return job
 
-    def start(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Outcome) -> Job:
+    def start(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Callable[[], Outcome]) -> Job:
         return self.run(self.add(job), produce, cancelled)
 
-    async def _run(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Outcome) -> None:
+    async def _run(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Callable[[], Outcome]) -> None:
         try:
             outcome = await produce
         except asyncio.CancelledError:
-            self._finish(job, cancelled)
+            self._finish(job, cancelled())
             raise
         self._finish(job, outcome)
 
-    def _cancelled_unstarted(self, job: Job, produce: Coroutine, cancelled: Outcome) -> None:
+    def _cancelled_unstarted(self, job: Job, produce: Coroutine, cancelled: Callable[[], Outcome]) -> None:
         if not job.ended.is_set():  # its task was cancelled before `_run` began
             produce.close()
-            self._finish(job, cancelled)
+            self._finish(job, cancelled())
 
     def _finish(self, job: Job, outcome: Outcome) -> None:
         if outcome.status not in STATUSES[1:]:
@@ -164,7 +166,7 @@ class EditJobs:
             return
         job.outcome, job.finished_at, job.task = outcome, self.clock(), None
         job.ended.set()
-        if outcome.http_status >= 500:  # the server's failure: a retry with the key generates again
+        if outcome.http_status >= 500 or outcome.status == "cancelled":  # a retry with the key runs again
             self._release_key(job)
         self._finished[(job.tenant, job.id)] = job
         self.kept_bytes += job.nbytes()

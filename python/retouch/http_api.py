@@ -1123,9 +1123,11 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         """An edit's id names one edit from its arrival (`claimed` holds it meanwhile), while it runs, and
         while its answer is kept."""
         key = (request.state.tenant, request.state.request_id)
-        if key in in_flight or key in arriving or jobs.find(*key) is not None:
-            raise ApiError(409, f"an edit with X-Request-Id {key[1]!r} is already running or answered (its answer "
-                           "is kept: GET /v1/edits/{id}/result)", "x-request-id", "duplicate_request_id")
+        kept = jobs.find(*key)
+        if key in in_flight or key in arriving or kept is not None:
+            where = "; its answer is kept: GET /v1/edits/{id}/result" if kept is not None else ""
+            raise ApiError(409, f"an edit with X-Request-Id {key[1]!r} is already running or answered{where}",
+                           "x-request-id", "duplicate_request_id")
 
     # ---- edits that outlive their request (`retouch.edit_jobs`) ----
 
@@ -1145,7 +1147,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         return "respond-async" in preferences
 
     def runs_async(request: Request, form: Form) -> bool:
-        return form.boolean("async") or (prefers_async(request) and not form.boolean("stream"))
+        """`async`, when sent, decides; else a Prefer header does, for an edit not streamed."""
+        if form.text("async") is not None:
+            return form.boolean("async")
+        return prefers_async(request) and not form.boolean("stream")
 
     @contextlib.asynccontextmanager
     async def claimed(request: Request, endpoint: str, form: Form, key: str | None,
@@ -1210,12 +1215,15 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             except Exception as exc:  # noqa: BLE001 - every failure is this edit's answer, kept like any other
                 if not isinstance(exc, ApiError):
                     logger.exception("edit %s failed", job.id)
+                if job.interrupted and isinstance(exc, ApiError) and exc.code == "cancelled":
+                    return failure_outcome(asyncio.CancelledError())  # the server's stop, not the client's doing
                 return failure_outcome(exc)
             return Outcome("completed", 200, respond, nbytes)
 
-        stopped = ApiError(409, "the edit was cancelled (DELETE /v1/edits/{id}, or the server stopped)", None,
-                           "cancelled")
-        return jobs.run(job, produce(), Outcome("cancelled", 409, stopped.response, error=stopped.body()))
+        deleted = ApiError(409, "the edit was cancelled (DELETE /v1/edits/{id})", None, "cancelled")
+        cancelled = Outcome("cancelled", 409, deleted.response, error=deleted.body())
+        stopped = failure_outcome(asyncio.CancelledError())
+        return jobs.run(job, produce(), lambda: stopped if job.interrupted else cancelled)
 
     def job_view(job: Job, status_code: int = 200, headers: dict | None = None) -> JSONResponse:
         """A job's status: in_progress (with its images' progress), completed, failed (with the error) or
@@ -1249,10 +1257,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         one's answer (Stripe's `Idempotent-Replayed` header says it is not a new edit's)."""
         if job.runs_async:
             await job.settled(limits.request_timeout_s)
-        refused = job.ended.is_set() and not job.admitted.is_set()
-        answer = (job.outcome.respond() if refused else accepted_view(job) if job.runs_async
-                  else await waited_answer(request, job))
-        answer.headers["Idempotent-Replayed"] = "true"
+        answer = accepted_view(job) if job.runs_async and job.admitted.is_set() else await waited_answer(request, job)
+        if job.admitted.is_set():  # not the first request's refusal (bad input, a full queue): nothing ran
+            answer.headers["Idempotent-Replayed"] = "true"
         return answer
 
     async def edit_request(request: Request, endpoint: str, edit) -> Response:
@@ -1293,7 +1300,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         """The server is stopping: the asynchronous edits that run are cancelled, since nobody can fetch their
         answers once it is down (they live in its memory), and their workers are freed for the edits whose
         clients wait. Keyed synchronous edits go on: their clients are connected. How many."""
-        return sum(cancel_job(job, "the server is stopping") for job in jobs.running_async())
+        running = jobs.running_async()
+        for job in running:
+            job.interrupted = True
+        return sum(cancel_job(job, "the server is stopping") for job in running)
 
     app.state.cancel_async = cancel_async
 

@@ -193,16 +193,18 @@ class Server:
                 ready = now_ready
                 print(f"retouch: {ready}/{self.opts.workers} workers ready", file=sys.stderr)
 
-    def close(self, drain_s: float = 60.0) -> None:
-        """Stop taking connections, answer every accepted edit, stop the workers."""
+    def close(self, drain_s: float | None = None) -> None:
+        """Stop taking connections, answer every accepted edit within `drain_s` (default --drain-s; the rest
+        are answered 503), stop the workers."""
+        deadline = time.monotonic() + (self.opts.drain_s if drain_s is None else drain_s)
         if self._http is not None:
             self._http.should_exit = True
-            self._http_thread.join(timeout=drain_s)
+            self._http_thread.join(timeout=max(0.0, deadline - time.monotonic()))
             self._http = None
         told_to_stop: set[str] = set()
         if self.router is not None:
             told_to_stop = set(self.router.snapshot()["workers"])
-            self.router.close(drain_s)
+            self.router.close(max(0.0, deadline - time.monotonic()))
         if self.supervisor is not None:
             # A replacement still loading never joined, so nobody told it to stop: no waiting for it.
             self.supervisor.close(stopping=told_to_stop)
