@@ -1129,8 +1129,10 @@ class Router:
         worker.report = dict(header.get("metrics", {}))
         worker.loras = frozenset(header.get("loras", ()))
         if "lora_digests" in header:
-            worker.lora_digests = {str(name): str(digest) for name, digest in dict(header["lora_digests"]).items()}
-            self._check_lora_files(worker)
+            digests = {str(name): str(digest) for name, digest in dict(header["lora_digests"]).items()}
+            read = {name: digest for name, digest in digests.items() if worker.lora_digests.get(name) != digest}
+            worker.lora_digests = digests
+            self._check_lora_files(worker, read)
         if header.get("draining"):  # said in every heartbeat: a lost "draining" message is not missed
             self._draining(worker)
         seen = header.get("seen")
@@ -1140,11 +1142,13 @@ class Router:
             self._find_lost_recordings(worker, set(header["recording"]), seen)
         self._changed.notify_all()
 
-    def _check_lora_files(self, worker: WorkerState) -> None:
+    def _check_lora_files(self, worker: WorkerState, read: dict[str, str]) -> None:
         """Workers whose LoRA folders hold other files under one name give an edit of it another image
         depending on where it runs (a folder copied to some hosts only, or mid-copy): said once per name and
-        pair of files, and counted (`lora_mismatches`)."""
-        for name, digest in worker.lora_digests.items():
+        pair of files, and counted (`lora_mismatches`). `read`: the worker's files new since its last
+        heartbeat, the only ones to compare (every heartbeat repeats the rest, and a mismatch appears when
+        one side's file does)."""
+        for name, digest in read.items():
             for other in self.workers.values():
                 theirs = other.lora_digests.get(name)
                 if other is worker or theirs is None or theirs == digest:

@@ -27,6 +27,7 @@ scrape), and it only reads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections import OrderedDict
@@ -74,6 +75,12 @@ class Job:
     @property
     def status(self) -> str:
         return "in_progress" if self.outcome is None else self.outcome.status
+
+    async def wait_ended(self, timeout_s: float) -> bool:
+        """Whether it ended, waiting up to `timeout_s` for it."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.ended.wait(), timeout_s)
+        return self.ended.is_set()
 
     async def settled(self, timeout_s: float) -> None:
         """Return once it runs or ended (a placeholder still being checked is neither), or after `timeout_s`."""
@@ -137,26 +144,20 @@ class EditJobs:
         """Run `produce` as the added job (on the running loop); its outcome is kept when it ends, and
         `cancelled()` when its task is cancelled (a DELETE of its last stage, or the server stops), even
         before it first ran (then `produce` never starts)."""
-        job.task = asyncio.get_running_loop().create_task(self._run(job, produce, cancelled),
-                                                          name=f"edit-job-{job.id}")
-        job.task.add_done_callback(lambda _: self._cancelled_unstarted(job, produce, cancelled))
+        job.task = asyncio.get_running_loop().create_task(self._run(job, produce), name=f"edit-job-{job.id}")
+        job.task.add_done_callback(lambda _: self._on_done(job, produce, cancelled))
         job.admitted.set()
         return job
 
     def start(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Callable[[], Outcome]) -> Job:
         return self.run(self.add(job), produce, cancelled)
 
-    async def _run(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Callable[[], Outcome]) -> None:
-        try:
-            outcome = await produce
-        except asyncio.CancelledError:
-            self._finish(job, cancelled())
-            raise
-        self._finish(job, outcome)
+    async def _run(self, job: Job, produce: Coroutine[Any, Any, Outcome]) -> None:
+        self._finish(job, await produce)
 
-    def _cancelled_unstarted(self, job: Job, produce: Coroutine, cancelled: Callable[[], Outcome]) -> None:
-        if not job.ended.is_set():  # its task was cancelled before `_run` began
-            produce.close()
+    def _on_done(self, job: Job, produce: Coroutine, cancelled: Callable[[], Outcome]) -> None:
+        if not job.ended.is_set():  # its task was cancelled, while it ran or before it began
+            produce.close()  # one that never began must not be left unawaited
             self._finish(job, cancelled())
 
     def _finish(self, job: Job, outcome: Outcome) -> None:

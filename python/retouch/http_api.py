@@ -1231,13 +1231,16 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         view = {"id": job.id, "object": "edit", "status": job.status, "created": int(job.created),
                 "template_id": job.template_id, "result_url": f"/v1/edits/{job.id}/result"}
         if job.outcome is None:
-            ids = in_flight.get((job.tenant, job.id), [])
-            view["images"] = [router.request_status(i) or {"status": "done"} for i in ids]
+            view["images"] = image_statuses(in_flight.get((job.tenant, job.id), []))
         else:
             if job.outcome.error is not None:
                 view["error"] = job.outcome.error.get("error", job.outcome.error)
             view["expires_in_s"] = round(jobs.expires_in_s(job), 1)
         return JSONResponse(view, status_code=status_code, headers=headers)
+
+    def image_statuses(ids: list[int]) -> list[dict]:
+        """Per image of an edit in flight: parked, queued at a worker, running step k of n, or done."""
+        return [router.request_status(i) or {"status": "done"} for i in ids]
 
     def accepted_view(job: Job) -> JSONResponse:
         return job_view(job, 202, {"Location": f"/v1/edits/{job.id}", "Retry-After": "1"})
@@ -1245,10 +1248,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     async def waited_answer(request: Request, job: Job) -> Response:
         """A synchronous keyed edit's answer once its job ends. A client that goes away leaves the job
         running: its retry will want the answer."""
-        while not job.ended.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(job.ended.wait(), DISCONNECT_POLL_S)
-            if not job.ended.is_set() and await request.is_disconnected():
+        while not await job.wait_ended(DISCONNECT_POLL_S):
+            if await request.is_disconnected():
                 raise ClientGone()
         return job.outcome.respond()
 
@@ -1571,7 +1572,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         if job is not None:
             return job_view(job, headers=None if job.ended.is_set() else {"Retry-After": "1"})
         ids = edit_in_flight(request, request_id)
-        return {"id": request_id, "images": [router.request_status(i) or {"status": "done"} for i in ids]}
+        return {"id": request_id, "images": image_statuses(ids)}
 
     @app.get("/v1/edits/{request_id}/result")
     async def edit_result(request: Request, request_id: str, wait: float = 0.0):
@@ -1588,10 +1589,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                               "to fetch one later)" if known else "unknown, or it expired, or was dropped for room"),
                            "request_id", "edit_not_found")
         request.state.template = job.template_id
-        if not job.ended.is_set() and wait > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(job.ended.wait(), wait)
-        return job.outcome.respond() if job.ended.is_set() else accepted_view(job)
+        return job.outcome.respond() if await job.wait_ended(wait) else accepted_view(job)
 
     @app.get("/v1/edits/{request_id}/events")
     async def edit_events(request: Request, request_id: str):
@@ -1602,11 +1600,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         job = jobs.find(request.state.tenant, request_id)
         if job is not None and (job.ended.is_set() or (job.tenant, request_id) not in in_flight):
             async def ended() -> AsyncIterator[bytes]:  # or about to: no edit of it is at a worker
-                while not job.ended.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(job.ended.wait(), KEEPALIVE_S)
-                    if not job.ended.is_set():
-                        yield KEEPALIVE
+                while not await job.wait_ended(KEEPALIVE_S):
+                    yield KEEPALIVE
                 outcome = job.outcome
                 if outcome.error is not None:
                     yield sse("error", {"status": outcome.http_status, **outcome.error})
