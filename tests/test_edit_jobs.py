@@ -346,7 +346,7 @@ async def concurrent_and_failing() -> dict:
         again = asyncio.create_task(client.post("/v1/edits", headers=failing, data=form, files=mask_file()))
         await answer_next_edit(worker)
         seen["after delete"] = await again
-        # a DELETE of a running keyed edit gives its key back: the retry runs again
+        # a DELETE of a running keyed edit gives its key back: the retry (its own id again) runs again
         deleting = auth(**{"Idempotency-Key": "changed-my-mind", "X-Request-Id": "del-1"})
         running = asyncio.create_task(client.post("/v1/edits", headers=deleting, data=form, files=mask_file()))
         await asyncio.to_thread(worker.receive, "edit")
@@ -355,8 +355,7 @@ async def concurrent_and_failing() -> dict:
         worker.send({"kind": "result", "request": cancel["request"], "status": 409, "error": "Cancelled",
                      "message": "cancelled"})
         seen["deleted while running"] = await running
-        rerun = asyncio.create_task(client.post("/v1/edits", headers=auth(**{"Idempotency-Key": "changed-my-mind"}),
-                                                data=form, files=mask_file()))
+        rerun = asyncio.create_task(client.post("/v1/edits", headers=deleting, data=form, files=mask_file()))
         await answer_next_edit(worker)
         seen["rerun"] = await rerun
         # an explicit async=false outweighs a Prefer header
@@ -390,6 +389,7 @@ def test_concurrent_retries_share_one_edit_and_server_failures_give_the_key_back
     assert seen["preferred stream"].headers["content-type"].startswith("text/event-stream")
     assert seen["deleted while running"].json()["error"]["code"] == "cancelled"
     assert seen["rerun"].status_code == 200 and "Idempotent-Replayed" not in seen["rerun"].headers
+    assert seen["rerun"].headers["X-Request-Id"] == "del-1"  # resending its own id, as a retry does
     assert seen["explicit"].status_code == 200 and seen["explicit"].headers["content-type"] == "image/png"
     # twice-at-once 1, one-id 1, flaky 3 (failed, retried, after the delete), deleted and rerun 2, explicit 1,
     # the stream 1

@@ -1173,10 +1173,11 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                 request.state.request_id, request.state.template = replay.id, replay.template_id
                 yield EditClaim(replay=replay)
                 return
-            failed = jobs.find(tenant, request_id)
-            if (failed is not None and failed.ended.is_set() and failed.outcome.http_status >= 500
-                    and (failed.key, failed.fingerprint) == (key, digest)):  # its retry, resending its own id
-                jobs.forget(failed)
+            # The edit this key made gave the key back (a 5xx, a cancel) but is kept under its id: its retry,
+            # resending that id, runs again as the key promises.
+            released = jobs.find(tenant, request_id)
+            if released is not None and (released.key, released.fingerprint) == (key, digest):
+                jobs.forget(released)
         check_new_request_id(request)
         claim = EditClaim(runs_async=run_async)
         if key is not None:
