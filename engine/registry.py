@@ -15,15 +15,13 @@ One-off images are not kept: they are evicted by use and recorded again by their
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
-import os
 import re
 from pathlib import Path
 
 from retouch.engine.router import TemplateRecord
-from retouch.errors import InputError
+from retouch.paths import lock_folder, write_whole
 
 FORMAT = 1
 TEMPLATE_ID = re.compile(r"tpl-[0-9a-f]{8,64}")
@@ -36,17 +34,7 @@ class TemplateRegistry:
 
     def __init__(self, directory: Path | str):
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        # One server per folder: two would each miss the other's templates and delete each other's files.
-        self._lock_file = open(self.directory / ".lock", "a")
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            raise InputError(f"another retouch serve uses {self.directory.parent} (--cache-disk-dir); give each "
-                             "server a folder of its own") from None
-        for stale in self.directory.glob(".*.tmp"):  # a save cut short by a kill
-            stale.unlink(missing_ok=True)
+        self._lock_file = lock_folder(self.directory)
 
     def close(self) -> None:
         self._lock_file.close()
@@ -55,14 +43,14 @@ class TemplateRegistry:
         """Keep `record` (a registered template); a one-off image is not kept."""
         if record.one_off or not TEMPLATE_ID.fullmatch(record.template_id):
             return
-        _write(self._path(record.template_id, ".png"), record.image)
+        write_whole(self._path(record.template_id, ".png"), record.image)
         if record.alpha is not None:
-            _write(self._path(record.template_id, ".alpha.png"), record.alpha)
+            write_whole(self._path(record.template_id, ".alpha.png"), record.alpha)
         header = {"format": FORMAT, "id": record.template_id, "size": list(record.size), "prompt": record.prompt,
                   "steps": record.steps, "seed": record.seed, "guidance": record.guidance,
                   "replicas": record.replicas, "owner": record.owner, "created": record.created,
                   "alpha": record.alpha is not None}
-        _write(self._path(record.template_id, ".json"), json.dumps(header).encode())
+        write_whole(self._path(record.template_id, ".json"), json.dumps(header).encode())
 
     def remove(self, template_id: str) -> None:
         if not TEMPLATE_ID.fullmatch(template_id):
@@ -101,15 +89,3 @@ class TemplateRegistry:
     def _path(self, template_id: str, suffix: str) -> Path:
         return self.directory / (template_id + suffix)
 
-
-def _write(path: Path, data: bytes) -> None:
-    """`data` to `path` whole or not at all (a temporary file renamed over it)."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)

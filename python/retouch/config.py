@@ -310,7 +310,7 @@ class ServeOptions:
                             "by default)")
     result_ttl_s: float = option(3600.0, help="answers of asynchronous edits (async=true) and of edits sent with an "
                                  "Idempotency-Key are kept this long (seconds) for GET /v1/edits/{id}/result and "
-                                 "retries")
+                                 "retries (on disk too with --cache-disk-dir, so that they outlive a restart)")
     result_store_mb: float = option(512.0, help="... and within this much memory in all (MiB; the oldest go first)")
     heartbeat_s: float = option(0.5, help="seconds between worker heartbeats")
     dead_after_s: float = option(5.0, help="a worker silent this long is removed and its requests re-routed")
@@ -332,8 +332,9 @@ class ServeOptions:
     cache_host_gib: float = option(4.0, help=CACHE_HOST_HELP.format(whose="each worker's"))
     cache_disk_dir: Path | None = option(None, help=CACHE_DISK_HELP.format(whose="this host's workers'") +
                                          "; each worker keeps a subfolder of its own (w0, w1, ...), and the "
-                                         "registered templates are kept in DIR/templates: a restarted server "
-                                         "serves them again")
+                                         "registered templates are kept in DIR/templates and the answers of "
+                                         "asynchronous and keyed edits in DIR/edits: a restarted server serves "
+                                         "them again")
     cache_disk_gib: float = option(64.0, help=CACHE_DISK_GIB_HELP.format(whose="each worker's"))
     cache_dtype: str = option("auto", help=CACHE_DTYPE_HELP, choices=CACHE_DTYPES)
     lora_dir: Path | None = option(None, help=LORA_DIR_HELP + " (given to this host's workers; an edit naming "

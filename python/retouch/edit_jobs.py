@@ -9,7 +9,7 @@ server's event loop, so it goes on when its client goes away, within the server'
     job = jobs.add(Job("edit-1", tenant, key="k", fingerprint=f))  # at once: a concurrent retry finds it
     jobs.run(job, produce(), cancelled=lambda: Outcome(...))  # once admitted; produce() -> Outcome
     jobs.abandon(job, Outcome(...))                    # or: refused before it ran (nothing is kept)
-    await job.ended.wait(); job.outcome.respond()      # what its POST answers (or would have)
+    await job.ended.wait(); job.outcome.reply          # what its POST answered (or would have)
     jobs.find(tenant, "edit-1"); jobs.keyed(tenant, "k", f)   # KeyReused: the key named another request
 
 A finished job's answer is kept for `ttl_s`, and all kept answers within `max_bytes`: beyond it the
@@ -19,6 +19,8 @@ key with another request (other fields or files: `fingerprint`) is refused, as t
 Idempotency-Key draft says (422), since answering it with the first request's image would be wrong.
 A job that failed on the server's side (5xx: a GPU error, a timeout) or was cancelled gives its key back,
 so that a retry runs again rather than being answered that outcome for as long as it is kept.
+With a `folder` (`retouch.kept_answers`), every job is also written to disk as it is admitted and as it
+ends, and `restore()` takes them back in a restarted server.
 
 The store belongs to the event loop; `counts()` alone may be called from another thread (a metrics
 scrape), and it only reads.
@@ -33,7 +35,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from retouch.kept_answers import AnswerFolder
 
 STATUSES = ("in_progress", "completed", "failed", "cancelled")
 JOB_OVERHEAD_BYTES = 1024  # what a kept job costs besides its answer: bounds how many failures are kept
@@ -45,15 +50,36 @@ class KeyReused(Exception):
 
 
 @dataclass(frozen=True)
+class Reply:
+    """What an edit's POST answered (or would have), as plain data, so that it can be kept (in memory, and
+    on disk: `retouch.kept_answers`) and given again to each request that fetches it: never a raised
+    exception, whose frames would hold the request's images. `media_type` set: the answer is `images[0]`
+    itself; else a JSON `body`: the envelope `images` go in as base64 (`data`), or an error."""
+    headers: dict[str, str]
+    body: dict | None = None
+    images: tuple[bytes, ...] = ()
+    media_type: str | None = None
+
+
+@dataclass(frozen=True)
 class Outcome:
-    """How a job ended: its status, its HTTP status, `respond()` making the answer its POST gave (or would
-    have; called once per request that fetches it, so it holds plain data, never a raised exception and
-    its frames), the answer's size, and for a failure its error body."""
+    """How a job ended: its status, its HTTP status and its answer."""
     status: str
     http_status: int
-    respond: Callable[[], Any]
-    nbytes: int = 0
-    error: dict | None = None
+    reply: Reply
+
+    @property
+    def nbytes(self) -> int:
+        return sum(map(len, self.reply.images))
+
+    @property
+    def error(self) -> dict | None:
+        return None if self.status == "completed" else self.reply.body
+
+    @property
+    def gives_key_back(self) -> bool:
+        """A failure of the server's (5xx: a GPU error, a timeout, its stop) or a cancel: a retry runs again."""
+        return self.http_status >= 500 or self.status == "cancelled"
 
 
 @dataclass(eq=False)
@@ -117,10 +143,11 @@ def fingerprint(endpoint: str, fields: list[tuple[str, str | IO[bytes]]], runs_a
 
 
 class EditJobs:
-    def __init__(self, ttl_s: float, max_bytes: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, ttl_s: float, max_bytes: int, clock: Callable[[], float] = time.monotonic,
+                 folder: AnswerFolder | None = None):
         if not (ttl_s > 0 and max_bytes > 0):
             raise ValueError("ttl_s and max_bytes must be > 0")
-        self.ttl_s, self.max_bytes, self.clock = ttl_s, max_bytes, clock
+        self.ttl_s, self.max_bytes, self.clock, self.folder = ttl_s, max_bytes, clock, folder
         self._jobs: dict[tuple[str, str], Job] = {}
         self._keys: dict[tuple[str, str], Job] = {}
         self._finished: OrderedDict[tuple[str, str], Job] = OrderedDict()  # oldest first
@@ -147,6 +174,8 @@ class EditJobs:
         job.task = asyncio.get_running_loop().create_task(self._run(job, produce), name=f"edit-job-{job.id}")
         job.task.add_done_callback(lambda _: self._on_done(job, produce, cancelled))
         job.admitted.set()
+        if self.folder is not None:
+            self.folder.save(job)
         return job
 
     def start(self, job: Job, produce: Coroutine[Any, Any, Outcome], cancelled: Callable[[], Outcome]) -> Job:
@@ -165,13 +194,38 @@ class EditJobs:
             raise ValueError(f"a job ends completed, failed or cancelled, not {outcome.status!r}")
         if job.ended.is_set():
             return
-        job.outcome, job.finished_at, job.task = outcome, self.clock(), None
+        job.outcome, job.task = outcome, None
+        if self.folder is not None:
+            self.folder.save(job)
+        self._keep(job, self.clock())
+        self._expire()
+
+    def _keep(self, job: Job, finished_at: float) -> None:
+        job.finished_at = finished_at
         job.ended.set()
-        if outcome.http_status >= 500 or outcome.status == "cancelled":  # a retry with the key runs again
+        if job.outcome.gives_key_back:
             self._release_key(job)
         self._finished[(job.tenant, job.id)] = job
         self.kept_bytes += job.nbytes()
+
+    def restore(self, interrupted: Outcome) -> int:
+        """Take back the answers kept in `folder` (a restarted server), for what remains of their time;
+        an edit that ran when the server stopped ends `interrupted`. How many were taken back."""
+        if self.folder is None:
+            return 0
+        now, wall = self.clock(), time.time()
+        loaded = sorted(self.folder.load(), key=lambda kept: wall if kept[1] is None else kept[1])  # oldest first
+        for job, finished in loaded:
+            job.admitted.set()
+            if finished is None:
+                job.outcome, finished = interrupted, wall
+                self.folder.save(job)
+            self._jobs[(job.tenant, job.id)] = job
+            if job.key is not None:
+                self._keys.setdefault((job.tenant, job.key), job)
+            self._keep(job, now - max(0.0, wall - finished))
         self._expire()
+        return len(loaded)
 
     def abandon(self, job: Job, outcome: Outcome) -> None:
         """An added job refused before it ran (bad input, a full queue): whoever waits for it gets
@@ -204,6 +258,8 @@ class EditJobs:
         self._release_key(job)
         if self._finished.pop((job.tenant, job.id), None) is not None:
             self.kept_bytes -= job.nbytes()
+        if self.folder is not None and job.admitted.is_set():
+            self.folder.remove(job)
 
     def _release_key(self, job: Job) -> None:
         if job.key is not None and self._keys.get((job.tenant, job.key)) is job:

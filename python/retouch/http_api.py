@@ -40,7 +40,9 @@ its client stays. An edit sent with an `Idempotency-Key` header (either edit end
 end when its client goes away, and a retry with the same key and the same request gets that edit's
 answer, waiting for it if it still runs (where the IETF draft answers 409), instead of a second
 generation; the same key with another request is 422 (code idempotency_key_reused). Their answers are
-kept `Limits.result_ttl_s`, in memory.
+kept `Limits.result_ttl_s`, in memory, and with `Limits.result_dir` on disk too (`retouch.kept_answers`),
+so that a restarted server answers them; a stopping server then lets its asynchronous edits finish
+within its drain (`stop_async`) rather than cancelling them at once.
 
 Nothing heavy runs on the event loop: decoding, mask conversion, hashing and base64 run in worker
 threads, and large JSON answers are streamed a chunk at a time (`b64_json_response`), so /healthz
@@ -82,7 +84,8 @@ from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (NO_WORKER, DeadlineUnattainable, EditAnswer, EditTask, NoWorkerConnected, QueueFull,
                                    RegistryError, Router, TemplateLimit, TemplateRecord, Unavailable)
 from retouch.config import CORS_ORIGIN, model_label
-from retouch.edit_jobs import EditJobs, Job, KeyReused, Outcome, fingerprint
+from retouch.edit_jobs import EditJobs, Job, KeyReused, Outcome, Reply, fingerprint
+from retouch.kept_answers import AnswerFolder
 from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
@@ -146,6 +149,7 @@ class Limits:
     # this long after they are made, and within this many bytes in all (the oldest go first)
     result_ttl_s: float = 3600.0
     max_result_bytes: int = 512 << 20
+    result_dir: Path | None = None  # where they are written too (`retouch.kept_answers`); None: memory only
 
     def __post_init__(self):
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
@@ -194,11 +198,23 @@ class ApiError(Exception):
         code = self.code or STATUS_CODES.get(self.status, "server_error" if self.status >= 500 else "invalid_request")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": code}}
 
-    def response(self) -> JSONResponse:
+    def reply(self) -> Reply:
         headers = dict(self.headers or {})
         if self.code in FINAL_CODES:  # OpenAI's SDKs retry 409, 429 and 5xx unless told not to
             headers["x-should-retry"] = "false"
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return Reply(headers, self.body())
+
+    def response(self) -> Response:
+        return reply_response(self.reply(), self.status)
+
+
+def reply_response(reply: Reply, status: int = 200) -> Response:
+    """An answer kept as data (`retouch.edit_jobs.Reply`) as the response that gives it."""
+    if reply.media_type is not None:
+        return Response(reply.images[0], status_code=status, media_type=reply.media_type, headers=reply.headers)
+    if status >= 400 or not reply.images:
+        return JSONResponse(reply.body, status_code=status, headers=reply.headers)
+    return b64_json_response(reply.body, list(reply.images), reply.headers)
 
 
 # ---- middleware (plain ASGI rather than Starlette's BaseHTTPMiddleware, which hides a client's
@@ -678,7 +694,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
     app = FastAPI(title="retouch", summary="mask-aware generative image editing", version="0.1", **docs)
     metrics = ServeMetrics(router)
     router.on_decision = metrics.decisions.observe
-    jobs = EditJobs(limits.result_ttl_s, limits.max_result_bytes)
+    jobs = EditJobs(limits.result_ttl_s, limits.max_result_bytes,
+                    folder=None if limits.result_dir is None else AnswerFolder(limits.result_dir))
     metrics.watch_jobs(jobs)
     app.state.router, app.state.limits, app.state.metrics, app.state.jobs = router, limits, metrics, jobs
     model_names = limits.model_names or (model_label(model) or "retouch",)
@@ -1196,33 +1213,31 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         """A failure as a job's outcome, as plain data: never the raised exception, whose traceback holds
         the request's frames (its images) for as long as the answer is kept."""
         if isinstance(exc, asyncio.CancelledError):  # the server stopped while it was being checked
-            exc = ApiError(503, "the server stopped before this edit ran; send it again", None, "interrupted",
+            exc = ApiError(503, "the server stopped before this edit was done; send it again", None, "interrupted",
                            {"Retry-After": "5"})
         elif not isinstance(exc, ApiError):
             exc = ApiError(500, "internal server error", None, "internal_error")
-        kept = ApiError(exc.status, exc.message, exc.param, exc.code, exc.headers)
-        return Outcome("cancelled" if kept.code == "cancelled" else "failed", kept.status, kept.response,
-                       error=kept.body())
+        return Outcome("cancelled" if exc.code == "cancelled" else "failed", exc.status, exc.reply())
 
     def start_job(request: Request, claim: EditClaim, template_id: str, answer) -> Job:
-        """Run `answer(watch_client=False)` (-> (a maker of the POST's answer, its bytes)) as the claim's job
+        """Run `answer(watch_client=False)` (-> the POST's answer, `Reply`) as the claim's job
         (a keyed request's), or a new one."""
         job = claim.job or jobs.add(Job(request.state.request_id, request.state.tenant, runs_async=claim.runs_async))
         job.template_id = template_id
 
         async def produce() -> Outcome:
             try:
-                respond, nbytes = await answer(False)
+                reply = await answer(False)
             except Exception as exc:  # noqa: BLE001 - every failure is this edit's answer, kept like any other
                 if not isinstance(exc, ApiError):
                     logger.exception("edit %s failed", job.id)
                 if job.interrupted and isinstance(exc, ApiError) and exc.code == "cancelled":
                     return failure_outcome(asyncio.CancelledError())  # the server's stop, not the client's doing
                 return failure_outcome(exc)
-            return Outcome("completed", 200, respond, nbytes)
+            return Outcome("completed", 200, reply)
 
         deleted = ApiError(409, "the edit was cancelled (DELETE /v1/edits/{id})", None, "cancelled")
-        cancelled = Outcome("cancelled", 409, deleted.response, error=deleted.body())
+        cancelled = Outcome("cancelled", 409, deleted.reply())
         stopped = failure_outcome(asyncio.CancelledError())
         return jobs.run(job, produce(), lambda: stopped if job.interrupted else cancelled)
 
@@ -1252,7 +1267,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         while not await job.wait_ended(DISCONNECT_POLL_S):
             if await request.is_disconnected():
                 raise ClientGone()
-        return job.outcome.respond()
+        return reply_response(job.outcome.reply, job.outcome.http_status)
 
     async def replayed(request: Request, job: Job) -> Response:
         """A retry's answer: an asynchronous edit's status once it runs (or its refusal), or a synchronous
@@ -1282,8 +1297,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         """The answer of an admitted edit: at once (a plain edit, its client watched), or through a job (an
         asynchronous one's status, a keyed one's answer once it ends)."""
         if claim.job is None and not claim.runs_async:
-            respond, _ = await answer(True)
-            return respond()
+            return reply_response(await answer(True))
         job = start_job(request, claim, template_id, answer)
         return accepted_view(job) if claim.runs_async else await waited_answer(request, job)
 
@@ -1298,16 +1312,24 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             return True
         return False
 
-    def cancel_async() -> int:
-        """The server is stopping: the asynchronous edits that run are cancelled, since nobody can fetch their
-        answers once it is down (they live in its memory), and their workers are freed for the edits whose
-        clients wait. Keyed synchronous edits go on: their clients are connected. How many."""
+    async def stop_async(deadline: float | None) -> int:
+        """The server is stopping. Answers kept in memory only: the asynchronous edits that run are cancelled
+        at once, since nobody could fetch their answers once it is down, and their workers are freed for the
+        edits whose clients wait. Kept on disk too: they may finish until `deadline` (time.monotonic; None:
+        cancelled at once), and the restarted server answers them. Those cancelled end `interrupted` (503,
+        their key runs again). Keyed synchronous edits go on either way: their clients are connected. How
+        many were cancelled."""
         running = jobs.running_async()
+        if jobs.folder is not None and deadline is not None and running:
+            await asyncio.wait([asyncio.ensure_future(job.ended.wait()) for job in running],
+                               timeout=max(0.0, deadline - time.monotonic()))
+            running = [job for job in running if not job.ended.is_set()]
         for job in running:
             job.interrupted = True
         return sum(cancel_job(job, "the server is stopping") for job in running)
 
-    app.state.cancel_async = cancel_async
+    app.state.stop_async = stop_async
+    app.state.restored = jobs.restore(failure_outcome(asyncio.CancelledError()))
 
     def check_not_streamed(claim: EditClaim, stream: bool) -> None:
         if stream and claim.job is not None:
@@ -1359,14 +1381,14 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                                        encoding=encoding)
         answers = await submit_edit(request, "/v1/edits", template_id, one_off, steps, mask, prompt, seed, lora=lora)
 
-        async def answer(watch_client: bool) -> tuple:
+        async def answer(watch_client: bool) -> Reply:
             [png] = await answers(watch_client)
             image = await native_answer(template_id, one_off, mask, png, encoding)
             headers = {"X-Template-Id": template_id, "X-Request-Id": request.state.request_id}
             if response_format == "png":
-                return lambda: Response(image, media_type=f"image/{output_format}", headers=headers), len(image)
+                return Reply(headers, images=(image,), media_type=f"image/{output_format}")
             envelope = {"created": int(time.time()), "template_id": template_id, "output_format": output_format}
-            return lambda: b64_json_response(envelope, [image], headers), len(image)
+            return Reply(headers, envelope, (image,))
 
         return await answered(request, claim, template_id, answer)
 
@@ -1447,14 +1469,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         answers = await submit_edit(request, "/v1/images/edits", template_id, one_off, steps, mask, prompt, seed, n,
                                     lora)
 
-        async def answer(watch_client: bool) -> tuple:
+        async def answer(watch_client: bool) -> Reply:
             pngs = await answers(watch_client)
             images = [await anyio.to_thread.run_sync(reencoded, png, target, output_format, compression)
                       for png in pngs]
             envelope = {"created": int(time.time()), "output_format": output_format, "size": f"{width}x{height}",
                         "background": "opaque"}
-            headers = {"X-Request-Id": request.state.request_id}
-            return lambda: b64_json_response(envelope, images, headers), sum(map(len, images))
+            return Reply({"X-Request-Id": request.state.request_id}, envelope, tuple(images))
 
         return await answered(request, claim, template_id, answer)
 
@@ -1590,7 +1611,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
                               "to fetch one later)" if known else "unknown, or it expired, or was dropped for room"),
                            "request_id", "edit_not_found")
         request.state.template = job.template_id
-        return job.outcome.respond() if await job.wait_ended(wait) else accepted_view(job)
+        if not await job.wait_ended(wait):
+            return accepted_view(job)
+        return reply_response(job.outcome.reply, job.outcome.http_status)
 
     @app.get("/v1/edits/{request_id}/events")
     async def edit_events(request: Request, request_id: str):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from pathlib import Path
+from typing import IO
 
 from retouch.errors import InputError
 
@@ -44,3 +46,34 @@ def check_writable_folder(path: Path | str) -> Path:
     with contextlib.suppress(OSError):
         probe.unlink()
     return path
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """`data` to `path` whole or not at all (a temporary `.<name>.<pid>.tmp` renamed over it, which
+    `lock_folder` removes when a kill cut a write short)."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def lock_folder(directory: Path) -> IO:
+    """Make `directory` this process's alone (one server per folder: two would each miss the other's files
+    and delete each other's), and remove what a killed one left half-written. The open lock file: closing
+    it gives the folder back. InputError when another process holds it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = open(directory / ".lock", "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise InputError(f"another retouch serve uses {directory.parent} (--cache-disk-dir); give each "
+                         "server a folder of its own") from None
+    for stale in directory.glob(".*.tmp"):
+        stale.unlink(missing_ok=True)
+    return lock

@@ -163,6 +163,10 @@ class JobCollector(Collector):
         for reason, value in self.jobs.dropped.items():
             dropped.add_metric((reason,), value)
         yield dropped
+        if self.jobs.folder is not None:
+            yield CounterMetricFamily("retouch_edit_job_disk_errors", "kept answers that could not be written to "
+                                      "(or removed from) --cache-disk-dir/edits; they stay in memory",
+                                      value=self.jobs.folder.write_errors)
 
 
 class RouterCollector(Collector):

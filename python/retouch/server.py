@@ -14,6 +14,7 @@ folder; both are gone when it stops (`engine.process_tree`).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -22,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import uvicorn
@@ -35,6 +36,7 @@ from retouch.engine.registry import TemplateRegistry
 from retouch.engine.router import Router, RouterConfig
 from retouch.engine.step_cost import StepCost
 from retouch.engine.supervisor import Supervisor
+from retouch.edit_jobs import EditJobs
 from retouch.errors import InputError, RetouchError
 from retouch.http_api import Limits, create_app
 from retouch.http_connections import guarded_protocol
@@ -77,7 +79,8 @@ def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = ()) -> Limits:
                   max_n=min(Limits.max_n, opts.max_queue, opts.max_queue_per_tenant or opts.max_queue),
                   model_names=opts.model_names(),
                   cors_origins=tuple(comma_list(opts.cors_origins)), result_ttl_s=opts.result_ttl_s,
-                  max_result_bytes=int(opts.result_store_mb * (1 << 20)))
+                  max_result_bytes=int(opts.result_store_mb * (1 << 20)),
+                  result_dir=None if opts.cache_disk_dir is None else Path(opts.cache_disk_dir) / "edits")
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -104,6 +107,7 @@ class Server:
         self.supervisor: Supervisor | None = None
         self._http: uvicorn.Server | None = None
         self._http_thread: threading.Thread | None = None
+        self._jobs: EditJobs | None = None
         self.url = ""
 
     def start(self, ready_timeout_s: float | None = None) -> Server:
@@ -165,6 +169,10 @@ class Server:
                                      else Path(opts.cache_disk_dir).resolve())
         self._await_workers(ready_timeout_s)
         app = create_app(self.router, limits, opts.model)
+        self._jobs = app.state.jobs
+        if app.state.restored:
+            print(f"retouch: {app.state.restored} answers of edits made before the restart are kept in "
+                  f"{limits.result_dir} and answered again", file=sys.stderr, flush=True)
         # Listen now, not when uvicorn's loop gets to it: start() returns the URL, and a client that
         # connects at once must be queued by the kernel rather than refused.
         listener.listen(2048)
@@ -174,7 +182,7 @@ class Server:
         protocol = guarded_protocol(limits.header_timeout_s, limits.body_timeout_s, limits.max_connections,
                                     on_close=lambda reason: closed.labels(reason).inc())
         self._http = HttpServer(uvicorn.Config(app, log_level="warning", lifespan="off", http=protocol,
-                                               timeout_keep_alive=30), app.state.cancel_async)
+                                               timeout_keep_alive=30), app.state.stop_async)
         self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [listener]},
                                              name="retouch-http", daemon=True)
         self._http_thread.start()
@@ -196,15 +204,24 @@ class Server:
     def close(self, drain_s: float | None = None) -> None:
         """Stop taking connections, answer every accepted edit within `drain_s` (default --drain-s; the rest
         are answered 503), stop the workers."""
-        deadline = time.monotonic() + (self.opts.drain_s if drain_s is None else drain_s)
+        drain_s = self.opts.drain_s if drain_s is None else drain_s
+        deadline = time.monotonic() + drain_s
         if self._http is not None:
+            # asynchronous edits kept on disk may finish until shortly before the drain ends (`stop_async`)
+            self._http.async_deadline = deadline - min(1.0, drain_s / 4)
             self._http.should_exit = True
             self._http_thread.join(timeout=max(0.0, deadline - time.monotonic()))
-            self._http = None
         told_to_stop: set[str] = set()
         if self.router is not None:
             told_to_stop = set(self.router.snapshot()["workers"])
             self.router.close(max(0.0, deadline - time.monotonic()))
+        if self._http is not None:
+            # The router answered whatever was left, so the edits' tasks end now and record how they ended.
+            self._http_thread.join(timeout=5.0)
+            self._http = None
+        if self._jobs is not None and self._jobs.folder is not None:
+            self._jobs.folder.close()  # its last writes: the answers of the edits that just ended
+        self._jobs = None
         if self.supervisor is not None:
             # A replacement still loading never joined, so nobody told it to stop: no waiting for it.
             self.supervisor.close(stopping=told_to_stop)
@@ -231,19 +248,22 @@ class Server:
 
 
 class HttpServer(uvicorn.Server):
-    """uvicorn's server that, told to stop, first cancels the asynchronous edits (`cancel_async`: the app's),
-    then drains the connections as uvicorn does."""
+    """uvicorn's server that, told to stop, drains the connections as uvicorn does while it stops the
+    asynchronous edits (`stop_async`: the app's): at once, or, their answers kept on disk, those still
+    running at `async_deadline` (time.monotonic)."""
 
-    def __init__(self, config: uvicorn.Config, cancel_async: Callable[[], int]):
+    def __init__(self, config: uvicorn.Config, stop_async: Callable[[float | None], Awaitable[int]]):
         super().__init__(config)
-        self.cancel_async = cancel_async
+        self.stop_async = stop_async
+        self.async_deadline: float | None = None
 
     async def shutdown(self, sockets=None) -> None:
-        cancelled = self.cancel_async()
-        if cancelled:
-            print(f"retouch: {cancelled} asynchronous edits cancelled (their answers could not be fetched after "
-                  "the server stops)", file=sys.stderr)
+        stopping = asyncio.ensure_future(self.stop_async(self.async_deadline))
         await super().shutdown(sockets)
+        cancelled = await stopping
+        if cancelled:
+            print(f"retouch: {cancelled} asynchronous edits cancelled (they answer 503 interrupted: send them "
+                  "again)", file=sys.stderr)
 
 
 def read_api_keys(path: Path | None) -> tuple[str, ...]:
