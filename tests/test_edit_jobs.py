@@ -37,12 +37,13 @@ def auth(key: str = KEYS[0], **headers) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def server_with_a_template(**limits):
-    """A scripted worker holding a registered red 32x32 template: yields (client, router, worker, form)."""
+async def server_with_a_template(answers=None, **limits):
+    """A scripted worker holding a registered red 32x32 template: yields (client, router, worker, form).
+    `answers`: the app's AnswerFolder (the caller closes it)."""
     router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
                                  dead_after_s=60.0)).start()
     context = zmq.Context()
-    app = create_app(router, Limits(api_keys=KEYS, default_steps=2, request_timeout_s=20, **limits))
+    app = create_app(router, Limits(api_keys=KEYS, default_steps=2, request_timeout_s=20, **limits), answers=answers)
     try:
         worker = ScriptedWorker(context, router, "w0")
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:

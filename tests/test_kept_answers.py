@@ -12,16 +12,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from scripted_worker import ScriptedWorker
 from test_edit_jobs import answer_next_edit, auth, mask_file, png, server_with_a_template
 
-from retouch.edit_jobs import EditJobs, Job, Outcome, Reply
+from retouch.edit_jobs import JOB_OVERHEAD_BYTES, EditJobs, Job, Outcome, Reply
 from retouch.engine.router import Router, RouterConfig
 from retouch.errors import InputError
 from retouch.http_api import Limits, create_app
-from retouch.kept_answers import AnswerFolder
+from retouch.kept_answers import AnswerFolder, name_of
 
 INTERRUPTED = Outcome("failed", 503, Reply({"Retry-After": "5"}, {"error": {"code": "interrupted"}}))
 
@@ -101,7 +103,7 @@ def test_kept_answers_keep_their_time_and_are_removed_with_it(tmp_path, monkeypa
     restarted.folder.close()
     monkeypatch.setattr(time, "time", lambda: now() + 200)
     expired = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
-    assert expired.restore(INTERRUPTED) == 1 and expired.find("", "old") is None
+    assert expired.restore(INTERRUPTED) == 0 and expired.find("", "old") is None  # expired: not even read
     expired.folder.close()
     assert [path for path in tmp_path.iterdir() if not path.name.startswith(".")] == []
 
@@ -109,26 +111,106 @@ def test_kept_answers_keep_their_time_and_are_removed_with_it(tmp_path, monkeypa
 def test_a_damaged_folder_is_read_as_far_as_it_can_be(tmp_path):
     jobs = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
     done = Outcome("completed", 200, Reply({}, {"created": 1}, (b"abc", b"defg")))
-    run_jobs(jobs, [("", "whole", None, done), ("", "cut", None, done)])
-    cut = AnswerFolder._name(Job("cut", ""))
+    run_jobs(jobs, [("", job_id, None, done) for job_id in ("whole", "cut", "typed", "status")])
+    whole, cut, typed, status = (name_of(Job(job_id, "")) for job_id in ("whole", "cut", "typed", "status"))
     (tmp_path / f"{cut}.1.bin").write_bytes(b"de")  # cut short by a full disk
-    (tmp_path / "0123.0.bin").write_bytes(b"x")  # an image whose header was never written (a kill)
-    (tmp_path / "garbage.json").write_text("{")
+    for name, field, value in ((typed, "headers", ["not", "a", "dict"]), (status, "status", "odd")):
+        header = json.loads((tmp_path / f"{name}.json").read_text())  # a field of another type or value
+        (tmp_path / f"{name}.json").write_text(json.dumps({**header, field: value}))
+    (tmp_path / f"{'0' * 32}.0.bin").write_bytes(b"x")  # an image whose header was never written (a kill)
+    (tmp_path / f"{whole}.7.bin").write_bytes(b"x")  # one its header does not count
+    (tmp_path / "*.json").write_text("{")  # not a kept answer's name: neither read nor removed (nor a pattern)
     folder = AnswerFolder(tmp_path)
     with pytest.raises(InputError, match="another retouch serve"):
         AnswerFolder(tmp_path)
     folder.close()
     restarted = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
     assert restarted.restore(INTERRUPTED) == 1 and restarted.find("", "whole").outcome.reply == done.reply
+    assert restarted.counts()["completed"] == 1  # a scrape works
     restarted.folder.close()
-    whole = AnswerFolder._name(Job("whole", ""))
-    assert sorted(path.name for path in tmp_path.iterdir() if not path.name.startswith(".")) == [
-        f"{whole}.0.bin", f"{whole}.1.bin", f"{whole}.json"]
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name != ".lock") == [
+        "*.json", f"{whole}.0.bin", f"{whole}.1.bin", f"{whole}.json"]
+
+
+def test_a_restart_reads_only_what_its_bounds_keep(tmp_path, monkeypatch):
+    """A restart with a smaller --result-store-mb keeps the newest answers within it, and reads no other;
+    of two kept edits naming one key (the older gave it back), the newer holds it."""
+    folder = AnswerFolder(tmp_path)
+    for index in range(4):
+        job = Job(f"e{index}", "", "tpl", key="k", fingerprint="f")
+        job.outcome = Outcome("completed", 200, Reply({}, None, (bytes(1000),), "image/png"))
+        job.ended_at = time.time() - 10 + index
+        folder.save(job)
+    folder.close()
+    read = []
+    real_read = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda path: read.append(path.suffix) or real_read(path))
+    restarted = EditJobs(ttl_s=100, max_bytes=2 * (1000 + JOB_OVERHEAD_BYTES), folder=AnswerFolder(tmp_path))
+    assert restarted.restore(INTERRUPTED) == 2 and read.count(".bin") == 2
+    assert [job_id for job_id in ("e0", "e1", "e2", "e3") if restarted.find("", job_id)] == ["e2", "e3"]
+    assert restarted.keyed("", "k", "f").id == "e3"
+    restarted.folder.close()
+    assert len(list(tmp_path.glob("*.bin"))) == 2
+
+
+async def a_stopping_http_server(directory: Path) -> dict:
+    """A real uvicorn server (`server.HttpServer`) told to stop while a keyed edit whose client went away and
+    an asynchronous one run at the worker."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from retouch.server import HttpServer
+
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
+                                 dead_after_s=60.0)).start()
+    context = zmq.Context()
+    folder = AnswerFolder(directory)
+    app = create_app(router, Limits(default_steps=2, request_timeout_s=30), answers=folder)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    server = HttpServer(uvicorn.Config(app, log_level="warning", lifespan="off"), app.state)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        worker = ScriptedWorker(context, router, "w0")
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            registered = await client.post("/v1/templates", data={"steps": "2"}, files={
+                "image": ("t.png", png(Image.new("RGB", (32, 32), "red")), "image/png")})
+            await asyncio.to_thread(worker.register, registered.json()["id"])
+            form = {"template_id": registered.json()["id"], "prompt": "a cat"}
+            with pytest.raises(httpx.ReadTimeout):  # its client gives up: the keyed edit runs on, detached
+                await client.post("/v1/edits", headers={"Idempotency-Key": "k", "X-Request-Id": "keyed"}, data=form,
+                                  files=mask_file(), timeout=httpx.Timeout(10, read=0.5))
+            await client.post("/v1/edits", headers={"X-Request-Id": "async"}, data={**form, "async": "true"},
+                              files=mask_file())
+        await asyncio.to_thread(worker.receive, "edit")
+        await asyncio.to_thread(worker.receive, "edit")
+        server.stop(async_deadline=time.monotonic())
+        await asyncio.to_thread(thread.join, 10)
+        folder.close()
+        headers = {header["id"]: header for header in map(json.loads, map(Path.read_bytes, directory.glob("*.json")))}
+        return {"alive": thread.is_alive(), "headers": headers}
+    finally:
+        router.close(drain_s=0)
+        context.destroy(linger=0)
+
+
+def test_edits_still_running_when_the_server_stops_are_kept_interrupted(tmp_path):
+    """Whatever the stop cancels (an asynchronous edit past the drain, a keyed one its client left) is the
+    server's doing: 503 interrupted, send it again; never a client's 409 cancelled."""
+    seen = asyncio.run(a_stopping_http_server(tmp_path))
+    assert not seen["alive"]
+    assert {job_id: (header["http_status"], header["body"]["error"]["code"]) for job_id, header in
+            seen["headers"].items()} == {"keyed": (503, "interrupted"), "async": (503, "interrupted")}
 
 
 async def before_a_restart(directory: Path) -> dict:
     """A server that answers an asynchronous and a keyed edit, and stops with one still running."""
-    async with server_with_a_template(result_dir=directory) as (client, router, worker, form):
+    async with server_with_a_template(AnswerFolder(directory)) as (client, router, worker, form):
         app = client._transport.app
         seen = {"async": await client.post("/v1/edits", headers=auth(), data={**form, "async": "true"},
                                            files=mask_file())}
@@ -150,7 +232,7 @@ async def before_a_restart(directory: Path) -> dict:
 async def after_a_restart(directory: Path, seen: dict) -> dict:
     """A new server on the same folder, with no worker: nothing it answers is generated."""
     router = Router(RouterConfig(address="tcp://127.0.0.1:0", heartbeat_s=0.05, dead_after_s=60.0)).start()
-    app = create_app(router, Limits(api_keys=("sk-a", "sk-b"), default_steps=2, result_dir=directory))
+    app = create_app(router, Limits(api_keys=("sk-a", "sk-b"), default_steps=2), answers=AnswerFolder(directory))
     after = {"restored": app.state.restored}
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
@@ -185,7 +267,7 @@ def test_a_restarted_server_answers_the_edits_of_the_one_before(tmp_path):
 
 
 async def stopping_with_a_folder(directory: Path) -> dict:
-    async with server_with_a_template(result_dir=directory) as (client, router, worker, form):
+    async with server_with_a_template(AnswerFolder(directory)) as (client, router, worker, form):
         app = client._transport.app
         accepted = [await client.post("/v1/edits", headers=auth(), data={**form, "async": "true"},
                                       files=mask_file()) for _ in range(2)]
@@ -215,10 +297,12 @@ def test_a_stopping_server_lets_asynchronous_edits_finish_when_their_answers_out
 
 def test_serve_keeps_answers_beside_its_templates(tmp_path):
     from retouch.config import ServeOptions
-    from retouch.server import http_limits
+    from retouch.server import answer_folder
 
-    assert http_limits(ServeOptions(model="m", cache_disk_dir=tmp_path)).result_dir == tmp_path / "edits"
-    assert http_limits(ServeOptions(model="m")).result_dir is None
+    folder = answer_folder(ServeOptions(model="m", cache_disk_dir=tmp_path))
+    assert folder.directory == tmp_path / "edits"
+    folder.close()
+    assert answer_folder(ServeOptions(model="m")) is None
 
 
 def test_a_full_disk_keeps_the_answer_in_memory_and_says_so(tmp_path, monkeypatch):

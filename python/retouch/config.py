@@ -143,6 +143,21 @@ def _check_lora_dir(lora_dir: Path | None) -> None:
         raise InputError(f"--lora-dir {lora_dir} is not a folder")
 
 
+def _check_webhook_options(options) -> None:
+    from retouch.webhooks import origin_of
+
+    origins = comma_list(options.webhook_origins)
+    if not all(origin_of(origin) for origin in origins):
+        raise InputError(f"--webhook-origins takes http(s)://host[:port] origins, comma-separated; got "
+                         f"{options.webhook_origins!r}")
+    if origins and options.webhook_secret_file is None:
+        raise InputError("--webhook-origins needs --webhook-secret-file (receivers verify each webhook's signature; "
+                         "make one with: python -c \"import base64,os; print('whsec_'+base64.b64encode(os.urandom(32))"
+                         ".decode())\")")
+    if options.webhook_secret_file is not None and not Path(options.webhook_secret_file).is_file():
+        raise InputError(f"--webhook-secret-file {options.webhook_secret_file} not found")
+
+
 def _check_lora_options(options) -> None:
     """--lora-dir, --lora-cache-mb and --lora-latest-step of a server or worker."""
     _check_lora_dir(options.lora_dir)
@@ -297,6 +312,13 @@ class ServeOptions:
                                         "comma-separated; neither: no keys)")
     cors_origins: str | None = option(None, help="web pages of these origins may call the API from a browser, "
                                       "comma-separated scheme://host[:port] (or *); default: none (same origin)")
+    webhook_origins: str | None = option(None, help="asynchronous edits may name a webhook URL of these origins "
+                                         "(comma-separated http(s)://host[:port]), POSTed when the edit ends; "
+                                         "default: none (no webhooks: a URL any client picks would make the head "
+                                         "call its own network)")
+    webhook_secret_file: Path | None = option(None, help="file holding the webhooks' signing secret (Standard "
+                                              "Webhooks: whsec_ + base64; receivers verify with it); needed with "
+                                              "--webhook-origins")
     docs: bool = option(True, help="serve /docs and /openapi.json (behind the API key when keys are set)")
     playground: bool = option(True, help="serve the playground page at / (it holds no data; its requests carry "
                                          "the API key typed into it)")
@@ -355,6 +377,7 @@ class ServeOptions:
             raise InputError("--curve-secret and --curve-allowed go together (the router's key, the workers' keys)")
         if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
             raise InputError(f"--api-keys-file {self.api_keys_file} not found")
+        _check_webhook_options(self)
         _require(self, ("header_timeout_s", "body_timeout_s", "max_inflight_mb", "result_ttl_s", "result_store_mb",
                         "transfer_timeout_s"), "> 0")
         _require(self, ("drain_s",), ">= 0")

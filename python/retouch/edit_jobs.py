@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from retouch.kept_answers import AnswerFolder
 
 STATUSES = ("in_progress", "completed", "failed", "cancelled")
+logger = logging.getLogger("retouch.edit_jobs")
 JOB_OVERHEAD_BYTES = 1024  # what a kept job costs besides its answer: bounds how many failures are kept
 HASH_CHUNK = 1 << 20
 
@@ -91,8 +93,12 @@ class Job:
     fingerprint: str | None = None  # of the request that made it (`fingerprint`)
     runs_async: bool = False  # answered 202 at once (the request's choice, part of what a key names)
     interrupted: bool = False  # cancelled by the server's stop (its outcome is then the server's failure)
+    deleted: bool = False  # cancelled by its client (DELETE); any other cancel of its task is the server's stop
     created: float = field(default_factory=time.time)  # wall clock: clients read it
+    webhook: str | None = None  # called when it ends (`retouch.webhooks`)
+    webhook_sent: bool = False  # a 2xx came back (a restarted server sends the others again)
     outcome: Outcome | None = None
+    ended_at: float | None = None  # wall clock: clients read it, and it outlives a restart
     task: asyncio.Task | None = None  # while it runs (dropped when it ends: a cancelled task holds its frames)
     finished_at: float | None = None  # on the store's clock
     admitted: asyncio.Event = field(default_factory=asyncio.Event)  # it runs (`EditJobs.run`): it was not refused
@@ -110,15 +116,20 @@ class Job:
 
     async def settled(self, timeout_s: float) -> None:
         """Return once it runs or ended (a placeholder still being checked is neither), or after `timeout_s`."""
-        waits = [asyncio.ensure_future(self.admitted.wait()), asyncio.ensure_future(self.ended.wait())]
-        try:
-            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
+        await wait_events([self.admitted, self.ended], timeout_s, asyncio.FIRST_COMPLETED)
 
     def nbytes(self) -> int:
         return JOB_OVERHEAD_BYTES + (0 if self.outcome is None else self.outcome.nbytes)
+
+
+async def wait_events(events: list[asyncio.Event], timeout_s: float, return_when=asyncio.ALL_COMPLETED) -> None:
+    """Return once `events` are set (all, or with FIRST_COMPLETED one), or after `timeout_s`."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=max(0.0, timeout_s), return_when=return_when)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 def fingerprint(endpoint: str, fields: list[tuple[str, str | IO[bytes]]], runs_async: bool) -> str:
@@ -144,10 +155,12 @@ def fingerprint(endpoint: str, fields: list[tuple[str, str | IO[bytes]]], runs_a
 
 class EditJobs:
     def __init__(self, ttl_s: float, max_bytes: int, clock: Callable[[], float] = time.monotonic,
-                 folder: AnswerFolder | None = None):
+                 folder: AnswerFolder | None = None, on_end: Callable[[Job], None] = lambda job: None):
+        """`on_end(job)`: each job that ends, once its outcome is kept."""
         if not (ttl_s > 0 and max_bytes > 0):
             raise ValueError("ttl_s and max_bytes must be > 0")
         self.ttl_s, self.max_bytes, self.clock, self.folder = ttl_s, max_bytes, clock, folder
+        self.on_end = on_end
         self._jobs: dict[tuple[str, str], Job] = {}
         self._keys: dict[tuple[str, str], Job] = {}
         self._finished: OrderedDict[tuple[str, str], Job] = OrderedDict()  # oldest first
@@ -194,10 +207,14 @@ class EditJobs:
             raise ValueError(f"a job ends completed, failed or cancelled, not {outcome.status!r}")
         if job.ended.is_set():
             return
-        job.outcome, job.task = outcome, None
+        job.outcome, job.task, job.ended_at = outcome, None, time.time()
+        self._keep(job, self.clock())
         if self.folder is not None:
             self.folder.save(job)
-        self._keep(job, self.clock())
+        try:
+            self.on_end(job)
+        except Exception:  # noqa: BLE001 - the job ended whatever its listener does
+            logger.exception("after edit %s ended", job.id)
         self._expire()
 
     def _keep(self, job: Job, finished_at: float) -> None:
@@ -214,18 +231,27 @@ class EditJobs:
         if self.folder is None:
             return 0
         now, wall = self.clock(), time.time()
-        loaded = sorted(self.folder.load(), key=lambda kept: wall if kept[1] is None else kept[1])  # oldest first
-        for job, finished in loaded:
+        loaded = self.folder.load(self.ttl_s, self.max_bytes)
+        for job in loaded:  # the longest ended first: a key two of them name is the newer's (the older gave it back)
             job.admitted.set()
-            if finished is None:
-                job.outcome, finished = interrupted, wall
+            if job.outcome is None:
+                job.outcome, job.ended_at = interrupted, wall
                 self.folder.save(job)
             self._jobs[(job.tenant, job.id)] = job
             if job.key is not None:
-                self._keys.setdefault((job.tenant, job.key), job)
-            self._keep(job, now - max(0.0, wall - finished))
+                self._keys[(job.tenant, job.key)] = job
+            self._keep(job, now - max(0.0, wall - job.ended_at))
         self._expire()
         return len(loaded)
+
+    def unsent_webhooks(self) -> list[Job]:
+        """Kept jobs whose webhook was not delivered (a restarted server sends them)."""
+        return [job for job in self._finished.values() if job.webhook is not None and not job.webhook_sent]
+
+    def webhook_sent(self, job: Job) -> None:
+        job.webhook_sent = True
+        if self.folder is not None and self._jobs.get((job.tenant, job.id)) is job:  # not one forgotten since
+            self.folder.save(job)
 
     def abandon(self, job: Job, outcome: Outcome) -> None:
         """An added job refused before it ran (bad input, a full queue): whoever waits for it gets

@@ -40,7 +40,7 @@ its client stays. An edit sent with an `Idempotency-Key` header (either edit end
 end when its client goes away, and a retry with the same key and the same request gets that edit's
 answer, waiting for it if it still runs (where the IETF draft answers 409), instead of a second
 generation; the same key with another request is 422 (code idempotency_key_reused). Their answers are
-kept `Limits.result_ttl_s`, in memory, and with `Limits.result_dir` on disk too (`retouch.kept_answers`),
+kept `Limits.result_ttl_s`, in memory, and given `create_app(answers=)` on disk too (`retouch.kept_answers`),
 so that a restarted server answers them; a stopping server then lets its asynchronous edits finish
 within its drain (`stop_async`) rather than cancelling them at once.
 
@@ -65,7 +65,8 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 import anyio
@@ -84,8 +85,9 @@ from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (NO_WORKER, DeadlineUnattainable, EditAnswer, EditTask, NoWorkerConnected, QueueFull,
                                    RegistryError, Router, TemplateLimit, TemplateRecord, Unavailable)
 from retouch.config import CORS_ORIGIN, model_label
-from retouch.edit_jobs import EditJobs, Job, KeyReused, Outcome, Reply, fingerprint
+from retouch.edit_jobs import EditJobs, Job, KeyReused, Outcome, Reply, fingerprint, wait_events
 from retouch.kept_answers import AnswerFolder
+from retouch.webhooks import WebhookSender, origin_of
 from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
@@ -149,7 +151,9 @@ class Limits:
     # this long after they are made, and within this many bytes in all (the oldest go first)
     result_ttl_s: float = 3600.0
     max_result_bytes: int = 512 << 20
-    result_dir: Path | None = None  # where they are written too (`retouch.kept_answers`); None: memory only
+    # Webhooks of asynchronous edits (`retouch.webhooks`): URLs of these origins only, signed with this secret
+    webhook_origins: tuple[str, ...] = ()
+    webhook_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
@@ -158,6 +162,12 @@ class Limits:
         bad = [origin for origin in self.cors_origins if not CORS_ORIGIN.fullmatch(origin)]
         if bad:
             raise ValueError(f"CORS origins are scheme://host[:port] or *, got {bad[0]!r}")
+        object.__setattr__(self, "webhook_origins", tuple(self.webhook_origins))
+        bad = [origin for origin in self.webhook_origins if origin_of(origin) is None]
+        if bad:
+            raise ValueError(f"webhook origins are http(s)://host[:port], got {bad[0]!r}")
+        if self.webhook_origins and not self.webhook_secret:
+            raise ValueError("webhook origins need a webhook secret: receivers verify each delivery's signature")
         if self.lora_dir is not None:
             object.__setattr__(self, "lora_dir", Path(self.lora_dir))
         if any(not isinstance(key, str) or not key.strip() or key != key.strip() for key in self.api_keys):
@@ -464,6 +474,8 @@ EDIT_FIELDS = {
     "lora": LORA_FIELD,
     "async": _field("boolean", "answer 202 with the edit's status at once; GET /v1/edits/{id}/result answers it "
                     "later (also: header Prefer: respond-async)", default=False),
+    "webhook": _field("string", "with async=true: a URL (of the server's --webhook-origins) POSTed the edit's status "
+                      "when it ends, signed as Standard Webhooks says"),
 }
 
 # A worker's error (its exception's class name) -> the code of the answer's error body.
@@ -607,6 +619,7 @@ class EditClaim:
     replay: Job | None = None  # the edit its key made earlier: it is answered from that
     job: Job | None = None  # a keyed request's own job, held from its arrival on
     runs_async: bool = False
+    webhook: str | None = None  # an asynchronous edit's (`retouch.webhooks`)
 
 
 class EditFailed(Exception):
@@ -689,14 +702,22 @@ def output_encoding(form: Form) -> tuple[str, int]:
 
 # ---- the app ----
 
-def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> FastAPI:
+def create_app(router: Router, limits: Limits = Limits(), model: str = "",
+               answers: AnswerFolder | None = None) -> FastAPI:
+    """The HTTP API over `router`. `answers`: where the kept answers are written too (`retouch.kept_answers`;
+    the caller opens and closes it), and read back from now."""
     docs = {} if limits.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="retouch", summary="mask-aware generative image editing", version="0.1", **docs)
     metrics = ServeMetrics(router)
     router.on_decision = metrics.decisions.observe
+    webhooks = None
+    if limits.webhook_origins:
+        webhooks = WebhookSender(limits.webhook_secret, limits.webhook_origins)
+        metrics.watch_webhooks(webhooks)
     jobs = EditJobs(limits.result_ttl_s, limits.max_result_bytes,
-                    folder=None if limits.result_dir is None else AnswerFolder(limits.result_dir))
+                    folder=answers, on_end=lambda job: send_webhook(job))
     metrics.watch_jobs(jobs)
+    app.state.webhooks = webhooks
     app.state.router, app.state.limits, app.state.metrics, app.state.jobs = router, limits, metrics, jobs
     model_names = limits.model_names or (model_label(model) or "retouch",)
 
@@ -1223,7 +1244,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         """Run `answer(watch_client=False)` (-> the POST's answer, `Reply`) as the claim's job
         (a keyed request's), or a new one."""
         job = claim.job or jobs.add(Job(request.state.request_id, request.state.tenant, runs_async=claim.runs_async))
-        job.template_id = template_id
+        job.template_id, job.webhook = template_id, claim.webhook
 
         async def produce() -> Outcome:
             try:
@@ -1239,9 +1260,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         deleted = ApiError(409, "the edit was cancelled (DELETE /v1/edits/{id})", None, "cancelled")
         cancelled = Outcome("cancelled", 409, deleted.reply())
         stopped = failure_outcome(asyncio.CancelledError())
-        return jobs.run(job, produce(), lambda: stopped if job.interrupted else cancelled)
+        # a task is cancelled by a DELETE, or else by the server's stop (its loop ends with the task running)
+        return jobs.run(job, produce(), lambda: cancelled if job.deleted else stopped)
 
     def job_view(job: Job, status_code: int = 200, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(job_fields(job), status_code=status_code, headers=headers)
+
+    def job_fields(job: Job) -> dict:
         """A job's status: in_progress (with its images' progress), completed, failed (with the error) or
         cancelled; `result_url` answers what its POST would have."""
         view = {"id": job.id, "object": "edit", "status": job.status, "created": int(job.created),
@@ -1251,8 +1276,27 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         else:
             if job.outcome.error is not None:
                 view["error"] = job.outcome.error.get("error", job.outcome.error)
+            view["ended_at"] = int(job.ended_at)
             view["expires_in_s"] = round(jobs.expires_in_s(job), 1)
-        return JSONResponse(view, status_code=status_code, headers=headers)
+        return view
+
+    def send_webhook(job: Job) -> None:
+        """An ended job's webhook, if it has one (`retouch.webhooks`); its delivery is kept with the job."""
+        if job.webhook is None or job.webhook_sent or webhooks is None:
+            return
+        message_id = "msg_" + hashlib.sha256(f"{job.tenant}\0{job.id}\0{job.created!r}".encode()).hexdigest()[:32]
+        payload = {"type": f"edit.{job.status}", "timestamp": datetime.now(timezone.utc).isoformat(),
+                   "data": job_fields(job)}
+        webhooks.send(message_id, job.webhook, payload, delivered=lambda: jobs.webhook_sent(job))
+
+    def resume_webhooks() -> int:
+        """The server runs (its event loop): send the webhooks a stopped one left undelivered. How many."""
+        unsent = jobs.unsent_webhooks()
+        for job in unsent:
+            send_webhook(job)
+        return len(unsent)
+
+    app.state.resume_webhooks = resume_webhooks
 
     def image_statuses(ids: list[int]) -> list[dict]:
         """Per image of an edit in flight: parked, queued at a worker, running step k of n, or done."""
@@ -1319,17 +1363,30 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         cancelled at once), and the restarted server answers them. Those cancelled end `interrupted` (503,
         their key runs again). Keyed synchronous edits go on either way: their clients are connected. How
         many were cancelled."""
+        if jobs.folder is not None and deadline is not None:
+            while (running := jobs.running_async()) and time.monotonic() < deadline:  # also those admitted meanwhile
+                await wait_events([job.ended for job in running], min(1.0, deadline - time.monotonic()))
         running = jobs.running_async()
-        if jobs.folder is not None and deadline is not None and running:
-            await asyncio.wait([asyncio.ensure_future(job.ended.wait()) for job in running],
-                               timeout=max(0.0, deadline - time.monotonic()))
-            running = [job for job in running if not job.ended.is_set()]
         for job in running:
             job.interrupted = True
         return sum(cancel_job(job, "the server is stopping") for job in running)
 
     app.state.stop_async = stop_async
     app.state.restored = jobs.restore(failure_outcome(asyncio.CancelledError()))
+
+    def webhook_field(form: Form, claim: EditClaim) -> str | None:
+        url = form.text("webhook")
+        if url is None:
+            return None
+        if webhooks is None:
+            raise ApiError(400, "this server sends no webhooks (retouch serve --webhook-origins); poll GET "
+                           "/v1/edits/{id}/result?wait=S instead", "webhook")
+        if not claim.runs_async:
+            raise ApiError(400, "webhook needs async=true (a synchronous edit's answer is its POST's)", "webhook")
+        refusal = webhooks.refusal(url)
+        if refusal is not None:
+            raise ApiError(400, refusal, "webhook")
+        return url
 
     def check_not_streamed(claim: EditClaim, stream: bool) -> None:
         if stream and claim.job is not None:
@@ -1368,6 +1425,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(400, "send stream=true (events as it runs) or async=true (fetch it later), not both; "
                            "GET /v1/edits/{id}/events streams an asynchronous edit", "async")
         check_not_streamed(claim, stream)
+        claim.webhook = webhook_field(form, claim)
         mask = await read_mask_upload(mask_upload, limits.max_pixels)
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1)
@@ -1403,9 +1461,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
         return await edit_request(request, "/v1/images/edits", openai_images_edit)
 
     async def openai_images_edit(request: Request, form: Form, claim: EditClaim) -> Response:
-        if form.text("async") is not None:
-            raise ApiError(400, "asynchronous edits are POST /v1/edits's (async=true); the OpenAI edit answers "
-                           "when done (an Idempotency-Key makes its retries safe)", "async")
+        for name in ("async", "webhook"):
+            if form.text(name) is not None:
+                raise ApiError(400, "asynchronous edits (and their webhooks) are POST /v1/edits's (async=true); the "
+                               "OpenAI edit answers when done (an Idempotency-Key makes its retries safe)", name)
         check_model(form.text("model"))
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required")
         lora = lora_field(form, limits.lora_dir)
@@ -1675,6 +1734,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "") -> Fa
             raise ApiError(409, f"edit {request_id!r} is still being checked; send DELETE again", "request_id",
                            "edit_arriving", {"Retry-After": "1"})
         if job is not None:
+            job.deleted = True
             return {"id": request_id, "cancelled": cancel_job(job, "DELETE /v1/edits")}
         ids = edit_in_flight(request, request_id)
         cancelled = [router.cancel(i, "DELETE /v1/edits") for i in ids]

@@ -4,15 +4,17 @@ after it. `retouch serve --cache-disk-dir DIR` keeps them in DIR/edits, beside t
 (`retouch.engine.registry`).
 
     <name>.json     {"format", "id", "tenant", "key", "fingerprint", "async", "template_id", "created",
-                     "finished" (wall clock; null while it runs), "status", "http_status", "headers",
-                     "body", "media_type", "images": [their sizes]}; written last
+                     "webhook", "webhook_sent", "ended_at" (wall clock; null while it runs), "status",
+                     "http_status", "headers", "body", "media_type", "images": [their sizes]}; written last
     <name>.<i>.bin  the answer's images, as they were answered
 
-<name> is a digest of the tenant and the id: both are the clients' strings, never part of a path.
-An edit is written when it is admitted, so that one a killed server never finished is known after it
-(it answers 503 interrupted, and its key runs again), then again when it ends; its files go when the store
-forgets it (expired, evicted, deleted). Writes run on one thread, in the order they were asked for, off
-the event loop; one that fails (a full disk) is logged and counted, and the answer stays in memory.
+<name> is 32 hex digits of a digest of the tenant and the id: both are the clients' strings, never part of
+a path. An edit is written when it is admitted, so that one a killed server never finished is known after
+it (it answers 503 interrupted, and its key runs again), then again when it ends; its files go when the
+store forgets it (expired, evicted, deleted). Writes run on one thread off the event loop; of the writes of
+one edit still waiting there only the last is done (an edit evicted before its answer was written is
+never written), so what waits is bounded by what the store holds. One that fails (a full disk) is logged
+and counted, and the answer stays in memory.
 """
 
 from __future__ import annotations
@@ -21,14 +23,18 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import re
+import threading
 import time
 from pathlib import Path
 
-from retouch.edit_jobs import Job, Outcome, Reply
+from retouch.edit_jobs import JOB_OVERHEAD_BYTES, STATUSES, Job, Outcome, Reply
 from retouch.paths import lock_folder, write_whole
 
 FORMAT = 1
-logger = logging.getLogger("retouch.edit_jobs")
+NAME = re.compile(r"[0-9a-f]{32}")
+IMAGE_FILE = re.compile(r"([0-9a-f]{32})\.(\d+)\.bin")
+logger = logging.getLogger("retouch.kept_answers")
 
 
 class AnswerFolder:
@@ -36,77 +42,124 @@ class AnswerFolder:
         self.directory = Path(directory)
         self._lock_file = lock_folder(self.directory)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="retouch-answers")
+        self._latest: dict[str, tuple[bytes, tuple[bytes, ...]] | int] = {}  # name -> what to write, or to remove
+        self._latest_lock = threading.Lock()
         self.write_errors = 0
 
-    def close(self) -> None:
-        """Finish the writes asked for, then give the folder back; later writes are skipped."""
-        self._writer.shutdown(wait=True)
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finish the writes asked for (within `timeout_s`: those left are lost, as after a kill), then give the
+        folder back; later writes are skipped."""
+        done = self._submit(lambda: None)
+        if done is not None:
+            try:
+                done.result(timeout_s)
+            except concurrent.futures.TimeoutError:
+                logger.warning("kept answers: writes still waiting after %.1f s are dropped", timeout_s)
+        self._writer.shutdown(wait=False, cancel_futures=True)
         self._lock_file.close()
-
-    def flush(self) -> None:
-        """Return once every write asked for so far is done (tests; a stop)."""
-        self._writer.submit(lambda: None).result()
 
     def save(self, job: Job) -> None:
         """Write `job` as it is now (running, or ended with its outcome)."""
         header = {"format": FORMAT, "id": job.id, "tenant": job.tenant, "key": job.key,
                   "fingerprint": job.fingerprint, "async": job.runs_async, "template_id": job.template_id,
-                  "created": job.created, "finished": None, "status": job.status}
+                  "created": job.created, "webhook": job.webhook, "webhook_sent": job.webhook_sent,
+                  "ended_at": job.ended_at, "status": job.status}
         images: tuple[bytes, ...] = ()
         if job.outcome is not None:
             reply = job.outcome.reply
             images = reply.images
-            header |= {"finished": time.time(), "http_status": job.outcome.http_status, "headers": reply.headers,
-                       "body": reply.body, "media_type": reply.media_type, "images": [len(image) for image in images]}
-        self._submit(self._write, self._name(job), json.dumps(header).encode(), images)
+            header |= {"http_status": job.outcome.http_status, "headers": reply.headers, "body": reply.body,
+                       "media_type": reply.media_type, "images": [len(image) for image in images]}
+        try:
+            encoded = json.dumps(header).encode()
+        except (TypeError, ValueError) as exc:  # the store must go on whatever one answer holds
+            self.write_errors += 1
+            logger.warning("kept answer of edit %r cannot be written (%s)", job.id, exc)
+            return
+        self._queue(name_of(job), (encoded, images))
 
     def remove(self, job: Job) -> None:
-        images = 0 if job.outcome is None else len(job.outcome.reply.images)
-        self._submit(self._unlink, self._name(job), images)
+        self._queue(name_of(job), 0 if job.outcome is None else len(job.outcome.reply.images))
 
-    def _submit(self, *write) -> None:
-        try:
-            self._writer.submit(*write)
-        except RuntimeError:  # closed: the server is gone, and what it did since is not kept, as after a kill
-            logger.debug("the folder of kept answers is closed; a write is skipped")
-
-    def load(self) -> list[tuple[Job, float | None]]:
-        """Every edit written whole, with the wall-clock time it ended (None: it was running when the server
-        stopped); one that cannot be read is logged, skipped and removed."""
-        loaded = []
-        for path in sorted(self.directory.glob("*.json")):
+    def load(self, ttl_s: float, max_bytes: int) -> list[Job]:
+        """The edits written whole that the store would still hold: ended less than `ttl_s` ago (wall clock;
+        one without an outcome ran when the server stopped, and ends now), the most recently ended within
+        `max_bytes` (the newest even alone over it), read in that order; the others are removed, and so is
+        one that cannot be read (logged). Images are read only for the edits kept."""
+        headers = {}
+        for path in self.directory.glob("*.json"):
+            if not NAME.fullmatch(path.stem):
+                continue
             try:
-                loaded.append(self._read(path))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+                headers[path.stem] = checked_header(json.loads(path.read_bytes()))
+            except (ValueError, KeyError, TypeError) as exc:
                 logger.warning("kept answer %s cannot be read (%s); removed", path, exc)
-                for stale in self.directory.glob(f"{path.stem}.*"):
-                    stale.unlink(missing_ok=True)
-        names = {self._name(job) for job, _ in loaded}
-        for image in self.directory.glob("*.bin"):  # a write cut short before its header
-            if image.name.split(".")[0] not in names:
-                image.unlink(missing_ok=True)
-        return loaded
+                self._unlink(path.stem, 0)
+            except OSError as exc:  # perhaps readable later: left as it is
+                logger.warning("kept answer %s cannot be read (%s); skipped", path, exc)
+        self._remove_stray_images(headers)
+        now = time.time()
+        newest_first = sorted(headers.items(), key=lambda item: -(item[1]["ended_at"] or now))
+        jobs, total = [], 0
+        for name, header in newest_first:
+            if now - (header["ended_at"] or now) <= ttl_s:
+                total += JOB_OVERHEAD_BYTES + sum(header["images"])
+                if not jobs or total <= max_bytes:
+                    try:
+                        jobs.append(self._job(name, header))
+                        continue
+                    except (OSError, ValueError) as exc:
+                        logger.warning("kept answer %s cannot be read (%s); removed", name, exc)
+            self._unlink(name, len(header["images"]))
+        return jobs[::-1]
 
-    def _read(self, path: Path) -> tuple[Job, float | None]:
-        header = json.loads(path.read_bytes())
-        if header["format"] != FORMAT:
-            raise ValueError(f"format {header['format']}")
-        job = Job(str(header["id"]), str(header["tenant"]), template_id=str(header["template_id"]),
-                  key=header["key"], fingerprint=header["fingerprint"], runs_async=bool(header["async"]),
-                  created=float(header["created"]))
-        if self._name(job) != path.stem:
+    def _job(self, name: str, header: dict) -> Job:
+        job = Job(header["id"], header["tenant"], template_id=header["template_id"], key=header["key"],
+                  fingerprint=header["fingerprint"], runs_async=header["async"], created=header["created"],
+                  webhook=header["webhook"], webhook_sent=header["webhook_sent"])
+        if name_of(job) != name:
             raise ValueError("its name is not its tenant's and id's")
-        if header["finished"] is None:
-            return job, None
-        images = tuple(self._path(path.stem, f".{index}.bin").read_bytes() for index in range(len(header["images"])))
+        if header["ended_at"] is None:
+            return job
+        images = tuple(self._path(name, f".{index}.bin").read_bytes() for index in range(len(header["images"])))
         if [len(image) for image in images] != header["images"]:
             raise ValueError("an image was cut short")
-        reply = Reply({str(k): str(v) for k, v in header["headers"].items()}, header["body"], images,
-                      header["media_type"])
-        job.outcome = Outcome(str(header["status"]), int(header["http_status"]), reply)
-        return job, float(header["finished"])
+        reply = Reply(header["headers"], header["body"], images, header["media_type"])
+        job.outcome, job.ended_at = Outcome(header["status"], header["http_status"], reply), header["ended_at"]
+        return job
 
-    def _write(self, name: str, header: bytes, images: tuple[bytes, ...]) -> None:
+    def _remove_stray_images(self, headers: dict[str, dict]) -> None:
+        """Images without a header saying so: a kill between an answer's images and its header."""
+        for path in self.directory.glob("*.bin"):
+            match = IMAGE_FILE.fullmatch(path.name)
+            if match is None:
+                continue
+            header = headers.get(match[1])
+            if header is None or header["ended_at"] is None or int(match[2]) >= len(header["images"]):
+                path.unlink(missing_ok=True)
+
+    def _queue(self, name: str, write: tuple[bytes, tuple[bytes, ...]] | int) -> None:
+        with self._latest_lock:
+            waiting = name in self._latest
+            self._latest[name] = write
+        if not waiting:
+            self._submit(self._write_latest, name)
+
+    def _submit(self, *write) -> concurrent.futures.Future | None:
+        try:
+            return self._writer.submit(*write)
+        except RuntimeError:  # closed: the server is gone, and what it did since is not kept, as after a kill
+            self.write_errors += 1
+            logger.warning("kept answers: a write after the folder was closed is skipped")
+            return None
+
+    def _write_latest(self, name: str) -> None:
+        with self._latest_lock:
+            write = self._latest.pop(name)
+        if isinstance(write, int):
+            self._unlink(name, write)
+            return
+        header, images = write
         try:
             for index, image in enumerate(images):
                 write_whole(self._path(name, f".{index}.bin"), image)
@@ -127,6 +180,36 @@ class AnswerFolder:
     def _path(self, name: str, suffix: str) -> Path:
         return self.directory / (name + suffix)
 
-    @staticmethod
-    def _name(job: Job) -> str:
-        return hashlib.sha256(f"{job.tenant}\0{job.id}".encode()).hexdigest()[:32]
+
+def name_of(job: Job) -> str:
+    return hashlib.sha256(f"{job.tenant}\0{job.id}".encode()).hexdigest()[:32]
+
+
+def checked_header(header) -> dict:
+    """A header as read, once every field has the type it is written with; ValueError (or KeyError,
+    TypeError) otherwise: an answer served later must not fail then, nor a scrape of the store's counts."""
+    def text(value, optional=False) -> bool:
+        return isinstance(value, str) or (optional and value is None)
+
+    def number(value, optional=False) -> bool:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)) or (optional and value is None)
+
+    if header["format"] != FORMAT:
+        raise ValueError(f"format {header['format']}")
+    if not (all(text(header[name]) for name in ("id", "tenant", "template_id"))
+            and all(text(header[name], optional=True) for name in ("key", "fingerprint", "webhook"))
+            and isinstance(header["async"], bool) and isinstance(header["webhook_sent"], bool)
+            and number(header["created"]) and number(header["ended_at"], optional=True)):
+        raise ValueError("a field of the wrong type")
+    if header["ended_at"] is None:
+        return {**header, "images": []}
+    images, media_type, body = header["images"], header["media_type"], header["body"]
+    if not (header["status"] in STATUSES[1:] and isinstance(header["http_status"], int)
+            and 100 <= header["http_status"] <= 599
+            and isinstance(header["headers"], dict)
+            and all(text(key) and text(value) for key, value in header["headers"].items())
+            and (body is None or isinstance(body, dict)) and text(media_type, optional=True)
+            and isinstance(images, list) and all(isinstance(size, int) and size >= 0 for size in images)
+            and (media_type is None or len(images) == 1)):
+        raise ValueError("an answer field of the wrong type")
+    return header

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from retouch.edit_jobs import STATUSES, EditJobs
 from retouch.engine.router import SLO_OUTCOMES, Router
+from retouch.webhooks import WebhookSender
 
 LOCAL_WORKER = re.compile(r"(?P<slot>w\d+)(\.(?P<restart>\d+))?")  # the supervisor's names: w0, w0.1, ...
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
@@ -129,6 +130,10 @@ class ServeMetrics:
                                           registry=self.registry)
         self.registry.register(RouterCollector(router))
 
+    def watch_webhooks(self, sender: WebhookSender) -> None:
+        """Webhook deliveries (`retouch.webhooks.WebhookSender`), read at scrape time."""
+        self.registry.register(WebhookCollector(sender))
+
     def watch_jobs(self, jobs: EditJobs) -> None:
         """Asynchronous and keyed edits (`retouch.edit_jobs.EditJobs`), read at scrape time."""
         self.registry.register(JobCollector(jobs))
@@ -167,6 +172,20 @@ class JobCollector(Collector):
             yield CounterMetricFamily("retouch_edit_job_disk_errors", "kept answers that could not be written to "
                                       "(or removed from) --cache-disk-dir/edits; they stay in memory",
                                       value=self.jobs.folder.write_errors)
+
+
+class WebhookCollector(Collector):
+    def __init__(self, sender: WebhookSender):
+        self.sender = sender
+
+    def collect(self) -> Iterator[Metric]:
+        outcomes = CounterMetricFamily("retouch_webhooks", "webhook deliveries: delivered (a 2xx came back), failed "
+                                       "(every attempt did not), retried (attempts after a first)", labels=("outcome",))
+        for outcome, value in dict(self.sender.counts).items():
+            outcomes.add_metric((outcome,), value)
+        yield outcomes
+        yield GaugeMetricFamily("retouch_webhooks_pending", "webhooks being delivered or waiting to be retried",
+                                value=self.sender.pending())
 
 
 class RouterCollector(Collector):

@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import uvicorn
@@ -36,11 +35,12 @@ from retouch.engine.registry import TemplateRegistry
 from retouch.engine.router import Router, RouterConfig
 from retouch.engine.step_cost import StepCost
 from retouch.engine.supervisor import Supervisor
-from retouch.edit_jobs import EditJobs
 from retouch.errors import InputError, RetouchError
 from retouch.http_api import Limits, create_app
 from retouch.http_connections import guarded_protocol
+from retouch.kept_answers import AnswerFolder
 from retouch.log_limits import cap_log_messages
+from retouch.webhooks import WebhookSender
 
 
 
@@ -67,7 +67,7 @@ def router_config(opts: ServeOptions) -> RouterConfig:
                         model=model_label(opts.model), max_queue_per_tenant=opts.max_queue_per_tenant or None)
 
 
-def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = ()) -> Limits:
+def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = (), webhook_secret: str | None = None) -> Limits:
     """The HTTP front end's limits from the server's options. `n` (images per request) is capped at
     --max-queue: a larger `n` could never be accepted, and is refused naming `n`, not answered "busy"."""
     return Limits(max_upload_bytes=int(opts.max_upload_mb * (1 << 20)), max_pixels=opts.max_pixels,
@@ -80,7 +80,7 @@ def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = ()) -> Limits:
                   model_names=opts.model_names(),
                   cors_origins=tuple(comma_list(opts.cors_origins)), result_ttl_s=opts.result_ttl_s,
                   max_result_bytes=int(opts.result_store_mb * (1 << 20)),
-                  result_dir=None if opts.cache_disk_dir is None else Path(opts.cache_disk_dir) / "edits")
+                  webhook_origins=tuple(comma_list(opts.webhook_origins)), webhook_secret=webhook_secret)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -107,7 +107,7 @@ class Server:
         self.supervisor: Supervisor | None = None
         self._http: uvicorn.Server | None = None
         self._http_thread: threading.Thread | None = None
-        self._jobs: EditJobs | None = None
+        self._answers: AnswerFolder | None = None
         self.url = ""
 
     def start(self, ready_timeout_s: float | None = None) -> Server:
@@ -117,12 +117,13 @@ class Server:
         opts = self.opts
         cap_log_messages()
         api_keys = read_api_keys(opts.api_keys_file)
+        webhook_secret = None if opts.webhook_secret_file is None else read_webhook_secret(opts.webhook_secret_file)
         device, dtype = resolve_device(opts.device, opts.dtype)
         if opts.cuda_graphs and device != "cuda":
             raise InputError("--cuda-graphs needs a CUDA device; none is here")
         if ready_timeout_s is None:
             ready_timeout_s = 1800.0 if opts.compile or opts.cuda_graphs else 600.0
-        limits = http_limits(opts, api_keys)
+        limits = http_limits(opts, api_keys, webhook_secret)
         listener = _bind(opts.host, opts.port)
         try:
             self._start(listener, limits, device, dtype, ready_timeout_s)
@@ -168,11 +169,11 @@ class Server:
                                      cache_disk_dir=None if opts.cache_disk_dir is None
                                      else Path(opts.cache_disk_dir).resolve())
         self._await_workers(ready_timeout_s)
-        app = create_app(self.router, limits, opts.model)
-        self._jobs = app.state.jobs
+        self._answers = answer_folder(opts)
+        app = create_app(self.router, limits, opts.model, self._answers)
         if app.state.restored:
             print(f"retouch: {app.state.restored} answers of edits made before the restart are kept in "
-                  f"{limits.result_dir} and answered again", file=sys.stderr, flush=True)
+                  f"{self._answers.directory} and answered again", file=sys.stderr, flush=True)
         # Listen now, not when uvicorn's loop gets to it: start() returns the URL, and a client that
         # connects at once must be queued by the kernel rather than refused.
         listener.listen(2048)
@@ -182,7 +183,7 @@ class Server:
         protocol = guarded_protocol(limits.header_timeout_s, limits.body_timeout_s, limits.max_connections,
                                     on_close=lambda reason: closed.labels(reason).inc())
         self._http = HttpServer(uvicorn.Config(app, log_level="warning", lifespan="off", http=protocol,
-                                               timeout_keep_alive=30), app.state.stop_async)
+                                               timeout_keep_alive=30), app.state)
         self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [listener]},
                                              name="retouch-http", daemon=True)
         self._http_thread.start()
@@ -206,22 +207,23 @@ class Server:
         are answered 503), stop the workers."""
         drain_s = self.opts.drain_s if drain_s is None else drain_s
         deadline = time.monotonic() + drain_s
+        margin = min(2.0, drain_s / 4)  # for what must follow the edits within the drain
         if self._http is not None:
             # asynchronous edits kept on disk may finish until shortly before the drain ends (`stop_async`)
-            self._http.async_deadline = deadline - min(1.0, drain_s / 4)
-            self._http.should_exit = True
-            self._http_thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            self._http.stop(async_deadline=deadline - 2 * margin)
+            self._http_thread.join(timeout=max(0.0, deadline - margin - time.monotonic()))
         told_to_stop: set[str] = set()
         if self.router is not None:
             told_to_stop = set(self.router.snapshot()["workers"])
-            self.router.close(max(0.0, deadline - time.monotonic()))
+            self.router.close(max(0.0, deadline - margin - time.monotonic()))
         if self._http is not None:
-            # The router answered whatever was left, so the edits' tasks end now and record how they ended.
-            self._http_thread.join(timeout=5.0)
+            # The router answered what it held: those edits' tasks end now (an edit still running when the loop
+            # ends is interrupted), and their outcomes are written.
+            self._http_thread.join(timeout=max(0.0, deadline - time.monotonic()))
             self._http = None
-        if self._jobs is not None and self._jobs.folder is not None:
-            self._jobs.folder.close()  # its last writes: the answers of the edits that just ended
-        self._jobs = None
+        if self._answers is not None:
+            self._answers.close(timeout_s=max(0.5, deadline - time.monotonic()))
+            self._answers = None
         if self.supervisor is not None:
             # A replacement still loading never joined, so nobody told it to stop: no waiting for it.
             self.supervisor.close(stopping=told_to_stop)
@@ -248,22 +250,54 @@ class Server:
 
 
 class HttpServer(uvicorn.Server):
-    """uvicorn's server that, told to stop, drains the connections as uvicorn does while it stops the
-    asynchronous edits (`stop_async`: the app's): at once, or, their answers kept on disk, those still
-    running at `async_deadline` (time.monotonic)."""
+    """uvicorn's server that, once it runs, sends the webhooks a stopped server left undelivered, and, told to
+    stop, drains the connections as uvicorn does while it stops the asynchronous edits (the app's
+    `stop_async`: at once, or, their answers kept on disk, those still running at `async_deadline`,
+    time.monotonic), then its webhooks (those in flight may end until that deadline)."""
 
-    def __init__(self, config: uvicorn.Config, stop_async: Callable[[float | None], Awaitable[int]]):
+    def __init__(self, config: uvicorn.Config, app_state):
         super().__init__(config)
-        self.stop_async = stop_async
+        self.app_state = app_state
         self.async_deadline: float | None = None
 
+    def stop(self, async_deadline: float | None = None) -> None:
+        """Tell it to stop (from another thread)."""
+        self.async_deadline = async_deadline
+        self.should_exit = True
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        resumed = self.app_state.resume_webhooks()
+        if resumed:
+            print(f"retouch: sending {resumed} webhooks left undelivered before the restart", file=sys.stderr)
+
     async def shutdown(self, sockets=None) -> None:
-        stopping = asyncio.ensure_future(self.stop_async(self.async_deadline))
+        stopping = asyncio.ensure_future(self.app_state.stop_async(self.async_deadline))
         await super().shutdown(sockets)
         cancelled = await stopping
         if cancelled:
-            print(f"retouch: {cancelled} asynchronous edits cancelled (they answer 503 interrupted: send them "
-                  "again)", file=sys.stderr)
+            print(f"retouch: {cancelled} asynchronous edits cancelled (503 interrupted)", file=sys.stderr)
+        webhooks = self.app_state.webhooks
+        if webhooks is not None and (dropped := await webhooks.close(self.async_deadline)):
+            kept = self.app_state.jobs.folder is not None
+            print(f"retouch: {dropped} webhooks not delivered" + (" (sent again after the restart)" if kept else ""),
+                  file=sys.stderr)
+
+
+def answer_folder(opts: ServeOptions) -> AnswerFolder | None:
+    """Where the answers of asynchronous and keyed edits are kept, so that they outlive a restart: beside the
+    templates, in --cache-disk-dir/edits (None without one: memory only)."""
+    return None if opts.cache_disk_dir is None else AnswerFolder(Path(opts.cache_disk_dir) / "edits")
+
+
+def read_webhook_secret(path: Path) -> str:
+    """The webhooks' signing secret: the file's one line (Standard Webhooks' whsec_ + base64)."""
+    secret = Path(path).read_text().strip()
+    try:
+        WebhookSender(secret, ())
+    except ValueError as exc:
+        raise InputError(f"--webhook-secret-file {path}: {exc}") from None
+    return secret
 
 
 def read_api_keys(path: Path | None) -> tuple[str, ...]:

@@ -1,0 +1,207 @@
+"""Webhooks (`retouch.webhooks`): signed as Standard Webhooks says (its published test vector, and its own
+library verifying), retried until a 2xx, sent only to the operator's origins, never redirected, and
+sent again by a restarted server when they were not delivered."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from standardwebhooks.webhooks import Webhook
+from test_edit_jobs import answer_next_edit, auth, mask_file, server_with_a_template
+
+from retouch.config import ServeOptions
+from retouch.errors import InputError
+from retouch.kept_answers import AnswerFolder
+from retouch.server import read_webhook_secret
+from retouch.webhooks import WebhookSender, origin_of
+
+SECRET = "whsec_" + base64.b64encode(b"a webhook secret of 32 bytes....").decode()
+ORIGIN = "https://hooks.example.com"
+
+
+class Receiver:
+    """A MockTransport's handler: answers each delivery with the next of `statuses` (None: no answer)."""
+
+    def __init__(self, *statuses: int | None):
+        self.statuses, self.requests = list(statuses), []
+        self.arrived = asyncio.Event()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        self.arrived.set()
+        status = self.statuses.pop(0) if self.statuses else 200
+        if status is None:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(status, headers={"location": "http://169.254.169.254/"} if status == 302 else {})
+
+
+def deliver(receiver: Receiver, retry_delays_s=(0.01, 0.01, 0.01), payload=None) -> tuple[WebhookSender, list]:
+    async def run() -> list:
+        sender = WebhookSender(SECRET, (ORIGIN,), retry_delays_s, transport=httpx.MockTransport(receiver))
+        delivered = []
+        sender.send("msg_1", ORIGIN + "/hook", payload or {"type": "edit.completed"}, lambda: delivered.append(1))
+        while sender.pending():
+            await asyncio.sleep(0.01)
+        await sender.close()
+        return sender, delivered
+    return asyncio.run(run())
+
+
+def test_signatures_are_standard_webhooks(monkeypatch):
+    """The spec's published test vector, through the sender, and a fresh delivery its library verifies."""
+    receiver = Receiver()
+    vector_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+
+    async def run():
+        sender = WebhookSender(vector_secret, (ORIGIN,), transport=httpx.MockTransport(receiver))
+        await sender._attempt("msg_p5jXN8AQM9LWM0D4loKWxJek", ORIGIN, json.dumps({"test": 2432232314}).encode())
+        await sender.close()
+    now = time.time
+    monkeypatch.setattr(time, "time", lambda: 1614265330.5)
+    asyncio.run(run())
+    monkeypatch.setattr(time, "time", now)
+    [request] = receiver.requests
+    assert request.headers["webhook-signature"] == "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+    assert request.headers["webhook-timestamp"] == "1614265330"
+
+    fresh = Receiver()
+    deliver(fresh, payload={"type": "edit.completed", "data": {"id": "e1"}})
+    request = fresh.requests[0]
+    assert Webhook(SECRET).verify(request.content, dict(request.headers))["data"] == {"id": "e1"}
+    with pytest.raises(Exception, match="signature"):
+        Webhook("whsec_" + base64.b64encode(b"another secret").decode()).verify(request.content, dict(request.headers))
+
+
+def test_a_delivery_is_retried_until_a_2xx_and_keeps_its_id():
+    receiver = Receiver(500, None, 302, 204)
+    sender, delivered = deliver(receiver)
+    assert len(receiver.requests) == 4 and delivered == [1]
+    assert {request.headers["webhook-id"] for request in receiver.requests} == {"msg_1"}
+    assert sender.counts == {"delivered": 1, "retried": 3, "failed": 0}
+    assert all(str(request.url) == ORIGIN + "/hook" for request in receiver.requests)  # the 302 was not followed
+
+
+def test_a_delivery_gives_up_after_its_attempts_or_at_410():
+    sender, delivered = deliver(Receiver(500, 500, 500, 500))
+    assert delivered == [] and sender.counts == {"delivered": 0, "retried": 3, "failed": 1}
+    gone = Receiver(410, 200)
+    sender, delivered = deliver(gone)
+    assert len(gone.requests) == 1 and delivered == [] and sender.counts["failed"] == 1
+
+
+def test_closing_cancels_the_retries_and_waits_for_deliveries_in_flight():
+    async def run() -> tuple:
+        release = asyncio.Event()
+
+        async def slow(request):
+            await release.wait()
+            return httpx.Response(200)
+        sender = WebhookSender(SECRET, (ORIGIN,), (60.0,), transport=httpx.MockTransport(slow))
+        sender.send("msg_slow", ORIGIN, {})
+        failing = WebhookSender(SECRET, (ORIGIN,), (60.0,), transport=httpx.MockTransport(Receiver(500)))
+        failing.send("msg_retry", ORIGIN, {})
+        while not failing.counts["retried"]:
+            await asyncio.sleep(0.01)
+        asyncio.get_running_loop().call_later(0.05, release.set)
+        return await sender.close(time.monotonic() + 10), sender.counts, await failing.close(time.monotonic() + 10)
+    in_flight, counts, retrying = asyncio.run(run())
+    assert in_flight == 0 and counts["delivered"] == 1 and retrying == 1
+
+
+@pytest.mark.parametrize("url, allowed", [
+    (ORIGIN + "/a/b?c=1", True), ("HTTPS://Hooks.Example.com/x", True), (ORIGIN + ":443/x", False),
+    ("http://hooks.example.com/x", False), ("https://hooks.example.com.evil.io/x", False),
+    ("https://hooks.example.com@evil.io/x", False), ("https://evil.io#@hooks.example.com", False),
+    ("ftp://hooks.example.com/x", False), ("https://hooks.example.com:99999/", False), ("/relative", False),
+    (ORIGIN + "/" + "a" * 3000, False)])
+def test_only_urls_of_the_allowed_origins_are_called(url, allowed):
+    sender = WebhookSender(SECRET, (ORIGIN,))
+    assert (sender.refusal(url) is None) == allowed
+    assert origin_of("https://h.io:8443/p") == "https://h.io:8443"
+
+
+def test_webhook_options_are_checked(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET + "\n")
+    assert read_webhook_secret(secret) == SECRET
+    secret.write_text("whsec_not base64!")
+    with pytest.raises(InputError, match="base64"):
+        read_webhook_secret(secret)
+    with pytest.raises(InputError, match="--webhook-secret-file"):
+        ServeOptions(model="m", webhook_origins=ORIGIN)
+    with pytest.raises(InputError, match="http"):
+        ServeOptions(model="m", webhook_origins="hooks.example.com", webhook_secret_file=secret)
+
+
+async def webhooked_edits(directory: Path) -> dict:
+    limits = {"webhook_origins": (ORIGIN,), "webhook_secret": SECRET}
+    async with server_with_a_template(AnswerFolder(directory), **limits) as (client, router, worker, form):
+        app = client._transport.app
+        receiver = Receiver()
+        app.state.webhooks.transport = httpx.MockTransport(receiver)
+        seen = {"accepted": await client.post("/v1/edits", headers=auth(), data={
+            **form, "async": "true", "webhook": ORIGIN + "/done?job=1"}, files=mask_file())}
+        await answer_next_edit(worker)
+        await asyncio.wait_for(receiver.arrived.wait(), 10)
+        seen["request"] = receiver.requests[0]
+        for name, data, endpoint in (("not async", {**form, "webhook": ORIGIN}, "/v1/edits"),
+                                     ("other origin", {**form, "async": "1", "webhook": "http://10.0.0.1/"},
+                                      "/v1/edits"),
+                                     ("openai", {"prompt": "p", "webhook": ORIGIN}, "/v1/images/edits")):
+            seen[name] = await client.post(endpoint, headers=auth(), data=data, files=mask_file())
+        # a receiver that is down: the delivery waits to be retried when the server stops
+        app.state.webhooks.transport = httpx.MockTransport(Receiver(503))
+        await app.state.webhooks.close()
+        app.state.webhooks.retry_delays_s = (60.0,)
+        seen["undelivered"] = await client.post("/v1/edits", headers=auth(), data={
+            **form, "async": "true", "webhook": ORIGIN + "/late"}, files=mask_file())
+        await answer_next_edit(worker)
+        while not app.state.webhooks.counts["retried"]:
+            await asyncio.sleep(0.01)
+        seen["cancelled deliveries"] = await app.state.webhooks.close(time.monotonic())
+        app.state.jobs.folder.close()
+    return seen
+
+
+def test_an_asynchronous_edit_calls_its_webhook_and_a_restart_sends_an_undelivered_one(tmp_path):
+    seen = asyncio.run(webhooked_edits(tmp_path))
+    request = seen["request"]
+    assert str(request.url) == ORIGIN + "/done?job=1"
+    payload = Webhook(SECRET).verify(request.content, dict(request.headers))
+    assert payload["type"] == "edit.completed" and payload["data"]["id"] == seen["accepted"].json()["id"]
+    assert payload["data"]["status"] == "completed" and payload["data"]["result_url"].endswith("/result")
+    for name in ("not async", "other origin", "openai"):
+        assert seen[name].status_code == 400 and seen[name].json()["error"]["param"] == "webhook", name
+    assert seen["cancelled deliveries"] == 1
+    # a restarted server sends the undelivered one (only that one) once it runs
+    restarted = asyncio.run(restart_and_resume(tmp_path))
+    assert [str(request.url) for request in restarted["requests"]] == [ORIGIN + "/late"]
+    assert restarted["resumed"] == 1 and restarted["resumed again"] == 0
+
+
+async def restart_and_resume(directory: Path) -> dict:
+    from retouch.engine.router import Router, RouterConfig
+    from retouch.http_api import Limits, create_app
+
+    seen = {}
+    for attempt in ("resumed", "resumed again"):
+        router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
+        app = create_app(router, Limits(api_keys=("sk-a", "sk-b"), webhook_origins=(ORIGIN,), webhook_secret=SECRET),
+                         answers=AnswerFolder(directory))
+        receiver = Receiver()
+        app.state.webhooks.transport = httpx.MockTransport(receiver)
+        seen[attempt] = app.state.resume_webhooks()
+        while app.state.webhooks.pending():
+            await asyncio.sleep(0.01)
+        await app.state.webhooks.close()
+        seen.setdefault("requests", receiver.requests)
+        await asyncio.to_thread(app.state.jobs.folder.close)
+        router.close(drain_s=0)
+    return seen
+
