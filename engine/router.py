@@ -386,7 +386,8 @@ class Router:
             for pending in list(self.pending.values()):
                 if pending.worker in self.workers:  # answered here: its worker need not compute it while draining
                     self._send(self.workers[pending.worker], {"kind": "cancel", "request": pending.request_id})
-                self._answer(pending, EditAnswer(None, 503, "Unavailable", "the server shut down before the edit ran"))
+                self._answer(pending, EditAnswer(None, 503, "interrupted",
+                                                 "the server stopped before this edit was done; send it again"))
             for worker in self.workers.values():  # a worker started on its own outlives the server
                 self._send(worker, {"kind": "closing" if worker.info.get("supervised") is False else "stop"})
         self._wake()

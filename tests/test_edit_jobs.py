@@ -384,6 +384,7 @@ def test_concurrent_retries_share_one_edit_and_server_failures_give_the_key_back
     assert seen["failed"].status_code == 500
     kept = seen["kept error"]  # plain data (no traceback holding the request's images), as the client saw it
     assert kept.images == () and json.loads(json.dumps(kept.body)) == kept.body == seen["failed"].json()
+    assert kept.headers["X-Request-Id"] == seen["failed"].headers["X-Request-Id"]
     assert seen["retried"].status_code == 200 and "Idempotent-Replayed" not in seen["retried"].headers
     assert seen["retried"].headers["X-Request-Id"] != seen["failed"].headers["X-Request-Id"]
     assert seen["deleted"].json()["deleted"] is True
@@ -453,7 +454,7 @@ async def stopping() -> dict:
         keyed = asyncio.create_task(client.post("/v1/edits", headers=auth(**{"Idempotency-Key": "stay"}), data=form,
                                                 files=mask_file()))
         keyed_edit = await asyncio.to_thread(worker.receive, "edit")
-        seen = {"cancelled": await app.state.stop_async(None)}
+        seen = {"cancelled": len(await app.state.stop_async(None))}
         cancel = await asyncio.to_thread(worker.receive, "cancel")
         worker.send({"kind": "result", "request": cancel["request"], "status": 409, "error": "Cancelled",
                      "message": "cancelled"})

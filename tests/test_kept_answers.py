@@ -5,6 +5,7 @@ server lets its asynchronous edits finish within the drain when their answers ou
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import tempfile
 import time
@@ -23,8 +24,11 @@ from retouch.edit_jobs import JOB_OVERHEAD_BYTES, EditJobs, Job, Outcome, Reply
 from retouch.engine.router import Router, RouterConfig
 from retouch.errors import InputError
 from retouch.http_api import Limits, create_app
-from retouch.kept_answers import AnswerFolder, name_of
+from retouch import kept_answers
+from retouch.kept_answers import FORMAT, AnswerFolder, name_of
 
+HOOKS = "https://hooks.example.com"
+SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
 INTERRUPTED = Outcome("failed", 503, Reply({"Retry-After": "5"}, {"error": {"code": "interrupted"}}))
 
 # What a job may end with: (status, http status, reply)
@@ -74,7 +78,7 @@ def test_a_restarted_store_answers_what_the_stopped_one_would_have(plans):
                  for index, (tenant, keyed, outcome) in enumerate(plans)]
         run_jobs(before, named)
         after = EditJobs(ttl_s=3600, max_bytes=1 << 20, folder=AnswerFolder(directory))
-        assert after.restore(INTERRUPTED) == len(named)
+        assert after.restore(lambda job: INTERRUPTED) == len(named)
         for tenant, job_id, key, outcome in named:
             if outcome is None:
                 expected = (("failed", 503, INTERRUPTED.reply, key is None), None)
@@ -98,12 +102,12 @@ def test_kept_answers_keep_their_time_and_are_removed_with_it(tmp_path, monkeypa
     now = time.time
     monkeypatch.setattr(time, "time", lambda: now() + 60)
     restarted = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
-    assert restarted.restore(INTERRUPTED) == 1
+    assert restarted.restore(lambda job: INTERRUPTED) == 1
     assert 35 < restarted.expires_in_s(restarted.find("", "old")) <= 40
     restarted.folder.close()
     monkeypatch.setattr(time, "time", lambda: now() + 200)
     expired = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
-    assert expired.restore(INTERRUPTED) == 0 and expired.find("", "old") is None  # expired: not even read
+    assert expired.restore(lambda job: INTERRUPTED) == 0 and expired.find("", "old") is None  # expired: not even read
     expired.folder.close()
     assert [path for path in tmp_path.iterdir() if not path.name.startswith(".")] == []
 
@@ -125,7 +129,7 @@ def test_a_damaged_folder_is_read_as_far_as_it_can_be(tmp_path):
         AnswerFolder(tmp_path)
     folder.close()
     restarted = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
-    assert restarted.restore(INTERRUPTED) == 1 and restarted.find("", "whole").outcome.reply == done.reply
+    assert restarted.restore(lambda job: INTERRUPTED) == 1 and restarted.find("", "whole").outcome.reply == done.reply
     assert restarted.counts()["completed"] == 1  # a scrape works
     restarted.folder.close()
     assert sorted(path.name for path in tmp_path.iterdir() if path.name != ".lock") == [
@@ -146,11 +150,40 @@ def test_a_restart_reads_only_what_its_bounds_keep(tmp_path, monkeypatch):
     real_read = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes", lambda path: read.append(path.suffix) or real_read(path))
     restarted = EditJobs(ttl_s=100, max_bytes=2 * (1000 + JOB_OVERHEAD_BYTES), folder=AnswerFolder(tmp_path))
-    assert restarted.restore(INTERRUPTED) == 2 and read.count(".bin") == 2
+    assert restarted.restore(lambda job: INTERRUPTED) == 2 and read.count(".bin") == 2
     assert [job_id for job_id in ("e0", "e1", "e2", "e3") if restarted.find("", job_id)] == ["e2", "e3"]
     assert restarted.keyed("", "k", "f").id == "e3"
     restarted.folder.close()
     assert len(list(tmp_path.glob("*.bin"))) == 2
+
+
+def test_a_removal_waiting_to_be_written_is_never_undone(tmp_path):
+    """A DELETE, then a new edit with the same id, both waiting for a busy writer: the old images go."""
+    import threading
+
+    folder = AnswerFolder(tmp_path)
+    old = Job("e1", "", "tpl")
+    old.outcome, old.ended_at = Outcome("completed", 200, Reply({}, {}, (b"a", b"b"))), time.time()
+    folder.save(old)
+    busy = threading.Event()
+    folder._submit(busy.wait)  # the writer is busy meanwhile
+    folder.remove(old)
+    folder.save(Job("e1", "", "tpl"))  # the new edit, admitted
+    busy.set()
+    folder.close()
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name != ".lock") == [f"{name_of(old)}.json"]
+
+
+def test_a_delivery_that_ends_after_its_answer_was_forgotten_does_not_bring_it_back(tmp_path):
+    jobs = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
+    done = Outcome("completed", 200, Reply({}, None, (b"img",), "image/png"))
+    run_jobs(jobs, [("", "e1", None, done)])
+    jobs.folder = AnswerFolder(tmp_path)
+    job = jobs.find("", "e1")
+    jobs.forget(job)  # a DELETE while its webhook is being delivered
+    jobs.webhook_done(job, "delivered")
+    jobs.folder.close()
+    assert [path for path in tmp_path.iterdir() if path.name != ".lock"] == []
 
 
 async def a_stopping_http_server(directory: Path) -> dict:
@@ -167,7 +200,11 @@ async def a_stopping_http_server(directory: Path) -> dict:
                                  dead_after_s=60.0)).start()
     context = zmq.Context()
     folder = AnswerFolder(directory)
-    app = create_app(router, Limits(default_steps=2, request_timeout_s=30), answers=folder)
+    app = create_app(router, Limits(default_steps=2, request_timeout_s=30, webhook_origins=(HOOKS,),
+                                    webhook_secret=SECRET), answers=folder)
+    deliveries = []
+    app.state.webhooks.transport = httpx.MockTransport(
+        lambda request: deliveries.append(request) or httpx.Response(200))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
@@ -185,15 +222,20 @@ async def a_stopping_http_server(directory: Path) -> dict:
             with pytest.raises(httpx.ReadTimeout):  # its client gives up: the keyed edit runs on, detached
                 await client.post("/v1/edits", headers={"Idempotency-Key": "k", "X-Request-Id": "keyed"}, data=form,
                                   files=mask_file(), timeout=httpx.Timeout(10, read=0.5))
-            await client.post("/v1/edits", headers={"X-Request-Id": "async"}, data={**form, "async": "true"},
-                              files=mask_file())
+            await client.post("/v1/edits", headers={"X-Request-Id": "async"}, data={
+                **form, "async": "true", "webhook": HOOKS + "/retouch"}, files=mask_file())
         await asyncio.to_thread(worker.receive, "edit")
-        await asyncio.to_thread(worker.receive, "edit")
-        server.stop(async_deadline=time.monotonic())
-        await asyncio.to_thread(thread.join, 10)
+        edit = await asyncio.to_thread(worker.receive, "edit")
+        # the asynchronous edit is cancelled at once; its webhook may be delivered within 10 s
+        server.stop(async_deadline=time.monotonic(), webhook_deadline=time.monotonic() + 10)
+        cancel = await asyncio.to_thread(worker.receive, "cancel")
+        worker.send({"kind": "result", "request": cancel["request"], "status": 409, "error": "Cancelled",
+                     "message": "cancelled"})
+        await asyncio.to_thread(thread.join, 15)
         folder.close()
         headers = {header["id"]: header for header in map(json.loads, map(Path.read_bytes, directory.glob("*.json")))}
-        return {"alive": thread.is_alive(), "headers": headers}
+        return {"alive": thread.is_alive(), "headers": headers, "deliveries": deliveries,
+                "cancelled": cancel["request"] == edit["request"]}
     finally:
         router.close(drain_s=0)
         context.destroy(linger=0)
@@ -203,9 +245,13 @@ def test_edits_still_running_when_the_server_stops_are_kept_interrupted(tmp_path
     """Whatever the stop cancels (an asynchronous edit past the drain, a keyed one its client left) is the
     server's doing: 503 interrupted, send it again; never a client's 409 cancelled."""
     seen = asyncio.run(a_stopping_http_server(tmp_path))
-    assert not seen["alive"]
+    assert not seen["alive"] and seen["cancelled"]
     assert {job_id: (header["http_status"], header["body"]["error"]["code"]) for job_id, header in
             seen["headers"].items()} == {"keyed": (503, "interrupted"), "async": (503, "interrupted")}
+    # the cancelled edit's webhook went out within the drain, and the restarted server will not send it again
+    [delivery] = seen["deliveries"]
+    assert json.loads(delivery.content)["type"] == "edit.failed"
+    assert seen["headers"]["async"]["webhook_state"] == "delivered"
 
 
 async def before_a_restart(directory: Path) -> dict:
@@ -263,6 +309,7 @@ def test_a_restarted_server_answers_the_edits_of_the_one_before(tmp_path):
     assert keyed.headers["X-Request-Id"] == seen["keyed"].headers["X-Request-Id"]
     # the edit the killed server never finished: send it again (its key was given back)
     assert after["running"].status_code == 503 and after["running"].json()["error"]["code"] == "interrupted"
+    assert after["running"].headers["X-Request-Id"] == seen["running"].json()["id"]  # the edit's, not the GET's
     assert after["running status"].json()["status"] == "failed" and after["other tenant"].status_code == 404
 
 
@@ -274,7 +321,7 @@ async def stopping_with_a_folder(directory: Path) -> dict:
         edits = [await asyncio.to_thread(worker.receive, "edit") for _ in accepted]
         stopping = asyncio.create_task(app.state.stop_async(time.monotonic() + 2.0))
         worker.answer(edits[0]["request"], png(Image.new("RGB", (32, 32), "blue")))  # done within the drain
-        seen = {"cancelled": await stopping}
+        seen = {"cancelled": len(await stopping)}
         cancel = await asyncio.to_thread(worker.receive, "cancel")
         worker.send({"kind": "result", "request": cancel["request"], "status": 409, "error": "Cancelled",
                      "message": "cancelled"})
@@ -306,14 +353,45 @@ def test_serve_keeps_answers_beside_its_templates(tmp_path):
 
 
 def test_a_full_disk_keeps_the_answer_in_memory_and_says_so(tmp_path, monkeypatch):
+    """The answer's images cannot be written: it is served from memory, and what its admission wrote goes,
+    so that a restart does not call an edit that ended interrupted."""
     from retouch.serve_metrics import JobCollector
 
-    def no_space(path, data):
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr("retouch.kept_answers.write_whole", no_space)
+    real_write = kept_answers.write_whole
+
+    def no_room_for_images(path, data):
+        if path.suffix == ".bin":
+            raise OSError(28, "No space left on device")
+        real_write(path, data)
+    monkeypatch.setattr(kept_answers, "write_whole", no_room_for_images)
     jobs = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
     done = Outcome("completed", 200, Reply({}, None, (b"img",), "image/png"))
     run_jobs(jobs, [("", "e1", None, done)])
-    assert jobs.find("", "e1").outcome == done and jobs.folder.write_errors == 2  # admitted, then ended
+    assert jobs.find("", "e1").outcome == done and jobs.folder.write_errors == 1
     metrics = {metric.name: metric.samples[0].value for metric in JobCollector(jobs).collect() if metric.samples}
-    assert metrics["retouch_edit_job_disk_errors"] == 2
+    assert metrics["retouch_edit_job_disk_errors"] == 1
+    assert [path for path in tmp_path.iterdir() if path.name != ".lock"] == []
+
+
+def test_a_removal_that_failed_is_tried_again_and_a_newer_format_is_left_alone(tmp_path, monkeypatch):
+    jobs = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
+    done = Outcome("completed", 200, Reply({}, None, (b"img",), "image/png"))
+    run_jobs(jobs, [("", "deleted", None, done), ("", "later", None, done)])
+    (tmp_path / f"{'f' * 32}.json").write_text(json.dumps({"format": FORMAT + 1}))  # a newer version's
+    jobs.folder = AnswerFolder(tmp_path)
+    real_unlink, refused = Path.unlink, []
+
+    def refuse_once(path, missing_ok=False):
+        if not refused:
+            refused.append(path)
+            raise PermissionError(1, "Operation not permitted")
+        real_unlink(path, missing_ok=missing_ok)
+    monkeypatch.setattr(Path, "unlink", refuse_once)
+    jobs.forget(jobs.find("", "deleted"))  # a DELETE whose removal fails at first
+    jobs.forget(jobs.find("", "later"))  # the next write tries it again
+    jobs.folder.close()
+    assert refused and sorted(path.name for path in tmp_path.iterdir()) == [".lock", f"{'f' * 32}.json"]
+    restarted = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
+    assert restarted.restore(lambda job: INTERRUPTED) == 0
+    restarted.folder.close()
+    assert (tmp_path / f"{'f' * 32}.json").exists()

@@ -19,7 +19,7 @@ from retouch.config import ServeOptions
 from retouch.errors import InputError
 from retouch.kept_answers import AnswerFolder
 from retouch.server import read_webhook_secret
-from retouch.webhooks import WebhookSender, origin_of
+from retouch.webhooks import WebhookSender, allowed_origin, secret_key, tenant_secret
 
 SECRET = "whsec_" + base64.b64encode(b"a webhook secret of 32 bytes....").decode()
 ORIGIN = "https://hooks.example.com"
@@ -43,13 +43,14 @@ class Receiver:
 
 def deliver(receiver: Receiver, retry_delays_s=(0.01, 0.01, 0.01), payload=None) -> tuple[WebhookSender, list]:
     async def run() -> list:
-        sender = WebhookSender(SECRET, (ORIGIN,), retry_delays_s, transport=httpx.MockTransport(receiver))
-        delivered = []
-        sender.send("msg_1", ORIGIN + "/hook", payload or {"type": "edit.completed"}, lambda: delivered.append(1))
+        sender = WebhookSender(SECRET, (ORIGIN,), retry_delays_s=retry_delays_s,
+                               transport=httpx.MockTransport(receiver))
+        ended = []
+        sender.send("", "msg_1", ORIGIN + "/hook", payload or {"type": "edit.completed"}, ended.append)
         while sender.pending():
             await asyncio.sleep(0.01)
         await sender.close()
-        return sender, delivered
+        return sender, ended
     return asyncio.run(run())
 
 
@@ -60,7 +61,7 @@ def test_signatures_are_standard_webhooks(monkeypatch):
 
     async def run():
         sender = WebhookSender(vector_secret, (ORIGIN,), transport=httpx.MockTransport(receiver))
-        await sender._attempt("msg_p5jXN8AQM9LWM0D4loKWxJek", ORIGIN, json.dumps({"test": 2432232314}).encode())
+        await sender._attempt("", "msg_p5jXN8AQM9LWM0D4loKWxJek", ORIGIN, json.dumps({"test": 2432232314}).encode())
         await sender.close()
     now = time.time
     monkeypatch.setattr(time, "time", lambda: 1614265330.5)
@@ -78,21 +79,30 @@ def test_signatures_are_standard_webhooks(monkeypatch):
         Webhook("whsec_" + base64.b64encode(b"another secret").decode()).verify(request.content, dict(request.headers))
 
 
+def test_each_tenant_has_its_own_secret():
+    a, b = tenant_secret(SECRET, "tenant-a"), tenant_secret(SECRET, "tenant-b")
+    assert a != b != SECRET and a == tenant_secret(SECRET, "tenant-a")
+    assert len(secret_key(a)) == 32
+    sender = WebhookSender(SECRET, (ORIGIN,), per_tenant=True)
+    assert sender.secret_of("tenant-a") == a
+    assert WebhookSender(SECRET, (ORIGIN,)).secret_of("tenant-a") == SECRET  # one tenant: the server's own
+
+
 def test_a_delivery_is_retried_until_a_2xx_and_keeps_its_id():
     receiver = Receiver(500, None, 302, 204)
-    sender, delivered = deliver(receiver)
-    assert len(receiver.requests) == 4 and delivered == [1]
+    sender, ended = deliver(receiver)
+    assert len(receiver.requests) == 4 and ended == ["delivered"]
     assert {request.headers["webhook-id"] for request in receiver.requests} == {"msg_1"}
     assert sender.counts == {"delivered": 1, "retried": 3, "failed": 0}
     assert all(str(request.url) == ORIGIN + "/hook" for request in receiver.requests)  # the 302 was not followed
 
 
 def test_a_delivery_gives_up_after_its_attempts_or_at_410():
-    sender, delivered = deliver(Receiver(500, 500, 500, 500))
-    assert delivered == [] and sender.counts == {"delivered": 0, "retried": 3, "failed": 1}
+    sender, ended = deliver(Receiver(500, 500, 500, 500))
+    assert ended == ["failed"] and sender.counts == {"delivered": 0, "retried": 3, "failed": 1}
     gone = Receiver(410, 200)
-    sender, delivered = deliver(gone)
-    assert len(gone.requests) == 1 and delivered == [] and sender.counts["failed"] == 1
+    sender, ended = deliver(gone)
+    assert len(gone.requests) == 1 and ended == ["gone"] and sender.counts["failed"] == 1
 
 
 def test_closing_cancels_the_retries_and_waits_for_deliveries_in_flight():
@@ -102,68 +112,83 @@ def test_closing_cancels_the_retries_and_waits_for_deliveries_in_flight():
         async def slow(request):
             await release.wait()
             return httpx.Response(200)
-        sender = WebhookSender(SECRET, (ORIGIN,), (60.0,), transport=httpx.MockTransport(slow))
-        sender.send("msg_slow", ORIGIN, {})
-        failing = WebhookSender(SECRET, (ORIGIN,), (60.0,), transport=httpx.MockTransport(Receiver(500)))
-        failing.send("msg_retry", ORIGIN, {})
+        sender = WebhookSender(SECRET, (ORIGIN,), retry_delays_s=(60.0,), transport=httpx.MockTransport(slow))
+        sender.send("", "msg_slow", ORIGIN, {})
+        failing = WebhookSender(SECRET, (ORIGIN,), retry_delays_s=(60.0,), transport=httpx.MockTransport(Receiver(500)))
+        failing.send("", "msg_retry", ORIGIN, {})
         while not failing.counts["retried"]:
             await asyncio.sleep(0.01)
         asyncio.get_running_loop().call_later(0.05, release.set)
-        return await sender.close(time.monotonic() + 10), sender.counts, await failing.close(time.monotonic() + 10)
-    in_flight, counts, retrying = asyncio.run(run())
+        in_flight = await sender.close(time.monotonic() + 60)
+        # one waiting to retry is cancelled at once, not at the deadline
+        retrying = await asyncio.wait_for(failing.close(time.monotonic() + 60), 10)
+        return in_flight, sender.counts, retrying, failing.send("", "msg_late", ORIGIN, {}), failing.pending()
+    in_flight, counts, retrying, sent_after_close, pending = asyncio.run(run())
     assert in_flight == 0 and counts["delivered"] == 1 and retrying == 1
+    assert sent_after_close is False and pending == 0  # a closed sender sends nothing: a restart will
 
 
 @pytest.mark.parametrize("url, allowed", [
-    (ORIGIN + "/a/b?c=1", True), ("HTTPS://Hooks.Example.com/x", True), (ORIGIN + ":443/x", False),
+    (ORIGIN + "/a/b?c=1", True), ("HTTPS://Hooks.Example.com/x", True), (ORIGIN + ":443/x", True),
     ("http://hooks.example.com/x", False), ("https://hooks.example.com.evil.io/x", False),
     ("https://hooks.example.com@evil.io/x", False), ("https://evil.io#@hooks.example.com", False),
+    (ORIGIN + "/x#frag", False), ("https://hooks.example.com\\@evil.io/", False),
+    (ORIGIN + "/x\t", False), (ORIGIN + "/x\x00", False), (" " + ORIGIN, False), (ORIGIN + "/x y", False),
     ("ftp://hooks.example.com/x", False), ("https://hooks.example.com:99999/", False), ("/relative", False),
-    (ORIGIN + "/" + "a" * 3000, False)])
+    (ORIGIN + "/" + "a" * 3000, False),
+    ("https://[fd00::10]:8443/x", True), ("https://[fd00::10:8443]/x", False), ("https://[fd00::10]/x", False)])
 def test_only_urls_of_the_allowed_origins_are_called(url, allowed):
-    sender = WebhookSender(SECRET, (ORIGIN,))
+    sender = WebhookSender(SECRET, (ORIGIN, "https://[fd00::10]:8443"))
     assert (sender.refusal(url) is None) == allowed
-    assert origin_of("https://h.io:8443/p") == "https://h.io:8443"
+
+
+def test_an_allowed_origin_is_only_an_origin():
+    assert allowed_origin("https://h.io:8443") == ("https", "h.io", 8443) == allowed_origin("https://h.io:8443/")
+    for bad in ("https://h.io/tenant-a", "https://h.io?x=1", "h.io", "https://u@h.io", "ftp://h.io"):
+        assert allowed_origin(bad) is None, bad
+        with pytest.raises(ValueError, match="origins"):
+            WebhookSender(SECRET, (bad,))
 
 
 def test_webhook_options_are_checked(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text(SECRET + "\n")
     assert read_webhook_secret(secret) == SECRET
-    secret.write_text("whsec_not base64!")
-    with pytest.raises(InputError, match="base64"):
-        read_webhook_secret(secret)
+    for bad, message in (("whsec_not base64!", "base64"), ("whsec_AA==", "24-64 bytes"),
+                         (SECRET + "\n" + SECRET, "one line")):
+        secret.write_text(bad)
+        with pytest.raises(InputError, match=message):
+            read_webhook_secret(secret)
     with pytest.raises(InputError, match="--webhook-secret-file"):
         ServeOptions(model="m", webhook_origins=ORIGIN)
-    with pytest.raises(InputError, match="http"):
-        ServeOptions(model="m", webhook_origins="hooks.example.com", webhook_secret_file=secret)
+    with pytest.raises(InputError, match="nothing after"):
+        ServeOptions(model="m", webhook_origins=ORIGIN + "/tenant-a", webhook_secret_file=secret)
+
+
+ORIGIN2 = "https://hooks2.example.com"
 
 
 async def webhooked_edits(directory: Path) -> dict:
-    limits = {"webhook_origins": (ORIGIN,), "webhook_secret": SECRET}
+    limits = {"webhook_origins": (ORIGIN, ORIGIN2), "webhook_secret": SECRET}
     async with server_with_a_template(AnswerFolder(directory), **limits) as (client, router, worker, form):
         app = client._transport.app
-        receiver = Receiver()
+        receiver = Receiver(200, 410, 503, 503)  # delivered; gone; then down (its receivers wait to be retried)
         app.state.webhooks.transport = httpx.MockTransport(receiver)
-        seen = {"accepted": await client.post("/v1/edits", headers=auth(), data={
-            **form, "async": "true", "webhook": ORIGIN + "/done?job=1"}, files=mask_file())}
-        await answer_next_edit(worker)
-        await asyncio.wait_for(receiver.arrived.wait(), 10)
-        seen["request"] = receiver.requests[0]
+        app.state.webhooks.retry_delays_s = (60.0,)
+        seen = {"secret": (await client.get("/v1/webhooks/secret", headers=auth())).json()["secret"],
+                "other secret": (await client.get("/v1/webhooks/secret", headers=auth("sk-b"))).json()["secret"]}
+        for url in (ORIGIN + "/done?job=1", ORIGIN + "/gone", ORIGIN + "/late", ORIGIN2 + "/late"):
+            seen[url] = await client.post("/v1/edits", headers=auth(), data={**form, "async": "true", "webhook": url},
+                                          files=mask_file())
+            await answer_next_edit(worker)
+            while len(receiver.requests) < len(seen) - 2:
+                await asyncio.sleep(0.01)
+        seen["requests"] = receiver.requests
         for name, data, endpoint in (("not async", {**form, "webhook": ORIGIN}, "/v1/edits"),
                                      ("other origin", {**form, "async": "1", "webhook": "http://10.0.0.1/"},
                                       "/v1/edits"),
                                      ("openai", {"prompt": "p", "webhook": ORIGIN}, "/v1/images/edits")):
             seen[name] = await client.post(endpoint, headers=auth(), data=data, files=mask_file())
-        # a receiver that is down: the delivery waits to be retried when the server stops
-        app.state.webhooks.transport = httpx.MockTransport(Receiver(503))
-        await app.state.webhooks.close()
-        app.state.webhooks.retry_delays_s = (60.0,)
-        seen["undelivered"] = await client.post("/v1/edits", headers=auth(), data={
-            **form, "async": "true", "webhook": ORIGIN + "/late"}, files=mask_file())
-        await answer_next_edit(worker)
-        while not app.state.webhooks.counts["retried"]:
-            await asyncio.sleep(0.01)
         seen["cancelled deliveries"] = await app.state.webhooks.close(time.monotonic())
         app.state.jobs.folder.close()
     return seen
@@ -171,18 +196,22 @@ async def webhooked_edits(directory: Path) -> dict:
 
 def test_an_asynchronous_edit_calls_its_webhook_and_a_restart_sends_an_undelivered_one(tmp_path):
     seen = asyncio.run(webhooked_edits(tmp_path))
-    request = seen["request"]
+    request = seen["requests"][0]
     assert str(request.url) == ORIGIN + "/done?job=1"
-    payload = Webhook(SECRET).verify(request.content, dict(request.headers))
-    assert payload["type"] == "edit.completed" and payload["data"]["id"] == seen["accepted"].json()["id"]
+    payload = Webhook(seen["secret"]).verify(request.content, dict(request.headers))  # the tenant's own secret
+    with pytest.raises(Exception, match="signature"):
+        Webhook(seen["other secret"]).verify(request.content, dict(request.headers))
+    assert payload["type"] == "edit.completed" and payload["data"]["id"] == seen[str(request.url)].json()["id"]
     assert payload["data"]["status"] == "completed" and payload["data"]["result_url"].endswith("/result")
     for name in ("not async", "other origin", "openai"):
         assert seen[name].status_code == 400 and seen[name].json()["error"]["param"] == "webhook", name
-    assert seen["cancelled deliveries"] == 1
-    # a restarted server sends the undelivered one (only that one) once it runs
+    assert seen["cancelled deliveries"] == 2
+    # A restarted server sends the undelivered ones (not the delivered one, nor the one whose receiver is gone)
+    # once it runs, and only to the origins it still allows (the other is refused for good).
     restarted = asyncio.run(restart_and_resume(tmp_path))
     assert [str(request.url) for request in restarted["requests"]] == [ORIGIN + "/late"]
     assert restarted["resumed"] == 1 and restarted["resumed again"] == 0
+    Webhook(seen["secret"]).verify(restarted["requests"][0].content, dict(restarted["requests"][0].headers))
 
 
 async def restart_and_resume(directory: Path) -> dict:
@@ -190,9 +219,9 @@ async def restart_and_resume(directory: Path) -> dict:
     from retouch.http_api import Limits, create_app
 
     seen = {}
-    for attempt in ("resumed", "resumed again"):
+    for attempt, origins in (("resumed", (ORIGIN,)), ("resumed again", (ORIGIN, ORIGIN2))):
         router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
-        app = create_app(router, Limits(api_keys=("sk-a", "sk-b"), webhook_origins=(ORIGIN,), webhook_secret=SECRET),
+        app = create_app(router, Limits(api_keys=("sk-a", "sk-b"), webhook_origins=origins, webhook_secret=SECRET),
                          answers=AnswerFolder(directory))
         receiver = Receiver()
         app.state.webhooks.transport = httpx.MockTransport(receiver)
@@ -204,4 +233,3 @@ async def restart_and_resume(directory: Path) -> dict:
         await asyncio.to_thread(app.state.jobs.folder.close)
         router.close(drain_s=0)
     return seen
-

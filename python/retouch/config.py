@@ -144,12 +144,12 @@ def _check_lora_dir(lora_dir: Path | None) -> None:
 
 
 def _check_webhook_options(options) -> None:
-    from retouch.webhooks import origin_of
+    from retouch.webhooks import allowed_origin
 
     origins = comma_list(options.webhook_origins)
-    if not all(origin_of(origin) for origin in origins):
-        raise InputError(f"--webhook-origins takes http(s)://host[:port] origins, comma-separated; got "
-                         f"{options.webhook_origins!r}")
+    if not all(allowed_origin(origin) for origin in origins):
+        raise InputError(f"--webhook-origins takes http(s)://host[:port] origins (nothing after them), "
+                         f"comma-separated; got {options.webhook_origins!r}")
     if origins and options.webhook_secret_file is None:
         raise InputError("--webhook-origins needs --webhook-secret-file (receivers verify each webhook's signature; "
                          "make one with: python -c \"import base64,os; print('whsec_'+base64.b64encode(os.urandom(32))"

@@ -96,7 +96,7 @@ class Job:
     deleted: bool = False  # cancelled by its client (DELETE); any other cancel of its task is the server's stop
     created: float = field(default_factory=time.time)  # wall clock: clients read it
     webhook: str | None = None  # called when it ends (`retouch.webhooks`)
-    webhook_sent: bool = False  # a 2xx came back (a restarted server sends the others again)
+    webhook_state: str | None = None  # how its delivery ended: delivered, gone, failed, refused; None: not yet
     outcome: Outcome | None = None
     ended_at: float | None = None  # wall clock: clients read it, and it outlives a restart
     task: asyncio.Task | None = None  # while it runs (dropped when it ends: a cancelled task holds its frames)
@@ -225,9 +225,9 @@ class EditJobs:
         self._finished[(job.tenant, job.id)] = job
         self.kept_bytes += job.nbytes()
 
-    def restore(self, interrupted: Outcome) -> int:
+    def restore(self, interrupted: Callable[[Job], Outcome]) -> int:
         """Take back the answers kept in `folder` (a restarted server), for what remains of their time;
-        an edit that ran when the server stopped ends `interrupted`. How many were taken back."""
+        an edit that ran when the server stopped ends `interrupted(job)`. How many were taken back."""
         if self.folder is None:
             return 0
         now, wall = self.clock(), time.time()
@@ -235,7 +235,7 @@ class EditJobs:
         for job in loaded:  # the longest ended first: a key two of them name is the newer's (the older gave it back)
             job.admitted.set()
             if job.outcome is None:
-                job.outcome, job.ended_at = interrupted, wall
+                job.outcome, job.ended_at = interrupted(job), wall
                 self.folder.save(job)
             self._jobs[(job.tenant, job.id)] = job
             if job.key is not None:
@@ -245,11 +245,12 @@ class EditJobs:
         return len(loaded)
 
     def unsent_webhooks(self) -> list[Job]:
-        """Kept jobs whose webhook was not delivered (a restarted server sends them)."""
-        return [job for job in self._finished.values() if job.webhook is not None and not job.webhook_sent]
+        """Kept jobs whose webhook's delivery did not end (a stopped server's: a restarted one sends them)."""
+        return [job for job in self._finished.values() if job.webhook is not None and job.webhook_state is None]
 
-    def webhook_sent(self, job: Job) -> None:
-        job.webhook_sent = True
+    def webhook_done(self, job: Job, state: str) -> None:
+        """Its webhook's delivery ended (`state`), which is kept with it: a restart sends it no more."""
+        job.webhook_state = state
         if self.folder is not None and self._jobs.get((job.tenant, job.id)) is job:  # not one forgotten since
             self.folder.save(job)
 

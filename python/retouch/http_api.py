@@ -87,7 +87,7 @@ from retouch.engine.router import (NO_WORKER, DeadlineUnattainable, EditAnswer, 
 from retouch.config import CORS_ORIGIN, model_label
 from retouch.edit_jobs import EditJobs, Job, KeyReused, Outcome, Reply, fingerprint, wait_events
 from retouch.kept_answers import AnswerFolder
-from retouch.webhooks import WebhookSender, origin_of
+from retouch.webhooks import WebhookSender, allowed_origin
 from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
@@ -163,9 +163,9 @@ class Limits:
         if bad:
             raise ValueError(f"CORS origins are scheme://host[:port] or *, got {bad[0]!r}")
         object.__setattr__(self, "webhook_origins", tuple(self.webhook_origins))
-        bad = [origin for origin in self.webhook_origins if origin_of(origin) is None]
+        bad = [origin for origin in self.webhook_origins if allowed_origin(origin) is None]
         if bad:
-            raise ValueError(f"webhook origins are http(s)://host[:port], got {bad[0]!r}")
+            raise ValueError(f"webhook origins are http(s)://host[:port], nothing after; got {bad[0]!r}")
         if self.webhook_origins and not self.webhook_secret:
             raise ValueError("webhook origins need a webhook secret: receivers verify each delivery's signature")
         if self.lora_dir is not None:
@@ -712,7 +712,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
     router.on_decision = metrics.decisions.observe
     webhooks = None
     if limits.webhook_origins:
-        webhooks = WebhookSender(limits.webhook_secret, limits.webhook_origins)
+        webhooks = WebhookSender(limits.webhook_secret, limits.webhook_origins, per_tenant=bool(limits.api_keys))
         metrics.watch_webhooks(webhooks)
     jobs = EditJobs(limits.result_ttl_s, limits.max_result_bytes,
                     folder=answers, on_end=lambda job: send_webhook(job))
@@ -862,6 +862,17 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         except LoraError:  # the folder went away after start: nothing to offer
             names = []
         return {"data": [{"name": name} for name in names]}
+
+    @app.get("/v1/webhooks/secret")
+    async def webhook_secret(request: Request):
+        """The secret this API key's webhooks are signed with (`retouch.webhooks`: each key has its own, so
+        that no other tenant can make the server sign an event for this one's receiver)."""
+        if webhooks is None:
+            raise ApiError(404, "this server sends no webhooks (retouch serve --webhook-origins)", None, "not_found")
+        if not webhooks.per_tenant:
+            raise ApiError(404, "this server has no API keys: its webhooks are signed with the operator's secret "
+                           "(--webhook-secret-file)", None, "not_found")
+        return {"object": "webhook_secret", "secret": webhooks.secret_of(request.state.tenant)}
 
     @app.get("/v1/limits")
     async def list_limits():
@@ -1225,20 +1236,23 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             yield claim
         except BaseException as exc:
             if claim.job is not None and not claim.job.admitted.is_set():
-                jobs.abandon(claim.job, failure_outcome(exc))
+                jobs.abandon(claim.job, failure_outcome(exc, claim.job.id))
             raise
         finally:
             arriving.discard((tenant, request_id))
 
-    def failure_outcome(exc: BaseException) -> Outcome:
+    def failure_outcome(exc: BaseException, job_id: str) -> Outcome:
         """A failure as a job's outcome, as plain data: never the raised exception, whose traceback holds
-        the request's frames (its images) for as long as the answer is kept."""
+        the request's frames (its images) for as long as the answer is kept. It names the job's id, as its
+        other answers do (a fetch of it is another request, with an id of its own)."""
         if isinstance(exc, asyncio.CancelledError):  # the server stopped while it was being checked
             exc = ApiError(503, "the server stopped before this edit was done; send it again", None, "interrupted",
                            {"Retry-After": "5"})
         elif not isinstance(exc, ApiError):
             exc = ApiError(500, "internal server error", None, "internal_error")
-        return Outcome("cancelled" if exc.code == "cancelled" else "failed", exc.status, exc.reply())
+        reply = exc.reply()
+        return Outcome("cancelled" if exc.code == "cancelled" else "failed", exc.status,
+                       replace(reply, headers={**reply.headers, "X-Request-Id": job_id}))
 
     def start_job(request: Request, claim: EditClaim, template_id: str, answer) -> Job:
         """Run `answer(watch_client=False)` (-> the POST's answer, `Reply`) as the claim's job
@@ -1252,14 +1266,14 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             except Exception as exc:  # noqa: BLE001 - every failure is this edit's answer, kept like any other
                 if not isinstance(exc, ApiError):
                     logger.exception("edit %s failed", job.id)
-                if job.interrupted and isinstance(exc, ApiError) and exc.code == "cancelled":
-                    return failure_outcome(asyncio.CancelledError())  # the server's stop, not the client's doing
-                return failure_outcome(exc)
+                if job.interrupted and not job.deleted and isinstance(exc, ApiError) and exc.code == "cancelled":
+                    return failure_outcome(asyncio.CancelledError(), job.id)  # the server's stop, not the client's
+                return failure_outcome(exc, job.id)
             return Outcome("completed", 200, reply)
 
-        deleted = ApiError(409, "the edit was cancelled (DELETE /v1/edits/{id})", None, "cancelled")
-        cancelled = Outcome("cancelled", 409, deleted.reply())
-        stopped = failure_outcome(asyncio.CancelledError())
+        cancelled = failure_outcome(ApiError(409, "the edit was cancelled (DELETE /v1/edits/{id})", None, "cancelled"),
+                                    job.id)
+        stopped = failure_outcome(asyncio.CancelledError(), job.id)
         # a task is cancelled by a DELETE, or else by the server's stop (its loop ends with the task running)
         return jobs.run(job, produce(), lambda: cancelled if job.deleted else stopped)
 
@@ -1280,21 +1294,24 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             view["expires_in_s"] = round(jobs.expires_in_s(job), 1)
         return view
 
-    def send_webhook(job: Job) -> None:
-        """An ended job's webhook, if it has one (`retouch.webhooks`); its delivery is kept with the job."""
-        if job.webhook is None or job.webhook_sent or webhooks is None:
-            return
+    def send_webhook(job: Job) -> bool:
+        """An ended job's webhook, if it has one (`retouch.webhooks`); how its delivery ends is kept with the
+        job. Whether one was sent (not: none, delivered before, the sender closed, or its origin no longer
+        allowed, which ends it `refused`)."""
+        if job.webhook is None or job.webhook_state is not None or webhooks is None:
+            return False
+        if webhooks.refusal(job.webhook) is not None:  # a restarted server allows fewer origins
+            logger.warning("the webhook of edit %s is not sent: its origin is no longer allowed", job.id)
+            jobs.webhook_done(job, "refused")
+            return False
         message_id = "msg_" + hashlib.sha256(f"{job.tenant}\0{job.id}\0{job.created!r}".encode()).hexdigest()[:32]
-        payload = {"type": f"edit.{job.status}", "timestamp": datetime.now(timezone.utc).isoformat(),
-                   "data": job_fields(job)}
-        webhooks.send(message_id, job.webhook, payload, delivered=lambda: jobs.webhook_sent(job))
+        payload = {"type": f"edit.{job.status}", "data": job_fields(job),
+                   "timestamp": datetime.fromtimestamp(job.ended_at, timezone.utc).isoformat()}
+        return webhooks.send(job.tenant, message_id, job.webhook, payload, lambda state: jobs.webhook_done(job, state))
 
     def resume_webhooks() -> int:
         """The server runs (its event loop): send the webhooks a stopped one left undelivered. How many."""
-        unsent = jobs.unsent_webhooks()
-        for job in unsent:
-            send_webhook(job)
-        return len(unsent)
+        return sum(send_webhook(job) for job in jobs.unsent_webhooks())
 
     app.state.resume_webhooks = resume_webhooks
 
@@ -1356,23 +1373,23 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             return True
         return False
 
-    async def stop_async(deadline: float | None) -> int:
+    async def stop_async(deadline: float | None) -> list[Job]:
         """The server is stopping. Answers kept in memory only: the asynchronous edits that run are cancelled
         at once, since nobody could fetch their answers once it is down, and their workers are freed for the
         edits whose clients wait. Kept on disk too: they may finish until `deadline` (time.monotonic; None:
-        cancelled at once), and the restarted server answers them. Those cancelled end `interrupted` (503,
-        their key runs again). Keyed synchronous edits go on either way: their clients are connected. How
-        many were cancelled."""
+        cancelled at once), and the restarted server answers them. Those cancelled (returned) end
+        `interrupted` (503, their key runs again) once their workers say so. Keyed synchronous edits go on
+        either way: their clients are connected."""
         if jobs.folder is not None and deadline is not None:
             while (running := jobs.running_async()) and time.monotonic() < deadline:  # also those admitted meanwhile
                 await wait_events([job.ended for job in running], min(1.0, deadline - time.monotonic()))
         running = jobs.running_async()
         for job in running:
             job.interrupted = True
-        return sum(cancel_job(job, "the server is stopping") for job in running)
+        return [job for job in running if cancel_job(job, "the server is stopping")]
 
     app.state.stop_async = stop_async
-    app.state.restored = jobs.restore(failure_outcome(asyncio.CancelledError()))
+    app.state.restored = jobs.restore(lambda job: failure_outcome(asyncio.CancelledError(), job.id))
 
     def webhook_field(form: Form, claim: EditClaim) -> str | None:
         url = form.text("webhook")
@@ -1734,8 +1751,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             raise ApiError(409, f"edit {request_id!r} is still being checked; send DELETE again", "request_id",
                            "edit_arriving", {"Retry-After": "1"})
         if job is not None:
-            job.deleted = True
-            return {"id": request_id, "cancelled": cancel_job(job, "DELETE /v1/edits")}
+            job.deleted = cancel_job(job, "DELETE /v1/edits")  # read when it ends, which is later
+            return {"id": request_id, "cancelled": job.deleted}
         ids = edit_in_flight(request, request_id)
         cancelled = [router.cancel(i, "DELETE /v1/edits") for i in ids]
         return {"id": request_id, "cancelled": any(cancelled)}

@@ -4,7 +4,7 @@ after it. `retouch serve --cache-disk-dir DIR` keeps them in DIR/edits, beside t
 (`retouch.engine.registry`).
 
     <name>.json     {"format", "id", "tenant", "key", "fingerprint", "async", "template_id", "created",
-                     "webhook", "webhook_sent", "ended_at" (wall clock; null while it runs), "status",
+                     "webhook", "webhook_state", "ended_at" (wall clock; null while it runs), "status",
                      "http_status", "headers", "body", "media_type", "images": [their sizes]}; written last
     <name>.<i>.bin  the answer's images, as they were answered
 
@@ -20,9 +20,11 @@ and counted, and the answer stays in memory.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -42,19 +44,25 @@ class AnswerFolder:
         self.directory = Path(directory)
         self._lock_file = lock_folder(self.directory)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="retouch-answers")
-        self._latest: dict[str, tuple[bytes, tuple[bytes, ...]] | int] = {}  # name -> what to write, or to remove
+        # name -> what waits for the writer: the images of files to remove first (None: none), then what to
+        # write (the edit's id, its header, its images)
+        self._latest: dict[str, tuple[int | None, tuple[str, bytes, tuple[bytes, ...]] | None]] = {}
+        self._unremoved: dict[str, int] = {}  # removals that failed (the writer's): tried again with each write
         self._latest_lock = threading.Lock()
         self.write_errors = 0
 
     def close(self, timeout_s: float | None = None) -> None:
         """Finish the writes asked for (within `timeout_s`: those left are lost, as after a kill), then give the
         folder back; later writes are skipped."""
-        done = self._submit(lambda: None)
-        if done is not None:
-            try:
+        done = self._submit(self._remove_again)
+        try:
+            if done is not None:
                 done.result(timeout_s)
-            except concurrent.futures.TimeoutError:
-                logger.warning("kept answers: writes still waiting after %.1f s are dropped", timeout_s)
+        except concurrent.futures.TimeoutError:
+            # The folder stays locked (until this process exits) while a write may still run.
+            logger.warning("kept answers: writes still waiting after %.1f s are dropped", timeout_s)
+            self._writer.shutdown(wait=False, cancel_futures=True)
+            return
         self._writer.shutdown(wait=False, cancel_futures=True)
         self._lock_file.close()
 
@@ -62,7 +70,7 @@ class AnswerFolder:
         """Write `job` as it is now (running, or ended with its outcome)."""
         header = {"format": FORMAT, "id": job.id, "tenant": job.tenant, "key": job.key,
                   "fingerprint": job.fingerprint, "async": job.runs_async, "template_id": job.template_id,
-                  "created": job.created, "webhook": job.webhook, "webhook_sent": job.webhook_sent,
+                  "created": job.created, "webhook": job.webhook, "webhook_state": job.webhook_state,
                   "ended_at": job.ended_at, "status": job.status}
         images: tuple[bytes, ...] = ()
         if job.outcome is not None:
@@ -76,10 +84,10 @@ class AnswerFolder:
             self.write_errors += 1
             logger.warning("kept answer of edit %r cannot be written (%s)", job.id, exc)
             return
-        self._queue(name_of(job), (encoded, images))
+        self._queue(name_of(job), write=(job.id, encoded, images))
 
     def remove(self, job: Job) -> None:
-        self._queue(name_of(job), 0 if job.outcome is None else len(job.outcome.reply.images))
+        self._queue(name_of(job), remove=0 if job.outcome is None else len(job.outcome.reply.images))
 
     def load(self, ttl_s: float, max_bytes: int) -> list[Job]:
         """The edits written whole that the store would still hold: ended less than `ttl_s` ago (wall clock;
@@ -91,7 +99,11 @@ class AnswerFolder:
             if not NAME.fullmatch(path.stem):
                 continue
             try:
-                headers[path.stem] = checked_header(json.loads(path.read_bytes()))
+                header = json.loads(path.read_bytes())
+                if isinstance(header, dict) and header.get("format") != FORMAT:  # a newer version's: left alone
+                    logger.warning("kept answer %s is of format %r, not %d; skipped", path, header["format"], FORMAT)
+                    continue
+                headers[path.stem] = checked_header(header)
             except (ValueError, KeyError, TypeError) as exc:
                 logger.warning("kept answer %s cannot be read (%s); removed", path, exc)
                 self._unlink(path.stem, 0)
@@ -116,7 +128,7 @@ class AnswerFolder:
     def _job(self, name: str, header: dict) -> Job:
         job = Job(header["id"], header["tenant"], template_id=header["template_id"], key=header["key"],
                   fingerprint=header["fingerprint"], runs_async=header["async"], created=header["created"],
-                  webhook=header["webhook"], webhook_sent=header["webhook_sent"])
+                  webhook=header["webhook"], webhook_state=header["webhook_state"])
         if name_of(job) != name:
             raise ValueError("its name is not its tenant's and id's")
         if header["ended_at"] is None:
@@ -136,13 +148,19 @@ class AnswerFolder:
                 continue
             header = headers.get(match[1])
             if header is None or header["ended_at"] is None or int(match[2]) >= len(header["images"]):
-                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
 
-    def _queue(self, name: str, write: tuple[bytes, tuple[bytes, ...]] | int) -> None:
+    def _queue(self, name: str, remove: int | None = None, write: tuple[str, bytes, tuple[bytes, ...]] | None = None
+               ) -> None:
+        """A removal replaces what waits to be written; a write, what waits to be written after any removal
+        (a DELETE, then a new edit with the same id: the old files go first)."""
         with self._latest_lock:
-            waiting = name in self._latest
-            self._latest[name] = write
-        if not waiting:
+            waiting = self._latest.get(name)
+            if waiting is not None and waiting[0] is not None:  # a removal waiting is never undone
+                remove = max(remove or 0, waiting[0])
+            self._latest[name] = (remove, write)
+        if waiting is None:
             self._submit(self._write_latest, name)
 
     def _submit(self, *write) -> concurrent.futures.Future | None:
@@ -155,27 +173,40 @@ class AnswerFolder:
 
     def _write_latest(self, name: str) -> None:
         with self._latest_lock:
-            write = self._latest.pop(name)
-        if isinstance(write, int):
-            self._unlink(name, write)
+            remove, write = self._latest.pop(name)
+        self._remove_again()
+        if remove is not None:
+            self._unlink(name, remove)
+        if write is None:
             return
-        header, images = write
+        job_id, header, images = write
         try:
             for index, image in enumerate(images):
                 write_whole(self._path(name, f".{index}.bin"), image)
             write_whole(self._path(name, ".json"), header)
         except OSError as exc:
             self.write_errors += 1
-            logger.warning("cannot keep an answer on disk in %s (%s); it stays in memory", self.directory, exc)
+            # What an earlier write left (its header says "running") would be answered as interrupted after a
+            # restart, though the edit ended: it goes, and the edit is unknown there.
+            logger.warning("the answer of edit %r cannot be kept on disk in %s (%s); it stays in memory until the "
+                           "server stops", job_id, self.directory, exc)
+            self._unlink(name, len(images))
 
     def _unlink(self, name: str, images: int) -> None:
         try:
             self._path(name, ".json").unlink(missing_ok=True)  # first: a half-removed one is not loaded
             for index in range(images):
                 self._path(name, f".{index}.bin").unlink(missing_ok=True)
+            self._unremoved.pop(name, None)
         except OSError as exc:
             self.write_errors += 1
-            logger.warning("cannot remove a kept answer from %s (%s)", self.directory, exc)
+            if name not in self._unremoved:  # a DELETEd answer must not come back: tried again later
+                logger.warning("cannot remove a kept answer from %s (%s); it is tried again", self.directory, exc)
+            self._unremoved[name] = max(images, self._unremoved.get(name, 0))
+
+    def _remove_again(self) -> None:
+        for name, images in list(self._unremoved.items()):
+            self._unlink(name, images)
 
     def _path(self, name: str, suffix: str) -> Path:
         return self.directory / (name + suffix)
@@ -191,14 +222,13 @@ def checked_header(header) -> dict:
     def text(value, optional=False) -> bool:
         return isinstance(value, str) or (optional and value is None)
 
-    def number(value, optional=False) -> bool:
-        return (isinstance(value, (int, float)) and not isinstance(value, bool)) or (optional and value is None)
+    def number(value, optional=False) -> bool:  # a time: finite (clients read it as an integer)
+        return ((isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+                or (optional and value is None))
 
-    if header["format"] != FORMAT:
-        raise ValueError(f"format {header['format']}")
     if not (all(text(header[name]) for name in ("id", "tenant", "template_id"))
-            and all(text(header[name], optional=True) for name in ("key", "fingerprint", "webhook"))
-            and isinstance(header["async"], bool) and isinstance(header["webhook_sent"], bool)
+            and all(text(header[name], optional=True) for name in ("key", "fingerprint", "webhook", "webhook_state"))
+            and isinstance(header["async"], bool)
             and number(header["created"]) and number(header["ended_at"], optional=True)):
         raise ValueError("a field of the wrong type")
     if header["ended_at"] is None:

@@ -53,7 +53,8 @@ def write_whole(path: Path, data: bytes) -> None:
     `lock_folder` removes when a kill cut a write short)."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(temporary, "wb") as f:
+        # readable by this user only: the files hold tenants' images
+        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -75,5 +76,6 @@ def lock_folder(directory: Path) -> IO:
         raise InputError(f"another retouch serve uses {directory.parent} (--cache-disk-dir); give each "
                          "server a folder of its own") from None
     for stale in directory.glob(".*.tmp"):
-        stale.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a folder that refuses removals is still served (its files read)
+            stale.unlink(missing_ok=True)
     return lock

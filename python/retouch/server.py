@@ -35,12 +35,13 @@ from retouch.engine.registry import TemplateRegistry
 from retouch.engine.router import Router, RouterConfig
 from retouch.engine.step_cost import StepCost
 from retouch.engine.supervisor import Supervisor
+from retouch.edit_jobs import wait_events
 from retouch.errors import InputError, RetouchError
 from retouch.http_api import Limits, create_app
 from retouch.http_connections import guarded_protocol
 from retouch.kept_answers import AnswerFolder
 from retouch.log_limits import cap_log_messages
-from retouch.webhooks import WebhookSender
+from retouch.webhooks import secret_key
 
 
 
@@ -210,7 +211,7 @@ class Server:
         margin = min(2.0, drain_s / 4)  # for what must follow the edits within the drain
         if self._http is not None:
             # asynchronous edits kept on disk may finish until shortly before the drain ends (`stop_async`)
-            self._http.stop(async_deadline=deadline - 2 * margin)
+            self._http.stop(async_deadline=deadline - 2 * margin, webhook_deadline=deadline - margin)
             self._http_thread.join(timeout=max(0.0, deadline - margin - time.monotonic()))
         told_to_stop: set[str] = set()
         if self.router is not None:
@@ -239,7 +240,9 @@ class Server:
               f"policy {self.opts.policy}); workers join at {self.router.address}; Ctrl-C drains and stops",
               file=sys.stderr)
         stop.wait()
-        print("retouch: draining", file=sys.stderr)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _stop_now)
+        print(f"retouch: draining (up to {self.opts.drain_s:g} s; Ctrl-C again stops at once)", file=sys.stderr)
         self.close()
 
     def __enter__(self) -> Server:
@@ -249,20 +252,28 @@ class Server:
         self.close()
 
 
+def _stop_now(*_) -> None:
+    """A second Ctrl-C or SIGTERM: stop without the drain, as a kill would (the workers end with this process;
+    edits kept on disk that still ran answer 503 interrupted after a restart)."""
+    print("retouch: stopping now", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 class HttpServer(uvicorn.Server):
     """uvicorn's server that, once it runs, sends the webhooks a stopped server left undelivered, and, told to
-    stop, drains the connections as uvicorn does while it stops the asynchronous edits (the app's
-    `stop_async`: at once, or, their answers kept on disk, those still running at `async_deadline`,
-    time.monotonic), then its webhooks (those in flight may end until that deadline)."""
+    stop (`stop`), drains the connections as uvicorn does while it stops the asynchronous edits (the app's
+    `stop_async`: at once, or, their answers kept on disk, those still running at `async_deadline`), then
+    its webhooks: those in flight, and those of the edits it cancelled, may end until `webhook_deadline`."""
 
     def __init__(self, config: uvicorn.Config, app_state):
         super().__init__(config)
         self.app_state = app_state
         self.async_deadline: float | None = None
+        self.webhook_deadline: float | None = None
 
-    def stop(self, async_deadline: float | None = None) -> None:
-        """Tell it to stop (from another thread)."""
-        self.async_deadline = async_deadline
+    def stop(self, async_deadline: float | None = None, webhook_deadline: float | None = None) -> None:
+        """Tell it to stop (from another thread); deadlines on time.monotonic, None: at once."""
+        self.async_deadline, self.webhook_deadline = async_deadline, webhook_deadline
         self.should_exit = True
 
     async def startup(self, sockets=None) -> None:
@@ -272,13 +283,23 @@ class HttpServer(uvicorn.Server):
             print(f"retouch: sending {resumed} webhooks left undelivered before the restart", file=sys.stderr)
 
     async def shutdown(self, sockets=None) -> None:
+        waiting = len(self.app_state.jobs.running_async())
+        if waiting and self.app_state.jobs.folder is not None and self.async_deadline is not None:
+            print(f"retouch: {waiting} asynchronous edits may finish within "
+                  f"{max(0.0, self.async_deadline - time.monotonic()):.0f} s", file=sys.stderr)
         stopping = asyncio.ensure_future(self.app_state.stop_async(self.async_deadline))
         await super().shutdown(sockets)
         cancelled = await stopping
         if cancelled:
-            print(f"retouch: {cancelled} asynchronous edits cancelled (503 interrupted)", file=sys.stderr)
+            print(f"retouch: {len(cancelled)} asynchronous edits cancelled (503 interrupted)", file=sys.stderr)
         webhooks = self.app_state.webhooks
-        if webhooks is not None and (dropped := await webhooks.close(self.async_deadline)):
+        if webhooks is None:
+            return
+        deadline = self.webhook_deadline
+        if deadline is not None:  # the cancelled edits' webhooks are sent once they end
+            await wait_events([job.ended for job in cancelled], deadline - time.monotonic())
+        dropped = await webhooks.close(deadline)
+        if dropped:
             kept = self.app_state.jobs.folder is not None
             print(f"retouch: {dropped} webhooks not delivered" + (" (sent again after the restart)" if kept else ""),
                   file=sys.stderr)
@@ -292,12 +313,14 @@ def answer_folder(opts: ServeOptions) -> AnswerFolder | None:
 
 def read_webhook_secret(path: Path) -> str:
     """The webhooks' signing secret: the file's one line (Standard Webhooks' whsec_ + base64)."""
-    secret = Path(path).read_text().strip()
+    lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    if len(lines) != 1:
+        raise InputError(f"--webhook-secret-file {path}: one line (whsec_ + base64), not {len(lines)}")
     try:
-        WebhookSender(secret, ())
+        secret_key(lines[0])
     except ValueError as exc:
         raise InputError(f"--webhook-secret-file {path}: {exc}") from None
-    return secret
+    return lines[0]
 
 
 def read_api_keys(path: Path | None) -> tuple[str, ...]:
