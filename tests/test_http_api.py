@@ -70,7 +70,7 @@ def test_api_key_back_pressure_and_shutdown():
     assert busy.status_code == 429 and busy.headers["Retry-After"] == str(RETRY_AFTER_UNKNOWN_S)
     assert busy.json()["error"]["code"] == "queue_full" and busy.json()["error"]["type"] == "rate_limit_error"
     assert busy.headers["X-Request-Id"].startswith("edit-")  # the id the refused edit would have run under
-    assert outcome["shut down"].status_code == 503 and "shut down" in outcome["shut down"].json()["error"]["message"]
+    assert outcome["shut down"].status_code == 503 and outcome["shut down"].json()["error"]["code"] == "interrupted"
 
 
 @contextlib.asynccontextmanager

@@ -241,6 +241,34 @@ async def a_stopping_http_server(directory: Path) -> dict:
         context.destroy(linger=0)
 
 
+def test_a_server_stopping_with_nothing_to_cancel_closes_its_webhooks():
+    """The stop waits for the edits it cancelled (none here) before it closes the webhook sender."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from retouch.edit_jobs import wait_events
+    from retouch.server import HttpServer
+
+    asyncio.run(wait_events([], 1.0))
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
+    try:
+        app = create_app(router, Limits(webhook_origins=(HOOKS,), webhook_secret=SECRET))
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        server = HttpServer(uvicorn.Config(app, log_level="warning", lifespan="off"), app.state)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+        listener.listen(4)
+        thread.start()
+        assert httpx.get(f"http://127.0.0.1:{listener.getsockname()[1]}/healthz", timeout=10).status_code == 200
+        server.stop(async_deadline=time.monotonic(), webhook_deadline=time.monotonic() + 5)
+        thread.join(10)
+        assert not thread.is_alive() and app.state.webhooks.closed
+    finally:
+        router.close(drain_s=0)
+
+
 def test_edits_still_running_when_the_server_stops_are_kept_interrupted(tmp_path):
     """Whatever the stop cancels (an asynchronous edit past the drain, a keyed one its client left) is the
     server's doing: 503 interrupted, send it again; never a client's 409 cancelled."""

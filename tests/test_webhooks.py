@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -86,6 +87,24 @@ def test_each_tenant_has_its_own_secret():
     sender = WebhookSender(SECRET, (ORIGIN,), per_tenant=True)
     assert sender.secret_of("tenant-a") == a
     assert WebhookSender(SECRET, (ORIGIN,)).secret_of("tenant-a") == SECRET  # one tenant: the server's own
+    assert sender.secret_of("") == SECRET  # an edit made before the server had keys: no key could fetch another
+    assert logging.getLogger("httpx").level >= logging.WARNING  # httpx would log the whole URL, tokens and all
+
+
+def test_a_cancelled_delivery_ends_without_an_outcome():
+    async def run() -> tuple:
+        sender = WebhookSender(SECRET, (ORIGIN,), retry_delays_s=(60.0,), transport=httpx.MockTransport(Receiver(500)))
+        ended = []
+        sender.send("", "msg_gone", ORIGIN, {}, ended.append)
+        while not any(sender._tasks.values()):
+            await asyncio.sleep(0.01)
+        cancelled = sender.cancel("msg_gone"), sender.cancel("msg_unknown")
+        while sender.pending():
+            await asyncio.sleep(0.01)
+        await sender.close()
+        return cancelled, ended, sender.counts
+    cancelled, ended, counts = asyncio.run(run())
+    assert cancelled == (True, False) and ended == [] and counts == {"delivered": 0, "retried": 0, "failed": 0}
 
 
 def test_a_delivery_is_retried_until_a_2xx_and_keeps_its_id():
@@ -116,7 +135,7 @@ def test_closing_cancels_the_retries_and_waits_for_deliveries_in_flight():
         sender.send("", "msg_slow", ORIGIN, {})
         failing = WebhookSender(SECRET, (ORIGIN,), retry_delays_s=(60.0,), transport=httpx.MockTransport(Receiver(500)))
         failing.send("", "msg_retry", ORIGIN, {})
-        while not failing.counts["retried"]:
+        while not any(failing._tasks.values()):  # it waits to retry
             await asyncio.sleep(0.01)
         asyncio.get_running_loop().call_later(0.05, release.set)
         in_flight = await sender.close(time.monotonic() + 60)
@@ -163,6 +182,9 @@ def test_webhook_options_are_checked(tmp_path):
         ServeOptions(model="m", webhook_origins=ORIGIN)
     with pytest.raises(InputError, match="nothing after"):
         ServeOptions(model="m", webhook_origins=ORIGIN + "/tenant-a", webhook_secret_file=secret)
+    secret.write_text(SECRET)
+    with pytest.raises(InputError, match="without --webhook-origins"):
+        ServeOptions(model="m", webhook_secret_file=secret)
 
 
 ORIGIN2 = "https://hooks2.example.com"
@@ -172,18 +194,24 @@ async def webhooked_edits(directory: Path) -> dict:
     limits = {"webhook_origins": (ORIGIN, ORIGIN2), "webhook_secret": SECRET}
     async with server_with_a_template(AnswerFolder(directory), **limits) as (client, router, worker, form):
         app = client._transport.app
-        receiver = Receiver(200, 410, 503, 503)  # delivered; gone; then down (its receivers wait to be retried)
+        receiver = Receiver(200, 410, 503, 503, 503)  # delivered; gone; then down (they wait to be retried)
         app.state.webhooks.transport = httpx.MockTransport(receiver)
         app.state.webhooks.retry_delays_s = (60.0,)
-        seen = {"secret": (await client.get("/v1/webhooks/secret", headers=auth())).json()["secret"],
+        secret = await client.get("/v1/webhooks/secret", headers=auth())
+        seen = {"secret": secret.json()["secret"], "no-store": secret.headers["Cache-Control"] == "no-store",
                 "other secret": (await client.get("/v1/webhooks/secret", headers=auth("sk-b"))).json()["secret"]}
-        for url in (ORIGIN + "/done?job=1", ORIGIN + "/gone", ORIGIN + "/late", ORIGIN2 + "/late"):
+        for url in (ORIGIN + "/done?job=1", ORIGIN + "/gone", ORIGIN + "/late", ORIGIN2 + "/late", ORIGIN + "/del"):
             seen[url] = await client.post("/v1/edits", headers=auth(), data={**form, "async": "true", "webhook": url},
                                           files=mask_file())
             await answer_next_edit(worker)
-            while len(receiver.requests) < len(seen) - 2:
+            while len(receiver.requests) < len(seen) - 3:
                 await asyncio.sleep(0.01)
         seen["requests"] = receiver.requests
+        # a DELETE of an answer stops its webhook's retries (its result_url would answer 404)
+        pending = app.state.webhooks.pending()
+        await client.delete(f"/v1/edits/{seen[ORIGIN + '/del'].json()['id']}", headers=auth())
+        while app.state.webhooks.pending() == pending:
+            await asyncio.sleep(0.01)
         for name, data, endpoint in (("not async", {**form, "webhook": ORIGIN}, "/v1/edits"),
                                      ("other origin", {**form, "async": "1", "webhook": "http://10.0.0.1/"},
                                       "/v1/edits"),
@@ -197,7 +225,7 @@ async def webhooked_edits(directory: Path) -> dict:
 def test_an_asynchronous_edit_calls_its_webhook_and_a_restart_sends_an_undelivered_one(tmp_path):
     seen = asyncio.run(webhooked_edits(tmp_path))
     request = seen["requests"][0]
-    assert str(request.url) == ORIGIN + "/done?job=1"
+    assert str(request.url) == ORIGIN + "/done?job=1" and seen["no-store"]
     payload = Webhook(seen["secret"]).verify(request.content, dict(request.headers))  # the tenant's own secret
     with pytest.raises(Exception, match="signature"):
         Webhook(seen["other secret"]).verify(request.content, dict(request.headers))

@@ -156,6 +156,8 @@ def _check_webhook_options(options) -> None:
                          ".decode())\")")
     if options.webhook_secret_file is not None and not Path(options.webhook_secret_file).is_file():
         raise InputError(f"--webhook-secret-file {options.webhook_secret_file} not found")
+    if options.webhook_secret_file is not None and not origins:
+        raise InputError("--webhook-secret-file without --webhook-origins: no webhook would be sent")
 
 
 def _check_lora_options(options) -> None:

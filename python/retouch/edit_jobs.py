@@ -123,7 +123,9 @@ class Job:
 
 
 async def wait_events(events: list[asyncio.Event], timeout_s: float, return_when=asyncio.ALL_COMPLETED) -> None:
-    """Return once `events` are set (all, or with FIRST_COMPLETED one), or after `timeout_s`."""
+    """Return once `events` are set (all, or with FIRST_COMPLETED one), or after `timeout_s`; at once for none."""
+    if not events:  # asyncio.wait refuses an empty set
+        return
     waits = [asyncio.ensure_future(event.wait()) for event in events]
     try:
         await asyncio.wait(waits, timeout=max(0.0, timeout_s), return_when=return_when)

@@ -872,7 +872,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         if not webhooks.per_tenant:
             raise ApiError(404, "this server has no API keys: its webhooks are signed with the operator's secret "
                            "(--webhook-secret-file)", None, "not_found")
-        return {"object": "webhook_secret", "secret": webhooks.secret_of(request.state.tenant)}
+        return JSONResponse({"object": "webhook_secret", "secret": webhooks.secret_of(request.state.tenant)},
+                            headers={"Cache-Control": "no-store"})
 
     @app.get("/v1/limits")
     async def list_limits():
@@ -1304,14 +1305,22 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             logger.warning("the webhook of edit %s is not sent: its origin is no longer allowed", job.id)
             jobs.webhook_done(job, "refused")
             return False
-        message_id = "msg_" + hashlib.sha256(f"{job.tenant}\0{job.id}\0{job.created!r}".encode()).hexdigest()[:32]
         payload = {"type": f"edit.{job.status}", "data": job_fields(job),
                    "timestamp": datetime.fromtimestamp(job.ended_at, timezone.utc).isoformat()}
-        return webhooks.send(job.tenant, message_id, job.webhook, payload, lambda state: jobs.webhook_done(job, state))
+        return webhooks.send(job.tenant, webhook_id(job), job.webhook, payload,
+                             lambda state: jobs.webhook_done(job, state), label=job.id)
+
+    def webhook_id(job: Job) -> str:
+        """Its deliveries' `webhook-id`: one per edit, whoever made it (ids are per tenant), however often sent."""
+        return "msg_" + hashlib.sha256(f"{job.tenant}\0{job.id}\0{job.created!r}".encode()).hexdigest()[:32]
 
     def resume_webhooks() -> int:
         """The server runs (its event loop): send the webhooks a stopped one left undelivered. How many."""
-        return sum(send_webhook(job) for job in jobs.unsent_webhooks())
+        unsent = jobs.unsent_webhooks()
+        if unsent and webhooks is None:
+            logger.warning("%d webhooks left undelivered are held: this server sends none (--webhook-origins)",
+                           len(unsent))
+        return sum(send_webhook(job) for job in unsent)
 
     app.state.resume_webhooks = resume_webhooks
 
@@ -1746,6 +1755,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         job = jobs.find(request.state.tenant, request_id)
         if job is not None and job.ended.is_set():
             jobs.forget(job)
+            if webhooks is not None:  # its webhook would point to an answer that is gone
+                webhooks.cancel(webhook_id(job))
             return {"id": request_id, "deleted": True}
         if job is not None and not job.admitted.is_set():
             raise ApiError(409, f"edit {request_id!r} is still being checked; send DELETE again", "request_id",

@@ -241,22 +241,23 @@ class Server:
               file=sys.stderr)
         stop.wait()
         for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, _stop_now)
+            signal.signal(signum, lambda *_: self._stop_now())
         print(f"retouch: draining (up to {self.opts.drain_s:g} s; Ctrl-C again stops at once)", file=sys.stderr)
         self.close()
+
+    def _stop_now(self) -> None:
+        """A second Ctrl-C or SIGTERM: stop without the drain, as a kill would (the workers end with this
+        process; edits kept on disk that still ran answer 503 interrupted after a restart)."""
+        print("retouch: stopping now", file=sys.stderr, flush=True)
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        os._exit(1)
 
     def __enter__(self) -> Server:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _stop_now(*_) -> None:
-    """A second Ctrl-C or SIGTERM: stop without the drain, as a kill would (the workers end with this process;
-    edits kept on disk that still ran answer 503 interrupted after a restart)."""
-    print("retouch: stopping now", file=sys.stderr, flush=True)
-    os._exit(1)
 
 
 class HttpServer(uvicorn.Server):

@@ -98,6 +98,8 @@ class WebhookSender:
         if bad:
             raise ValueError(f"webhook origins are http(s)://host[:port], nothing after; got {bad[0]!r}")
         self.secret, self.per_tenant = secret, per_tenant
+        # httpx logs each request's whole URL at info, and a webhook's may hold the client's token
+        logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").level))
         self.origins = {allowed_origin(origin): origin for origin in origins}
         self.retry_delays_s, self.timeout_s, self.transport = retry_delays_s, timeout_s, transport
         self.counts = {"delivered": 0, "retried": 0, "failed": 0}
@@ -107,59 +109,71 @@ class WebhookSender:
         self._tasks: dict[asyncio.Task, bool] = {}  # delivery -> whether it waits to retry (nothing in flight)
 
     def secret_of(self, tenant: str) -> str:
-        return tenant_secret(self.secret, tenant) if self.per_tenant else self.secret
+        """The tenant's secret; the server's own for the one tenant of a server without API keys ("", also
+        when keys came with a restart: its operator holds that secret, and no key could fetch a derived one)."""
+        return tenant_secret(self.secret, tenant) if self.per_tenant and tenant else self.secret
 
     def refusal(self, url: str) -> str | None:
         """Why `url` may not be called (a message naming no origin: any tenant reads it), or None."""
         if len(url) > MAX_URL_CHARS:
             return f"webhook: a URL of at most {MAX_URL_CHARS} characters"
-        if origin_of(url) not in self.origins:
-            return "webhook must be an http(s) URL of one of the origins the server allows (--webhook-origins)"
+        origin = origin_of(url)
+        if origin is None:
+            return "webhook must be an http(s) URL without user info, fragment, spaces or control characters"
+        if origin not in self.origins:
+            return "webhook's origin is not one the server allows (--webhook-origins)"
         return None
 
     def send(self, tenant: str, message_id: str, url: str, payload: dict,
-             done: Callable[[str], None] = lambda state: None) -> bool:
+             done: Callable[[str], None] = lambda state: None, label: str = "") -> bool:
         """Deliver `payload` to `url` (call on the event loop), retrying as the module says; `done(state)` once
         it is over: delivered, gone (410) or failed. False when the sender is closed (nothing is sent, and
-        `done` is not called: a restarted server sends it)."""
+        `done` is not called: a restarted server sends it). `label` names it in the logs (an edit's id)."""
         if self.closed:
             return False
-        task = asyncio.get_running_loop().create_task(self._deliver(tenant, message_id, url, payload, done),
-                                                      name=f"webhook-{message_id}")
+        task = asyncio.get_running_loop().create_task(
+            self._deliver(tenant, message_id, url, payload, done, label or message_id), name=f"webhook-{message_id}")
         self._tasks[task] = False
         task.add_done_callback(lambda finished: self._tasks.pop(finished, None))
         return True
+
+    def cancel(self, message_id: str) -> bool:
+        """Stop delivering `message_id` (its edit's answer was deleted: its result_url would answer 404)."""
+        tasks = [task for task in self._tasks if task.get_name() == f"webhook-{message_id}"]
+        for task in tasks:
+            task.cancel()
+        return bool(tasks)
 
     def pending(self) -> int:
         return len(self._tasks)
 
     async def _deliver(self, tenant: str, message_id: str, url: str, payload: dict,
-                       done: Callable[[str], None]) -> None:
+                       done: Callable[[str], None], label: str) -> None:
         body = json.dumps(payload).encode()
         task = asyncio.current_task()
         state, origin = "failed", self.origins.get(origin_of(url), "?")  # the logs name the origin, not the URL
         for attempt, delay in enumerate((0.0, *self.retry_delays_s)):
             if delay:
-                self.counts["retried"] += 1
                 self._tasks[task] = True
                 await asyncio.sleep(delay)
                 self._tasks[task] = False
+                self.counts["retried"] += 1  # attempts made after a first
             status = await self._attempt(tenant, message_id, url, body)
-            if status is not None and 200 <= status < 300:
+            if isinstance(status, int) and 200 <= status < 300:
                 state = "delivered"
                 break
             if status == 410:  # the receiver says it is gone for good
                 state = "gone"
                 break
-            logger.info("webhook %s to %s: attempt %d failed (%s)", message_id, origin, attempt + 1,
-                        "no answer" if status is None else status)
+            logger.info("webhook of %s to %s: attempt %d failed (%s)", label, origin, attempt + 1, status)
         self.counts["delivered" if state == "delivered" else "failed"] += 1
         if state != "delivered":
-            logger.warning("webhook %s to %s was not delivered (%s after %d attempts)", message_id, origin, state,
-                           attempt + 1)
+            logger.warning("webhook of %s to %s was not delivered (%s; %d attempt%s)", label, origin, state,
+                           attempt + 1, "s" * (attempt > 0))
         done(state)
 
-    async def _attempt(self, tenant: str, message_id: str, url: str, body: bytes) -> int | None:
+    async def _attempt(self, tenant: str, message_id: str, url: str, body: bytes) -> int | str:
+        """The receiver's status, or why there is none (the exception's name: ConnectError, a timeout, ...)."""
         if self._client is None:
             self._client = httpx.AsyncClient(transport=self.transport, follow_redirects=False, timeout=self.timeout_s)
         signer = self._signers.get(tenant)
@@ -174,9 +188,10 @@ class WebhookSender:
             async with asyncio.timeout(self.timeout_s):  # in all: a receiver trickling its answer is cut too
                 async with self._client.stream("POST", httpx.URL(url), content=body, headers=headers) as answer:
                     return answer.status_code  # its body is not read
+        except TimeoutError:
+            return "no status within the time limit"
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, this attempt has no answer
-            logger.debug("webhook %s: %s", message_id, exc)
-            return None
+            return type(exc).__name__
 
     async def close(self, deadline: float | None = None) -> int:
         """Stop (the server stops): deliveries in flight may end until `deadline` (time.monotonic; None: not
