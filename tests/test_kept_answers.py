@@ -401,6 +401,38 @@ def test_a_full_disk_keeps_the_answer_in_memory_and_says_so(tmp_path, monkeypatc
     assert [path for path in tmp_path.iterdir() if path.name != ".lock"] == []
 
 
+def test_a_failed_rewrite_leaves_the_kept_answer_whole(tmp_path, monkeypatch):
+    """An edit whose end is on disk is written again (its webhook delivered); that write fails (a full disk):
+    the answer on disk stays, for the restarted server."""
+    jobs = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
+    done = Outcome("completed", 200, Reply({}, None, (b"img",), "image/png"))
+    run_jobs(jobs, [("", "e1", None, done)])
+    jobs.folder = AnswerFolder(tmp_path)
+    jobs.restore(lambda job: INTERRUPTED)
+
+    def no_space(path, data):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(kept_answers, "write_whole", no_space)
+    jobs.webhook_done(jobs.find("", "e1"), "delivered")
+    jobs.folder.close()
+    monkeypatch.undo()
+    restarted = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
+    assert restarted.restore(lambda job: INTERRUPTED) == 1 and restarted.find("", "e1").outcome == done
+    restarted.folder.close()
+
+
+def test_a_read_only_disk_counts_each_failure_once(tmp_path, monkeypatch):
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(kept_answers, "write_whole", read_only)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    folder = AnswerFolder(tmp_path)
+    for index in range(30):
+        folder.save(Job(f"e{index}", "", "tpl"))
+    folder.close()
+    assert folder.write_errors == 30 and folder._unremoved == {}
+
+
 def test_a_removal_that_failed_is_tried_again_and_a_newer_format_is_left_alone(tmp_path, monkeypatch):
     jobs = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
     done = Outcome("completed", 200, Reply({}, None, (b"img",), "image/png"))
@@ -415,11 +447,55 @@ def test_a_removal_that_failed_is_tried_again_and_a_newer_format_is_left_alone(t
             raise PermissionError(1, "Operation not permitted")
         real_unlink(path, missing_ok=missing_ok)
     monkeypatch.setattr(Path, "unlink", refuse_once)
-    jobs.forget(jobs.find("", "deleted"))  # a DELETE whose removal fails at first
-    jobs.forget(jobs.find("", "later"))  # the next write tries it again
-    jobs.folder.close()
-    assert refused and sorted(path.name for path in tmp_path.iterdir()) == [".lock", f"{'f' * 32}.json"]
+    deleted = jobs.find("", "deleted")
+    jobs.forget(deleted)  # a DELETE whose removal fails at first
+    jobs.forget(jobs.find("", "later"))
+    again = Job("again", "", "tpl")  # a new edit under another id: its write succeeds
+    jobs.folder.save(again)
+    jobs.folder.close()  # tries the failed removal again
+    assert refused and sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        [".lock", f"{'f' * 32}.json", f"{name_of(again)}.json"])
     restarted = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
-    assert restarted.restore(lambda job: INTERRUPTED) == 0
+    assert restarted.restore(lambda job: INTERRUPTED) == 1 and restarted.find("", "deleted") is None
     restarted.folder.close()
     assert (tmp_path / f"{'f' * 32}.json").exists()
+
+
+def test_a_new_edit_under_an_id_whose_removal_failed_is_kept(tmp_path, monkeypatch):
+    """A DELETE whose removal fails, then a new edit under the same id: the removal tried again later must not
+    take the new edit's files."""
+    folder = AnswerFolder(tmp_path)
+    old = Job("e1", "", "tpl")
+    old.outcome, old.ended_at = Outcome("completed", 200, Reply({}, {}, (b"a",))), time.time()
+    folder.save(old)
+    folder.close()
+    folder = AnswerFolder(tmp_path)
+    real_unlink, refused = Path.unlink, []
+
+    def refuse_once(path, missing_ok=False):
+        if not refused:
+            refused.append(path)
+            raise PermissionError(1, "Operation not permitted")
+        real_unlink(path, missing_ok=missing_ok)
+    monkeypatch.setattr(Path, "unlink", refuse_once)
+    folder.remove(old)
+    new = Job("e1", "", "tpl", key="k2")
+    new.outcome, new.ended_at = Outcome("completed", 200, Reply({}, {}, (b"b",))), time.time()
+    folder.save(new)
+    folder.close()  # tries failed removals again
+    jobs = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
+    assert refused and jobs.restore(lambda job: INTERRUPTED) == 1 and jobs.find("", "e1").key == "k2"
+    jobs.folder.close()
+
+
+def test_a_second_ctrl_c_stops_at_once_and_removes_its_run_folder(tmp_path, monkeypatch):
+    from retouch.config import ServeOptions
+    from retouch.server import Server
+
+    exits = []
+    monkeypatch.setattr("os._exit", exits.append)
+    server = Server(ServeOptions(model="m"))
+    server.run_dir = tmp_path / "run"
+    server.run_dir.mkdir()
+    server._stop_now()
+    assert exits == [1] and not server.run_dir.exists()

@@ -20,7 +20,7 @@ from retouch.config import ServeOptions
 from retouch.errors import InputError
 from retouch.kept_answers import AnswerFolder
 from retouch.server import read_webhook_secret
-from retouch.webhooks import WebhookSender, allowed_origin, secret_key, tenant_secret
+from retouch.webhooks import WebhookSender, allowed_origin, origin_of, secret_key, tenant_secret
 
 SECRET = "whsec_" + base64.b64encode(b"a webhook secret of 32 bytes....").decode()
 ORIGIN = "https://hooks.example.com"
@@ -40,6 +40,10 @@ class Receiver:
         if status is None:
             raise httpx.ConnectError("connection refused", request=request)
         return httpx.Response(status, headers={"location": "http://169.254.169.254/"} if status == 302 else {})
+
+
+def counted(counts: dict) -> dict:
+    return {name: value for name, value in counts.items() if value}
 
 
 def deliver(receiver: Receiver, retry_delays_s=(0.01, 0.01, 0.01), payload=None) -> tuple[WebhookSender, list]:
@@ -86,9 +90,18 @@ def test_each_tenant_has_its_own_secret():
     assert len(secret_key(a)) == 32
     sender = WebhookSender(SECRET, (ORIGIN,), per_tenant=True)
     assert sender.secret_of("tenant-a") == a
-    assert WebhookSender(SECRET, (ORIGIN,)).secret_of("tenant-a") == SECRET  # one tenant: the server's own
-    assert sender.secret_of("") == SECRET  # an edit made before the server had keys: no key could fetch another
-    assert logging.getLogger("httpx").level >= logging.WARNING  # httpx would log the whole URL, tokens and all
+    # by the tenant alone, whether the server has keys now: an edit kept across a restart that added or removed
+    # them is signed as its receiver expects (tenant "": a server without keys, whose operator holds the secret)
+    assert WebhookSender(SECRET, (ORIGIN,)).secret_of("tenant-a") == a
+    assert sender.secret_of("") == SECRET
+
+
+def test_httpx_logs_no_webhook_url(caplog):
+    """httpx logs each request's URL at info; a webhook's may hold its client's token."""
+    caplog.set_level(logging.INFO, logger="httpx")
+    deliver(Receiver(), payload={})
+    lines = [record.getMessage() for record in caplog.records if record.name == "httpx"]
+    assert lines and all(ORIGIN + "/hook" not in line and ORIGIN in line for line in lines)
 
 
 def test_a_cancelled_delivery_ends_without_an_outcome():
@@ -104,7 +117,7 @@ def test_a_cancelled_delivery_ends_without_an_outcome():
         await sender.close()
         return cancelled, ended, sender.counts
     cancelled, ended, counts = asyncio.run(run())
-    assert cancelled == (True, False) and ended == [] and counts == {"delivered": 0, "retried": 0, "failed": 0}
+    assert cancelled == (True, False) and ended == [] and counted(counts) == {"cancelled": 1}
 
 
 def test_a_delivery_is_retried_until_a_2xx_and_keeps_its_id():
@@ -112,16 +125,16 @@ def test_a_delivery_is_retried_until_a_2xx_and_keeps_its_id():
     sender, ended = deliver(receiver)
     assert len(receiver.requests) == 4 and ended == ["delivered"]
     assert {request.headers["webhook-id"] for request in receiver.requests} == {"msg_1"}
-    assert sender.counts == {"delivered": 1, "retried": 3, "failed": 0}
+    assert counted(sender.counts) == {"delivered": 1, "retried": 3}
     assert all(str(request.url) == ORIGIN + "/hook" for request in receiver.requests)  # the 302 was not followed
 
 
 def test_a_delivery_gives_up_after_its_attempts_or_at_410():
     sender, ended = deliver(Receiver(500, 500, 500, 500))
-    assert ended == ["failed"] and sender.counts == {"delivered": 0, "retried": 3, "failed": 1}
+    assert ended == ["failed"] and counted(sender.counts) == {"retried": 3, "failed": 1}
     gone = Receiver(410, 200)
     sender, ended = deliver(gone)
-    assert len(gone.requests) == 1 and ended == ["gone"] and sender.counts["failed"] == 1
+    assert len(gone.requests) == 1 and ended == ["gone"] and counted(sender.counts) == {"gone": 1}
 
 
 def test_closing_cancels_the_retries_and_waits_for_deliveries_in_flight():
@@ -159,6 +172,8 @@ def test_closing_cancels_the_retries_and_waits_for_deliveries_in_flight():
 def test_only_urls_of_the_allowed_origins_are_called(url, allowed):
     sender = WebhookSender(SECRET, (ORIGIN, "https://[fd00::10]:8443"))
     assert (sender.refusal(url) is None) == allowed
+    if not allowed and len(url) < 2048:  # the refusal says what is wrong: the URL's shape, or its origin
+        assert ("origin is not one" in sender.refusal(url)) == (origin_of(url) is not None)
 
 
 def test_an_allowed_origin_is_only_an_origin():
@@ -210,8 +225,9 @@ async def webhooked_edits(directory: Path) -> dict:
         # a DELETE of an answer stops its webhook's retries (its result_url would answer 404)
         pending = app.state.webhooks.pending()
         await client.delete(f"/v1/edits/{seen[ORIGIN + '/del'].json()['id']}", headers=auth())
-        while app.state.webhooks.pending() == pending:
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(10):
+            while app.state.webhooks.pending() == pending:
+                await asyncio.sleep(0.01)
         for name, data, endpoint in (("not async", {**form, "webhook": ORIGIN}, "/v1/edits"),
                                      ("other origin", {**form, "async": "1", "webhook": "http://10.0.0.1/"},
                                       "/v1/edits"),

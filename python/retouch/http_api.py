@@ -1298,12 +1298,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
     def send_webhook(job: Job) -> bool:
         """An ended job's webhook, if it has one (`retouch.webhooks`); how its delivery ends is kept with the
         job. Whether one was sent (not: none, delivered before, the sender closed, or its origin no longer
-        allowed, which ends it `refused`)."""
+        allowed after a restart, which ends it `refused`)."""
         if job.webhook is None or job.webhook_state is not None or webhooks is None:
-            return False
-        if webhooks.refusal(job.webhook) is not None:  # a restarted server allows fewer origins
-            logger.warning("the webhook of edit %s is not sent: its origin is no longer allowed", job.id)
-            jobs.webhook_done(job, "refused")
             return False
         payload = {"type": f"edit.{job.status}", "data": job_fields(job),
                    "timestamp": datetime.fromtimestamp(job.ended_at, timezone.utc).isoformat()}

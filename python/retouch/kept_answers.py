@@ -34,6 +34,7 @@ from retouch.edit_jobs import JOB_OVERHEAD_BYTES, STATUSES, Job, Outcome, Reply
 from retouch.paths import lock_folder, write_whole
 
 FORMAT = 1
+RETRY_REMOVALS_S = 5.0  # how often failed removals are tried again (with the writes that come)
 NAME = re.compile(r"[0-9a-f]{32}")
 IMAGE_FILE = re.compile(r"([0-9a-f]{32})\.(\d+)\.bin")
 logger = logging.getLogger("retouch.kept_answers")
@@ -45,16 +46,19 @@ class AnswerFolder:
         self._lock_file = lock_folder(self.directory)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="retouch-answers")
         # name -> what waits for the writer: the images of files to remove first (None: none), then what to
-        # write (the edit's id, its header, its images)
-        self._latest: dict[str, tuple[int | None, tuple[str, bytes, tuple[bytes, ...]] | None]] = {}
-        self._unremoved: dict[str, int] = {}  # removals that failed (the writer's): tried again with each write
+        # write (the edit's id, its header, its images, whether it ended)
+        self._latest: dict[str, tuple[int | None, tuple[str, bytes, tuple[bytes, ...], bool] | None]] = {}
+        # the writer's own: edits whose end is on disk whole, and removals that failed (tried again now and then)
+        self._ended_on_disk: set[str] = set()
+        self._unremoved: dict[str, int] = {}
+        self._removals_tried = 0.0
         self._latest_lock = threading.Lock()
         self.write_errors = 0
 
     def close(self, timeout_s: float | None = None) -> None:
         """Finish the writes asked for (within `timeout_s`: those left are lost, as after a kill), then give the
         folder back; later writes are skipped."""
-        done = self._submit(self._remove_again)
+        done = self._submit(self._remove_again)  # the last chance of failed removals
         try:
             if done is not None:
                 done.result(timeout_s)
@@ -84,7 +88,7 @@ class AnswerFolder:
             self.write_errors += 1
             logger.warning("kept answer of edit %r cannot be written (%s)", job.id, exc)
             return
-        self._queue(name_of(job), write=(job.id, encoded, images))
+        self._queue(name_of(job), write=(job.id, encoded, images, job.outcome is not None))
 
     def remove(self, job: Job) -> None:
         self._queue(name_of(job), remove=0 if job.outcome is None else len(job.outcome.reply.images))
@@ -100,7 +104,8 @@ class AnswerFolder:
                 continue
             try:
                 header = json.loads(path.read_bytes())
-                if isinstance(header, dict) and header.get("format") != FORMAT:  # a newer version's: left alone
+                if isinstance(header, dict) and isinstance(header.get("format"), int) and header["format"] > FORMAT:
+                    # a newer version's: left alone (a rollback must not delete what the newer one keeps)
                     logger.warning("kept answer %s is of format %r, not %d; skipped", path, header["format"], FORMAT)
                     continue
                 headers[path.stem] = checked_header(header)
@@ -123,6 +128,7 @@ class AnswerFolder:
                     except (OSError, ValueError) as exc:
                         logger.warning("kept answer %s cannot be read (%s); removed", name, exc)
             self._unlink(name, len(header["images"]))
+        self._ended_on_disk.update(name_of(job) for job in jobs if job.outcome is not None)
         return jobs[::-1]
 
     def _job(self, name: str, header: dict) -> Job:
@@ -151,8 +157,8 @@ class AnswerFolder:
                 with contextlib.suppress(OSError):
                     path.unlink(missing_ok=True)
 
-    def _queue(self, name: str, remove: int | None = None, write: tuple[str, bytes, tuple[bytes, ...]] | None = None
-               ) -> None:
+    def _queue(self, name: str, remove: int | None = None,
+               write: tuple[str, bytes, tuple[bytes, ...], bool] | None = None) -> None:
         """A removal replaces what waits to be written; a write, what waits to be written after any removal
         (a DELETE, then a new edit with the same id: the old files go first)."""
         with self._latest_lock:
@@ -174,37 +180,47 @@ class AnswerFolder:
     def _write_latest(self, name: str) -> None:
         with self._latest_lock:
             remove, write = self._latest.pop(name)
-        self._remove_again()
+        if time.monotonic() - self._removals_tried > RETRY_REMOVALS_S:
+            self._remove_again()
         if remove is not None:
             self._unlink(name, remove)
         if write is None:
             return
-        job_id, header, images = write
+        job_id, header, images, ended = write
         try:
             for index, image in enumerate(images):
                 write_whole(self._path(name, f".{index}.bin"), image)
             write_whole(self._path(name, ".json"), header)
         except OSError as exc:
             self.write_errors += 1
-            # What an earlier write left (its header says "running") would be answered as interrupted after a
-            # restart, though the edit ended: it goes, and the edit is unknown there.
             logger.warning("the answer of edit %r cannot be kept on disk in %s (%s); it stays in memory until the "
                            "server stops", job_id, self.directory, exc)
-            self._unlink(name, len(images))
+            if name not in self._ended_on_disk:
+                # Its admission's header (it says "running") would be answered as interrupted after a restart,
+                # though the edit ended: it goes, and the edit is unknown there. A later write of an edit whose
+                # end is on disk leaves that whole (files are replaced by renames).
+                self._unlink(name, len(images))
+            return
+        self._unremoved.pop(name, None)  # this write replaced what a failed removal left
+        if ended:
+            self._ended_on_disk.add(name)
 
     def _unlink(self, name: str, images: int) -> None:
+        self._ended_on_disk.discard(name)
         try:
             self._path(name, ".json").unlink(missing_ok=True)  # first: a half-removed one is not loaded
             for index in range(images):
                 self._path(name, f".{index}.bin").unlink(missing_ok=True)
             self._unremoved.pop(name, None)
         except OSError as exc:
+            if name in self._unremoved or not self._path(name, ".json").exists():  # counted once; nothing left
+                return
             self.write_errors += 1
-            if name not in self._unremoved:  # a DELETEd answer must not come back: tried again later
-                logger.warning("cannot remove a kept answer from %s (%s); it is tried again", self.directory, exc)
-            self._unremoved[name] = max(images, self._unremoved.get(name, 0))
+            logger.warning("cannot remove a kept answer from %s (%s); it is tried again", self.directory, exc)
+            self._unremoved[name] = images  # a DELETEd answer must not come back
 
     def _remove_again(self) -> None:
+        self._removals_tried = time.monotonic()
         for name, images in list(self._unremoved.items()):
             self._unlink(name, images)
 
@@ -226,6 +242,8 @@ def checked_header(header) -> dict:
         return ((isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
                 or (optional and value is None))
 
+    if header["format"] != FORMAT:
+        raise ValueError(f"format {header['format']!r}")
     if not (all(text(header[name]) for name in ("id", "tenant", "template_id"))
             and all(text(header[name], optional=True) for name in ("key", "fingerprint", "webhook", "webhook_state"))
             and isinstance(header["async"], bool)

@@ -179,8 +179,10 @@ class WebhookCollector(Collector):
         self.sender = sender
 
     def collect(self) -> Iterator[Metric]:
-        outcomes = CounterMetricFamily("retouch_webhooks", "webhook deliveries: delivered (a 2xx came back), failed "
-                                       "(every attempt did not), retried (attempts after a first)", labels=("outcome",))
+        outcomes = CounterMetricFamily("retouch_webhooks", "webhook deliveries by how they ended: delivered (a 2xx "
+                                       "came back), failed (no attempt had one), gone (410), refused (an origin no "
+                                       "longer allowed), cancelled (a DELETE, or the stop: sent after a restart); and "
+                                       "retried: attempts after a first", labels=("outcome",))
         for outcome, value in dict(self.sender.counts).items():
             outcomes.add_metric((outcome,), value)
         yield outcomes

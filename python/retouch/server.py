@@ -240,15 +240,15 @@ class Server:
               f"policy {self.opts.policy}); workers join at {self.router.address}; Ctrl-C drains and stops",
               file=sys.stderr)
         stop.wait()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: self._stop_now())
+        # Ctrl-C only: a second SIGTERM may be a process manager's repeat, which must not skip the drain.
+        signal.signal(signal.SIGINT, lambda *_: self._stop_now())
         print(f"retouch: draining (up to {self.opts.drain_s:g} s; Ctrl-C again stops at once)", file=sys.stderr)
         self.close()
 
     def _stop_now(self) -> None:
-        """A second Ctrl-C or SIGTERM: stop without the drain, as a kill would (the workers end with this
-        process; edits kept on disk that still ran answer 503 interrupted after a restart)."""
-        print("retouch: stopping now", file=sys.stderr, flush=True)
+        """A second Ctrl-C: stop without the drain, as a kill would (the workers end with this process; edits
+        kept on disk that still ran answer 503 interrupted after a restart)."""
+        os.write(2, b"retouch: stopping now\n")  # not print: the signal may have cut a write to stderr short
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         os._exit(1)

@@ -21,7 +21,7 @@ status other than 2xx) is retried after each of `retry_delays_s`; 410 Gone stops
 
     sender = WebhookSender(secret, ("https://hooks.example.com",), per_tenant=True)
     sender.refusal("https://hooks.example.com/retouch")     # None, or why the URL is refused
-    sender.send(tenant, message_id, url, payload, done=...)  # on the event loop; done("delivered"|"gone"|"failed")
+    sender.send(tenant, message_id, url, payload, done=...)  # on the loop; done("delivered", "gone", ...)
 """
 
 from __future__ import annotations
@@ -45,6 +45,17 @@ MAX_URL_CHARS = 2048
 SECRET_BYTES = (24, 64)  # what the Standard Webhooks spec asks of a secret
 DEFAULT_PORTS = {"http": 80, "https": 443}
 logger = logging.getLogger("retouch.webhooks")
+
+
+class OriginsOnly(logging.Filter):
+    """httpx logs each request's whole URL (at info), and a webhook's may hold its client's token: its
+    records name the origin only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(f"{arg.scheme}://{arg.netloc.decode()}/..." if isinstance(arg, httpx.URL) else arg
+                                for arg in record.args)
+        return True
 
 
 def origin_of(url: str) -> tuple[str, str, int] | None:
@@ -91,27 +102,31 @@ class WebhookSender:
     def __init__(self, secret: str, origins: tuple[str, ...], per_tenant: bool = False,
                  retry_delays_s: tuple[float, ...] = RETRY_DELAYS_S, timeout_s: float = 10.0,
                  transport: httpx.AsyncBaseTransport | None = None):
-        """`secret`: Standard Webhooks' form (ValueError for another). `per_tenant`: each tenant's deliveries
-        are signed with its `tenant_secret` (a server with API keys), else all with `secret`."""
+        """`secret`: Standard Webhooks' form (ValueError for another). `per_tenant`: the tenants are API keys,
+        each told its secret (`secret_of`) by GET /v1/webhooks/secret."""
         secret_key(secret)
         bad = [origin for origin in origins if allowed_origin(origin) is None]
         if bad:
             raise ValueError(f"webhook origins are http(s)://host[:port], nothing after; got {bad[0]!r}")
         self.secret, self.per_tenant = secret, per_tenant
-        # httpx logs each request's whole URL at info, and a webhook's may hold the client's token
-        logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").level))
+        httpx_logger = logging.getLogger("httpx")
+        if not any(isinstance(f, OriginsOnly) for f in httpx_logger.filters):
+            httpx_logger.addFilter(OriginsOnly())
         self.origins = {allowed_origin(origin): origin for origin in origins}
         self.retry_delays_s, self.timeout_s, self.transport = retry_delays_s, timeout_s, transport
-        self.counts = {"delivered": 0, "retried": 0, "failed": 0}
+        # how deliveries ended (cancelled: by a DELETE, or by the stop, which leaves them to a restarted server),
+        # and the attempts made after a first
+        self.counts = dict.fromkeys(("delivered", "failed", "gone", "refused", "cancelled", "retried"), 0)
         self.closed = False
         self._signers: dict[str, Webhook] = {}
         self._client: httpx.AsyncClient | None = None
         self._tasks: dict[asyncio.Task, bool] = {}  # delivery -> whether it waits to retry (nothing in flight)
 
     def secret_of(self, tenant: str) -> str:
-        """The tenant's secret; the server's own for the one tenant of a server without API keys ("", also
-        when keys came with a restart: its operator holds that secret, and no key could fetch a derived one)."""
-        return tenant_secret(self.secret, tenant) if self.per_tenant and tenant else self.secret
+        """The tenant's secret, by the tenant alone (an edit kept across a restart that added or removed API
+        keys is signed as its receiver expects): an API key's own, or the server's for the one tenant ("") of
+        a server without keys."""
+        return tenant_secret(self.secret, tenant) if tenant else self.secret
 
     def refusal(self, url: str) -> str | None:
         """Why `url` may not be called (a message naming no origin: any tenant reads it), or None."""
@@ -127,9 +142,16 @@ class WebhookSender:
     def send(self, tenant: str, message_id: str, url: str, payload: dict,
              done: Callable[[str], None] = lambda state: None, label: str = "") -> bool:
         """Deliver `payload` to `url` (call on the event loop), retrying as the module says; `done(state)` once
-        it is over: delivered, gone (410) or failed. False when the sender is closed (nothing is sent, and
-        `done` is not called: a restarted server sends it). `label` names it in the logs (an edit's id)."""
+        it is over: delivered, gone (410), failed, or refused (its origin is not allowed, as after a restart
+        with fewer). False when refused, or when the sender is closed (nothing is sent, and `done` is not
+        called: a restarted server sends it). `label` names it in the logs (an edit's id)."""
         if self.closed:
+            return False
+        if self.refusal(url) is not None:
+            logger.warning("the webhook of %s is not sent: its origin is not one the server allows",
+                           label or message_id)
+            self.counts["refused"] += 1
+            done("refused")
             return False
         task = asyncio.get_running_loop().create_task(
             self._deliver(tenant, message_id, url, payload, done, label or message_id), name=f"webhook-{message_id}")
@@ -149,6 +171,14 @@ class WebhookSender:
 
     async def _deliver(self, tenant: str, message_id: str, url: str, payload: dict,
                        done: Callable[[str], None], label: str) -> None:
+        try:
+            await self._deliver_or_give_up(tenant, message_id, url, payload, done, label)
+        except asyncio.CancelledError:
+            self.counts["cancelled"] += 1
+            raise
+
+    async def _deliver_or_give_up(self, tenant: str, message_id: str, url: str, payload: dict,
+                                  done: Callable[[str], None], label: str) -> None:
         body = json.dumps(payload).encode()
         task = asyncio.current_task()
         state, origin = "failed", self.origins.get(origin_of(url), "?")  # the logs name the origin, not the URL
@@ -166,7 +196,7 @@ class WebhookSender:
                 state = "gone"
                 break
             logger.info("webhook of %s to %s: attempt %d failed (%s)", label, origin, attempt + 1, status)
-        self.counts["delivered" if state == "delivered" else "failed"] += 1
+        self.counts[state] += 1
         if state != "delivered":
             logger.warning("webhook of %s to %s was not delivered (%s; %d attempt%s)", label, origin, state,
                            attempt + 1, "s" * (attempt > 0))
@@ -198,8 +228,9 @@ class WebhookSender:
         at all); the rest, and those waiting to retry, are cancelled, and later ones are not sent. How many
         were cancelled."""
         self.closed = True
-        waiting = [task for task, waits in self._tasks.items() if waits]
-        in_flight = [task for task, waits in self._tasks.items() if not waits]
+        live = {task: waits for task, waits in self._tasks.items() if not task.cancelling()}  # not cancel()ed
+        waiting = [task for task, waits in live.items() if waits]
+        in_flight = [task for task, waits in live.items() if not waits]
         for task in waiting:
             task.cancel()
         if deadline is not None and in_flight:
@@ -207,7 +238,7 @@ class WebhookSender:
         unfinished = waiting + [task for task in in_flight if not task.done()]
         for task in unfinished:
             task.cancel()
-        await asyncio.gather(*unfinished, return_exceptions=True)
+        await asyncio.gather(*unfinished, *self._tasks, return_exceptions=True)
         if self._client is not None:
             await self._client.aclose()
             self._client = None
