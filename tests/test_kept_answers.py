@@ -499,3 +499,26 @@ def test_a_second_ctrl_c_stops_at_once_and_removes_its_run_folder(tmp_path, monk
     server.run_dir.mkdir()
     server._stop_now()
     assert exits == [1] and not server.run_dir.exists()
+
+
+def test_odd_files_do_not_stop_a_restart(tmp_path):
+    """What a user test put in the folder: each is removed or left alone, and the rest is read."""
+    import os
+
+    jobs = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
+    done = Outcome("completed", 200, Reply({"X-Request-Id": "r"}, None, (b"img",), "image/png"))
+    ids = ("whole", "future", "crlf", "state", "newer")
+    run_jobs(jobs, [("", job_id, None, done) for job_id in ids])
+    names = {job_id: name_of(Job(job_id, "")) for job_id in ids}
+    for job_id, change in (("future", {"ended_at": 1e18}), ("crlf", {"headers": {"X": "a\r\nSet-Cookie: x=1"}}),
+                           ("state", {"webhook_state": "bogus"}), ("newer", {"format": FORMAT + 1})):
+        path = tmp_path / f"{names[job_id]}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    (tmp_path / f"{'d' * 32}.json").write_text("[" * 200_000)  # deeper than the JSON reader goes
+    os.mkfifo(tmp_path / f"{'e' * 32}.json")  # reading it would block
+    restarted = EditJobs(ttl_s=100, max_bytes=1 << 20, folder=AnswerFolder(tmp_path))
+    assert restarted.restore(lambda job: INTERRUPTED) == 1 and restarted.find("", "whole").outcome == done
+    restarted.folder.close()
+    left = sorted(path.name for path in tmp_path.iterdir() if path.name != ".lock")
+    assert left == sorted([f"{names['whole']}.json", f"{names['whole']}.0.bin", f"{names['newer']}.json",
+                           f"{names['newer']}.0.bin", f"{'e' * 32}.json"])  # a newer version's images stay too

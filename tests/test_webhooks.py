@@ -277,3 +277,33 @@ async def restart_and_resume(directory: Path) -> dict:
         await asyncio.to_thread(app.state.jobs.folder.close)
         router.close(drain_s=0)
     return seen
+
+
+def test_one_webhook_that_cannot_be_sent_does_not_stop_the_others(tmp_path):
+    """A restarted server sends its held webhooks as it starts: one failing must not fail its start."""
+    from retouch.edit_jobs import Job, Outcome, Reply
+    from retouch.engine.router import Router, RouterConfig
+    from retouch.http_api import Limits, create_app
+
+    folder = AnswerFolder(tmp_path)
+    for job_id in ("e1", "e2"):
+        job = Job(job_id, "", "tpl", runs_async=True, webhook=ORIGIN + "/" + job_id)
+        job.outcome, job.ended_at = Outcome("completed", 200, Reply({}, None, (b"img",), "image/png")), time.time()
+        folder.save(job)
+    folder.close()
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
+    answers = AnswerFolder(tmp_path)
+    try:
+        app = create_app(router, Limits(webhook_origins=(ORIGIN,), webhook_secret=SECRET), answers=answers)
+        calls = []
+
+        def send(*args, **kwargs):
+            calls.append(args[2])
+            if len(calls) == 1:
+                raise OSError(75, "Value too large")
+            return True
+        app.state.webhooks.send = send
+        assert app.state.resume_webhooks() == 1 and len(calls) == 2
+    finally:
+        answers.close()
+        router.close(drain_s=0)

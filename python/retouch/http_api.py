@@ -1316,7 +1316,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         if unsent and webhooks is None:
             logger.warning("%d webhooks left undelivered are held: this server sends none (--webhook-origins)",
                            len(unsent))
-        return sum(send_webhook(job) for job in unsent)
+        sent = 0
+        for job in unsent:
+            try:
+                sent += send_webhook(job)
+            except Exception:  # noqa: BLE001 - one kept edit must not keep the others (or the server) from running
+                logger.exception("the webhook of edit %s cannot be sent", job.id)
+        return sent
 
     app.state.resume_webhooks = resume_webhooks
 

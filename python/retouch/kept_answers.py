@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import re
 import threading
 import time
@@ -34,6 +33,8 @@ from retouch.edit_jobs import JOB_OVERHEAD_BYTES, STATUSES, Job, Outcome, Reply
 from retouch.paths import lock_folder, write_whole
 
 FORMAT = 1
+MAX_TIME = 95_617_584_000.0  # 5000-01-01, in seconds: later is no time this server wrote
+WEBHOOK_STATES = (None, "delivered", "gone", "failed", "refused")
 RETRY_REMOVALS_S = 5.0  # how often failed removals are tried again (with the writes that come)
 NAME = re.compile(r"[0-9a-f]{32}")
 IMAGE_FILE = re.compile(r"([0-9a-f]{32})\.(\d+)\.bin")
@@ -99,22 +100,25 @@ class AnswerFolder:
         `max_bytes` (the newest even alone over it), read in that order; the others are removed, and so is
         one that cannot be read (logged). Images are read only for the edits kept."""
         headers = {}
+        skipped = set()  # a newer version's, or unreadable for now: left as they are, images and all
         for path in self.directory.glob("*.json"):
-            if not NAME.fullmatch(path.stem):
+            if not NAME.fullmatch(path.stem) or not path.is_file():  # not ours (a FIFO would block the read)
                 continue
             try:
                 header = json.loads(path.read_bytes())
                 if isinstance(header, dict) and isinstance(header.get("format"), int) and header["format"] > FORMAT:
-                    # a newer version's: left alone (a rollback must not delete what the newer one keeps)
+                    # a rollback must not delete what the newer version keeps
                     logger.warning("kept answer %s is of format %r, not %d; skipped", path, header["format"], FORMAT)
+                    skipped.add(path.stem)
                     continue
                 headers[path.stem] = checked_header(header)
-            except (ValueError, KeyError, TypeError) as exc:
-                logger.warning("kept answer %s cannot be read (%s); removed", path, exc)
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:
+                logger.warning("kept answer %s cannot be read (%s); removed", path, type(exc).__name__)
                 self._unlink(path.stem, 0)
-            except OSError as exc:  # perhaps readable later: left as it is
+            except OSError as exc:  # perhaps readable later
                 logger.warning("kept answer %s cannot be read (%s); skipped", path, exc)
-        self._remove_stray_images(headers)
+                skipped.add(path.stem)
+        self._remove_stray_images(headers, skipped)
         now = time.time()
         newest_first = sorted(headers.items(), key=lambda item: -(item[1]["ended_at"] or now))
         jobs, total = [], 0
@@ -146,11 +150,11 @@ class AnswerFolder:
         job.outcome, job.ended_at = Outcome(header["status"], header["http_status"], reply), header["ended_at"]
         return job
 
-    def _remove_stray_images(self, headers: dict[str, dict]) -> None:
+    def _remove_stray_images(self, headers: dict[str, dict], skipped: set[str]) -> None:
         """Images without a header saying so: a kill between an answer's images and its header."""
         for path in self.directory.glob("*.bin"):
             match = IMAGE_FILE.fullmatch(path.name)
-            if match is None:
+            if match is None or match[1] in skipped:
                 continue
             header = headers.get(match[1])
             if header is None or header["ended_at"] is None or int(match[2]) >= len(header["images"]):
@@ -238,15 +242,18 @@ def checked_header(header) -> dict:
     def text(value, optional=False) -> bool:
         return isinstance(value, str) or (optional and value is None)
 
-    def number(value, optional=False) -> bool:  # a time: finite (clients read it as an integer)
-        return ((isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+    def header_text(value) -> bool:  # what an HTTP header may carry: visible ASCII and spaces, no line breaks
+        return isinstance(value, str) and all(32 <= ord(char) < 127 for char in value)
+
+    def number(value, optional=False) -> bool:  # a time (clients read it as an integer date): 1970 to 5000
+        return ((isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < MAX_TIME)
                 or (optional and value is None))
 
     if header["format"] != FORMAT:
         raise ValueError(f"format {header['format']!r}")
     if not (all(text(header[name]) for name in ("id", "tenant", "template_id"))
             and all(text(header[name], optional=True) for name in ("key", "fingerprint", "webhook", "webhook_state"))
-            and isinstance(header["async"], bool)
+            and isinstance(header["async"], bool) and header["webhook_state"] in WEBHOOK_STATES
             and number(header["created"]) and number(header["ended_at"], optional=True)):
         raise ValueError("a field of the wrong type")
     if header["ended_at"] is None:
@@ -255,7 +262,7 @@ def checked_header(header) -> dict:
     if not (header["status"] in STATUSES[1:] and isinstance(header["http_status"], int)
             and 100 <= header["http_status"] <= 599
             and isinstance(header["headers"], dict)
-            and all(text(key) and text(value) for key, value in header["headers"].items())
+            and all(header_text(key) and header_text(value) for key, value in header["headers"].items())
             and (body is None or isinstance(body, dict)) and text(media_type, optional=True)
             and isinstance(images, list) and all(isinstance(size, int) and size >= 0 for size in images)
             and (media_type is None or len(images) == 1)):

@@ -242,6 +242,7 @@ class Server:
         stop.wait()
         # Ctrl-C only: a second SIGTERM may be a process manager's repeat, which must not skip the drain.
         signal.signal(signal.SIGINT, lambda *_: self._stop_now())
+        signal.signal(signal.SIGTERM, lambda *_: os.write(2, b"retouch: still draining (Ctrl-C stops at once)\n"))
         print(f"retouch: draining (up to {self.opts.drain_s:g} s; Ctrl-C again stops at once)", file=sys.stderr)
         self.close()
 

@@ -147,9 +147,9 @@ class WebhookSender:
         called: a restarted server sends it). `label` names it in the logs (an edit's id)."""
         if self.closed:
             return False
-        if self.refusal(url) is not None:
-            logger.warning("the webhook of %s is not sent: its origin is not one the server allows",
-                           label or message_id)
+        refusal = self.refusal(url)
+        if refusal is not None:
+            logger.warning("the webhook of %s is not sent: %s", label or message_id, refusal)
             self.counts["refused"] += 1
             done("refused")
             return False
