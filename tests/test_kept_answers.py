@@ -522,3 +522,26 @@ def test_odd_files_do_not_stop_a_restart(tmp_path):
     left = sorted(path.name for path in tmp_path.iterdir() if path.name != ".lock")
     assert left == sorted([f"{names['whole']}.json", f"{names['whole']}.0.bin", f"{names['newer']}.json",
                            f"{names['newer']}.0.bin", f"{'e' * 32}.json"])  # a newer version's images stay too
+
+
+def test_a_server_whose_http_thread_died_stops_rather_than_hang(monkeypatch):
+    """An error in the HTTP thread (at its start, say) must not leave a head holding its port, answering
+    nothing, for as long as nobody looks."""
+    import signal
+    import threading
+    from types import SimpleNamespace
+
+    from retouch.config import ServeOptions
+    from retouch.server import Server
+
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    server = Server(ServeOptions(model="m"))
+    server.router = SimpleNamespace(address="tcp://127.0.0.1:1")
+    server._http_thread = threading.Thread(target=lambda: None)
+    server._http_thread.start()
+    server._http_thread.join()
+    closed = []
+    monkeypatch.setattr(server, "close", lambda drain_s=None: closed.append(drain_s))
+    with pytest.raises(RuntimeError, match="stopped by itself"):
+        server.serve_forever()
+    assert closed == [0]

@@ -239,7 +239,11 @@ class Server:
         print(f"retouch: serving {self.opts.model} on {self.url} ({self.opts.workers} workers, "
               f"policy {self.opts.policy}); workers join at {self.router.address}; Ctrl-C drains and stops",
               file=sys.stderr)
-        stop.wait()
+        while not stop.wait(1.0):
+            if not self._http_thread.is_alive():  # it failed (its error is above): nothing would answer
+                print("retouch: the HTTP server stopped by itself; stopping", file=sys.stderr)
+                self.close(drain_s=0)
+                raise RuntimeError("the HTTP server stopped by itself (its error is above)")
         # Ctrl-C only: a second SIGTERM may be a process manager's repeat, which must not skip the drain.
         signal.signal(signal.SIGINT, lambda *_: self._stop_now())
         signal.signal(signal.SIGTERM, lambda *_: os.write(2, b"retouch: still draining (Ctrl-C stops at once)\n"))
