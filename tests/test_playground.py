@@ -548,6 +548,7 @@ def error_body(code: str, message: str) -> dict:
 
 def test_an_upload_over_the_limit_is_said_in_megabytes(server, page, page_errors):
     page.goto(server.url + "/")
+    expect(page.locator("#status")).to_have_text(re.compile("upload an image"))  # the page knows the limits
     page.route("**/v1/templates", lambda route: route.fulfill(
         status=413, json=error_body("body_too_large", "request body over the limit of 33554432 bytes"))
         if route.request.method == "POST" else route.fallback())
@@ -555,6 +556,25 @@ def test_an_upload_over_the_limit_is_said_in_megabytes(server, page, page_errors
     expect(page.locator("#alert")).to_have_text("could not register big.png: the image is too large to upload "
                                                 "(limit 32 MB)")
     assert page_errors == []
+
+
+def test_an_upload_refused_while_the_page_starts_stays_said(server, page, page_errors):
+    """The page's greeting, once it has read the server's limits and templates, must not wipe the error of
+    an upload made meanwhile (a slow server, a quick user)."""
+    held = []
+    page.route("**/v1/limits", lambda route: held.append(route))  # the page's start waits on this
+    page.route("**/v1/templates", lambda route: route.fulfill(
+        status=413, json=error_body("body_too_large", "request body over the limit of 33554432 bytes"))
+        if route.request.method == "POST" else route.fallback())
+    page.goto(server.url + "/")
+    page.set_input_files("#file", files=[{"name": "big.png", "mimeType": "image/png", "buffer": png_bytes(scene())}])
+    said = "could not register big.png: the image is too large to upload"
+    expect(page.locator("#alert")).to_have_text(said)
+    with page.expect_response(lambda answer: answer.url.endswith("/v1/templates")
+                              and answer.request.method == "GET"):
+        held[0].continue_()
+    page.evaluate("() => new Promise((done) => setTimeout(done, 0))")  # the page's start has said its piece
+    assert page.locator("#alert").text_content() == said and page_errors == []
 
 
 def test_a_full_queue_is_tried_again_after_retry_after(server, page, page_errors):

@@ -265,6 +265,7 @@ const page = {
   resultUrl: null,
   saved: 0, // results offered for download so far: numbers their file names
   limits: null, // GET /v1/limits: what this server takes (steps, upload bytes, ...)
+  said: 0, // how many statuses were shown (start's greeting must not cover what the user caused meanwhile)
   erasing: false,
   stroke: null, // the last point of the stroke being painted
   keyboardPoint: null, // where the keyboard's brush is (image pixels)
@@ -272,6 +273,7 @@ const page = {
 
 function status(message, kind = "info") {
   // Errors go to the role=alert line, which screen readers read out at once; the rest to role=status.
+  page.said += 1;
   $("alert").textContent = kind === "error" ? message : "";
   $("status").textContent = kind === "error" ? "" : message;
   $("status").dataset.kind = kind;
@@ -929,10 +931,12 @@ async function readLimits() {
 // Lists the templates and, when none is shown yet, shows the newest.
 async function start() {
   page.appliedKey = $("api-key").value.trim();
+  const said = page.said;
   try {
     await readLimits();
     const templates = await refreshTemplates();
-    status(templates.length ? "pick a template or upload an image" : "upload an image to start");
+    // An upload made while the page started (its progress, or its error) says more than the greeting.
+    if (page.said === said) status(templates.length ? "pick a template or upload an image" : "upload an image to start");
     if (!page.template && !page.loading && templates.length) await showTemplate(templates[0]);
   } catch (error) {
     failed(error);
