@@ -69,6 +69,12 @@ class ScriptedWorker:
     def fail(self, request: int, status: int = 500, error: str = "RuntimeError", message: str = "it broke") -> None:
         self.send({"kind": "result", "request": request, "status": status, "error": error, "message": message})
 
+    def answer_cancel(self) -> dict:
+        """Receive the next cancel and answer it as a worker does (409 Cancelled); the cancel."""
+        cancel = self.receive("cancel")
+        self.fail(cancel["request"], 409, "Cancelled", "cancelled")
+        return cancel
+
     def heartbeat(self, metrics: dict, running: list = (), queued: list = (), loras: list = ()) -> None:
         """A heartbeat carrying `metrics` (the worker's summary, with "cache": CacheStore.metrics()) and the
         LoRAs it holds (`LoraManager.resident`)."""

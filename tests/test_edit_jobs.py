@@ -185,15 +185,12 @@ async def cancelled_and_failed() -> dict:
         edit_id = accepted.json()["id"]
         await asyncio.to_thread(worker.receive, "edit")
         seen = {"cancel": await client.delete(f"/v1/edits/{edit_id}", headers=auth())}
-        cancel = await asyncio.to_thread(worker.receive, "cancel")
-        worker.send({"kind": "result", "request": cancel["request"], "status": 409, "error": "Cancelled",
-                     "message": "cancelled"})
+        await asyncio.to_thread(worker.answer_cancel)
         seen["cancelled"] = await client.get(f"/v1/edits/{edit_id}/result?wait=20", headers=auth())
         seen["cancelled status"] = await client.get(f"/v1/edits/{edit_id}", headers=auth())
         failing = await client.post("/v1/edits", headers=auth(), data={**form, "async": "true"}, files=mask_file())
         edit = await asyncio.to_thread(worker.receive, "edit")
-        worker.send({"kind": "result", "request": edit["request"], "status": 500, "error": "RuntimeError",
-                     "message": "CUDA error"})
+        worker.fail(edit["request"], 500, "RuntimeError", "CUDA error")
         seen["failed"] = await client.get(f"/v1/edits/{failing.json()['id']}/result?wait=20", headers=auth())
         seen["failed status"] = await client.get(f"/v1/edits/{failing.json()['id']}", headers=auth())
         seen["bad wait"] = await client.get(f"/v1/edits/{edit_id}/result?wait=600", headers=auth())
@@ -335,8 +332,7 @@ async def concurrent_and_failing() -> dict:
         failing = auth(**{"Idempotency-Key": "flaky"})
         first = asyncio.create_task(client.post("/v1/edits", headers=failing, data=form, files=mask_file()))
         edit = await asyncio.to_thread(worker.receive, "edit")
-        worker.send({"kind": "result", "request": edit["request"], "status": 500, "error": "RuntimeError",
-                     "message": "CUDA error"})
+        worker.fail(edit["request"], 500, "RuntimeError", "CUDA error")
         seen["failed"] = await first
         failed_job = app_jobs.find(tenant_of(KEYS[0]), seen["failed"].headers["X-Request-Id"])
         seen["kept error"] = failed_job.outcome.reply
@@ -353,9 +349,7 @@ async def concurrent_and_failing() -> dict:
         running = asyncio.create_task(client.post("/v1/edits", headers=deleting, data=form, files=mask_file()))
         await asyncio.to_thread(worker.receive, "edit")
         await client.delete("/v1/edits/del-1", headers=auth())
-        cancel = await asyncio.to_thread(worker.receive, "cancel")
-        worker.send({"kind": "result", "request": cancel["request"], "status": 409, "error": "Cancelled",
-                     "message": "cancelled"})
+        await asyncio.to_thread(worker.answer_cancel)
         seen["deleted while running"] = await running
         rerun = asyncio.create_task(client.post("/v1/edits", headers=deleting, data=form, files=mask_file()))
         await answer_next_edit(worker)
@@ -455,9 +449,7 @@ async def stopping() -> dict:
                                                 files=mask_file()))
         keyed_edit = await asyncio.to_thread(worker.receive, "edit")
         seen = {"cancelled": len(await app.state.stop_async(None))}
-        cancel = await asyncio.to_thread(worker.receive, "cancel")
-        worker.send({"kind": "result", "request": cancel["request"], "status": 409, "error": "Cancelled",
-                     "message": "cancelled"})
+        cancel = await asyncio.to_thread(worker.answer_cancel)
         worker.answer(keyed_edit["request"])
         seen["keyed"] = await keyed
         seen["async"] = await client.get(f"/v1/edits/{accepted.json()['id']}/result?wait=20", headers=auth())
@@ -466,8 +458,7 @@ async def stopping() -> dict:
         flaky = auth(**{"Idempotency-Key": "flaky", "X-Request-Id": "mine-1"})
         first = asyncio.create_task(client.post("/v1/edits", headers=flaky, data=form, files=mask_file()))
         edit = await asyncio.to_thread(worker.receive, "edit")
-        worker.send({"kind": "result", "request": edit["request"], "status": 500, "error": "RuntimeError",
-                     "message": "CUDA error"})
+        worker.fail(edit["request"], 500, "RuntimeError", "CUDA error")
         seen["failed"] = await first
         retry = asyncio.create_task(client.post("/v1/edits", headers=flaky, data=form, files=mask_file()))
         await answer_next_edit(worker)

@@ -186,9 +186,9 @@ def test_a_delivery_that_ends_after_its_answer_was_forgotten_does_not_bring_it_b
     assert [path for path in tmp_path.iterdir() if path.name != ".lock"] == []
 
 
-async def a_stopping_http_server(directory: Path) -> dict:
-    """A real uvicorn server (`server.HttpServer`) told to stop while a keyed edit whose client went away and
-    an asynchronous one run at the worker."""
+def serving(app) -> tuple:
+    """`app` served by `server.HttpServer` on a loopback port, in a thread: (server, thread, url). Its port
+    listens before the thread runs, so a client may connect at once."""
     import socket
     import threading
 
@@ -196,6 +196,31 @@ async def a_stopping_http_server(directory: Path) -> dict:
 
     from retouch.server import HttpServer
 
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    server = HttpServer(uvicorn.Config(app, log_level="warning", lifespan="off"), app.state)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    return server, thread, f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def refuse_first_unlink(monkeypatch) -> list[Path]:
+    """Make the next file removal fail (a folder refusing it once); the paths refused."""
+    real_unlink, refused = Path.unlink, []
+
+    def refuse_once(path, missing_ok=False):
+        if not refused:
+            refused.append(path)
+            raise PermissionError(1, "Operation not permitted")
+        real_unlink(path, missing_ok=missing_ok)
+    monkeypatch.setattr(Path, "unlink", refuse_once)
+    return refused
+
+
+async def a_stopping_http_server(directory: Path) -> dict:
+    """A real uvicorn server (`server.HttpServer`) told to stop while a keyed edit whose client went away and
+    an asynchronous one run at the worker."""
     router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
                                  dead_after_s=60.0)).start()
     context = zmq.Context()
@@ -205,13 +230,7 @@ async def a_stopping_http_server(directory: Path) -> dict:
     deliveries = []
     app.state.webhooks.transport = httpx.MockTransport(
         lambda request: deliveries.append(request) or httpx.Response(200))
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    server = HttpServer(uvicorn.Config(app, log_level="warning", lifespan="off"), app.state)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
+    server, thread, url = serving(app)
     try:
         worker = ScriptedWorker(context, router, "w0")
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
@@ -228,9 +247,7 @@ async def a_stopping_http_server(directory: Path) -> dict:
         edit = await asyncio.to_thread(worker.receive, "edit")
         # the asynchronous edit is cancelled at once; its webhook may be delivered within 10 s
         server.stop(async_deadline=time.monotonic(), webhook_deadline=time.monotonic() + 10)
-        cancel = await asyncio.to_thread(worker.receive, "cancel")
-        worker.send({"kind": "result", "request": cancel["request"], "status": 409, "error": "Cancelled",
-                     "message": "cancelled"})
+        cancel = await asyncio.to_thread(worker.answer_cancel)
         await asyncio.to_thread(thread.join, 15)
         folder.close()
         headers = {header["id"]: header for header in map(json.loads, map(Path.read_bytes, directory.glob("*.json")))}
@@ -243,25 +260,14 @@ async def a_stopping_http_server(directory: Path) -> dict:
 
 def test_a_server_stopping_with_nothing_to_cancel_closes_its_webhooks():
     """The stop waits for the edits it cancelled (none here) before it closes the webhook sender."""
-    import socket
-    import threading
-
-    import uvicorn
-
     from retouch.edit_jobs import wait_events
-    from retouch.server import HttpServer
 
     asyncio.run(wait_events([], 1.0))
     router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
     try:
         app = create_app(router, Limits(webhook_origins=(HOOKS,), webhook_secret=SECRET))
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        server = HttpServer(uvicorn.Config(app, log_level="warning", lifespan="off"), app.state)
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-        listener.listen(4)
-        thread.start()
-        assert httpx.get(f"http://127.0.0.1:{listener.getsockname()[1]}/healthz", timeout=10).status_code == 200
+        server, thread, url = serving(app)
+        assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
         server.stop(async_deadline=time.monotonic(), webhook_deadline=time.monotonic() + 5)
         thread.join(10)
         assert not thread.is_alive() and app.state.webhooks.closed
@@ -350,9 +356,7 @@ async def stopping_with_a_folder(directory: Path) -> dict:
         stopping = asyncio.create_task(app.state.stop_async(time.monotonic() + 2.0))
         worker.answer(edits[0]["request"], png(Image.new("RGB", (32, 32), "blue")))  # done within the drain
         seen = {"cancelled": len(await stopping)}
-        cancel = await asyncio.to_thread(worker.receive, "cancel")
-        worker.send({"kind": "result", "request": cancel["request"], "status": 409, "error": "Cancelled",
-                     "message": "cancelled"})
+        cancel = await asyncio.to_thread(worker.answer_cancel)
         seen["results"] = [await client.get(f"/v1/edits/{a.json()['id']}/result?wait=10", headers=auth())
                            for a in accepted]
         seen["cancelled id"] = (cancel["request"], edits[1]["request"])
@@ -439,14 +443,7 @@ def test_a_removal_that_failed_is_tried_again_and_a_newer_format_is_left_alone(t
     run_jobs(jobs, [("", "deleted", None, done), ("", "later", None, done)])
     (tmp_path / f"{'f' * 32}.json").write_text(json.dumps({"format": FORMAT + 1}))  # a newer version's
     jobs.folder = AnswerFolder(tmp_path)
-    real_unlink, refused = Path.unlink, []
-
-    def refuse_once(path, missing_ok=False):
-        if not refused:
-            refused.append(path)
-            raise PermissionError(1, "Operation not permitted")
-        real_unlink(path, missing_ok=missing_ok)
-    monkeypatch.setattr(Path, "unlink", refuse_once)
+    refused = refuse_first_unlink(monkeypatch)
     deleted = jobs.find("", "deleted")
     jobs.forget(deleted)  # a DELETE whose removal fails at first
     jobs.forget(jobs.find("", "later"))
@@ -470,14 +467,7 @@ def test_a_new_edit_under_an_id_whose_removal_failed_is_kept(tmp_path, monkeypat
     folder.save(old)
     folder.close()
     folder = AnswerFolder(tmp_path)
-    real_unlink, refused = Path.unlink, []
-
-    def refuse_once(path, missing_ok=False):
-        if not refused:
-            refused.append(path)
-            raise PermissionError(1, "Operation not permitted")
-        real_unlink(path, missing_ok=missing_ok)
-    monkeypatch.setattr(Path, "unlink", refuse_once)
+    refused = refuse_first_unlink(monkeypatch)
     folder.remove(old)
     new = Job("e1", "", "tpl", key="k2")
     new.outcome, new.ended_at = Outcome("completed", 200, Reply({}, {}, (b"b",))), time.time()
