@@ -29,7 +29,6 @@ scrape), and it only reads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import time
@@ -110,8 +109,7 @@ class Job:
 
     async def wait_ended(self, timeout_s: float) -> bool:
         """Whether it ended, waiting up to `timeout_s` for it."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.ended.wait(), timeout_s)
+        await wait_events([self.ended], timeout_s)
         return self.ended.is_set()
 
     async def settled(self, timeout_s: float) -> None:
