@@ -53,8 +53,10 @@ class Engine:
 
     @classmethod
     def load(cls, model: str, config: EngineConfig = EngineConfig(), device: str = "cpu",
-             dtype: torch.dtype = torch.float32, **editor_options) -> Engine:
-        return cls(MaskAwareEditor(load_pipeline(model, device=device, dtype=dtype), **editor_options), config, model)
+             dtype: torch.dtype = torch.float32, scheduler: str | None = None, **editor_options) -> Engine:
+        """An engine on a built-in model or pipeline folder (`scheduler`: as `retouch.load`'s)."""
+        pipeline = load_pipeline(model, device=device, dtype=dtype, scheduler=scheduler)
+        return cls(MaskAwareEditor(pipeline, **editor_options), config, model)
 
     # ---- lifecycle ----
 
@@ -69,6 +71,7 @@ class Engine:
             self.helpers = HelperPool(self.model_name, str(self.editor.device), self.editor.dtype,
                                       self.editor.dilation, self.config.helpers, self._on_helper_message,
                                       build_in_memory=self.editor.model.built_in_memory,
+                                      scheduler=self.editor.model.scheduler,
                                       threads=self.config.helper_threads, run_dir=self.config.run_dir)
         self._running = True
         self._loop_done.clear()
@@ -141,7 +144,7 @@ class Engine:
 
     def register_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
                           guidance: float | None = None, mask: Image.Image | None = None,
-                          on_step: Callable[[int], None] | None = None) -> str:
+                          on_step: Callable[[int, int], None] | None = None) -> str:
         """Record a template and return its id once recorded (`submit_template`, waited for)."""
         if not self._running:
             return self.editor.register_template(image, prompt, steps, seed, guidance, mask)
@@ -149,14 +152,15 @@ class Engine:
 
     def submit_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
                         guidance: float | None = None, mask: Image.Image | None = None,
-                        on_step: Callable[[int], None] | None = None) -> Future[str]:
+                        on_step: Callable[[int, int], None] | None = None) -> Future[str]:
         """Record a template as a member of the running batch: it joins at the next step and advances
         one step per loop iteration beside the edits; its future holds the template id once recorded.
-        `on_step(n)` is told after each of its steps (progress). Registering a template that is
+        `on_step(k, n)` is told after each of its steps (progress: `StepWatch`). Registering a template that is
         recorded, or being recorded, costs nothing more."""
         return self.submit_recording(self.editor.new_template(image, prompt, steps, seed, guidance, mask), on_step)
 
-    def submit_recording(self, template: Template, on_step: Callable[[int], None] | None = None) -> Future[str]:
+    def submit_recording(self, template: Template,
+                         on_step: Callable[[int, int], None] | None = None) -> Future[str]:
         """`submit_template` of a template already made (`MaskAwareEditor.new_template`)."""
         self._check_running()
         if self.editor.is_recorded(template.template_id) or self.editor.adopt(template):

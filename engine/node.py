@@ -302,8 +302,8 @@ class Node:
     def _watch(self, request_id: int, preview_every: int) -> StepWatch:
         """The router hears of every step of an edit (its clients may be streaming its progress) and
         sees its previews, when asked for, as PNGs."""
-        def step(k: int) -> None:
-            self._post({"kind": "progress", "request": request_id, "step": k})
+        def step(k: int, n: int) -> None:
+            self._post({"kind": "progress", "request": request_id, "step": k, "steps": n})
 
         def preview(k: int, image: Image.Image) -> None:
             self._post({"kind": "preview", "request": request_id, "step": k}, {"png": png_bytes(image)})
@@ -375,8 +375,8 @@ class Node:
         """Record a template as a member of the running batch; the router hears of each step and the end."""
         router_template = header["template"]
 
-        def progress(step: int) -> None:
-            self._post({"kind": "progress", "template": router_template, "step": step})
+        def progress(step: int, steps: int) -> None:
+            self._post({"kind": "progress", "template": router_template, "step": step, "steps": steps})
 
         def recorded(future: Future) -> None:
             try:
@@ -462,7 +462,8 @@ def run_worker(opts: WorkerOptions) -> None:
                           lora_dir=None if opts.lora_dir is None else str(opts.lora_dir),
                           lora_cache_mb=opts.lora_cache_mb, lora_device_mb=opts.lora_device_mb,
                           lora_latest_step=opts.lora_latest_step)
-    engine = Engine.load(opts.model, config, device=device, dtype=dtype, cache=CacheStore(opts.cache_config()),
+    engine = Engine.load(opts.model, config, device=device, dtype=dtype, scheduler=opts.scheduler,
+                         cache=CacheStore(opts.cache_config()),
                          compile=opts.compile, cuda_graphs=opts.cuda_graphs)
     if opts.compile or opts.cuda_graphs:
         # Before the worker says hello: the router sends it nothing while it compiles.

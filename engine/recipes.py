@@ -18,6 +18,7 @@ Guidance is per request: with classifier-free guidance a batch of B requests is 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ import torch
 from PIL import Image
 
 from retouch.editor import EditInputs, MaskAwareEditor
-from retouch.engine.schedulers import BatchScheduler, RequestSchedule
+from retouch.engine.schedulers import BatchScheduler, PipelineCalls, RequestSchedule, encode_arguments
 from retouch.models import quiet_libraries
 
 # The denoiser keyword arguments that carry one row per request (per guidance copy).
@@ -71,13 +72,16 @@ class Prepared:
         named = {"latents": self.latents, "schedule.timesteps": self.schedule.timesteps}
         if self.schedule.sigmas is not None:
             named["schedule.sigmas"] = self.schedule.sigmas
+        if self.schedule.calls is not None and self.schedule.calls.generator_state is not None:
+            named["schedule.generator_state"] = self.schedule.calls.generator_state
         for group in ("inputs", "shared", "blend"):
             named.update({f"{group}.{name}": tensor for name, tensor in getattr(self, group).items()})
         return named
 
     def header(self) -> dict:
+        calls = self.schedule.calls
         return {"guidance": self.guidance, "num_inference_steps": self.schedule.num_inference_steps,
-                "init_noise_sigma": self.schedule.init_noise_sigma}
+                "init_noise_sigma": self.schedule.init_noise_sigma, "calls": None if calls is None else calls.header()}
 
     @classmethod
     def from_tensors(cls, header: dict, named: dict[str, torch.Tensor]) -> Prepared:
@@ -86,8 +90,11 @@ class Prepared:
             group, _, key = name.partition(".")
             if group in groups:
                 groups[group][key] = tensor
+        calls = header.get("calls")
         schedule = RequestSchedule(named["schedule.timesteps"], named.get("schedule.sigmas"),
-                                   header["num_inference_steps"], header["init_noise_sigma"])
+                                   header["num_inference_steps"], header["init_noise_sigma"],
+                                   calls=None if calls is None else
+                                   PipelineCalls.from_header(calls, named.get("schedule.generator_state")))
         return cls(named["latents"], groups["inputs"], groups["shared"], groups["blend"], schedule, header["guidance"])
 
 
@@ -113,8 +120,10 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str) -> Prepare
     seen: dict[str, object] = {}
 
     def remember(name: str, method: Callable) -> Callable:
+        @functools.wraps(method)  # the pipelines read the signature of set_timesteps and step
         def wrapper(*args, **kwargs):
             seen[name] = method(*args, **kwargs)
+            seen[f"{name}.call"] = (args, kwargs)
             return seen[name]
         return wrapper
 
@@ -123,9 +132,13 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str) -> Prepare
         raise _FirstStep
 
     kwargs = editor.pipeline_kwargs([template], [inputs.mask], [prompt], inputs.latents[None], "latent")
-    # Instance attributes shadow the pipeline's methods for this call only.
-    pipe.prepare_latents = remember("latents", pipe.prepare_latents)
-    pipe.prepare_mask_latents = remember("mask", pipe.prepare_mask_latents)
+    # Instance attributes shadow the pipeline's (and its scheduler's) methods for this call only.
+    shadowed = [(pipe, "prepare_latents", "latents"), (pipe, "prepare_mask_latents", "mask"),
+                (pipe, "prepare_extra_step_kwargs", "step_kwargs"), (pipe.scheduler, "set_timesteps", "set_timesteps"),
+                (pipe.scheduler, "set_begin_index", "begin_index"), (pipe.scheduler, "scale_model_input", "scaled")]
+    shadowed = [(owner, method, name) for owner, method, name in shadowed if hasattr(owner, method)]
+    for owner, method, name in shadowed:
+        setattr(owner, method, remember(name, getattr(owner, method)))
     hook = editor.denoiser.register_forward_pre_hook(stop, with_kwargs=True)
     try:
         with torch.inference_mode(), quiet_libraries():
@@ -135,7 +148,8 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str) -> Prepare
         pass
     finally:
         hook.remove()
-        del pipe.prepare_latents, pipe.prepare_mask_latents
+        for owner, method, _ in shadowed:
+            delattr(owner, method)
 
     call = dict(seen["kwargs"])
     if editor.is_unet:
@@ -160,10 +174,25 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str) -> Prepare
     guidance = template.guidance if template.guidance is not None else pipe.guidance_scale
     copies = 2 if editor.is_unet or family == "sd3" else 1
     copies = copies if getattr(pipe, "do_classifier_free_guidance", False) else 1
-    schedule = RequestSchedule.of(pipe.scheduler)
+    schedule = RequestSchedule.of(pipe.scheduler, _pipeline_calls(pipe.scheduler, seen))
     return Prepared(latents=latents.clone(), inputs={k: v.clone() for k, v in named.items()},
                     shared={k: v.clone() for k, v in shared.items()}, blend={k: v.clone() for k, v in blend.items()},
                     schedule=schedule, guidance=float(guidance) if copies == 2 else None)
+
+
+def _pipeline_calls(scheduler, seen: dict) -> PipelineCalls:
+    """What the pipeline asked of its scheduler before the first step (`prepare`'s record)."""
+    args, kwargs = seen["set_timesteps.call"]
+    step_kwargs = dict(seen.get("step_kwargs", {}))
+    generators = step_kwargs.pop("generator", None)
+    if isinstance(generators, list):  # one request: the editor gives its pipeline one generator per image
+        (generators,) = generators
+    begin = seen.get("begin_index.call")
+    if begin is not None:
+        begin = encode_arguments(scheduler.set_begin_index, *begin)["begin_index"]
+    return PipelineCalls(encode_arguments(scheduler.set_timesteps, args, kwargs), begin_index=begin,
+                         step_kwargs=step_kwargs, scales_input="scaled" in seen,
+                         generator_state=None if generators is None else generators.get_state())
 
 
 def denoise_step(family: str, scheduler: BatchScheduler, rows: Sequence[Running],

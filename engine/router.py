@@ -24,10 +24,11 @@ supervisor saw exit, is removed; every request it held is routed again. An answe
 the worker the request is assigned to at that moment, so a request is answered exactly once even if
 a worker presumed dead speaks again. A worker removed while still alive (a network cut that healed)
 is told to join again; its hello lists the templates it still holds, which need no new recording.
-A hello says the worker's model, dtype and weights digest: another model (`RouterConfig.model`) is
-refused ("refused", the worker exits); other weights join with a warning (logged: retouch.router). Each heartbeat
-is answered ("alive"), so a worker notices a head that crashed. Closing tells the workers the server
-started ("supervised") to stop, and the others that it is closing: they outlive it and join the next.
+A hello says the worker's model, dtype and weights digest (its scheduler included): another model
+(`RouterConfig.model`) is refused ("refused", the worker exits); other weights join with a warning
+(logged: retouch.router). Each heartbeat is answered ("alive"), so a worker notices a head that
+crashed. Closing tells the workers the server started ("supervised") to stop, and the others that it
+is closing: they outlive it and join the next.
 
 Deadlines (SLOs): an edit's `RequestLoad.deadline` is on this router's clock (time.monotonic());
 each worker is sent what is left of it (`budget_s`: clocks differ across hosts) and orders its queue
@@ -1036,8 +1037,9 @@ class Router:
                 self._on_step(worker, header)
             elif kind == "progress":
                 record = self.templates.get(header["template"])
-                if record is not None:
-                    record.progress[name] = int(header["step"])
+                if record is not None:  # in the template's steps (a worker counts denoiser calls)
+                    calls = int(header.get("steps", record.steps))
+                    record.progress[name] = int(header["step"]) * record.steps // max(calls, 1)
                     self._template_changed(record)
             elif kind == "preview":
                 pending = self.pending.get(header["request"])
@@ -1050,7 +1052,8 @@ class Router:
         if pending is None or pending.worker != worker.name:
             return  # answered, or moved elsewhere: the step is stale
         record = self.templates.get(pending.task.template_id)
-        steps = record.steps if record is not None else int(header["step"])
+        # Denoiser calls, as the worker counts them (a second-order sampler makes two a step).
+        steps = int(header.get("steps", record.steps if record is not None else header["step"]))
         pending.steps_left = steps - int(header["step"])
         self._tell("request", pending.request_id, {"event": "step", "step": int(header["step"]), "steps": steps})
 
@@ -1078,7 +1081,7 @@ class Router:
         self._no_worker_since = None
         logger.info(f"worker {name} joined (pid {worker.pid}); {len(self.workers)} connected")
         if others and info["weights"] is not None:  # a rolling update does this for a while; say so
-            logger.warning(f"worker {name} runs other weights or dtype ({info['dtype']}) than worker "
+            logger.warning(f"worker {name} runs other weights, scheduler or dtype ({info['dtype']}) than worker "
                             f"{others[0].name} ({others[0].info.get('dtype')}): an edit's image depends on which "
                             "of them runs it")
         self._send(worker, self._welcome())

@@ -6,21 +6,96 @@ requests that joined at different steps. Here a request's schedule is a `Request
 a fresh diffusers scheduler of the model's class and config, so the timesteps and sigmas are exactly
 diffusers'), and `step` advances a batch of them with batched tensor arithmetic that repeats diffusers'
 own operations in the same order and dtypes, so each request's trajectory equals stepping its own
-diffusers scheduler.
+diffusers scheduler. Vectorised:
 
-    FlowMatchEulerDiscreteScheduler   Flux, SD3
-    EulerDiscreteScheduler            SDXL
+    FlowMatchEulerDiscreteScheduler   Flux, SD3 (deterministic)
+    EulerDiscreteScheduler            SDXL (epsilon or v prediction)
     PNDMScheduler (skip_prk_steps)    SD2
+
+Every other diffusers scheduler (DPM-Solver++, UniPC, DDIM, Heun, LCM, the ancestral and SDE samplers,
+...) runs through `StockBatch`: each request steps its own copy of the pipeline's scheduler, set up by
+the same calls the pipeline made (`PipelineCalls`) and given the generator the pipeline would give it,
+so its trajectory is the stock pipeline's by construction, at the price of one small call per request
+per step.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
+
+
+@dataclass
+class PipelineCalls:
+    """What a pipeline asked of its scheduler for one request before its first step: enough to make the
+    request's own copy of the scheduler elsewhere (`StockBatch`), in the state the pipeline's loop sees.
+
+    set_timesteps:    the keyword arguments of its `set_timesteps` call (JSON: `encode_arguments`), device left out
+    begin_index:      what it gave `set_begin_index`, if it called it
+    step_kwargs:      the extra keyword arguments its loop gives `step` (eta), generator left out
+    generator_state:  the state of the generator its loop gives `step`, as it stands at the first step (CPU
+                      generators: a uint8 tensor); None when it gives none
+    scales_input:     whether its loop calls `scale_model_input` (the UNet pipelines do, Flux and SD3 do not)
+    """
+
+    set_timesteps: dict
+    begin_index: int | None = None
+    step_kwargs: dict = field(default_factory=dict)
+    generator_state: torch.Tensor | None = None
+    scales_input: bool = False
+
+    def header(self) -> dict:
+        return {"set_timesteps": self.set_timesteps, "begin_index": self.begin_index,
+                "step_kwargs": self.step_kwargs, "generator": self.generator_state is not None,
+                "scales_input": self.scales_input}
+
+    @classmethod
+    def from_header(cls, header: dict, generator_state: torch.Tensor | None) -> PipelineCalls:
+        return cls(header["set_timesteps"], header["begin_index"], header["step_kwargs"],
+                   generator_state if header["generator"] else None, header["scales_input"])
+
+
+def encode_arguments(function, args: tuple, kwargs: dict) -> dict:
+    """A scheduler call's arguments by name, as JSON (`decode_arguments` gives them back): numbers, None,
+    strings, lists, and numpy arrays or tensors of numbers; `device` is left out (the stepping process
+    gives its own). Anything else is refused, naming it."""
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    encoded = {}
+    for name, value in bound.arguments.items():
+        if name == "device":
+            continue
+        if isinstance(value, (np.ndarray, torch.Tensor)):
+            array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
+            encoded[name] = {"array": array.tolist(), "dtype": str(array.dtype),
+                             "tensor": isinstance(value, torch.Tensor)}
+        elif isinstance(value, np.generic):
+            encoded[name] = value.item()
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            encoded[name] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
+            encoded[name] = [v.item() if isinstance(v, np.generic) else v for v in value]
+        else:
+            raise NotImplementedError(f"{getattr(function, '__qualname__', function)} was given {name} of type "
+                                      f"{type(value).__name__}, which the engine cannot pass between processes")
+    return encoded
+
+
+def decode_arguments(encoded: dict) -> dict:
+    decoded: dict[str, Any] = {}
+    for name, value in encoded.items():
+        if isinstance(value, dict):
+            array = np.array(value["array"], dtype=value["dtype"])
+            decoded[name] = torch.from_numpy(array) if value["tensor"] else array
+        else:
+            decoded[name] = value
+    return decoded
 
 
 @dataclass(eq=False)
@@ -42,17 +117,24 @@ class RequestSchedule:
     ets: list[torch.Tensor] = field(default_factory=list)
     counter: int = 0
     cur_sample: torch.Tensor | None = None
+    # StockBatch: how the pipeline set its scheduler up, and (made on the first step, in the process
+    # that steps it) the request's own copy of that scheduler and of the generator its steps draw from.
+    calls: PipelineCalls | None = None
+    own: Any = None
+    generator: torch.Generator | None = None
 
     @classmethod
-    def of(cls, scheduler) -> RequestSchedule:
-        """The schedule a diffusers scheduler holds after `set_timesteps` (as a pipeline set it up)."""
+    def of(cls, scheduler, calls: PipelineCalls | None = None) -> RequestSchedule:
+        """The schedule a diffusers scheduler holds after `set_timesteps` (as a pipeline set it up), and
+        the calls that set it up."""
         begin = getattr(scheduler, "begin_index", None) or 0
         sigmas = getattr(scheduler, "sigmas", None)
         if begin:
             raise NotImplementedError("schedules that start part-way (strength < 1) are not batched")
-        return cls(timesteps=scheduler.timesteps.clone(), sigmas=None if sigmas is None else sigmas.clone(),
+        return cls(timesteps=scheduler.timesteps.clone(),
+                   sigmas=sigmas.clone() if isinstance(sigmas, torch.Tensor) else None,
                    num_inference_steps=scheduler.num_inference_steps,
-                   init_noise_sigma=float(getattr(scheduler, "init_noise_sigma", 1.0)))
+                   init_noise_sigma=float(getattr(scheduler, "init_noise_sigma", 1.0)), calls=calls)
 
     @property
     def num_steps(self) -> int:
@@ -75,18 +157,29 @@ class BatchScheduler(ABC):
 
     @classmethod
     def for_scheduler(cls, scheduler) -> BatchScheduler:
-        kinds = {"FlowMatchEulerDiscreteScheduler": FlowMatchEulerBatch, "EulerDiscreteScheduler": EulerBatch,
-                 "PNDMScheduler": PNDMBatch}
-        kind = kinds.get(type(scheduler).__name__)
-        if kind is None:
-            raise NotImplementedError(f"no batched {type(scheduler).__name__}; supported: {', '.join(kinds)}")
-        return kind(scheduler)
+        """The vectorised stepper of `scheduler`'s class and settings, else `StockBatch`."""
+        config, name = scheduler.config, type(scheduler).__name__
+        if name == "FlowMatchEulerDiscreteScheduler" and not config.get("stochastic_sampling", False):
+            return FlowMatchEulerBatch(scheduler)
+        if name == "EulerDiscreteScheduler" and config.prediction_type in ("epsilon", "v_prediction"):
+            return EulerBatch(scheduler)
+        if name == "PNDMScheduler" and config.skip_prk_steps:
+            return PNDMBatch(scheduler)
+        return StockBatch(scheduler)
 
-    def schedule(self, num_inference_steps: int, device: torch.device | str = "cpu", **set_timesteps) -> RequestSchedule:
-        """A request's schedule, as `set_timesteps(num_inference_steps, **set_timesteps)` makes it."""
+    def schedule(self, num_inference_steps: int, device: torch.device | str = "cpu",
+                 generator: torch.Generator | None = None, **set_timesteps) -> RequestSchedule:
+        """A request's schedule, as `set_timesteps(num_inference_steps, **set_timesteps)` makes it, its
+        steps drawing from `generator` (a CPU generator) if its `step` takes one, as the UNet pipelines'
+        `prepare_extra_step_kwargs` decide."""
         scheduler = copy.deepcopy(self.template)
         scheduler.set_timesteps(num_inference_steps, device=device, **set_timesteps)
-        return RequestSchedule.of(scheduler)
+        takes_generator = "generator" in inspect.signature(scheduler.step).parameters
+        calls = PipelineCalls(
+            encode_arguments(scheduler.set_timesteps, (num_inference_steps,), set_timesteps),
+            generator_state=generator.get_state() if generator is not None and takes_generator else None,
+            scales_input=hasattr(scheduler, "scale_model_input"))
+        return RequestSchedule.of(scheduler, calls)
 
     def timesteps(self, schedules: Sequence[RequestSchedule]) -> torch.Tensor:
         """[B] each request's current timestep."""
@@ -198,3 +291,55 @@ class PNDMBatch(BatchScheduler):
         output, sample = torch.stack(outputs), torch.stack(inputs)
         sample_coeff, difference, denominator = (_per_row([c[k] for c in coefficients], sample) for k in range(3))
         return sample_coeff * sample - difference * output / denominator
+
+
+class StockBatch(BatchScheduler):
+    """Any diffusers scheduler: each request steps its own copy of the pipeline's scheduler, made by the
+    calls its pipeline made (`RequestSchedule.calls`), with the same arguments the pipeline's loop gives
+    it, one request at a time. Exactly the stock pipeline's arithmetic (and draws, for the schedulers that
+    add noise: each request has its own generator, in the state the pipeline's loop would find it)."""
+
+    def own(self, schedule: RequestSchedule, device: torch.device | str):
+        """The request's scheduler, made on first use in the process that steps it."""
+        if schedule.own is None:
+            calls = schedule.calls
+            if calls is None:
+                raise ValueError(f"a {type(self.template).__name__} request needs the calls that set up its schedule")
+            own = copy.deepcopy(self.template)
+            own.set_timesteps(**decode_arguments(calls.set_timesteps), device=device)
+            if calls.begin_index is not None:
+                own.set_begin_index(calls.begin_index)
+            if not torch.equal(own.timesteps.cpu(), schedule.timesteps.cpu()):
+                raise RuntimeError(f"{type(own).__name__} here makes other timesteps than the pipeline that "
+                                   "prepared the request: are both processes on the same scheduler settings?")
+            if calls.generator_state is not None:
+                schedule.generator = torch.Generator("cpu")
+                schedule.generator.set_state(calls.generator_state.cpu())
+            schedule.own = own
+        return schedule.own
+
+    def scale_model_input(self, samples, schedules):
+        if not schedules or schedules[0].calls is None or not schedules[0].calls.scales_input:
+            return samples
+        return torch.cat([self.own(s, samples.device).scale_model_input(samples[i:i + 1], s.timestep)
+                          for i, s in enumerate(schedules)])
+
+    def step(self, model_output, samples, schedules):
+        stepped = []
+        for i, schedule in enumerate(schedules):
+            own = self.own(schedule, samples.device)
+            kwargs = dict(schedule.calls.step_kwargs)
+            if schedule.generator is not None:
+                kwargs["generator"] = [schedule.generator]  # as the pipeline gives its one request's generators
+            stepped.append(own.step(model_output[i:i + 1], schedule.timestep, samples[i:i + 1], **kwargs,
+                                    return_dict=False)[0])
+            schedule.index += 1
+        return torch.cat(stepped)
+
+    def scale_noise(self, samples: torch.Tensor, noise: torch.Tensor, schedules: Sequence[RequestSchedule],
+                    ahead: int = 0) -> torch.Tensor:
+        """The inpaint pipelines' re-noise of the template's latents at each request's step index + `ahead`,
+        through the request's own scheduler (which has stepped as far as the pipeline's has then)."""
+        return torch.cat([self.own(s, samples.device).scale_noise(samples[i:i + 1], s.timesteps[s.index + ahead:][:1],
+                                                                   noise[i:i + 1])
+                          for i, s in enumerate(schedules)])

@@ -100,11 +100,13 @@ class EditResult:
 
 @dataclass(frozen=True)
 class StepWatch:
-    """A request's progress as it denoises: `on_step(k)` after its step k (1..n, each once); with
+    """A request's progress as it denoises: `on_step(k, n)` after its step k of n (1..n, each once; n
+    counts denoiser calls, which is `steps` for most samplers, one more for PNDM, about twice as many
+    for second-order ones such as Heun's); with
     `preview_every`, `on_preview(k, image)` after every that many steps before the last (a linear
     latent->RGB picture of its latents, `retouch.previews`: no decoder runs)."""
 
-    on_step: Callable[[int], None] | None = None
+    on_step: Callable[[int, int], None] | None = None
     preview_every: int = 0
     on_preview: Callable[[int, Image.Image], None] | None = None
 
@@ -499,7 +501,7 @@ class Worker:
         watch, schedule = job.watch, job.row.schedule
         try:
             if watch.on_step is not None:
-                watch.on_step(schedule.index)
+                watch.on_step(schedule.index, schedule.num_steps)
             if (watch.on_preview is not None and watch.preview_every and not schedule.done
                     and schedule.index % watch.preview_every == 0):
                 watch.on_preview(schedule.index, self._preview(job))

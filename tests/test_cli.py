@@ -151,6 +151,20 @@ def test_an_edit_with_a_lora_is_the_stock_edit_with_the_adapter(cli, inputs):
         assert not np.array_equal(edited[name][32:96, 32:96], edited["stock"][32:96, 32:96]), name
 
 
+@pytest.mark.parametrize("flags", [[], ["--mask-aware"]], ids=["baseline", "mask-aware"])
+def test_an_edit_runs_the_scheduler_it_is_given(cli, inputs, flags):
+    outs = {}
+    for scheduler in (None, "dpm++2m-karras"):
+        outs[scheduler] = inputs / f"{scheduler}.png"
+        result = cli("edit", "--model", "tiny-sdxl-inpaint", "--image", inputs / "T.png", "--mask", inputs / "M.png",
+                     "--prompt", "a red hat", "--steps", "3", "--out", outs[scheduler], *flags,
+                     *(["--scheduler", scheduler] if scheduler else []))
+        assert result.returncode == 0, result.stderr
+    with Image.open(outs[None]) as default, Image.open(outs["dpm++2m-karras"]) as other:
+        assert default.crop((0, 0, 128, 32)).tobytes() == other.crop((0, 0, 128, 32)).tobytes()
+        assert default.crop((32, 32, 96, 96)).tobytes() != other.crop((32, 32, 96, 96)).tobytes()
+
+
 def test_exported_folder_loads_offline(cli, inputs):
     folder = inputs / "exported"
     result = cli("models", "export", "tiny-sdxl-inpaint", folder)
@@ -213,6 +227,9 @@ BAD_EDITS = {
     "bad lora": ({}, ["--lora", "bad::x", "--lora-dir", "."], "--lora: lora scale of 'bad' must be a number"),
     "lora without a folder": ({}, ["--lora", "grain"], "add --lora-dir"),
     "unknown lora": ({}, ["--lora", "grain", "--lora-dir", "empty_dir"], "grain"),
+    "unknown scheduler": ({}, ["--scheduler", "dpm3"], "--scheduler 'dpm3' is neither a diffusers scheduler"),
+    "scheduler of another kind": ({}, ["--scheduler", "flow-euler"], "cannot drive this StableDiffusionInpaint"),
+    "scheduler setting it lacks": ({}, ["--scheduler", "ddim:karras=true"], "DDIMScheduler has no setting 'karras'"),
 }
 
 
@@ -257,6 +274,7 @@ def test_simulate_prints_every_policy(cli):
     (["--model", "tiny-flux-fill", "--lora-device-mb", "0"], "--lora-device-mb must be a finite number > 0"),
     (["--model", "tiny-flux-fill", "--served-model-name", "flux,,gpt-image-1"], "--served-model-name takes names"),
     (["--model", "tiny-flux-fill", "--cors-origins", "shop.example.com"], "--cors-origins takes scheme://host"),
+    (["--model", "tiny-flux-fill", "--scheduler", "dpm++2m"], "cannot drive this FluxFillPipeline"),
 ])
 def test_serve_refuses_bad_options_before_starting_anything(cli, args, message):
     result = cli("serve", *args)

@@ -219,7 +219,7 @@ def test_leaving_the_engine_on_an_error_cancels_its_requests_within_a_step(flux_
 
     steps_done, first_step = [], threading.Event()
 
-    def on_step(k):
+    def on_step(k, n):
         steps_done.append(k)
         first_step.set()
 

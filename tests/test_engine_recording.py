@@ -155,7 +155,7 @@ def test_drop_template_stops_its_recording():
     with Engine(MaskAwareEditor(load_pipeline("tiny-flux-fill")), EngineConfig(mode="naive")) as engine:
         progress, recording = [], threading.Event()
 
-        def on_step(step: int) -> None:
+        def on_step(step: int, steps: int) -> None:
             progress.append(step)
             recording.set()
 

@@ -377,6 +377,28 @@ def test_template_watchers_see_its_recording_to_the_end(context, make_router):
     assert router.watch("template", "unknown", seen.append) is None and not router._watchers
 
 
+
+def test_progress_counts_the_workers_denoiser_calls(context, make_router):
+    """A worker on a second-order sampler (Heun: 5 denoiser calls for 3 steps) says how many calls a
+    request makes: its events count calls, its steps left too, and a template's progress stays in its steps."""
+    router = make_router()
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(TemplateRecord("t1", b"png-of-template", (64, 64), "", 3, 0, None, 0))
+    assert w0.receive("register")["template"] == "t1"
+    w0.send({"kind": "progress", "template": "t1", "step": 4, "steps": 5})
+    w0.sync()
+    assert router.template("t1")["progress"]["step"] == 2  # 4 of 5 calls: 2 of its 3 steps done
+    w0.send({"kind": "template", "template": "t1", "ok": True})
+    seen: list[dict] = []
+    [request], [future] = router.submit_many([task()], on_event=lambda rid, event: seen.append(event))
+    assert w0.receive("edit")["request"] == request
+    w0.send({"kind": "progress", "request": request, "step": 4, "steps": 5})
+    w0.sync()
+    assert router.pending[request].steps_left == 1
+    w0.answer(request)
+    assert future.result(TIMEOUT_S).status == 200
+    assert [(e["step"], e["steps"]) for e in seen if e["event"] == "step"] == [(4, 5)]
+
 LORA = (LoraUse("grain", 0.5), LoraUse("ink"))
 
 
@@ -497,7 +519,8 @@ def test_a_worker_of_another_model_is_refused_and_other_weights_are_told(context
     assert router.snapshot()["counters"]["workers_mismatched"] == 1
     warnings = router_lines(caplog, "WARNING")
     assert any(line.startswith("worker w1 refused") for line in warnings)
-    assert any(line.startswith("worker w2 runs other weights or dtype (bfloat16) than worker w0") for line in warnings)
+    assert any(line.startswith("worker w2 runs other weights, scheduler or dtype (bfloat16) than worker w0")
+               for line in warnings)
     assert router.snapshot()["workers"]["w2"]["info"]["weights"] == "bbb"
     # the same process saying hello again (its welcome lost) is welcomed, not removed and added
     w0.send({"kind": "hello", "max_batch": 4, "pid": 1, "model": "tiny-flux-fill", "weights": "aaa"})

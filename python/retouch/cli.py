@@ -51,7 +51,7 @@ def cmd_edit(args) -> int:
     from retouch.models import load_pipeline
 
     started = time.perf_counter()
-    model = load_pipeline(opts.model, device=device, dtype=dtype)
+    model = load_pipeline(opts.model, device=device, dtype=dtype, scheduler=opts.scheduler)
     loaded = time.perf_counter()
     if lora:
         return _lora_edit(opts, model, image, mask, lora, loaded - started, out)
@@ -122,7 +122,7 @@ def _lora_edit(opts: EditOptions, model, image, mask, lora, load_seconds: float,
     from retouch.editor import EditRequest, MaskAwareEditor
     from retouch.engine.api import Engine
     from retouch.engine.worker import EngineConfig, StepWatch
-    from retouch.progress import bar
+    from retouch.progress import advance, bar
 
     editor = MaskAwareEditor(model, cache_mode=opts.cache_mode, dilation=opts.dilation, compile=opts.compile,
                              cuda_graphs=opts.cuda_graphs)
@@ -134,11 +134,11 @@ def _lora_edit(opts: EditOptions, model, image, mask, lora, load_seconds: float,
         if opts.mask_aware:
             with bar(desc="register template", total=steps, unit="step") as progress:
                 template_id = engine.register_template(image, prompt=opts.prompt, steps=steps, seed=opts.seed,
-                                                       guidance=opts.guidance, on_step=lambda _: progress.update())
+                                                       guidance=opts.guidance, on_step=advance(progress))
             registered = time.perf_counter()
             template_note = f", register template {template_id} {registered - started:.2f} s (full compute)"
         with bar(desc="edit", total=steps, unit="step") as progress:
-            watch = StepWatch(lambda _: progress.update())
+            watch = StepWatch(advance(progress))
             if opts.mask_aware:
                 future = engine.submit(EditRequest(template_id, mask, opts.prompt, opts.seed), watch, lora=lora)
             else:
@@ -204,13 +204,21 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def check_model(opts) -> None:
+    """An unknown model or a scheduler that cannot drive it is one error here, not one in every worker."""
+    from retouch.models import get_spec
+    from retouch.models.loading import check_scheduler
+
+    if not Path(opts.model).is_dir():
+        get_spec(opts.model)
+    if opts.scheduler is not None:
+        check_scheduler(opts.model, opts.scheduler)
+
+
 def cmd_serve(args) -> int:
     opts = from_arguments(ServeOptions, args)
 
-    from retouch.models import get_spec
-
-    if not Path(opts.model).is_dir():
-        get_spec(opts.model)  # an unknown model is one error here, not one in every worker
+    check_model(opts)
     from retouch.log_limits import setup_logging
     from retouch.server import Server
 
@@ -222,10 +230,7 @@ def cmd_serve(args) -> int:
 def cmd_worker(args) -> int:
     opts = from_arguments(WorkerOptions, args)
 
-    from retouch.models import get_spec
-
-    if not Path(opts.model).is_dir():
-        get_spec(opts.model)
+    check_model(opts)
     for path in (opts.curve_secret, opts.curve_server):  # a missing key file is one line, before loading
         if path is not None and not Path(path).is_file():
             raise RetouchError(f"key file {path} not found")

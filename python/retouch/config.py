@@ -47,6 +47,12 @@ def comma_list(value: str | None) -> list[str]:
     return [item.strip() for item in (value or "").split(",") if item.strip()]
 
 
+SCHEDULER_HELP = ("the sampler every edit runs instead of the pipeline's own: a diffusers scheduler class or "
+                  "euler, euler-a, heun, lms, dpm2, dpm2-a, dpm++2m, dpm++2m-karras, dpm++2m-sde, dpm++2m-sde-karras, "
+                  "ddim, plms, unipc, lcm, flow-euler, flow-heun; settings after a colon: "
+                  "dpm++2m:solver_order=3,timestep_spacing=trailing")
+
+
 def option(default=dataclasses.MISSING, *, help: str, choices=None, flag: str | None = None):  # noqa: A002
     """A dataclass field that carries its CLI help (and choices, or a flag name other than --field-name)."""
     metadata = {"help": help, "choices": choices, "flag": flag}
@@ -79,6 +85,7 @@ class EditOptions:
                                "--compile)")
     device: str = option("auto", help="where to run", choices=DEVICES)
     dtype: str = option("auto", help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)", choices=DTYPES)
+    scheduler: str | None = option(None, help=SCHEDULER_HELP)
     lora: str | None = option(None, help="LoRA adapters of --lora-dir to edit with: NAME[:SCALE][,NAME[:SCALE]] "
                               "(scale 1 by default)")
     lora_dir: Path | None = option(None, help=LORA_DIR_HELP)
@@ -290,6 +297,7 @@ class ServeOptions:
     curve_allowed: Path | None = option(None, help="folder of the public keys (*.key) of workers allowed to join")
     device: str = option("auto", help="where workers run (cuda: worker i uses GPU i)", choices=DEVICES)
     dtype: str = option("auto", help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)", choices=DTYPES)
+    scheduler: str | None = option(None, help=SCHEDULER_HELP)
     mode: str = option("disagg", help="batching mode of each worker", choices=("static", "naive", "disagg"))
     max_batch: int = option(8, help="requests per denoising step per worker")
     helpers: int = option(1, help="pre/post-processing processes per worker (disagg mode)")
@@ -440,6 +448,7 @@ class WorkerOptions:
     name: str | None = option(None, help="this worker's name in the router's metrics (default: HOST-PID)")
     device: str = option("auto", help="auto, cpu, cuda or cuda:N")
     dtype: str = option("auto", help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)", choices=DTYPES)
+    scheduler: str | None = option(None, help=SCHEDULER_HELP)
     mode: str = option("disagg", help="batching mode", choices=("static", "naive", "disagg"))
     max_batch: int = option(8, help="requests per denoising step")
     helpers: int = option(1, help="pre/post-processing processes (disagg mode)")

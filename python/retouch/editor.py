@@ -39,6 +39,7 @@ from retouch.errors import InputError, ModelError
 from retouch.images import as_image, as_mask, colour_profile
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
 from retouch.models import LoadedModel, load_pipeline, quiet_libraries
+from retouch.models.samplers import describe as describe_scheduler
 from retouch.noise import initial_noise, latent_shape, latents_argument, pack_flux_latents  # noqa: F401 - API
 from retouch.noise import seeded_noise
 
@@ -348,11 +349,12 @@ class MaskAwareEditor:
                 "storage": self.cache.config.dtype if isinstance(self.cache, CacheStore) else None}
 
     def model_fingerprint(self) -> str:
-        """A digest of the pipeline: its name, dtype and a sample of every weight of every component
-        (denoiser, VAE, text encoders: the first 64 values of each tensor), so that a recording is never
-        read by other weights, latents or embeddings under the same name."""
+        """A digest of the pipeline: its name, dtype, scheduler and a sample of every weight of every
+        component (denoiser, VAE, text encoders: the first 64 values of each tensor), so that a recording
+        is never read by other weights, latents, embeddings or schedules under the same name."""
         if self._fingerprint is None:
             digest = hashlib.sha256(f"{self.model.name}|{self.model.family}|{self.dtype}|".encode())
+            digest.update(describe_scheduler(self.pipe.scheduler).encode())
             modules = {name: component for name, component in sorted(self.pipe.components.items())
                        if isinstance(component, torch.nn.Module)}
             for component, module in modules.items():
@@ -729,6 +731,9 @@ def finish(template: Template, image: Image.Image, mask: Image.Image) -> Image.I
     return paste_unmasked(template.source, template.canvas.crop(image), mask)
 
 
-def load(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **editor_options) -> MaskAwareEditor:
-    """A mask-aware editor on a built-in model name or a local diffusers pipeline folder."""
-    return MaskAwareEditor(load_pipeline(model, device=device, dtype=dtype), **editor_options)
+def load(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, scheduler: str | None = None,
+         **editor_options) -> MaskAwareEditor:
+    """A mask-aware editor on a built-in model name or a local diffusers pipeline folder; `scheduler`
+    (`"dpm++2m-karras"`, `"DDIMScheduler:timestep_spacing=trailing"`: `retouch.models.samplers`)
+    replaces the pipeline's own."""
+    return MaskAwareEditor(load_pipeline(model, device=device, dtype=dtype, scheduler=scheduler), **editor_options)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from tqdm import tqdm
@@ -41,6 +41,17 @@ def bar(iterable: Iterable | None = None, desc: str = "", *, total: int | None =
     """A bar on stderr over `iterable` (or advanced by `.update()` up to `total`); `show=False` draws
     nothing, for callers that asked for silence."""
     return tqdm(iterable, total=total, **bar_options(desc, unit, show))
+
+
+def advance(progress: tqdm) -> Callable[[int, int], None]:
+    """An engine's `on_step(k, n)` that moves `progress` to step k of n (n: the request's denoiser calls,
+    which a second-order sampler makes about twice as many of as it has steps)."""
+    def on_step(k: int, n: int) -> None:
+        if progress.total != n:
+            progress.total = n
+            progress.refresh()
+        progress.update(k - progress.n)
+    return on_step
 
 
 def note(message: str) -> None:

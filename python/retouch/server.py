@@ -157,6 +157,7 @@ class Server:
                      "--helper-threads", str(opts.helper_threads),
                      "--threads", str(opts.worker_threads), "--log-level", opts.log_level]
         node_args += ["--compile"] * opts.compile + ["--cuda-graphs"] * opts.cuda_graphs
+        node_args += ["--scheduler", opts.scheduler] if opts.scheduler is not None else []
         node_args += ["--lora-cache-mb", str(opts.lora_cache_mb), "--lora-latest-step", str(opts.lora_latest_step)]
         if opts.lora_device_mb is not None:
             node_args += ["--lora-device-mb", repr(opts.lora_device_mb)]

@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import diffusers
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import is_accelerate_available
@@ -14,6 +15,7 @@ from .export import MANIFEST_NAME, cached_export
 from .quiet import quiet_libraries
 from .builders import build_pipeline
 from .registry import get_spec, is_builtin, list_models
+from .samplers import choose_scheduler, with_scheduler
 from .spec import FAMILIES, FAMILY_BY_PIPELINE
 
 
@@ -27,18 +29,22 @@ class LoadedModel:
     call_defaults: dict  # extra kwargs for pipe(...), e.g. {"max_sequence_length": 32}
     source: Path  # the folder it was loaded from
     built_in_memory: bool = False  # built by build_loaded: a process that wants the same weights builds it too
+    scheduler: str | None = None  # the --scheduler it was given (`samplers`); None: the pipeline's own
 
 
 def load_pipeline(
     name_or_dir: str | os.PathLike,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    scheduler: str | None = None,
 ) -> LoadedModel:
-    """Load a built-in model (exported once into the cache) or a saved pipeline folder.
+    """Load a built-in model (exported once into the cache) or a saved pipeline folder, with the
+    scheduler `scheduler` names (`samplers.with_scheduler`; None: the one it was saved with).
 
     Only local files are read (local_files_only): nothing is ever downloaded. The family comes from
     the folder's retouch.json when it has one, else from its pipeline class. Raises ModelError when
-    the folder is missing, is not a diffusers pipeline, or holds a pipeline retouch does not serve.
+    the folder is missing, is not a diffusers pipeline, or holds a pipeline retouch does not serve,
+    or when the scheduler cannot drive it.
     """
     if isinstance(name_or_dir, str) and is_builtin(name_or_dir):
         folder = cached_export(name_or_dir)
@@ -67,6 +73,8 @@ def load_pipeline(
             detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ModelError(f"cannot load the pipeline in {folder}: {detail}") from error
         pipe.to(device)
+    if scheduler is not None:
+        with_scheduler(pipe, scheduler, family)
     pipe.set_progress_bar_config(disable=True)
     return LoadedModel(
         pipe=pipe,
@@ -74,10 +82,12 @@ def load_pipeline(
         family=family,
         call_defaults=dict(manifest.get("call_defaults", {})),
         source=folder,
+        scheduler=scheduler,
     )
 
 
-def build_loaded(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+def build_loaded(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 scheduler: str | None = None) -> LoadedModel:
     """A built-in model built in memory on `device`, without the save/load round trip of `load_pipeline`.
 
     For speed measurements of the full-size specs: on a GPU the 11.9 B Flux transformer is built in
@@ -85,17 +95,39 @@ def build_loaded(name: str, device: str | torch.device = "cpu", dtype: torch.dty
     exported ones (see `build_pipeline`), so never compare images across the two."""
     spec = get_spec(name)
     pipe = build_pipeline(name, dtype=dtype, device=device)
+    if scheduler is not None:
+        with_scheduler(pipe, scheduler, spec.family)
     return LoadedModel(pipe=pipe, name=spec.name, family=spec.family, call_defaults=dict(spec.call_defaults),
-                       source=Path(f"<built in memory: {spec.name}>"), built_in_memory=True)
+                       source=Path(f"<built in memory: {spec.name}>"), built_in_memory=True, scheduler=scheduler)
 
 
 def load_for_bench(name_or_dir: str | os.PathLike, device: str | torch.device = "cpu",
-                   dtype: torch.dtype = torch.float32) -> LoadedModel:
+                   dtype: torch.dtype = torch.float32, scheduler: str | None = None) -> LoadedModel:
     """What a benchmark times: the full-size "bench" specs built in memory (`build_loaded`), tiny
     models and folders through `load_pipeline`."""
     if isinstance(name_or_dir, str) and is_builtin(name_or_dir) and get_spec(name_or_dir).kind == "bench":
-        return build_loaded(name_or_dir, device, dtype)
-    return load_pipeline(name_or_dir, device, dtype)
+        return build_loaded(name_or_dir, device, dtype, scheduler)
+    return load_pipeline(name_or_dir, device, dtype, scheduler)
+
+
+def check_scheduler(name_or_dir: str | os.PathLike, scheduler: str) -> None:
+    """ModelError unless `scheduler` can drive the model, judged from its saved scheduler without
+    loading its weights: a server says so once, before any worker starts loading."""
+    if isinstance(name_or_dir, str) and is_builtin(name_or_dir):
+        spec = get_spec(name_or_dir)
+        family, pipeline_class = spec.family, spec.pipeline_class
+        saved = getattr(diffusers, spec.scheduler_class).from_config(spec.scheduler_config)
+    else:
+        folder = Path(name_or_dir)
+        pipeline_class = _pipeline_class_in(folder, requested=name_or_dir)
+        family = _read_manifest(folder).get("family", FAMILY_BY_PIPELINE[pipeline_class])
+        config_path = folder / "scheduler" / "scheduler_config.json"
+        try:
+            config = json.loads(config_path.read_text())
+            saved = getattr(diffusers, config["_class_name"]).from_config(config)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ModelError(f"cannot read the scheduler in {config_path}: {error}") from None
+    choose_scheduler(saved, scheduler, family, pipeline_class)
 
 
 def family_of_pipeline(pipe: DiffusionPipeline) -> str:
