@@ -26,6 +26,7 @@ from retouch.engine.worker import EditResult, EngineConfig, Job, StepWatch, Work
 from retouch.errors import InputError, RetouchError
 from retouch.lora import LoraChoice, parse_lora
 from retouch.models import load_pipeline
+from retouch.models.samplers import describe as describe_scheduler
 
 
 class HelperError(RetouchError):
@@ -72,6 +73,7 @@ class Engine:
                                       self.editor.dilation, self.config.helpers, self._on_helper_message,
                                       build_in_memory=self.editor.model.built_in_memory,
                                       scheduler=self.editor.model.scheduler,
+                                      scheduler_description=describe_scheduler(self.editor.pipe.scheduler),
                                       threads=self.config.helper_threads, run_dir=self.config.run_dir)
         self._running = True
         self._loop_done.clear()

@@ -176,12 +176,14 @@ class HelperPool:
     def __init__(self, model: str, device: str, dtype: torch.dtype, dilation: int, count: int,
                  on_message: Callable[[dict, dict, dict], None], start_timeout_s: float = 600.0,
                  build_in_memory: bool = False, threads: int = 0, run_dir: str | None = None,
-                 poll_s: float = 0.2, scheduler: str | None = None):
+                 poll_s: float = 0.2, scheduler: str | None = None, scheduler_description: str | None = None):
         """`build_in_memory`: the helpers build the built-in `model` on their device as the parent did
         (`retouch.models.loading.build_loaded`) instead of loading its export: the same seeds, the
         same weights. `threads`: torch CPU threads of each helper (0: torch's default). `run_dir`:
         where their sockets' folder goes (default: the system's temporary folder). `scheduler`: the
-        `--scheduler` the parent's model was loaded with (the helpers set up each request's schedule)."""
+        `--scheduler` the parent's model was loaded with; `scheduler_description`: the scheduler it runs
+        (`samplers.describe`), which the helpers then run too, however the parent came by it (the
+        helpers set up each request's schedule)."""
         if count < 1:
             raise ValueError(f"the disaggregated mode needs at least one helper process, got {count}")
         self._dir = tempfile.TemporaryDirectory(prefix="retouch-helpers-", dir=run_dir)
@@ -208,6 +210,7 @@ class HelperPool:
                          "--threads", str(threads)]
         self._command += ["--build-in-memory"] if build_in_memory else []
         self._command += ["--scheduler", scheduler] if scheduler is not None else []
+        self._command += ["--scheduler-description", scheduler_description] if scheduler_description else []
         self._env = child_env()
         self._lock = threading.Lock()  # the task sockets and the books below
         self._outstanding: dict[int, tuple[int, list, int]] = {}  # job -> (helper, frames, times sent)
@@ -399,6 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     from retouch.cache import InMemoryActivationCache
     from retouch.models import load_pipeline
     from retouch.models.loading import build_loaded
+    from retouch.models.samplers import from_description
 
     parser = argparse.ArgumentParser(prog="python -m retouch.engine.processing")
     parser.add_argument("--model", required=True)
@@ -409,7 +413,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", required=True)
     parser.add_argument("--control", default=None, help="the pool's cancellations (PUB, topic: --index)")
     parser.add_argument("--build-in-memory", action="store_true", help="build the built-in model, do not load it")
-    parser.add_argument("--scheduler", default=None, help="the scheduler the worker's model runs (its --scheduler)")
+    parser.add_argument("--scheduler", default=None, help="the --scheduler the worker's model was loaded with")
+    parser.add_argument("--scheduler-description", default=None, help="the scheduler the worker's model runs "
+                        "(retouch.models.samplers.describe)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--index", type=int, default=0, help="which of the pool's helpers this is")
     args = parser.parse_args(argv)
@@ -422,9 +428,10 @@ def main(argv: list[str] | None = None) -> None:
         # own latency (VAE, text encoders) for the loop's under load.
         torch.set_num_threads(args.threads)
     load = build_loaded if args.build_in_memory else load_pipeline
-    editor = MaskAwareEditor(load(args.model, device=args.device, dtype=getattr(torch, args.dtype),
-                                  scheduler=args.scheduler),
-                             cache=InMemoryActivationCache(), dilation=args.dilation)
+    model = load(args.model, device=args.device, dtype=getattr(torch, args.dtype), scheduler=args.scheduler)
+    if args.scheduler_description is not None:
+        model.pipe.scheduler = from_description(args.scheduler_description)
+    editor = MaskAwareEditor(model, cache=InMemoryActivationCache(), dilation=args.dilation)
     # A helper stops every pipeline run at its first denoiser call, so it never needs the denoiser's
     # weights: freeing them keeps a second copy of an 11.9 B Flux transformer off the GPU.
     editor.denoiser.to("meta")

@@ -22,6 +22,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -183,7 +184,8 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str) -> Prepare
 def _pipeline_calls(scheduler, seen: dict) -> PipelineCalls:
     """What the pipeline asked of its scheduler before the first step (`prepare`'s record)."""
     args, kwargs = seen["set_timesteps.call"]
-    step_kwargs = dict(seen.get("step_kwargs", {}))
+    step_kwargs = {name: value.item() if isinstance(value, np.generic) else value  # JSON, as the header is
+                   for name, value in seen.get("step_kwargs", {}).items()}
     generators = step_kwargs.pop("generator", None)
     if isinstance(generators, list):  # one request: the editor gives its pipeline one generator per image
         (generators,) = generators

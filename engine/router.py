@@ -225,6 +225,7 @@ class Pending:
     routes: int = 0  # how many times it was sent (re-routes after failures add to it)
     records: bool = False  # sent as a one-off edit that records its template on `worker`
     steps_left: int | None = None  # from the worker's heartbeats once it runs
+    calls: int | None = None  # its denoiser calls, as its worker counts them (Heun: 2 x steps - 1)
     owner: str = ""  # the tenant of its template (`max_queue_per_tenant`)
 
 
@@ -603,6 +604,7 @@ class Router:
                 return {"status": "parked", "steps": steps}
             if pending.steps_left is None:
                 return {"status": "queued", "worker": pending.worker, "steps": steps}
+            steps = pending.calls or steps  # in the units of steps_left
             return {"status": "running", "worker": pending.worker, "step": max(0, steps - pending.steps_left),
                     "steps": steps}
 
@@ -784,7 +786,7 @@ class Router:
             self.on_decision(time.perf_counter() - started)
         worker = next(w for w in self.workers.values() if w.slot == slot)
         pending.worker, pending.routes, pending.records = worker.name, pending.routes + 1, records
-        pending.steps_left = None
+        pending.steps_left = pending.calls = None
         self.counters["routed" if pending.routes == 1 else "rerouted"] += 1
         worker.assigned.add(pending.request_id)
         self.cluster.assign(slot, pending.request_id, load)
@@ -1054,7 +1056,7 @@ class Router:
         record = self.templates.get(pending.task.template_id)
         # Denoiser calls, as the worker counts them (a second-order sampler makes two a step).
         steps = int(header.get("steps", record.steps if record is not None else header["step"]))
-        pending.steps_left = steps - int(header["step"])
+        pending.calls, pending.steps_left = steps, steps - int(header["step"])
         self._tell("request", pending.request_id, {"event": "step", "step": int(header["step"]), "steps": steps})
 
     def _on_hello(self, identity: bytes, header: dict) -> None:

@@ -58,8 +58,18 @@ class PipelineCalls:
 
     @classmethod
     def from_header(cls, header: dict, generator_state: torch.Tensor | None) -> PipelineCalls:
+        if header["generator"] and generator_state is None:
+            raise ValueError("the request's calls name a generator whose state did not come with them")
         return cls(header["set_timesteps"], header["begin_index"], header["step_kwargs"],
                    generator_state if header["generator"] else None, header["scales_input"])
+
+    def scheduler(self, template, device: torch.device | str):
+        """A copy of `template` set up by these calls, as the pipeline's was before its first step."""
+        own = copy.deepcopy(template)
+        own.set_timesteps(**decode_arguments(self.set_timesteps), device=device)
+        if self.begin_index is not None:
+            own.set_begin_index(self.begin_index)
+        return own
 
 
 def encode_arguments(function, args: tuple, kwargs: dict) -> dict:
@@ -79,7 +89,7 @@ def encode_arguments(function, args: tuple, kwargs: dict) -> dict:
             encoded[name] = value.item()
         elif value is None or isinstance(value, (bool, int, float, str)):
             encoded[name] = value
-        elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float, np.number)) for v in value):
             encoded[name] = [v.item() if isinstance(v, np.generic) else v for v in value]
         else:
             raise NotImplementedError(f"{getattr(function, '__qualname__', function)} was given {name} of type "
@@ -180,6 +190,20 @@ class BatchScheduler(ABC):
             generator_state=generator.get_state() if generator is not None and takes_generator else None,
             scales_input=hasattr(scheduler, "scale_model_input"))
         return RequestSchedule.of(scheduler, calls)
+
+    def admit(self, schedule: RequestSchedule, device: torch.device | str) -> None:
+        """Check, as a request joins, that this process's scheduler makes the schedule the pipeline
+        that prepared it made (a helper on other settings would otherwise step it on its own
+        schedule); raises for that request alone."""
+        if schedule.calls is None:
+            return
+        own = schedule.calls.scheduler(self.template, device)
+        sigmas = getattr(own, "sigmas", None)
+        if not torch.equal(own.timesteps.cpu(), schedule.timesteps.cpu()) or (
+                schedule.sigmas is not None and isinstance(sigmas, torch.Tensor)
+                and not torch.equal(sigmas.cpu(), schedule.sigmas.cpu())):
+            raise RuntimeError(f"{type(own).__name__} here makes another schedule than the pipeline that prepared "
+                               "the request: are both processes on the same scheduler settings?")
 
     def timesteps(self, schedules: Sequence[RequestSchedule]) -> torch.Tensor:
         """[B] each request's current timestep."""
@@ -299,18 +323,18 @@ class StockBatch(BatchScheduler):
     it, one request at a time. Exactly the stock pipeline's arithmetic (and draws, for the schedulers that
     add noise: each request has its own generator, in the state the pipeline's loop would find it)."""
 
+    def admit(self, schedule: RequestSchedule, device: torch.device | str) -> None:
+        self.own(schedule, device)
+
     def own(self, schedule: RequestSchedule, device: torch.device | str):
-        """The request's scheduler, made on first use in the process that steps it."""
+        """The request's scheduler, made as it joins (`admit`) in the process that steps it."""
         if schedule.own is None:
             calls = schedule.calls
             if calls is None:
                 raise ValueError(f"a {type(self.template).__name__} request needs the calls that set up its schedule")
-            own = copy.deepcopy(self.template)
-            own.set_timesteps(**decode_arguments(calls.set_timesteps), device=device)
-            if calls.begin_index is not None:
-                own.set_begin_index(calls.begin_index)
+            own = calls.scheduler(self.template, device)
             if not torch.equal(own.timesteps.cpu(), schedule.timesteps.cpu()):
-                raise RuntimeError(f"{type(own).__name__} here makes other timesteps than the pipeline that "
+                raise RuntimeError(f"{type(own).__name__} here makes another schedule than the pipeline that "
                                    "prepared the request: are both processes on the same scheduler settings?")
             if calls.generator_state is not None:
                 schedule.generator = torch.Generator("cpu")

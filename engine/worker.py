@@ -301,6 +301,7 @@ class Worker:
                         continue
                     job.ready = ready
                 try:
+                    self.scheduler.admit(job.ready.prepared.schedule, self.editor.device)
                     if job.recording is not None:
                         if job.writes_cache:
                             self.editor.begin_recording(job.recording)

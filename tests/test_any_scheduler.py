@@ -29,6 +29,7 @@ CASES = [
     ("tiny-sdxl-inpaint", "dpm++2m-karras"),
     ("tiny-sdxl-inpaint", "euler-a"),
     ("tiny-sdxl-inpaint", "heun"),
+    ("tiny-sdxl-inpaint", "lcm"),  # LCM-LoRA's sampler: not on diffusers' compatible list, allowed for UNets
     ("tiny-sd2-inpaint", "ddim"),
     ("tiny-sd2-inpaint", "dpm++2m-sde"),
     ("tiny-sd2-inpaint", "unipc"),
@@ -114,6 +115,54 @@ def test_a_noise_drawing_sampler_resumes_its_generator_across_the_wire():
     assert max_diff(job.row.latents[0], expected) > 1e-3
 
 
+def test_a_saved_scheduler_that_draws_noise_without_a_generator_is_refused_unless_replaced(tmp_path):
+    """A folder saved with stochastic flow matching on SD3 would not repeat an edit from its seed."""
+    import json
+
+    from retouch.models import export_pipeline
+
+    folder = tmp_path / "sd3"
+    export_pipeline("tiny-sd3-inpaint", folder)
+    config_path = folder / "scheduler" / "scheduler_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "stochastic_sampling": True}))
+    with pytest.raises(ModelError, match="draws noise as it steps.*--scheduler"):
+        load_pipeline(folder)
+    model = load_pipeline(folder, scheduler="flow-euler:stochastic_sampling=false")
+    assert not model.pipe.scheduler.config.stochastic_sampling
+
+
+def test_a_request_whose_schedule_this_worker_cannot_make_fails_alone():
+    from retouch.engine import processing
+
+    editor = editor_for("tiny-sdxl-inpaint", "dpm++2m-karras")
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=3, seed=3)
+    good, bad = (Worker.new_job(EditRequest(template_id, square_mask(), "a hat", seed=s)) for s in (1, 2))
+    bad.ready = processing.preprocess(editor, bad.request, editor.templates[template_id])
+    bad.ready.prepared.schedule.calls.set_timesteps["num_inference_steps"] = 4  # as a helper on other settings
+    worker = run_loop(editor, EngineConfig(mode="naive"), [good, bad])
+    assert good.future.result().image.size == (128, 128)
+    with pytest.raises(RuntimeError, match="another schedule"):
+        bad.future.result()
+    assert worker.metrics.completed == 1
+
+
+def test_helpers_run_a_scheduler_swapped_in_after_load():
+    """The diffusers way of changing sampler (`pipe.scheduler = X.from_config(...)`) reaches the helpers."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    from retouch.engine.api import Engine
+
+    editor = MaskAwareEditor(load_pipeline("tiny-sd2-inpaint"))
+    editor.pipe.scheduler = DPMSolverMultistepScheduler.from_config(editor.pipe.scheduler.config,
+                                                                    use_karras_sigmas=True)
+    with Engine(editor, EngineConfig(mode="disagg", max_batch=2)) as engine:
+        template_id = engine.register_template(template_image(), prompt="a scene", steps=3, seed=3)
+        request = EditRequest(template_id, square_mask(), "a hat", seed=1)
+        result = engine.submit(request).result(timeout=300)
+    inline = editor.edit(template_id, request.mask, request.prompt, request.seed)
+    assert np.abs(np.asarray(result.image, dtype=int) - np.asarray(inline, dtype=int)).max() <= 2
+
+
 def test_the_fingerprint_tells_schedules_apart():
     """A recording is never adopted by the same weights on another schedule."""
     plain = editor_for("tiny-sdxl-inpaint", "euler")
@@ -162,11 +211,23 @@ def test_draws_noise_tells_ancestral_from_deterministic_samplers():
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
-def test_settings_parse_as_json_and_aliases_name_real_classes():
+def test_settings_parse_as_their_defaults_type_and_aliases_name_real_classes():
     assert parse_scheduler("DDIMScheduler:timestep_spacing=trailing, rescale_betas_zero_snr=true") == (
         "DDIMScheduler", {"timestep_spacing": "trailing", "rescale_betas_zero_snr": True})
-    assert parse_scheduler("dpm++2m-karras:solver_order=3") == (
+    assert parse_scheduler("DPM++2M-Karras:solver_order=3") == (
         "DPMSolverMultistepScheduler", {"use_karras_sigmas": True, "solver_order": 3})
+    # "False" is false, not a truthy string; numbers and None as their defaults are.
+    assert parse_scheduler("ddim:set_alpha_to_one=False,beta_end=0.02,trained_betas=none") == (
+        "DDIMScheduler", {"set_alpha_to_one": False, "beta_end": 0.02, "trained_betas": None})
+    assert parse_scheduler("euler:use_karras_sigmas=FALSE,sigma_min=1")[1] == {"use_karras_sigmas": False,
+                                                                               "sigma_min": 1}
+    assert parse_scheduler("ddim:beta_start=1")[1] == {"beta_start": 1.0}
+    for spec, says in (("dpm++2m:solver_order=abc", "solver_order is an integer, got 'abc'"),
+                       ("dpm++2m:solver_order=2.5", "solver_order is an integer"),
+                       ("ddim:set_alpha_to_one=maybe", "set_alpha_to_one is true or false"),
+                       ("ddim:beta_end=high", "beta_end is a number")):
+        with pytest.raises(ModelError, match=says):
+            parse_scheduler(spec)
     for alias in ALIASES:
         try:
             parse_scheduler(alias)  # refuses a class diffusers lacks

@@ -300,15 +300,16 @@ def test_an_edit_waiting_for_its_template_stays_queued_when_another_does_not_fit
     template_id = flux_editor.register_template(template_image(), prompt="a scene", steps=2, seed=1)
     loading, full = (Worker.new_job(EditRequest(template_id, square_mask(), "a hat", seed=s)) for s in (1, 2))
     loading.template_load = Future()  # its read from disk, not done
-    for job in (loading, full):  # pre-processed (what admission reads of it: its template)
-        job.ready = SimpleNamespace(inputs=SimpleNamespace(template=flux_editor.templates[template_id]))
+    for job in (loading, full):  # pre-processed (what admission reads of it: its template and schedule)
+        job.ready = SimpleNamespace(inputs=SimpleNamespace(template=flux_editor.templates[template_id]),
+                                    prepared=SimpleNamespace(schedule=SimpleNamespace(calls=None)))
     worker.running = [object()]  # a batch runs: the loading edit is set aside, not waited for
     worker.waiting.extend([loading, full])
 
     def host_full(templates):
         raise CacheFull("the running batch holds the host cache")
 
-    worker.editor = type("Editor", (), {"acquire": staticmethod(host_full), "recomputes": 0})()
+    worker.editor = type("Editor", (), {"acquire": staticmethod(host_full), "recomputes": 0, "device": "cpu"})()
     worker.admit()
     assert list(worker.waiting) == [loading, full] and not loading.future.done() and not full.future.done()
     worker.loras.close()

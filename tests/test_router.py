@@ -395,6 +395,7 @@ def test_progress_counts_the_workers_denoiser_calls(context, make_router):
     w0.send({"kind": "progress", "request": request, "step": 4, "steps": 5})
     w0.sync()
     assert router.pending[request].steps_left == 1
+    assert router.request_status(request) == {"status": "running", "worker": "w0", "step": 4, "steps": 5}
     w0.answer(request)
     assert future.result(TIMEOUT_S).status == 200
     assert [(e["step"], e["steps"]) for e in seen if e["event"] == "step"] == [(4, 5)]

@@ -172,6 +172,39 @@ def test_the_calls_that_set_a_schedule_survive_json_and_make_the_same_scheduler(
         encode_arguments(scheduler.set_timesteps, (4,), {"mu": object()})
 
 
+def test_a_vectorised_stepper_refuses_a_request_prepared_on_other_sigmas():
+    """Euler with Karras sigmas and without share their class and timestep count: the sigmas tell them apart."""
+    prepared_by = EulerDiscreteScheduler.from_config({**published.SDXL_SCHEDULER, "use_karras_sigmas": True})
+    prepared_by.set_timesteps(6)
+    schedule = RequestSchedule.of(prepared_by, PipelineCalls({"num_inference_steps": 6}))
+    BatchScheduler.for_scheduler(copy.deepcopy(prepared_by)).admit(schedule, "cpu")
+    with pytest.raises(RuntimeError, match="another schedule"):
+        BatchScheduler.for_scheduler(EulerDiscreteScheduler.from_config(published.SDXL_SCHEDULER)).admit(schedule,
+                                                                                                          "cpu")
+
+
+def test_calls_that_name_a_generator_without_its_state_are_refused():
+    calls = PipelineCalls({"num_inference_steps": 3}, generator_state=step_noise(0).get_state())
+    with pytest.raises(ValueError, match="generator"):
+        PipelineCalls.from_header(calls.header(), None)
+
+
+def test_a_schedulers_description_is_the_same_before_and_after_it_makes_a_schedule():
+    """DPMSolverSinglestep settles lower_order_final in set_timesteps: a fingerprint taken before the first
+    edit must equal one taken after it."""
+    from diffusers import DPMSolverSinglestepScheduler
+
+    from retouch.models.samplers import describe, from_description
+
+    scheduler = DPMSolverSinglestepScheduler.from_config({**published.SDXL_SCHEDULER, "lower_order_final": False,
+                                                          "final_sigmas_type": "zero"})
+    before = describe(scheduler)
+    scheduler.set_timesteps(5)
+    assert describe(scheduler) == before
+    rebuilt = from_description(before)
+    assert type(rebuilt) is DPMSolverSinglestepScheduler and describe(rebuilt) == before
+
+
 def test_a_scheduler_set_up_otherwise_than_the_pipeline_that_prepared_the_request_is_refused():
     """A helper on other scheduler settings than its worker (another --scheduler): refused at the first
     step, not stepped on another schedule."""
@@ -179,5 +212,5 @@ def test_a_scheduler_set_up_otherwise_than_the_pipeline_that_prepared_the_reques
     prepared_by.set_timesteps(6)
     schedule = RequestSchedule.of(prepared_by, PipelineCalls({"num_inference_steps": 6}))
     batch = StockBatch(DPMSolverMultistepScheduler.from_config(published.SDXL_SCHEDULER))
-    with pytest.raises(RuntimeError, match="other timesteps"):
+    with pytest.raises(RuntimeError, match="another schedule"):
         batch.step(torch.zeros(SHAPE), torch.zeros(SHAPE), [schedule])

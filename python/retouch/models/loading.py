@@ -15,7 +15,7 @@ from .export import MANIFEST_NAME, cached_export
 from .quiet import quiet_libraries
 from .builders import build_pipeline
 from .registry import get_spec, is_builtin, list_models
-from .samplers import choose_scheduler, with_scheduler
+from .samplers import check_reproducible, choose_scheduler, with_scheduler
 from .spec import FAMILIES, FAMILY_BY_PIPELINE
 
 
@@ -73,8 +73,7 @@ def load_pipeline(
             detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ModelError(f"cannot load the pipeline in {folder}: {detail}") from error
         pipe.to(device)
-    if scheduler is not None:
-        with_scheduler(pipe, scheduler, family)
+    settle_scheduler(pipe, scheduler, family)
     pipe.set_progress_bar_config(disable=True)
     return LoadedModel(
         pipe=pipe,
@@ -95,8 +94,7 @@ def build_loaded(name: str, device: str | torch.device = "cpu", dtype: torch.dty
     exported ones (see `build_pipeline`), so never compare images across the two."""
     spec = get_spec(name)
     pipe = build_pipeline(name, dtype=dtype, device=device)
-    if scheduler is not None:
-        with_scheduler(pipe, scheduler, spec.family)
+    settle_scheduler(pipe, scheduler, spec.family)
     return LoadedModel(pipe=pipe, name=spec.name, family=spec.family, call_defaults=dict(spec.call_defaults),
                        source=Path(f"<built in memory: {spec.name}>"), built_in_memory=True, scheduler=scheduler)
 
@@ -108,6 +106,20 @@ def load_for_bench(name_or_dir: str | os.PathLike, device: str | torch.device = 
     if isinstance(name_or_dir, str) and is_builtin(name_or_dir) and get_spec(name_or_dir).kind == "bench":
         return build_loaded(name_or_dir, device, dtype, scheduler)
     return load_pipeline(name_or_dir, device, dtype, scheduler)
+
+
+def settle_scheduler(pipe: DiffusionPipeline, scheduler: str | None, family: str) -> None:
+    """Give `pipe` the scheduler `scheduler` names (None: keep its own), checked to repeat an edit from its
+    seed (`samplers.check_reproducible`); ModelError otherwise."""
+    if scheduler is not None:
+        with_scheduler(pipe, scheduler, family)
+        return
+    try:
+        check_reproducible(pipe.scheduler, family, type(pipe).__name__)
+    except (ValueError, TypeError, KeyError, NotImplementedError) as error:
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ModelError(f"the pipeline's scheduler {type(pipe.scheduler).__name__} makes no schedule: {detail}") \
+            from None
 
 
 def check_scheduler(name_or_dir: str | os.PathLike, scheduler: str) -> None:
@@ -125,8 +137,8 @@ def check_scheduler(name_or_dir: str | os.PathLike, scheduler: str) -> None:
         try:
             config = json.loads(config_path.read_text())
             saved = getattr(diffusers, config["_class_name"]).from_config(config)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-            raise ModelError(f"cannot read the scheduler in {config_path}: {error}") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as error:
+            raise ModelError(f"cannot read the scheduler in {config_path}: {' '.join(str(error).split())}") from None
     choose_scheduler(saved, scheduler, family, pipeline_class)
 
 
