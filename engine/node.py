@@ -72,6 +72,8 @@ from retouch.engine.wakeup import Wakeup
 from retouch.engine.worker import EditResult, EngineConfig, StepWatch
 from retouch.config import WorkerOptions, add_arguments, from_arguments, resolve_device
 from retouch.errors import InputError
+from retouch.models.samplers import calls_line
+from retouch.models.samplers import label as scheduler_label
 from retouch.log_limits import setup_logging
 from retouch.lora import parse_lora
 from retouch.images import decode_image, png_bytes
@@ -261,7 +263,9 @@ class Node:
         self._hello_at = time.monotonic()
         self._post({"kind": "hello", "max_batch": self.engine.config.max_batch, "pid": os.getpid(),
                     "model": self.engine.model_name, "dtype": str(editor.dtype).removeprefix("torch."),
-                    "weights": editor.model_fingerprint(), "supervised": self.supervised,
+                    "weights": editor.model_fingerprint(), "scheduler": scheduler_label(editor.pipe.scheduler),
+                    "calls": list(calls_line(editor.pipe.scheduler)),
+                    "supervised": self.supervised,
                     "lora": self.engine.worker.loras.lora_dir is not None, "boot": self._boot,
                     "draining": self.draining, "templates": templates})
 

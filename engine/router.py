@@ -333,6 +333,7 @@ class Router:
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._wakeup = Wakeup(self.context)
         self._lock = threading.RLock()
+        self._calls = (1, 0)  # denoiser calls of an n-step edit: per step, more (`denoiser_calls`)
         self._outgoing: deque[tuple[bytes, list]] = deque()
         self.workers: dict[str, WorkerState] = {}
         self.registry = registry
@@ -591,6 +592,13 @@ class Router:
         if ("template", record.template_id) in self._watchers:
             self._tell("template", record.template_id, {"event": "template", **record.to_json(set(self.workers))})
 
+    def denoiser_calls(self, steps: int) -> int:
+        """How many denoiser calls, the units of an edit's progress, an edit of `steps` steps makes on the
+        workers' sampler (a second-order one makes about two a step), as the last worker to join said;
+        `steps` until one has."""
+        per_step, more = self._calls
+        return max(1, per_step * steps + more)
+
     def request_status(self, request_id: int) -> dict | None:
         """Where an accepted edit is: parked (its template is not ready anywhere), queued at a
         worker, or running step k of n; None once answered."""
@@ -599,12 +607,12 @@ class Router:
             if pending is None:
                 return None
             record = self.templates.get(pending.task.template_id)
-            steps = record.steps if record is not None else None
+            steps = self.denoiser_calls(record.steps) if record is not None else None
             if pending.worker is None:
                 return {"status": "parked", "steps": steps}
             if pending.steps_left is None:
                 return {"status": "queued", "worker": pending.worker, "steps": steps}
-            steps = pending.calls or steps  # in the units of steps_left
+            steps = pending.calls or steps  # as its worker counts
             return {"status": "running", "worker": pending.worker, "step": max(0, steps - pending.steps_left),
                     "steps": steps}
 
@@ -808,11 +816,11 @@ class Router:
         worker.sent_in[pending.request_id] = (self._send(worker, header, blobs), time.monotonic())
         # A request sent again (its worker died) starts over: its watchers see it queued, then steps from 1.
         self._tell("request", pending.request_id, {"event": "queued", "worker": worker.name, "attempt": pending.routes,
-                                                   "steps": record.steps})
+                                                   "steps": self.denoiser_calls(record.steps)})
 
     def _park(self, pending: Pending, record: TemplateRecord) -> None:
         self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
-        self._tell("request", pending.request_id, {"event": "parked", "steps": record.steps})
+        self._tell("request", pending.request_id, {"event": "parked", "steps": self.denoiser_calls(record.steps)})
 
     def _open_workers(self) -> np.ndarray:
         """The live workers that take new edits (not draining)."""
@@ -1076,16 +1084,26 @@ class Router:
         if known is not None:
             self._remove_worker(name, "it said hello again (restarted)")
         slot = self.cluster.add_worker(int(header["max_batch"]))
-        info = {key: header.get(key) for key in ("model", "dtype", "weights", "supervised", "lora", "boot")}
+        info = {key: header.get(key)
+                for key in ("model", "dtype", "weights", "scheduler", "supervised", "lora", "boot")}
+        if isinstance(header.get("calls"), list) and len(header["calls"]) == 2:
+            self._calls = (int(header["calls"][0]), int(header["calls"][1]))
         worker = WorkerState(name, identity, slot, int(header.get("pid", 0)), time.monotonic(), info=info)
         others = [other for other in self.workers.values() if other.info.get("weights") != info["weights"]]
         self.workers[name] = worker
         self._no_worker_since = None
-        logger.info(f"worker {name} joined (pid {worker.pid}); {len(self.workers)} connected")
+        sampler = f", {info['scheduler']}" if info["scheduler"] else ""
+        logger.info(f"worker {name} joined (pid {worker.pid}{sampler}); {len(self.workers)} connected")
         if others and info["weights"] is not None:  # a rolling update does this for a while; say so
-            logger.warning(f"worker {name} runs other weights, scheduler or dtype ({info['dtype']}) than worker "
-                            f"{others[0].name} ({others[0].info.get('dtype')}): an edit's image depends on which "
-                            "of them runs it")
+            other = others[0]
+            if info["scheduler"] != other.info.get("scheduler"):
+                what = (f"another scheduler ({info['scheduler']}) than worker {other.name} "
+                        f"({other.info.get('scheduler')})")
+            elif info["dtype"] != other.info.get("dtype"):
+                what = f"another dtype ({info['dtype']}) than worker {other.name} ({other.info.get('dtype')})"
+            else:
+                what = f"other weights than worker {other.name}"
+            logger.warning(f"worker {name} runs {what}: an edit's image depends on which of them runs it")
         self._send(worker, self._welcome())
         if header.get("draining"):  # joined (a new head) while stopping: it only finishes what it holds
             self._draining(worker)

@@ -115,6 +115,22 @@ def test_a_noise_drawing_sampler_resumes_its_generator_across_the_wire():
     assert max_diff(job.row.latents[0], expected) > 1e-3
 
 
+def test_a_name_means_its_sampler_whatever_the_pipeline_was_saved_with():
+    """A folder saved with DPM++ 2M SDE Karras asked for "dpm++2m" runs DPM++ 2M; a class name keeps the
+    saved settings (diffusers' from_config)."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    from retouch.models import published
+    from retouch.models.samplers import choose_scheduler
+
+    saved = DPMSolverMultistepScheduler.from_config({**published.SDXL_SCHEDULER, "use_karras_sigmas": True,
+                                                     "algorithm_type": "sde-dpmsolver++"})
+    named = choose_scheduler(saved, "dpm++2m", "sdxl", "StableDiffusionXLInpaintPipeline")
+    assert (named.config.algorithm_type, named.config.use_karras_sigmas) == ("dpmsolver++", False)
+    kept = choose_scheduler(saved, "DPMSolverMultistepScheduler", "sdxl", "StableDiffusionXLInpaintPipeline")
+    assert (kept.config.algorithm_type, kept.config.use_karras_sigmas) == ("sde-dpmsolver++", True)
+
+
 def test_a_saved_scheduler_that_draws_noise_without_a_generator_is_refused_unless_replaced(tmp_path):
     """A folder saved with stochastic flow matching on SD3 would not repeat an edit from its seed."""
     import json
@@ -125,10 +141,12 @@ def test_a_saved_scheduler_that_draws_noise_without_a_generator_is_refused_unles
     export_pipeline("tiny-sd3-inpaint", folder)
     config_path = folder / "scheduler" / "scheduler_config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "stochastic_sampling": True}))
-    with pytest.raises(ModelError, match="draws noise as it steps.*--scheduler"):
+    with pytest.raises(ModelError, match=r"draws noise as it steps.*--scheduler \(flow-euler, flow-heun\)"):
         load_pipeline(folder)
-    model = load_pipeline(folder, scheduler="flow-euler:stochastic_sampling=false")
-    assert not model.pipe.scheduler.config.stochastic_sampling
+    from retouch.models.samplers import draws_noise
+
+    for advised in ("flow-euler", "flow-heun"):  # the advice can be followed: a name does not inherit stochastic
+        assert not draws_noise(load_pipeline(folder, scheduler=advised).pipe.scheduler)
 
 
 def test_a_request_whose_schedule_this_worker_cannot_make_fails_alone():
@@ -161,6 +179,35 @@ def test_helpers_run_a_scheduler_swapped_in_after_load():
         result = engine.submit(request).result(timeout=300)
     inline = editor.edit(template_id, request.mask, request.prompt, request.seed)
     assert np.abs(np.asarray(result.image, dtype=int) - np.asarray(inline, dtype=int)).max() <= 2
+
+
+@pytest.mark.parametrize("model,scheduler,line", [("tiny-sdxl-inpaint", "heun", (2, -1)),
+                                                  ("tiny-sdxl-inpaint", "dpm++2m-karras", (1, 0)),
+                                                  ("tiny-sd2-inpaint", None, (1, 1)),  # PLMS: one more call
+                                                  ("tiny-flux-fill", None, (1, 0))])  # dynamic shifting's mu
+def test_the_calls_line_counts_the_denoiser_calls_of_any_step_count(model, scheduler, line):
+    from retouch.engine.schedulers import BatchScheduler
+    from retouch.models.samplers import calls_line
+
+    pipe = load_pipeline(model, scheduler=scheduler).pipe
+    assert calls_line(pipe.scheduler) == line
+    batch = BatchScheduler.for_scheduler(pipe.scheduler)
+    mu = {"mu": 1.0} if pipe.scheduler.config.get("use_dynamic_shifting") else {}
+    for steps in (2, 3, 28):  # (PLMS makes one call of one step: the line is exact from two)
+        assert batch.schedule(steps, **mu).num_steps == line[0] * steps + line[1]
+
+
+def test_more_steps_than_the_sampler_makes_is_the_requests_fault():
+    """LCM makes at most its original_inference_steps (50): the engine says so as an InputError (422 from a
+    worker), not as the ValueError the pipeline would raise from a helper (500)."""
+    from retouch.errors import InputError
+
+    editor = editor_for("tiny-sdxl-inpaint", "lcm")
+    with pytest.raises(InputError, match="LCMScheduler cannot make 60 steps"):
+        editor.new_template(template_image(), prompt="a scene", steps=60)
+    with pytest.raises(InputError, match="cannot make 51 steps"):
+        editor.one_off_template(template_image(), square_mask(), "a hat", steps=51)
+    assert editor.new_template(template_image(), prompt="a scene", steps=50).steps == 50
 
 
 def test_the_fingerprint_tells_schedules_apart():
@@ -214,13 +261,16 @@ def test_draws_noise_tells_ancestral_from_deterministic_samplers():
 def test_settings_parse_as_their_defaults_type_and_aliases_name_real_classes():
     assert parse_scheduler("DDIMScheduler:timestep_spacing=trailing, rescale_betas_zero_snr=true") == (
         "DDIMScheduler", {"timestep_spacing": "trailing", "rescale_betas_zero_snr": True})
-    assert parse_scheduler("DPM++2M-Karras:solver_order=3") == (
-        "DPMSolverMultistepScheduler", {"use_karras_sigmas": True, "solver_order": 3})
+    name, settings = parse_scheduler("DPM++2M-Karras:solver_order=3")
+    assert name == "DPMSolverMultistepScheduler"
+    assert settings.items() >= {"use_karras_sigmas": True, "solver_order": 3, "algorithm_type": "dpmsolver++"}.items()
+    assert parse_scheduler("ddim:trained_betas=[0.1,0.2],beta_end=0.02")[1] == {"trained_betas": [0.1, 0.2],
+                                                                                "beta_end": 0.02}
     # "False" is false, not a truthy string; numbers and None as their defaults are.
     assert parse_scheduler("ddim:set_alpha_to_one=False,beta_end=0.02,trained_betas=none") == (
         "DDIMScheduler", {"set_alpha_to_one": False, "beta_end": 0.02, "trained_betas": None})
-    assert parse_scheduler("euler:use_karras_sigmas=FALSE,sigma_min=1")[1] == {"use_karras_sigmas": False,
-                                                                               "sigma_min": 1}
+    assert parse_scheduler("euler:use_karras_sigmas=FALSE,sigma_min=1")[1].items() >= {"use_karras_sigmas": False,
+                                                                                       "sigma_min": 1}.items()
     assert parse_scheduler("ddim:beta_start=1")[1] == {"beta_start": 1.0}
     for spec, says in (("dpm++2m:solver_order=abc", "solver_order is an integer, got 'abc'"),
                        ("dpm++2m:solver_order=2.5", "solver_order is an integer"),

@@ -230,6 +230,8 @@ BAD_EDITS = {
     "unknown scheduler": ({}, ["--scheduler", "dpm3"], "--scheduler 'dpm3' is neither a diffusers scheduler"),
     "scheduler of another kind": ({}, ["--scheduler", "flow-euler"], "cannot drive this StableDiffusionInpaint"),
     "scheduler setting it lacks": ({}, ["--scheduler", "ddim:karras=true"], "DDIMScheduler has no setting 'karras'"),
+    "more steps than the sampler makes": ({"--steps": "51"}, ["--scheduler", "lcm"],
+                                          "--steps 51: LCMScheduler cannot make that many"),
 }
 
 
@@ -275,6 +277,7 @@ def test_simulate_prints_every_policy(cli):
     (["--model", "tiny-flux-fill", "--served-model-name", "flux,,gpt-image-1"], "--served-model-name takes names"),
     (["--model", "tiny-flux-fill", "--cors-origins", "shop.example.com"], "--cors-origins takes scheme://host"),
     (["--model", "tiny-flux-fill", "--scheduler", "dpm++2m"], "cannot drive this FluxFillPipeline"),
+    (["--model", "tiny-sd2-inpaint", "--scheduler", "lcm", "--steps", "60"], "LCMScheduler makes at most 50 steps"),
 ])
 def test_serve_refuses_bad_options_before_starting_anything(cli, args, message):
     result = cli("serve", *args)
@@ -290,6 +293,18 @@ def test_serve_refuses_a_port_in_use_before_loading_the_model(cli):
         result = cli("serve", "--model", "tiny-flux-fill", "--host", "127.0.0.1", "--port", str(port))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "workers ready" not in result.stderr
+
+
+def test_max_steps_is_lowered_to_what_the_sampler_makes(capsys):
+    from retouch.cli import fit_steps
+    from retouch.models.loading import scheduler_for
+
+    opts = ServeOptions(model="tiny-sd2-inpaint", scheduler="lcm")
+    fit_steps(opts, scheduler_for(opts.model, opts.scheduler))
+    assert opts.max_steps == 50 and "--max-steps lowered to 50" in capsys.readouterr().err
+    opts = ServeOptions(model="tiny-sd2-inpaint", scheduler="ddim")
+    fit_steps(opts, scheduler_for(opts.model, opts.scheduler))
+    assert opts.max_steps == ServeOptions(model="m").max_steps
 
 
 def test_images_per_request_are_capped_at_the_queue():

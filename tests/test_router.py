@@ -382,7 +382,9 @@ def test_progress_counts_the_workers_denoiser_calls(context, make_router):
     """A worker on a second-order sampler (Heun: 5 denoiser calls for 3 steps) says how many calls a
     request makes: its events count calls, its steps left too, and a template's progress stays in its steps."""
     router = make_router()
-    w0 = ScriptedWorker(context, router, "w0")
+    assert router.denoiser_calls(3) == 3  # until a worker says otherwise
+    w0 = ScriptedWorker(context, router, "w0", calls=[2, -1])
+    assert router.denoiser_calls(3) == 5
     router.register_template(TemplateRecord("t1", b"png-of-template", (64, 64), "", 3, 0, None, 0))
     assert w0.receive("register")["template"] == "t1"
     w0.send({"kind": "progress", "template": "t1", "step": 4, "steps": 5})
@@ -398,7 +400,9 @@ def test_progress_counts_the_workers_denoiser_calls(context, make_router):
     assert router.request_status(request) == {"status": "running", "worker": "w0", "step": 4, "steps": 5}
     w0.answer(request)
     assert future.result(TIMEOUT_S).status == 200
-    assert [(e["step"], e["steps"]) for e in seen if e["event"] == "step"] == [(4, 5)]
+    # One unit throughout: what the stream says first is what its steps count to.
+    assert [(e["event"], e["steps"]) for e in seen if "steps" in e] == [("parked", 5), ("queued", 5), ("step", 5)]
+    assert [e["step"] for e in seen if e["event"] == "step"] == [4]
 
 LORA = (LoraUse("grain", 0.5), LoraUse("ink"))
 
@@ -516,12 +520,18 @@ def test_a_worker_of_another_model_is_refused_and_other_weights_are_told(context
     refused = ScriptedWorker(context, router, "w1", welcome="refused", model="/models/tiny-sd3-inpaint")
     assert "it serves the model 'tiny-sd3-inpaint', this server 'tiny-flux-fill'" in refused.answer_to_hello["reason"]
     ScriptedWorker(context, router, "w2", model="/mnt/x/tiny-flux-fill", dtype="bfloat16", weights="bbb")
-    assert set(router.workers) == {"w0", "w2"}  # a folder is its name: hosts mount it where they like
+    ScriptedWorker(context, router, "w3", model="tiny-flux-fill", dtype="float32", weights="ccc",
+                   scheduler="FlowMatchEulerDiscreteScheduler(use_karras_sigmas=true)")
+    ScriptedWorker(context, router, "w4", model="tiny-flux-fill", dtype="float32", weights="ddd")
+    assert set(router.workers) == {"w0", "w2", "w3", "w4"}  # a folder is its name: hosts mount it where they like
     assert router.snapshot()["counters"]["workers_mismatched"] == 1
     warnings = router_lines(caplog, "WARNING")
     assert any(line.startswith("worker w1 refused") for line in warnings)
-    assert any(line.startswith("worker w2 runs other weights, scheduler or dtype (bfloat16) than worker w0")
-               for line in warnings)
+    # What differs is named: the dtype, the scheduler (a forgotten --scheduler), or the weights alone.
+    assert any(line.startswith("worker w2 runs another dtype (bfloat16) than worker w0 (float32)") for line in warnings)
+    assert any(line.startswith("worker w3 runs another scheduler (FlowMatchEulerDiscreteScheduler(use_karras_sigmas="
+                               "true)) than worker w0 (None)") for line in warnings)
+    assert any(line.startswith("worker w4 runs other weights than worker w0") for line in warnings)
     assert router.snapshot()["workers"]["w2"]["info"]["weights"] == "bbb"
     # the same process saying hello again (its welcome lost) is welcomed, not removed and added
     w0.send({"kind": "hello", "max_batch": 4, "pid": 1, "model": "tiny-flux-fill", "weights": "aaa"})

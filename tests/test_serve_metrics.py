@@ -57,7 +57,8 @@ def sample(found: dict, name: str, **labels) -> float:
 
 async def traffic(router: Router, context: zmq.Context) -> dict:
     app = create_app(router, Limits(api_keys=(KEY,), default_steps=2, max_upload_bytes=MAX_UPLOAD))
-    cached = ScriptedWorker(context, router, "w0", model="tiny-flux-fill", dtype="bfloat16", weights="0a1b")
+    cached = ScriptedWorker(context, router, "w0", model="tiny-flux-fill", dtype="bfloat16", weights="0a1b",
+                            scheduler="EulerDiscreteScheduler")
     plain = ScriptedWorker(context, router, "w1")
     await asyncio.to_thread(cached.heartbeat, WORKER_REPORT)
     await asyncio.to_thread(plain.heartbeat, {"steps": 3})  # no CacheStore: no "cache"; an older worker: no "lora"
@@ -128,8 +129,8 @@ def test_metrics_count_every_answer_and_expose_router_and_worker_state():
     assert sample(found, "retouch_worker_steps_total", worker="w1") == 3
     # what each worker serves, so that two fleets' weights apart show (and one that said nothing shows empty)
     assert sample(found, "retouch_worker_info", worker="w0", model="tiny-flux-fill", dtype="bfloat16",
-                  weights="0a1b") == 1
-    assert sample(found, "retouch_worker_info", worker="w1", model="", dtype="", weights="") == 1
+                  weights="0a1b", scheduler="EulerDiscreteScheduler") == 1
+    assert sample(found, "retouch_worker_info", worker="w1", model="", dtype="", weights="", scheduler="") == 1
     assert sample(found, "retouch_worker_queued", worker="w1") == 0
     assert not any(name.startswith(("retouch_worker_cache_", "retouch_worker_lora_")) and ("worker", "w1") in labels
                    for name, labels in found)

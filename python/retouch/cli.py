@@ -53,6 +53,12 @@ def cmd_edit(args) -> int:
     started = time.perf_counter()
     model = load_pipeline(opts.model, device=device, dtype=dtype, scheduler=opts.scheduler)
     loaded = time.perf_counter()
+    from retouch.models.samplers import steps_error
+
+    problem = steps_error(model.pipe.scheduler, edit_steps(opts))
+    if problem is not None:
+        raise InputError(f"--steps {edit_steps(opts)}: {type(model.pipe.scheduler).__name__} cannot make that many: "
+                         f"{problem}")
     if lora:
         return _lora_edit(opts, model, image, mask, lora, loaded - started, out)
     if opts.mask_aware:
@@ -68,7 +74,7 @@ def cmd_edit(args) -> int:
             paste_back=opts.paste_back)
     finished = time.perf_counter()
     path = out(edited)
-    print(f"wrote {path} ({edited.width}x{edited.height}) with {model.name} on {model.pipe.device}: "
+    print(f"wrote {path} ({edited.width}x{edited.height}) with {named(model)} on {model.pipe.device}: "
           f"load {loaded - started:.2f} s, edit {finished - loaded:.2f} s")
     return 0
 
@@ -79,6 +85,15 @@ def _save_answer(edited, alpha, mask, path):
     from retouch.images import save_image
 
     return save_image(paste_alpha(edited, alpha, mask), path)
+
+
+def named(model) -> str:
+    """The model's name, and its sampler when --scheduler chose one (what the edit ran)."""
+    if model.scheduler is None:
+        return model.name
+    from retouch.models.samplers import label
+
+    return f"{model.name} ({label(model.pipe.scheduler)})"
 
 
 def edit_steps(opts: EditOptions) -> int:
@@ -109,7 +124,7 @@ def _mask_aware_edit(opts: EditOptions, model, image, mask, load_seconds: float,
         edited = editor.edit(template_id, mask, opts.prompt, seed=opts.seed)
     finished = time.perf_counter()
     path = out(edited)
-    print(f"wrote {path} ({edited.width}x{edited.height}) with {model.name}, mask-aware ({opts.cache_mode}-cache): "
+    print(f"wrote {path} ({edited.width}x{edited.height}) with {named(model)}, mask-aware ({opts.cache_mode}-cache): "
           f"load {load_seconds:.2f} s, register template {template_id} {registered - started:.2f} s "
           f"(full compute), edit {finished - registered:.2f} s")
     return 0
@@ -149,7 +164,7 @@ def _lora_edit(opts: EditOptions, model, image, mask, lora, load_seconds: float,
     path = out(result.image)
     how = f"mask-aware ({opts.cache_mode}-cache)" if opts.mask_aware else "in full"
     names = ",".join(f"{use.name}:{use.scale:g}" for use in lora)
-    print(f"wrote {path} ({result.image.width}x{result.image.height}) with {model.name}, {how}, LoRA {names}: "
+    print(f"wrote {path} ({result.image.width}x{result.image.height}) with {named(model)}, {how}, LoRA {names}: "
           f"load {load_seconds:.2f} s{template_note}, edit {finished - registered:.2f} s")
     return 0
 
@@ -204,21 +219,35 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def check_model(opts) -> None:
-    """An unknown model or a scheduler that cannot drive it is one error here, not one in every worker."""
+def check_model(opts):
+    """An unknown model or a scheduler that cannot drive it is one error here, not one in every worker;
+    returns the scheduler the workers will run."""
     from retouch.models import get_spec
-    from retouch.models.loading import check_scheduler
+    from retouch.models.loading import scheduler_for
 
     if not Path(opts.model).is_dir():
         get_spec(opts.model)
-    if opts.scheduler is not None:
-        check_scheduler(opts.model, opts.scheduler)
+    return scheduler_for(opts.model, opts.scheduler)
+
+
+def fit_steps(opts: ServeOptions, scheduler) -> None:
+    """--max-steps lowered to the most steps `scheduler` makes (LCM: 50), so that a request for more is
+    refused with a 400 naming steps rather than failing in a worker; --steps beyond it is an error."""
+    from retouch.models.samplers import most_steps
+
+    most = most_steps(scheduler, opts.max_steps)
+    if most < opts.steps:
+        raise RetouchError(f"--steps {opts.steps}: {type(scheduler).__name__} makes at most {most} steps")
+    if most < opts.max_steps:
+        print(f"retouch: --max-steps lowered to {most}: {type(scheduler).__name__} makes at most {most} steps",
+              file=sys.stderr)
+        opts.max_steps = most
 
 
 def cmd_serve(args) -> int:
     opts = from_arguments(ServeOptions, args)
 
-    check_model(opts)
+    fit_steps(opts, check_model(opts))
     from retouch.log_limits import setup_logging
     from retouch.server import Server
 

@@ -40,6 +40,7 @@ from retouch.images import as_image, as_mask, colour_profile
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
 from retouch.models import LoadedModel, load_pipeline, quiet_libraries
 from retouch.models.samplers import describe as describe_scheduler
+from retouch.models.samplers import steps_error
 from retouch.noise import initial_noise, latent_shape, latents_argument, pack_flux_latents  # noqa: F401 - API
 from retouch.noise import seeded_noise
 
@@ -187,6 +188,7 @@ class MaskAwareEditor:
         self.templates: dict[str, Template] = {}
         self.recomputes = 0  # templates recorded again because no cache tier held them any more
         self._fingerprint: str | None = None
+        self._schedulable: set[tuple[int, int]] = set()  # (scheduler, step count) seen to make a schedule
 
     @property
     def token_stride(self) -> int:
@@ -221,7 +223,7 @@ class MaskAwareEditor:
     def new_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
                      guidance: float | None = None, mask: Image.Image | None = None) -> Template:
         """A template to register, checked and placed on its canvas; nothing is computed yet."""
-        check_steps(steps)
+        self._check_steps(steps)
         check_seed(seed)
         check_guidance(guidance)
         image = as_image(image)
@@ -236,13 +238,22 @@ class MaskAwareEditor:
         prompt, seed and mask, so that the recording run is the edit itself, the stock pipeline's
         result. Its `recorded_mask` is the region that run repainted: later edits recompute it, since
         the activations cached there are the first edit's, not the template's (`prepare_edit`)."""
-        check_steps(steps)
+        self._check_steps(steps)
         check_seed(seed)
         check_guidance(guidance)
         image = as_image(image)
         mask = as_mask(mask, image.size)
         return replace(self._template_on_canvas(self.one_off_id(image, steps, guidance), image, prompt, steps, seed,
                                                 guidance, mask), one_off=True)
+
+    def _check_steps(self, steps) -> None:
+        """`check_steps`, and that the scheduler makes that many (LCM makes at most 50)."""
+        check_steps(steps)
+        if (id(self.pipe.scheduler), steps) not in self._schedulable:
+            problem = steps_error(self.pipe.scheduler, steps)
+            if problem is not None:
+                raise InputError(f"steps: {type(self.pipe.scheduler).__name__} cannot make {steps} steps: {problem}")
+            self._schedulable.add((id(self.pipe.scheduler), steps))
 
     def one_off_id(self, image: Image.Image, steps: int, guidance: float | None) -> str:
         """The id of one-off edits' recording of `image` (RGB, as `as_image` returns it)."""
@@ -329,7 +340,11 @@ class MaskAwareEditor:
         if template.template_id in self.templates or not isinstance(self.cache, CacheStore):
             return False
         meta = self.cache.meta(template.template_id)
-        if (meta is None or meta.get("recorded_by") != self.model_fingerprint() or meta.get("one_off", True)
+        if meta is not None and meta.get("recorded_by") != self.model_fingerprint():
+            logger.info("template %s: its recording in the disk tier was made by other weights, dtype or scheduler; "
+                        "recording it again", template.template_id)
+            return False
+        if (meta is None or meta.get("one_off", True)
                 or meta.get("recorded_mode") not in CACHE_MODES
                 or meta.get("shape") != self._recording_shape(template)):
             return False

@@ -1549,8 +1549,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                     png = png_bytes(paste_unmasked(template_rgb(), preview, mask))
                 return reencoded(png, target, output_format, compression), (width, height)
 
-            # K partial images spread over the steps: a preview every steps // (K + 1) steps, the first K of them
-            preview_every = max(1, steps // (partial_images + 1)) if partial_images else 0
+            # K partial images spread over the steps (denoiser calls, as progress counts them): a preview
+            # every calls // (K + 1), the first K of them
+            calls = router.denoiser_calls(steps)
+            preview_every = max(1, calls // (partial_images + 1)) if partial_images else 0
             return await streamed_edit(request, template_id, one_off, steps, mask, prompt, seed, preview_every, lora,
                                        OpenAIEvents(partial_images, output_format, encoded))
         answers = await submit_edit(request, "/v1/images/edits", template_id, one_off, steps, mask, prompt, seed, n,
@@ -1577,7 +1579,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         payload = await anyio.to_thread.run_sync(mask_payload, mask, steps)
         request_id, tenant = request.state.request_id, request.state.tenant
         load = payload[1] if payload is not None else request_load(mask, steps)
-        accepted = {"id": request_id, "template_id": template_id, "steps": steps,
+        # Steps as progress counts them: the sampler's denoiser calls (Heun's make about two a step).
+        accepted = {"id": request_id, "template_id": template_id, "steps": router.denoiser_calls(steps),
                     "mask_ratio": round(load.masked_tokens / load.image_tokens, 4),
                     "masked_tokens": load.masked_tokens, "image_tokens": load.image_tokens}
         if lora:

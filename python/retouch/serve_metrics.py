@@ -216,12 +216,13 @@ class RouterCollector(Collector):
         yield events
         yield from _slo(snapshot.get("slo", {}))
         yield from worker_families(workers)
-        info = GaugeMetricFamily("retouch_worker_info", "1 per worker, labelled with the model, dtype and weights "
-                                 "(a digest) it serves: workers whose weights differ answer one edit differently",
-                                 labels=("worker", "model", "dtype", "weights"))
+        about_keys = ("model", "dtype", "weights", "scheduler")
+        info = GaugeMetricFamily("retouch_worker_info", "1 per worker, labelled with the model, dtype, weights "
+                                 "(a digest, scheduler included) and scheduler it serves: workers whose weights differ "
+                                 "answer one edit differently", labels=("worker", *about_keys))
         for name, report in workers:
             about = report.get("info") or {}
-            info.add_metric((name, *(str(about.get(key) or "") for key in ("model", "dtype", "weights"))), 1)
+            info.add_metric((name, *(str(about.get(key) or "") for key in about_keys)), 1)
         yield info
 
 

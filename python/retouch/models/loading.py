@@ -15,7 +15,7 @@ from .export import MANIFEST_NAME, cached_export
 from .quiet import quiet_libraries
 from .builders import build_pipeline
 from .registry import get_spec, is_builtin, list_models
-from .samplers import check_reproducible, choose_scheduler, with_scheduler
+from .samplers import SCHEDULE_ERRORS, check_reproducible, choose_scheduler, with_scheduler
 from .spec import FAMILIES, FAMILY_BY_PIPELINE
 
 
@@ -116,15 +116,15 @@ def settle_scheduler(pipe: DiffusionPipeline, scheduler: str | None, family: str
         return
     try:
         check_reproducible(pipe.scheduler, family, type(pipe).__name__)
-    except (ValueError, TypeError, KeyError, NotImplementedError) as error:
-        detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ModelError(f"the pipeline's scheduler {type(pipe.scheduler).__name__} makes no schedule: {detail}") \
-            from None
+    except SCHEDULE_ERRORS as error:
+        raise ModelError(f"the pipeline's scheduler {type(pipe.scheduler).__name__} makes no schedule: "
+                         f"{(str(error).strip().splitlines() or [type(error).__name__])[0]}") from None
 
 
-def check_scheduler(name_or_dir: str | os.PathLike, scheduler: str) -> None:
-    """ModelError unless `scheduler` can drive the model, judged from its saved scheduler without
-    loading its weights: a server says so once, before any worker starts loading."""
+def scheduler_for(name_or_dir: str | os.PathLike, scheduler: str | None):
+    """The scheduler the model runs with `--scheduler scheduler` (None: its saved one), judged from its
+    saved scheduler without loading its weights (ModelError when it cannot drive the model): a server
+    says so once, before any worker starts loading, and learns how many steps it makes."""
     if isinstance(name_or_dir, str) and is_builtin(name_or_dir):
         spec = get_spec(name_or_dir)
         family, pipeline_class = spec.family, spec.pipeline_class
@@ -139,7 +139,14 @@ def check_scheduler(name_or_dir: str | os.PathLike, scheduler: str) -> None:
             saved = getattr(diffusers, config["_class_name"]).from_config(config)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as error:
             raise ModelError(f"cannot read the scheduler in {config_path}: {' '.join(str(error).split())}") from None
-    choose_scheduler(saved, scheduler, family, pipeline_class)
+    if scheduler is not None:
+        return choose_scheduler(saved, scheduler, family, pipeline_class)
+    try:
+        check_reproducible(saved, family, pipeline_class)
+    except SCHEDULE_ERRORS as error:
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ModelError(f"the pipeline's scheduler {type(saved).__name__} makes no schedule: {detail}") from None
+    return saved
 
 
 def family_of_pipeline(pipe: DiffusionPipeline) -> str:

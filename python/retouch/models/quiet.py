@@ -24,7 +24,7 @@ _NOISE_BY_LOGGER = {
 }
 
 
-class _DropMessage(logging.Filter):
+class DropMessage(logging.Filter):
     def __init__(self, fragment: str) -> None:
         super().__init__()
         self.fragment = fragment
@@ -38,7 +38,7 @@ def quiet_libraries() -> Iterator[None]:
     """Within the block, diffusers and transformers draw no progress bars and log no known noise."""
     libraries = (diffusers_logging, transformers_logging)
     bars_were_on = [(library, library.is_progress_bar_enabled()) for library in libraries]
-    filters = [(logging.getLogger(name), _DropMessage(fragment)) for name, fragment in _NOISE_BY_LOGGER.items()]
+    filters = [(logging.getLogger(name), DropMessage(fragment)) for name, fragment in _NOISE_BY_LOGGER.items()]
     for library, _ in bars_were_on:
         library.disable_progress_bar()
     for logger, noise_filter in filters:

@@ -17,14 +17,23 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import diffusers
 import torch
 
 from ..errors import ModelError
-from .quiet import quiet_libraries
+from .quiet import DropMessage, quiet_libraries
 
 # name -> (diffusers class, settings over the pipeline's)
+# A name means one sampler, whatever the pipeline was saved with: these settings, which tell one
+# sampler of a class from another, start from the class's defaults under a name (a folder saved with
+# DPM++ 2M SDE Karras asked for "dpm++2m" gets DPM++ 2M). A class name keeps them as saved.
+SAMPLER_SETTINGS = ("algorithm_type", "solver_order", "solver_type", "use_karras_sigmas", "use_exponential_sigmas",
+                    "use_beta_sigmas", "use_lu_lambdas", "stochastic_sampling")
 ALIASES: dict[str, tuple[str, dict]] = {
     "euler": ("EulerDiscreteScheduler", {}),
     "euler-a": ("EulerAncestralDiscreteScheduler", {}),
@@ -50,10 +59,7 @@ def parse_scheduler(spec: str) -> tuple[str, dict]:
     """`NAME[:KEY=VALUE,...]` -> (diffusers class name, settings). Raises ModelError naming what is wrong."""
     name, _, settings_text = spec.strip().partition(":")
     name = name.strip()
-    if name.lower() in ALIASES:
-        class_name, settings = ALIASES[name.lower()][0], dict(ALIASES[name.lower()][1])
-    else:
-        class_name, settings = name, {}
+    class_name, settings = ALIASES.get(name.lower(), (name, {}))
     scheduler_class = getattr(diffusers, class_name, None)
     if type(scheduler_class).__name__ == "DummyObject":  # diffusers' stand-in for a class whose package is missing
         try:
@@ -65,7 +71,10 @@ def parse_scheduler(spec: str) -> tuple[str, dict]:
                          f"{', '.join(ALIASES)}")
     accepted = {key: parameter for key, parameter in inspect.signature(scheduler_class.__init__).parameters.items()
                 if key not in ("self", "kwargs")}
-    for pair in filter(None, (pair.strip() for pair in settings_text.split(","))):
+    if name.lower() in ALIASES:
+        settings = {**{key: accepted[key].default for key in SAMPLER_SETTINGS if key in accepted}, **settings}
+    # Pairs split at a comma that starts the next KEY=, so that a list value keeps its commas.
+    for pair in filter(None, (pair.strip() for pair in re.split(r",(?=\s*\w+\s*=)", settings_text))):
         key, equals, value = pair.partition("=")
         key = key.strip()
         if not equals or not key:
@@ -119,22 +128,55 @@ def choose_scheduler(current, spec: str, family: str, pipeline_class: str):
         compatible |= {name for name in dir(diffusers) if name.startswith("FlowMatch") and name.endswith("Scheduler")}
     else:  # nor the consistency samplers of LCM- and TCD-distilled UNets (LCM-LoRA)
         compatible |= {"LCMScheduler", "TCDScheduler"}
-    compatible = sorted(compatible)
     if class_name not in compatible:
-        raise ModelError(f"--scheduler {class_name} cannot drive this {pipeline_class}; its scheduler "
-                         f"({type(current).__name__}) is compatible with {', '.join(compatible)}")
+        usable = [name for name in sorted(compatible) if _usable(current, name, family, pipeline_class)]
+        raise ModelError(f"--scheduler {class_name} cannot drive this {pipeline_class}; it takes "
+                         f"{', '.join(usable)}")
     takes = inspect.signature(getattr(diffusers, class_name).set_timesteps).parameters
     if family.startswith("flux") and "sigmas" not in takes:
         raise ModelError(f"--scheduler {class_name} cannot drive this {pipeline_class}: Flux pipelines give "
                          "their scheduler custom sigmas, which its set_timesteps does not take")
     try:
-        with quiet_libraries():  # diffusers warns of every setting of the old scheduler the new one lacks
+        with _quiet_swap():
             scheduler = getattr(diffusers, class_name).from_config(current.config, **settings)
-        check_reproducible(scheduler, family, pipeline_class)
-    except (ValueError, TypeError, KeyError, NotImplementedError, ImportError) as error:
+            check_reproducible(scheduler, family, pipeline_class)
+            _make_schedule(scheduler)  # settles what a scheduler settles in its first schedule, once
+    except SCHEDULE_ERRORS as error:
         detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ModelError(f"--scheduler {spec}: {detail}") from None
     return scheduler
+
+
+# What a scheduler raises for settings it cannot make a schedule with (a negative step count is a
+# RuntimeError of torch's, a missing attribute an AttributeError).
+SCHEDULE_ERRORS = (ValueError, TypeError, KeyError, NotImplementedError, ImportError, RuntimeError, AttributeError)
+
+
+def _usable(current, class_name: str, family: str, pipeline_class: str) -> bool:
+    """Whether `class_name`, with its saved settings, would be accepted (for the refusal's list)."""
+    try:
+        choose_scheduler(current, class_name, family, pipeline_class)
+    except ModelError:
+        return False
+    return True
+
+
+@contextmanager
+def _quiet_swap() -> Iterator[None]:
+    """diffusers warns of every setting of the old scheduler the new one lacks, expected in a swap, and
+    DPMSolverSinglestep of the setting it settles in its first schedule (with a broken format string)."""
+    filters = [(logging.getLogger("diffusers.configuration_utils"), DropMessage("but are not expected and will be "
+                                                                                "ignored")),
+               (logging.getLogger("diffusers.schedulers.scheduling_dpmsolver_singlestep"),
+                DropMessage("is not supported for `lower_order_final=False`"))]
+    for logger, drop in filters:
+        logger.addFilter(drop)
+    try:
+        with quiet_libraries():
+            yield
+    finally:
+        for logger, drop in filters:
+            logger.removeFilter(drop)
 
 
 # Families whose diffusers pipelines call `scheduler.step` without a generator (the UNet pipelines pass
@@ -158,12 +200,55 @@ def check_reproducible(scheduler, family: str, pipeline_class: str) -> None:
                          f"({instead})")
 
 
-def _trial(scheduler):
-    """A copy of `scheduler` that has made a four-step schedule (Flux's dynamic shifting wants the `mu`
-    its pipelines give)."""
+def steps_error(scheduler, steps: int) -> str | None:
+    """Why `scheduler` cannot make a schedule of `steps` steps (LCM makes at most its
+    original_inference_steps), or None when it can."""
     trial = copy.deepcopy(scheduler)
-    trial.set_timesteps(4, **({"mu": 1.0} if trial.config.get("use_dynamic_shifting") else {}))
+    try:
+        with _quiet_swap():
+            trial.set_timesteps(steps, **({"mu": 1.0} if trial.config.get("use_dynamic_shifting") else {}))
+    except SCHEDULE_ERRORS as error:
+        return " ".join(str(error).split()) or type(error).__name__
+    return None
+
+
+def calls_line(scheduler) -> tuple[int, int]:
+    """(per step, more): an edit of n steps makes per_step * n + more denoiser calls on `scheduler`
+    (1, 0 for most; 1, 1 for PLMS; 2, -1 for Heun's second-order samplers), from schedules of 10 and
+    20 steps."""
+    counts = []
+    for steps in (10, 20):
+        trial = copy.deepcopy(scheduler)
+        with _quiet_swap():
+            trial.set_timesteps(steps, **({"mu": 1.0} if trial.config.get("use_dynamic_shifting") else {}))
+        counts.append(len(trial.timesteps))
+    per_step = (counts[1] - counts[0]) // 10
+    return per_step, counts[0] - 10 * per_step
+
+
+def most_steps(scheduler, up_to: int) -> int:
+    """The most steps, up to `up_to`, that `scheduler` makes a schedule of (0: none): a scheduler
+    that cannot make n steps cannot make more."""
+    if steps_error(scheduler, up_to) is None:
+        return up_to
+    low, high = 0, up_to  # low can (or is 0), high cannot
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if steps_error(scheduler, middle) is None else (low, middle)
+    return low
+
+
+def _trial(scheduler):
+    """A copy of `scheduler` that has made a four-step schedule."""
+    trial = copy.deepcopy(scheduler)
+    _make_schedule(trial)
     return trial
+
+
+def _make_schedule(scheduler) -> None:
+    """A four-step schedule, as a pipeline asks for one (Flux's dynamic shifting wants the `mu` its
+    pipelines give)."""
+    scheduler.set_timesteps(4, **({"mu": 1.0} if scheduler.config.get("use_dynamic_shifting") else {}))
 
 
 def draws_noise(scheduler) -> bool:
@@ -179,6 +264,15 @@ def draws_noise(scheduler) -> bool:
             torch.manual_seed(seed)
             results.append(trial.step(model_input * 0.5, trial.timesteps[0], sample, return_dict=False)[0])
     return not torch.equal(*results)
+
+
+def label(scheduler) -> str:
+    """A short name of the sampler: its class and those of its SAMPLER_SETTINGS that differ from the
+    class's defaults (`DPMSolverMultistepScheduler(use_karras_sigmas=true)`), for logs and metrics."""
+    defaults = inspect.signature(type(scheduler).__init__).parameters
+    changed = [f"{key}={json.dumps(scheduler.config[key])}" for key in SAMPLER_SETTINGS
+               if key in defaults and key in scheduler.config and scheduler.config[key] != defaults[key].default]
+    return type(scheduler).__name__ + (f"({','.join(changed)})" if changed else "")
 
 
 def describe(scheduler) -> str:
