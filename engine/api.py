@@ -73,7 +73,7 @@ class Engine:
                                       self.editor.dilation, self.config.helpers, self._on_helper_message,
                                       build_in_memory=self.editor.model.built_in_memory,
                                       scheduler=self.editor.model.scheduler,
-                                      scheduler_description=describe_scheduler(self.editor.pipe.scheduler),
+                                      scheduler_description=describe_scheduler(self.worker.scheduler.template),
                                       threads=self.config.helper_threads, run_dir=self.config.run_dir)
         self._running = True
         self._loop_done.clear()
@@ -334,7 +334,14 @@ class Engine:
         kind = header["kind"]
         template = job.recording if job.recording is not None else self.editor.templates.get(job.request.template_id)
         if kind == "prepared" and template is not None:
-            job.ready = processing.ready_from_message(header, tensors, blobs, template, self.editor.pipe.device)
+            try:
+                job.ready = processing.ready_from_message(header, tensors, blobs, template, self.editor.pipe.device)
+            except Exception as exc:  # noqa: BLE001 - a malformed message fails its job, not this receiver thread
+                with self._jobs_lock:
+                    self._jobs.pop(job.id, None)
+                self.worker.metrics.failed += 1
+                job.fail(HelperError(f"the helper's preparation could not be read: {type(exc).__name__}: {exc}"))
+                return
             self.worker.inbox.put(("ready", job))
             return
         with self._jobs_lock:

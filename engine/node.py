@@ -73,6 +73,7 @@ from retouch.engine.worker import EditResult, EngineConfig, StepWatch
 from retouch.config import WorkerOptions, add_arguments, from_arguments, resolve_device
 from retouch.errors import InputError
 from retouch.models.samplers import calls_line
+from retouch.models.samplers import identity as scheduler_identity
 from retouch.models.samplers import label as scheduler_label
 from retouch.log_limits import setup_logging
 from retouch.lora import parse_lora
@@ -97,6 +98,12 @@ class Node:
         """`supervised`: started by the server on this host, so it stops when the server is gone."""
         self.engine = engine
         self.name = name
+        # What it says of its sampler in every hello, from the scheduler its loop steps with (never the
+        # live pipeline's, which a preparation may be running): a label, an identity, its calls line.
+        sampler = engine.worker.scheduler.template
+        calls = calls_line(sampler)
+        self._sampler = {"scheduler": scheduler_label(sampler), "scheduler_id": scheduler_identity(sampler),
+                         **({"calls": list(calls)} if calls is not None else {})}
         self.router_address = router_address
         self.heartbeat_s = heartbeat_s
         self.supervised = supervised
@@ -263,9 +270,7 @@ class Node:
         self._hello_at = time.monotonic()
         self._post({"kind": "hello", "max_batch": self.engine.config.max_batch, "pid": os.getpid(),
                     "model": self.engine.model_name, "dtype": str(editor.dtype).removeprefix("torch."),
-                    "weights": editor.model_fingerprint(), "scheduler": scheduler_label(editor.pipe.scheduler),
-                    "calls": list(calls_line(editor.pipe.scheduler)),
-                    "supervised": self.supervised,
+                    "weights": editor.model_fingerprint(), **self._sampler, "supervised": self.supervised,
                     "lora": self.engine.worker.loras.lora_dir is not None, "boot": self._boot,
                     "draining": self.draining, "templates": templates})
 

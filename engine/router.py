@@ -333,7 +333,6 @@ class Router:
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._wakeup = Wakeup(self.context)
         self._lock = threading.RLock()
-        self._calls = (1, 0)  # denoiser calls of an n-step edit: per step, more (`denoiser_calls`)
         self._outgoing: deque[tuple[bytes, list]] = deque()
         self.workers: dict[str, WorkerState] = {}
         self.registry = registry
@@ -592,12 +591,15 @@ class Router:
         if ("template", record.template_id) in self._watchers:
             self._tell("template", record.template_id, {"event": "template", **record.to_json(set(self.workers))})
 
-    def denoiser_calls(self, steps: int) -> int:
-        """How many denoiser calls, the units of an edit's progress, an edit of `steps` steps makes on the
-        workers' sampler (a second-order one makes about two a step), as the last worker to join said;
-        `steps` until one has."""
-        per_step, more = self._calls
-        return max(1, per_step * steps + more)
+    def denoiser_calls(self, steps: int, worker: str | None = None) -> int:
+        """How many denoiser calls, the units of an edit's progress, an edit of `steps` steps makes on
+        `worker`'s sampler (a second-order one makes about two a step), as it said when it joined; with
+        no worker, on the sampler most live workers run; `steps` for workers that did not say."""
+        with self._lock:
+            lines = [tuple(w.info.get("calls") or (1, 0)) for w in self.workers.values()
+                     if worker is None or w.name == worker]
+        per_step, more = max(set(lines), key=lines.count) if lines else (1, 0)
+        return max(1, per_step * steps + more) if steps >= 2 else steps  # one step is one call
 
     def request_status(self, request_id: int) -> dict | None:
         """Where an accepted edit is: parked (its template is not ready anywhere), queued at a
@@ -607,7 +609,7 @@ class Router:
             if pending is None:
                 return None
             record = self.templates.get(pending.task.template_id)
-            steps = self.denoiser_calls(record.steps) if record is not None else None
+            steps = self.denoiser_calls(record.steps, pending.worker) if record is not None else None
             if pending.worker is None:
                 return {"status": "parked", "steps": steps}
             if pending.steps_left is None:
@@ -816,7 +818,7 @@ class Router:
         worker.sent_in[pending.request_id] = (self._send(worker, header, blobs), time.monotonic())
         # A request sent again (its worker died) starts over: its watchers see it queued, then steps from 1.
         self._tell("request", pending.request_id, {"event": "queued", "worker": worker.name, "attempt": pending.routes,
-                                                   "steps": self.denoiser_calls(record.steps)})
+                                                   "steps": self.denoiser_calls(record.steps, worker.name)})
 
     def _park(self, pending: Pending, record: TemplateRecord) -> None:
         self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
@@ -1086,8 +1088,9 @@ class Router:
         slot = self.cluster.add_worker(int(header["max_batch"]))
         info = {key: header.get(key)
                 for key in ("model", "dtype", "weights", "scheduler", "supervised", "lora", "boot")}
-        if isinstance(header.get("calls"), list) and len(header["calls"]) == 2:
-            self._calls = (int(header["calls"][0]), int(header["calls"][1]))
+        calls = header.get("calls")
+        info["calls"] = [int(calls[0]), int(calls[1])] if isinstance(calls, list) and len(calls) == 2 else None
+        info["scheduler_id"] = header.get("scheduler_id")
         worker = WorkerState(name, identity, slot, int(header.get("pid", 0)), time.monotonic(), info=info)
         others = [other for other in self.workers.values() if other.info.get("weights") != info["weights"]]
         self.workers[name] = worker
@@ -1096,13 +1099,16 @@ class Router:
         logger.info(f"worker {name} joined (pid {worker.pid}{sampler}); {len(self.workers)} connected")
         if others and info["weights"] is not None:  # a rolling update does this for a while; say so
             other = others[0]
-            if info["scheduler"] != other.info.get("scheduler"):
+            samplers = (info["scheduler_id"], other.info.get("scheduler_id"))
+            if None not in samplers and samplers[0] != samplers[1]:
                 what = (f"another scheduler ({info['scheduler']}) than worker {other.name} "
                         f"({other.info.get('scheduler')})")
             elif info["dtype"] != other.info.get("dtype"):
                 what = f"another dtype ({info['dtype']}) than worker {other.name} ({other.info.get('dtype')})"
-            else:
+            elif None not in samplers:
                 what = f"other weights than worker {other.name}"
+            else:  # a worker that does not say its sampler
+                what = f"other weights, scheduler or dtype than worker {other.name}"
             logger.warning(f"worker {name} runs {what}: an edit's image depends on which of them runs it")
         self._send(worker, self._welcome())
         if header.get("draining"):  # joined (a new head) while stopping: it only finishes what it holds

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -164,6 +165,7 @@ class BatchScheduler(ABC):
 
     def __init__(self, scheduler):
         self.template = copy.deepcopy(scheduler)
+        self._made: dict[str, object] = {}  # a request's calls (JSON) -> the schedule they make here, on the CPU
 
     @classmethod
     def for_scheduler(cls, scheduler) -> BatchScheduler:
@@ -197,12 +199,21 @@ class BatchScheduler(ABC):
         schedule); raises for that request alone."""
         if schedule.calls is None:
             return
-        own = schedule.calls.scheduler(self.template, device)
-        sigmas = getattr(own, "sigmas", None)
-        if not torch.equal(own.timesteps.cpu(), schedule.timesteps.cpu()) or (
+        key = json.dumps([schedule.calls.set_timesteps, schedule.calls.begin_index], sort_keys=True)
+        if key not in self._made:  # requests of one step count and size share it
+            if len(self._made) >= 256:  # sizes (Flux's mu) times step counts: keep the newest
+                del self._made[next(iter(self._made))]
+            self._made[key] = schedule.calls.scheduler(self.template, "cpu")
+        self._check(self._made[key], schedule)
+
+    @staticmethod
+    def _check(made, schedule: RequestSchedule) -> None:
+        """`made`, a scheduler set up by the request's calls here, makes the schedule it came with."""
+        sigmas = getattr(made, "sigmas", None)
+        if not torch.equal(made.timesteps.cpu(), schedule.timesteps.cpu()) or (
                 schedule.sigmas is not None and isinstance(sigmas, torch.Tensor)
                 and not torch.equal(sigmas.cpu(), schedule.sigmas.cpu())):
-            raise RuntimeError(f"{type(own).__name__} here makes another schedule than the pipeline that prepared "
+            raise RuntimeError(f"{type(made).__name__} here makes another schedule than the pipeline that prepared "
                                "the request: are both processes on the same scheduler settings?")
 
     def timesteps(self, schedules: Sequence[RequestSchedule]) -> torch.Tensor:
@@ -333,9 +344,7 @@ class StockBatch(BatchScheduler):
             if calls is None:
                 raise ValueError(f"a {type(self.template).__name__} request needs the calls that set up its schedule")
             own = calls.scheduler(self.template, device)
-            if not torch.equal(own.timesteps.cpu(), schedule.timesteps.cpu()):
-                raise RuntimeError(f"{type(own).__name__} here makes another schedule than the pipeline that "
-                                   "prepared the request: are both processes on the same scheduler settings?")
+            self._check(own, schedule)
             if calls.generator_state is not None:
                 schedule.generator = torch.Generator("cpu")
                 schedule.generator.set_state(calls.generator_state.cpu())

@@ -300,3 +300,25 @@ def test_helpers_prepare_on_the_workers_scheduler():
     # The helper's single-threaded encoders sum in another order: 8-bit rounding may differ.
     difference = np.abs(np.asarray(result.image, dtype=int) - np.asarray(inline, dtype=int))
     assert difference.max() <= 2
+
+
+def test_a_preparation_that_cannot_be_read_fails_its_edit_not_the_receiver():
+    """A prepared message naming a generator whose state did not come with it (a malformed message) is
+    that edit's failure; the helpers' receiver thread goes on."""
+    from retouch.engine import processing, wire
+    from retouch.engine.api import Engine, HelperError
+
+    editor = editor_for("tiny-sdxl-inpaint", "euler-a")
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=3, seed=3)
+    request = EditRequest(template_id, square_mask(), "a hat", seed=1)
+    engine = Engine(editor, EngineConfig(mode="naive"))
+    job = Worker.new_job(request)
+    engine._jobs[job.id] = job
+    ready = processing.preprocess(editor, request, editor.templates[template_id])
+    header, tensors, blobs = wire.decode(processing.ready_message(job.id, ready))
+    del tensors["prepared.schedule.generator_state"]
+    engine._on_helper_message(header, tensors, blobs)
+    with pytest.raises(HelperError, match="generator"):
+        job.future.result(timeout=0)
+    assert job.id not in engine._jobs and engine.worker.inbox.empty()
+    engine.worker.loras.close()

@@ -384,7 +384,10 @@ def test_progress_counts_the_workers_denoiser_calls(context, make_router):
     router = make_router()
     assert router.denoiser_calls(3) == 3  # until a worker says otherwise
     w0 = ScriptedWorker(context, router, "w0", calls=[2, -1])
-    assert router.denoiser_calls(3) == 5
+    assert router.denoiser_calls(3) == router.denoiser_calls(3, "w0") == 5 and router.denoiser_calls(1) == 1
+    ScriptedWorker(context, router, "w9", calls=[1, 1])
+    assert router.denoiser_calls(3, "w9") == 4  # each worker's own line once routed
+    router.worker_exited("w9")
     router.register_template(TemplateRecord("t1", b"png-of-template", (64, 64), "", 3, 0, None, 0))
     assert w0.receive("register")["template"] == "t1"
     w0.send({"kind": "progress", "template": "t1", "step": 4, "steps": 5})
@@ -516,22 +519,26 @@ def test_lora_affinity_needs_a_free_slot_and_ends_when_the_adapter_goes(context,
 def test_a_worker_of_another_model_is_refused_and_other_weights_are_told(context, make_router, caplog):
     caplog.set_level("INFO", logger="retouch.router")
     router = make_router(model="tiny-flux-fill")
-    w0 = ScriptedWorker(context, router, "w0", model="tiny-flux-fill", dtype="float32", weights="aaa")
+    w0 = ScriptedWorker(context, router, "w0", model="tiny-flux-fill", dtype="float32", weights="aaa",
+                        scheduler="FlowMatchEulerDiscreteScheduler", scheduler_id="s0")
     refused = ScriptedWorker(context, router, "w1", welcome="refused", model="/models/tiny-sd3-inpaint")
     assert "it serves the model 'tiny-sd3-inpaint', this server 'tiny-flux-fill'" in refused.answer_to_hello["reason"]
     ScriptedWorker(context, router, "w2", model="/mnt/x/tiny-flux-fill", dtype="bfloat16", weights="bbb")
     ScriptedWorker(context, router, "w3", model="tiny-flux-fill", dtype="float32", weights="ccc",
-                   scheduler="FlowMatchEulerDiscreteScheduler(use_karras_sigmas=true)")
-    ScriptedWorker(context, router, "w4", model="tiny-flux-fill", dtype="float32", weights="ddd")
-    assert set(router.workers) == {"w0", "w2", "w3", "w4"}  # a folder is its name: hosts mount it where they like
+                   scheduler="FlowMatchEulerDiscreteScheduler(use_karras_sigmas=true)", scheduler_id="s3")
+    ScriptedWorker(context, router, "w4", model="tiny-flux-fill", dtype="float32", weights="ddd",
+                   scheduler="FlowMatchEulerDiscreteScheduler", scheduler_id="s0")
+    ScriptedWorker(context, router, "w5", model="tiny-flux-fill", dtype="float32", weights="eee")  # says no sampler
+    assert set(router.workers) == {"w0", "w2", "w3", "w4", "w5"}  # a folder is its name: hosts mount it anywhere
     assert router.snapshot()["counters"]["workers_mismatched"] == 1
     warnings = router_lines(caplog, "WARNING")
     assert any(line.startswith("worker w1 refused") for line in warnings)
     # What differs is named: the dtype, the scheduler (a forgotten --scheduler), or the weights alone.
     assert any(line.startswith("worker w2 runs another dtype (bfloat16) than worker w0 (float32)") for line in warnings)
     assert any(line.startswith("worker w3 runs another scheduler (FlowMatchEulerDiscreteScheduler(use_karras_sigmas="
-                               "true)) than worker w0 (None)") for line in warnings)
+                               "true)) than worker w0 (FlowMatchEulerDiscreteScheduler)") for line in warnings)
     assert any(line.startswith("worker w4 runs other weights than worker w0") for line in warnings)
+    assert any(line.startswith("worker w5 runs other weights, scheduler or dtype than worker w0") for line in warnings)
     assert router.snapshot()["workers"]["w2"]["info"]["weights"] == "bbb"
     # the same process saying hello again (its welcome lost) is welcomed, not removed and added
     w0.send({"kind": "hello", "max_batch": 4, "pid": 1, "model": "tiny-flux-fill", "weights": "aaa"})

@@ -214,3 +214,41 @@ def test_a_scheduler_set_up_otherwise_than_the_pipeline_that_prepared_the_reques
     batch = StockBatch(DPMSolverMultistepScheduler.from_config(published.SDXL_SCHEDULER))
     with pytest.raises(RuntimeError, match="another schedule"):
         batch.step(torch.zeros(SHAPE), torch.zeros(SHAPE), [schedule])
+
+
+def test_trials_never_touch_the_live_scheduler_a_preparation_has_shadowed():
+    """While a pipeline runs, `recipes.prepare` shadows its scheduler's set_timesteps with a wrapper bound
+    to it; a trial made meanwhile (a step check, the calls line, the fingerprint) must not call it."""
+    from retouch.models.samplers import calls_line, describe, steps_error
+
+    live = DPMSolverMultistepScheduler.from_config(published.SDXL_SCHEDULER)
+    live.set_timesteps(28)
+    calls = []
+    original = live.set_timesteps
+
+    def shadow(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    live.set_timesteps = shadow
+    assert steps_error(live, 7) is None and calls_line(live) == (1, 0) and describe(live)
+    assert calls == [] and len(live.timesteps) == 28
+
+
+def test_calls_line_of_a_sampler_that_makes_too_few_steps_is_none():
+    from retouch.models.samplers import calls_line
+
+    assert calls_line(LCMScheduler.from_config({**published.SDXL_SCHEDULER, "original_inference_steps": 16})) == (1, 0)
+    assert calls_line(LCMScheduler.from_config({**published.SDXL_SCHEDULER, "original_inference_steps": 1})) is None
+
+
+def test_a_description_with_numpy_settings_rebuilds_the_same_scheduler():
+    from retouch.models.samplers import describe, from_description
+
+    betas = np.linspace(0.0001, 0.02, 1000)
+    scheduler = DDIMScheduler.from_config({**published.SD2_SCHEDULER, "trained_betas": betas})
+    rebuilt = from_description(describe(scheduler))
+    scheduler.set_timesteps(5)
+    rebuilt.set_timesteps(5)
+    assert torch.equal(rebuilt.alphas_cumprod, scheduler.alphas_cumprod)
+    assert describe(rebuilt) == describe(scheduler)

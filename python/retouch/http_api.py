@@ -469,7 +469,8 @@ EDIT_FIELDS = {
                                  default=100),
     "stream": _field("boolean", "answer with Server-Sent Events: accepted, steps, then done with the image "
                      "and the edit's metrics", default=False),
-    "preview_every": _field("integer", "with stream: a preview image every that many steps", default=0),
+    "preview_every": _field("integer", "with stream: a preview image every that many steps (as the stream's "
+                            "step events count them: the sampler's denoiser calls)", default=0),
     "slo_ms": _field("integer", "answer within this many milliseconds of arrival (the router orders by it)"),
     "lora": LORA_FIELD,
     "async": _field("boolean", "answer 202 with the edit's status at once; GET /v1/edits/{id}/result answers it "

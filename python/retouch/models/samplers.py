@@ -14,7 +14,7 @@ schedule, so every edit of it runs that schedule.
 
 from __future__ import annotations
 
-import copy
+import hashlib
 import inspect
 import json
 import logging
@@ -104,7 +104,11 @@ def _setting(class_name: str, key: str, text: str, default):
         if isinstance(number, float) and isinstance(default, float):
             return number
     elif isinstance(default, str):
-        return text
+        try:  # "trailing" quoted as JSON is trailing
+            quoted = json.loads(text)
+        except json.JSONDecodeError:
+            return text
+        return quoted if isinstance(quoted, str) else text
     else:
         try:
             return json.loads(text)
@@ -126,7 +130,7 @@ def choose_scheduler(current, spec: str, family: str, pipeline_class: str):
     compatible = {type(current).__name__} | {c.__name__ for c in getattr(current, "compatibles", ())}
     if type(current).__name__.startswith("FlowMatch"):  # diffusers lists none for its flow-matching schedulers
         compatible |= {name for name in dir(diffusers) if name.startswith("FlowMatch") and name.endswith("Scheduler")}
-    else:  # nor the consistency samplers of LCM- and TCD-distilled UNets (LCM-LoRA)
+    elif family in ("sdxl", "sd2"):  # nor the consistency samplers of LCM- and TCD-distilled UNets (LCM-LoRA)
         compatible |= {"LCMScheduler", "TCDScheduler"}
     if class_name not in compatible:
         usable = [name for name in sorted(compatible) if _usable(current, name, family, pipeline_class)]
@@ -200,10 +204,18 @@ def check_reproducible(scheduler, family: str, pipeline_class: str) -> None:
                          f"({instead})")
 
 
+def fresh(scheduler):
+    """A new scheduler of `scheduler`'s class and settings. Not a deepcopy: while a pipeline runs,
+    `recipes.prepare` shadows the live scheduler's set_timesteps with a wrapper bound to it, which a
+    deepcopy would keep (and call, re-scheduling the live one)."""
+    with _quiet_swap():
+        return type(scheduler).from_config(scheduler.config)
+
+
 def steps_error(scheduler, steps: int) -> str | None:
     """Why `scheduler` cannot make a schedule of `steps` steps (LCM makes at most its
     original_inference_steps), or None when it can."""
-    trial = copy.deepcopy(scheduler)
+    trial = fresh(scheduler)
     try:
         with _quiet_swap():
             trial.set_timesteps(steps, **({"mu": 1.0} if trial.config.get("use_dynamic_shifting") else {}))
@@ -212,18 +224,20 @@ def steps_error(scheduler, steps: int) -> str | None:
     return None
 
 
-def calls_line(scheduler) -> tuple[int, int]:
-    """(per step, more): an edit of n steps makes per_step * n + more denoiser calls on `scheduler`
-    (1, 0 for most; 1, 1 for PLMS; 2, -1 for Heun's second-order samplers), from schedules of 10 and
-    20 steps."""
+def calls_line(scheduler) -> tuple[int, int] | None:
+    """(per step, more): an edit of n >= 2 steps makes per_step * n + more denoiser calls on `scheduler`
+    (1, 0 for most; 1, 1 for PLMS; 2, -1 for Heun's second-order samplers), from schedules of 2 and 3
+    steps; None if it makes neither."""
     counts = []
-    for steps in (10, 20):
-        trial = copy.deepcopy(scheduler)
-        with _quiet_swap():
-            trial.set_timesteps(steps, **({"mu": 1.0} if trial.config.get("use_dynamic_shifting") else {}))
+    for steps in (2, 3):
+        trial = fresh(scheduler)
+        try:
+            with _quiet_swap():
+                trial.set_timesteps(steps, **({"mu": 1.0} if trial.config.get("use_dynamic_shifting") else {}))
+        except SCHEDULE_ERRORS:
+            return None
         counts.append(len(trial.timesteps))
-    per_step = (counts[1] - counts[0]) // 10
-    return per_step, counts[0] - 10 * per_step
+    return counts[1] - counts[0], 3 * counts[0] - 2 * counts[1]
 
 
 def most_steps(scheduler, up_to: int) -> int:
@@ -239,8 +253,8 @@ def most_steps(scheduler, up_to: int) -> int:
 
 
 def _trial(scheduler):
-    """A copy of `scheduler` that has made a four-step schedule."""
-    trial = copy.deepcopy(scheduler)
+    """A copy of `scheduler` (`fresh`) that has made a four-step schedule."""
+    trial = fresh(scheduler)
     _make_schedule(trial)
     return trial
 
@@ -280,8 +294,15 @@ def describe(scheduler) -> str:
     recording was made under (part of the model's fingerprint) and what the helpers rebuild it from
     (`from_description`). Taken once it has made a schedule, since some schedulers settle a setting
     then (DPMSolverSinglestep's lower_order_final): the same before and after the first edit."""
-    config = {key: value for key, value in dict(_trial(scheduler).config).items() if not key.startswith("_")}
-    return json.dumps({"class": type(scheduler).__name__, "config": config}, sort_keys=True, default=str)
+    # diffusers' own JSON of a config (numpy arrays as lists), without its version and class keys
+    config = {key: value for key, value in json.loads(_trial(scheduler).to_json_string()).items()
+              if not key.startswith("_")}
+    return json.dumps({"class": type(scheduler).__name__, "config": config}, sort_keys=True)
+
+
+def identity(scheduler) -> str:
+    """A short digest of `describe`: two workers whose schedulers make other schedules differ in it."""
+    return hashlib.sha256(describe(scheduler).encode()).hexdigest()[:12]
 
 
 def from_description(description: str):
