@@ -54,6 +54,7 @@ from retouch.engine.processing import ReadyEdit, postprocess, prepare_recording,
 from retouch.engine.previews import LatentPreviewer
 from retouch.engine.schedulers import BatchScheduler
 from retouch.errors import RetouchError
+from retouch.models.samplers import calls_line
 from retouch.lora import LoraChoice, LoraError
 from retouch.lora.layers import AmbiguousRows, EntryAdapters
 from retouch.lora.manager import LoraManager
@@ -218,6 +219,7 @@ class Worker:
         self.editor = editor
         self.config = config
         self.scheduler = BatchScheduler.for_scheduler(editor.pipe.scheduler)
+        self._calls = calls_line(self.scheduler.template) or (1, 0)  # denoiser calls of n steps (`_steps_of`)
         self.send_to_postprocess = send_to_postprocess
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: deque[Job] = deque()
@@ -353,10 +355,14 @@ class Worker:
         return self._steps_of(job) * self.metrics.mean_step_s()
 
     def _steps_of(self, job: Job) -> int:
+        """The denoiser calls a waiting job will make (a second-order sampler makes about two a step)."""
         if job.recording is not None:
-            return job.recording.steps
-        template = self.editor.templates.get(job.request.template_id)
-        return template.steps if template is not None else (job.request.steps or 0)
+            steps = job.recording.steps
+        else:
+            template = self.editor.templates.get(job.request.template_id)
+            steps = template.steps if template is not None else (job.request.steps or 0)
+        per_step, more = self._calls
+        return per_step * steps + more if steps >= 2 else steps
 
     def step(self) -> bool:
         """One denoising step of the running batch: a forward per guidance setting (and text length), and

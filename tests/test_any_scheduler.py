@@ -88,6 +88,15 @@ def test_progress_counts_a_second_order_samplers_denoiser_calls_once_each():
     assert told == [(k, 5) for k in range(1, 6)]  # Heun: 2 x 3 - 1 denoiser calls
 
 
+def test_slack_ordering_predicts_a_second_order_samplers_calls():
+    """A waiting edit's predicted time counts the denoiser calls it will make (Heun: 5 for 3 steps)."""
+    editor = editor_for("tiny-sdxl-inpaint", "heun")
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=3, seed=3)
+    worker = Worker(editor, EngineConfig(mode="naive"))
+    assert worker._steps_of(Worker.new_job(EditRequest(template_id, square_mask(), "a hat"))) == 5
+    worker.loras.close()
+
+
 def test_a_noise_drawing_sampler_resumes_its_generator_across_the_wire():
     """What a helper prepares for an ancestral sampler carries the generator's state; stepping the
     received request gives the latents of the request prepared in place."""

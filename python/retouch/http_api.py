@@ -1094,7 +1094,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         (refusals are raised here: 429, 503, ...); returns `answers(watch_client)`, which waits for them:
         PNG bytes each. A client that goes away cancels them (unless not `watch_client`: a job's edit goes
         on): they leave their worker's batch at its next step."""
-        payload = await anyio.to_thread.run_sync(mask_payload, mask, steps)
+        # The router's costs count denoiser calls, as its workers' heartbeats do (Heun: 2 x steps - 1).
+        payload = await anyio.to_thread.run_sync(mask_payload, mask, router.denoiser_calls(steps))
         if payload is None:  # nothing to repaint: the answer is the template itself
             png = await unchanged(template_id, one_off)
 
@@ -1577,9 +1578,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         (POST /v1/edits stream=true), or with `openai`, the OpenAI Images API's (POST /v1/images/edits
         stream=true). Validation and admission errors were answered before: once the stream starts,
         the edit was accepted, and a failure is an `error` event."""
-        payload = await anyio.to_thread.run_sync(mask_payload, mask, steps)
+        payload = await anyio.to_thread.run_sync(mask_payload, mask, router.denoiser_calls(steps))
         request_id, tenant = request.state.request_id, request.state.tenant
-        load = payload[1] if payload is not None else request_load(mask, steps)
+        load = payload[1] if payload is not None else request_load(mask, router.denoiser_calls(steps))
         # Steps as progress counts them: the sampler's denoiser calls (Heun's make about two a step).
         accepted = {"id": request_id, "template_id": template_id, "steps": router.denoiser_calls(steps),
                     "mask_ratio": round(load.masked_tokens / load.image_tokens, 4),
