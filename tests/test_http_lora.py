@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from diffusers import FlowMatchEulerDiscreteScheduler
 from PIL import Image
 from polling import free_port, until
 
@@ -159,7 +160,9 @@ class RecordingEngine:
                                       dtype="float32", model_fingerprint=lambda: "stand-in-weights")
         self.worker = SimpleNamespace(loras=SimpleNamespace(metrics=lambda: dict(LORA_METRICS),
                                                             resident=lambda: ["grain", "ink"], lora_dir="loras",
-                                                            digests=lambda: {"grain": "g1", "ink": "i1"}))
+                                                            digests=lambda: {"grain": "g1", "ink": "i1"}),
+                                      # the sampler its loop steps with (what a hello says of it)
+                                      scheduler=SimpleNamespace(template=FlowMatchEulerDiscreteScheduler()))
 
     def submit(self, request, watch=None, budget_s=None, lora=()) -> Future:
         return self._recorded("submit", request, lora)
