@@ -36,6 +36,13 @@ class NoWorker(RuntimeError):
     """No alive (and eligible) worker to route to."""
 
 
+def denoiser_calls(line: tuple[int, int], steps: int) -> int:
+    """The denoiser calls an edit of `steps` steps makes on a sampler whose calls line is `line`, (per
+    step, more) (`retouch.models.samplers.calls_line`: 2, -1 for Heun's); one step is one call."""
+    per_step, more = line
+    return max(1, per_step * steps + more) if steps >= 2 else steps
+
+
 @dataclass(frozen=True)
 class RequestLoad:
     """What routing knows of a request.

@@ -67,7 +67,7 @@ import zmq
 
 from retouch.engine import wire
 from retouch.engine.curve import RouterSecurity, is_loopback
-from retouch.engine.policies import ClusterLoad, NoWorker, RequestLoad, make_policy, prefer_holders
+from retouch.engine.policies import ClusterLoad, NoWorker, RequestLoad, denoiser_calls, make_policy, prefer_holders
 from retouch.engine.step_cost import StepCost
 from retouch.engine.wakeup import Wakeup
 from retouch.config import model_label
@@ -598,8 +598,7 @@ class Router:
         with self._lock:
             lines = [tuple(w.info.get("calls") or (1, 0)) for w in self.workers.values()
                      if worker is None or w.name == worker]
-        per_step, more = max(set(lines), key=lines.count) if lines else (1, 0)
-        return max(1, per_step * steps + more) if steps >= 2 else steps  # one step is one call
+        return denoiser_calls(max(set(lines), key=lines.count) if lines else (1, 0), steps)
 
     def request_status(self, request_id: int) -> dict | None:
         """Where an accepted edit is: parked (its template is not ready anywhere), queued at a

@@ -128,7 +128,7 @@ class RequestSchedule:
     ets: list[torch.Tensor] = field(default_factory=list)
     counter: int = 0
     cur_sample: torch.Tensor | None = None
-    # StockBatch: how the pipeline set its scheduler up, and (made on the first step, in the process
+    # StockBatch: how the pipeline set its scheduler up, and (made as the request joins, in the process
     # that steps it) the request's own copy of that scheduler and of the generator its steps draw from.
     calls: PipelineCalls | None = None
     own: Any = None

@@ -52,6 +52,7 @@ from retouch.engine import recipes
 from retouch.engine.metrics import RequestMetrics, WorkerMetrics, now
 from retouch.engine.processing import ReadyEdit, postprocess, prepare_recording, preprocess
 from retouch.engine.previews import LatentPreviewer
+from retouch.engine.policies import denoiser_calls
 from retouch.engine.schedulers import BatchScheduler
 from retouch.errors import RetouchError
 from retouch.models.samplers import calls_line
@@ -361,8 +362,7 @@ class Worker:
         else:
             template = self.editor.templates.get(job.request.template_id)
             steps = template.steps if template is not None else (job.request.steps or 0)
-        per_step, more = self._calls
-        return per_step * steps + more if steps >= 2 else steps
+        return denoiser_calls(self._calls, steps)
 
     def step(self) -> bool:
         """One denoising step of the running batch: a forward per guidance setting (and text length), and

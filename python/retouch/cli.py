@@ -55,10 +55,10 @@ def cmd_edit(args) -> int:
     loaded = time.perf_counter()
     from retouch.models.samplers import steps_error
 
-    problem = steps_error(model.pipe.scheduler, edit_steps(opts))
+    steps = edit_steps(opts)
+    problem = steps_error(model.pipe.scheduler, steps)
     if problem is not None:
-        raise InputError(f"--steps {edit_steps(opts)}: {type(model.pipe.scheduler).__name__} cannot make that many: "
-                         f"{problem}")
+        raise InputError(f"--steps {steps}: {type(model.pipe.scheduler).__name__} cannot make that many: {problem}")
     if lora:
         return _lora_edit(opts, model, image, mask, lora, loaded - started, out)
     if opts.mask_aware:
@@ -69,7 +69,7 @@ def cmd_edit(args) -> int:
 
     with pipeline_bar(model.pipe, "edit"):
         edited = run_baseline_edit(
-            model.pipe, image, mask, opts.prompt, steps=edit_steps(opts), seed=opts.seed, guidance=opts.guidance,
+            model.pipe, image, mask, opts.prompt, steps=steps, seed=opts.seed, guidance=opts.guidance,
             strength=opts.strength, call_defaults=model.call_defaults,
             paste_back=opts.paste_back)
     finished = time.perf_counter()

@@ -15,7 +15,7 @@ from .export import MANIFEST_NAME, cached_export
 from .quiet import quiet_libraries
 from .builders import build_pipeline
 from .registry import get_spec, is_builtin, list_models
-from .samplers import SCHEDULE_ERRORS, check_reproducible, choose_scheduler, with_scheduler
+from .samplers import checked_scheduler
 from .spec import FAMILIES, FAMILY_BY_PIPELINE
 
 
@@ -39,7 +39,7 @@ def load_pipeline(
     scheduler: str | None = None,
 ) -> LoadedModel:
     """Load a built-in model (exported once into the cache) or a saved pipeline folder, with the
-    scheduler `scheduler` names (`samplers.with_scheduler`; None: the one it was saved with).
+    scheduler `scheduler` names (`samplers.checked_scheduler`; None: the one it was saved with).
 
     Only local files are read (local_files_only): nothing is ever downloaded. The family comes from
     the folder's retouch.json when it has one, else from its pipeline class. Raises ModelError when
@@ -73,7 +73,7 @@ def load_pipeline(
             detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ModelError(f"cannot load the pipeline in {folder}: {detail}") from error
         pipe.to(device)
-    settle_scheduler(pipe, scheduler, family)
+    pipe.scheduler = checked_scheduler(pipe.scheduler, scheduler, family, type(pipe).__name__)
     pipe.set_progress_bar_config(disable=True)
     return LoadedModel(
         pipe=pipe,
@@ -94,7 +94,7 @@ def build_loaded(name: str, device: str | torch.device = "cpu", dtype: torch.dty
     exported ones (see `build_pipeline`), so never compare images across the two."""
     spec = get_spec(name)
     pipe = build_pipeline(name, dtype=dtype, device=device)
-    settle_scheduler(pipe, scheduler, spec.family)
+    pipe.scheduler = checked_scheduler(pipe.scheduler, scheduler, spec.family, type(pipe).__name__)
     return LoadedModel(pipe=pipe, name=spec.name, family=spec.family, call_defaults=dict(spec.call_defaults),
                        source=Path(f"<built in memory: {spec.name}>"), built_in_memory=True, scheduler=scheduler)
 
@@ -106,19 +106,6 @@ def load_for_bench(name_or_dir: str | os.PathLike, device: str | torch.device = 
     if isinstance(name_or_dir, str) and is_builtin(name_or_dir) and get_spec(name_or_dir).kind == "bench":
         return build_loaded(name_or_dir, device, dtype, scheduler)
     return load_pipeline(name_or_dir, device, dtype, scheduler)
-
-
-def settle_scheduler(pipe: DiffusionPipeline, scheduler: str | None, family: str) -> None:
-    """Give `pipe` the scheduler `scheduler` names (None: keep its own), checked to repeat an edit from its
-    seed (`samplers.check_reproducible`); ModelError otherwise."""
-    if scheduler is not None:
-        with_scheduler(pipe, scheduler, family)
-        return
-    try:
-        check_reproducible(pipe.scheduler, family, type(pipe).__name__)
-    except SCHEDULE_ERRORS as error:
-        raise ModelError(f"the pipeline's scheduler {type(pipe.scheduler).__name__} makes no schedule: "
-                         f"{(str(error).strip().splitlines() or [type(error).__name__])[0]}") from None
 
 
 def scheduler_for(name_or_dir: str | os.PathLike, scheduler: str | None):
@@ -139,14 +126,7 @@ def scheduler_for(name_or_dir: str | os.PathLike, scheduler: str | None):
             saved = getattr(diffusers, config["_class_name"]).from_config(config)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as error:
             raise ModelError(f"cannot read the scheduler in {config_path}: {' '.join(str(error).split())}") from None
-    if scheduler is not None:
-        return choose_scheduler(saved, scheduler, family, pipeline_class)
-    try:
-        check_reproducible(saved, family, pipeline_class)
-    except SCHEDULE_ERRORS as error:
-        detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ModelError(f"the pipeline's scheduler {type(saved).__name__} makes no schedule: {detail}") from None
-    return saved
+    return checked_scheduler(saved, scheduler, family, pipeline_class)
 
 
 def family_of_pipeline(pipe: DiffusionPipeline) -> str:

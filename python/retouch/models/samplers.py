@@ -118,9 +118,18 @@ def _setting(class_name: str, key: str, text: str, default):
     raise ModelError(f"--scheduler: {class_name}'s {key} is {kind}, got {text!r}")
 
 
-def with_scheduler(pipe, spec: str, family: str) -> None:
-    """Give `pipe` (of `family`) the scheduler `spec` names, built on its current scheduler's settings."""
-    pipe.scheduler = choose_scheduler(pipe.scheduler, spec, family, type(pipe).__name__)
+def checked_scheduler(current, spec: str | None, family: str, pipeline_class: str):
+    """The scheduler a `pipeline_class` of `family` saved with `current` runs under `--scheduler spec`:
+    `choose_scheduler`'s, or with no spec `current` itself, checked to make a schedule and repeat an
+    edit from its seed. ModelError otherwise."""
+    if spec is not None:
+        return choose_scheduler(current, spec, family, pipeline_class)
+    try:
+        check_reproducible(current, family, pipeline_class)
+    except SCHEDULE_ERRORS as error:
+        raise ModelError(f"the pipeline's scheduler {type(current).__name__} makes no schedule: "
+                         f"{_first_line(error)}") from None
+    return current
 
 
 def choose_scheduler(current, spec: str, family: str, pipeline_class: str):
@@ -144,11 +153,15 @@ def choose_scheduler(current, spec: str, family: str, pipeline_class: str):
         with _quiet_swap():
             scheduler = getattr(diffusers, class_name).from_config(current.config, **settings)
             check_reproducible(scheduler, family, pipeline_class)
-            _make_schedule(scheduler)  # settles what a scheduler settles in its first schedule, once
+            _set_steps(scheduler, 4)  # settles what a scheduler settles in its first schedule, once
     except SCHEDULE_ERRORS as error:
-        detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ModelError(f"--scheduler {spec}: {detail}") from None
+        raise ModelError(f"--scheduler {spec}: {_first_line(error)}") from None
     return scheduler
+
+
+def _first_line(error: BaseException) -> str:
+    """A library error's first line (they run to several; a ModelError is one)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 # What a scheduler raises for settings it cannot make a schedule with (a negative step count is a
@@ -215,10 +228,8 @@ def fresh(scheduler):
 def steps_error(scheduler, steps: int) -> str | None:
     """Why `scheduler` cannot make a schedule of `steps` steps (LCM makes at most its
     original_inference_steps), or None when it can."""
-    trial = fresh(scheduler)
     try:
-        with _quiet_swap():
-            trial.set_timesteps(steps, **({"mu": 1.0} if trial.config.get("use_dynamic_shifting") else {}))
+        _trial(scheduler, steps)
     except SCHEDULE_ERRORS as error:
         return " ".join(str(error).split()) or type(error).__name__
     return None
@@ -228,16 +239,11 @@ def calls_line(scheduler) -> tuple[int, int] | None:
     """(per step, more): an edit of n >= 2 steps makes per_step * n + more denoiser calls on `scheduler`
     (1, 0 for most; 1, 1 for PLMS; 2, -1 for Heun's second-order samplers), from schedules of 2 and 3
     steps; None if it makes neither."""
-    counts = []
-    for steps in (2, 3):
-        trial = fresh(scheduler)
-        try:
-            with _quiet_swap():
-                trial.set_timesteps(steps, **({"mu": 1.0} if trial.config.get("use_dynamic_shifting") else {}))
-        except SCHEDULE_ERRORS:
-            return None
-        counts.append(len(trial.timesteps))
-    return counts[1] - counts[0], 3 * counts[0] - 2 * counts[1]
+    try:
+        two, three = (len(_trial(scheduler, steps).timesteps) for steps in (2, 3))
+    except SCHEDULE_ERRORS:
+        return None
+    return three - two, 3 * two - 2 * three
 
 
 def most_steps(scheduler, up_to: int) -> int:
@@ -252,17 +258,18 @@ def most_steps(scheduler, up_to: int) -> int:
     return low
 
 
-def _trial(scheduler):
-    """A copy of `scheduler` (`fresh`) that has made a four-step schedule."""
+def _trial(scheduler, steps: int = 4):
+    """A copy of `scheduler` (`fresh`) that has made a schedule of `steps` steps."""
     trial = fresh(scheduler)
-    _make_schedule(trial)
+    with _quiet_swap():
+        _set_steps(trial, steps)
     return trial
 
 
-def _make_schedule(scheduler) -> None:
-    """A four-step schedule, as a pipeline asks for one (Flux's dynamic shifting wants the `mu` its
+def _set_steps(scheduler, steps: int) -> None:
+    """`set_timesteps(steps)` as a pipeline calls it (Flux's dynamic shifting wants the `mu` its
     pipelines give)."""
-    scheduler.set_timesteps(4, **({"mu": 1.0} if scheduler.config.get("use_dynamic_shifting") else {}))
+    scheduler.set_timesteps(steps, **({"mu": 1.0} if scheduler.config.get("use_dynamic_shifting") else {}))
 
 
 def draws_noise(scheduler) -> bool:
