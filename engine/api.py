@@ -181,20 +181,22 @@ class Engine:
     def submit_image(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int = 0,
                      steps: int = DEFAULT_STEPS, guidance: float | None = None,
                      watch: StepWatch | None = None, budget_s: float | None = None,
-                     lora: LoraChoice | str | list = ()) -> Future[EditResult]:
+                     lora: LoraChoice | str | list = (), strength: float = 1.0) -> Future[EditResult]:
         """A one-off edit of `image`. Its first edit on this engine runs in full, the stock pipeline's
         result, and records the image as it goes (`EditResult.recorded` names the template); later
         ones, whatever their prompt, seed or mask, are mask-aware edits of that recording. While the
         image is being recorded another one-off edit of it is computed in full without recording; so is
-        one with a LoRA (the cache holds the base model's activations, which its rows are not)."""
+        one with a LoRA (the cache holds the base model's activations, which its rows are not), and one
+        below `strength` 1 (it runs only the schedule's last steps, where a recording needs them all)."""
         self._check_running()
         template = self.editor.one_off_template(image, mask, prompt, seed, steps, guidance)
-        request = self.editor.check_request(EditRequest(template.template_id, mask, prompt, seed), template)
+        request = self.editor.check_request(EditRequest(template.template_id, mask, prompt, seed, strength=strength),
+                                            template)
         lora = self.check_lora(lora)  # looked up once the request is known to be good
         if self.editor.is_recorded(template.template_id):
             return self._submit_checked(request, self.editor.templates[template.template_id], watch, budget_s, lora)
         with self._jobs_lock:
-            records = template.template_id not in self._recordings and not lora
+            records = template.template_id not in self._recordings and not lora and request.strength == 1.0
             job = Worker.new_job(request, recording=template, records=records, watch=watch,
                                  deadline=_deadline(budget_s), lora=lora)
             if records:
@@ -289,7 +291,7 @@ class Engine:
             self._jobs[job.id] = job
         job.future.add_done_callback(lambda _: self._forget_job(job))
         if job.recording is not None:
-            self.helpers.send(job.id, processing.recording_message(job.id, job.recording, job.records))
+            self.helpers.send(job.id, processing.recording_message(job.id, job.recording, job.records, job.strength))
         else:
             template = self.editor.templates[job.request.template_id]
             self.helpers.send(job.id, processing.prepare_message(job.id, job.request, template))
@@ -313,8 +315,8 @@ class Engine:
             helpers.cancel(job.id)  # its helper skips it unless it has started it
 
     def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0,
-             steps: int | None = None) -> Image.Image:
-        return self.submit(EditRequest(template_id, mask, prompt, seed, steps)).result().image
+             steps: int | None = None, strength: float = 1.0) -> Image.Image:
+        return self.submit(EditRequest(template_id, mask, prompt, seed, steps, strength)).result().image
 
     def metrics(self) -> dict:
         return self.worker.metrics.summary()

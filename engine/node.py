@@ -270,7 +270,8 @@ class Node:
         self._hello_at = time.monotonic()
         self._post({"kind": "hello", "max_batch": self.engine.config.max_batch, "pid": os.getpid(),
                     "model": self.engine.model_name, "dtype": str(editor.dtype).removeprefix("torch."),
-                    "weights": editor.model_fingerprint(), **self._sampler, "supervised": self.supervised,
+                    "weights": editor.model_fingerprint(), **self._sampler, "family": editor.model.family,
+                    "supervised": self.supervised,
                     "lora": self.engine.worker.loras.lora_dir is not None, "boot": self._boot,
                     "draining": self.draining, "templates": templates})
 
@@ -292,12 +293,14 @@ class Node:
             watch = self._watch(request_id, int(header.get("preview_every", 0)))
             budget_s = None if header.get("budget_s") is None else float(header["budget_s"])
             lora = parse_lora(header.get("lora"))
+            strength = float(header.get("strength", 1.0))
             if template_id is not None:
-                future = self.engine.submit(EditRequest(template_id, mask, prompt, seed), watch, budget_s, lora)
+                future = self.engine.submit(EditRequest(template_id, mask, prompt, seed, strength=strength), watch,
+                                            budget_s, lora)
             else:
                 image = decode_image(blobs["image"], f"template {router_template}")
                 future = self.engine.submit_image(image, mask, prompt, seed, int(one_off["steps"]),
-                                                  one_off["guidance"], watch, budget_s, lora)
+                                                  one_off["guidance"], watch, budget_s, lora, strength)
         except Exception as exc:  # noqa: BLE001 - answered, never dropped
             self._post({"kind": "result", "request": request_id, "status": status_of(exc),
                         "error": type(exc).__name__, "message": str(exc)})

@@ -47,13 +47,17 @@ class ReadyEdit:
 
 def preprocess(editor: MaskAwareEditor, request: EditRequest, template: Template) -> ReadyEdit:
     inputs = editor.prepare_edit(request, template)
-    return ReadyEdit(inputs, recipes.prepare(editor, inputs, request.prompt))
+    return ReadyEdit(inputs, recipes.prepare(editor, inputs, request.prompt, request.strength))
 
 
-def prepare_recording(editor: MaskAwareEditor, template: Template, records: bool = True) -> ReadyEdit:
-    """A template's recorded run made ready for the loop (`MaskAwareEditor.prepare_recording`)."""
+def prepare_recording(editor: MaskAwareEditor, template: Template, records: bool = True,
+                      strength: float = 1.0) -> ReadyEdit:
+    """A template's recorded run made ready for the loop (`MaskAwareEditor.prepare_recording`). Below
+    `strength` 1 it runs the last steps only, so it answers a one-off edit and records nothing."""
+    if records and strength < 1.0:
+        raise ValueError("a recording runs every step of its schedule (strength 1)")
     inputs = editor.prepare_recording(template, records)
-    return ReadyEdit(inputs, recipes.prepare(editor, inputs, template.prompt))
+    return ReadyEdit(inputs, recipes.prepare(editor, inputs, template.prompt, strength))
 
 
 def postprocess(editor: MaskAwareEditor, template: Template, mask: Image.Image, latents: torch.Tensor) -> Image.Image:
@@ -100,12 +104,14 @@ def prepare_message(job: int, request: EditRequest, template: Template) -> list:
     header, tensors, blobs = template_message(template)
     mask_spec, mask = _image_blob(request.mask)  # checked: "L" at the template's size
     return wire.encode({"kind": "prepare", "job": job, "template": header, "prompt": request.prompt,
-                        "seed": request.seed, "mask": mask_spec}, tensors, {**blobs, "mask": mask})
+                        "seed": request.seed, "strength": request.strength, "mask": mask_spec},
+                       tensors, {**blobs, "mask": mask})
 
 
-def recording_message(job: int, template: Template, records: bool) -> list:
+def recording_message(job: int, template: Template, records: bool, strength: float = 1.0) -> list:
     header, tensors, blobs = template_message(template)
-    return wire.encode({"kind": "record", "job": job, "template": header, "records": records}, tensors, blobs)
+    return wire.encode({"kind": "record", "job": job, "template": header, "records": records, "strength": strength},
+                       tensors, blobs)
 
 
 def finish_message(job: int, template: Template, mask: Image.Image, latents: torch.Tensor) -> list:
@@ -145,10 +151,11 @@ def handle(editor: MaskAwareEditor, frames: list) -> list:
         with torch.inference_mode():
             if header["kind"] == "prepare":
                 request = EditRequest(template.template_id, image_from_blob(header["mask"], blobs["mask"]), header["prompt"],
-                                      header["seed"])
+                                      header["seed"], strength=float(header.get("strength", 1.0)))
                 return ready_message(job, preprocess(editor, request, template))
             if header["kind"] == "record":
-                return ready_message(job, prepare_recording(editor, template, header["records"]))
+                return ready_message(job, prepare_recording(editor, template, header["records"],
+                                                            float(header.get("strength", 1.0))))
             mask = image_from_blob(header["mask"], blobs["mask"])
             image = postprocess(editor, template, mask, tensors["latents"].to(editor.pipe.device))
     except Exception as exc:  # the worker answers the request with it; the helper keeps serving

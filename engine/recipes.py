@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ from PIL import Image
 from retouch.editor import EditInputs, MaskAwareEditor
 from retouch.engine.schedulers import BatchScheduler, PipelineCalls, RequestSchedule, encode_arguments
 from retouch.models import quiet_libraries
+from retouch.strength import noised_start, start_step
 
 # The denoiser keyword arguments that carry one row per request (per guidance copy).
 BATCHED_INPUTS = {
@@ -82,7 +84,8 @@ class Prepared:
     def header(self) -> dict:
         calls = self.schedule.calls
         return {"guidance": self.guidance, "num_inference_steps": self.schedule.num_inference_steps,
-                "init_noise_sigma": self.schedule.init_noise_sigma, "calls": None if calls is None else calls.header()}
+                "init_noise_sigma": self.schedule.init_noise_sigma, "calls": None if calls is None else calls.header(),
+                "start": self.schedule.start}
 
     @classmethod
     def from_tensors(cls, header: dict, named: dict[str, torch.Tensor]) -> Prepared:
@@ -91,9 +94,9 @@ class Prepared:
             group, _, key = name.partition(".")
             if group in groups:
                 groups[group][key] = tensor
-        calls = header.get("calls")
+        calls, start = header.get("calls"), int(header.get("start", 0))
         schedule = RequestSchedule(named["schedule.timesteps"], named.get("schedule.sigmas"),
-                                   header["num_inference_steps"], header["init_noise_sigma"],
+                                   header["num_inference_steps"], header["init_noise_sigma"], index=start, start=start,
                                    calls=None if calls is None else
                                    PipelineCalls.from_header(calls, named.get("schedule.generator_state")))
         return cls(named["latents"], groups["inputs"], groups["shared"], groups["blend"], schedule, header["guidance"])
@@ -115,8 +118,9 @@ class _FirstStep(Exception):
     """Raised in the denoiser's pre-hook: preparation is done once the loop's first call is reached."""
 
 
-def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str) -> Prepared:
-    """Run the stock pipeline on one edit up to its first denoiser call; keep what the loop needs."""
+def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str, strength: float = 1.0) -> Prepared:
+    """Run the stock pipeline on one edit up to its first denoiser call; keep what the loop needs. Below
+    `strength` 1 the loop starts part-way (`retouch.strength`)."""
     pipe, family, template = editor.pipe, editor.model.family, inputs.template
     seen: dict[str, object] = {}
 
@@ -129,28 +133,27 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str) -> Prepare
         return wrapper
 
     def stop(module, args, kwargs):
-        seen["args"], seen["kwargs"] = args, kwargs
+        seen["args"], seen["kwargs"], seen["start"] = args, kwargs, start_step(pipe)
         raise _FirstStep
 
-    kwargs = editor.pipeline_kwargs([template], [inputs.mask], [prompt], inputs.latents[None], "latent")
+    kwargs = editor.pipeline_kwargs([template], [inputs.mask], [prompt], inputs.latents[None], "latent", strength)
     # Instance attributes shadow the pipeline's (and its scheduler's) methods for this call only.
     shadowed = [(pipe, "prepare_latents", "latents"), (pipe, "prepare_mask_latents", "mask"),
                 (pipe, "prepare_extra_step_kwargs", "step_kwargs"), (pipe.scheduler, "set_timesteps", "set_timesteps"),
                 (pipe.scheduler, "set_begin_index", "begin_index"), (pipe.scheduler, "scale_model_input", "scaled")]
     shadowed = [(owner, method, name) for owner, method, name in shadowed if hasattr(owner, method)]
-    for owner, method, name in shadowed:
-        setattr(owner, method, remember(name, getattr(owner, method)))
-    hook = editor.denoiser.register_forward_pre_hook(stop, with_kwargs=True)
-    try:
-        with torch.inference_mode(), quiet_libraries():
-            pipe(**kwargs)
-        raise RuntimeError(f"{type(pipe).__name__} finished without calling its denoiser")
-    except _FirstStep:
-        pass
-    finally:
-        hook.remove()
-        for owner, method, _ in shadowed:
-            delattr(owner, method)
+    with ExitStack() as undo:
+        undo.enter_context(noised_start(pipe, strength, inputs.latents[None]))
+        for owner, method, name in shadowed:
+            undo.callback(_restore, owner, method, owner.__dict__.get(method))
+            setattr(owner, method, remember(name, getattr(owner, method)))
+        undo.callback(editor.denoiser.register_forward_pre_hook(stop, with_kwargs=True).remove)
+        try:
+            with torch.inference_mode(), quiet_libraries():
+                pipe(**kwargs)
+            raise RuntimeError(f"{type(pipe).__name__} finished without calling its denoiser")
+        except _FirstStep:
+            pass
 
     call = dict(seen["kwargs"])
     if editor.is_unet:
@@ -175,10 +178,18 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str) -> Prepare
     guidance = template.guidance if template.guidance is not None else pipe.guidance_scale
     copies = 2 if editor.is_unet or family == "sd3" else 1
     copies = copies if getattr(pipe, "do_classifier_free_guidance", False) else 1
-    schedule = RequestSchedule.of(pipe.scheduler, _pipeline_calls(pipe.scheduler, seen))
+    schedule = RequestSchedule.of(pipe.scheduler, _pipeline_calls(pipe.scheduler, seen), start=seen["start"])
     return Prepared(latents=latents.clone(), inputs={k: v.clone() for k, v in named.items()},
                     shared={k: v.clone() for k, v in shared.items()}, blend={k: v.clone() for k, v in blend.items()},
                     schedule=schedule, guidance=float(guidance) if copies == 2 else None)
+
+
+def _restore(owner, method: str, shadowed) -> None:
+    """Take a shadow off `owner` (an instance attribute over its class's method), leaving the one under it."""
+    if shadowed is None:
+        delattr(owner, method)
+    else:
+        setattr(owner, method, shadowed)
 
 
 def _pipeline_calls(scheduler, seen: dict) -> PipelineCalls:

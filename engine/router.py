@@ -73,6 +73,7 @@ from retouch.engine.wakeup import Wakeup
 from retouch.config import model_label
 from retouch.errors import InputError
 from retouch.lora import LoraChoice, choice_header
+from retouch.strength import steps_run
 
 if TYPE_CHECKING:
     from retouch.engine.registry import TemplateRegistry
@@ -158,6 +159,7 @@ class EditTask:
     preview_every: int = 0  # a preview PNG of its latents every that many steps (0: none)
     lora: LoraChoice = ()  # its LoRA adapters (checked against the LoRA folder at the frontend); () for none
     trace: str = ""  # the client's X-Request-Id (#i for the i-th of n images): the worker logs it with the edit
+    strength: float = 1.0  # below 1, it runs the last steps of its template's schedule (`retouch.strength`)
 
 
 @dataclass(frozen=True)
@@ -591,14 +593,23 @@ class Router:
         if ("template", record.template_id) in self._watchers:
             self._tell("template", record.template_id, {"event": "template", **record.to_json(set(self.workers))})
 
-    def denoiser_calls(self, steps: int, worker: str | None = None) -> int:
-        """How many denoiser calls, the units of an edit's progress, an edit of `steps` steps makes on
-        `worker`'s sampler (a second-order one makes about two a step), as it said when it joined; with
-        no worker, on the sampler most live workers run; `steps` for workers that did not say."""
+    def denoiser_calls(self, steps: int, worker: str | None = None, strength: float = 1.0) -> int:
+        """How many denoiser calls, the units of an edit's progress, an edit of `steps` steps at `strength`
+        makes on `worker`'s sampler (a second-order one makes about two a step), as it said when it joined;
+        with no worker, on the sampler most live workers run; `steps` for workers that did not say."""
+        return denoiser_calls(self._most_said("calls", worker, (1, 0)), self.steps_run(steps, strength, worker))
+
+    def steps_run(self, steps: int, strength: float = 1.0, worker: str | None = None) -> int:
+        """The steps an edit of `steps` at `strength` runs, as `worker`'s model family counts them (most
+        live workers' with no worker; `retouch.strength`)."""
+        return steps_run(self._most_said("family", worker, None), steps, strength)
+
+    def _most_said(self, key: str, worker: str | None, default):
+        """What `worker` said of `key` in its hello; with no worker, what most live workers said."""
         with self._lock:
-            lines = [tuple(w.info.get("calls") or (1, 0)) for w in self.workers.values()
-                     if worker is None or w.name == worker]
-        return denoiser_calls(max(set(lines), key=lines.count) if lines else (1, 0), steps)
+            said = [w.info.get(key) for w in self.workers.values() if worker is None or w.name == worker]
+        said = [tuple(value) if isinstance(value, list) else value for value in said if value is not None]
+        return max(set(said), key=said.count) if said else default
 
     def request_status(self, request_id: int) -> dict | None:
         """Where an accepted edit is: parked (its template is not ready anywhere), queued at a
@@ -608,7 +619,8 @@ class Router:
             if pending is None:
                 return None
             record = self.templates.get(pending.task.template_id)
-            steps = self.denoiser_calls(record.steps, pending.worker) if record is not None else None
+            steps = (self.denoiser_calls(record.steps, pending.worker, pending.task.strength)
+                     if record is not None else None)
             if pending.worker is None:
                 return {"status": "parked", "steps": steps}
             if pending.steps_left is None:
@@ -758,8 +770,10 @@ class Router:
             open_workers = self._open_workers()
             if record.one_off and open_workers.any() and not self._holders(record):
                 # Nobody holds the image: this edit goes with it to any worker, computing every token,
-                # and records it as it runs unless it has a LoRA (its activations are not the base model's).
-                eligible, carries_image, records = open_workers, True, not pending.task.lora
+                # and records it as it runs unless it has a LoRA (its activations are not the base model's)
+                # or a strength below 1 (it runs only the schedule's last steps).
+                records = not pending.task.lora and pending.task.strength == 1
+                eligible, carries_image = open_workers, True
             else:
                 self._park(pending, record)
                 self._ensure_replicas(record)
@@ -808,6 +822,8 @@ class Router:
             header["budget_s"] = task.load.deadline - time.monotonic()
         if task.lora:
             header["lora"] = choice_header(task.lora)
+        if task.strength != 1:
+            header["strength"] = task.strength
         blobs = {"mask": task.mask}
         if records:
             record.states[worker.name] = "recording"
@@ -817,11 +833,13 @@ class Router:
         worker.sent_in[pending.request_id] = (self._send(worker, header, blobs), time.monotonic())
         # A request sent again (its worker died) starts over: its watchers see it queued, then steps from 1.
         self._tell("request", pending.request_id, {"event": "queued", "worker": worker.name, "attempt": pending.routes,
-                                                   "steps": self.denoiser_calls(record.steps, worker.name)})
+                                                   "steps": self.denoiser_calls(record.steps, worker.name,
+                                                                                task.strength)})
 
     def _park(self, pending: Pending, record: TemplateRecord) -> None:
         self.parked.setdefault(record.template_id, deque()).append(pending.request_id)
-        self._tell("request", pending.request_id, {"event": "parked", "steps": self.denoiser_calls(record.steps)})
+        self._tell("request", pending.request_id, {"event": "parked", "steps": self.denoiser_calls(
+            record.steps, strength=pending.task.strength)})
 
     def _open_workers(self) -> np.ndarray:
         """The live workers that take new edits (not draining)."""
@@ -1086,7 +1104,7 @@ class Router:
             self._remove_worker(name, "it said hello again (restarted)")
         slot = self.cluster.add_worker(int(header["max_batch"]))
         info = {key: header.get(key)
-                for key in ("model", "dtype", "weights", "scheduler", "supervised", "lora", "boot")}
+                for key in ("model", "dtype", "weights", "scheduler", "supervised", "lora", "boot", "family")}
         calls = header.get("calls")
         info["calls"] = [int(calls[0]), int(calls[1])] if isinstance(calls, list) and len(calls) == 2 else None
         info["scheduler_id"] = header.get("scheduler_id")

@@ -116,7 +116,8 @@ class RequestSchedule:
     timesteps:  the timestep the denoiser is given at each step (diffusers' `scheduler.timesteps`; PNDM
                 without PRK steps makes one more denoiser call than `num_inference_steps`)
     sigmas:     [len(timesteps) + 1] noise levels (flow matching and Euler schedulers); None for PNDM
-    index:      steps taken so far
+    index:      the step it is at, of the whole schedule (the recording's step it reads)
+    start:      the step it started at: 0, or later below strength 1 (`retouch.strength`)
     """
 
     timesteps: torch.Tensor
@@ -124,6 +125,7 @@ class RequestSchedule:
     num_inference_steps: int
     init_noise_sigma: float = 1.0
     index: int = 0
+    start: int = 0
     # PNDM's multistep history: previous model outputs, steps taken, the sample of its first step.
     ets: list[torch.Tensor] = field(default_factory=list)
     counter: int = 0
@@ -135,21 +137,31 @@ class RequestSchedule:
     generator: torch.Generator | None = None
 
     @classmethod
-    def of(cls, scheduler, calls: PipelineCalls | None = None) -> RequestSchedule:
-        """The schedule a diffusers scheduler holds after `set_timesteps` (as a pipeline set it up), and
-        the calls that set it up."""
-        begin = getattr(scheduler, "begin_index", None) or 0
+    def of(cls, scheduler, calls: PipelineCalls | None = None, start: int = 0) -> RequestSchedule:
+        """The schedule a diffusers scheduler holds after `set_timesteps` (as a pipeline set it up), the
+        calls that set it up, and the step its pipeline's loop starts at."""
+        begin = getattr(scheduler, "begin_index", None)
+        if begin is not None and begin != start:
+            raise ValueError(f"the pipeline's loop starts at step {start}, its scheduler at {begin}")
         sigmas = getattr(scheduler, "sigmas", None)
-        if begin:
-            raise NotImplementedError("schedules that start part-way (strength < 1) are not batched")
         return cls(timesteps=scheduler.timesteps.clone(),
                    sigmas=sigmas.clone() if isinstance(sigmas, torch.Tensor) else None,
                    num_inference_steps=scheduler.num_inference_steps,
-                   init_noise_sigma=float(getattr(scheduler, "init_noise_sigma", 1.0)), calls=calls)
+                   init_noise_sigma=float(getattr(scheduler, "init_noise_sigma", 1.0)), calls=calls,
+                   index=start, start=start)
 
     @property
     def num_steps(self) -> int:
         return len(self.timesteps)
+
+    @property
+    def calls_made(self) -> int:
+        """Denoiser calls taken so far: its progress (k of `calls_in_all`)."""
+        return self.index - self.start
+
+    @property
+    def calls_in_all(self) -> int:
+        return self.num_steps - self.start
 
     @property
     def done(self) -> bool:

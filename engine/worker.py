@@ -56,6 +56,7 @@ from retouch.engine.policies import denoiser_calls
 from retouch.engine.schedulers import BatchScheduler
 from retouch.errors import RetouchError
 from retouch.models.samplers import calls_line
+from retouch.strength import steps_run
 from retouch.lora import LoraChoice, LoraError
 from retouch.lora.layers import AmbiguousRows, EntryAdapters
 from retouch.lora.manager import LoraManager
@@ -144,6 +145,11 @@ class Job:
     lora_loads: list[Future] = field(default_factory=list)  # its adapters' loads (`LoraManager.acquire`)
     lora_entry: EntryAdapters = ()  # what its rows bind, from the step its LoRA applies
     template_load: Future | None = None  # its template's read from disk (`MaskAwareEditor.prefetch`)
+
+    @property
+    def strength(self) -> float:
+        """Its edit's (`retouch.strength`); a recording's is 1: it runs every step."""
+        return self.request.strength if self.request is not None else 1.0
 
     def lora_latest_step(self, fraction: float) -> int:
         """The step (0-based) from which its LoRA must apply: it waits there while still loading."""
@@ -362,7 +368,7 @@ class Worker:
         else:
             template = self.editor.templates.get(job.request.template_id)
             steps = template.steps if template is not None else (job.request.steps or 0)
-        return denoiser_calls(self._calls, steps)
+        return denoiser_calls(self._calls, steps_run(self.editor.model.family, steps, job.strength))
 
     def step(self) -> bool:
         """One denoising step of the running batch: a forward per guidance setting (and text length), and
@@ -401,7 +407,7 @@ class Worker:
                     continue
                 if ready:
                     job.lora_entry = self.loras.entry(job.lora, job.lora_loads)
-                    job.metrics.lora_applied_step = job.row.schedule.index
+                    job.metrics.lora_applied_step = job.row.schedule.calls_made
                 elif job.row.schedule.index >= job.lora_latest_step(self.config.lora_latest_step):
                     waiting.append(job)
                     continue
@@ -508,10 +514,10 @@ class Worker:
         watch, schedule = job.watch, job.row.schedule
         try:
             if watch.on_step is not None:
-                watch.on_step(schedule.index, schedule.num_steps)
+                watch.on_step(schedule.calls_made, schedule.calls_in_all)
             if (watch.on_preview is not None and watch.preview_every and not schedule.done
-                    and schedule.index % watch.preview_every == 0):
-                watch.on_preview(schedule.index, self._preview(job))
+                    and schedule.calls_made % watch.preview_every == 0):
+                watch.on_preview(schedule.calls_made, self._preview(job))
         except Exception as exc:  # noqa: BLE001 - progress is best effort; the answer is not
             self.metrics.watch_errors += 1
             self.metrics.last_watch_error = f"{type(exc).__name__}: {exc}"
@@ -532,7 +538,7 @@ class Worker:
 
     def _prepare(self, job: Job) -> ReadyEdit:
         if job.recording is not None:
-            return prepare_recording(self.editor, job.recording, job.records)
+            return prepare_recording(self.editor, job.recording, job.records, job.strength)
         return preprocess(self.editor, job.request, self.editor._template(job.request.template_id))
 
     def _fail(self, job: Job, exc: BaseException) -> None:

@@ -165,6 +165,29 @@ def test_an_edit_runs_the_scheduler_it_is_given(cli, inputs, flags):
         assert default.crop((32, 32, 96, 96)).tobytes() != other.crop((32, 32, 96, 96)).tobytes()
 
 
+@pytest.mark.parametrize("flags", [[], ["--mask-aware"], ["--mask-aware", "--lora", "grain", "--lora-dir", "loras"]],
+                         ids=["baseline", "mask-aware", "mask-aware-lora"])
+def test_a_lower_strength_keeps_more_of_the_template_and_every_unmasked_pixel(cli, inputs, flags):
+    if "--lora" in flags:
+        from lora_files import save_random_lora
+
+        from retouch.models import load_pipeline
+
+        save_random_lora(load_pipeline("tiny-sdxl-inpaint"), inputs / "loras" / "grain")
+    changed = {}
+    for strength in ("1", "0.25"):
+        out = inputs / f"strength-{strength}.png"
+        result = cli("edit", "--model", "tiny-sdxl-inpaint", "--image", inputs / "T.png", "--mask", inputs / "M.png",
+                     "--prompt", "a red hat", "--steps", "8", "--strength", strength, "--out", out, *flags, cwd=inputs)
+        assert result.returncode == 0, result.stderr
+        with Image.open(out) as edited, Image.open(inputs / "T.png") as template:
+            assert edited.crop((0, 0, 128, 32)).tobytes() == template.crop((0, 0, 128, 32)).tobytes()
+            inside = (40, 40, 88, 88)
+            changed[strength] = np.abs(np.asarray(edited.crop(inside), dtype=int)
+                                       - np.asarray(template.crop(inside), dtype=int)).mean()
+    assert changed["0.25"] < changed["1"]
+
+
 def test_exported_folder_loads_offline(cli, inputs):
     folder = inputs / "exported"
     result = cli("models", "export", "tiny-sdxl-inpaint", folder)
@@ -232,6 +255,9 @@ BAD_EDITS = {
     "scheduler setting it lacks": ({}, ["--scheduler", "ddim:karras=true"], "DDIMScheduler has no setting 'karras'"),
     "more steps than the sampler makes": ({"--steps": "51"}, ["--scheduler", "lcm"],
                                           "--steps 51: LCMScheduler cannot make that many"),
+    "strength of nothing": ({"--strength": "0"}, [], "--strength must be in (0, 1], got 0.0"),
+    "strength that runs no step": ({"--strength": "0.2", "--steps": "4"}, ["--mask-aware"],
+                                   "--strength 0.2 of 4 steps runs no step: it must be at least 1/4"),
 }
 
 

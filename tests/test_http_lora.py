@@ -296,7 +296,7 @@ def test_lora_options_are_validated_naming_their_flag(tmp_path):
     for bad, message in (({"lora": "bad::x", "lora_dir": tmp_path}, "--lora: "),
                          ({"lora": "grain"}, "add --lora-dir"),
                          ({"lora": "grain", "lora_dir": missing}, "--lora-dir"),
-                         ({"lora": "grain", "lora_dir": tmp_path, "strength": 0.5}, "--strength"),
+                         ({"lora": "grain", "lora_dir": tmp_path, "strength": 1.5}, "--strength"),
                          ({"lora": "grain", "lora_dir": tmp_path, "paste_back": False}, "--no-paste-back")):
         with pytest.raises(InputError, match=message):
             EditOptions(**edit, **bad)

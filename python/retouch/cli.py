@@ -18,6 +18,7 @@ from retouch.config import (EditOptions, ProfileOptions, ServeOptions, WorkerOpt
                             resolve_device)
 from retouch.errors import EXIT_USAGE, ArgumentParser, InputError, RetouchError
 from retouch.log_limits import cap_log_messages
+from retouch.strength import check_strength
 
 EXIT_INTERNAL = 1
 
@@ -40,6 +41,7 @@ def cmd_edit(args) -> int:
         print(f"retouch: {note}", file=sys.stderr)
     # A transparent template's answer keeps its alpha outside the mask: a cut-out stays one.
     out = functools.partial(_save_answer, alpha=alpha, mask=mask, path=opts.out)
+    check_strength(opts.strength, edit_steps(opts), "--strength")
     lora = opts.lora_choice()
     if lora:
         from retouch.lora.files import lora_path
@@ -121,7 +123,7 @@ def _mask_aware_edit(opts: EditOptions, model, image, mask, load_seconds: float,
                                                seed=opts.seed, guidance=opts.guidance)
     registered = time.perf_counter()
     with pipeline_bar(model.pipe, "edit"):
-        edited = editor.edit(template_id, mask, opts.prompt, seed=opts.seed)
+        edited = editor.edit(template_id, mask, opts.prompt, seed=opts.seed, strength=opts.strength)
     finished = time.perf_counter()
     path = out(edited)
     print(f"wrote {path} ({edited.width}x{edited.height}) with {named(model)}, mask-aware ({opts.cache_mode}-cache): "
@@ -155,10 +157,11 @@ def _lora_edit(opts: EditOptions, model, image, mask, lora, load_seconds: float,
         with bar(desc="edit", total=steps, unit="step") as progress:
             watch = StepWatch(advance(progress))
             if opts.mask_aware:
-                future = engine.submit(EditRequest(template_id, mask, opts.prompt, opts.seed), watch, lora=lora)
+                future = engine.submit(EditRequest(template_id, mask, opts.prompt, opts.seed, strength=opts.strength),
+                                       watch, lora=lora)
             else:
                 future = engine.submit_image(image, mask, opts.prompt, seed=opts.seed, steps=steps,
-                                             guidance=opts.guidance, watch=watch, lora=lora)
+                                             guidance=opts.guidance, watch=watch, lora=lora, strength=opts.strength)
             result = future.result()
     finished = time.perf_counter()
     path = out(result.image)

@@ -70,7 +70,8 @@ class EditOptions:
     steps: int | None = option(None, help="denoising steps (default 28 in every mode, as `retouch serve`)")
     seed: int = option(0, help="random seed of the initial noise")
     guidance: float | None = option(None, help="guidance scale (default: the pipeline's)")
-    strength: float = option(1.0, help="how much of the masked region is re-noised, in (0, 1]")
+    strength: float = option(1.0, help="how much of the masked region is re-noised, in (0, 1]: below 1 the edit keeps "
+                             "the structure under the mask and runs the last steps x strength of the schedule")
     out: Path = option(Path("edited.png"), help="output image; format from the suffix")
     mask_alpha: bool = option(False, help="read the mask's alpha channel, OpenAI style: alpha 0 = repaint")
     paste_back: bool = option(True, help="keep the template's own pixels outside the mask")
@@ -107,8 +108,6 @@ class EditOptions:
             raise InputError(f"--cache-host-gib must be a finite number of at least 1 MiB, got {self.cache_host_gib}")
         if self.cuda_graphs and self.device == "cpu":
             raise InputError("--cuda-graphs needs a CUDA device (--device cuda or auto)")
-        if self.mask_aware and self.strength != 1.0:
-            raise InputError("--strength applies to the baseline edit; mask-aware edits repaint at full strength")
         if self.guidance is not None and not (math.isfinite(self.guidance) and self.guidance >= 0):
             raise InputError(f"--guidance must be a number >= 0, got {self.guidance}")
         if not 0 <= self.seed < 2**64:
@@ -117,8 +116,8 @@ class EditOptions:
         if self.lora_choice():
             if self.lora_dir is None:
                 raise InputError("--lora names adapters of --lora-dir; add --lora-dir")
-            if self.strength != 1.0 or not self.paste_back:
-                raise InputError("--strength and --no-paste-back apply to the baseline edit without --lora")
+            if not self.paste_back:
+                raise InputError("--no-paste-back applies to the baseline edit without --lora")
 
     def lora_choice(self) -> LoraChoice:
         """--lora parsed (`retouch.lora.parse_lora`); () without it. A LoraError names the flag."""

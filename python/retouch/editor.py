@@ -43,6 +43,7 @@ from retouch.models.samplers import describe as describe_scheduler
 from retouch.models.samplers import steps_error
 from retouch.noise import initial_noise, latent_shape, latents_argument, pack_flux_latents  # noqa: F401 - API
 from retouch.noise import seeded_noise
+from retouch.strength import check_strength, noised_start, start_step
 
 if TYPE_CHECKING:
     from retouch.costs import CostModel
@@ -114,6 +115,7 @@ class EditRequest:
     prompt: str
     seed: int = 0
     steps: int | None = None  # None: the template's; another count is refused (the recording has its steps)
+    strength: float = 1.0  # how much of the masked region is re-noised (`retouch.strength`): below 1, its last steps
 
 
 def warm_up_inputs(size: tuple[int, int]) -> tuple[Image.Image, Image.Image]:
@@ -425,9 +427,10 @@ class MaskAwareEditor:
     # ---- edits ----
 
     def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0, steps: int | None = None,
-             **options):
-        """Repaint the white region of `mask` in the registered template; the template's size."""
-        return self.edit_many([EditRequest(template_id, mask, prompt, seed, steps)], **options)[0]
+             strength: float = 1.0, **options):
+        """Repaint the white region of `mask` in the registered template; the template's size. Below
+        `strength` 1 the masked region keeps the template's structure (`retouch.strength`)."""
+        return self.edit_many([EditRequest(template_id, mask, prompt, seed, steps, strength)], **options)[0]
 
     def edit_many(self, requests: Sequence[EditRequest], *, full_compute: bool = False, output_type: str = "pil",
                   paste_back: bool = True):
@@ -447,12 +450,15 @@ class MaskAwareEditor:
         requests = [self.check_request(request, template) for request, template in zip(requests, templates)]
         if len({(t.steps, t.guidance, t.num_text_tokens, t.latent_shape) for t in templates}) > 1:
             raise InputError("edit_many batches templates registered with the same steps, guidance and size")
+        if len({request.strength for request in requests}) > 1:
+            raise InputError("edit_many batches edits of one strength (the engine batches any)")
         inputs = [self.prepare_edit(request, template) for request, template in zip(requests, templates)]
         handles = {} if full_compute else self.acquire(templates)
         try:
             context_at = None if full_compute else self._edit_contexts(inputs, handles)
             images = self._run(templates, [i.mask for i in inputs], [r.prompt for r in requests],
-                               torch.stack([i.latents for i in inputs]), context_at, output_type=output_type)
+                               torch.stack([i.latents for i in inputs]), context_at, output_type=output_type,
+                               strength=requests[0].strength)
         finally:
             for handle in handles.values():
                 handle.release()
@@ -472,7 +478,8 @@ class MaskAwareEditor:
         if request.steps is not None and request.steps != template.steps:
             raise InputError(f"template {template.template_id!r} was recorded with {template.steps} steps; its edits "
                              f"run the same schedule (omit steps or pass {template.steps})")
-        return replace(request, mask=as_mask(request.mask, template.original_size))
+        strength = check_strength(request.strength, template.steps)
+        return replace(request, mask=as_mask(request.mask, template.original_size), strength=strength)
 
     def prepare_edit(self, request: EditRequest, template: Template | None = None) -> EditInputs:
         """What an edit feeds the denoiser: its mask on the canvas, the tokens it recomputes (its mask's,
@@ -621,13 +628,17 @@ class MaskAwareEditor:
     # ---- the pipeline run ----
 
     def _run(self, templates: Sequence[Template], masks: Sequence[Image.Image], prompts: Sequence[str],
-             latents: torch.Tensor, context_at, output_type: str = "pil"):
-        """One pipeline call over the batch; the denoiser's i-th forward runs under context_at(i)
-        (the unmodified model where context_at is None)."""
-        step = 0
+             latents: torch.Tensor, context_at, output_type: str = "pil", strength: float = 1.0):
+        """One pipeline call over the batch; the denoiser's forward at step i of the template's schedule
+        runs under context_at(i) (the unmodified model where context_at is None). Below `strength` 1 the
+        first forward is a later step's (`retouch.strength`)."""
+        step = None
         with ExitStack() as active:
 
             def enter(module, args, kwargs):
+                nonlocal step
+                if step is None:
+                    step = start_step(self.pipe)
                 context = active.enter_context(self.adapter.run(context_at(step)))
                 if isinstance(context.cache, StagedActivations):
                     active.enter_context(context.cache)  # finishes its copies after the forward, or on an error
@@ -641,16 +652,17 @@ class MaskAwareEditor:
                 self.denoiser.register_forward_pre_hook(enter, with_kwargs=True),
                 self.denoiser.register_forward_hook(leave, with_kwargs=True)]
             try:
-                kwargs = self.pipeline_kwargs(templates, masks, prompts, latents, output_type)
-                with torch.inference_mode(), quiet_libraries():
+                kwargs = self.pipeline_kwargs(templates, masks, prompts, latents, output_type, strength)
+                with torch.inference_mode(), quiet_libraries(), noised_start(self.pipe, strength, latents):
                     return self.pipe(**kwargs).images
             finally:
                 for hook in hooks:
                     hook.remove()
 
     def pipeline_kwargs(self, templates: Sequence[Template], masks: Sequence[Image.Image], prompts: Sequence[str],
-                        latents: torch.Tensor, output_type: str = "pil") -> dict:
-        """The stock pipeline's arguments for a batch of edits (or a recording) starting from `latents`."""
+                        latents: torch.Tensor, output_type: str = "pil", strength: float = 1.0) -> dict:
+        """The stock pipeline's arguments for a batch of edits (or a recording) starting from `latents` (the
+        noise; below `strength` 1, enter `retouch.strength.noised_start` around the call)."""
         template = templates[0]
         width, height = template.canvas.padded
         kwargs = dict(self.model.call_defaults)
@@ -664,9 +676,7 @@ class MaskAwareEditor:
             output_type=output_type)
         if template.guidance is not None:
             kwargs["guidance_scale"] = template.guidance
-        if self.model.family != "flux-fill":
-            # Given latents are taken as the start of the schedule: strength 1 runs all steps.
-            kwargs["strength"] = 1.0
+        kwargs["strength"] = strength  # the SDXL pipeline's default is 0.9999, which skips a step
         return kwargs
 
     # ---- helpers ----

@@ -99,6 +99,7 @@ from retouch.lora.files import list_loras, lora_path
 from retouch.lora.spec import MAX_SCALE
 from retouch.masks import FLUX_STRIDE, token_mask
 from retouch.serve_metrics import ServeMetrics
+from retouch.strength import check_strength
 
 TOKEN_STRIDE = FLUX_STRIDE  # the policies' token grid: 16 px per token (Flux/SD3 latents, patchified)
 # What one request may ask for, in pixel-steps (width x height x steps, times n images): a 4096x4096
@@ -460,6 +461,9 @@ EDIT_FIELDS = {
     "prompt": _field("string", "what to paint into the masked region"),
     "steps": _field("integer", "denoising steps of a one-off image (a template's edits run its own)"),
     "seed": _field("integer", "random seed of the initial noise", default=0),
+    "strength": _field("number", "how much of the masked region is re-noised, in (0, 1]: below 1 it keeps the "
+                       "structure under the mask and runs only the last steps x strength of the schedule "
+                       "(at least one: steps x strength >= 1)", default=1.0),
     "guidance": _field("number", "guidance scale of a one-off image"),
     "response_format": _field("string", "the image itself (in its output_format), or JSON with its base64",
                               enum=["png", "b64_json"], default="png"),
@@ -500,6 +504,7 @@ OPENAI_EDIT_FIELDS = {
     "partial_images": _field("integer", "with stream: pictures of the edit under way sent before the image, 0-3",
                              default=0),
     "seed": EDIT_FIELDS["seed"],
+    "strength": EDIT_FIELDS["strength"],
     "template_id": EDIT_FIELDS["template_id"],
     "slo_ms": EDIT_FIELDS["slo_ms"],
     "lora": LORA_FIELD,
@@ -967,19 +972,33 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
     arriving: set[tuple[str, str]] = set()  # (tenant, X-Request-Id) of edits being checked (`claimed`)
 
     def check_work(size: tuple[int, int], steps: int, n: int, param: str) -> None:
+        """`steps`: those the edit runs (fewer than its schedule's below strength 1)."""
         work = size[0] * size[1] * steps * n
         if work > limits.max_work:
             images = f" x {n} images" if n > 1 else ""
             raise ApiError(413, f"this request asks for {work} pixel-steps ({size[0]}x{size[1]} pixels x {steps} "
                            f"steps{images}), over the limit of {limits.max_work} (--max-work)", param, "too_much_work")
 
+    def strength_of(form: Form) -> float:
+        """The edit's `strength` field as sent (1 when absent); `checked_strength` checks it against its steps."""
+        strength = form.number("strength", 0.0, 1.0)
+        return 1.0 if strength is None else strength
+
+    def checked_strength(strength: float, steps: int) -> float:
+        try:
+            return check_strength(strength, steps)
+        except InputError as exc:
+            raise ApiError(422, str(exc), "strength") from None
+
     async def edit_target(request: Request, form: Form, steps: int | None, guidance: float | None,
                           upload: Upload | None, mask: Image.Image, n: int,
-                          image_carries_mask: bool = False) -> tuple[str, TemplateRecord | None, int]:
+                          image_carries_mask: bool = False,
+                          strength: float = 1.0) -> tuple[str, TemplateRecord | None, int]:
         """What an edit repaints, checked before anything is created: (template id, the one-off
         image's record to create with the edit or None, steps). An image sent with a template_id is
         refused, since which of the two to edit is not ours to guess; unless the endpoint reads the
-        mask from it (`image_carries_mask`, OpenAI's form, whose clients must send an image)."""
+        mask from it (`image_carries_mask`, OpenAI's form, whose clients must send an image). `strength`
+        must leave at least one of the steps to run."""
         tenant = request.state.tenant
         template_id = form.text("template_id")
         if template_id:
@@ -1002,13 +1021,15 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             if guidance is not None and guidance != template["guidance"]:
                 raise ApiError(422, f"template {template_id!r} was recorded with guidance {template['guidance']}",
                                "guidance")
-            check_work(mask.size, template["steps"], n, "n" if n > 1 else "template_id")
+            checked_strength(strength, template["steps"])
+            check_work(mask.size, router.steps_run(template["steps"], strength), n, "n" if n > 1 else "template_id")
             return template_id, None, template["steps"]
         if upload is None:
             raise ApiError(400, "send image (a file) or template_id", "image")
         check_mask_size(mask, upload.image.size, "the image")
         steps = steps or limits.default_steps
-        check_work(upload.image.size, steps, n, "n" if n > 1 else "image")
+        checked_strength(strength, steps)
+        check_work(upload.image.size, router.steps_run(steps, strength), n, "n" if n > 1 else "image")
         # A one-off image: its first edit records it as it runs, and later edits of the same image
         # (whatever their prompt, seed or mask) find that recording. It travels as the client sent it.
         alpha = await anyio.to_thread.run_sync(alpha_of, upload.image)
@@ -1064,14 +1085,14 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
 
     def accept(request: Request, template_id: str, one_off: TemplateRecord | None, mask: Image.Image,
                payload: tuple[bytes, RequestLoad], prompt: str, seed: int, n: int = 1, preview_every: int = 0,
-               on_event=None, lora: LoraChoice = ()) -> tuple[list[int], list]:
+               on_event=None, lora: LoraChoice = (), strength: float = 1.0) -> tuple[list[int], list]:
         """`n` edits (seeds seed, seed+1, ...) to the router, all or none; they are in flight under
         the request's X-Request-Id until the caller pops them. (ids, futures)."""
         mask_bytes, load = payload
         load = replace(load, deadline=getattr(request.state, "deadline", None))
         trace = request.state.request_id
         tasks = [EditTask(template_id, mask_bytes, mask.size, prompt, seed + i, load, preview_every, lora,
-                          trace=trace if n == 1 else f"{trace}#{i}") for i in range(n)]
+                          trace=trace if n == 1 else f"{trace}#{i}", strength=strength) for i in range(n)]
         request.state.template = template_id
         try:
             ids, futures = router.submit_many(tasks, one_off, on_event)
@@ -1089,13 +1110,14 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         return ids, futures
 
     async def submit_edit(request: Request, endpoint: str, template_id: str, one_off: TemplateRecord | None,
-                          steps: int, mask: Image.Image, prompt: str, seed: int, n: int = 1, lora: LoraChoice = ()):
+                          steps: int, mask: Image.Image, prompt: str, seed: int, n: int = 1, lora: LoraChoice = (),
+                          strength: float = 1.0):
         """Send `n` edits (seeds seed, seed+1, ...) of a validated request to the router, all or none
         (refusals are raised here: 429, 503, ...); returns `answers(watch_client)`, which waits for them:
         PNG bytes each. A client that goes away cancels them (unless not `watch_client`: a job's edit goes
         on): they leave their worker's batch at its next step."""
         # The router's costs count denoiser calls, as its workers' heartbeats do (Heun: 2 x steps - 1).
-        payload = await anyio.to_thread.run_sync(mask_payload, mask, router.denoiser_calls(steps))
+        payload = await anyio.to_thread.run_sync(mask_payload, mask, router.denoiser_calls(steps, strength=strength))
         if payload is None:  # nothing to repaint: the answer is the template itself
             png = await unchanged(template_id, one_off)
 
@@ -1103,7 +1125,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                 return [png] * n
             return unchanged_answers
         started = time.perf_counter()
-        ids, futures = accept(request, template_id, one_off, mask, payload, prompt, seed, n, lora=lora)
+        ids, futures = accept(request, template_id, one_off, mask, payload, prompt, seed, n, lora=lora,
+                              strength=strength)
         key = (request.state.tenant, request.state.request_id)
 
         async def answers(watch_client: bool) -> list[bytes]:
@@ -1441,6 +1464,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         output_format, compression = output_encoding(form)
         steps = form.integer("steps", None, 1, limits.max_steps)
         seed = form.integer("seed", 0, 0, 2**63 - 1)
+        strength = strength_of(form)
         guidance = form.number("guidance", 0.0, 100.0)
         mask_upload = form.file("mask")
         if mask_upload is None:
@@ -1458,7 +1482,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         claim.webhook = webhook_field(form, claim)
         mask = await read_mask_upload(mask_upload, limits.max_pixels)
         slo_deadline(request, form, mask.size)
-        template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1)
+        template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1,
+                                                        strength=strength)
         transparent = record_of(template_id, one_off).alpha is not None
         if transparent and output_format == "jpeg":
             raise ApiError(400, "this image is transparent and JPEG has no alpha: ask for png or webp",
@@ -1466,8 +1491,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         encoding = (output_format, compression)
         if stream:
             return await streamed_edit(request, template_id, one_off, steps, mask, prompt, seed, preview_every, lora,
-                                       encoding=encoding)
-        answers = await submit_edit(request, "/v1/edits", template_id, one_off, steps, mask, prompt, seed, lora=lora)
+                                       encoding=encoding, strength=strength)
+        answers = await submit_edit(request, "/v1/edits", template_id, one_off, steps, mask, prompt, seed, lora=lora,
+                                    strength=strength)
 
         async def answer(watch_client: bool) -> Reply:
             [png] = await answers(watch_client)
@@ -1507,6 +1533,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         target = None if size in (None, "", "auto") else _parse_size(size, limits.max_pixels)
         output_format, compression = output_encoding(form)
         seed = form.integer("seed", 0, 0, 2**63 - 1)
+        strength = strength_of(form)
         if form.text("background", "auto") not in ("auto", "opaque"):
             raise ApiError(400, "background must be auto or opaque: retouch answers opaque images", "background")
         stream = form.boolean("stream")
@@ -1532,7 +1559,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                            + ("; this image has none" if image is not None else ""), "mask")
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, None, None, image, mask, n,
-                                                        image_carries_mask=True)
+                                                        image_carries_mask=True, strength=strength)
         if target is not None:
             check_aspect(target, mask.size)
         width, height = target or mask.size
@@ -1553,12 +1580,12 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
 
             # K partial images spread over the steps (denoiser calls, as progress counts them): a preview
             # every calls // (K + 1), the first K of them
-            calls = router.denoiser_calls(steps)
+            calls = router.denoiser_calls(steps, strength=strength)
             preview_every = max(1, calls // (partial_images + 1)) if partial_images else 0
             return await streamed_edit(request, template_id, one_off, steps, mask, prompt, seed, preview_every, lora,
-                                       OpenAIEvents(partial_images, output_format, encoded))
+                                       OpenAIEvents(partial_images, output_format, encoded), strength=strength)
         answers = await submit_edit(request, "/v1/images/edits", template_id, one_off, steps, mask, prompt, seed, n,
-                                    lora)
+                                    lora, strength)
 
         async def answer(watch_client: bool) -> Reply:
             pngs = await answers(watch_client)
@@ -1573,16 +1600,18 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
     async def streamed_edit(request: Request, template_id: str, one_off: TemplateRecord | None, steps: int,
                             mask: Image.Image, prompt: str, seed: int, preview_every: int,
                             lora: LoraChoice = (), openai: OpenAIEvents | None = None,
-                            encoding: tuple[str, int] = ("png", 100)) -> StreamingResponse:
+                            encoding: tuple[str, int] = ("png", 100), strength: float = 1.0) -> StreamingResponse:
         """An edit's progress and then its image, as events (`retouch.http_events`): retouch's own
         (POST /v1/edits stream=true), or with `openai`, the OpenAI Images API's (POST /v1/images/edits
         stream=true). Validation and admission errors were answered before: once the stream starts,
         the edit was accepted, and a failure is an `error` event."""
-        payload = await anyio.to_thread.run_sync(mask_payload, mask, router.denoiser_calls(steps))
+        calls = router.denoiser_calls(steps, strength=strength)
+        payload = await anyio.to_thread.run_sync(mask_payload, mask, calls)
         request_id, tenant = request.state.request_id, request.state.tenant
-        load = payload[1] if payload is not None else request_load(mask, router.denoiser_calls(steps))
-        # Steps as progress counts them: the sampler's denoiser calls (Heun's make about two a step).
-        accepted = {"id": request_id, "template_id": template_id, "steps": router.denoiser_calls(steps),
+        load = payload[1] if payload is not None else request_load(mask, calls)
+        # Steps as progress counts them: the sampler's denoiser calls (Heun's make about two a step), of
+        # the steps it runs (fewer below strength 1).
+        accepted = {"id": request_id, "template_id": template_id, "steps": calls,
                     "mask_ratio": round(load.masked_tokens / load.image_tokens, 4),
                     "masked_tokens": load.masked_tokens, "image_tokens": load.image_tokens}
         if lora:
@@ -1610,7 +1639,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
 
         relay = EventRelay()
         [router_id], [future] = accept(request, template_id, one_off, mask, payload, prompt, seed, 1, preview_every,
-                                       relay.tell_tagged, lora)
+                                       relay.tell_tagged, lora, strength)
 
         async def events() -> AsyncIterator[bytes]:
             outcome = "client_gone"  # until the stream ends otherwise: a client that leaves cancels it

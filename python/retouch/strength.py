@@ -1,0 +1,147 @@
+"""Denoising strength: how much of the masked region is re-noised before it is repainted.
+
+At strength 1 (the default) an edit starts from noise and runs every step of the template's schedule.
+At strength s < 1 it keeps the structure of what the mask covers (recolour a sofa, restyle a shirt):
+the diffusers inpaint pipelines noise the template's latents to a later point of the same schedule
+and run only its last steps, as `StableDiffusionXLInpaintPipeline(strength=s)` does. The steps an edit
+runs are a suffix of the schedule its template was recorded with, so a mask-aware edit reads the
+recording's steps from where it starts, and costs about s of a full edit.
+
+Which steps: the pipeline decides, and the families round differently. The UNet inpaint pipelines
+run int(steps x s) steps (SD2, SDXL); the flow-matching ones run steps - int(steps - steps x s) (Flux,
+SD3): `steps_run` is both, checked against the pipelines in the tests. Retouch refuses a strength
+under which fewer than one step would run (steps x s < 1) on every family alike.
+
+The noise: an edit's initial noise is the template's at unmasked tokens and the edit seed's at masked
+ones (`MaskAwareEditor.prepare_edit`). The pipelines take a given `latents` as the start itself and
+noise no image at strength < 1, so `noised_start` has the pipeline noise the template's latents with
+that noise, as it would with noise it drew itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from typing import TYPE_CHECKING
+
+from retouch.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
+
+# Families whose pipeline runs int(steps x strength) steps; the others run steps - int(steps - steps x strength).
+ROUNDS_DOWN = ("sdxl", "sd2")
+
+
+def steps_run(family: str, steps: int, strength: float) -> int:
+    """Denoising steps an edit of `steps` at `strength` runs, as the family's pipeline counts them."""
+    if strength >= 1.0:
+        return steps
+    if family in ROUNDS_DOWN:
+        return min(int(steps * strength), steps)
+    return steps - int(max(steps - min(steps * strength, steps), 0))
+
+
+def check_strength(strength: object, steps: int, what: str = "strength") -> float:
+    """`strength` as a float in (0, 1] under which at least one of `steps` steps runs; InputError naming
+    `what` otherwise."""
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+        raise InputError(f"{what} must be a number in (0, 1], got {strength!r}")
+    if not 0.0 < strength <= 1.0:
+        raise InputError(f"{what} must be in (0, 1], got {strength}")
+    if steps * strength < 1.0:
+        raise InputError(f"{what} {strength} of {steps} steps runs no step: it must be at least 1/{steps}")
+    return float(strength)
+
+
+def start_step(pipe) -> int:
+    """The step of the full schedule at which a pipeline's loop starts (call inside its loop): 0 at
+    strength 1. Read from the schedule it set and the loop it runs, so it holds for every scheduler
+    (PNDM has no begin index; a second-order one counts two calls a step)."""
+    return len(pipe.scheduler.timesteps) - pipe._num_timesteps
+
+
+@contextmanager
+def noised_start(pipe, strength: float, noise: torch.Tensor) -> Iterator[None]:
+    """Within it, a `pipe(strength=strength, latents=noise, ...)` call starts from the template's latents
+    noised with `noise` ([B, C, h, w], unpacked) at its first step, as the pipeline starts when it draws
+    `noise` itself. Nothing changes at strength 1 (the pipeline starts from `noise`).
+
+    `prepare_latents` runs as given first, so everything else it returns (the noise the inpaint pipelines
+    re-noise with, the template's latents) and what it draws from the generator are as at strength 1: the
+    VAE samples of the masked image are the template recording's. It runs a second time on a copy of the
+    generator with `latents=None`, the scheduler's noising given `noise`, for the start."""
+    if strength >= 1.0:
+        yield
+        return
+    original = pipe.prepare_latents
+    parameters = inspect.signature(original)
+
+    @functools.wraps(original)
+    def prepare_latents(*args, **kwargs):
+        outputs = original(*args, **kwargs)
+        bound = parameters.bind(*args, **kwargs)
+        bound.arguments["latents"] = None
+        bound.arguments["generator"] = _copied(bound.arguments.get("generator"))
+        with _noising_with(pipe.scheduler, noise):
+            started = original(*bound.args, **bound.kwargs)
+        if isinstance(outputs, tuple):
+            return (started[0], *outputs[1:])
+        return started
+
+    shadowed = pipe.__dict__.get("prepare_latents")
+    pipe.prepare_latents = prepare_latents
+    try:
+        yield
+    finally:
+        if shadowed is None:
+            del pipe.prepare_latents
+        else:
+            pipe.prepare_latents = shadowed
+
+
+@contextmanager
+def _noising_with(scheduler, noise: torch.Tensor) -> Iterator[None]:
+    """The scheduler's noising of an image (`add_noise` of the UNet schedulers, `scale_noise` of the
+    flow-matching ones) given `noise` instead of the noise its caller drew."""
+    names = [name for name in ("add_noise", "scale_noise") if hasattr(scheduler, name)]
+    shadowed = {name: scheduler.__dict__[name] for name in names if name in scheduler.__dict__}
+    for name in names:
+        method = getattr(scheduler, name)
+        parameters = inspect.signature(method)
+
+        def replaced(*args, _method=method, _parameters=parameters, **kwargs):
+            bound = _parameters.bind(*args, **kwargs)
+            drawn = bound.arguments["noise"]
+            if tuple(drawn.shape) != tuple(noise.shape):
+                raise ValueError(f"the pipeline drew noise of shape {tuple(drawn.shape)}, not {tuple(noise.shape)}")
+            bound.arguments["noise"] = noise.to(drawn.device, drawn.dtype)
+            return _method(*bound.args, **bound.kwargs)
+
+        setattr(scheduler, name, functools.wraps(method)(replaced))
+    try:
+        yield
+    finally:
+        for name in names:
+            if name in shadowed:
+                setattr(scheduler, name, shadowed[name])
+            else:
+                delattr(scheduler, name)
+
+
+def _copied(generator):
+    """A generator in the same state (a list of them for a list), so that drawing from it leaves the
+    pipeline's own as it was."""
+    import torch
+
+    if generator is None:
+        return None
+    if isinstance(generator, list):
+        return [_copied(one) for one in generator]
+    copy = torch.Generator(generator.device)
+    copy.set_state(generator.get_state())
+    return copy
