@@ -7,7 +7,8 @@ input space (sizes, masks, families, cache modes):
 3. every pixel the mask marks lies in a recomputed token, and the edit fills it: the answer is the
    raw edit blended into the template at the user's resolution by the user's mask.
 
-1-3 at the editor; 1-2 through the engine's loop (the HTTP path: tests/test_serve.py)."""
+1-3 at the editor; 1-2 through the engine's loop (the HTTP path: tests/test_serve.py). Edits run at
+full strength or below (`retouch.strength`: the last of the two steps), alone or mixed in a batch."""
 
 import numpy as np
 import pytest
@@ -56,14 +57,18 @@ def recomputed_pixels(editor: MaskAwareEditor, request: EditRequest) -> np.ndarr
     return grid[:canvas.size[1], :canvas.size[0]]
 
 
+STRENGTHS = st.sampled_from([1.0, 0.5])  # 0.5 of STEPS runs its last step
+
+
 @given(model=st.sampled_from(TINY_MODELS), cache_mode=st.sampled_from(["y", "kv"]), mask=sized_masks(),
-       seed=st.integers(0, 3))
+       seed=st.integers(0, 3), strength=STRENGTHS)
 @SETTINGS
-def test_editor_keeps_size_unmasked_pixels_and_recomputes_every_masked_pixel(editors, model, cache_mode, mask, seed):
+def test_editor_keeps_size_unmasked_pixels_and_recomputes_every_masked_pixel(editors, model, cache_mode, mask, seed,
+                                                                           strength):
     editor = editors(model, cache_mode)
     template = random_image(mask.size, seed)
     template_id = editor.register_template(template, prompt="a scene", steps=STEPS, seed=seed)
-    request = EditRequest(template_id, mask, "a red hat", seed=seed + 1)
+    request = EditRequest(template_id, mask, "a red hat", seed=seed + 1, strength=strength)
     answer = editor.edit_many([request])[0]
     raw = editor.edit_many([request], paste_back=False)[0]
     assert answer.size == raw.size == template.size  # 1
@@ -77,8 +82,8 @@ def test_editor_keeps_size_unmasked_pixels_and_recomputes_every_masked_pixel(edi
     assert recomputed_pixels(editor, request)[~keep].all()  # 3: conservative, at any size
     assert answer.tobytes() == paste_unmasked(template, raw, mask).tobytes()  # 3: the edit fills it
     if not keep.all():  # ... and it is new content, not the recording: a pixel that vanished would not be
-        unchanged = editor.edit_many([EditRequest(template_id, mask.point(lambda _: 0), "a red hat", seed + 1)],
-                                     paste_back=False)[0]
+        unchanged = editor.edit_many([EditRequest(template_id, mask.point(lambda _: 0), "a red hat", seed + 1,
+                                                  strength=strength)], paste_back=False)[0]
         assert (pixels(raw)[~keep] != pixels(unchanged)[~keep]).any()
 
 
@@ -121,7 +126,8 @@ def test_engine_keeps_size_and_unmasked_pixels_in_a_batch_of_masks(engines, mode
     template = random_image(size, 3)
     template_id = engine.register_template(template, prompt="a scene", steps=STEPS, seed=3)
     batch = [data.draw(masks(size)) for _ in range(data.draw(st.integers(1, 3)))]
-    futures = [engine.submit(EditRequest(template_id, mask, "a red hat", seed=i)) for i, mask in enumerate(batch)]
+    futures = [engine.submit(EditRequest(template_id, mask, "a red hat", seed=i, strength=data.draw(STRENGTHS)))
+               for i, mask in enumerate(batch)]
     for mask, future in zip(batch, futures):
         answer = future.result(timeout=120).image
         keep = np.asarray(mask) == 0

@@ -605,6 +605,22 @@ def test_a_full_queue_is_tried_again_after_retry_after(server, page, page_errors
     assert page_errors == []
 
 
+def test_a_strength_below_one_runs_the_last_steps_and_keeps_the_pixels_outside_the_mask(server, page, page_errors):
+    template = scene()
+    page.goto(server.url + "/")
+    upload(page, template)
+    paint(page, STROKE)
+    mask = painted_mask(page)
+    page.fill("#prompt", "a red hot-air balloon")
+    page.fill("#strength", "0.5")
+    page.click("#submit")
+    expect(page.locator("#result")).to_be_visible(timeout=WAIT_MS)
+    expect(page.locator("#progress-text")).to_have_text("done: 2 steps")  # Flux: 3 - int(3 - 1.5) of 3
+    edited = np.asarray(image_of(page, "#result").convert("RGB"))
+    assert np.array_equal(edited[~mask], np.asarray(template)[~mask])
+    assert page_errors == []
+
+
 def test_the_form_follows_the_servers_limits(server, page, page_errors):
     """The steps field takes what the server takes (GET /v1/limits), and says its default."""
     limits = httpx.get(server.url + "/v1/limits").json()

@@ -763,6 +763,7 @@ async function editForm(templateId) {
   form.append("mask", await mask.png(), "mask.png");
   form.append("prompt", $("prompt").value);
   form.append("seed", $("seed").value || "0");
+  if ($("strength").value && Number($("strength").value) !== 1) form.append("strength", $("strength").value);
   form.append("stream", "true");
   if (Number($("preview-every").value) > 0) form.append("preview_every", $("preview-every").value);
   if ($("lora").value.trim()) form.append("lora", $("lora").value.trim());
