@@ -211,3 +211,15 @@ def test_a_strength_outside_0_1_is_refused_naming_it(value):
     template_id = editor.register_template(template_image(), prompt="a scene", steps=4, seed=0)
     with pytest.raises(InputError, match="strength"):
         editor.edit(template_id, square_mask(), "a hat", strength=value)
+
+
+def test_the_editors_one_off_edit_below_full_strength_is_the_engines_and_records_nothing():
+    from retouch.engine.api import Engine
+
+    editor = editor_for("tiny-sd3-inpaint")
+    image = template_image((30, 60, 220))
+    inline = editor.edit_image(image, square_mask(), "a hat", seed=2, steps=4, strength=0.5)
+    assert not any(t.one_off for t in editor.templates.values() if t.source.tobytes() == image.tobytes())
+    with Engine(editor, EngineConfig(mode="naive")) as engine:
+        looped = engine.submit_image(image, square_mask(), "a hat", seed=2, steps=4, strength=0.5).result(timeout=300)
+    assert np.abs(np.asarray(inline, dtype=int) - np.asarray(looped.image, dtype=int)).max() <= 1

@@ -280,14 +280,19 @@ class MaskAwareEditor:
             recorded_mode=self.mode_name)
 
     def edit_image(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int = 0,
-                   steps: int = DEFAULT_STEPS, guidance: float | None = None) -> Image.Image:
+                   steps: int = DEFAULT_STEPS, guidance: float | None = None, strength: float = 1.0) -> Image.Image:
         """A one-off edit of `image`: the first edit of an image runs in full (the stock pipeline's
         result) and records its activations as it goes; later edits of the same image, whatever their
-        prompt, seed or mask, are mask-aware. One generation per edit."""
+        prompt, seed or mask, are mask-aware. One generation per edit. Below `strength` 1 an image not
+        yet recorded is edited in full and not recorded: the edit runs only the schedule's last steps."""
         template = self.one_off_template(image, mask, prompt, seed, steps, guidance)
-        request = self.check_request(EditRequest(template.template_id, mask, prompt, seed), template)
+        request = self.check_request(EditRequest(template.template_id, mask, prompt, seed, strength=strength), template)
         if self.is_recorded(template.template_id):
             return self.edit_many([request])[0]
+        if request.strength < 1.0:
+            image = self._run([template], [template.recorded_mask], [prompt], template.noise[None], None,
+                              strength=request.strength)[0]
+            return finish(template, image, request.mask)
         self.drop_template(template.template_id)
         image = self._record(template, output_type="pil")[0]
         self.templates[template.template_id] = template
