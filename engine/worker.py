@@ -152,7 +152,9 @@ class Job:
         return self.request.strength if self.request is not None else 1.0
 
     def lora_latest_step(self, fraction: float) -> int:
-        """The step (0-based) from which its LoRA must apply: it waits there while still loading."""
+        """The step (0-based) from which its LoRA must apply: it waits there while still loading. A step of
+        the whole schedule: a LoRA is imperceptible in its noisiest steps only, so an edit below strength 1
+        that starts past them waits for its LoRA at its first step."""
         return math.floor(fraction * self.row.schedule.num_steps + 1e-9)
 
     @property

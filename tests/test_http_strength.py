@@ -120,10 +120,11 @@ def test_a_one_off_image_below_full_strength_is_computed_in_full_and_not_recorde
     assert again["one_off"] == {"steps": 8, "guidance": None} and "strength" not in again
 
 
-@pytest.mark.parametrize("value,status,says", [("0", 422, "strength must be in (0, 1]"),
-                                               ("1.5", 422, "strength must be in [0.0, 1.0]"),
-                                               ("nan", 422, "strength"), ("half", 400, "strength must be a number"),
-                                               ("0.1", 422, "strength 0.1 of 8 steps runs no step")])
+@pytest.mark.parametrize("value,status,says", [
+    ("0", 422, "strength must be in (0, 1], got 0.0"), ("-1", 422, "strength must be in (0, 1], got -1.0"),
+    ("1.5", 422, "strength must be in (0, 1], got 1.5"), ("nan", 422, "strength must be a number in (0, 1]"),
+    ("half", 400, "strength must be a number, got 'half'"), (" 0.5", 400, "strength must be a number"),
+    ("0.1", 422, "strength 0.1 of 8 steps is less than one step's worth")])
 def test_a_bad_strength_is_refused_naming_it_before_any_work(value, status, says):
     async def scenario(client, worker, template_id):
         answer = await client.post("/v1/edits", files=MASK, data={"template_id": template_id, "prompt": "a cat",

@@ -11,6 +11,7 @@ from retouch.canvas import Canvas, paste_unmasked
 from retouch.images import as_image, as_mask
 from retouch.models import family_of_pipeline, quiet_libraries
 from retouch.noise import initial_noise, latents_argument
+from retouch.strength import noised_start
 
 
 def run_baseline_edit(
@@ -47,12 +48,11 @@ def run_baseline_edit(
         generator=[torch.Generator("cpu").manual_seed(seed)],
         strength=strength,
     )
-    if strength == 1.0:
-        # The editor's noise (`retouch.noise`): a one-off edit's first, recorded run equals this edit.
-        # With strength < 1 the pipeline must draw its own (given latents would replace the image's).
-        denoiser = pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
-        kwargs["latents"] = latents_argument(initial_noise(pipe, seed, canvas.padded)[None], family_of_pipeline(pipe),
-                                             pipe.device, denoiser.dtype)
+    # The editor's noise (`retouch.noise`): a one-off edit's first, recorded run equals this edit. Below
+    # strength 1 the pipeline noises the image with it (`noised_start`), as the editor's and the engine's do.
+    denoiser = pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+    noise = initial_noise(pipe, seed, canvas.padded)[None]
+    kwargs["latents"] = latents_argument(noise, family_of_pipeline(pipe), pipe.device, denoiser.dtype)
     if steps is not None:
         kwargs["num_inference_steps"] = steps
     if guidance is not None:
@@ -60,6 +60,6 @@ def run_baseline_edit(
     accepted = inspect.signature(pipe.__call__).parameters
     kwargs = {name: value for name, value in kwargs.items() if name in accepted}
 
-    with torch.inference_mode(), quiet_libraries():
+    with torch.inference_mode(), quiet_libraries(), noised_start(pipe, strength, noise):
         edited = canvas.crop(pipe(**kwargs).images[0])
     return paste_unmasked(image, edited, mask) if paste_back else edited

@@ -980,9 +980,17 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                            f"steps{images}), over the limit of {limits.max_work} (--max-work)", param, "too_much_work")
 
     def strength_of(form: Form) -> float:
-        """The edit's `strength` field as sent (1 when absent); `checked_strength` checks it against its steps."""
-        strength = form.number("strength", 0.0, 1.0)
-        return 1.0 if strength is None else strength
+        """The edit's `strength` field as a number (1 when absent; 400 if it is not one); `checked_strength`
+        checks its range, (0, 1], and its steps (422)."""
+        value = form.text("strength")
+        if value is None or value == "":
+            return 1.0
+        try:
+            if "_" in value or value != value.strip():
+                raise ValueError(value)
+            return float(value)
+        except ValueError:
+            raise ApiError(400, f"strength must be a number, got {value!r}", "strength") from None
 
     def checked_strength(strength: float, steps: int) -> float:
         try:

@@ -9,8 +9,9 @@ recording's steps from where it starts, and costs about s of a full edit.
 
 Which steps: the pipeline decides, and the families round differently. The UNet inpaint pipelines
 run int(steps x s) steps (SD2, SDXL); the flow-matching ones run steps - int(steps - steps x s) (Flux,
-SD3): `steps_run` is both, checked against the pipelines in the tests. Retouch refuses a strength
-under which fewer than one step would run (steps x s < 1) on every family alike.
+SD3): `steps_run` is both, checked against the pipelines in the tests. Retouch refuses a strength of
+less than one step's worth (steps x s < 1) on every family alike, although the flow-matching pipelines
+would round it up to one step: the same request is then valid or not whatever model serves it.
 
 The noise: an edit's initial noise is the template's at unmasked tokens and the edit seed's at masked
 ones (`MaskAwareEditor.prepare_edit`). The pipelines take a given `latents` as the start itself and
@@ -23,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -49,12 +51,13 @@ def steps_run(family: str, steps: int, strength: float) -> int:
 def check_strength(strength: object, steps: int, what: str = "strength") -> float:
     """`strength` as a float in (0, 1] under which at least one of `steps` steps runs; InputError naming
     `what` otherwise."""
-    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+    if isinstance(strength, bool) or not isinstance(strength, numbers.Real) or not math.isfinite(strength):
         raise InputError(f"{what} must be a number in (0, 1], got {strength!r}")
     if not 0.0 < strength <= 1.0:
         raise InputError(f"{what} must be in (0, 1], got {strength}")
     if steps * strength < 1.0:
-        raise InputError(f"{what} {strength} of {steps} steps runs no step: it must be at least 1/{steps}")
+        raise InputError(f"{what} {strength} of {steps} steps is less than one step's worth: it must be at least "
+                         f"1/{steps}")
     return float(strength)
 
 
@@ -73,8 +76,9 @@ def noised_start(pipe, strength: float, noise: torch.Tensor) -> Iterator[None]:
 
     `prepare_latents` runs as given first, so everything else it returns (the noise the inpaint pipelines
     re-noise with, the template's latents) and what it draws from the generator are as at strength 1: the
-    VAE samples of the masked image are the template recording's. It runs a second time on a copy of the
-    generator with `latents=None`, the scheduler's noising given `noise`, for the start."""
+    VAE samples of the masked image are the template recording's. It runs a second time with `latents=None`
+    on a copy of the generator as the first call found it (so it draws the template's latents the first
+    call drew), the scheduler's noising given `noise`, for the start."""
     if strength >= 1.0:
         yield
         return
@@ -83,10 +87,10 @@ def noised_start(pipe, strength: float, noise: torch.Tensor) -> Iterator[None]:
 
     @functools.wraps(original)
     def prepare_latents(*args, **kwargs):
-        outputs = original(*args, **kwargs)
         bound = parameters.bind(*args, **kwargs)
-        bound.arguments["latents"] = None
-        bound.arguments["generator"] = _copied(bound.arguments.get("generator"))
+        generator = _copied(bound.arguments.get("generator"))
+        outputs = original(*args, **kwargs)
+        bound.arguments["latents"], bound.arguments["generator"] = None, generator
         with _noising_with(pipe.scheduler, noise):
             started = original(*bound.args, **bound.kwargs)
         if isinstance(outputs, tuple):
