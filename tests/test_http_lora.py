@@ -157,7 +157,8 @@ class RecordingEngine:
     def __init__(self):
         self.submitted: queue.Queue = queue.Queue()
         self.editor = SimpleNamespace(cache=None, new_template=lambda *args: SimpleNamespace(template_id="e-1"),
-                                      dtype="float32", model_fingerprint=lambda: "stand-in-weights")
+                                      dtype="float32", model_fingerprint=lambda: "stand-in-weights",
+                                      model=SimpleNamespace(family="flux-fill"))
         self.worker = SimpleNamespace(loras=SimpleNamespace(metrics=lambda: dict(LORA_METRICS),
                                                             resident=lambda: ["grain", "ink"], lora_dir="loras",
                                                             digests=lambda: {"grain": "g1", "ink": "i1"}),
@@ -168,7 +169,7 @@ class RecordingEngine:
         return self._recorded("submit", request, lora)
 
     def submit_image(self, image, mask, prompt, seed=0, steps=28, guidance=None, watch=None, budget_s=None,
-                     lora=()) -> Future:
+                     lora=(), strength=1.0) -> Future:
         return self._recorded("submit_image", image, lora)
 
     def submit_recording(self, template, on_step=None) -> Future:
