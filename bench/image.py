@@ -1,20 +1,25 @@
 """Latency of one whole edit, the unmodified diffusers pipeline against mask-aware inference, over mask
 ratios (paper Fig. 15 right, §6.2): text encoders, every denoising step and the VAE, end to end.
 
-    retouch bench image --model flux-size --device cuda --cost-model cost.json [--steps 8] [--out F.json]
+    retouch bench image --model flux-size --device cuda --cost-model cost.json [--steps 8] [--strengths 1,0.5]
+        [--out F.json]
 
 The template is registered once in KV-cache mode (which records every block's output, keys and
 values, so the same recording serves both modes) into a `CacheStore` in pinned host memory; each
 mask-aware edit loads its rows over PCIe with the copy engine, overlapped with compute, and with
 `--cost-model` (from `retouch profile`) the planner chooses per block cache or full compute. The
 masks are centred rectangles of tokens covering each ratio. Per mode, the full pipeline and every
-ratio's edit are timed interleaved. Prints one JSON object
-`{"model", "device", "results": [{"mask_ratio", "mode", "full_s", "mask_aware_s", "speedup"}], ...}`;
+ratio's edit are timed interleaved. `--strengths` runs them at each denoising strength (`retouch.strength`:
+the last steps x S of the schedule, from the template noised with the edit's noise; the full pipeline at S
+is diffusers' own), all interleaved. Prints one JSON object
+`{"model", "device", "results": [{"strength", "steps_run", "mask_ratio", "mode", "full_s", "mask_aware_s",
+"speedup"}], ...}`;
 `--out F.json` also writes F.png.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from pathlib import Path
@@ -28,11 +33,12 @@ from retouch.bench.report import (DTYPE_CHOICES, cost_model_arg, device_arg, env
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import CacheStore, StoreConfig
 from retouch.editor import PLANNERS, EditRequest, MaskAwareEditor
-from retouch.errors import ArgumentParser
+from retouch.errors import ArgumentParser, InputError
 from retouch.masks import FLUX_STRIDE, UNET_LATENT_STRIDE, centred_token_rectangle, pixel_mask_of_tokens
 from retouch.models import get_spec
 from retouch.models.loading import load_for_bench
 from retouch.progress import bar, pipeline_bar
+from retouch.strength import check_strength, steps_run
 
 MODES = {"y": "y-cache", "kv": "kv-cache"}
 TRANSFORMER_FAMILIES = ("flux-fill", "flux-inpaint", "sd3")
@@ -48,6 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--modes", default="y,kv", help="cache modes, comma-separated (y, kv)")
     parser.add_argument("--steps", type=int, default=8,
                         help="denoising steps (the cache holds every step: flux-size needs ~5 GB of host memory each)")
+    parser.add_argument("--strengths", type=strengths_arg, default="1",
+                        help="denoising strengths of the edits, full and mask-aware, comma-separated, each in (0, 1]")
     parser.add_argument("--resolution", type=side_pixels, default=None, help="pixels per side (default: the model's)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cost-model", type=cost_model_arg, default=None,
@@ -62,6 +70,11 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--steps and --repeats must be >= 1")
     if unknown := set(modes) - set(MODES):
         parser.error(f"--modes takes {', '.join(MODES)}, got {', '.join(sorted(unknown))}")
+    for strength in args.strengths:
+        try:
+            check_strength(strength, args.steps, "--strengths: strength")
+        except InputError as exc:
+            parser.error(str(exc))
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -80,33 +93,41 @@ def main(argv: list[str] | None = None) -> dict:
 
     stride = workload.token_stride(editor)
     grid = (resolution // stride, resolution // stride)
-    requests = {}
-    for ratio in args.mask_ratios:
-        tokens = centred_token_rectangle(grid, ratio)
-        requests[round(len(tokens) / (grid[0] * grid[1]), 4)] = EditRequest(
-            template_id, pixel_mask_of_tokens(tokens, grid, stride), "a red sofa", seed=1)
+    requests = {}  # (strength, measured mask ratio) -> the edit
+    for strength in args.strengths:
+        for ratio in args.mask_ratios:
+            tokens = centred_token_rectangle(grid, ratio)
+            requests[strength, round(len(tokens) / (grid[0] * grid[1]), 4)] = EditRequest(
+                template_id, pixel_mask_of_tokens(tokens, grid, stride), "a red sofa", seed=1, strength=strength)
 
     results = []
     # Every edit this loop runs: per mode the planner's one per ratio, then each timed run's warm-up and repeats.
     planned = len(requests) if cost_model is not None else 0
-    edits = bar(desc="image: diffusers vs mask-aware", total=len(modes) * (planned + (1 + len(requests)) *
+    full_runs = len(args.strengths)
+    edits = bar(desc="image: diffusers vs mask-aware", total=len(modes) * (planned + (full_runs + len(requests)) *
                                                                            (args.repeats + 1)), unit="edit")
     for mode in modes:
         editor.switch_cache_mode(mode)
-        runs = {"full": functools.partial(editor.edit_many, [next(iter(requests.values()))], full_compute=True)}
+        runs = {}
+        for strength in args.strengths:  # the full pipeline once per strength: its cost does not depend on the mask
+            first = next(request for (of, _), request in requests.items() if of == strength)
+            runs["full", strength] = functools.partial(editor.edit_many, [first], full_compute=True)
         plans = {}
-        for ratio, request in requests.items():
-            runs[ratio] = functools.partial(editor.edit_many, [request])
+        for key, request in requests.items():
+            runs[key] = functools.partial(editor.edit_many, [request])
             if cost_model is not None:
                 editor.edit_many([request])  # the planner's choice for this mask, kept as last_plan
                 edits.update()
-                plans[ratio] = "".join("c" if cached else "f" for cached in editor.last_plan.use_cache)
+                plans[key] = "".join("c" if cached else "f" for cached in editor.last_plan.use_cache)
         seconds = interleaved_medians(runs, args.repeats, device, progress=edits)
-        for ratio in requests:
-            row = {"mask_ratio": ratio, "mode": MODES[mode], "full_s": seconds["full"],
-                   "mask_aware_s": seconds[ratio], "speedup": round(seconds["full"] / seconds[ratio], 3)}
-            if ratio in plans:
-                row["plan"] = plans[ratio]
+        for key in requests:
+            strength, ratio = key
+            full_s = seconds["full", strength]
+            row = {"strength": strength, "steps_run": steps_run(model.family, args.steps, strength),
+                   "mask_ratio": ratio, "mode": MODES[mode], "full_s": full_s, "mask_aware_s": seconds[key],
+                   "speedup": round(full_s / seconds[key], 3)}
+            if key in plans:
+                row["plan"] = plans[key]
             results.append(row)
         speedups = [row["speedup"] for row in results[-len(requests):]]
         edits.set_postfix_str(f"{MODES[mode]} {min(speedups)}x..{max(speedups)}x", refresh=False)
@@ -146,17 +167,30 @@ def _host_bytes(args, model, resolution: int) -> int:
     return int(per_step * args.steps * parameters.element_size() * 1.1) + (256 << 20)
 
 
+def strengths_arg(text: str) -> list[float]:
+    """argparse `type` of `--strengths`: comma-separated numbers (each checked against the steps in main)."""
+    try:
+        return [float(value) for value in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be comma-separated numbers") from None
+
+
 def _plot(report: dict, out: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for mode in dict.fromkeys(row["mode"] for row in report["results"]):
-        rows = [row for row in report["results"] if row["mode"] == mode]
+    several = len({row["strength"] for row in report["results"]}) > 1
+    for mode, strength in dict.fromkeys((row["mode"], row["strength"]) for row in report["results"]):
+        rows = [row for row in report["results"] if (row["mode"], row["strength"]) == (mode, strength)]
         ratios = [row["mask_ratio"] for row in rows]
-        left.plot(ratios, [row["mask_aware_s"] for row in rows], marker="o", label=mode)
-        right.plot(ratios, [row["speedup"] for row in rows], marker="o", label=mode)
-    left.axhline(report["results"][0]["full_s"], color="grey", linestyle="--", label="diffusers (full)")
+        label = f"{mode}, strength {strength:g}" if several else mode
+        left.plot(ratios, [row["mask_aware_s"] for row in rows], marker="o", label=label)
+        right.plot(ratios, [row["speedup"] for row in rows], marker="o", label=label)
+    for strength in dict.fromkeys(row["strength"] for row in report["results"]):
+        full_s = next(row["full_s"] for row in report["results"] if row["strength"] == strength)
+        left.axhline(full_s, color="grey", linestyle="--" if strength == 1 else ":",
+                     label=f"diffusers, strength {strength:g}" if several else "diffusers (full)")
     left.set_ylabel("seconds per image")
     right.set_ylabel("speedup vs diffusers")
     for axis in (left, right):

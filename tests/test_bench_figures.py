@@ -57,6 +57,18 @@ def test_image_latency_follows_the_issue_format_with_the_planner_on(tmp_path):
         assert len(row["plan"]) == blocks and set(row["plan"]) <= {"c", "f"}
 
 
+def test_image_latency_at_a_strength_runs_its_last_steps_and_refuses_less_than_one(capsys):
+    report = image.main(["--model", "tiny-sdxl-inpaint", "--steps", "4", "--strengths", "1,0.5", "--repeats", "1",
+                         "--mask-ratios", "0.2,0.5", "--modes", "y"])
+    rows = report["results"]
+    assert [(row["strength"], row["steps_run"], row["mode"]) for row in rows] == [
+        (1.0, 4, "y-cache"), (1.0, 4, "y-cache"), (0.5, 2, "y-cache"), (0.5, 2, "y-cache")]
+    assert rows[0]["full_s"] == rows[1]["full_s"] != rows[2]["full_s"] == rows[3]["full_s"]
+    with pytest.raises(SystemExit):
+        image.main(["--model", "tiny-sdxl-inpaint", "--steps", "4", "--strengths", "1,0.2"])
+    assert "--strengths: strength 0.2 of 4 steps is less than one step's worth" in capsys.readouterr().err
+
+
 def test_image_latency_refuses_a_cost_model_of_another_model():
     with pytest.raises(SystemExit, match="profiled on tiny-flux-fill, not tiny-sd2-inpaint"):
         image.main(["--model", "tiny-sd2-inpaint", "--steps", "1", "--cost-model", str(TINY_FLUX_COST)])
