@@ -143,7 +143,8 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str, strength: 
                 (pipe.scheduler, "set_begin_index", "begin_index"), (pipe.scheduler, "scale_model_input", "scaled")]
     shadowed = [(owner, method, name) for owner, method, name in shadowed if hasattr(owner, method)]
     with ExitStack() as undo:
-        undo.enter_context(noised_start(pipe, strength, inputs.latents[None]))
+        undo.enter_context(noised_start(pipe, strength, inputs.latents[None], editor.start_latents,
+                                        ((template.template_id, template.seed),)))
         for owner, method, name in shadowed:
             undo.callback(_restore, owner, method, owner.__dict__.get(method))
             setattr(owner, method, remember(name, getattr(owner, method)))

@@ -22,7 +22,7 @@ from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.worker import EngineConfig, StepWatch, Worker
 from retouch.errors import InputError
 from retouch.models import load_pipeline
-from retouch.strength import check_strength, steps_run
+from retouch.strength import StartLatents, check_strength, steps_run
 
 MODELS = ["tiny-flux-fill", "tiny-flux-inpaint", "tiny-sd3-inpaint", "tiny-sdxl-inpaint", "tiny-sd2-inpaint"]
 _editors: dict = {}
@@ -60,6 +60,7 @@ def test_where_the_pipeline_draws_the_templates_latents_first_they_are_its_draws
 
 def assert_stock_at_strength(model: str, strength: float, monkeypatch) -> None:
     editor = editor_for(model)
+    monkeypatch.setattr(editor, "start_latents", StartLatents())  # none kept from VAE samples of other tests
     template_id = editor.register_template(template_image(), prompt="a scene", steps=6, seed=0)
     everything = Image.new("L", (128, 128), 255)
     request = editor.check_request(EditRequest(template_id, everything, "a red sofa", seed=5, strength=strength))
@@ -235,3 +236,26 @@ def test_the_baseline_edit_below_full_strength_is_the_editors_one_off_edit(model
                                  call_defaults=editor.model.call_defaults)
     one_off = editor.edit_image(image, square_mask(), "a hat", seed=6, steps=4, strength=0.5)
     assert np.abs(np.asarray(baseline, dtype=int) - np.asarray(one_off, dtype=int)).max() <= 1
+
+
+@pytest.mark.parametrize("model", ["tiny-flux-fill", "tiny-sd3-inpaint", "tiny-sd2-inpaint"])
+def test_a_templates_start_latents_are_encoded_once_and_are_what_an_encoding_gives(model):
+    from retouch.engine import recipes
+
+    editor = editor_for(model)
+    template_id = editor.register_template(template_image((90, 90, 30)), prompt="a scene", steps=4, seed=8)
+    request = EditRequest(template_id, square_mask(), "a hat", seed=1, strength=0.5)
+    before = editor.start_latents.encoded
+    first = editor.edit_many([request], output_type="latent")[0]
+    assert editor.start_latents.encoded == before + 1
+    prepared = recipes.prepare(editor, editor.prepare_edit(editor.check_request(request)), "a hat", 0.5)
+    assert editor.start_latents.encoded == before + 1  # the engine's preparation found it too
+    editor.start_latents.drop(template_id)
+    again = editor.edit_many([request], output_type="latent")[0]  # encoded afresh
+    assert editor.start_latents.encoded == before + 2 and torch.equal(first, again)
+    assert torch.equal(editor.edit_many([request], output_type="latent")[0], first)  # from the kept latents
+    job = Worker.new_job(request)
+    run_loop(editor, EngineConfig(mode="naive"), [job])
+    assert torch.equal(job.row.latents[0], first) and prepared.schedule.start == job.row.schedule.start
+    editor.drop_template(template_id)
+    assert not any(key[0][0] == template_id for key in editor.start_latents._kept)

@@ -43,7 +43,7 @@ from retouch.models.samplers import describe as describe_scheduler
 from retouch.models.samplers import steps_error
 from retouch.noise import initial_noise, latent_shape, latents_argument, pack_flux_latents  # noqa: F401 - API
 from retouch.noise import seeded_noise
-from retouch.strength import check_strength, noised_start, start_step
+from retouch.strength import StartLatents, check_strength, noised_start, start_step
 
 if TYPE_CHECKING:
     from retouch.costs import CostModel
@@ -166,6 +166,7 @@ class MaskAwareEditor:
         self.cost_model = cost_model
         self.planner = planner
         self.last_plan = None
+        self.start_latents = StartLatents()  # templates' VAE latents, for edits below strength 1
         self.dilation = dilation
         self.block_plan = None if block_plan is None else tuple(block_plan)
         self.is_unet = model.family in UNET_FAMILIES
@@ -428,6 +429,7 @@ class MaskAwareEditor:
         self.templates.pop(template_id, None)
         self.cache.drop(template_id)
         self.cache.drop(uncond_row_id(template_id))
+        self.start_latents.drop(template_id)
 
     # ---- edits ----
 
@@ -658,7 +660,9 @@ class MaskAwareEditor:
                 self.denoiser.register_forward_hook(leave, with_kwargs=True)]
             try:
                 kwargs = self.pipeline_kwargs(templates, masks, prompts, latents, output_type, strength)
-                with torch.inference_mode(), quiet_libraries(), noised_start(self.pipe, strength, latents):
+                start = noised_start(self.pipe, strength, latents, self.start_latents,
+                                     tuple((t.template_id, t.seed) for t in templates))
+                with torch.inference_mode(), quiet_libraries(), start:
                     return self.pipe(**kwargs).images
             finally:
                 for hook in hooks:

@@ -25,9 +25,10 @@ import functools
 import inspect
 import math
 import numbers
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
-from contextlib import contextmanager
-
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
 from retouch.errors import InputError
@@ -68,8 +69,58 @@ def start_step(pipe) -> int:
     return len(pipe.scheduler.timesteps) - pipe._num_timesteps
 
 
+class StartLatents:
+    """The templates' VAE latents the start of an edit below strength 1 noises, kept per template (`key`:
+    its templates' (id, seed), whose generator draws the sample) so that its later edits do not encode the
+    template again. The stock pipeline encodes the image a second
+    time at strength < 1 (Flux Fill, SD2, SDXL: once for the start, once for the masked image); the sample
+    is the template's own (its generator, as the pipeline first uses it), so it is the same every edit.
+    Bounded: the least recently used go first."""
+
+    def __init__(self, capacity: int = 64):
+        self.capacity = capacity
+        self.encoded = 0  # encodings made (the rest were kept ones)
+        self._kept: OrderedDict[tuple[tuple[str, int], ...], torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def drop(self, template_id: str) -> None:
+        with self._lock:
+            for key in [key for key in self._kept if any(kept_id == template_id for kept_id, _ in key)]:
+                del self._kept[key]
+
+    @contextmanager
+    def encoding(self, pipe, key: tuple[tuple[str, int], ...]) -> Iterator[None]:
+        """Within it, `pipe._encode_vae_image` answers `key`'s templates' latents, encoded once."""
+        encode = pipe._encode_vae_image
+
+        def kept(image, generator):
+            with self._lock:
+                latents = self._kept.get(key)
+                if latents is not None:
+                    self._kept.move_to_end(key)
+            if latents is None or latents.device != image.device or latents.shape[0] != image.shape[0]:
+                latents = encode(image=image, generator=generator)
+                with self._lock:
+                    self.encoded += 1
+                    self._kept[key] = latents
+                    while len(self._kept) > self.capacity:
+                        self._kept.popitem(last=False)
+            return latents
+
+        shadowed = pipe.__dict__.get("_encode_vae_image")
+        pipe._encode_vae_image = kept
+        try:
+            yield
+        finally:
+            if shadowed is None:
+                del pipe._encode_vae_image
+            else:
+                pipe._encode_vae_image = shadowed
+
+
 @contextmanager
-def noised_start(pipe, strength: float, noise: torch.Tensor) -> Iterator[None]:
+def noised_start(pipe, strength: float, noise: torch.Tensor, start_latents: StartLatents | None = None,
+                 key: tuple[tuple[str, int], ...] = ()) -> Iterator[None]:
     """Within it, a `pipe(strength=strength, latents=noise, ...)` call starts from the template's latents
     noised with `noise` ([B, C, h, w], unpacked) at its first step, as the pipeline starts when it draws
     `noise` itself. Nothing changes at strength 1 (the pipeline starts from `noise`).
@@ -78,7 +129,8 @@ def noised_start(pipe, strength: float, noise: torch.Tensor) -> Iterator[None]:
     re-noise with, the template's latents) and what it draws from the generator are as at strength 1: the
     VAE samples of the masked image are the template recording's. It runs a second time with `latents=None`
     on a copy of the generator as the first call found it (so it draws the template's latents the first
-    call drew), the scheduler's noising given `noise`, for the start."""
+    call drew), the scheduler's noising given `noise`, for the start; with `start_latents`, the template's
+    latents are those kept for `key` (its templates' ids and seeds), encoded once."""
     if strength >= 1.0:
         yield
         return
@@ -91,7 +143,10 @@ def noised_start(pipe, strength: float, noise: torch.Tensor) -> Iterator[None]:
         generator = _copied(bound.arguments.get("generator"))
         outputs = original(*args, **kwargs)
         bound.arguments["latents"], bound.arguments["generator"] = None, generator
-        with _noising_with(pipe.scheduler, noise):
+        with ExitStack() as replaced:
+            replaced.enter_context(_noising_with(pipe.scheduler, noise))
+            if start_latents is not None and key and hasattr(pipe, "_encode_vae_image"):
+                replaced.enter_context(start_latents.encoding(pipe, key))
             started = original(*bound.args, **bound.kwargs)
         if isinstance(outputs, tuple):
             return (started[0], *outputs[1:])
