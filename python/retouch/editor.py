@@ -660,7 +660,8 @@ class MaskAwareEditor:
                 self.denoiser.register_forward_hook(leave, with_kwargs=True)]
             try:
                 kwargs = self.pipeline_kwargs(templates, masks, prompts, latents, output_type, strength)
-                start = noised_start(self.pipe, strength, latents, self.start_latents,
+                # Full compute encodes the template for the start every time, as the stock pipeline does.
+                start = noised_start(self.pipe, strength, latents, None if context_at is None else self.start_latents,
                                      tuple((t.template_id, t.seed) for t in templates))
                 with torch.inference_mode(), quiet_libraries(), start:
                     return self.pipe(**kwargs).images
