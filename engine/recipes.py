@@ -30,6 +30,7 @@ from PIL import Image
 from retouch.editor import EditInputs, MaskAwareEditor
 from retouch.engine.schedulers import BatchScheduler, PipelineCalls, RequestSchedule, encode_arguments
 from retouch.models import quiet_libraries
+from retouch.shadows import shadowing
 from retouch.strength import noised_start, start_step
 
 # The denoiser keyword arguments that carry one row per request (per guidance copy).
@@ -146,8 +147,7 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str, strength: 
         undo.enter_context(noised_start(pipe, strength, inputs.latents[None], editor.start_latents,
                                         ((template.template_id, template.seed),)))
         for owner, method, name in shadowed:
-            undo.callback(_restore, owner, method, owner.__dict__.get(method))
-            setattr(owner, method, remember(name, getattr(owner, method)))
+            undo.enter_context(shadowing(owner, method, remember(name, getattr(owner, method))))
         undo.callback(editor.denoiser.register_forward_pre_hook(stop, with_kwargs=True).remove)
         try:
             with torch.inference_mode(), quiet_libraries():
@@ -183,14 +183,6 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str, strength: 
     return Prepared(latents=latents.clone(), inputs={k: v.clone() for k, v in named.items()},
                     shared={k: v.clone() for k, v in shared.items()}, blend={k: v.clone() for k, v in blend.items()},
                     schedule=schedule, guidance=float(guidance) if copies == 2 else None)
-
-
-def _restore(owner, method: str, shadowed) -> None:
-    """Take a shadow off `owner` (an instance attribute over its class's method), leaving the one under it."""
-    if shadowed is None:
-        delattr(owner, method)
-    else:
-        setattr(owner, method, shadowed)
 
 
 def _pipeline_calls(scheduler, seen: dict) -> PipelineCalls:

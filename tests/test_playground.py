@@ -438,16 +438,24 @@ def test_a_template_the_server_lost_is_registered_again(server, page, page_error
 
 # ---- the edit ----
 
-def test_previews_keep_the_template_outside_the_mask(server, page, page_errors):
+def painted_edit(server, page, fields: dict[str, str]) -> tuple[Image.Image, np.ndarray]:
+    """Upload the scene, paint the stroke, fill the prompt and `fields` (selector -> value), submit, and
+    wait for the result: (the upload, the painted mask)."""
     template = scene()
     page.goto(server.url + "/")
     upload(page, template)
     paint(page, STROKE)
     mask = painted_mask(page)
     page.fill("#prompt", "a red hot-air balloon")
-    page.fill("#preview-every", "1")
+    for selector, value in fields.items():
+        page.fill(selector, value)
     page.click("#submit")
     expect(page.locator("#result")).to_be_visible(timeout=WAIT_MS)
+    return template, mask
+
+
+def test_previews_keep_the_template_outside_the_mask(server, page, page_errors):
+    template, mask = painted_edit(server, page, {"#preview-every": "1"})
     expect(page.locator("#preview")).to_have_attribute("data-step", re.compile(r"^\d+$"))
 
     url = page.eval_on_selector("#preview", "canvas => canvas.toDataURL('image/png')")
@@ -606,15 +614,7 @@ def test_a_full_queue_is_tried_again_after_retry_after(server, page, page_errors
 
 
 def test_a_strength_below_one_runs_the_last_steps_and_keeps_the_pixels_outside_the_mask(server, page, page_errors):
-    template = scene()
-    page.goto(server.url + "/")
-    upload(page, template)
-    paint(page, STROKE)
-    mask = painted_mask(page)
-    page.fill("#prompt", "a red hot-air balloon")
-    page.fill("#strength", "0.5")
-    page.click("#submit")
-    expect(page.locator("#result")).to_be_visible(timeout=WAIT_MS)
+    template, mask = painted_edit(server, page, {"#strength": "0.5"})
     expect(page.locator("#progress-text")).to_have_text("done: 2 steps")  # Flux: 3 - int(3 - 1.5) of 3
     edited = np.asarray(image_of(page, "#result").convert("RGB"))
     assert np.array_equal(edited[~mask], np.asarray(template)[~mask])

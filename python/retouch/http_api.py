@@ -427,17 +427,24 @@ class Form:
     def number(self, name: str, low: float, high: float) -> float | None:
         return self._parsed(name, float, "a number", None, low, high)
 
-    def _parsed(self, name: str, kind: type, noun: str, default, low, high):
-        """The field as `kind` in [low, high]: 400 if it does not parse, 422 if it is out of range."""
+    def parsed(self, name: str, kind: type, noun: str, default):
+        """The field as `kind` (`default` when absent or empty); 400 if it does not parse."""
         value = self.text(name)
         if value is None or value == "":
             return default
         try:
             if "_" in value or value != value.strip():  # Python's int("1_0") and int(" 7 ") are no client's number
                 raise ValueError(value)
-            number = kind(value)
+            return kind(value)
         except ValueError:
             raise ApiError(400, f"{name} must be {noun}, got {value!r}", name) from None
+
+    def _parsed(self, name: str, kind: type, noun: str, default, low, high):
+        """The field as `kind` in [low, high]: 400 if it does not parse, 422 if it is out of range."""
+        number = self.parsed(name, kind, noun, None)
+        if number is None:
+            return default
+        value = self.text(name)
         if not (math.isfinite(number) and low <= number <= high):
             raise ApiError(422, f"{name} must be in [{low}, {high}], got {value}", name)
         return number
@@ -982,15 +989,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
     def strength_of(form: Form) -> float:
         """The edit's `strength` field as a number (1 when absent; 400 if it is not one); `checked_strength`
         checks its range, (0, 1], and its steps (422)."""
-        value = form.text("strength")
-        if value is None or value == "":
-            return 1.0
-        try:
-            if "_" in value or value != value.strip():
-                raise ValueError(value)
-            return float(value)
-        except ValueError:
-            raise ApiError(400, f"strength must be a number, got {value!r}", "strength") from None
+        return form.parsed("strength", float, "a number", 1.0)
 
     def checked_strength(strength: float, steps: int) -> float:
         try:

@@ -32,6 +32,7 @@ from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
 from retouch.errors import InputError
+from retouch.shadows import shadowing
 
 if TYPE_CHECKING:
     import torch
@@ -72,10 +73,9 @@ def start_step(pipe) -> int:
 class StartLatents:
     """The templates' VAE latents the start of an edit below strength 1 noises, kept per template (`key`:
     its templates' (id, seed), whose generator draws the sample) so that its later edits do not encode the
-    template again. The stock pipeline encodes the image a second
-    time at strength < 1 (Flux Fill, SD2, SDXL: once for the start, once for the masked image); the sample
-    is the template's own (its generator, as the pipeline first uses it), so it is the same every edit.
-    Bounded: the least recently used go first."""
+    template again. The stock pipeline encodes the image a second time at strength < 1 (Flux Fill, SD2,
+    SDXL: once for the start, once for the masked image); the sample is the template's own (its generator,
+    as the pipeline first uses it), so it is the same every edit. Bounded: the least recently used go first."""
 
     def __init__(self, capacity: int = 64):
         self.capacity = capacity
@@ -107,15 +107,8 @@ class StartLatents:
                         self._kept.popitem(last=False)
             return latents
 
-        shadowed = pipe.__dict__.get("_encode_vae_image")
-        pipe._encode_vae_image = kept
-        try:
+        with shadowing(pipe, "_encode_vae_image", kept):
             yield
-        finally:
-            if shadowed is None:
-                del pipe._encode_vae_image
-            else:
-                pipe._encode_vae_image = shadowed
 
 
 @contextmanager
@@ -152,44 +145,35 @@ def noised_start(pipe, strength: float, noise: torch.Tensor, start_latents: Star
             return (started[0], *outputs[1:])
         return started
 
-    shadowed = pipe.__dict__.get("prepare_latents")
-    pipe.prepare_latents = prepare_latents
-    try:
+    with shadowing(pipe, "prepare_latents", prepare_latents):
         yield
-    finally:
-        if shadowed is None:
-            del pipe.prepare_latents
-        else:
-            pipe.prepare_latents = shadowed
 
 
 @contextmanager
 def _noising_with(scheduler, noise: torch.Tensor) -> Iterator[None]:
     """The scheduler's noising of an image (`add_noise` of the UNet schedulers, `scale_noise` of the
     flow-matching ones) given `noise` instead of the noise its caller drew."""
-    names = [name for name in ("add_noise", "scale_noise") if hasattr(scheduler, name)]
-    shadowed = {name: scheduler.__dict__[name] for name in names if name in scheduler.__dict__}
-    for name in names:
-        method = getattr(scheduler, name)
-        parameters = inspect.signature(method)
-
-        def replaced(*args, _method=method, _parameters=parameters, **kwargs):
-            bound = _parameters.bind(*args, **kwargs)
-            drawn = bound.arguments["noise"]
-            if tuple(drawn.shape) != tuple(noise.shape):
-                raise ValueError(f"the pipeline drew noise of shape {tuple(drawn.shape)}, not {tuple(noise.shape)}")
-            bound.arguments["noise"] = noise.to(drawn.device, drawn.dtype)
-            return _method(*bound.args, **bound.kwargs)
-
-        setattr(scheduler, name, functools.wraps(method)(replaced))
-    try:
+    with ExitStack() as replaced:
+        for name in ("add_noise", "scale_noise"):
+            if hasattr(scheduler, name):
+                replaced.enter_context(shadowing(scheduler, name, _given_noise(getattr(scheduler, name), noise)))
         yield
-    finally:
-        for name in names:
-            if name in shadowed:
-                setattr(scheduler, name, shadowed[name])
-            else:
-                delattr(scheduler, name)
+
+
+def _given_noise(method, noise: torch.Tensor):
+    """`method` (a scheduler's noising) called with `noise` in place of its `noise` argument."""
+    parameters = inspect.signature(method)
+
+    @functools.wraps(method)
+    def replaced(*args, **kwargs):
+        bound = parameters.bind(*args, **kwargs)
+        drawn = bound.arguments["noise"]
+        if tuple(drawn.shape) != tuple(noise.shape):
+            raise ValueError(f"the pipeline drew noise of shape {tuple(drawn.shape)}, not {tuple(noise.shape)}")
+        bound.arguments["noise"] = noise.to(drawn.device, drawn.dtype)
+        return method(*bound.args, **bound.kwargs)
+
+    return replaced
 
 
 def _copied(generator):
