@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import device_arg, json_text, out_path, positive_float, pyplot, write_json
+from retouch.bench.report import device_arg, out_path, positive_float, publish, pyplot
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.api import Engine
 from retouch.engine.metrics import now
@@ -84,11 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
               "torch_threads": torch.get_num_threads()}
     if "disagg" in results and "static" in results:
         report["disagg_p95_over_static_p95"] = results["disagg"]["p95_s"] / results["static"]["p95_s"]
-    if args.out:
-        write_json(report, args.out)
-        _plot(report, args.out.with_suffix(".png"))
-    print(json_text(report))
-    return report
+    return publish(report, args.out, _plot)
 
 
 def _template_image(rng: random.Random, size: int) -> Image.Image:

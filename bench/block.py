@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from retouch.bench.report import (DTYPE_CHOICES, device_arg, environment, json_text, mask_ratios, out_path, pyplot,
-                                  side_pixels, write_json)
+from retouch.bench.report import (DTYPE_CHOICES, device_arg, environment, mask_ratios, out_path, publish, pyplot,
+                                  side_pixels)
 from retouch.bench.timing import interleaved_medians
 from retouch.errors import ArgumentParser
 from retouch.models import get_spec
@@ -75,11 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"bench": "block", **environment("block", argv, device), "model": args.model,
               "dtype": str(dtype).removeprefix("torch."), "resolution": resolution, "batch": args.batch,
               "block_kinds": sorted(target.representative), "results": results}
-    if args.out:
-        write_json(report, args.out)
-        _plot(report, args.out.with_suffix(".png"))
-    print(json_text(report))
-    return report
+    return publish(report, args.out, _plot)
 
 
 def _plot(report: dict, out: Path) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import environment, json_text, mask_ratios, out_path, pyplot, write_json
+from retouch.bench.report import environment, mask_ratios, out_path, publish, pyplot
 from retouch.cache import CacheStore, StoreConfig
 from retouch.cache.layout import STORAGE_DTYPES
 from retouch.editor import CACHE_MODES, load
@@ -83,11 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     points.close()
     report = {**environment("fidelity", argv, "cpu"), "model": args.model, "steps": args.steps, "size": args.size,
               "note": "random weights: consistency with full compute, not image quality", "results": results}
-    if args.out:
-        write_json(report, args.out)
-        plot(report, args.out.with_suffix(".png"))
-    print(json_text(report))
-    return report
+    return publish(report, args.out, plot)
 
 
 def cache_dtypes(text: str) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from retouch.adapters import MaskAwareContext
-from retouch.bench.report import environment, json_text, mask_ratios, out_path, pyplot, write_json
+from retouch.bench.report import environment, mask_ratios, out_path, publish, pyplot
 from retouch.bench.step import MODES, TEXT_TOKENS, flux_setup
 from retouch.errors import ArgumentParser
 from retouch.flops import count_flops, flux_forward_macs
@@ -49,11 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
                                f"(theory {results[-1]['theory']})", refresh=False)
     report = {**environment("flops", argv, device), "model": args.model, "image_tokens": num_image,
               "text_tokens": num_text, "full_flops": full_flops, "results": results}
-    if args.out:
-        write_json(report, args.out)
-        plot(report, args.out.with_suffix(".png"))
-    print(json_text(report))
-    return report
+    return publish(report, args.out, plot)
 
 
 def plot(report: dict, path: Path) -> None:

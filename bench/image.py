@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from retouch.bench import workload
-from retouch.bench.report import (DTYPE_CHOICES, cost_model_arg, device_arg, environment, json_text, mask_ratios,
-                                  out_path, positive_float, pyplot, side_pixels, write_json)
+from retouch.bench.report import (DTYPE_CHOICES, cost_model_arg, device_arg, environment, mask_ratios, out_path,
+                                  positive_float, publish, pyplot, side_pixels)
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import CacheStore, StoreConfig
 from retouch.editor import PLANNERS, EditRequest, MaskAwareEditor
@@ -140,11 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
               "planner": args.planner if cost_model is not None else "off (every block cached)",
               "cost_model": str(args.cost_model) if args.cost_model else None, "results": results}
     store.close()
-    if args.out:
-        write_json(report, args.out)
-        _plot(report, args.out.with_suffix(".png"))
-    print(json_text(report))
-    return report
+    return publish(report, args.out, _plot)
 
 
 def _host_bytes(args, model, resolution: int) -> int:

@@ -36,8 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 from retouch.adapters import CacheMode, MaskAwareContext
-from retouch.bench.report import (DTYPE_CHOICES, device_arg, json_text, mask_ratio, out_path, pyplot, side_pixels,
-                                  write_json)
+from retouch.bench.report import DTYPE_CHOICES, device_arg, mask_ratio, out_path, publish, pyplot, side_pixels
 from retouch.bench.step import TEXT_TOKENS, flux_setup
 from retouch.bench.timing import interleaved_medians
 from retouch.errors import ArgumentParser
@@ -245,11 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_load:
         report["loading"] = {"model": args.engine_model, "resolution": args.engine_resolution,
                              **load_hiding(args, device, dtype)}
-    if args.out:
-        write_json(report, args.out)
-        plot(report, args.out.with_suffix(".png"))
-    print(json_text(report))
-    return report
+    return publish(report, args.out, plot)
 
 
 def plot(report: dict, path: Path) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
-from retouch.bench.report import DTYPE_CHOICES, device_arg, json_text, mask_ratio, out_path, pyplot, write_json
+from retouch.bench.report import DTYPE_CHOICES, device_arg, mask_ratio, out_path, publish, pyplot
 from retouch.bench.step import TEXT_TOKENS
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import InMemoryActivationCache
@@ -128,11 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
               "requests": len(lens), "image_tokens": lens, "text_tokens": num_text, "mask_ratio": args.mask_ratio,
               "baseline": "one mask-aware forward per image size", "threads": torch.get_num_threads(),
               "torch": torch.__version__, "results": results}
-    if args.out:
-        write_json(report, args.out)
-        plot(report, args.out.with_suffix(".png"))
-    print(json_text(report))
-    return report
+    return publish(report, args.out, plot)
 
 
 def plot(report: dict, path: Path) -> None:

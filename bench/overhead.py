@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from retouch.bench.report import device_arg, environment, json_text, mask_ratios, out_path, pyplot, write_json
+from retouch.bench.report import device_arg, environment, mask_ratios, out_path, publish, pyplot
 from retouch.errors import ArgumentParser
 from retouch.host_syncs import counting_host_syncs
 from retouch.models import build_denoiser
@@ -77,11 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 f"{syncs} syncs", refresh=False)
     report = {**environment("overhead", argv, device), "model": args.model, "blocks": blocks, "grid": args.grid,
               "text_tokens": args.text_tokens, "batch": args.batch, "results": rows, "summary": summary(rows)}
-    if args.out:
-        write_json(report, args.out)
-        plot(report, args.out.with_suffix(".png"))
-    print(json_text(report))
-    return report
+    return publish(report, args.out, plot)
 
 
 class Forward:

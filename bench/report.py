@@ -11,6 +11,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -118,6 +119,15 @@ def _finite(value):
 def write_json(report: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json_text(report, indent=2) + "\n")
+
+
+def publish(report: dict, out: Path | None, plot: Callable[[dict, Path], None]) -> dict:
+    """A benchmark's ending: its JSON on stdout, and with `out` also in that file with its PNG beside it."""
+    if out:
+        write_json(report, out)
+        plot(report, out.with_suffix(".png"))
+    print(json_text(report))
+    return report
 
 
 def environment(bench: str, argv: list[str] | None, device: str | torch.device) -> dict:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import json_text, out_path, positive_float, pyplot, write_json
+from retouch.bench.report import out_path, positive_float, publish, pyplot
 from retouch.errors import ArgumentParser
 from retouch.images import png_bytes
 from retouch.progress import bar
@@ -138,11 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["registrations"] = compare_registrations(outcomes, *with_registrations)
     if stock is not None:
         report["stock"] = stock.report()
-    if args.out:
-        write_json(report, args.out)
-        _plot(report, outcomes, args.out.with_suffix(".png"))
-    print(json_text(report))
-    return report
+    return publish(report, args.out, lambda report, path: _plot(report, outcomes, path))
 
 
 def arrival_offsets(requests: int, rps: float | None, seed: int) -> list[float]:

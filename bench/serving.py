@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from retouch.bench import workload
-from retouch.bench.report import environment, json_text, positive_float, pyplot, write_json
+from retouch.bench.report import environment, positive_float, publish, pyplot
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.api import Engine
 from retouch.engine.metrics import now
@@ -122,11 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
                           "diffusers": StaticBatching.__doc__.splitlines()[0]},
               "cache": [editor.cache.metrics() for editor in editors],
               "recomputes": sum(editor.recomputes for editor in editors), "results": results}
-    if args.out:
-        write_json(report, args.out)
-        _plot(report, args.out.with_suffix(".png"))
-    print(json_text(report))
-    return report
+    return publish(report, args.out, _plot)
 
 
 class MaskAwareServing:

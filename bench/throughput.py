@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from retouch.bench import workload
-from retouch.bench.report import environment, json_text, mask_ratio, pyplot, write_json
+from retouch.bench.report import environment, mask_ratio, publish, pyplot
 from retouch.bench.timing import interleaved_medians
 from retouch.engine.simulate import MASK_BETA
 from retouch.errors import ArgumentParser
@@ -87,11 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
               "cost_model": str(args.cost_model) if args.cost_model else None,
               "blocks": editor.adapter.num_blocks, "cache": editor.cache.metrics(), "recomputes": editor.recomputes,
               "results": results, "speedup_at_max_batch": max(results, key=lambda r: r["batch_size"])["speedup"]}
-    if args.out:
-        write_json(report, args.out)
-        _plot(report, args.out.with_suffix(".png"))
-    print(json_text(report))
-    return report
+    return publish(report, args.out, _plot)
 
 
 def _plot(report: dict, out: Path) -> None:
