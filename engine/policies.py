@@ -36,11 +36,13 @@ class NoWorker(RuntimeError):
     """No alive (and eligible) worker to route to."""
 
 
-def denoiser_calls(line: tuple[int, int], steps: int) -> int:
-    """The denoiser calls an edit of `steps` steps makes on a sampler whose calls line is `line`, (per
-    step, more) (`retouch.models.samplers.calls_line`: 2, -1 for Heun's); one step is one call."""
+def denoiser_calls(line: tuple[int, int], steps: int, schedule: int | None = None) -> int:
+    """The denoiser calls an edit running `steps` steps of a `schedule`-step schedule (by default, all of
+    them; fewer below strength 1) makes on a sampler whose calls line is `line`, (per step, more)
+    (`retouch.models.samplers.calls_line`: 2, -1 for Heun's; 1, 1 for PLMS). A one-step schedule is one
+    call; the line holds from two, also for its last steps (a one-step tail of PLMS's makes two calls)."""
     per_step, more = line
-    return max(1, per_step * steps + more) if steps >= 2 else steps
+    return max(1, per_step * steps + more) if (steps if schedule is None else schedule) >= 2 else steps
 
 
 @dataclass(frozen=True)

@@ -279,6 +279,11 @@ class RouterConfig:
     # The model workers must serve (a pipeline folder by its name: hosts mount it at their own paths); a
     # worker of another model is refused. None: any (tests with scripted workers).
     model: str | None = None
+    # The served model's family and its sampler's calls line (`retouch.models.samplers.calls_line`), as its
+    # workers will say them in their hello: edits that come before any worker has are counted as they will
+    # run (steps below strength 1, progress). None: Flux's rounding, one call a step.
+    family: str | None = None
+    calls: tuple[int, int] | None = None
     # Registered templates one tenant (API key) may keep; the router holds each one's image in memory (and
     # the registry on disk), so without a bound one client could grow the head without end. One-off
     # images are bounded by max_one_off instead.
@@ -596,13 +601,14 @@ class Router:
     def denoiser_calls(self, steps: int, worker: str | None = None, strength: float = 1.0) -> int:
         """How many denoiser calls, the units of an edit's progress, an edit of `steps` steps at `strength`
         makes on `worker`'s sampler (a second-order one makes about two a step), as it said when it joined;
-        with no worker, on the sampler most live workers run; `steps` for workers that did not say."""
-        return denoiser_calls(self._most_said("calls", worker, (1, 0)), self.steps_run(steps, strength, worker))
+        with no worker, on the sampler most live workers run; with none that said, the served model's."""
+        line = self._most_said("calls", worker, self.config.calls or (1, 0))
+        return denoiser_calls(line, self.steps_run(steps, strength, worker), steps)
 
     def steps_run(self, steps: int, strength: float = 1.0, worker: str | None = None) -> int:
         """The steps an edit of `steps` at `strength` runs, as `worker`'s model family counts them (most
         live workers' with no worker; `retouch.strength`)."""
-        return steps_run(self._most_said("family", worker, None), steps, strength)
+        return steps_run(self._most_said("family", worker, self.config.family), steps, strength)
 
     def _most_said(self, key: str, worker: str | None, default):
         """What `worker` said of `key` in its hello; with no worker, what most live workers said."""

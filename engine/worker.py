@@ -370,7 +370,7 @@ class Worker:
         else:
             template = self.editor.templates.get(job.request.template_id)
             steps = template.steps if template is not None else (job.request.steps or 0)
-        return denoiser_calls(self._calls, steps_run(self.editor.model.family, steps, job.strength))
+        return denoiser_calls(self._calls, steps_run(self.editor.model.family, steps, job.strength), steps)
 
     def step(self) -> bool:
         """One denoising step of the running batch: a forward per guidance setting (and text length), and

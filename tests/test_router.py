@@ -378,6 +378,16 @@ def test_template_watchers_see_its_recording_to_the_end(context, make_router):
 
 
 
+def test_before_any_worker_says_the_served_models_family_and_sampler_count(context, make_router):
+    """A head that serves SD2 (PLMS: a call more) counts an edit that comes before any worker joined
+    as its workers will run it, not with Flux's rounding (5 steps at 0.5: 2 on SD2, 3 on Flux)."""
+    router = make_router(family="sd2", calls=(1, 1))
+    assert router.steps_run(5, 0.5) == 2 and router.denoiser_calls(5, strength=0.5) == 3
+    assert router.denoiser_calls(8, strength=0.125) == 2 and router.denoiser_calls(1) == 1
+    ScriptedWorker(context, router, "w0", calls=[1, 0], family="flux-fill")
+    assert router.steps_run(5, 0.5) == router.denoiser_calls(5, strength=0.5) == 3  # what the worker says wins
+
+
 def test_progress_counts_the_workers_denoiser_calls(context, make_router):
     """A worker on a second-order sampler (Heun: 5 denoiser calls for 3 steps) says how many calls a
     request makes: its events count calls, its steps left too, and a template's progress stays in its steps."""
@@ -387,6 +397,7 @@ def test_progress_counts_the_workers_denoiser_calls(context, make_router):
     assert router.denoiser_calls(3) == router.denoiser_calls(3, "w0") == 5 and router.denoiser_calls(1) == 1
     ScriptedWorker(context, router, "w9", calls=[1, 1])
     assert router.denoiser_calls(3, "w9") == 4  # each worker's own line once routed
+    assert router.denoiser_calls(8, "w9", strength=0.125) == 2  # a one-step tail of PLMS: two calls
     router.worker_exited("w9")
     router.register_template(TemplateRecord("t1", b"png-of-template", (64, 64), "", 3, 0, None, 0))
     assert w0.receive("register")["template"] == "t1"

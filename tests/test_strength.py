@@ -200,6 +200,36 @@ def test_steps_run_counts_the_pipelines_own_steps(model, steps, strength):
     assert prepared.schedule.calls_in_all - extra == steps_run(editor.model.family, steps, strength)
 
 
+@pytest.mark.parametrize("model,scheduler", [("tiny-sd2-inpaint", None), ("tiny-sdxl-inpaint", "heun"),
+                                             ("tiny-flux-fill", None)])
+@pytest.mark.parametrize("steps,strength", [(8, 0.125), (6, 0.2), (2, 0.5), (6, 0.5), (2, 1.0), (1, 1.0)])
+def test_the_predicted_denoiser_calls_are_the_calls_that_run(model, scheduler, steps, strength):
+    """What the head and the worker predict from the sampler's calls line (progress totals, costs) is
+    what the schedule makes, one-step tails included (PLMS makes two calls there, one for a whole
+    schedule of one step)."""
+    from retouch.engine import recipes
+    from retouch.engine.policies import denoiser_calls
+    from retouch.models.samplers import calls_line
+
+    editor = editor_for(model, scheduler)
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=steps, seed=0)
+    request = editor.check_request(EditRequest(template_id, square_mask(), "a hat", strength=strength))
+    prepared = recipes.prepare(editor, editor.prepare_edit(request), request.prompt, strength)
+    run = steps_run(editor.model.family, steps, strength)
+    assert denoiser_calls(calls_line(editor.pipe.scheduler), run, steps) == prepared.schedule.calls_in_all
+
+
+def test_a_head_counts_as_its_workers_will_before_any_joins():
+    from retouch.config import ServeOptions
+    from retouch.server import router_config, served_model
+
+    for model, family, calls in (("tiny-sd2-inpaint", "sd2", (1, 1)), ("tiny-flux-fill", "flux-fill", (1, 0))):
+        config = served_model(router_config(ServeOptions(model=model)), ServeOptions(model=model))
+        assert (config.family, config.calls) == (family, calls)
+    opts = ServeOptions(model="tiny-sdxl-inpaint", scheduler="heun")
+    assert served_model(router_config(opts), opts).calls == (2, -1)
+
+
 def test_a_numpy_strength_is_a_number():
     assert check_strength(np.float32(0.5), 28) == 0.5
 

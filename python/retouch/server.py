@@ -15,6 +15,7 @@ folder; both are gone when it stops (`engine.process_tree`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import signal
@@ -66,6 +67,16 @@ def router_config(opts: ServeOptions) -> RouterConfig:
                         lora_affinity=None if opts.lora_affinity < 0 else opts.lora_affinity,
                         no_worker_s=opts.no_worker_s, max_templates_per_tenant=opts.max_templates_per_tenant,
                         model=model_label(opts.model), max_queue_per_tenant=opts.max_queue_per_tenant or None)
+
+
+def served_model(config: RouterConfig, opts: ServeOptions) -> RouterConfig:
+    """`config` knowing what the model's workers will say when they join: its family and its sampler's
+    calls line, read from the model's files (no weights)."""
+    from retouch.models.loading import model_family, scheduler_for
+    from retouch.models.samplers import calls_line
+
+    return dataclasses.replace(config, family=model_family(opts.model),
+                               calls=calls_line(scheduler_for(opts.model, opts.scheduler)))
 
 
 def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = (), webhook_secret: str | None = None) -> Limits:
@@ -141,7 +152,8 @@ class Server:
             security = RouterSecurity(opts.curve_secret, AllowedKeys.from_dir(opts.curve_allowed))
         registry = None if opts.cache_disk_dir is None else TemplateRegistry(Path(opts.cache_disk_dir) / "templates")
         try:
-            self.router = Router(router_config(opts), step_cost(opts), security=security, registry=registry).start()
+            self.router = Router(served_model(router_config(opts), opts), step_cost(opts), security=security,
+                                 registry=registry).start()
         except BaseException:
             if registry is not None:
                 registry.close()

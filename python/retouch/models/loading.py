@@ -112,21 +112,32 @@ def scheduler_for(name_or_dir: str | os.PathLike, scheduler: str | None):
     """The scheduler the model runs with `--scheduler scheduler` (None: its saved one), judged from its
     saved scheduler without loading its weights (ModelError when it cannot drive the model): a server
     says so once, before any worker starts loading, and learns how many steps it makes."""
+    family, pipeline_class = _family_and_class(name_or_dir)
     if isinstance(name_or_dir, str) and is_builtin(name_or_dir):
         spec = get_spec(name_or_dir)
-        family, pipeline_class = spec.family, spec.pipeline_class
         saved = getattr(diffusers, spec.scheduler_class).from_config(spec.scheduler_config)
     else:
-        folder = Path(name_or_dir)
-        pipeline_class = _pipeline_class_in(folder, requested=name_or_dir)
-        family = _read_manifest(folder).get("family", FAMILY_BY_PIPELINE[pipeline_class])
-        config_path = folder / "scheduler" / "scheduler_config.json"
+        config_path = Path(name_or_dir) / "scheduler" / "scheduler_config.json"
         try:
             config = json.loads(config_path.read_text())
             saved = getattr(diffusers, config["_class_name"]).from_config(config)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as error:
             raise ModelError(f"cannot read the scheduler in {config_path}: {' '.join(str(error).split())}") from None
     return checked_scheduler(saved, scheduler, family, pipeline_class)
+
+
+def model_family(name_or_dir: str | os.PathLike) -> str:
+    """The family of a built-in model or a pipeline folder, without loading its weights."""
+    return _family_and_class(name_or_dir)[0]
+
+
+def _family_and_class(name_or_dir: str | os.PathLike) -> tuple[str, str]:
+    if isinstance(name_or_dir, str) and is_builtin(name_or_dir):
+        spec = get_spec(name_or_dir)
+        return spec.family, spec.pipeline_class
+    folder = Path(name_or_dir)
+    pipeline_class = _pipeline_class_in(folder, requested=name_or_dir)
+    return _read_manifest(folder).get("family", FAMILY_BY_PIPELINE[pipeline_class]), pipeline_class
 
 
 def family_of_pipeline(pipe: DiffusionPipeline) -> str:
