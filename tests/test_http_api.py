@@ -272,6 +272,48 @@ def test_a_field_sent_twice_or_a_lora_on_a_template_is_refused_naming_it():
     assert outcome["templates"] == 0 and outcome["pending"] == 0
 
 
+async def unknown_fields() -> dict:
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0")).start()
+    app = create_app(router, Limits(default_steps=2))
+    image = ("t.png", png(Image.new("RGB", (32, 32), "red")), "image/png")
+    mask = ("m.png", png(Image.new("L", (32, 32), 255)), "image/png")
+    clear = ("m.png", png(Image.new("RGBA", (32, 32), (0, 0, 0, 0))), "image/png")
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            return {
+                "misspelt": await client.post("/v1/edits", files={"mask": mask, "image": image},
+                                              data={"prompt": "a cat", "strenght": "0.5"}),
+                "a file field unknown": await client.post("/v1/edits", files={"mask": mask, "image": image,
+                                                                              "mask2": mask}, data={"prompt": "a"}),
+                "openai unknown": await client.post("/v1/images/edits", files={"image": image, "mask": clear},
+                                                    data={"prompt": "a cat", "negative_prompt": "dogs"}),
+                "template misspelt": await client.post("/v1/templates", files={"image": image},
+                                                       data={"prompt": "a room", "seeds": "3"}),
+                "template strength": await client.post("/v1/templates", files={"image": image},
+                                                       data={"strength": "0.5"}),
+                "templates": router.snapshot()["templates"], "pending": router.snapshot()["pending"]}
+    finally:
+        await asyncio.to_thread(router.close, 0)
+
+
+def test_a_field_the_endpoint_does_not_read_is_refused_naming_it():
+    """A misspelt field would be ignored and the edit run without it (the client finds out from the
+    picture): every form endpoint refuses it, suggesting the field meant, before any work."""
+    outcome = asyncio.run(unknown_fields())
+    for name, param, hint in (("misspelt", "strenght", "did you mean 'strength'?"),
+                              ("a file field unknown", "mask2", "did you mean 'mask'?"),
+                              ("openai unknown", "negative_prompt", "its fields: "),
+                              ("template misspelt", "seeds", "did you mean 'seed'?")):
+        error = outcome[name].json()["error"]
+        assert outcome[name].status_code == 400 and error["param"] == param and error["code"] == "unknown_field", name
+        assert hint in error["message"], name
+    assert "template_id" in outcome["openai unknown"].json()["error"]["message"]  # the list names retouch's extras
+    refused = outcome["template strength"]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "strength"
+    assert "each edit" in refused.json()["error"]["message"]
+    assert outcome["templates"] == 0 and outcome["pending"] == 0
+
+
 async def transparent_edits() -> dict:
     """An RGBA template registered and edited (a scripted worker answers with a gradient), and the same
     image as a one-off; a half-transparent cut-out, repainted in its top-left quarter."""

@@ -172,7 +172,7 @@ def test_missing_parts_and_wrong_encodings(client, template_id):
     no_prompt = client.post("/v1/edits", files={"mask": ("m.png", png(box_mask()), "image/png")},
                             data={"template_id": template_id})
     assert_error(no_prompt, 400, "prompt")
-    no_mask = client.post("/v1/edits", files={"other": ("x", b"x")}, data={"template_id": template_id, "prompt": "x"})
+    no_mask = client.post("/v1/edits", files={"template_id": (None, template_id), "prompt": (None, "x")})  # multipart
     assert_error(no_mask, 400, "mask")
     as_json = client.post("/v1/edits", json={"template_id": template_id, "prompt": "x"})
     assert_error(as_json, 415, "content-type")

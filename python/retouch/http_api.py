@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import difflib
 import functools
 import hashlib
 import hmac
@@ -64,7 +65,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -378,6 +379,16 @@ class Form:
             raise ApiError(400, f"{name} was sent {len(self.form.getlist(name))} times; send it once"
                            + (" (several adapters go in one field: NAME,NAME)" if name == "lora" else ""), name)
 
+    def only(self, fields: Collection[str], endpoint: str) -> None:
+        """Every field sent is one the endpoint reads: a misspelt one ("strenght") would otherwise be
+        ignored and the edit run without it, which the client learns only from the picture."""
+        for name in self.form.keys():
+            if name not in fields:
+                close = difflib.get_close_matches(name, fields, n=1)
+                raise ApiError(400, f"{endpoint} has no field {name!r}"
+                               + (f" (did you mean {close[0]!r}?)" if close else "")
+                               + f"; its fields: {', '.join(sorted(fields))}", name, "unknown_field")
+
     def file(self, name: str, *aliases: str) -> bytes | None:
         for key in (name, *aliases):
             self.once(key)
@@ -516,6 +527,14 @@ OPENAI_EDIT_FIELDS = {
     "slo_ms": EDIT_FIELDS["slo_ms"],
     "lora": LORA_FIELD,
 }
+
+# What each form endpoint reads: its documented fields, and those it reads only to refuse or to check.
+TEMPLATE_FIELDS = ("image", "prompt", "steps", "seed", "guidance", "lora", "strength")
+FORM_FIELDS = {"/v1/templates": frozenset(TEMPLATE_FIELDS),
+               "/v1/edits": frozenset(EDIT_FIELDS) | {"model"},
+               # OpenAI's form (quality, input_fidelity and user are read and ignored) and retouch's extras
+               "/v1/images/edits": frozenset(OPENAI_EDIT_FIELDS) | {"image[]", "model", "quality", "input_fidelity",
+                                                                   "user", "async", "webhook"}}
 
 
 def multipart_body(fields: dict[str, dict], required: tuple[str, ...]) -> dict:
@@ -831,9 +850,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
     @app.post("/v1/templates", status_code=202)
     async def create_template(request: Request):
         form = await read_form(request)
+        form.only(FORM_FIELDS["/v1/templates"], "/v1/templates")
         if form.text("lora") is not None:  # a client may think the template carries the adapter
             raise ApiError(400, "templates are recorded without LoRA (the cache holds the base model's "
                            "activations); name the adapters on each edit", "lora", "lora_unsupported")
+        if form.text("strength") is not None:
+            raise ApiError(400, "templates are recorded at full strength (every step); send strength with each "
+                           "edit", "strength")
         upload = form.file("image")
         if upload is None:
             raise ApiError(400, "image is required (a file field)", "image")
@@ -1390,6 +1413,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         request.state.request_id = client_request_id(request)
         key = idempotency_key(request)
         form = await read_form(request)
+        form.only(FORM_FIELDS[endpoint], endpoint)
         run_async = runs_async(request, form) if endpoint == "/v1/edits" else False
         async with claimed(request, endpoint, form, key, run_async) as claim:
             answer = await (replayed(request, claim.replay) if claim.replay is not None else edit(request, form, claim))
