@@ -486,3 +486,16 @@ def test_every_error_has_a_code_to_switch_on_and_its_request_id_is_the_logged_on
     logged = " ".join(r.getMessage() for r in caplog.records if r.name == "retouch.access")
     for answer in answers:  # the id a client quotes is the one in the log
         assert f"id={answer.headers['X-Request-Id']}" in logged
+
+
+def test_every_field_a_form_endpoint_takes_is_in_its_openapi_schema_but_those_it_refuses_or_ignores(make_router):
+    """/docs shows every field the endpoint reads; what it accepts beyond them is read only to refuse
+    it saying why (a LoRA or strength on a template, async on the OpenAI form) or is OpenAI's and ignored."""
+    from retouch.http_api import FORM_FIELDS
+
+    schema = create_app(make_router(), Limits()).openapi()
+    beyond = {"/v1/templates": {"lora", "strength"}, "/v1/edits": set(),
+              "/v1/images/edits": {"image[]", "quality", "input_fidelity", "user", "async", "webhook"}}
+    for path, fields in FORM_FIELDS.items():
+        form = schema["paths"][path]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+        assert set(form["properties"]) == fields - beyond[path], path

@@ -495,6 +495,7 @@ EDIT_FIELDS = {
                             "step events count them: the sampler's denoiser calls)", default=0),
     "slo_ms": _field("integer", "answer within this many milliseconds of arrival (the router orders by it)"),
     "lora": LORA_FIELD,
+    "model": _field("string", "one of the served names (GET /v1/models; 404 otherwise); by default the served model"),
     "async": _field("boolean", "answer 202 with the edit's status at once; GET /v1/edits/{id}/result answers it "
                     "later (also: header Prefer: respond-async)", default=False),
     "webhook": _field("string", "with async=true: a URL (of the server's --webhook-origins) POSTed the edit's status "
@@ -526,15 +527,22 @@ OPENAI_EDIT_FIELDS = {
     "template_id": EDIT_FIELDS["template_id"],
     "slo_ms": EDIT_FIELDS["slo_ms"],
     "lora": LORA_FIELD,
+    "model": EDIT_FIELDS["model"],
 }
 
 # What each form endpoint reads: its documented fields, and those it reads only to refuse or to check.
-TEMPLATE_FIELDS = ("image", "prompt", "steps", "seed", "guidance", "lora", "strength")
-FORM_FIELDS = {"/v1/templates": frozenset(TEMPLATE_FIELDS),
-               "/v1/edits": frozenset(EDIT_FIELDS) | {"model"},
+TEMPLATE_FIELDS = {
+    "image": _field("file", "the template image"),
+    "prompt": _field("string", "what the image shows (its recorded run's prompt)", default=""),
+    "steps": _field("integer", "denoising steps of the template's schedule (its edits run them)"),
+    "seed": _field("integer", "random seed of the template's noise", default=0),
+    "guidance": _field("number", "guidance scale"),
+}
+FORM_FIELDS = {"/v1/templates": frozenset(TEMPLATE_FIELDS) | {"lora", "strength"},  # both refused, saying why
+               "/v1/edits": frozenset(EDIT_FIELDS),
                # OpenAI's form (quality, input_fidelity and user are read and ignored) and retouch's extras
-               "/v1/images/edits": frozenset(OPENAI_EDIT_FIELDS) | {"image[]", "model", "quality", "input_fidelity",
-                                                                   "user", "async", "webhook"}}
+               "/v1/images/edits": frozenset(OPENAI_EDIT_FIELDS) | {"image[]", "quality", "input_fidelity", "user",
+                                                                   "async", "webhook"}}
 
 
 def multipart_body(fields: dict[str, dict], required: tuple[str, ...]) -> dict:
@@ -847,7 +855,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
 
     # ---- templates ----
 
-    @app.post("/v1/templates", status_code=202)
+    @app.post("/v1/templates", status_code=202, openapi_extra=multipart_body(TEMPLATE_FIELDS, ("image",)))
     async def create_template(request: Request):
         form = await read_form(request)
         form.only(FORM_FIELDS["/v1/templates"], "/v1/templates")
