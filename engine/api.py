@@ -11,6 +11,7 @@ The server puts this behind the router; benchmarks and tests drive it directly.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 
@@ -27,6 +28,9 @@ from retouch.errors import InputError, RetouchError
 from retouch.lora import LoraChoice, parse_lora
 from retouch.models import load_pipeline
 from retouch.models.samplers import describe as describe_scheduler
+
+# One-off images an engine remembers having edited below full strength (their second such edit records them)
+MAX_BELOW_FULL = 1024
 
 
 class HelperError(RetouchError):
@@ -45,6 +49,8 @@ class Engine:
         self._jobs: dict[int, Job] = {}  # in the helpers (disaggregated mode), until answered
         self._unanswered: set[Future] = set()  # every accepted request's, until done (`cancel_all`)
         self._recordings: dict[str, Job] = {}  # template id -> the job recording it
+        # One-off images edited below full strength and not recorded (`submit_image`), least recent first
+        self._below_full: OrderedDict[str, None] = OrderedDict()
         self._jobs_lock = threading.Lock()
         self.worker = Worker(editor, config, self._send_to_postprocess if config.mode == "disagg" else None,
                              predict_s)
@@ -181,13 +187,18 @@ class Engine:
     def submit_image(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int = 0,
                      steps: int = DEFAULT_STEPS, guidance: float | None = None,
                      watch: StepWatch | None = None, budget_s: float | None = None,
-                     lora: LoraChoice | str | list = (), strength: float = 1.0) -> Future[EditResult]:
+                     lora: LoraChoice | str | list = (), strength: float = 1.0,
+                     record_beside: bool | None = None) -> Future[EditResult]:
         """A one-off edit of `image`. Its first edit on this engine runs in full, the stock pipeline's
         result, and records the image as it goes (`EditResult.recorded` names the template); later
         ones, whatever their prompt, seed or mask, are mask-aware edits of that recording. While the
         image is being recorded another one-off edit of it is computed in full without recording; so is
         one with a LoRA (the cache holds the base model's activations, which its rows are not), and one
-        below `strength` 1 (it runs only the schedule's last steps, where a recording needs them all)."""
+        below `strength` 1 (it runs only the schedule's last steps, where a recording needs them all).
+        The second edit of an image below strength 1 also starts its recording beside it, as its edit at full
+        strength would have recorded it (`submit_recording` of its `one_off_template`): an image edited that
+        way is likely edited again, and its later edits are then mask-aware. `record_beside` decides it
+        instead where the caller counts (a worker process: the router counts edits on every worker)."""
         self._check_running()
         template = self.editor.one_off_template(image, mask, prompt, seed, steps, guidance)
         request = self.editor.check_request(EditRequest(template.template_id, mask, prompt, seed, strength=strength),
@@ -196,13 +207,28 @@ class Engine:
         if self.editor.is_recorded(template.template_id):
             return self._submit_checked(request, self.editor.templates[template.template_id], watch, budget_s, lora)
         with self._jobs_lock:
-            records = template.template_id not in self._recordings and not lora and request.strength == 1.0
+            recording = template.template_id in self._recordings
+            records = not recording and not lora and request.strength == 1.0
             job = Worker.new_job(request, recording=template, records=records, watch=watch,
                                  deadline=_deadline(budget_s), lora=lora)
             if records:
                 self._track_recording(job)
+            records_beside = not (recording or lora or records) and (
+                self._edited_below_full(template.template_id) if record_beside is None else record_beside)
         self._enqueue(job)
+        if records_beside:
+            self.submit_recording(template)
         return job.future
+
+    def _edited_below_full(self, template_id: str) -> bool:
+        """With the jobs lock held: whether the one-off image was edited below full strength before; it
+        is remembered now (the last MAX_BELOW_FULL images)."""
+        seen = template_id in self._below_full
+        self._below_full[template_id] = None
+        self._below_full.move_to_end(template_id)
+        while len(self._below_full) > MAX_BELOW_FULL:
+            self._below_full.popitem(last=False)
+        return seen
 
     def drop_template(self, template_id: str, wait: bool = True) -> None:
         """Forget a template; a recording of it in progress stops at the next step and frees its

@@ -300,16 +300,38 @@ class Node:
             else:
                 image = decode_image(blobs["image"], f"template {router_template}")
                 future = self.engine.submit_image(image, mask, prompt, seed, int(one_off["steps"]),
-                                                  one_off["guidance"], watch, budget_s, lora, strength)
+                                                  one_off["guidance"], watch, budget_s, lora, strength,
+                                                  record_beside=False)  # the router asks (`_record_one_off`)
         except Exception as exc:  # noqa: BLE001 - answered, never dropped
             self._post({"kind": "result", "request": request_id, "status": status_of(exc),
                         "error": type(exc).__name__, "message": str(exc)})
+            if one_off is not None and one_off.get("records"):
+                self._post({"kind": "template", "template": router_template, "ok": False, "message": str(exc)})
             return
+        if one_off is not None and one_off.get("records"):  # the router asks for a recording beside the edit
+            if template_id is None:
+                self._record_one_off(router_template, image, mask, prompt, seed, one_off)
+            else:  # held here already (the router lost track of it)
+                self._post({"kind": "template", "template": router_template, "ok": True})
         with self._lock:
             self.requests[future] = request_id
             self.futures[request_id] = future
         trace = str(header.get("trace") or request_id)
         future.add_done_callback(lambda f: self._answer(f, router_template, trace))
+
+    def _record_one_off(self, router_template: str, image: Image.Image, mask: Image.Image, prompt: str, seed: int,
+                        one_off: dict) -> None:
+        """Record a one-off image beside an edit of it below full strength (which records nothing), as its
+        edit at full strength would have: the router asks on the image's second such edit."""
+        try:
+            template = self.engine.editor.one_off_template(image, mask, prompt, seed, int(one_off["steps"]),
+                                                           one_off["guidance"])
+            future = self.engine.submit_recording(template)
+        except Exception as exc:  # noqa: BLE001 - the router is told; the edit goes on
+            self._post({"kind": "template", "template": router_template, "ok": False,
+                        "message": f"{type(exc).__name__}: {exc}"})
+            return
+        self._track_registration(router_template, template.template_id, future)
 
     def _watch(self, request_id: int, preview_every: int) -> StepWatch:
         """The router hears of every step of an edit (its clients may be streaming its progress) and
@@ -390,6 +412,22 @@ class Node:
         def progress(step: int, steps: int) -> None:
             self._post({"kind": "progress", "template": router_template, "step": step, "steps": steps})
 
+        if self.draining:  # sent before the router heard: not a failure of the template, another records it
+            self._post({"kind": "template", "template": router_template, "ok": False, "draining": True})
+            return
+        try:
+            image = decode_image(blobs["image"], f"template {router_template}")
+            template = self.engine.editor.new_template(image, header["prompt"], int(header["steps"]),
+                                                       int(header["seed"]), header["guidance"])
+            future = self.engine.submit_recording(template, on_step=progress)
+        except Exception as exc:  # noqa: BLE001 - the router is told; the worker goes on
+            self._post({"kind": "template", "template": router_template, "ok": False,
+                        "message": f"{type(exc).__name__}: {exc}"})
+            return
+        self._track_registration(router_template, template.template_id, future)
+
+    def _track_registration(self, router_template: str, template_id: str, future: Future) -> None:
+        """The router hears how the recording of its template ends; until then heartbeats say it is under way."""
         def recorded(future: Future) -> None:
             try:
                 if future.cancelled():  # dropped meanwhile: the router forgot it already
@@ -407,20 +445,8 @@ class Node:
                     if self.registrations.get(router_template, (None, None))[1] is future:
                         del self.registrations[router_template]
 
-        if self.draining:  # sent before the router heard: not a failure of the template, another records it
-            self._post({"kind": "template", "template": router_template, "ok": False, "draining": True})
-            return
-        try:
-            image = decode_image(blobs["image"], f"template {router_template}")
-            template = self.engine.editor.new_template(image, header["prompt"], int(header["steps"]),
-                                                       int(header["seed"]), header["guidance"])
-            future = self.engine.submit_recording(template, on_step=progress)
-        except Exception as exc:  # noqa: BLE001 - the router is told; the worker goes on
-            self._post({"kind": "template", "template": router_template, "ok": False,
-                        "message": f"{type(exc).__name__}: {exc}"})
-            return
         with self._lock:
-            self.registrations[router_template] = (template.template_id, future)
+            self.registrations[router_template] = (template_id, future)
         future.add_done_callback(recorded)
 
     def _drop(self, router_template: str) -> None:

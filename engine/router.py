@@ -185,6 +185,7 @@ class TemplateRecord:
     guidance: float | None
     replicas: int  # 0: every worker
     one_off: bool = False  # recorded by its first edit, never registered on its own
+    edits_below_full: int = 0  # requests editing it below strength 1 (a one-off's second records it, `_route`)
     owner: str = ""  # the tenant (API key) that registered it: others neither see nor use it
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)  # its last edit (one-off images are evicted by it)
@@ -360,8 +361,9 @@ class Router:
         self._no_worker_since: float | None = time.monotonic()  # None while a worker is connected
         self._lora_workers_since = time.monotonic()  # when a worker that serves LoRAs was last connected
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
-                         "one_offs_evicted": 0, "lora_affinity": 0, "registry_failures": 0, "workers_mismatched": 0,
-                         "lost_requests": 0, "lost_recordings": 0, "lora_mismatches": 0}
+                         "one_offs_evicted": 0, "one_offs_recorded_beside": 0, "lora_affinity": 0,
+                         "registry_failures": 0, "workers_mismatched": 0, "lost_requests": 0, "lost_recordings": 0,
+                         "lora_mismatches": 0}
         self._lora_mismatches: set[tuple[str, str, str]] = set()  # (name, digest, digest) said once
         # size class -> {"with_deadline": n, and n per SLO_OUTCOMES}
         self.slo: dict[str, dict[str, int]] = {}
@@ -451,6 +453,8 @@ class Router:
                 self._evict_one_offs(keep=one_off.template_id)
             for task in tasks:
                 self.templates[task.template_id].last_used = time.monotonic()
+            for template_id in {task.template_id for task in tasks if task.strength < 1 and not task.lora}:
+                self.templates[template_id].edits_below_full += 1  # per request: n images are one
             accepted = [Pending(next(self._ids), task, Future(), owner=owner) for task in tasks]
             for pending in accepted:
                 self.pending[pending.request_id] = pending
@@ -771,14 +775,18 @@ class Router:
         for name, state in record.states.items():
             if state == "ready" and name in self.workers and not self.workers[name].draining:
                 eligible[self.workers[name].slot] = True
-        carries_image = records = False
+        carries_image = records = records_beside = False
         if not eligible.any():
             open_workers = self._open_workers()
             if record.one_off and open_workers.any() and not self._holders(record):
                 # Nobody holds the image: this edit goes with it to any worker, computing every token,
                 # and records it as it runs unless it has a LoRA (its activations are not the base model's)
-                # or a strength below 1 (it runs only the schedule's last steps).
+                # or a strength below 1 (it runs only the schedule's last steps). An image edited below
+                # strength 1 a second time is likely edited again: its worker records it beside the edit,
+                # as the edit would have at full strength (once: not after a failed recording).
                 records = not pending.task.lora and pending.task.strength == 1
+                records_beside = (not (records or pending.task.lora) and record.edits_below_full > 1
+                                  and not record.states)
                 eligible, carries_image = open_workers, True
             else:
                 self._park(pending, record)
@@ -831,12 +839,19 @@ class Router:
         if task.strength != 1:
             header["strength"] = task.strength
         blobs = {"mask": task.mask}
-        if records:
+        if records or records_beside:
             record.states[worker.name] = "recording"
         if carries_image:
-            header["one_off"] = {"steps": record.steps, "guidance": record.guidance}
+            header["one_off"] = {"steps": record.steps, "guidance": record.guidance} | (
+                {"records": True} if records_beside else {})
             blobs["image"] = record.image
-        worker.sent_in[pending.request_id] = (self._send(worker, header, blobs), time.monotonic())
+        seq = self._send(worker, header, blobs)
+        worker.sent_in[pending.request_id] = (seq, time.monotonic())
+        if records_beside:  # a recording of its own, which heartbeats report (`_find_lost_recordings`)
+            worker.registering.add(record.template_id)
+            worker.sent_in[record.template_id] = (seq, time.monotonic())
+            self.counters["one_offs_recorded_beside"] += 1
+            self._template_changed(record)
         # A request sent again (its worker died) starts over: its watchers see it queued, then steps from 1.
         self._tell("request", pending.request_id, {"event": "queued", "worker": worker.name, "attempt": pending.routes,
                                                    "steps": self.denoiser_calls(record.steps, worker.name,

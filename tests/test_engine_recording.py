@@ -108,6 +108,31 @@ def test_the_first_one_off_edit_is_the_baseline_and_the_next_one_is_mask_aware(m
     assert np.array_equal(np.asarray(second.image)[keep], np.asarray(image)[keep])
 
 
+def test_a_one_off_image_edited_below_full_strength_twice_is_recorded_as_a_full_strength_edit_would():
+    """Below strength 1 an edit runs only the last steps and records nothing; the image's second such edit
+    also records it, beside itself, as that edit at full strength would have: the next edit is
+    mask-aware, and is what it would be after a first edit at full strength."""
+    image = random_image((61, 47), seed=4)
+    masks = [Image.new("L", image.size, 0) for _ in range(3)]
+    for mask, box in zip(masks, [(8, 8, 30, 30), (30, 10, 50, 30), (20, 20, 40, 44)]):
+        mask.paste(255, box)
+    edits = [(masks[0], "a red hat", 1), (masks[1], "a blue bird", 2), (masks[2], "a green cup", 3)]
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    with Engine(editor, EngineConfig(mode="naive")) as engine:
+        first, second = (engine.submit_image(image, mask, prompt, seed, steps=STEPS, strength=0.5).result(timeout=120)
+                         for mask, prompt, seed in edits[:2])
+        template = editor.one_off_template(image, *edits[1], steps=STEPS)
+        recorded = engine.submit_recording(template).result(timeout=120)  # the recording under way, or done
+        third = engine.submit_image(image, *edits[2], steps=STEPS, strength=0.5).result(timeout=120)
+    assert first.recorded is None and second.recorded is None and recorded == template.template_id
+    assert first.metrics.computed_tokens == first.metrics.tokens == second.metrics.computed_tokens
+    assert third.metrics.computed_tokens < third.metrics.tokens
+    alone = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    alone.edit_image(image, *edits[1], steps=STEPS)  # a first edit at full strength records the image
+    expected = alone.edit_image(image, *edits[2], steps=STEPS, strength=0.5)
+    assert np.abs(np.asarray(third.image, int) - np.asarray(expected, int)).max() <= 1
+
+
 def test_later_one_off_edits_recompute_the_region_the_first_one_repainted():
     editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
     image = random_image((64, 64), seed=4)

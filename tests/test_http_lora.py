@@ -169,7 +169,7 @@ class RecordingEngine:
         return self._recorded("submit", request, lora)
 
     def submit_image(self, image, mask, prompt, seed=0, steps=28, guidance=None, watch=None, budget_s=None,
-                     lora=(), strength=1.0) -> Future:
+                     lora=(), strength=1.0, record_beside=None) -> Future:
         return self._recorded("submit_image", image, lora)
 
     def submit_recording(self, template, on_step=None) -> Future:

@@ -120,6 +120,70 @@ def test_a_one_off_image_below_full_strength_is_computed_in_full_and_not_recorde
     assert again["one_off"] == {"steps": 8, "guidance": None} and "strength" not in again
 
 
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_one_off_image_edited_below_full_strength_again_is_recorded_beside_that_edit(recorded):
+    """Its second edit below strength 1 asks its worker to record it too; edits meanwhile wait for that
+    recording, then are mask-aware edits of it (sent without the image). A failed recording sends them
+    on with the image, and is not asked for again."""
+    blue = png(Image.new("RGB", (32, 32), "blue"))
+
+    async def scenario(client, worker, template_id):
+        image = {"image": ("i.png", png(Image.new("RGB", (32, 32), "green")), "image/png")}
+
+        def edit(prompt):
+            return asyncio.create_task(client.post("/v1/edits", files={**image, **MASK}, data={
+                "prompt": prompt, "strength": "0.5"}))
+
+        sent, answers = [], []
+        for prompt in ("a cat", "a dog"):
+            answers.append(edit(prompt))
+            sent.append(await asyncio.to_thread(worker.receive, "edit"))
+            await asyncio.to_thread(worker.answer, sent[-1]["request"], blue)
+        template = (await client.get(f"/v1/templates/{answers[0].result().headers['X-Template-Id']}")).json()
+        answers.append(edit("a bird"))
+        await asyncio.to_thread(worker.sync)
+        parked = "edit" not in worker.pending_kinds()
+        worker.send({"kind": "template", "template": sent[1]["template"], "ok": recorded, "message": "out of memory"})
+        sent.append(await asyncio.to_thread(worker.receive, "edit"))
+        await asyncio.to_thread(worker.answer, sent[-1]["request"], blue)
+        answers.append(edit("a fish"))
+        sent.append(await asyncio.to_thread(worker.receive, "edit"))
+        await asyncio.to_thread(worker.answer, sent[-1]["request"], blue)
+        return sent, [await answer for answer in answers], template, parked
+
+    sent, answers, template, parked = asyncio.run(with_worker("flux-fill", scenario))
+    assert all(answer.status_code == 200 for answer in answers)
+    assert "records" not in sent[0]["one_off"] and sent[1]["one_off"] == {"steps": 8, "guidance": None,
+                                                                          "records": True}
+    assert template["status"] == "recording" and parked
+    if recorded:
+        assert "one_off" not in sent[2] and "one_off" not in sent[3]  # the worker holds it: mask-aware edits
+    else:
+        assert all(edit["one_off"] == {"steps": 8, "guidance": None} for edit in sent[2:])
+
+
+def test_n_images_of_one_request_are_one_edit_of_the_image_not_two():
+    """n=2 below full strength on a new image asks for no recording (both images compute in full at once);
+    the next request of the image does."""
+    blue = png(Image.new("RGB", (32, 32), "blue"))
+
+    async def scenario(client, worker, template_id):
+        image = ("i.png", png(Image.new("RGB", (32, 32), "green")), "image/png")
+        clear = ("m.png", png(Image.new("RGBA", (32, 32), (0, 0, 0, 0))), "image/png")
+        sent = []
+        for n in ("2", "1"):
+            answer = asyncio.create_task(client.post("/v1/images/edits", files={"image": image, "mask": clear},
+                                                     data={"prompt": "a cat", "strength": "0.5", "n": n}))
+            for _ in range(int(n)):
+                sent.append(await asyncio.to_thread(worker.receive, "edit"))
+                await asyncio.to_thread(worker.answer, sent[-1]["request"], blue)
+            assert (await answer).status_code == 200
+        return sent
+
+    sent = asyncio.run(with_worker("flux-fill", scenario))
+    assert [edit["one_off"].get("records", False) for edit in sent] == [False, False, True]
+
+
 @pytest.mark.parametrize("value,status,says", [
     ("0", 422, "strength must be in (0, 1], got 0.0"), ("-1", 422, "strength must be in (0, 1], got -1.0"),
     ("1.5", 422, "strength must be in (0, 1], got 1.5"), ("nan", 422, "strength must be a number in (0, 1]"),
