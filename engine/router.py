@@ -358,6 +358,7 @@ class Router:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._stopped = False
+        self._said_goodbye = False  # closing: the workers were told (`close`), and a hello now is too
         self._no_worker_since: float | None = time.monotonic()  # None while a worker is connected
         self._lora_workers_since = time.monotonic()  # when a worker that serves LoRAs was last connected
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
@@ -400,7 +401,8 @@ class Router:
                 self._answer(pending, EditAnswer(None, 503, "interrupted",
                                                  "the server stopped before this edit was done; send it again"))
             for worker in self.workers.values():  # a worker started on its own outlives the server
-                self._send(worker, {"kind": "closing" if worker.info.get("supervised") is False else "stop"})
+                self._send(worker, {"kind": self._goodbye(worker.info)})
+            self._said_goodbye = True
         self._wake()
         if self._thread is not None:
             with self._lock:  # the loop's next swap, which sends the stop messages, is its last
@@ -1107,8 +1109,16 @@ class Router:
         pending.calls, pending.steps_left = steps, steps - int(header["step"])
         self._tell("request", pending.request_id, {"event": "step", "step": int(header["step"]), "steps": steps})
 
+    def _goodbye(self, hello: dict) -> str:
+        """What a closing router tells a worker: one started on its own outlives the server (closing), one
+        of its supervisor stops."""
+        return "closing" if hello.get("supervised") is False else "stop"
+
     def _on_hello(self, identity: bytes, header: dict) -> None:
         name = header["worker"]
+        if self._said_goodbye:  # told it is closing, a worker on its own says hello again at once
+            self._outgoing.append((identity, wire.encode({"kind": self._goodbye(header)})))
+            return
         known = self.workers.get(name)
         if known is not None and known.identity == identity and known.info.get("boot") == header.get("boot"):
             # the same process again (its welcome lost); a restart in the same pod may reuse name and pid

@@ -231,6 +231,18 @@ def test_close_cancels_on_their_workers_the_edits_it_answers(context, make_route
     assert w0.receive("cancel")["request"] == edit["request"] and w0.receive("stop")
 
 
+def test_a_worker_saying_hello_once_told_the_router_closes_is_told_again_not_welcomed(context, make_router):
+    """A worker started on its own says hello as soon as it hears the router is closing; a hello that
+    comes before the router's loop ends must not welcome it (it would count itself joined to a router
+    that is gone)."""
+    router = make_router()
+    with router._lock:
+        router._said_goodbye = True  # what close() sets once it told its workers, before its loop ends
+    ScriptedWorker(context, router, "own", welcome="closing", supervised=False)
+    ScriptedWorker(context, router, "supervised", welcome="stop", supervised=True)
+    assert router.snapshot()["workers"] == {}
+
+
 def test_a_template_whose_register_was_lost_is_sent_again(context, make_router):
     router = make_router(dead_after_s=0.3)
     w0 = ScriptedWorker(context, router, "w0")
