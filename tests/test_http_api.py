@@ -495,7 +495,8 @@ def test_every_field_a_form_endpoint_takes_is_in_its_openapi_schema_but_those_it
 
     schema = create_app(make_router(), Limits()).openapi()
     beyond = {"/v1/templates": {"lora", "strength"}, "/v1/edits": set(),
-              "/v1/images/edits": {"image[]", "quality", "input_fidelity", "user", "async", "webhook"}}
+              "/v1/images/edits": {"image[]", "quality", "input_fidelity", "user", "safety_identifier", "async",
+                                   "webhook"}}
     for path, fields in FORM_FIELDS.items():
         form = schema["paths"][path]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
         assert set(form["properties"]) == fields - beyond[path], path

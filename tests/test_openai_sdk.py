@@ -164,6 +164,8 @@ def test_an_opaque_image_without_a_mask_is_refused_not_answered_unchanged(client
     ({"output_format": "gif"}, 400, "output_format"),
     ({"size": "48x48"}, 400, "size"),  # the image is 48x32: it would be stretched
     ({"model": "dall-e-2"}, 404, "model"),  # not served here (nor listed as an alias)
+    ({"frame_count": 4}, 400, "frame_count"),  # an OpenAI field retouch cannot honour: refused, not ignored
+    ({"extra_body": {"strenght": "0.5"}}, 400, "strenght"),  # a misspelt extra
 ])
 def test_what_retouch_cannot_do_is_an_sdk_error_naming_the_field(client, fields, status, param):
     holed, _ = with_hole(random_image(SIZE, seed=5))
@@ -171,6 +173,17 @@ def test_what_retouch_cannot_do_is_an_sdk_error_naming_the_field(client, fields,
     with pytest.raises(openai.APIStatusError) as raised:
         client.images.edit(**request)
     assert raised.value.status_code == status and raised.value.body["param"] == param
+
+
+def test_what_only_describes_the_request_is_taken_and_ignored(client):
+    """OpenAI's quality and input fidelity, and the end-user ids OpenAI asks clients to send (user,
+    safety_identifier), change nothing here: the edit answers as without them."""
+    image = random_image(SIZE, seed=6)
+    holed, keep = with_hole(image)
+    answer = client.images.edit(image=("t.png", holed, "image/png"), prompt="a cat", quality="high",
+                                input_fidelity="high", user="customer-7", safety_identifier="hashed-customer-7")
+    plain = client.images.edit(image=("t.png", holed, "image/png"), prompt="a cat")
+    assert answer.data[0].b64_json == plain.data[0].b64_json
 
 
 def test_the_sdk_lists_and_retrieves_the_served_model_by_each_name(client):

@@ -540,9 +540,10 @@ TEMPLATE_FIELDS = {
 }
 FORM_FIELDS = {"/v1/templates": frozenset(TEMPLATE_FIELDS) | {"lora", "strength"},  # both refused, saying why
                "/v1/edits": frozenset(EDIT_FIELDS),
-               # OpenAI's form (quality, input_fidelity and user are read and ignored) and retouch's extras
+               # OpenAI's form and retouch's extras; OpenAI's quality, input_fidelity and its end-user ids (user,
+               # safety_identifier) are ignored: what the others ask for (svg, frames, ...) retouch cannot make
                "/v1/images/edits": frozenset(OPENAI_EDIT_FIELDS) | {"image[]", "quality", "input_fidelity", "user",
-                                                                   "async", "webhook"}}
+                                                                   "safety_identifier", "async", "webhook"}}
 
 
 def multipart_body(fields: dict[str, dict], required: tuple[str, ...]) -> dict:
@@ -1551,8 +1552,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         the region to repaint (without one, the image's own alpha does), `prompt`, `n`, `size`,
         `response_format` (b64_json), `output_format` (png, jpeg, webp), `output_compression`, and
         `stream` with `partial_images`; `model` must be a served name (404 otherwise); `quality`,
-        `input_fidelity` and `user` are accepted and ignored. retouch's extras: `template_id` reuses a
-        registered template, `lora` names LoRA adapters."""
+        `input_fidelity`, `user` and `safety_identifier` are accepted and ignored, other fields refused.
+        retouch's extras: `template_id` reuses a registered template, `lora` names LoRA adapters."""
         return await edit_request(request, "/v1/images/edits", openai_images_edit)
 
     async def openai_images_edit(request: Request, form: Form, claim: EditClaim) -> Response:
