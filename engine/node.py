@@ -55,6 +55,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -326,7 +327,7 @@ class Node:
         try:
             template = self.engine.editor.one_off_template(image, mask, prompt, seed, int(one_off["steps"]),
                                                            one_off["guidance"])
-            future = self.engine.submit_recording(template)
+            future = self.engine.submit_recording(template, on_step=self._progress_of(router_template))
         except Exception as exc:  # noqa: BLE001 - the router is told; the edit goes on
             self._post({"kind": "template", "template": router_template, "ok": False,
                         "message": f"{type(exc).__name__}: {exc}"})
@@ -408,10 +409,6 @@ class Node:
     def _register(self, header: dict, blobs: dict) -> None:
         """Record a template as a member of the running batch; the router hears of each step and the end."""
         router_template = header["template"]
-
-        def progress(step: int, steps: int) -> None:
-            self._post({"kind": "progress", "template": router_template, "step": step, "steps": steps})
-
         if self.draining:  # sent before the router heard: not a failure of the template, another records it
             self._post({"kind": "template", "template": router_template, "ok": False, "draining": True})
             return
@@ -419,12 +416,19 @@ class Node:
             image = decode_image(blobs["image"], f"template {router_template}")
             template = self.engine.editor.new_template(image, header["prompt"], int(header["steps"]),
                                                        int(header["seed"]), header["guidance"])
-            future = self.engine.submit_recording(template, on_step=progress)
+            future = self.engine.submit_recording(template, on_step=self._progress_of(router_template))
         except Exception as exc:  # noqa: BLE001 - the router is told; the worker goes on
             self._post({"kind": "template", "template": router_template, "ok": False,
                         "message": f"{type(exc).__name__}: {exc}"})
             return
         self._track_registration(router_template, template.template_id, future)
+
+    def _progress_of(self, router_template: str) -> Callable[[int, int], None]:
+        """The router hears of each step of the template's recording (its progress, for its watchers)."""
+        def progress(step: int, steps: int) -> None:
+            self._post({"kind": "progress", "template": router_template, "step": step, "steps": steps})
+
+        return progress
 
     def _track_registration(self, router_template: str, template_id: str, future: Future) -> None:
         """The router hears how the recording of its template ends; until then heartbeats say it is under way."""

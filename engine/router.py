@@ -715,7 +715,7 @@ class Router:
                 self._send(self.workers[name], {"kind": "drop", "template": template_id})
         for request_id in self.parked.pop(template_id, ()):
             self._answer(self.pending[request_id],
-                         EditAnswer(None, 404, "NotFound", f"template {template_id!r} was deleted"))
+                         EditAnswer(None, 404, "template_deleted", f"template {template_id!r} was deleted"))
 
     def _evict_one_offs(self, keep: str) -> None:
         """Keep at most `max_one_off` one-off images: forget the least recently edited ones that no
@@ -770,7 +770,7 @@ class Router:
     def _route(self, pending: Pending) -> None:
         record = self.templates.get(pending.task.template_id)
         if record is None:
-            self._answer(pending, EditAnswer(None, 404, "NotFound",
+            self._answer(pending, EditAnswer(None, 404, "template_deleted",
                                              f"template {pending.task.template_id!r} was deleted"))
             return
         eligible = np.zeros_like(self.cluster.alive)

@@ -289,6 +289,10 @@ async def unknown_fields() -> dict:
                                                     data={"prompt": "a cat", "negative_prompt": "dogs"}),
                 "template misspelt": await client.post("/v1/templates", files={"image": image},
                                                        data={"prompt": "a room", "seeds": "3"}),
+                "in the query": await client.post("/v1/edits?strength=0.5", files={"mask": mask, "image": image},
+                                                  data={"prompt": "a cat"}),
+                "openai query": await client.post("/v1/images/edits?stream=true", files={"image": image, "mask": clear},
+                                                  data={"prompt": "a cat"}),
                 "template strength": await client.post("/v1/templates", files={"image": image},
                                                        data={"strength": "0.5"}),
                 "templates": router.snapshot()["templates"], "pending": router.snapshot()["pending"]}
@@ -303,7 +307,9 @@ def test_a_field_the_endpoint_does_not_read_is_refused_naming_it():
     for name, param, hint in (("misspelt", "strenght", "did you mean 'strength'?"),
                               ("a file field unknown", "mask2", "did you mean 'mask'?"),
                               ("openai unknown", "negative_prompt", "its fields: "),
-                              ("template misspelt", "seeds", "did you mean 'seed'?")):
+                              ("template misspelt", "seeds", "did you mean 'seed'?"),
+                              ("in the query", "strength", "the query string"),
+                              ("openai query", "stream", "the query string")):
         error = outcome[name].json()["error"]
         assert outcome[name].status_code == 400 and error["param"] == param and error["code"] == "unknown_field", name
         assert hint in error["message"], name
@@ -488,15 +494,12 @@ def test_every_error_has_a_code_to_switch_on_and_its_request_id_is_the_logged_on
         assert f"id={answer.headers['X-Request-Id']}" in logged
 
 
-def test_every_field_a_form_endpoint_takes_is_in_its_openapi_schema_but_those_it_refuses_or_ignores(make_router):
-    """/docs shows every field the endpoint reads; what it accepts beyond them is read only to refuse
-    it saying why (a LoRA or strength on a template, async on the OpenAI form) or is OpenAI's and ignored."""
-    from retouch.http_api import FORM_FIELDS
+def test_every_field_a_form_endpoint_takes_is_in_its_openapi_schema_but_those_it_refuses(make_router):
+    """/docs shows every field the endpoint reads; what it accepts beyond them is read only to refuse it
+    saying why (a LoRA or strength on a template, async on the OpenAI form)."""
+    from retouch.http_api import FORM_FIELDS, REFUSED_FIELDS
 
     schema = create_app(make_router(), Limits()).openapi()
-    beyond = {"/v1/templates": {"lora", "strength"}, "/v1/edits": set(),
-              "/v1/images/edits": {"image[]", "quality", "input_fidelity", "user", "safety_identifier", "async",
-                                   "webhook"}}
     for path, fields in FORM_FIELDS.items():
         form = schema["paths"][path]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
-        assert set(form["properties"]) == fields - beyond[path], path
+        assert set(form["properties"]) == fields and not fields & REFUSED_FIELDS[path], path

@@ -177,7 +177,8 @@ def test_n_images_of_one_request_are_one_edit_of_the_image_not_two():
             for _ in range(int(n)):
                 sent.append(await asyncio.to_thread(worker.receive, "edit"))
                 await asyncio.to_thread(worker.answer, sent[-1]["request"], blue)
-            assert (await answer).status_code == 200
+            answered = await answer
+            assert answered.status_code == 200 and answered.headers["X-Template-Id"] == sent[-1]["template"]
         return sent
 
     sent = asyncio.run(with_worker("flux-fill", scenario))

@@ -379,11 +379,16 @@ class Form:
             raise ApiError(400, f"{name} was sent {len(self.form.getlist(name))} times; send it once"
                            + (" (several adapters go in one field: NAME,NAME)" if name == "lora" else ""), name)
 
-    def only(self, fields: Collection[str], endpoint: str) -> None:
-        """Every field sent is one the endpoint reads: a misspelt one ("strenght") would otherwise be
+    def only(self, endpoint: str, query: Collection[str] = ()) -> None:
+        """Every field sent is one the endpoint reads (`FORM_FIELDS`, `REFUSED_FIELDS`), in the body: a
+        misspelt one ("strenght"), or one put in the query string (`query`: its names), would otherwise be
         ignored and the edit run without it, which the client learns only from the picture."""
+        fields = FORM_FIELDS[endpoint]
+        for name in query:
+            raise ApiError(400, f"{endpoint} reads its fields from the multipart body; {name!r} was sent in the "
+                           "query string", name, "unknown_field")
         for name in self.form.keys():
-            if name not in fields:
+            if name not in fields and name not in REFUSED_FIELDS[endpoint]:
                 close = difflib.get_close_matches(name, fields, n=1)
                 raise ApiError(400, f"{endpoint} has no field {name!r}"
                                + (f" (did you mean {close[0]!r}?)" if close else "")
@@ -528,9 +533,14 @@ OPENAI_EDIT_FIELDS = {
     "slo_ms": EDIT_FIELDS["slo_ms"],
     "lora": LORA_FIELD,
     "model": EDIT_FIELDS["model"],
+    "image[]": _field("file", "the image to edit, as OpenAI's SDKs name it"),
+    # OpenAI's, describing the request: taken so that its clients' requests are answered, and ignored
+    "quality": _field("string", "ignored (retouch's quality is the served model's)"),
+    "input_fidelity": _field("string", "ignored (unmasked pixels are the image's own)"),
+    "user": _field("string", "ignored (an end-user id)"),
+    "safety_identifier": _field("string", "ignored (an end-user id)"),
 }
 
-# What each form endpoint reads: its documented fields, and those it reads only to refuse or to check.
 TEMPLATE_FIELDS = {
     "image": _field("file", "the template image"),
     "prompt": _field("string", "what the image shows (its recorded run's prompt)", default=""),
@@ -538,12 +548,13 @@ TEMPLATE_FIELDS = {
     "seed": _field("integer", "random seed of the template's noise", default=0),
     "guidance": _field("number", "guidance scale"),
 }
-FORM_FIELDS = {"/v1/templates": frozenset(TEMPLATE_FIELDS) | {"lora", "strength"},  # both refused, saying why
-               "/v1/edits": frozenset(EDIT_FIELDS),
-               # OpenAI's form and retouch's extras; OpenAI's quality, input_fidelity and its end-user ids (user,
-               # safety_identifier) are ignored: what the others ask for (svg, frames, ...) retouch cannot make
-               "/v1/images/edits": frozenset(OPENAI_EDIT_FIELDS) | {"image[]", "quality", "input_fidelity", "user",
-                                                                   "safety_identifier", "async", "webhook"}}
+# What each form endpoint reads (its /openapi.json fields), and the fields it reads only to refuse them saying
+# why (a LoRA or a strength belongs to each edit; asynchronous edits are /v1/edits's). What OpenAI's other
+# fields ask for (svg, frames, ...) retouch cannot make.
+FORM_FIELDS = {"/v1/templates": frozenset(TEMPLATE_FIELDS), "/v1/edits": frozenset(EDIT_FIELDS),
+               "/v1/images/edits": frozenset(OPENAI_EDIT_FIELDS)}
+REFUSED_FIELDS = {"/v1/templates": frozenset({"lora", "strength"}), "/v1/edits": frozenset(),
+                  "/v1/images/edits": frozenset({"async", "webhook"})}
 
 
 def multipart_body(fields: dict[str, dict], required: tuple[str, ...]) -> dict:
@@ -859,7 +870,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
     @app.post("/v1/templates", status_code=202, openapi_extra=multipart_body(TEMPLATE_FIELDS, ("image",)))
     async def create_template(request: Request):
         form = await read_form(request)
-        form.only(FORM_FIELDS["/v1/templates"], "/v1/templates")
+        form.only("/v1/templates", request.query_params.keys())
         if form.text("lora") is not None:  # a client may think the template carries the adapter
             raise ApiError(400, "templates are recorded without LoRA (the cache holds the base model's "
                            "activations); name the adapters on each edit", "lora", "lora_unsupported")
@@ -1422,7 +1433,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         request.state.request_id = client_request_id(request)
         key = idempotency_key(request)
         form = await read_form(request)
-        form.only(FORM_FIELDS[endpoint], endpoint)
+        form.only(endpoint, request.query_params.keys())
         run_async = runs_async(request, form) if endpoint == "/v1/edits" else False
         async with claimed(request, endpoint, form, key, run_async) as claim:
             answer = await (replayed(request, claim.replay) if claim.replay is not None else edit(request, form, claim))
@@ -1633,7 +1644,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                       for png in pngs]
             envelope = {"created": int(time.time()), "output_format": output_format, "size": f"{width}x{height}",
                         "background": "opaque"}
-            return Reply({"X-Request-Id": request.state.request_id}, envelope, tuple(images))
+            return Reply({"X-Template-Id": template_id, "X-Request-Id": request.state.request_id}, envelope,
+                         tuple(images))
 
         return await answered(request, claim, template_id, answer)
 
