@@ -464,9 +464,12 @@ class Worker:
         for job in jobs:
             job.metrics.steps += 1
             failure = writes.failures.get(job.template.template_id) if job.writes_cache else None
-            if failure is not None:  # its recording could not be kept: it alone fails
-                self.running.remove(job)
+            if failure is not None:  # its recording could not be kept
                 editor.abort_recording(job.recording.template_id)
+                if job.request is not None and isinstance(failure, CacheFull):
+                    job.records = False  # a one-off edit answers all the same: computed in full, unrecorded
+                    continue
+                self.running.remove(job)  # a registration fails, alone
                 self._fail(job, failure)
 
     def retire(self) -> None:

@@ -133,6 +133,29 @@ def test_a_one_off_image_edited_below_full_strength_twice_is_recorded_as_a_full_
     assert np.abs(np.asarray(third.image, int) - np.asarray(expected, int)).max() <= 1
 
 
+def test_a_one_off_edit_whose_recording_does_not_fit_the_host_cache_answers_unrecorded():
+    """The recording is the edit's by-product: when the host cache cannot hold it, the edit still answers
+    (computed in full, the stock pipeline's result) and records nothing; a registration fails saying why."""
+    from retouch.cache import CacheStore, StoreConfig
+
+    image = random_image((61, 47), seed=3)
+    mask = Image.new("L", image.size, 0)
+    mask.paste(255, (8, 8, 30, 30))
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=CacheStore(StoreConfig(host_bytes=4096)))
+    baseline = run_baseline_edit(editor.pipe, image, mask, "a red hat", steps=STEPS, seed=7,
+                                 call_defaults=editor.model.call_defaults)
+    with Engine(editor, EngineConfig(mode="naive")) as engine:
+        answer = engine.submit_image(image, mask, "a red hat", seed=7, steps=STEPS).result(timeout=120)
+        with pytest.raises(Exception, match="do not fit the host cache"):
+            engine.submit_template(image, "a room", steps=STEPS).result(timeout=120)
+    assert answer.recorded is None and answer.metrics.computed_tokens == answer.metrics.tokens
+    assert np.abs(np.asarray(answer.image, int) - np.asarray(baseline, int)).max() <= 1
+    assert not editor.is_recorded(editor.one_off_id(image, STEPS, None))
+    inline = editor.edit_image(image, mask, "a red hat", seed=7, steps=STEPS)  # the editor's own, likewise
+    assert np.abs(np.asarray(inline, int) - np.asarray(baseline, int)).max() <= 1
+    assert not editor.is_recorded(editor.one_off_id(image, STEPS, None))
+
+
 def test_later_one_off_edits_recompute_the_region_the_first_one_repainted():
     editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
     image = random_image((64, 64), seed=4)

@@ -32,7 +32,7 @@ from PIL import Image, ImageChops
 
 from retouch.adapters import CacheMode, MaskAwareContext, UNetMaskAwareContext, patch_flux, patch_sd3, patch_unet
 from retouch.adapters.reads import row_tokens, staged_context
-from retouch.cache import ActivationCache, CacheMiss, CacheStore, StoreConfig, TemplateHandle, uncond_row_id
+from retouch.cache import ActivationCache, CacheFull, CacheMiss, CacheStore, StoreConfig, TemplateHandle, uncond_row_id
 from retouch.cache.staging import CopyEngine, StagedActivations
 from retouch.canvas import Canvas, paste_unmasked
 from retouch.errors import InputError, ModelError
@@ -295,7 +295,11 @@ class MaskAwareEditor:
                               strength=request.strength)[0]
             return finish(template, image, request.mask)
         self.drop_template(template.template_id)
-        image = self._record(template, output_type="pil")[0]
+        try:
+            image = self._record(template, output_type="pil")[0]
+        except CacheFull:  # the recording is the edit's by-product: it answers all the same, unrecorded
+            image = self._run([template], [template.recorded_mask], [prompt], template.noise[None], None)[0]
+            return finish(template, image, request.mask)
         self.templates[template.template_id] = template
         return finish(template, image, request.mask)
 
