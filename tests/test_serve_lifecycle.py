@@ -206,3 +206,18 @@ def test_least_work_routing_serves_edits():
         keep = np.asarray(box()) == 0
         edited = np.asarray(Image.open(io.BytesIO(answer.content)).convert("RGB"))
         assert np.array_equal(edited[keep], np.asarray(image)[keep])
+
+
+def test_several_cpu_workers_share_its_cores_unless_told_otherwise(monkeypatch):
+    """Each worker at torch's default takes every core: several of them (and their helpers) spin against
+    each other. On a CPU they split the cores and helpers take one; a GPU's workers, a single worker and
+    explicit counts are left alone."""
+    from retouch.server import threads_of
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    assert threads_of(ServeOptions(model="m", workers=2), "cpu") == (4, 1)
+    assert threads_of(ServeOptions(model="m", workers=3), "cpu") == (2, 1)
+    assert threads_of(ServeOptions(model="m", workers=16), "cpu") == (1, 1)
+    assert threads_of(ServeOptions(model="m", workers=2, worker_threads=6, helper_threads=2), "cpu") == (6, 2)
+    assert threads_of(ServeOptions(model="m", workers=1), "cpu") == (0, 0)
+    assert threads_of(ServeOptions(model="m", workers=4), "cuda") == (0, 0)

@@ -300,9 +300,11 @@ class ServeOptions:
     mode: str = option("disagg", help="batching mode of each worker", choices=("static", "naive", "disagg"))
     max_batch: int = option(8, help="requests per denoising step per worker")
     helpers: int = option(1, help="pre/post-processing processes per worker (disagg mode)")
-    worker_threads: int = option(0, help="torch CPU threads per worker (0: torch's default)")
-    helper_threads: int = option(0, help="torch CPU threads per helper process (0: torch's default; on a CPU-only "
-                                 "host, 1 keeps them off the step loop's cores under load)")
+    worker_threads: int = option(0, help="torch CPU threads per worker (0: torch's default; several workers on the "
+                                 "CPU: its cores shared among them)")
+    helper_threads: int = option(0, help="torch CPU threads per helper process (0: torch's default, or 1 for several "
+                                 "workers on the CPU; on a CPU-only host, 1 keeps them off the step loop's cores "
+                                 "under load)")
     steps: int = option(28, help="denoising steps of templates registered without `steps`")
     max_steps: int = option(200, help="largest `steps` a request may ask for")
     max_upload_mb: float = option(32.0, help="largest request body (MiB)")

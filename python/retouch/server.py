@@ -79,6 +79,17 @@ def served_model(config: RouterConfig, opts: ServeOptions) -> RouterConfig:
                                calls=calls_line(scheduler_for(opts.model, opts.scheduler)))
 
 
+def threads_of(opts: ServeOptions, device: str) -> tuple[int, int]:
+    """torch CPU threads of each worker and of each helper process (0: torch's default, every core).
+    Several workers on a CPU share its cores, and their helpers take one each, unless told otherwise:
+    each with every core, their OpenMP teams spin against each other (on 2 cores, two workers ran
+    concurrent edits 20-100x slower)."""
+    if device != "cpu" or opts.workers < 2:
+        return opts.worker_threads, opts.helper_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return opts.worker_threads or max(1, cores // opts.workers), opts.helper_threads or 1
+
+
 def http_limits(opts: ServeOptions, api_keys: tuple[str, ...] = (), webhook_secret: str | None = None) -> Limits:
     """The HTTP front end's limits from the server's options. `n` (images per request) is capped at
     --max-queue: a larger `n` could never be accepted, and is refused naming `n`, not answered "busy"."""
@@ -163,11 +174,12 @@ class Server:
                   "them (or find them in their disk tier) as they join", file=sys.stderr, flush=True)
         process_tree.remove_stale_run_dirs()
         self.run_dir = process_tree.new_run_dir()
+        worker_threads, helper_threads = threads_of(opts, device)
         node_args = ["--model", opts.model, "--device", device, "--dtype", str(dtype).removeprefix("torch."),
                      "--mode", opts.mode,
                      "--max-batch", str(opts.max_batch), "--helpers", str(opts.helpers),
-                     "--helper-threads", str(opts.helper_threads),
-                     "--threads", str(opts.worker_threads), "--log-level", opts.log_level]
+                     "--helper-threads", str(helper_threads),
+                     "--threads", str(worker_threads), "--log-level", opts.log_level]
         node_args += ["--compile"] * opts.compile + ["--cuda-graphs"] * opts.cuda_graphs
         node_args += ["--scheduler", opts.scheduler] if opts.scheduler is not None else []
         node_args += ["--lora-cache-mb", str(opts.lora_cache_mb), "--lora-latest-step", str(opts.lora_latest_step)]
