@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import signal
 import struct
@@ -15,6 +16,7 @@ import zlib
 import httpx
 import numpy as np
 import pytest
+from mask_strategies import random_image
 from PIL import Image
 
 from retouch.bench import serve as bench_serve
@@ -319,3 +321,28 @@ def test_killing_a_worker_loses_no_request(server, template_id):
     # The supervisor's replacement joins and records the template again.
     assert router.wait_until(lambda r: len(r.workers) == 2, 120)
     assert router.wait_until(lambda r: r.template(template_id)["progress"]["workers_ready"] == 2, 120)
+
+
+def test_a_one_off_image_edited_below_full_strength_twice_is_recorded_and_then_edited_mask_aware(client):
+    """Its second edit below strength 1 has its worker record it beside that edit: the third edit computes
+    only its masked tokens, and keeps every unmasked pixel."""
+    template = random_image(SIZE, seed=21)  # an image no other test edits
+    mask = Image.new("L", template.size, 0)
+    mask.paste(255, (8, 8, 24, 24))
+
+    def edit(prompt: str, **fields) -> httpx.Response:
+        return client.post("/v1/edits", files={"image": ("t.png", png(template), "image/png"),
+                                               "mask": ("m.png", png(mask), "image/png")},
+                           data={"prompt": prompt, "steps": str(STEPS), "strength": "0.5", **fields})
+
+    first, second = edit("a red sofa"), edit("a blue sofa")
+    assert first.status_code == second.status_code == 200
+    template_id = second.headers["X-Template-Id"]
+    assert client.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
+    streamed = edit("a green sofa", stream="true")
+    done = [block for block in streamed.text.split("\n\n") if block.startswith("event: done")]
+    metrics = json.loads(done[0].split("data: ", 1)[1])["metrics"]
+    assert metrics["computed_tokens"] < metrics["tokens"]
+    answer = np.asarray(Image.open(io.BytesIO(edit("a green sofa").content)).convert("RGB"))
+    keep = np.asarray(mask) == 0
+    assert np.array_equal(answer[keep], np.asarray(template)[keep])
