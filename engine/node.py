@@ -63,7 +63,7 @@ import zmq
 from PIL import Image
 
 from retouch.cache import CacheStore
-from retouch.editor import EditRequest
+from retouch.editor import EditRequest, Template
 from retouch.engine import wire
 from retouch.engine.api import Engine
 from retouch.engine.curve import WorkerKeys
@@ -324,15 +324,8 @@ class Node:
                         one_off: dict) -> None:
         """Record a one-off image beside an edit of it below full strength (which records nothing), as its
         edit at full strength would have: the router asks on the image's second such edit."""
-        try:
-            template = self.engine.editor.one_off_template(image, mask, prompt, seed, int(one_off["steps"]),
-                                                           one_off["guidance"])
-            future = self.engine.submit_recording(template, on_step=self._progress_of(router_template))
-        except Exception as exc:  # noqa: BLE001 - the router is told; the edit goes on
-            self._post({"kind": "template", "template": router_template, "ok": False,
-                        "message": f"{type(exc).__name__}: {exc}"})
-            return
-        self._track_registration(router_template, template.template_id, future)
+        self._record(router_template, lambda: self.engine.editor.one_off_template(
+            image, mask, prompt, seed, int(one_off["steps"]), one_off["guidance"]))
 
     def _watch(self, request_id: int, preview_every: int) -> StepWatch:
         """The router hears of every step of an edit (its clients may be streaming its progress) and
@@ -412,26 +405,16 @@ class Node:
         if self.draining:  # sent before the router heard: not a failure of the template, another records it
             self._post({"kind": "template", "template": router_template, "ok": False, "draining": True})
             return
-        try:
-            image = decode_image(blobs["image"], f"template {router_template}")
-            template = self.engine.editor.new_template(image, header["prompt"], int(header["steps"]),
-                                                       int(header["seed"]), header["guidance"])
-            future = self.engine.submit_recording(template, on_step=self._progress_of(router_template))
-        except Exception as exc:  # noqa: BLE001 - the router is told; the worker goes on
-            self._post({"kind": "template", "template": router_template, "ok": False,
-                        "message": f"{type(exc).__name__}: {exc}"})
-            return
-        self._track_registration(router_template, template.template_id, future)
+        self._record(router_template, lambda: self.engine.editor.new_template(
+            decode_image(blobs["image"], f"template {router_template}"), header["prompt"], int(header["steps"]),
+            int(header["seed"]), header["guidance"]))
 
-    def _progress_of(self, router_template: str) -> Callable[[int, int], None]:
-        """The router hears of each step of the template's recording (its progress, for its watchers)."""
+    def _record(self, router_template: str, make_template: Callable[[], Template]) -> None:
+        """Record the template `make_template()` makes as a member of the running batch: the router hears
+        of each step and of the end (a failure to start too); until then heartbeats say it is under way."""
         def progress(step: int, steps: int) -> None:
             self._post({"kind": "progress", "template": router_template, "step": step, "steps": steps})
 
-        return progress
-
-    def _track_registration(self, router_template: str, template_id: str, future: Future) -> None:
-        """The router hears how the recording of its template ends; until then heartbeats say it is under way."""
         def recorded(future: Future) -> None:
             try:
                 if future.cancelled():  # dropped meanwhile: the router forgot it already
@@ -449,8 +432,15 @@ class Node:
                     if self.registrations.get(router_template, (None, None))[1] is future:
                         del self.registrations[router_template]
 
+        try:
+            template = make_template()
+            future = self.engine.submit_recording(template, on_step=progress)
+        except Exception as exc:  # noqa: BLE001 - the router is told; the worker (and an edit beside) goes on
+            self._post({"kind": "template", "template": router_template, "ok": False,
+                        "message": f"{type(exc).__name__}: {exc}"})
+            return
         with self._lock:
-            self.registrations[router_template] = (template_id, future)
+            self.registrations[router_template] = (template.template_id, future)
         future.add_done_callback(recorded)
 
     def _drop(self, router_template: str) -> None:

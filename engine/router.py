@@ -850,10 +850,8 @@ class Router:
         seq = self._send(worker, header, blobs)
         worker.sent_in[pending.request_id] = (seq, time.monotonic())
         if records_beside:  # a recording of its own, which heartbeats report (`_find_lost_recordings`)
-            worker.registering.add(record.template_id)
-            worker.sent_in[record.template_id] = (seq, time.monotonic())
+            self._recording_sent(worker, record, seq)
             self.counters["one_offs_recorded_beside"] += 1
-            self._template_changed(record)
         # A request sent again (its worker died) starts over: its watchers see it queued, then steps from 1.
         self._tell("request", pending.request_id, {"event": "queued", "worker": worker.name, "attempt": pending.routes,
                                                    "steps": self.denoiser_calls(record.steps, worker.name,
@@ -943,12 +941,17 @@ class Router:
         candidates.sort(key=lambda w: self.cluster.in_flight[w.slot])  # the least busy records it
         for worker in candidates[:max(0, wanted - len(holding))]:
             record.states[worker.name] = "recording"
-            worker.registering.add(record.template_id)
             seq = self._send(worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
                                       "steps": record.steps, "seed": record.seed, "guidance": record.guidance},
                              {"image": record.image})
-            worker.sent_in[record.template_id] = (seq, time.monotonic())
-            self._template_changed(record)
+            self._recording_sent(worker, record, seq)
+
+    def _recording_sent(self, worker: WorkerState, record: TemplateRecord, seq: int) -> None:
+        """The message `seq` asked `worker` to record the template: until it reports the end, its heartbeats
+        must say it is under way (`_find_lost_recordings`)."""
+        worker.registering.add(record.template_id)
+        worker.sent_in[record.template_id] = (seq, time.monotonic())
+        self._template_changed(record)
 
     def _remove_worker(self, name: str, why: str) -> None:
         worker = self.workers.pop(name, None)
