@@ -22,6 +22,7 @@ say) take turns instead of the lowest slot taking everything.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,8 +141,9 @@ class ClusterLoad:
         self._running_features, self._inflight_features = grown(self._running_features), grown(self._inflight_features)
 
     # -- requests -------------------------------------------------------------------------------------
-    def assign(self, slot: int, request_id: int, load: RequestLoad) -> None:
-        """The request was sent to the worker: queued there until admitted."""
+    def assign(self, slot: int, request_id: Hashable, load: RequestLoad) -> None:
+        """The request was sent to the worker: queued there until admitted. (The router's requests are its
+        edits, by number, and the recordings it asked for, by (template id, slot).)"""
         self._check_slot(slot)
         if not self._alive[slot]:
             raise ValueError(f"worker slot {slot} is dead")
@@ -195,6 +197,11 @@ class ClusterLoad:
             self._running[slot] -= 1
         else:
             self._queued[slot] -= 1
+
+    def holds(self, slot: int, request_id: Hashable) -> bool:
+        """Whether the request is at the worker slot (assigned and not finished)."""
+        self._check_slot(slot)
+        return request_id in self._members[slot]
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self._size:

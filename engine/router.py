@@ -948,10 +948,23 @@ class Router:
 
     def _recording_sent(self, worker: WorkerState, record: TemplateRecord, seq: int) -> None:
         """The message `seq` asked `worker` to record the template: until it reports the end, its heartbeats
-        must say it is under way (`_find_lost_recordings`)."""
+        must say it is under way (`_find_lost_recordings`), and the policies weigh it as a request computing
+        every token for all the template's steps (a worker busy recording is not an idle one)."""
+        self._recording_over(worker, record.template_id)  # one sent again after it was lost
         worker.registering.add(record.template_id)
         worker.sent_in[record.template_id] = (seq, time.monotonic())
+        width, height = record.size
+        tokens = math.ceil(width / 16) * math.ceil(height / 16)  # the policies' grid (`PIXELS_PER_TOKEN`)
+        self.cluster.assign(worker.slot, (record.template_id, worker.slot), RequestLoad(tokens, tokens, record.steps))
         self._template_changed(record)
+
+    def _recording_over(self, worker: WorkerState, template_id: str) -> None:
+        """The worker no longer records the template (reported, lost, or deleted): its load leaves the worker's."""
+        worker.registering.discard(template_id)
+        worker.missing.pop(template_id, None)
+        worker.sent_in.pop(template_id, None)
+        if self.cluster.holds(worker.slot, (template_id, worker.slot)):
+            self.cluster.finish(worker.slot, (template_id, worker.slot))
 
     def _remove_worker(self, name: str, why: str) -> None:
         worker = self.workers.pop(name, None)
@@ -1095,6 +1108,10 @@ class Router:
                 if record is not None:  # in the template's steps (a worker counts denoiser calls)
                     calls = int(header.get("steps", record.steps))
                     record.progress[name] = int(header["step"]) * record.steps // max(calls, 1)
+                    key = (record.template_id, worker.slot)  # `_recording_sent`
+                    if self.cluster.holds(worker.slot, key):  # it runs (its first step is done)
+                        self.cluster.admit(worker.slot, key)
+                        self.cluster.advance(worker.slot, key, max(1, record.steps - record.progress[name]))
                     self._template_changed(record)
             elif kind == "preview":
                 pending = self.pending.get(header["request"])
@@ -1268,11 +1285,9 @@ class Router:
         for template_id in list(worker.registering):
             record = self.templates.get(template_id)
             if record is None or record.states.get(worker.name) != "recording":  # deleted, or it reported
-                worker.registering.discard(template_id)
-                worker.missing.pop(template_id, None)
-                worker.sent_in.pop(template_id, None)
+                self._recording_over(worker, template_id)
             elif self._overdue(worker, template_id, template_id in recording, seen, now):
-                worker.registering.discard(template_id)
+                self._recording_over(worker, template_id)
                 self.counters["lost_recordings"] += 1
                 del record.states[worker.name]
                 record.progress.pop(worker.name, None)
@@ -1329,6 +1344,7 @@ class Router:
             self._recording_ended(pending.task.template_id, worker.name)
 
     def _on_template(self, worker: WorkerState, header: dict) -> None:
+        self._recording_over(worker, header["template"])
         record = self.templates.get(header["template"])
         if record is None:
             self._send(worker, {"kind": "drop", "template": header["template"]})  # deleted meanwhile

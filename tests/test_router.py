@@ -146,6 +146,46 @@ def test_replicas_one_records_on_one_worker_and_again_when_it_dies(context, make
     assert future.result(TIMEOUT_S).status == 200
 
 
+def test_a_worker_recording_a_template_weighs_as_busy_until_it_reports_or_is_lost(context, make_router):
+    """A recording computes every token for all its steps: the policies see it in its worker's load (so an
+    edit goes to an idle worker instead), from when it is sent until the worker reports it, fails it, or
+    it is lost and sent again."""
+    router = make_router(dead_after_s=0.3)
+    w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+    router.register_template(template("both"))
+    w0.register("both")
+    w1.register("both")
+    router.register_template(template("solo", replicas=1))
+    for worker in (w0, w1):
+        worker.sync()
+    holder, other = (w0, w1) if "register" in w0.pending_kinds() else (w1, w0)
+    load = router.snapshot()["workers"]
+    assert (load[holder.name]["queued"], load[other.name]["queued"]) == (1, 0)
+    assert _edit_goes_to(task("both"), router, [w0, w1]) == other.name
+    holder.send({"kind": "progress", "template": "solo", "step": 1, "steps": 2})
+    holder.sync()
+    assert router.snapshot()["workers"][holder.name]["running"] == 1  # its first step ran
+    holder.register("solo")  # reported: no longer its load
+    assert router.snapshot()["workers"][holder.name]["running"] == 0
+    assert _edit_goes_to(task("both"), router, [w0, w1]) == holder.name  # the other has an edit in flight
+
+    router.register_template(template("lost", replicas=1))
+    for worker in (w0, w1):
+        worker.sync()
+    receiver = next(w for w in (w0, w1) if "register" in w.pending_kinds())
+    receiver.receive("register")  # as if it never arrived: sent again once overdue, and weighed once
+    deadline = time.monotonic() + TIMEOUT_S
+    while router.snapshot()["counters"]["lost_recordings"] == 0 and time.monotonic() < deadline:
+        for worker in (w0, w1):
+            worker.send({"kind": "heartbeat", "running": [], "queued": [], "held": [], "recording": []})
+            worker.sync()
+    assert sum(w["queued"] + w["running"] for w in router.snapshot()["workers"].values()) == 3  # 2 edits + 1
+    for worker in (w0, w1):
+        worker.sync()
+    next(w for w in (w0, w1) if "register" in w.pending_kinds()).register("lost")
+    assert sum(w["queued"] + w["running"] for w in router.snapshot()["workers"].values()) == 2
+
+
 def test_back_pressure_deletion_and_failed_recordings(context, make_router):
     router = make_router(max_queue=2)
     w0 = ScriptedWorker(context, router, "w0")

@@ -131,7 +131,9 @@ def test_metrics_count_every_answer_and_expose_router_and_worker_state():
     assert sample(found, "retouch_worker_info", worker="w0", model="tiny-flux-fill", dtype="bfloat16",
                   weights="0a1b", scheduler="EulerDiscreteScheduler") == 1
     assert sample(found, "retouch_worker_info", worker="w1", model="", dtype="", weights="", scheduler="") == 1
-    assert sample(found, "retouch_worker_queued", worker="w1") == 0
+    assert sample(found, "retouch_worker_queued", worker="w1") == 1  # the template it was sent and never recorded
+    assert sample(found, "retouch_worker_queued", worker="w0") == 0
+    assert sample(found, "retouch_worker_running", worker="w0") == 0
     assert not any(name.startswith(("retouch_worker_cache_", "retouch_worker_lora_")) and ("worker", "w1") in labels
                    for name, labels in found)
 
