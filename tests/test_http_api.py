@@ -503,3 +503,51 @@ def test_every_field_a_form_endpoint_takes_is_in_its_openapi_schema_but_those_it
     for path, fields in FORM_FIELDS.items():
         form = schema["paths"][path]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
         assert set(form["properties"]) == fields and not fields & REFUSED_FIELDS[path], path
+
+
+async def at_and_past_the_bounds(router: Router, limits: Limits) -> list[tuple[str, str, str, httpx.Response]]:
+    """Every number field with bounds in /openapi.json, sent at each bound and one past it."""
+    app = create_app(router, limits)
+    forms = {path: operation["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"]
+             for path, operation in app.openapi()["paths"].items() if "requestBody" in operation.get("post", {})}
+    transparent = png(Image.new("RGBA", (32, 32), (255, 0, 0, 0)))
+    sent = []
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+        for path, fields in forms.items():
+            for name, field in fields.items():
+                kind = int if field["type"] == "integer" else float
+                values = {"past": [], "at": []}
+                if "minimum" in field:
+                    values["at"].append(field["minimum"])
+                    values["past"].append(field["minimum"] - 1)
+                if "exclusiveMinimum" in field:
+                    values["past"].append(field["exclusiveMinimum"])
+                if "maximum" in field:
+                    values["at"].append(field["maximum"])
+                    values["past"].append(field["maximum"] + 1)
+                for where, numbers in values.items():
+                    for number in numbers:
+                        data = {name: str(kind(number))} | ({} if path == "/v1/templates" else {"prompt": "a cat"})
+                        if name in ("preview_every", "partial_images"):
+                            data["stream"] = "true"
+                        files = {"image": ("i.png", transparent)}  # OpenAI's form: its alpha is the mask
+                        if path == "/v1/edits":
+                            files["mask"] = ("m.png", png(Image.new("L", (32, 32), 255)))
+                        sent.append((path, name, where, await client.post(path, data=data, files=files)))
+    return sent
+
+
+def test_the_openapi_bounds_of_every_number_field_are_the_ones_the_server_enforces(make_router):
+    """A client generated from /openapi.json validates what the server would: each bound is accepted and
+    one past it is refused (422 naming the field); the maxima follow the server's limits."""
+    limits = Limits(max_steps=40, max_n=3)
+    sent = asyncio.run(at_and_past_the_bounds(make_router(no_worker_s=0.01), limits))
+    bounded = {(path, name) for path, name, _, _ in sent}
+    assert {("/v1/edits", "steps"), ("/v1/edits", "strength"), ("/v1/images/edits", "n"),
+            ("/v1/templates", "guidance"), ("/v1/images/edits", "partial_images")} <= bounded
+    for path, name, where, answer in sent:
+        refused = answer.status_code == 422 and answer.json()["error"]["param"] == name
+        assert refused == (where == "past"), (path, name, where, answer.text)
+    past_the_maximum = {(path, name): answer for path, name, where, answer in sent if where == "past"}
+    assert "[1, 40]" in past_the_maximum[("/v1/edits", "steps")].json()["error"]["message"]
+    assert "[1, 3]" in past_the_maximum[("/v1/images/edits", "n")].json()["error"]["message"]

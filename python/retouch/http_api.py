@@ -482,23 +482,24 @@ EDIT_FIELDS = {
     "image": _field("file", "a one-off image to edit (its first edit without a LoRA records it)"),
     "mask": _field("file", "white = repaint; the size of the image or template"),
     "prompt": _field("string", "what to paint into the masked region"),
-    "steps": _field("integer", "denoising steps of a one-off image (a template's edits run its own)"),
-    "seed": _field("integer", "random seed of the initial noise", default=0),
+    "steps": _field("integer", "denoising steps of a one-off image (a template's edits run its own)", minimum=1),
+    "seed": _field("integer", "random seed of the initial noise, 0 to 2^63-1", default=0, minimum=0),
     "strength": _field("number", "how much of the masked region is re-noised, in (0, 1]: below 1 it keeps the "
                        "structure under the mask and runs only the last steps x strength of the schedule "
-                       "(at least one: steps x strength >= 1)", default=1.0),
-    "guidance": _field("number", "guidance scale of a one-off image"),
+                       "(at least one: steps x strength >= 1)", default=1.0, exclusiveMinimum=0, maximum=1),
+    "guidance": _field("number", "guidance scale of a one-off image", minimum=0, maximum=100),
     "response_format": _field("string", "the image itself (in its output_format), or JSON with its base64",
                               enum=["png", "b64_json"], default="png"),
     "output_format": _field("string", "encoding of the answer (jpeg: not for a transparent image)",
                             enum=list(OUTPUT_FORMATS), default="png"),
     "output_compression": _field("integer", "quality of jpeg and webp answers, 0-100 (100: webp lossless)",
-                                 default=100),
+                                 default=100, minimum=0, maximum=100),
     "stream": _field("boolean", "answer with Server-Sent Events: accepted, steps, then done with the image "
                      "and the edit's metrics", default=False),
     "preview_every": _field("integer", "with stream: a preview image every that many steps (as the stream's "
-                            "step events count them: the sampler's denoiser calls)", default=0),
-    "slo_ms": _field("integer", "answer within this many milliseconds of arrival (the router orders by it)"),
+                            "step events count them: the sampler's denoiser calls)", default=0, minimum=0),
+    "slo_ms": _field("integer", "answer within this many milliseconds of arrival (the router orders by it)",
+                     minimum=1, maximum=MAX_SLO_MS),
     "lora": LORA_FIELD,
     "model": _field("string", "one of the served names (GET /v1/models; 404 otherwise); by default the served model"),
     "async": _field("boolean", "answer 202 with the edit's status at once; GET /v1/edits/{id}/result answers it "
@@ -515,18 +516,17 @@ OPENAI_EDIT_FIELDS = {
     "image": _field("file", "the image to edit (also as image[])"),
     "mask": _field("file", "alpha 0 = repaint (without a mask, the image's own alpha)"),
     "prompt": _field("string", "what to paint into the masked region"),
-    "n": _field("integer", "images to make (seeds seed, seed+1, ...)", default=1),
+    "n": _field("integer", "images to make (seeds seed, seed+1, ...)", default=1, minimum=1),
     "size": _field("string", "WIDTHxHEIGHT of the answer, or auto"),
     "response_format": _field("string", "only b64_json", enum=["b64_json"], default="b64_json"),
     "output_format": _field("string", "encoding of the answers", enum=list(OUTPUT_FORMATS), default="png"),
-    "output_compression": _field("integer", "quality of jpeg and webp answers, 0-100 (100: webp lossless)",
-                                 default=100),
+    "output_compression": EDIT_FIELDS["output_compression"],
     "background": _field("string", "auto or opaque (retouch answers opaque images)", enum=["auto", "opaque"],
                          default="auto"),
     "stream": _field("boolean", "answer with the OpenAI edit stream's events: image_edit.partial_image, then "
                      "image_edit.completed (n=1)", default=False),
     "partial_images": _field("integer", "with stream: pictures of the edit under way sent before the image, 0-3",
-                             default=0),
+                             default=0, minimum=0, maximum=3),
     "seed": EDIT_FIELDS["seed"],
     "strength": EDIT_FIELDS["strength"],
     "template_id": EDIT_FIELDS["template_id"],
@@ -544,9 +544,9 @@ OPENAI_EDIT_FIELDS = {
 TEMPLATE_FIELDS = {
     "image": _field("file", "the template image"),
     "prompt": _field("string", "what the image shows (its recorded run's prompt)", default=""),
-    "steps": _field("integer", "denoising steps of the template's schedule (its edits run them)"),
-    "seed": _field("integer", "random seed of the template's noise", default=0),
-    "guidance": _field("number", "guidance scale"),
+    "steps": _field("integer", "denoising steps of the template's schedule (its edits run them)", minimum=1),
+    "seed": _field("integer", "random seed of the template's noise, 0 to 2^63-1", default=0, minimum=0),
+    "guidance": _field("number", "guidance scale", minimum=0, maximum=100),
 }
 # What each form endpoint reads (its /openapi.json fields), and the fields it reads only to refuse them saying
 # why (a LoRA or a strength belongs to each edit; asynchronous edits are /v1/edits's). What OpenAI's other
@@ -557,8 +557,11 @@ REFUSED_FIELDS = {"/v1/templates": frozenset({"lora", "strength"}), "/v1/edits":
                   "/v1/images/edits": frozenset({"async", "webhook"})}
 
 
-def multipart_body(fields: dict[str, dict], required: tuple[str, ...]) -> dict:
-    """An endpoint's multipart form as an OpenAPI request body (`openapi_extra`)."""
+def multipart_body(fields: dict[str, dict], required: tuple[str, ...], limits: Limits) -> dict:
+    """An endpoint's multipart form as an OpenAPI request body (`openapi_extra`), with the maxima this
+    server's limits set."""
+    maxima = {"steps": limits.max_steps, "preview_every": limits.max_steps, "n": limits.max_n}
+    fields = {name: field | ({"maximum": maxima[name]} if name in maxima else {}) for name, field in fields.items()}
     schema = {"type": "object", "properties": fields, "required": list(required)}
     return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
 
@@ -867,7 +870,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
 
     # ---- templates ----
 
-    @app.post("/v1/templates", status_code=202, openapi_extra=multipart_body(TEMPLATE_FIELDS, ("image",)))
+    @app.post("/v1/templates", status_code=202, openapi_extra=multipart_body(TEMPLATE_FIELDS, ("image",), limits))
     async def create_template(request: Request):
         form = await read_form(request)
         form.only("/v1/templates", request.query_params.keys())
@@ -1497,7 +1500,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             raise ApiError(400, "a streamed edit cannot be replayed: send it without Idempotency-Key (or, on "
                            "/v1/edits, send async=true and stream GET /v1/edits/{id}/events)", "idempotency-key")
 
-    @app.post("/v1/edits", openapi_extra=multipart_body(EDIT_FIELDS, ("mask", "prompt")))
+    @app.post("/v1/edits", openapi_extra=multipart_body(EDIT_FIELDS, ("mask", "prompt"), limits))
     async def create_edit(request: Request):
         """Repaint the masked region of a registered template (`template_id`) or of a one-off `image`:
         the PNG, its base64 (`response_format=b64_json`), or its progress as events (`stream=true`);
@@ -1557,7 +1560,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
 
         return await answered(request, claim, template_id, answer)
 
-    @app.post("/v1/images/edits", openapi_extra=multipart_body(OPENAI_EDIT_FIELDS, ("prompt",)))
+    @app.post("/v1/images/edits", openapi_extra=multipart_body(OPENAI_EDIT_FIELDS, ("prompt",), limits))
     async def openai_edit(request: Request):
         """The OpenAI Images API edit: `image` (or `image[]`), optional `mask` whose alpha 0 marks
         the region to repaint (without one, the image's own alpha does), `prompt`, `n`, `size`,
