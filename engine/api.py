@@ -188,7 +188,7 @@ class Engine:
                      steps: int = DEFAULT_STEPS, guidance: float | None = None,
                      watch: StepWatch | None = None, budget_s: float | None = None,
                      lora: LoraChoice | str | list = (), strength: float = 1.0,
-                     record_beside: bool | None = None) -> Future[EditResult]:
+                     record_beside: bool | None = None, scope: str = "") -> Future[EditResult]:
         """A one-off edit of `image`. Its first edit on this engine runs in full, the stock pipeline's
         result, and records the image as it goes (`EditResult.recorded` names the template); later
         ones, whatever their prompt, seed or mask, are mask-aware edits of that recording. While the
@@ -198,9 +198,10 @@ class Engine:
         The second edit of an image below strength 1 also starts its recording beside it, as its edit at full
         strength would have recorded it (`submit_recording` of its `one_off_template`): an image edited that
         way is likely edited again, and its later edits are then mask-aware. `record_beside` decides it
-        instead where the caller counts (a worker process: the router counts edits on every worker)."""
+        instead where the caller counts (a worker process: the router counts edits on every worker).
+        Edits of one image under other `scope`s (a server's tenants) share nothing (`Editor.one_off_id`)."""
         self._check_running()
-        template = self.editor.one_off_template(image, mask, prompt, seed, steps, guidance)
+        template = self.editor.one_off_template(image, mask, prompt, seed, steps, guidance, scope)
         request = self.editor.check_request(EditRequest(template.template_id, mask, prompt, seed, strength=strength),
                                             template)
         lora = self.check_lora(lora)  # looked up once the request is known to be good

@@ -300,9 +300,11 @@ class Node:
                                             budget_s, lora)
             else:
                 image = decode_image(blobs["image"], f"template {router_template}")
+                # The router's id of the image names its tenant: another's recording of it is not this one's.
                 future = self.engine.submit_image(image, mask, prompt, seed, int(one_off["steps"]),
                                                   one_off["guidance"], watch, budget_s, lora, strength,
-                                                  record_beside=False)  # the router asks (`_record_one_off`)
+                                                  record_beside=False,  # the router asks (`_record_one_off`)
+                                                  scope=router_template)
         except Exception as exc:  # noqa: BLE001 - answered, never dropped
             self._post({"kind": "result", "request": request_id, "status": status_of(exc),
                         "error": type(exc).__name__, "message": str(exc)})
@@ -325,7 +327,7 @@ class Node:
         """Record a one-off image beside an edit of it below full strength (which records nothing), as its
         edit at full strength would have: the router asks on the image's second such edit."""
         self._record(router_template, lambda: self.engine.editor.one_off_template(
-            image, mask, prompt, seed, int(one_off["steps"]), one_off["guidance"]))
+            image, mask, prompt, seed, int(one_off["steps"]), one_off["guidance"], scope=router_template))
 
     def _watch(self, request_id: int, preview_every: int) -> StepWatch:
         """The router hears of every step of an edit (its clients may be streaming its progress) and
@@ -405,9 +407,9 @@ class Node:
         if self.draining:  # sent before the router heard: not a failure of the template, another records it
             self._post({"kind": "template", "template": router_template, "ok": False, "draining": True})
             return
-        self._record(router_template, lambda: self.engine.editor.new_template(
+        self._record(router_template, lambda: self.engine.editor.new_template(  # the router's id names its tenant
             decode_image(blobs["image"], f"template {router_template}"), header["prompt"], int(header["steps"]),
-            int(header["seed"]), header["guidance"]))
+            int(header["seed"]), header["guidance"], scope=router_template))
 
     def _record(self, router_template: str, make_template: Callable[[], Template]) -> None:
         """Record the template `make_template()` makes as a member of the running batch: the router hears

@@ -133,6 +133,34 @@ def test_a_one_off_image_edited_below_full_strength_twice_is_recorded_as_a_full_
     assert np.abs(np.asarray(third.image, int) - np.asarray(expected, int)).max() <= 1
 
 
+def test_one_off_edits_and_templates_of_one_image_in_other_scopes_share_no_recording():
+    """A server's tenants are scopes: the second tenant's first edit of an image another tenant recorded is
+    computed in full (nothing tells it the image was sent before), is the stock pipeline's result for its own
+    prompt, and records the image for its own later edits."""
+    image = random_image((61, 47), seed=5)
+    first, second = Image.new("L", image.size, 0), Image.new("L", image.size, 0)
+    first.paste(255, (8, 8, 30, 30))
+    second.paste(255, (30, 20, 50, 40))
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    baseline = run_baseline_edit(editor.pipe, image, first, "a blue bird", steps=STEPS, seed=2,
+                                 call_defaults=editor.model.call_defaults)
+    with Engine(editor, EngineConfig(mode="naive")) as engine:
+        theirs = engine.submit_image(image, second, "a red car", seed=1, steps=STEPS, scope="tpl-a").result(timeout=120)
+        mine = engine.submit_image(image, first, "a blue bird", seed=2, steps=STEPS, scope="tpl-b").result(timeout=120)
+        again = engine.submit_image(image, second, "a cup", seed=3, steps=STEPS, scope="tpl-b").result(timeout=120)
+        # Registrations likewise: the same image and run in two scopes are two recordings; dropping one keeps the other.
+        registered = [engine.submit_recording(editor.new_template(image, "a room", STEPS, scope=scope)).result(
+            timeout=120) for scope in ("tpl-a", "tpl-b")]
+        engine.drop_template(registered[0])
+    assert theirs.recorded is not None and mine.recorded not in (None, theirs.recorded)
+    assert mine.metrics.computed_tokens == mine.metrics.tokens
+    assert np.abs(np.asarray(mine.image, int) - np.asarray(baseline, int)).max() <= 1
+    assert again.recorded is None and again.metrics.computed_tokens < again.metrics.tokens  # its own recording
+    assert editor.one_off_id(image, STEPS, None) not in (theirs.recorded, mine.recorded)  # no scope: another
+    assert registered[0] != registered[1]
+    assert not editor.is_recorded(registered[0]) and editor.is_recorded(registered[1])
+
+
 def test_a_one_off_edit_whose_recording_does_not_fit_the_host_cache_answers_unrecorded():
     """The recording is the edit's by-product: when the host cache cannot hold it, the edit still answers
     (computed in full, the stock pipeline's result) and records nothing; a registration fails saying why."""

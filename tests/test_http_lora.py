@@ -156,7 +156,13 @@ class RecordingEngine:
 
     def __init__(self):
         self.submitted: queue.Queue = queue.Queue()
-        self.editor = SimpleNamespace(cache=None, new_template=lambda *args: SimpleNamespace(template_id="e-1"),
+        self.scopes: list[str] = []  # of the templates made and one-off edits submitted, in order
+
+        def new_template(*args, scope=""):
+            self.scopes.append(scope)
+            return SimpleNamespace(template_id="e-1")
+
+        self.editor = SimpleNamespace(cache=None, new_template=new_template,
                                       dtype="float32", model_fingerprint=lambda: "stand-in-weights",
                                       model=SimpleNamespace(family="flux-fill"))
         self.worker = SimpleNamespace(loras=SimpleNamespace(metrics=lambda: dict(LORA_METRICS),
@@ -169,7 +175,8 @@ class RecordingEngine:
         return self._recorded("submit", request, lora)
 
     def submit_image(self, image, mask, prompt, seed=0, steps=28, guidance=None, watch=None, budget_s=None,
-                     lora=(), strength=1.0, record_beside=None) -> Future:
+                     lora=(), strength=1.0, record_beside=None, scope="") -> Future:
+        self.scopes.append(scope)
         return self._recorded("submit_image", image, lora)
 
     def submit_recording(self, template, on_step=None) -> Future:
@@ -221,6 +228,7 @@ async def through_a_node(router, lora_dir) -> dict:
             # A template's edit: Engine.submit gets the parsed choice; the answer is the engine's image.
             answer = asyncio.create_task(client.post("/v1/edits", files=mask, data={
                 "template_id": template_id, "prompt": "a cat", "lora": "grain:0.5, ink"}))
+            seen["registered"] = (template_id, engine.scopes[-1])
             kind, request, lora, future = await asyncio.to_thread(engine.next_submit)
             seen["template edit"] = (kind, request.template_id, lora)
             future.set_result(edited(0))
@@ -230,6 +238,7 @@ async def through_a_node(router, lora_dir) -> dict:
                 "/v1/edits", '[{"name": "ink", "scale": -2}]', stream="true")))
             kind, _, lora, future = await asyncio.to_thread(engine.next_submit)
             seen["one-off edit"] = (kind, lora)
+            seen["one-off scope"] = engine.scopes[-1]
             future.set_result(edited(1))
             seen["one-off events"] = sse_events((await answer).text)
             # The OpenAI form, and a LoRA the worker then fails to load.
@@ -259,6 +268,8 @@ async def through_a_node(router, lora_dir) -> dict:
 def test_a_lora_reaches_the_engine_through_router_and_node_and_its_failure_names_the_param(make_router, lora_dir):
     seen = asyncio.run(through_a_node(make_router(), lora_dir))
     assert seen["told closing"] and seen["node stopped"]
+    router_id, scope = seen["registered"]
+    assert scope == router_id  # which names its tenant: the worker's recording is that tenant's only
     assert seen["template edit"] == ("submit", "e-1", (LoraUse("grain", 0.5), LoraUse("ink", 1.0)))
     assert seen["template answer"].status_code == 200
     assert seen["template answer"].headers["content-type"] == "image/png"
@@ -267,6 +278,8 @@ def test_a_lora_reaches_the_engine_through_router_and_node_and_its_failure_names
     events = seen["one-off events"]
     assert [name for name, _ in events][0] == "accepted" and events[-1][0] == "done"
     assert events[0][1]["lora"] == [{"name": "ink", "scale": -2.0}]
+    # the router's id of the image, which names its tenant: the worker's recording of it is that tenant's only
+    assert seen["one-off scope"] == events[0][1]["template_id"] and seen["one-off scope"].startswith("img-")
     assert events[-1][1]["metrics"]["lora_applied_step"] == 1
 
     assert seen["openai edit"] == (LoraUse("ink", 1.0),)

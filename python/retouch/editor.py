@@ -224,20 +224,22 @@ class MaskAwareEditor:
         return template.template_id
 
     def new_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
-                     guidance: float | None = None, mask: Image.Image | None = None) -> Template:
-        """A template to register, checked and placed on its canvas; nothing is computed yet."""
+                     guidance: float | None = None, mask: Image.Image | None = None, scope: str = "") -> Template:
+        """A template to register, checked and placed on its canvas; nothing is computed yet. Templates of
+        other `scope`s never share a recording, even of the same image and run (a server's tenants: one's
+        registration would be ready at once for another who sent it too, and one's deletion drop it)."""
         self._check_steps(steps)
         check_seed(seed)
         check_guidance(guidance)
         image = as_image(image)
         recorded = None if mask is None else as_mask(mask, image.size, what="recorded mask")
-        template_id = self._template_id(image, prompt, steps, seed, guidance, recorded)
+        template_id = self._template_id(image, prompt, steps, seed, guidance, recorded, scope)
         return self._template_on_canvas(template_id, image, prompt, steps, seed, guidance, recorded)
 
     def one_off_template(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int = 0,
-                         steps: int = DEFAULT_STEPS, guidance: float | None = None) -> Template:
-        """The template a one-off edit records as it runs: its id is `one_off_id` (the image and its
-        schedule, whatever the request's prompt, seed or mask), and it is recorded with the edit's
+                         steps: int = DEFAULT_STEPS, guidance: float | None = None, scope: str = "") -> Template:
+        """The template a one-off edit records as it runs: its id is `one_off_id` (the image, its
+        schedule and `scope`, whatever the request's prompt, seed or mask), and it is recorded with the edit's
         prompt, seed and mask, so that the recording run is the edit itself, the stock pipeline's
         result. Its `recorded_mask` is the region that run repainted: later edits recompute it, since
         the activations cached there are the first edit's, not the template's (`prepare_edit`)."""
@@ -246,8 +248,8 @@ class MaskAwareEditor:
         check_guidance(guidance)
         image = as_image(image)
         mask = as_mask(mask, image.size)
-        return replace(self._template_on_canvas(self.one_off_id(image, steps, guidance), image, prompt, steps, seed,
-                                                guidance, mask), one_off=True)
+        return replace(self._template_on_canvas(self.one_off_id(image, steps, guidance, scope), image, prompt, steps,
+                                                seed, guidance, mask), one_off=True)
 
     def _check_steps(self, steps) -> None:
         """`check_steps`, and that the scheduler makes that many (LCM makes at most 50)."""
@@ -258,9 +260,13 @@ class MaskAwareEditor:
                 raise InputError(f"steps: {type(self.pipe.scheduler).__name__} cannot make {steps} steps: {problem}")
             self._schedulable.add((id(self.pipe.scheduler), steps))
 
-    def one_off_id(self, image: Image.Image, steps: int, guidance: float | None) -> str:
-        """The id of one-off edits' recording of `image` (RGB, as `as_image` returns it)."""
+    def one_off_id(self, image: Image.Image, steps: int, guidance: float | None, scope: str = "") -> str:
+        """The id of one-off edits' recording of `image` (RGB, as `as_image` returns it). Edits of other
+        `scope`s never share a recording (a server's tenants: one's recording would tell another that the
+        image was sent before, and give its edits the other's prompt outside their masks' new content)."""
         digest = hashlib.sha256(f"one-off|{self.model.name}|{image.size}|{steps}|{guidance}|".encode())
+        if scope:
+            digest.update(f"scope|{scope}|".encode())
         digest.update(image.tobytes())
         _digest_profile(digest, image)
         return digest.hexdigest()[:16]
@@ -729,12 +735,14 @@ class MaskAwareEditor:
         return (self.default_guidance if guidance is None else guidance) > 1
 
     def _template_id(self, image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None,
-                     mask: Image.Image | None) -> str:
+                     mask: Image.Image | None, scope: str = "") -> str:
         digest = hashlib.sha256()
         digest.update(f"{self.model.name}|{image.size}|{prompt}|{steps}|{seed}|{guidance}|".encode())
         digest.update(image.tobytes())
         if mask is not None:
             digest.update(b"mask|" + mask.tobytes())
+        if scope:
+            digest.update(f"scope|{scope}|".encode())
         _digest_profile(digest, image)
         return digest.hexdigest()[:16]
 
