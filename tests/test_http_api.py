@@ -17,7 +17,7 @@ from PIL import Image
 from scripted_worker import ScriptedWorker
 
 from retouch.engine.router import RETRY_AFTER_UNKNOWN_S, Router, RouterConfig
-from retouch.http_api import Limits, create_app
+from retouch.http_api import MAX_ERROR_CHARS, Limits, create_app
 
 KEY = "sk-test"
 
@@ -295,6 +295,10 @@ async def unknown_fields() -> dict:
                                                   data={"prompt": "a cat"}),
                 "template strength": await client.post("/v1/templates", files={"image": image},
                                                        data={"strength": "0.5"}),
+                "a huge name": await client.post("/v1/edits", files={"mask": mask, "image": image},
+                                                 data={"prompt": "a cat", "x" * 1500: "1"}),
+                "a huge value": await client.post("/v1/edits", files={"mask": mask, "image": image},
+                                                  data={"prompt": "a cat", "model": "m" * 100_000}),
                 "templates": router.snapshot()["templates"], "pending": router.snapshot()["pending"]}
     finally:
         await asyncio.to_thread(router.close, 0)
@@ -318,6 +322,12 @@ def test_a_field_the_endpoint_does_not_read_is_refused_naming_it():
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "strength"
     assert "each edit" in refused.json()["error"]["message"]
     assert outcome["templates"] == 0 and outcome["pending"] == 0
+    for name, status in (("a huge name", 400), ("a huge value", 404)):  # quoted, but cut short
+        answer = outcome[name]
+        error = answer.json()["error"]
+        assert answer.status_code == status and len(answer.content) < 2 * MAX_ERROR_CHARS + 500, name
+        assert error["message"].endswith("more characters cut]"), name
+    assert outcome["a huge name"].json()["error"]["param"].startswith("x" * MAX_ERROR_CHARS)
 
 
 async def transparent_edits() -> dict:

@@ -1,13 +1,21 @@
-"""A long prompt is not copied into the log: diffusers' own truncation warning is cut short."""
+"""A long prompt is not copied into the log: diffusers' own truncation warning is cut short. A client's
+text cannot forge a log line: control characters in any message are escaped."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import sys
+import unicodedata
+from urllib.parse import quote
 
+import httpx
 import pytest
 from diffusers.utils import logging as diffusers_logging
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from retouch.log_limits import MAX_LOG_CHARS, cap_log_messages
+from retouch.log_limits import MAX_LOG_CHARS, cap_log_messages, escaped
 
 
 @pytest.fixture
@@ -31,3 +39,47 @@ def test_library_warnings_with_a_huge_prompt_are_cut(capped, caplog):
     assert len(long_record.getMessage()) < MAX_LOG_CHARS + 64 and "more characters cut" in long_record.getMessage()
     assert long_record.getMessage().startswith("The following part of your input was truncated")
     assert short_record.getMessage() == "short and whole"
+
+
+def is_control(character: str) -> bool:
+    """A character that breaks or reorders a log line: a control (but the tab), a line or paragraph
+    separator, or a bidirectional override."""
+    return (unicodedata.category(character) in ("Cc", "Zl", "Zp") and character != "\t"
+            or unicodedata.bidirectional(character) in ("LRE", "RLE", "LRO", "RLO", "PDF", "LRI", "RLI", "FSI", "PDI"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.characters(codec="utf-8")) | st.text(st.characters(max_codepoint=0x206F)))
+def test_an_escaped_message_is_one_line_without_control_characters_and_other_text_is_kept(text):
+    line = escaped(text)
+    assert len(line.splitlines()) <= 1 and not any(is_control(c) for c in line)
+    if not any(is_control(c) for c in text):
+        assert line == text
+
+
+def test_a_path_with_a_newline_and_an_escape_sequence_forges_no_access_line(capped, caplog, make_router):
+    from retouch.http_api import Limits, create_app
+
+    forged = "x\n2026-11-25 23:59:59,000 INFO retouch.access: POST /v1/edits 200 FORGED\x1b[31m"
+
+    async def visit():
+        app = create_app(make_router(), Limits())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            return await client.get(f"/v1/templates/{quote(forged)}")
+
+    with caplog.at_level(logging.INFO, logger="retouch.access"):
+        assert asyncio.run(visit()).status_code == 404
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "retouch.access"]
+    assert "\n" not in line and "\x1b" not in line and "x\\n2026-11-25" in line and "\\x1b[31m" in line
+
+
+def test_a_traceback_keeps_its_lines(capped, caplog):
+    try:
+        raise ValueError("two\nlines")
+    except ValueError:
+        with caplog.at_level(logging.ERROR):
+            logging.getLogger("retouch.test").exception("failed on %s", "a\nb")
+    record = caplog.records[-1]
+    assert record.getMessage() == "failed on a\\nb"
+    assert record.exc_info[0] is ValueError and sys.exc_info() == (None, None, None)
+    assert "Traceback" in logging.Formatter().format(record).splitlines()[1]

@@ -117,6 +117,7 @@ QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # asked every few 
 # ~1 ms of encoding, so no step holds the GIL long.
 B64_CHUNK = 3 << 18
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+MAX_ERROR_CHARS = 1000  # of an error body's message (and param)
 MAX_SLO_MS = 3_600_000  # an hour: longer is no SLO
 
 logger = logging.getLogger("retouch.http")
@@ -199,8 +200,12 @@ STATUS_CODES = {400: "invalid_request", 404: "not_found", 409: "conflict", 413: 
 
 
 class ApiError(Exception):
+    """An answer with an error body. Its message and param are cut short (`MAX_ERROR_CHARS`): they quote what
+    the client sent, which may be a megabyte of one field's value or name."""
+
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
+        message, param = _cut(message), None if param is None else _cut(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
@@ -218,6 +223,11 @@ class ApiError(Exception):
 
     def response(self) -> Response:
         return reply_response(self.reply(), self.status)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else f"{text[:MAX_ERROR_CHARS]}... [{len(text) - MAX_ERROR_CHARS} " \
+                                                     "more characters cut]"
 
 
 def reply_response(reply: Reply, status: int = 200) -> Response:

@@ -1,11 +1,14 @@
 """The serving processes' logs: timestamped lines on stderr at a chosen level (`setup_logging`), each of
 bounded length: diffusers' pipelines log the part of a prompt their text encoder cuts ("The following
 part of your input was truncated ..."), so a long prompt would be copied into the server's log once per
-request. Every serving process caps each record's message."""
+request. Every serving process caps each record's message, and escapes the control characters in it: a
+client's path, prompt or id with a newline would otherwise forge a log line of its own (and an escape
+sequence paint the operator's terminal)."""
 
 from __future__ import annotations
 
 import logging
+import re
 
 MAX_LOG_CHARS = 500
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -20,8 +23,19 @@ def setup_logging(level: str = "info") -> None:
     cap_log_messages()
 
 
+# C0 and C1 controls but the tab, line and paragraph separators, and the bidirectional overrides (which
+# reorder how the rest of a line reads)
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def escaped(message: str) -> str:
+    """`message` on one line, its control characters as Python writes them in a string ("\\n", "\\x1b")."""
+    return CONTROL_CHARACTERS.sub(lambda found: repr(found.group())[1:-1], message)
+
+
 def cap_log_messages(limit: int = MAX_LOG_CHARS) -> None:
-    """Cut every log record's message (from any library) after `limit` characters. Idempotent."""
+    """Cut every log record's message (from any library) after `limit` characters, and escape its control
+    characters (`escaped`); a traceback, formatted apart from the message, keeps its lines. Idempotent."""
     previous = logging.getLogRecordFactory()
     if getattr(previous, "retouch_limit", None) is not None:
         return
@@ -32,8 +46,10 @@ def cap_log_messages(limit: int = MAX_LOG_CHARS) -> None:
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a malformed record is logging's to report, not ours
             return record
-        if len(message) > limit:
-            record.msg, record.args = f"{message[:limit]}... [{len(message) - limit} more characters cut]", ()
+        kept = escaped(f"{message[:limit]}... [{len(message) - limit} more characters cut]"
+                       if len(message) > limit else message)
+        if kept != message:  # else left as it was made (a formatter may read its args: uvicorn's access log)
+            record.msg, record.args = kept, ()
         return record
 
     factory.retouch_limit = limit
