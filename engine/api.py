@@ -376,7 +376,7 @@ class Engine:
         with self._jobs_lock:
             self._jobs.pop(job.id, None)
         if kind == "finished":
-            image = processing.image_from_blob(header["image"], blobs["image"])
+            image = processing.finished_image(header, blobs)
             self.worker.complete(job, image)
         elif kind == "prepared":
             self.worker.metrics.failed += 1

@@ -76,6 +76,25 @@ def image_from_blob(spec, data: bytes) -> Image.Image:
     return Image.frombytes(mode, (width, height), data)
 
 
+def _with_profile(blobs: dict, name: str, image: Image.Image) -> dict:
+    """`blobs` and, as `name`.icc, the image's colour profile: its pixels alone leave it behind, and every
+    answer made from a template carries the template's (`canvas.paste_unmasked`)."""
+    profile = image.info.get("icc_profile")
+    return {**blobs, f"{name}.icc": profile} if profile else blobs
+
+
+def finished_image(header: dict, blobs: dict) -> Image.Image:
+    """The image of a helper's "finished" answer (`handle`)."""
+    return _profiled(image_from_blob(header["image"], blobs["image"]), blobs, "image")
+
+
+def _profiled(image: Image.Image, blobs: dict, name: str) -> Image.Image:
+    """`image` with the colour profile `_with_profile` sent beside it, if any."""
+    if blobs.get(f"{name}.icc"):
+        image.info["icc_profile"] = blobs[f"{name}.icc"]
+    return image
+
+
 def template_message(template: Template) -> tuple[dict, dict, dict]:
     canvas = template.canvas
     header = {"template_id": template.template_id, "prompt": template.prompt, "steps": template.steps,
@@ -86,13 +105,15 @@ def template_message(template: Template) -> tuple[dict, dict, dict]:
     mask_spec, mask = _image_blob(template.recorded_mask)
     header.update(image=image_spec, recorded_mask=mask_spec)
     # The noise is not sent: it is drawn from the seed where it is needed.
-    return header, {}, {"template.image": image, "template.recorded_mask": mask}
+    return header, {}, _with_profile({"template.image": image, "template.recorded_mask": mask}, "template.image",
+                                     template.source)
 
 
 def template_from_message(header: dict, tensors: dict, blobs: dict) -> Template:
     t = header["template"]
     width, height, padded_width, padded_height, stride = t["canvas"]
-    return Template(template_id=t["template_id"], source=image_from_blob(t["image"], blobs["template.image"]),
+    source = _profiled(image_from_blob(t["image"], blobs["template.image"]), blobs, "template.image")
+    return Template(template_id=t["template_id"], source=source,
                     canvas=Canvas((width, height), (padded_width, padded_height), stride), prompt=t["prompt"],
                     steps=t["steps"], seed=t["seed"], guidance=t["guidance"], latent_shape=tuple(t["latent_shape"]),
                     num_text_tokens=t["num_text_tokens"],
@@ -161,7 +182,8 @@ def handle(editor: MaskAwareEditor, frames: list) -> list:
     except Exception as exc:  # the worker answers the request with it; the helper keeps serving
         return wire.encode({"kind": "error", "job": job, "error": type(exc).__name__, "message": str(exc)})
     spec, data = _image_blob(image)
-    return wire.encode({"kind": "finished", "job": job, "image": spec}, blobs={"image": data})
+    return wire.encode({"kind": "finished", "job": job, "image": spec}, blobs=_with_profile({"image": data}, "image",
+                                                                                          image))
 
 
 # ---- the helper processes ----

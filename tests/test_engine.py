@@ -155,9 +155,14 @@ def test_prepared_edits_survive_the_wire():
 
 def test_the_disaggregated_engine_gives_the_inline_result_with_no_interruptions():
     """End to end through a real helper process: pre-processing, the loop, post-processing; closing
-    the engine answers every request it accepted, including those still in the helper."""
+    the engine answers every request it accepted, including those still in the helper. The template's
+    colour profile goes to the helper and back with its pixels: every answer carries it."""
+    from test_images import rgb_profile
+
+    tagged, profile = template_image(), rgb_profile()
+    tagged.info["icc_profile"] = profile
     with Engine.load("tiny-flux-fill", EngineConfig(mode="disagg", max_batch=4)) as engine:
-        template_id = engine.register_template(template_image(), prompt="a scene", steps=3, seed=3)
+        template_id = engine.register_template(tagged, prompt="a scene", steps=3, seed=3)
         requests = [EditRequest(template_id, square_mask((16 * i, 16, 16 * i + 31, 47)), "a hat", seed=i)
                     for i in range(7)]
         results = [engine.submit(r).result(timeout=300) for r in requests[:5]]
@@ -182,6 +187,7 @@ def test_the_disaggregated_engine_gives_the_inline_result_with_no_interruptions(
         difference = np.abs(np.asarray(result.image, dtype=int) - np.asarray(image, dtype=int))
         assert difference.max() <= 2
         assert result.metrics.e2e_s >= result.metrics.inference_s > 0
+        assert result.image.info.get("icc_profile") == image.info["icc_profile"] == profile
 
 
 def test_batch_rows_follow_the_pipeline_order_for_guidance():
