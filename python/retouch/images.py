@@ -6,7 +6,8 @@ Every entry point (CLI, Python API, engine, HTTP) reads images with `as_image` a
 Masks: white = repaint (diffusers' convention). A pixel's value is how much of the edit replaces the
 template there: 0 keeps the template's pixel exactly, full scale takes the edit, values between blend
 (a feathered brush stays feathered). Any non-zero pixel is repainted: its token is recomputed. A mask
-file in a lossy format (JPEG) has levels within JPEG_SNAP of black or white snapped to them first.
+file in a lossy format (JPEG, decoded here or a PIL image opened from one) has levels within JPEG_SNAP of
+black or white snapped to them first.
 
     PIL "1"                          set = repaint
     "L", "P", "RGB", "CMYK", ...     luminance, 0..255
@@ -79,10 +80,7 @@ def decode_image(data: bytes, what: str, max_pixels: int | None = None) -> Image
         with Image.open(io.BytesIO(data), formats=READ_FORMATS) as img:
             if img.width * img.height > max_pixels:
                 raise ImageTooLarge(f"{what} is {img.width}x{img.height}, over the limit of {max_pixels} pixels")
-            frames = getattr(img, "n_frames", 1)
-            if frames > 1 and img.format != "MPO":  # MPO: a phone photo's extra frames are depth maps, previews
-                raise InputError(f"{what} has {frames} frames (an animation or a multi-page file); send one "
-                                 "picture")
+            _one_picture(img, what)
             img.load()
             decoded = ImageOps.exif_transpose(img)
             if img.format in LOSSY_FORMATS:
@@ -94,6 +92,13 @@ def decode_image(data: bytes, what: str, max_pixels: int | None = None) -> Image
         raise InputError(f"cannot read {what}: not an image in a format retouch reads ({FORMAT_NAMES})") from None
     except (OSError, SyntaxError, ValueError) as exc:  # truncated or corrupt data
         raise InputError(f"cannot read {what}: {exc}") from None
+
+
+def _one_picture(image: Image.Image, what: str) -> None:
+    """Refuse an animation or a multi-page file (which one frame would be edited is no choice to guess)."""
+    frames = getattr(image, "n_frames", 1)
+    if frames > 1 and image.format != "MPO":  # MPO: a phone photo's extra frames are depth maps, previews
+        raise InputError(f"{what} has {frames} frames (an animation or a multi-page file); send one picture")
 
 
 def load_image(path: Path) -> Image.Image:
@@ -123,6 +128,7 @@ def as_image(image, what: str = "image") -> Image.Image:
         image = Image.fromarray(image.squeeze(2) if image.ndim == 3 and image.shape[2] == 1 else image)
     if not isinstance(image, Image.Image):
         raise InputError(f"{what} must be a PIL image or a uint8 array, got {type(image).__name__}")
+    _one_picture(image, what)
     if image.width < 1 or image.height < 1:
         raise InputError(f"{what} is empty ({image.width}x{image.height})")
     profile = colour_profile(image)
@@ -165,8 +171,9 @@ def as_mask(mask, size: tuple[int, int] | None = None, *, alpha: bool = False, w
     if mask is None:
         raise InputError(f"{what} is missing: send a mask (white = repaint)")
     if isinstance(mask, Image.Image):
+        _one_picture(mask, what)
         levels = _image_levels(ImageOps.exif_transpose(mask), alpha, what)
-        if mask.info.get(LOSSY):
+        if mask.info.get(LOSSY) or mask.format in LOSSY_FORMATS:  # decoded here, or opened by the caller
             levels = np.where(levels <= JPEG_SNAP, 0, np.where(levels >= 255 - JPEG_SNAP, 255, levels)).astype(np.uint8)
     else:
         if alpha:
