@@ -363,6 +363,7 @@ async def transparent_edits() -> dict:
                 edit = await asyncio.to_thread(worker.receive, "edit")
                 await asyncio.to_thread(worker.answer, edit["request"], png(Image.fromarray(answer)))
                 outcome[name] = await posted
+            outcome["its image"] = await client.get(f"/v1/templates/{registered.json()['id']}/image")
             opaque = await client.post("/v1/templates", data={"steps": "2"},
                                        files={"image": ("t.png", png(Image.fromarray(cutout[..., :3])))})
             outcome["ids"] = (registered.json()["id"], opaque.json()["id"])
@@ -385,6 +386,8 @@ def test_a_transparent_template_is_answered_with_its_alpha_outside_the_mask():
         assert (answer[..., 3][keep] == outcome["cutout"][..., 3][keep]).all()  # the cut-out's own alpha
         assert (answer[..., 3][~keep] == 255).all()  # what the model painted is opaque
         assert (answer[..., :3] == outcome["worker answer"]).all()
+    its_image = np.asarray(Image.open(io.BytesIO(outcome["its image"].content)))
+    assert (its_image == outcome["cutout"]).all()  # the template as it was sent, transparency and all
     template_id, opaque_id = outcome["ids"]
     assert template_id != opaque_id  # the same colours, another alpha: another template
     refused = outcome["as jpeg"]  # JPEG has no alpha: said, not flattened

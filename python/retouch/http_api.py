@@ -988,9 +988,11 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
 
     @app.get("/v1/templates/{template_id}/image")
     async def template_image(request: Request, template_id: str):
-        """The template's image as PNG (what every edit of it keeps outside its mask)."""
+        """The template's image as PNG (what every edit of it keeps outside its mask), with its transparency."""
         template_or_404(template_id, request.state.tenant)
-        return Response(await unchanged(template_id, None), media_type="image/png")
+        size = record_of(template_id, None).size
+        return Response(await with_template_alpha(template_id, None, Image.new("L", size, 0),
+                                                  await unchanged(template_id, None)), media_type="image/png")
 
     @app.get("/v1/templates/{template_id}/events")
     async def template_events(request: Request, template_id: str):
