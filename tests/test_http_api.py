@@ -564,3 +564,20 @@ def test_the_openapi_bounds_of_every_number_field_are_the_ones_the_server_enforc
     past_the_maximum = {(path, name): answer for path, name, where, answer in sent if where == "past"}
     assert "[1, 40]" in past_the_maximum[("/v1/edits", "steps")].json()["error"]["message"]
     assert "[1, 3]" in past_the_maximum[("/v1/images/edits", "n")].json()["error"]["message"]
+
+
+async def long_polls(router: Router) -> dict:
+    app = create_app(router, Limits(default_steps=2))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+        registered = await client.post("/v1/templates", data={"steps": "2"},
+                                       files={"image": ("t.png", png(Image.new("RGB", (32, 32), "red")))})
+        path = f"/v1/templates/{registered.json()['id']}"
+        return {wait: await client.get(path, params={"wait": wait}) for wait in ("nan", "inf", "-5", "61", "0.01")}
+
+
+def test_a_long_polls_wait_is_refused_outside_0_to_60_seconds(make_router):
+    """?wait=inf held the connection for as long as the recording ran; nan answered at once."""
+    answers = asyncio.run(long_polls(make_router()))
+    for wait in ("nan", "inf", "-5", "61"):
+        assert answers[wait].status_code == 400 and answers[wait].json()["error"]["param"] == "wait", wait
+    assert answers["0.01"].status_code == 200 and answers["0.01"].json()["status"] == "recording"

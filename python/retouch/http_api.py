@@ -110,7 +110,7 @@ DISCONNECT_POLL_S = 0.25  # how often a waiting edit checks whether its client i
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")  # visible ASCII: UUIDs, base64, hashes
 SF_STRING_ESCAPE = re.compile(r'\\(["\\])')  # \" and \\ inside a quoted Idempotency-Key
-MAX_RESULT_WAIT_S = 60.0  # GET /v1/edits/{id}/result?wait=S: longer polls meet proxies' idle timeouts
+MAX_RESULT_WAIT_S = 60.0  # ?wait=S of a long poll (an edit's result, a template): longer meets proxies' idle timeouts
 access_log = logging.getLogger("retouch.access")
 QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # asked every few seconds: not news
 # PNG bytes base64-encoded per step of a streamed answer: a multiple of 3 (chunks concatenate), and
@@ -228,6 +228,12 @@ class ApiError(Exception):
 def _cut(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else f"{text[:MAX_ERROR_CHARS]}... [{len(text) - MAX_ERROR_CHARS} " \
                                                      "more characters cut]"
+
+
+def check_wait(wait: float) -> None:
+    """A long poll's `?wait=S` (NaN and infinity are out of range too)."""
+    if not 0 <= wait <= MAX_RESULT_WAIT_S:
+        raise ApiError(400, f"wait must be 0-{MAX_RESULT_WAIT_S:g} seconds, got {wait:g}", "wait")
 
 
 def reply_response(reply: Reply, status: int = 200) -> Response:
@@ -978,11 +984,12 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
     @app.get("/v1/templates/{template_id}")
     async def get_template(request: Request, template_id: str, wait: float = 0.0):
         """`?wait=S` long-polls: answers once the template is no longer recording, or after S seconds."""
+        check_wait(wait)
         tenant = request.state.tenant
         record = template_or_404(template_id, tenant)
         if record["status"] == "recording" and wait > 0:
             await anyio.to_thread.run_sync(lambda: router.wait_until(
-                lambda r: (r.template(template_id, tenant) or {}).get("status") != "recording", min(wait, 60.0)))
+                lambda r: (r.template(template_id, tenant) or {}).get("status") != "recording", wait))
             record = template_or_404(template_id, tenant)
         return record
 
@@ -1789,8 +1796,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         """An asynchronous or keyed edit's answer, as its POST answered it (or would have): the image, its
         JSON, or its error with the error's status. Still running after waiting up to `wait` seconds for
         it: 202 with its status (and Retry-After), as the POST of an asynchronous edit answered."""
-        if not 0 <= wait <= MAX_RESULT_WAIT_S:
-            raise ApiError(400, f"wait must be 0-{MAX_RESULT_WAIT_S:g} seconds, got {wait:g}", "wait")
+        check_wait(wait)
         job = jobs.find(request.state.tenant, request_id)
         if job is None:
             known = (request.state.tenant, request_id) in in_flight
