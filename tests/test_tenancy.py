@@ -1,6 +1,6 @@
 """Tenants by API key: a template belongs to the key that registered it, and another key can neither
 see, list, edit nor delete it (404, as for an id that never was), nor see its edits in flight. The
-Authorization scheme is read in any case; the API docs are behind the key, or off; over-long
+Authorization scheme is read in any case, the header only once; the API docs are behind the key, or off; over-long
 prompts are refused before any work."""
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ async def two_tenants(router: Router, context: zmq.Context) -> dict:
         seen["B delete"] = await client.delete(url, headers=B)
         seen["A get, lowercase scheme"] = await client.get(url, headers={"Authorization": f"bearer {KEY_A}"})
         seen["A list, uppercase scheme"] = await client.get("/v1/templates", headers={"Authorization": f"BEARER {KEY_A}"})
+        seen["two keys"] = await client.get(url, headers=[("Authorization", f"Bearer {KEY_B}"),
+                                                          ("Authorization", f"Bearer {KEY_A}")])
 
         running = asyncio.create_task(client.post("/v1/edits", headers={**A, "X-Request-Id": "a-1"}, data=edit,
                                                   files=MASK))
@@ -84,6 +86,8 @@ def test_a_tenant_sees_only_its_own_templates_and_edits():
     assert seen["A get, lowercase scheme"].json()["id"] == template_id
     assert [t["id"] for t in seen["A list, uppercase scheme"].json()["data"]] == [template_id]
     assert seen["A edit status"].status_code == 200
+    # which one a proxy in front checked is not which one would count here
+    assert seen["two keys"].status_code == 400 and seen["two keys"].json()["error"]["param"] == "authorization"
     assert seen["A edit"].status_code == 200 and seen["A edit"].headers["content-type"] == "image/png"
 
     theirs = seen["B registers the same image"].json()["id"]

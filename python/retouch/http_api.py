@@ -329,7 +329,11 @@ class Authenticate:
         tenant = ""
         path = scope["path"]
         if self.keys and (path.startswith("/v1/") or path in DOCS_PATHS):
-            tenant = self.tenant(dict(scope["headers"]).get(b"authorization", b""))
+            sent = [value for name, value in scope["headers"] if name == b"authorization"]
+            if len(sent) > 1:  # a proxy that checks one of them and this server would disagree on the tenant
+                refused = ApiError(400, f"Authorization was sent {len(sent)} times; send it once", "authorization")
+                return await refused.response()(scope, receive, send)
+            tenant = self.tenant(sent[0] if sent else b"")
             if tenant is None:
                 refused = ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", "authorization",
                                    "invalid_api_key")
