@@ -108,18 +108,21 @@ def test_disk_tier_keeps_its_budget_and_evicts_least_recently_used(tmp_path):
     layout = StepLayout.for_tensors({(0, "out"): (64, 64)}, torch.float32, 64)  # 16 KiB a step
     steps = random_steps(layout, 1, seed=3)
     file_bytes = layout.nbytes + 1024  # a step and its header
-    tier = DiskTier(tmp_path, budget=3 * file_bytes)
+    folder = tmp_path / "tier"
+    tier = DiskTier(folder, budget=3 * file_bytes)
     for name in ["a", "b", "c"]:
         assert tier.write(name, layout, steps)
+    # a tenant's image, in effect: its folder and files are the serving user's alone
+    assert folder.stat().st_mode & 0o077 == 0 and tier.path("a").stat().st_mode & 0o077 == 0
     tier.touch("a")
     assert tier.write("d", layout, steps)
     assert not tier.contains("b") and all(tier.contains(n) for n in "acd")
     assert tier.used <= tier.budget and tier.evictions == 1
-    assert sum(p.stat().st_size for p in tmp_path.iterdir()) == tier.used
+    assert sum(p.stat().st_size for p in folder.iterdir()) == tier.used
     assert not tier.write("huge", layout, random_steps(layout, 4, seed=4))  # alone over budget
     assert not tier.path("huge").exists()
     # A new tier over the same folder adopts the files; a smaller budget evicts the oldest.
-    again = DiskTier(tmp_path, budget=2 * file_bytes)
+    again = DiskTier(folder, budget=2 * file_bytes)
     assert again.used <= again.budget and again.contains("d")
 
 

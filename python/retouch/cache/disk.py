@@ -55,7 +55,8 @@ def write_template(path: Path, header: bytes, steps: Sequence[np.ndarray]) -> No
     """Write the header and `steps` atomically to `path`."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with open(temporary, "wb") as f:
+        # readable by this user only: a template's activations (and its header's prompt) are a tenant's image
+        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(PREAMBLE.pack(MAGIC, len(header), zlib.crc32(header)))
             f.write(header)
             for step in steps:
@@ -131,7 +132,7 @@ class DiskTier:
         if budget < 0:
             raise ValueError(f"disk budget must be >= 0 bytes, got {budget}")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.budget = budget
         self.redundant = redundant or (lambda template_id: False)
         self._lock = threading.Lock()
