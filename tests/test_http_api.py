@@ -581,3 +581,22 @@ def test_a_long_polls_wait_is_refused_outside_0_to_60_seconds(make_router):
     for wait in ("nan", "inf", "-5", "61"):
         assert answers[wait].status_code == 400 and answers[wait].json()["error"]["param"] == "wait", wait
     assert answers["0.01"].status_code == 200 and answers["0.01"].json()["status"] == "recording"
+
+
+async def numbers_sent(router: Router, fields: list[dict]) -> list[httpx.Response]:
+    app = create_app(router, Limits(default_steps=2))
+    files = {"image": ("i.png", png(Image.new("RGB", (32, 32), "red"))),
+             "mask": ("m.png", png(Image.new("L", (32, 32), 255)))}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+        return [await client.post("/v1/edits", data={"prompt": "a cat", **field}, files=files) for field in fields]
+
+
+@pytest.mark.parametrize("field, value", [("seed", "1_0"), ("seed", " 7"), ("seed", "１"), ("seed", "٣"),
+                                          ("seed", "0x10"), ("seed", "1e3"), ("strength", "０.5"),
+                                          ("strength", "0,5"), ("output_compression", "9\u00a0")])
+def test_a_number_is_written_as_clients_write_numbers_in_ascii(make_router, field, value):
+    """Python's int() and float() read underscores, spaces and any script's digits; a client that sent them
+    meant something else, or nothing."""
+    refused, taken = asyncio.run(numbers_sent(make_router(no_worker_s=0.01), [{field: value}, {field: "1"}]))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+    assert taken.status_code == 503  # read, and on to the router (which has no worker)

@@ -469,7 +469,8 @@ class Form:
         if value is None or value == "":
             return default
         try:
-            if "_" in value or value != value.strip():  # Python's int("1_0") and int(" 7 ") are no client's number
+            # Python's int("1_0"), int(" 7 ") and int("１") (a full-width digit) are no client's number
+            if "_" in value or value != value.strip() or not value.isascii():
                 raise ValueError(value)
             return kind(value)
         except ValueError:
