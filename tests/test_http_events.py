@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import threading
 from collections.abc import Iterator
 
@@ -135,7 +136,15 @@ def test_an_edit_in_flight_is_watched_from_where_it_is_to_the_end(client):
     assert client.get("/v1/edits/watched/events").status_code == 404  # answered: nothing in flight
 
 
-def test_a_stream_cancelled_by_delete_ends_with_an_error_event(client, server):
+def access_status(caplog, request_id: str) -> int | None:
+    """The status the access log gave the request's answer (None: not logged yet)."""
+    lines = [r.getMessage() for r in caplog.records if r.name == "retouch.access"]
+    lines = [line for line in lines if f"id={request_id}" in line]
+    return int(lines[-1].split()[2]) if lines else None
+
+
+def test_a_stream_cancelled_by_delete_ends_with_an_error_event(client, server, caplog):
+    caplog.set_level(logging.INFO, logger="retouch.access")
     template_id = register(client, random_image(SIZE, seed=5), LONG_STEPS)
     form = edit_form(template_id, stream="true")
     with client.stream("POST", "/v1/edits", headers={"X-Request-Id": "to-cancel"}, **form) as response:
@@ -147,16 +156,23 @@ def test_a_stream_cancelled_by_delete_ends_with_an_error_event(client, server):
                 assert deleted.status_code == 200 and deleted.json()["cancelled"] is True, deleted.text
     assert seen[-1][0] == "error" and seen[-1][1]["status"] == 409
     assert seen[-1][1]["error"]["code"] == "cancelled"
+    # the stream began 200; its access line says how it ended
+    wait_for(lambda: access_status(caplog, "to-cancel") is not None, "the access line", 30)
+    assert access_status(caplog, "to-cancel") == 409
 
 
-def test_a_client_that_leaves_a_stream_cancels_its_edit(client, server):
+def test_a_client_that_leaves_a_stream_cancels_its_edit(client, server, caplog):
+    caplog.set_level(logging.INFO, logger="retouch.access")
     template_id = register(client, random_image(SIZE, seed=6), LONG_STEPS)
     cancelled = server.router.snapshot()["counters"]["cancelled"]
-    with client.stream("POST", "/v1/edits", **edit_form(template_id, stream="true")) as response:
+    form = edit_form(template_id, stream="true")
+    with client.stream("POST", "/v1/edits", headers={"X-Request-Id": "leaves"}, **form) as response:
         for line in response.iter_lines():
             if line == "event: step":
                 break  # and the connection closes
     assert server.router.wait_until(lambda r: r.counters["cancelled"] == cancelled + 1 and not r.pending, 30)
+    wait_for(lambda: access_status(caplog, "leaves") is not None, "the access line", 30)
+    assert access_status(caplog, "leaves") == 499  # nginx's "client closed request", as for an edit not streamed
 
 
 @pytest.mark.parametrize("fields, param", [({"stream": "maybe"}, "stream"), ({"preview_every": "2"}, "preview_every"),

@@ -286,6 +286,7 @@ class CountAnswers:
             await ApiError(500, "internal server error", None, "internal_error").response()(scope, receive, counted)
         finally:
             if status is not None:
+                status = scope.get("state", {}).get("streamed_status", status)  # an event stream's end
                 self.metrics.count(scope["path"], status)
                 log_answer(scope, status, time.perf_counter() - started)
 
@@ -1757,9 +1758,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                     yield await style.done(await answer_png(answer.png), answer.metrics)
                 else:
                     outcome = "error"
+                    request.state.streamed_status = answer.status
                     yield style.error(answer.status, answer_error(answer).body())
             finally:
                 metrics.latency.labels(endpoint, outcome).observe(time.perf_counter() - started)
+                # the stream began 200; its access line and count say how it ended (`CountAnswers`)
+                if outcome in ("client_gone", "timeout"):
+                    request.state.streamed_status = 499 if outcome == "client_gone" else 504
 
         def closed() -> None:  # however the stream ended, even before it began (a client already gone)
             if not future.done():
