@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+import pytest
 import uvicorn
 import zmq
 from PIL import Image
@@ -144,6 +145,24 @@ def test_a_request_that_is_not_http_gets_a_json_400():
     assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
     error = json.loads(body)["error"]
     assert error["code"] == "malformed_http" and error["type"] == "invalid_request_error" and error["message"]
+
+
+@pytest.mark.parametrize("framing", [b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n",
+                                     b"Content-Length: 5\r\nContent-Length: 6\r\n"])
+def test_a_body_framed_two_ways_is_refused(framing):
+    """A proxy in front could read where such a body ends otherwise than the server, and pass a request
+    hidden in it (request smuggling)."""
+    limits = Limits()
+    body = b"0\r\n\r\n" if b"chunked" in framing else b"hello"
+    with router_without_workers() as router, serving(create_app(router, limits), limits) as address:
+        with socket.create_connection(address) as sock:
+            sock.sendall(b"POST /v1/templates HTTP/1.1\r\nHost: retouch\r\n" + framing + b"Connection: close\r\n\r\n"
+                         + body)
+            answer = bytearray()
+            read_all(sock, answer)
+    head, _, rest = bytes(answer).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert json.loads(rest)["error"]["code"] in ("ambiguous_body", "malformed_http")
 
 
 def test_connections_beyond_the_cap_are_refused_until_one_closes():

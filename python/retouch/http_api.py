@@ -355,7 +355,10 @@ class Authenticate:
 
 
 class BodyLimit:
-    """Refuse bodies over `max_bytes`: at once from Content-Length, else while they stream in."""
+    """Refuse bodies over `max_bytes`: at once from Content-Length, else while they stream in. And bodies
+    framed two ways (Transfer-Encoding and Content-Length; h11 refuses two Content-Lengths that differ): a
+    proxy in front may read where such a body ends otherwise than this server, and pass a second request
+    hidden in it (request smuggling; RFC 9112 6.3 lets a server refuse them)."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -365,7 +368,12 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         too_large = ApiError(413, f"request body over the limit of {self.max_bytes} bytes", "body",
                              "body_too_large")
-        length = dict(scope["headers"]).get(b"content-length")
+        lengths = [value for name, value in scope["headers"] if name == b"content-length"]
+        if len(lengths) > 1 or lengths and any(name == b"transfer-encoding" for name, _ in scope["headers"]):
+            ambiguous = ApiError(400, "the body is framed both by Transfer-Encoding and Content-Length, or by "
+                                 "Content-Length twice: send one", "content-length", "ambiguous_body")
+            return await ambiguous.response()(scope, receive, send)
+        length = lengths[0] if lengths else None
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await too_large.response()(scope, receive, send)
         received = 0
