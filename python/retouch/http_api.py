@@ -1644,11 +1644,15 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         else:  # an alpha channel that is opaque everywhere marks nothing to repaint: say so, not answer the image
             raise ApiError(400, "send a mask, or an image with transparent pixels (alpha 0 = repaint)"
                            + ("; this image has none" if image is not None else ""), "mask")
+        if target is not None:
+            check_aspect(target, mask.size)
+            if n * target[0] * target[1] > limits.max_pixels:  # scaled and encoded on this process's threads
+                raise ApiError(413, f"{n} answers of {target[0]}x{target[1]} are {n * target[0] * target[1]} pixels, "
+                               f"over the limit of {limits.max_pixels} a request (--max-pixels): ask for a smaller "
+                               "size or fewer images", "size", "too_much_work")
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, None, None, image, mask, n,
                                                         image_carries_mask=True, strength=strength)
-        if target is not None:
-            check_aspect(target, mask.size)
         width, height = target or mask.size
         if stream:
             record = record_of(template_id, one_off)
