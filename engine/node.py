@@ -25,6 +25,7 @@ It says hello (its batch size, the templates it holds), then answers the router'
               own outlives the server and joins it again when it is back); SIGTERM does the same
     closing   the server is shutting down: wait for it (or its successor) and say hello again
     refused   the router will not take this worker (another model): say why and exit with status 2
+    name_taken  another live worker has its name: say so (now and then) and say hello until that one is gone
     rejoin    the router removed it (it fell silent, e.g. a network cut) and hears it again: hello again
     alive     the answer to each heartbeat: a router silent for its `dead_after_s` is presumed gone
               (restarted): the worker is not ready until a router welcomes it again
@@ -110,6 +111,7 @@ class Node:
         self.supervised = supervised
         self.welcomed = threading.Event()  # the router took it in (readiness)
         self.refused: str | None = None  # why the router would not take it in
+        self._name_taken_said = -math.inf  # when it last said another worker holds its name
         self.draining = False  # stopping: it finishes what it accepted and takes nothing new
         self._stop_requested = threading.Event()
         self.context = zmq.Context()
@@ -221,6 +223,12 @@ class Node:
             print(f"{self.name}: the router at {self.router_address} refused this worker: {self.refused}",
                   file=sys.stderr, flush=True)
             return True
+        elif kind == "name_taken":  # another live worker has this --name: hellos go on until it is gone
+            if time.monotonic() - self._name_taken_said > JOIN_NOTE_REPEAT_S:
+                self._name_taken_said = time.monotonic()
+                print(f"{self.name}: the router at {self.router_address} has a live worker of this name (pid "
+                      f"{header.get('pid')}); this one joins once that one is gone: give each worker its own "
+                      "--name", file=sys.stderr, flush=True)
         elif kind == "closing":
             self._router_lost(f"the router at {self.router_address} is shutting down")
         elif kind == "rejoin":  # one hello per episode: a burst of rejoins (stale heartbeats) is one

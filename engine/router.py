@@ -251,6 +251,7 @@ class WorkerState:
     sent_in: dict[int | str, tuple[int, float]] = field(default_factory=dict)
     draining: bool = False  # stopping: it finishes its edits, and gets no new edit or template
     registering: set[str] = field(default_factory=set)  # templates sent to it to record, not yet reported
+    dropping: set[int] = field(default_factory=set)  # edits it holds that are not its own, told to drop them
 
 
 @dataclass(frozen=True, kw_only=True)  # by name: a field added in the middle must not shift callers' values
@@ -364,8 +365,9 @@ class Router:
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
                          "one_offs_evicted": 0, "one_offs_recorded_beside": 0, "lora_affinity": 0,
                          "registry_failures": 0, "workers_mismatched": 0, "lost_requests": 0, "lost_recordings": 0,
-                         "lora_mismatches": 0}
+                         "lora_mismatches": 0, "worker_names_taken": 0, "stale_edits_dropped": 0}
         self._lora_mismatches: set[tuple[str, str, str]] = set()  # (name, digest, digest) said once
+        self._name_taken_said: set[tuple[str, bytes]] = set()  # (name, identity) of second workers, said once
         # size class -> {"with_deadline": n, and n per SLO_OUTCOMES}
         self.slo: dict[str, dict[str, int]] = {}
         # Notified on every dispatch, answer, heartbeat and worker change.
@@ -1145,6 +1147,20 @@ class Router:
             known.last_seen = time.monotonic()
             self._send(known, self._welcome())
             return
+        if known is not None and known.identity != identity and time.monotonic() - known.last_seen < \
+                self.config.dead_after_s:
+            # Another live process under this name (two workers given one --name): taking it for a restart
+            # removed the first, whose next heartbeat rejoined it and removed the second, twice a second, each
+            # time sending their edits elsewhere. The name stays its holder's until that one is presumed
+            # dead; the other is told so at each of its hellos, and joins then (a restart that came fast).
+            self.counters["worker_names_taken"] += 1
+            if (name, identity) not in self._name_taken_said:
+                self._name_taken_said.add((name, identity))
+                logger.warning(f"a second worker named {name} (pid {header.get('pid')}) said hello while worker "
+                               f"{name} (pid {known.pid}) is alive: it waits until that one is gone; give each "
+                               "worker its own --name")
+            self._outgoing.append((identity, wire.encode({"kind": "name_taken", "pid": known.pid})))
+            return
         refusal = self._refusal(header)
         if refusal is not None:
             self.counters["workers_mismatched"] += 1
@@ -1236,6 +1252,7 @@ class Router:
         seen = header.get("seen")
         if "held" in header:
             self._find_lost(worker, set(header["held"]), seen)
+            self._drop_stale(worker, set(header["held"]))
         if "recording" in header:
             self._find_lost_recordings(worker, set(header["recording"]), seen)
         self._changed.notify_all()
@@ -1305,6 +1322,16 @@ class Router:
                 else:
                     self._take_back(worker, pending)
                     self._route(pending)
+
+    def _drop_stale(self, worker: WorkerState, held: set[int]) -> None:
+        """Edits the worker holds that are not its own (it was presumed dead and they went elsewhere, or it
+        came back after a pause longer than `dead_after_s`) are cancelled there: it would compute them for
+        nobody, its answers dropped as duplicates. Told once each."""
+        stale = held - worker.assigned
+        for request_id in stale - worker.dropping:
+            self._send(worker, {"kind": "cancel", "request": request_id})
+            self.counters["stale_edits_dropped"] += 1
+        worker.dropping = stale
 
     def _release(self, worker: WorkerState, request_id: int) -> None:
         """The worker no longer holds the edit (answered, or taken back): its load leaves the worker's."""

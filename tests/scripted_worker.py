@@ -17,13 +17,14 @@ TIMEOUT_S = 10.0
 
 class ScriptedWorker:
     def __init__(self, context: zmq.Context, router: Router, name: str, max_batch: int = 4, welcome: str = "welcome",
-                 **hello):
+                 identity: str | None = None, **hello):
         """Joins the router (`hello`: more of what a worker says: model, dtype, weights, lora, ...) and
-        waits for its answer, `welcome` or (refused) `refused`."""
+        waits for its answer, `welcome` or (refused) `refused`. `identity`: its socket's (a process's),
+        "NAME:1" by default."""
         self.name = name
         self.inbox: list[dict] = []
         self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, f"{name}:1".encode())
+        self.socket.setsockopt(zmq.IDENTITY, (identity or f"{name}:1").encode())
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(router.address)
         self.send({"kind": "hello", "max_batch": max_batch, "pid": 1, **hello})

@@ -78,6 +78,35 @@ def test_silent_worker_is_removed_its_request_rerouted_and_its_late_answer_dropp
     assert future.result().png == b"from w1"
 
 
+def test_a_worker_back_after_a_pause_is_told_to_drop_the_edits_that_went_elsewhere(context, make_router):
+    """Paused (SIGSTOP, a long GC, a network cut) past dead_after_s, the worker comes back still holding the
+    edits the router sent elsewhere meanwhile: its heartbeats list them, and it is told to cancel each once,
+    not the ones it was sent since."""
+    router = make_router(dead_after_s=0.5)
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(template())
+    w0.register("t1")
+    future = router.submit(task())
+    first = w0.receive("edit")
+    w1 = ScriptedWorker(context, router, "w1")
+    w1.register("t1")
+    w1.receive("edit", keepalive=[w1])  # w0 fell silent: its edit went to w1
+    w0.send({"kind": "hello", "max_batch": 4, "pid": 1})
+    w0.receive("welcome")
+    w0.register("t1")
+    w1.heartbeat({}, running=[[first["request"], 1]])  # busy: the next edit goes to w0
+    mine = router.submit(task())
+    own = w0.receive("edit")
+    for _ in range(2):
+        w0.send({"kind": "heartbeat", "running": [], "queued": [], "held": [first["request"], own["request"]]})
+        w0.sync()
+    cancels = [m["request"] for m in w0.inbox if m["kind"] == "cancel"]
+    assert cancels == [first["request"]] and router.snapshot()["counters"]["stale_edits_dropped"] == 1
+    w1.answer(first["request"])
+    w0.answer(own["request"])
+    assert future.result(TIMEOUT_S).worker == "w1" and mine.result(TIMEOUT_S).worker == "w0"
+
+
 def test_exited_worker_is_rerouted_at_once(context, make_router):
     router = make_router()  # dead_after_s=60: only the supervisor's notice can remove it in time
     w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
@@ -766,6 +795,36 @@ def test_a_restarted_process_with_the_same_name_and_pid_is_a_new_worker(context,
     edit = first.receive("edit")
     first.answer(edit["request"])
     assert answer.result(TIMEOUT_S).status == 200
+
+
+def test_a_second_live_worker_of_one_name_waits_for_the_first_to_be_gone(context, make_router, caplog):
+    """Two workers given one --name: taking the second's hello for a restart removed the first, whose next
+    heartbeat rejoined it and removed the second, twice a second, rerouting their edits each time. The
+    name stays the live holder's; the other is told, once in the log and at each hello, and joins once the
+    holder is presumed dead."""
+    router = make_router(dead_after_s=0.5)
+    first = ScriptedWorker(context, router, "gpu-b")
+    router.register_template(template("t1"))
+    first.register("t1")
+    answer = router.submit(task("t1"))
+    edit = first.receive("edit")
+    with caplog.at_level("WARNING", logger="retouch.router"):
+        second = ScriptedWorker(context, router, "gpu-b", identity="gpu-b:2", welcome="name_taken", pid=2)
+        for _ in range(3):  # it keeps saying hello, as a worker does until it is welcomed
+            first.heartbeat({})
+            second.send({"kind": "hello", "max_batch": 4, "pid": 2})
+            second.receive("name_taken")
+    snapshot = router.snapshot()
+    assert snapshot["counters"]["workers_removed"] == 0 and snapshot["counters"]["rerouted"] == 0
+    assert snapshot["counters"]["worker_names_taken"] == 4
+    assert sum("a second worker named gpu-b" in line for line in router_lines(caplog, "WARNING")) == 1
+    first.answer(edit["request"])
+    assert answer.result(TIMEOUT_S).status == 200 and answer.result().worker == "gpu-b"
+    deadline = time.monotonic() + TIMEOUT_S  # the first falls silent: once it is presumed dead, the name is free
+    while "welcome" not in second.pending_kinds() and time.monotonic() < deadline:
+        second.send({"kind": "hello", "max_batch": 4, "pid": 2})
+        second.socket.poll(100)
+    assert "welcome" in second.pending_kinds() and router.snapshot()["counters"]["workers_removed"] == 1
 
 
 def test_a_lost_first_edit_of_a_one_off_is_sent_again_and_records_it(context, make_router):
