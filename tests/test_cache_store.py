@@ -156,7 +156,7 @@ def test_fp8_storage_quarters_bytes_and_stays_close():
 
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt", "delete"])
-def test_an_unusable_file_is_a_miss_and_is_removed(tmp_path, damage):
+def test_an_unusable_file_is_a_miss_and_is_removed(tmp_path, damage, caplog):
     store = make_store(tmp_path, templates_in_host=1)
     record(store, "a")
     record(store, "b")  # a -> disk
@@ -169,10 +169,12 @@ def test_an_unusable_file_is_a_miss_and_is_removed(tmp_path, damage):
         path.write_bytes(bytes(raw))
     else:
         path.unlink()
-    with pytest.raises(CacheMiss):
+    with caplog.at_level("WARNING", logger="retouch.cache"), pytest.raises(CacheMiss):
         store.acquire("a")
     assert not path.exists() and not store.contains("a")
     assert store.metrics()["corrupt_files"] == (0 if damage == "delete" else 1)
+    # the operator is told which file, and why (a disk going bad shows as these)
+    assert [str(path) in r.getMessage() for r in caplog.records if r.name == "retouch.cache"] == [True]
     assert_intact(store, "b")  # the failed load left the resident template alone
     record(store, "a")  # a recompute (re-registration) serves again
     assert_intact(store, "a")

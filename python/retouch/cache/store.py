@@ -394,6 +394,8 @@ class CacheStore(ActivationCache):
             if isinstance(exc, CorruptCacheFile):
                 with self._lock:
                     self.counters["corrupt_files"] += 1
+            logger.warning(f"cache file {self.disk.path(template_id)} is unusable ({exc}): removed; the template "
+                           "is recorded again")
             self.disk.remove(template_id)
             return None
 
@@ -562,6 +564,8 @@ class CacheStore(ActivationCache):
                 if not isinstance(exc, CacheFull):  # full: the file stays, and the caller retries later
                     self.counters["misses"] += 1
             if not isinstance(exc, CacheFull):  # the file is unusable or gone: forget it
+                logger.warning(f"cache file {self.disk.path(template_id)} is unusable ({exc}): removed; the "
+                               "template is recorded again")
                 self.disk.remove(template_id)
             future.set_exception(exc if isinstance(exc, CacheFull) else
                                  CacheMiss(f"template {template_id!r}: cache file unusable ({exc})"))
