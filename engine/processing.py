@@ -15,6 +15,7 @@ on ipc:// sockets: msgpack headers and raw bytes, never pickle.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
@@ -35,6 +36,8 @@ from retouch.engine import recipes, wire
 from retouch.engine.process_tree import child_env, die_with_parent
 from retouch.engine.recipes import Prepared
 from retouch.log_limits import cap_log_messages
+
+logger = logging.getLogger("retouch.helpers")
 
 
 @dataclass
@@ -354,8 +357,7 @@ class HelperPool:
             for index, process in enumerate(self.processes):
                 if process.poll() is None or self._closing.is_set():
                     continue
-                print(f"retouch: helper {index} exited with {process.returncode}; starting a replacement",
-                      file=sys.stderr)
+                logger.warning(f"helper {index} exited with {process.returncode}; starting a replacement")
                 failed = []
                 with self._lock:
                     self._alive[index] = False

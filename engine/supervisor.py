@@ -12,6 +12,7 @@ supervisor kills what is left of its group, reaps it and removes its folder (`en
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from retouch.engine.process_tree import child_env, kill_group
+
+logger = logging.getLogger("retouch.supervisor")
 
 
 @dataclass
@@ -96,13 +99,12 @@ class Supervisor:
                     self.exits += 1
                     self.on_exit(worker.name)
                     if self.restart and worker.restarts < self.max_restarts:
-                        print(f"retouch: worker {worker.name} exited with {worker.process.returncode}; "
-                              "starting a replacement", file=sys.stderr)
+                        logger.warning(f"worker {worker.name} exited with {worker.process.returncode}; starting "
+                                       "a replacement")
                         restarts = worker.restarts + 1
                         self.workers[index] = self._spawn(worker.slot, f"w{worker.slot}.{restarts}", restarts)
                     else:
-                        print(f"retouch: worker {worker.name} exited with {worker.process.returncode}",
-                              file=sys.stderr)
+                        logger.warning(f"worker {worker.name} exited with {worker.process.returncode}")
 
     def _reap(self, worker: WorkerProcess) -> None:
         """The worker has exited: kill what is left of its group (helpers), remove its folder."""

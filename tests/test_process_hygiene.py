@@ -108,7 +108,8 @@ def test_a_server_killed_outright_leaves_a_folder_the_next_one_removes(tmp_path)
     assert live.exists() and not stale.exists()
 
 
-def test_a_killed_helper_is_replaced_and_the_edit_it_held_is_answered():
+def test_a_killed_helper_is_replaced_and_the_edit_it_held_is_answered(caplog):
+    caplog.set_level("WARNING", logger="retouch.helpers")
     with Engine.load("tiny-flux-fill", EngineConfig(mode="disagg", max_batch=2, helpers=1, helper_threads=1)) as engine:
         template_id = engine.register_template(template_image(), prompt="a scene", steps=2, seed=3)
         request = EditRequest(template_id, square_mask(), "a hat", seed=1)
@@ -120,6 +121,9 @@ def test_a_killed_helper_is_replaced_and_the_edit_it_held_is_answered():
         after = future.result(timeout=TIMEOUT_S)
         assert engine.helpers.restarts == 1 and engine.helpers.processes[0].pid != helper.pid
     assert np.array_equal(np.asarray(after.image), np.asarray(before.image))
+    # a warning, timestamped in a server's log, that a --log-level warning keeps
+    assert [r.getMessage() for r in caplog.records if r.name == "retouch.helpers"] == [
+        f"helper 0 exited with {helper.returncode}; starting a replacement"]
 
 
 def test_a_helper_skips_work_cancelled_before_it_starts_it():
