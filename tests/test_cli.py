@@ -385,3 +385,23 @@ def test_unwritable_folders_of_export_and_keys_are_input_errors(tmp_path, capsys
     assert "it is not a folder" in errors  # not "File exists"
     assert retouch_cli.main(["models", "export", "tiny-sd2-inpaint", " "]) == 2  # it exported into "."
     assert "needs a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options", ["EditOptions", "ProfileOptions", "ServeOptions", "WorkerOptions"])
+def test_every_flag_with_a_default_says_it_in_its_help(options):
+    """An operator reads --help, not the README: a flag's default shows there, an on/off flag's as the flag
+    that gives it."""
+    import argparse
+    import dataclasses
+
+    from retouch import config
+
+    cls = getattr(config, options)
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser, cls)
+    helps = {action.dest: action.help for action in parser._actions}
+    for field in dataclasses.fields(cls):
+        if field.default not in (dataclasses.MISSING, None):
+            assert "(default" in helps[field.name], field.name
+        if field.default is True:
+            assert f"(default: --{field.name.replace('_', '-')})" in helps[field.name], field.name

@@ -205,11 +205,13 @@ def add_arguments(parser: argparse.ArgumentParser, options_cls: type) -> None:
         kwargs = {"dest": f.name, "help": f.metadata["help"], "required": required}
         if not required:
             kwargs["default"] = f.default
-        if hints[f.name] is bool:  # --flag / --no-flag
+        if hints[f.name] is bool:  # --flag / --no-flag, the default named as the flag that gives it
+            if not required and "(default" not in kwargs["help"]:
+                kwargs["help"] += f" (default: {flag if f.default else '--no-' + flag.removeprefix('--')})"
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
             continue
-        if not required and f.default is not None and "default" not in kwargs["help"]:
-            kwargs["help"] += f" (default: {f.default})"  # argparse says it for --flag/--no-flag itself
+        if not required and f.default is not None and "(default" not in kwargs["help"]:
+            kwargs["help"] += f" (default: {f.default})"
         kwargs["type"] = _scalar_type(hints[f.name])
         if f.metadata.get("choices"):
             kwargs["choices"] = f.metadata["choices"]
