@@ -469,6 +469,23 @@ class Router:
         self._wake()
         return [p.request_id for p in accepted], [p.future for p in accepted]
 
+    def _admit_recording(self, owner: str) -> None:
+        """QueueFull when a registration would hold more than the queue: a recording is a generation a
+        worker runs, as an edit is, so the templates still recording count with the edits waiting (1000
+        registrations at once slowed every edit 20-fold), in all and the tenant's."""
+        recording = [record for record in self.templates.values() if not record.one_off and record.status == "recording"]
+        held = len(self.pending) + len(recording)
+        if held >= self.config.max_queue:
+            raise QueueFull(f"{held} edits and recordings are waiting (max_queue {self.config.max_queue})",
+                            self._retry_after_s(held + 1 - self.config.max_queue))
+        limit = self.config.max_queue_per_tenant
+        if limit is not None:
+            held = (sum(1 for pending in self.pending.values() if pending.owner == owner)
+                    + sum(1 for record in recording if record.owner == owner))
+            if held >= limit:
+                raise QueueFull(f"this API key has {held} edits and recordings waiting, its most "
+                                f"(max_queue_per_tenant {limit})", self._retry_after_s(held + 1 - limit))
+
     def _admit_tenant(self, owner: str, count: int) -> None:
         """QueueFull when the tenant would hold more than its share of the queue (`max_queue_per_tenant`)."""
         limit = self.config.max_queue_per_tenant
@@ -657,6 +674,7 @@ class Router:
                 if existing is None and kept >= self.config.max_templates_per_tenant:
                     raise TemplateLimit(f"this API key keeps {kept} templates, the most this server allows "
                                         f"(--max-templates-per-tenant); delete some (DELETE /v1/templates/ID)")
+                self._admit_recording(record.owner)
             self._keep(lambda registry: registry.save(record), record.template_id, "saved")
             with self._lock:
                 self.templates[record.template_id] = record

@@ -232,6 +232,28 @@ def test_back_pressure_deletion_and_failed_recordings(context, make_router):
     assert router.template("t2")["status"] == "failed"
 
 
+def test_templates_still_recording_count_in_the_queue_in_all_and_per_tenant(context, make_router):
+    """A recording is a generation, as an edit is: a thousand registrations at once slowed every edit 20-fold.
+    Beyond the queue, in all or the tenant's share, a registration is refused (429) until recordings end."""
+    router = make_router(max_queue=3, max_queue_per_tenant=2)
+
+    def of(tenant: str, name: str) -> TemplateRecord:
+        return replace(template(name), owner=tenant)
+
+    router.register_template(of("a", "a1"))
+    router.register_template(of("a", "a2"))
+    with pytest.raises(QueueFull, match="this API key has 2 edits and recordings waiting"):
+        router.register_template(of("a", "a3"))
+    router.register_template(of("b", "b1"))
+    with pytest.raises(QueueFull, match="3 edits and recordings are waiting"):
+        router.register_template(of("b", "b2"))
+    assert router.register_template(of("a", "a1")).template_id == "a1"  # the same one again is no new work
+    w0 = ScriptedWorker(context, router, "w0")
+    w0.register("a1")  # a recording ended: room for one
+    router.register_template(of("b", "b2"))
+    assert {t["id"] for t in router.list_templates()} == {"a1", "a2", "b1", "b2"}
+
+
 def test_a_full_queue_says_when_to_retry_from_the_rate_of_recent_answers(make_router):
     router = make_router(max_queue=1)
     router.register_template(template("t1"))

@@ -896,6 +896,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             raise ApiError(507, str(exc), None, "storage_error") from None
         except TemplateLimit as exc:
             raise ApiError(409, str(exc), "image", "template_limit") from None
+        except QueueFull as exc:
+            raise ApiError(429, f"server busy: {exc}; retry in {exc.retry_after_s} s", None, "queue_full",
+                           {"Retry-After": str(exc.retry_after_s)}) from None
         return template_or_404(template_id, tenant)
 
     # ---- templates ----
