@@ -30,6 +30,7 @@ WORKER_MODULE, HELPER_MODULE = "retouch.engine.node", "retouch.engine.processing
 PROC = Path("/proc")
 PARENT_PID_ENV = "RETOUCH_PARENT_PID"
 RUN_DIR_PREFIX = "retouch-serve-"
+HELPERS_DIR_PREFIX = "retouch-helpers-"  # a worker's helpers' sockets, where no server's run folder holds them
 _PR_SET_PDEATHSIG = 1
 
 
@@ -76,11 +77,12 @@ def new_run_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-"))
 
 
-def remove_stale_run_dirs(root: str | None = None) -> list[Path]:
-    """Remove the run folders of servers that no longer run (killed with SIGKILL: nobody cleaned up)."""
+def remove_stale_run_dirs(root: str | None = None, prefix: str = RUN_DIR_PREFIX) -> list[Path]:
+    """Remove the run folders (named `prefix` + the pid of their owner + "-") of servers, or of a worker's
+    helpers (`HELPERS_DIR_PREFIX`), that no longer run (killed with SIGKILL: nobody cleaned up)."""
     removed = []
-    pattern = re.compile(re.escape(RUN_DIR_PREFIX) + r"(\d+)-")
-    for path in Path(root or tempfile.gettempdir()).glob(RUN_DIR_PREFIX + "*"):
+    pattern = re.compile(re.escape(prefix) + r"(\d+)-")
+    for path in Path(root or tempfile.gettempdir()).glob(prefix + "*"):
         match = pattern.match(path.name)
         if match is None or not path.is_dir() or _alive(int(match.group(1))):
             continue

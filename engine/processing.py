@@ -33,7 +33,7 @@ from PIL import Image
 from retouch.canvas import Canvas
 from retouch.editor import EditInputs, EditRequest, MaskAwareEditor, Template, finish
 from retouch.engine import recipes, wire
-from retouch.engine.process_tree import child_env, die_with_parent
+from retouch.engine.process_tree import HELPERS_DIR_PREFIX, child_env, die_with_parent, remove_stale_run_dirs
 from retouch.engine.recipes import Prepared
 from retouch.log_limits import cap_log_messages
 
@@ -218,7 +218,9 @@ class HelperPool:
         helpers set up each request's schedule)."""
         if count < 1:
             raise ValueError(f"the disaggregated mode needs at least one helper process, got {count}")
-        self._dir = tempfile.TemporaryDirectory(prefix="retouch-helpers-", dir=run_dir)
+        if run_dir is None:  # a worker started on its own: one killed outright left its folder behind
+            remove_stale_run_dirs(prefix=HELPERS_DIR_PREFIX)
+        self._dir = tempfile.TemporaryDirectory(prefix=f"{HELPERS_DIR_PREFIX}{os.getpid()}-", dir=run_dir)
         if len(self._dir.name) > MAX_SOCKET_DIR:  # a Unix socket's path has 108 bytes at most
             self._dir.cleanup()
             raise RuntimeError(f"the helpers' socket folder {self._dir.name} is too long for a Unix socket path; "

@@ -106,6 +106,14 @@ def test_a_server_killed_outright_leaves_a_folder_the_next_one_removes(tmp_path)
     orphan.wait()
     assert remove_stale_run_dirs(str(tmp_path)) == [stale]
     assert live.exists() and not stale.exists()
+    # a worker started on its own keeps its helpers' sockets in a folder of its own, named likewise
+    from retouch.engine.process_tree import HELPERS_DIR_PREFIX
+
+    helpers_stale, helpers_live = (tmp_path / f"{HELPERS_DIR_PREFIX}{pid}-z" for pid in (orphan.pid, os.getpid()))
+    helpers_stale.mkdir()
+    helpers_live.mkdir()
+    assert remove_stale_run_dirs(str(tmp_path), prefix=HELPERS_DIR_PREFIX) == [helpers_stale]
+    assert helpers_live.exists() and live.exists()
 
 
 def test_a_killed_helper_is_replaced_and_the_edit_it_held_is_answered(caplog):
