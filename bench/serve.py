@@ -342,7 +342,12 @@ async def _register_in_turn(client, args) -> int:
         if response.status_code not in (200, 202):
             continue
         template_id = response.json()["id"]
-        polled = await client.get(f"/v1/templates/{template_id}", params={"wait": args.timeout})
+        deadline = time.monotonic() + args.timeout
+        while True:  # a long poll waits 60 s at most
+            polled = await client.get(f"/v1/templates/{template_id}",
+                                      params={"wait": max(0.0, min(60.0, deadline - time.monotonic()))})
+            if polled.status_code != 200 or polled.json()["status"] != "recording" or time.monotonic() >= deadline:
+                break
         ready += polled.status_code == 200 and polled.json()["status"] == "ready"
     return ready
 

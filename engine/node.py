@@ -115,8 +115,10 @@ class Node:
         self.draining = False  # stopping: it finishes what it accepted and takes nothing new
         self._stop_requested = threading.Event()
         self.context = zmq.Context()
+        self._boot = uuid.uuid4().hex  # this process: a restart may reuse the name and pid (PID 1 in a container)
         self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, f"{name}:{os.getpid()}".encode())
+        # Two workers given one --name, both PID 1 in their containers, are two connections all the same.
+        self.socket.setsockopt(zmq.IDENTITY, f"{name}:{os.getpid()}:{self._boot[:8]}".encode())
         self.socket.setsockopt(zmq.LINGER, 2000)
         # ZeroMQ's own heartbeats notice a dead TCP link (a cut cable sends no FIN) and reconnect.
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
@@ -133,7 +135,6 @@ class Node:
         self._seen = 0  # the number (`seq`) of the last router message received
         self._hello_at = -math.inf
         self._session: str | None = None  # the welcoming router's (a new one: the old edits are orphans)
-        self._boot = uuid.uuid4().hex  # this process: a restart may reuse the name and pid (PID 1 in a container)
         self.templates: dict[str, str] = {}  # router template id -> the editor's (recorded)
         self.registrations: dict[str, tuple[str, Future]] = {}  # router template id -> (editor's, recording)
         self.requests: dict[Future, int] = {}  # engine future -> router request id

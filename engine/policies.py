@@ -103,8 +103,8 @@ class ClusterLoad:
         width = cost.num_features if cost is not None else 0
         self._running_features = np.zeros((0, width))
         self._inflight_features = np.zeros((0, width))  # running + queued
-        self._rows: dict[int, _Row] = {}
-        self._members: list[dict[int, _Row]] = []  # per slot, in assignment order (the queue's order)
+        self._rows: dict[Hashable, _Row] = {}
+        self._members: list[dict[Hashable, _Row]] = []  # per slot, in assignment order (the queue's order)
 
     # -- workers --------------------------------------------------------------------------------------
     def add_worker(self, max_batch: int) -> int:
@@ -160,7 +160,7 @@ class ClusterLoad:
         self._queued[slot] += 1
         self._masked[slot] += load.masked_tokens
 
-    def admit(self, slot: int, request_id: int) -> None:
+    def admit(self, slot: int, request_id: Hashable) -> None:
         """The request joined the worker's running batch (again: nothing changes, so every heartbeat that
         lists it may say so)."""
         row = self._row(slot, request_id)
@@ -172,13 +172,13 @@ class ClusterLoad:
         if row.features is not None:
             self._running_features[slot] += row.features
 
-    def advance(self, slot: int, request_id: int, steps_left: int) -> None:
+    def advance(self, slot: int, request_id: Hashable, steps_left: int) -> None:
         """A progress report: the request has `steps_left` denoising steps to go."""
         row = self._row(slot, request_id)
         self._work[slot] += (steps_left - row.steps_left) * row.marginal_s
         row.steps_left = steps_left
 
-    def finish(self, slot: int, request_id: int) -> None:
+    def finish(self, slot: int, request_id: Hashable) -> None:
         """The request left the worker (answered, or taken away to re-route). A request of a removed
         worker was already forgotten: finishing it does nothing."""
         if not self._alive[slot] and request_id not in self._rows:
@@ -207,7 +207,7 @@ class ClusterLoad:
         if not 0 <= slot < self._size:
             raise IndexError(f"no worker slot {slot} (slots 0..{self._size - 1})")
 
-    def _row(self, slot: int, request_id: int) -> _Row:
+    def _row(self, slot: int, request_id: Hashable) -> _Row:
         self._check_slot(slot)
         row = self._members[slot].get(request_id)
         if row is None:

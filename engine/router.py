@@ -471,9 +471,11 @@ class Router:
 
     def _admit_recording(self, owner: str) -> None:
         """QueueFull when a registration would hold more than the queue: a recording is a generation a
-        worker runs, as an edit is, so the templates still recording count with the edits waiting (1000
-        registrations at once slowed every edit 20-fold), in all and the tenant's."""
-        recording = [record for record in self.templates.values() if not record.one_off and record.status == "recording"]
+        worker runs, as an edit is, so the templates a live worker is recording count with the edits waiting
+        (1000 registrations at once slowed every edit 20-fold), in all and the tenant's. (Edits are admitted
+        by the edits waiting alone: a burst of registrations does not refuse them.)"""
+        recording = [record for record in self.templates.values() if not record.one_off and any(
+            state == "recording" and name in self.workers for name, state in record.states.items())]
         held = len(self.pending) + len(recording)
         if held >= self.config.max_queue:
             raise QueueFull(f"{held} edits and recordings are waiting (max_queue {self.config.max_queue})",
@@ -733,6 +735,7 @@ class Router:
         for name in record.states:
             if name in self.workers:
                 self._send(self.workers[name], {"kind": "drop", "template": template_id})
+                self._recording_over(self.workers[name], template_id)  # a recording under way stops there
         for request_id in self.parked.pop(template_id, ()):
             self._answer(self.pending[request_id],
                          EditAnswer(None, 404, "template_deleted", f"template {template_id!r} was deleted"))
@@ -1171,7 +1174,7 @@ class Router:
             # removed the first, whose next heartbeat rejoined it and removed the second, twice a second, each
             # time sending their edits elsewhere. The name stays its holder's until that one is presumed
             # dead; the other is told so at each of its hellos, and joins then (a restart that came fast).
-            self.counters["worker_names_taken"] += 1
+            self.counters["worker_names_taken"] += 1  # hellos refused so
             if (name, identity) not in self._name_taken_said:
                 self._name_taken_said.add((name, identity))
                 logger.warning(f"a second worker named {name} (pid {header.get('pid')}) said hello while worker "
@@ -1345,7 +1348,10 @@ class Router:
         """Edits the worker holds that are not its own (it was presumed dead and they went elsewhere, or it
         came back after a pause longer than `dead_after_s`) are cancelled there: it would compute them for
         nobody, its answers dropped as duplicates. Told once each."""
-        stale = held - worker.assigned
+        # Still waiting for an answer, from another worker: not one answered meanwhile (a heartbeat built
+        # before its result, or that crossed a client's cancel), which its worker is done with anyway.
+        stale = {request_id for request_id in held - worker.assigned
+                 if request_id in self.pending and self.pending[request_id].worker != worker.name}
         for request_id in stale - worker.dropping:
             self._send(worker, {"kind": "cancel", "request": request_id})
             self.counters["stale_edits_dropped"] += 1
@@ -1374,11 +1380,13 @@ class Router:
         if pending is None or pending.worker != worker.name:
             self.counters["duplicates_dropped"] += 1
             return
-        if header.get("error") in ("MissingTemplate", "WorkerDraining"):  # lost it (restart race), stopping
+        # lost it (restart race), stopping, or cancelled by a stale-edit cancel sent before the edit came back
+        # to this worker (`_drop_stale`; the router's own cancels answer the edit first)
+        if header.get("error") in ("MissingTemplate", "WorkerDraining", "Cancelled"):
             record = self.templates.get(pending.task.template_id)
             if header["error"] == "WorkerDraining":
                 self._draining(worker)
-            elif record is not None:
+            elif header["error"] == "MissingTemplate" and record is not None:
                 record.states.pop(worker.name, None)
             self._take_back(worker, pending)
             self._route(pending)

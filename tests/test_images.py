@@ -335,6 +335,11 @@ def test_an_animation_or_a_multi_page_file_is_refused_not_cut_to_its_first_frame
     for read in (images.as_image, images.as_mask):  # the Python API's caller opened it
         with pytest.raises(InputError, match="has 3 frames"):
             read(Image.open(io.BytesIO(out.getvalue())))
+    one = io.BytesIO()
+    frames[0].save(one, format=fmt)
+    with Image.open(io.BytesIO(one.getvalue())) as opened:  # loaded, then closed: its frames cannot be counted
+        opened.load()
+    assert images.as_image(opened).size == images.as_mask(opened).size == (8, 8)
 
 
 def test_a_phones_mpo_jpeg_is_its_primary_picture():

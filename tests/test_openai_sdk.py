@@ -164,6 +164,7 @@ def test_an_opaque_image_without_a_mask_is_refused_not_answered_unchanged(client
     ({"output_format": "gif"}, 400, "output_format"),
     ({"size": "48x48"}, 400, "size"),  # the image is 48x32: it would be stretched
     ({"size": "3072x2048", "n": 3}, 413, "size"),  # answers over --max-pixels in all: scaled on the head's threads
+    ({"size": "4_8x3_2"}, 400, "size"),  # int() would read it
     ({"model": "dall-e-2"}, 404, "model"),  # not served here (nor listed as an alias)
     ({"frame_count": 4}, 400, "frame_count"),  # an OpenAI field retouch cannot honour: refused, not ignored
     ({"extra_body": {"strenght": "0.5"}}, 400, "strenght"),  # a misspelt extra

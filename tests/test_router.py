@@ -107,6 +107,35 @@ def test_a_worker_back_after_a_pause_is_told_to_drop_the_edits_that_went_elsewhe
     assert future.result(TIMEOUT_S).worker == "w1" and mine.result(TIMEOUT_S).worker == "w0"
 
 
+def test_a_stale_cancel_that_meets_its_edit_sent_back_does_not_answer_it(context, make_router):
+    """The edit told dropped on the worker back from a pause comes back to it (the other worker died) before
+    the cancel is done: that copy's "cancelled" is no answer, the edit runs again. An edit answered meanwhile,
+    listed by a heartbeat built before its answer, is not told dropped."""
+    router = make_router(dead_after_s=0.5)
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(template())
+    w0.register("t1")
+    future = router.submit(task())
+    first = w0.receive("edit")
+    w1 = ScriptedWorker(context, router, "w1")
+    w1.register("t1")
+    w1.receive("edit", keepalive=[w1])
+    w0.send({"kind": "hello", "max_batch": 4, "pid": 1})
+    w0.receive("welcome")
+    w0.register("t1")
+    w0.send({"kind": "heartbeat", "running": [], "queued": [], "held": [first["request"]]})
+    assert w0.receive("cancel")["request"] == first["request"]
+    router.worker_exited("w1")
+    assert w0.receive("edit")["request"] == first["request"]  # back to w0, whose old copy is being cancelled
+    w0.fail(first["request"], 409, "Cancelled", "the edit was cancelled")
+    again = w0.receive("edit")  # sent again, not answered 409
+    w0.answer(again["request"], b"from w0")
+    assert future.result(TIMEOUT_S).status == 200 and future.result().png == b"from w0"
+    w0.send({"kind": "heartbeat", "running": [], "queued": [], "held": [first["request"]]})  # built before
+    w0.sync()
+    assert "cancel" not in w0.pending_kinds() and router.snapshot()["counters"]["stale_edits_dropped"] == 1
+
+
 def test_exited_worker_is_rerouted_at_once(context, make_router):
     router = make_router()  # dead_after_s=60: only the supervisor's notice can remove it in time
     w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
@@ -213,6 +242,10 @@ def test_a_worker_recording_a_template_weighs_as_busy_until_it_reports_or_is_los
         worker.sync()
     next(w for w in (w0, w1) if "register" in w.pending_kinds()).register("lost")
     assert sum(w["queued"] + w["running"] for w in router.snapshot()["workers"].values()) == 2
+    router.register_template(template("dropped", replicas=1))
+    assert sum(w["queued"] + w["running"] for w in router.snapshot()["workers"].values()) == 3
+    router.drop_template("dropped")  # its recording stops where it ran: no longer anyone's load
+    assert sum(w["queued"] + w["running"] for w in router.snapshot()["workers"].values()) == 2
 
 
 def test_back_pressure_deletion_and_failed_recordings(context, make_router):
@@ -236,6 +269,7 @@ def test_templates_still_recording_count_in_the_queue_in_all_and_per_tenant(cont
     """A recording is a generation, as an edit is: a thousand registrations at once slowed every edit 20-fold.
     Beyond the queue, in all or the tenant's share, a registration is refused (429) until recordings end."""
     router = make_router(max_queue=3, max_queue_per_tenant=2)
+    w0 = ScriptedWorker(context, router, "w0")
 
     def of(tenant: str, name: str) -> TemplateRecord:
         return replace(template(name), owner=tenant)
@@ -248,10 +282,12 @@ def test_templates_still_recording_count_in_the_queue_in_all_and_per_tenant(cont
     with pytest.raises(QueueFull, match="3 edits and recordings are waiting"):
         router.register_template(of("b", "b2"))
     assert router.register_template(of("a", "a1")).template_id == "a1"  # the same one again is no new work
-    w0 = ScriptedWorker(context, router, "w0")
     w0.register("a1")  # a recording ended: room for one
     router.register_template(of("b", "b2"))
     assert {t["id"] for t in router.list_templates()} == {"a1", "a2", "b1", "b2"}
+    router.worker_exited("w0")  # nothing is being recorded without a worker: registrations wait for one
+    router.register_template(of("b", "b3"))
+    assert router.template("b3")["status"] == "recording"
 
 
 def test_a_full_queue_says_when_to_retry_from_the_rate_of_recent_answers(make_router):

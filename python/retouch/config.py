@@ -313,8 +313,8 @@ class ServeOptions:
     max_pixels: int = option(4096 * 4096, help="largest image or mask (pixels; checked before decoding)")
     max_work: int = option(4096 * 4096 * 28, help="most work one request may ask for, in pixel-steps (width x "
                            "height x steps x n, of the steps it runs: fewer below strength 1); beyond it: 413")
-    max_queue: int = option(256, help="edits accepted and not yet answered, and templates still recording; "
-                            "beyond it: 429 with Retry-After")
+    max_queue: int = option(256, help="edits accepted and not yet answered; beyond it: 429 with Retry-After "
+                            "(a registration also counts the templates being recorded)")
     max_queue_per_tenant: int = option(0, help="of them, one API key's at most (429 beyond), so one client's "
                                        "burst does not refuse every other client (0: --max-queue)")
     log_level: str = option("info", help="the least severe log lines written (info: one per HTTP answer, and "

@@ -1649,7 +1649,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                            + ("; this image has none" if image is not None else ""), "mask")
         if target is not None:
             check_aspect(target, mask.size)
-            if n * target[0] * target[1] > limits.max_pixels:  # scaled and encoded on this process's threads
+            # scaled and encoded on this process's threads (an answer of the image's own size is not scaled)
+            if target != mask.size and n * target[0] * target[1] > limits.max_pixels:
                 raise ApiError(413, f"{n} answers of {target[0]}x{target[1]} are {n * target[0] * target[1]} pixels, "
                                f"over the limit of {limits.max_pixels} a request (--max-pixels): ask for a smaller "
                                "size or fewer images", "size", "too_much_work")
@@ -1775,6 +1776,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                     outcome = "error"
                     request.state.streamed_status = answer.status
                     yield style.error(answer.status, answer_error(answer).body())
+            except Exception:  # a bug of ours, not the client leaving (that is a BaseException here)
+                outcome = "error"
+                request.state.streamed_status = 500
+                raise
             finally:
                 metrics.latency.labels(endpoint, outcome).observe(time.perf_counter() - started)
                 # the stream began 200; its access line and count say how it ended (`CountAnswers`)
@@ -1784,6 +1789,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         def closed() -> None:  # however the stream ended, even before it began (a client already gone)
             if not future.done():
                 router.cancel(router_id, "the client went away")
+                request.state.streamed_status = 499  # also when the stream was left at a yield, closed later
             in_flight.pop((tenant, request_id), None)
 
         return ClosingStreamingResponse(events(), closed, media_type="text/event-stream", headers=headers)
@@ -1969,6 +1975,8 @@ def check_aspect(target: tuple[int, int], size: tuple[int, int]) -> None:
 
 def _parse_size(size: str, max_pixels: int) -> tuple[int, int]:
     try:
+        if not size.isascii() or not all(side.isdigit() for side in size.lower().split("x")):
+            raise ValueError(size)  # int() reads "1_024", " 64" and other scripts' digits
         width, height = (int(v) for v in size.lower().split("x"))
     except ValueError:
         raise ApiError(400, f"size must be WIDTHxHEIGHT (e.g. 1024x1024), got {size!r}", "size") from None

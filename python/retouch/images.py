@@ -96,7 +96,10 @@ def decode_image(data: bytes, what: str, max_pixels: int | None = None) -> Image
 
 def _one_picture(image: Image.Image, what: str) -> None:
     """Refuse an animation or a multi-page file (which one frame would be edited is no choice to guess)."""
-    frames = getattr(image, "n_frames", 1)
+    try:
+        frames = getattr(image, "n_frames", 1)
+    except (ValueError, OSError, EOFError):  # counting seeks the file: one opened, loaded and closed is one
+        frames = 1
     if frames > 1 and image.format != "MPO":  # MPO: a phone photo's extra frames are depth maps, previews
         raise InputError(f"{what} has {frames} frames (an animation or a multi-page file); send one picture")
 

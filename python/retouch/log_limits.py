@@ -46,8 +46,9 @@ def cap_log_messages(limit: int = MAX_LOG_CHARS) -> None:
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a malformed record is logging's to report, not ours
             return record
-        kept = escaped(f"{message[:limit]}... [{len(message) - limit} more characters cut]"
-                       if len(message) > limit else message)
+        kept = escaped(message)  # then cut: escapes lengthen it
+        if len(kept) > limit:
+            kept = f"{kept[:limit]}... [{len(kept) - limit} more characters cut]"
         if kept != message:  # else left as it was made (a formatter may read its args: uvicorn's access log)
             record.msg, record.args = kept, ()
         return record

@@ -45,8 +45,8 @@ ROUTES_WITH_ID = ("/v1/templates/", "/v1/edits/")
 
 # (heartbeat key, help[, metric name when not the key]) per worker; the keys of
 # engine.metrics.WorkerMetrics.summary and of the router's own per-worker view.
-WORKER_GAUGES = (("running", "requests in the worker's running batch"),
-                 ("queued", "requests queued at the worker"),
+WORKER_GAUGES = (("running", "requests in the worker's running batch (edits, and templates it records)"),
+                 ("queued", "requests queued at the worker (edits, and templates it was sent to record)"),
                  ("assigned", "requests the router has sent the worker and not yet had answered"),
                  ("mean_batch_size", "mean batch size over the worker process's life (windowed: "
                   "rate(batch_rows) / rate(steps))"),
