@@ -136,7 +136,13 @@ SLO_ADMISSION = ("accept", "reject")
 SLO_OUTCOMES = ("met", "missed", "refused", "cancelled")
 # Size classes by image side in pixels (a square of the same area); larger ones are "larger".
 SIZE_CLASSES = (256, 512, 768, 1024, 1536, 2048, 4096)
-PIXELS_PER_TOKEN = 16 * 16  # the policies' token grid (`http_api.TOKEN_STRIDE`)
+TOKEN_SIDE = 16  # pixels: the policies' token grid (`http_api.TOKEN_STRIDE`)
+PIXELS_PER_TOKEN = TOKEN_SIDE * TOKEN_SIDE
+
+
+def _recording_key(worker: WorkerState, template_id: str) -> tuple[str, int]:
+    """A recording's row in the ClusterLoad (beside the edits' request ids): one per template and worker."""
+    return template_id, worker.slot
 
 
 def size_class(load: RequestLoad) -> str:
@@ -977,8 +983,9 @@ class Router:
         worker.registering.add(record.template_id)
         worker.sent_in[record.template_id] = (seq, time.monotonic())
         width, height = record.size
-        tokens = math.ceil(width / 16) * math.ceil(height / 16)  # the policies' grid (`PIXELS_PER_TOKEN`)
-        self.cluster.assign(worker.slot, (record.template_id, worker.slot), RequestLoad(tokens, tokens, record.steps))
+        tokens = math.ceil(width / TOKEN_SIDE) * math.ceil(height / TOKEN_SIDE)
+        self.cluster.assign(worker.slot, _recording_key(worker, record.template_id),
+                            RequestLoad(tokens, tokens, record.steps))
         self._template_changed(record)
 
     def _recording_over(self, worker: WorkerState, template_id: str) -> None:
@@ -986,8 +993,8 @@ class Router:
         worker.registering.discard(template_id)
         worker.missing.pop(template_id, None)
         worker.sent_in.pop(template_id, None)
-        if self.cluster.holds(worker.slot, (template_id, worker.slot)):
-            self.cluster.finish(worker.slot, (template_id, worker.slot))
+        if self.cluster.holds(worker.slot, _recording_key(worker, template_id)):
+            self.cluster.finish(worker.slot, _recording_key(worker, template_id))
 
     def _remove_worker(self, name: str, why: str) -> None:
         worker = self.workers.pop(name, None)
@@ -1131,7 +1138,7 @@ class Router:
                 if record is not None:  # in the template's steps (a worker counts denoiser calls)
                     calls = int(header.get("steps", record.steps))
                     record.progress[name] = int(header["step"]) * record.steps // max(calls, 1)
-                    key = (record.template_id, worker.slot)  # `_recording_sent`
+                    key = _recording_key(worker, record.template_id)
                     if self.cluster.holds(worker.slot, key):  # it runs (its first step is done)
                         self.cluster.admit(worker.slot, key)
                         self.cluster.advance(worker.slot, key, max(1, record.steps - record.progress[name]))
@@ -1350,7 +1357,7 @@ class Router:
         nobody, its answers dropped as duplicates. Told once each."""
         # Still waiting for an answer, from another worker: not one answered meanwhile (a heartbeat built
         # before its result, or that crossed a client's cancel), which its worker is done with anyway.
-        stale = {request_id for request_id in held - worker.assigned
+        stale = {request_id for request_id in held
                  if request_id in self.pending and self.pending[request_id].worker != worker.name}
         for request_id in stale - worker.dropping:
             self._send(worker, {"kind": "cancel", "request": request_id})

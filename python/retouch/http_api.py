@@ -1974,12 +1974,11 @@ def check_aspect(target: tuple[int, int], size: tuple[int, int]) -> None:
 
 
 def _parse_size(size: str, max_pixels: int) -> tuple[int, int]:
-    try:
-        if not size.isascii() or not all(side.isdigit() for side in size.lower().split("x")):
-            raise ValueError(size)  # int() reads "1_024", " 64" and other scripts' digits
-        width, height = (int(v) for v in size.lower().split("x"))
-    except ValueError:
-        raise ApiError(400, f"size must be WIDTHxHEIGHT (e.g. 1024x1024), got {size!r}", "size") from None
+    sides = size.lower().split("x")
+    # ASCII digits only: int() also reads "1_024", " 64" and other scripts' digits
+    if len(sides) != 2 or not size.isascii() or not all(side.isdigit() for side in sides):
+        raise ApiError(400, f"size must be WIDTHxHEIGHT (e.g. 1024x1024), got {size!r}", "size")
+    width, height = map(int, sides)
     if width < 1 or height < 1 or width * height > max_pixels:
         raise ApiError(422, f"size {size} is outside 1..{max_pixels} pixels", "size")
     return width, height

@@ -48,13 +48,17 @@ def check_writable_folder(path: Path | str) -> Path:
     return path
 
 
+def open_private(path: Path) -> IO[bytes]:
+    """`path` opened for writing (made, or emptied), readable by this user only: the files hold tenants' images."""
+    return open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+
+
 def write_whole(path: Path, data: bytes) -> None:
     """`data` to `path` whole or not at all (a temporary `.<name>.<pid>.tmp` renamed over it, which
     `lock_folder` removes when a kill cut a write short)."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        # readable by this user only: the files hold tenants' images
-        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        with open_private(temporary) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -30,6 +30,7 @@ import numpy as np
 from retouch.cache.keys import check_template_id
 from retouch.cache.layout import StepLayout
 from retouch.errors import InputError
+from retouch.paths import open_private
 
 MAGIC = b"RTCACHE1"
 PREAMBLE = struct.Struct("<8sII")
@@ -55,8 +56,7 @@ def write_template(path: Path, header: bytes, steps: Sequence[np.ndarray]) -> No
     """Write the header and `steps` atomically to `path`."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        # readable by this user only: a template's activations (and its header's prompt) are a tenant's image
-        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        with open_private(temporary) as f:  # a template's activations (and its header's prompt) are a tenant's
             f.write(PREAMBLE.pack(MAGIC, len(header), zlib.crc32(header)))
             f.write(header)
             for step in steps:

@@ -391,13 +391,17 @@ class CacheStore(ActivationCache):
         try:
             return self.disk.read_meta(template_id)
         except (CorruptCacheFile, OSError) as exc:
-            if isinstance(exc, CorruptCacheFile):
-                with self._lock:
-                    self.counters["corrupt_files"] += 1
-            logger.warning(f"cache file {self.disk.path(template_id)} is unusable ({exc}): removed; the template "
-                           "is recorded again")
-            self.disk.remove(template_id)
+            self._forget_unusable_file(template_id, exc)
             return None
+
+    def _forget_unusable_file(self, template_id: str, exc: Exception) -> None:
+        """The template's file could not be read (corrupt, gone, unreadable): counted, said, removed."""
+        if isinstance(exc, CorruptCacheFile):
+            with self._lock:
+                self.counters["corrupt_files"] += 1
+        logger.warning(f"cache file {self.disk.path(template_id)} is unusable ({exc}): removed; the template is "
+                       "recorded again")
+        self.disk.remove(template_id)
 
     def count_adoption(self) -> None:
         """A recording of an earlier process served a template registered again (`MaskAwareEditor.adopt`)."""
@@ -559,14 +563,10 @@ class CacheStore(ActivationCache):
                 for offset in template.step_offsets:
                     self.arena.release(offset)
                 del self._loading[template_id]
-                if isinstance(exc, CorruptCacheFile):
-                    self.counters["corrupt_files"] += 1
                 if not isinstance(exc, CacheFull):  # full: the file stays, and the caller retries later
                     self.counters["misses"] += 1
             if not isinstance(exc, CacheFull):  # the file is unusable or gone: forget it
-                logger.warning(f"cache file {self.disk.path(template_id)} is unusable ({exc}): removed; the "
-                               "template is recorded again")
-                self.disk.remove(template_id)
+                self._forget_unusable_file(template_id, exc)
             future.set_exception(exc if isinstance(exc, CacheFull) else
                                  CacheMiss(f"template {template_id!r}: cache file unusable ({exc})"))
             return
