@@ -55,8 +55,9 @@ def test_a_worker_that_joins_later_records_the_templates(context, make_router):
     late.answer(late.receive("edit")["request"])
 
 
-def test_silent_worker_is_removed_its_request_rerouted_and_its_late_answer_dropped(context, make_router):
-    router = make_router(dead_after_s=0.5)
+def an_edit_moved_off_a_silent_worker(context, router) -> tuple:
+    """w0 takes an edit and falls silent; w1 joins and heartbeats until the edit comes to it (w0 presumed
+    dead). (w0, w1, the edit's future, the edit as w0 got it, as w1 got it)."""
     w0 = ScriptedWorker(context, router, "w0")
     router.register_template(template())
     w0.register("t1")
@@ -64,8 +65,19 @@ def test_silent_worker_is_removed_its_request_rerouted_and_its_late_answer_dropp
     first = w0.receive("edit")
     w1 = ScriptedWorker(context, router, "w1")
     w1.register("t1")
-    # w0 now falls silent; w1 keeps heartbeating until the edit comes to it.
-    second = w1.receive("edit", keepalive=[w1])
+    return w0, w1, future, first, w1.receive("edit", keepalive=[w1])
+
+
+def back_after_a_pause(worker: ScriptedWorker) -> None:
+    """The worker, removed while paused, says hello again and records the template again."""
+    worker.send({"kind": "hello", "max_batch": 4, "pid": 1})
+    worker.receive("welcome")
+    worker.register("t1")
+
+
+def test_silent_worker_is_removed_its_request_rerouted_and_its_late_answer_dropped(context, make_router):
+    router = make_router(dead_after_s=0.5)
+    w0, w1, future, first, second = an_edit_moved_off_a_silent_worker(context, router)
     assert second["request"] == first["request"]
     assert "w0" not in router.snapshot()["workers"]
     w1.answer(second["request"], b"from w1")
@@ -83,17 +95,8 @@ def test_a_worker_back_after_a_pause_is_told_to_drop_the_edits_that_went_elsewhe
     edits the router sent elsewhere meanwhile: its heartbeats list them, and it is told to cancel each once,
     not the ones it was sent since."""
     router = make_router(dead_after_s=0.5)
-    w0 = ScriptedWorker(context, router, "w0")
-    router.register_template(template())
-    w0.register("t1")
-    future = router.submit(task())
-    first = w0.receive("edit")
-    w1 = ScriptedWorker(context, router, "w1")
-    w1.register("t1")
-    w1.receive("edit", keepalive=[w1])  # w0 fell silent: its edit went to w1
-    w0.send({"kind": "hello", "max_batch": 4, "pid": 1})
-    w0.receive("welcome")
-    w0.register("t1")
+    w0, w1, future, first, _ = an_edit_moved_off_a_silent_worker(context, router)
+    back_after_a_pause(w0)
     w1.heartbeat({}, running=[[first["request"], 1]])  # busy: the next edit goes to w0
     mine = router.submit(task())
     own = w0.receive("edit")
@@ -112,17 +115,8 @@ def test_a_stale_cancel_that_meets_its_edit_sent_back_does_not_answer_it(context
     the cancel is done: that copy's "cancelled" is no answer, the edit runs again. An edit answered meanwhile,
     listed by a heartbeat built before its answer, is not told dropped."""
     router = make_router(dead_after_s=0.5)
-    w0 = ScriptedWorker(context, router, "w0")
-    router.register_template(template())
-    w0.register("t1")
-    future = router.submit(task())
-    first = w0.receive("edit")
-    w1 = ScriptedWorker(context, router, "w1")
-    w1.register("t1")
-    w1.receive("edit", keepalive=[w1])
-    w0.send({"kind": "hello", "max_batch": 4, "pid": 1})
-    w0.receive("welcome")
-    w0.register("t1")
+    w0, w1, future, first, _ = an_edit_moved_off_a_silent_worker(context, router)
+    back_after_a_pause(w0)
     w0.send({"kind": "heartbeat", "running": [], "queued": [], "held": [first["request"]]})
     assert w0.receive("cancel")["request"] == first["request"]
     router.worker_exited("w1")
