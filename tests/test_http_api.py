@@ -202,6 +202,42 @@ async def long_prompts() -> dict:
         await asyncio.to_thread(router.close, 0)
 
 
+def multipart(prompt: bytes, charset: str | None = None) -> tuple[bytes, str]:
+    """A multipart body of one template_id, a prompt given as raw bytes and a 32x32 mask; its Content-Type."""
+    mask = png(Image.new("L", (32, 32), 255))
+    body = (b"--b\r\nContent-Disposition: form-data; name=\"template_id\"\r\n\r\ntpl-x\r\n"
+            b"--b\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\n" + prompt + b"\r\n"
+            b"--b\r\nContent-Disposition: form-data; name=\"mask\"; filename=\"m.png\"\r\n"
+            b"Content-Type: image/png\r\n\r\n" + mask + b"\r\n--b--\r\n")
+    return body, "multipart/form-data; boundary=b" + (f"; charset={charset}" if charset else "")
+
+
+async def prompts_in_encodings() -> dict:
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests")).start()
+    sent = {"utf-8": multipart("café ☕".encode()), "latin-1 undeclared": multipart("café".encode("latin-1")),
+            "latin-1 declared": multipart("café".encode("latin-1"), "iso-8859-1")}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(router, Limits())),
+                                     base_url="http://retouch") as client:
+            return {name: await client.post("/v1/edits", content=body, headers={"Content-Type": content_type})
+                    for name, (body, content_type) in sent.items()}
+    finally:
+        await asyncio.to_thread(router.close, 0)
+
+
+def test_a_prompt_not_in_the_bodys_charset_is_refused_naming_it():
+    """Starlette reads undecodable text fields as latin-1: "café" sent in latin-1 to a UTF-8 body would run
+    as "caf\ufffd"-like mojibake. It is a 400 naming the prompt; text in the charset the body declares passes
+    the form (and reaches the template lookup: 404 for this unknown one)."""
+    outcome = asyncio.run(prompts_in_encodings())
+    refused = outcome["latin-1 undeclared"]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+    assert "utf-8" in refused.json()["error"]["message"]
+    for name in ("utf-8", "latin-1 declared"):
+        assert outcome[name].status_code == 404, outcome[name].text
+        assert outcome[name].json()["error"]["code"] == "template_not_found"
+
+
 def test_a_long_prompt_is_refused_naming_it_before_any_work():
     """Over max_prompt_chars: 422 prompt_too_long. Over the multipart parser's 1 MiB per text field (it does
     not say which field): 413 field_too_large, which states the prompt limit, not "malformed body"."""

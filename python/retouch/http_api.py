@@ -76,9 +76,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.formparsers import MultiPartException
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from retouch import playground
 from retouch.canvas import Canvas, paste_alpha, paste_unmasked
@@ -395,6 +395,33 @@ def server_busy() -> JSONResponse:
 
 
 # ---- parsing the form ----
+
+class UndecodableField(MultiPartException):
+    def __init__(self, field: str, charset: str):
+        super().__init__(f"{field} is not {charset} text; send it encoded as UTF-8")
+        self.field = field
+
+
+class StrictMultiPartParser(MultiPartParser):
+    """Starlette's multipart parser, except that a text field whose bytes are not in the body's charset
+    (UTF-8 unless the Content-Type names another) is refused: starlette reads it as latin-1 instead, and a
+    prompt sent in another encoding would run as mojibake, the client none the wiser."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            try:
+                bytes(part.data).decode(self._charset)
+            except UnicodeDecodeError:
+                raise UndecodableField(part.field_name, self._charset) from None
+        super().on_part_end()
+
+
+async def parse_multipart(request: Request, **limits) -> FormData:
+    """`request.form(**limits)` through `StrictMultiPartParser`."""
+    async with contextlib.aclosing(request.stream()) as stream:
+        return await StrictMultiPartParser(request.headers, stream, **limits).parse()
+
 
 class Form:
     """A multipart form's fields with typed, validated access; errors name the field."""
@@ -852,7 +879,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise ApiError(415, "send multipart/form-data (files: image, mask; text fields)", "content-type")
         try:
-            return Form(await request.form(max_files=8, max_fields=32, max_part_size=MAX_TEXT_FIELD_BYTES))
+            return Form(await parse_multipart(request, max_files=8, max_fields=32,
+                                              max_part_size=MAX_TEXT_FIELD_BYTES))
         except ApiError:
             raise
         except ExceptionGroup as group:  # the body limit fired inside the parser's task group
@@ -864,7 +892,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             raise unparsable(exc) from None
 
     def unparsable(exc: BaseException) -> ApiError:
-        # Starlette re-raises the parser's MultiPartException as an HTTPException(400) inside an app.
+        if isinstance(exc, UndecodableField):
+            return ApiError(400, exc.message, exc.field)
         detail = getattr(exc, "detail", None) or getattr(exc, "message", None) or str(exc)
         if isinstance(exc, (MultiPartException, StarletteHTTPException)) and "exceeded maximum size" in detail:
             # The parser does not say which field; the only long one a client writes is the prompt.
