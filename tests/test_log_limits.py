@@ -15,7 +15,7 @@ from diffusers.utils import logging as diffusers_logging
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retouch.log_limits import MAX_LOG_CHARS, cap_log_messages, escaped
+from retouch.log_limits import LOG_FORMAT, MAX_LOG_CHARS, IndentedTracebacks, cap_log_messages, escaped
 
 
 @pytest.fixture
@@ -83,3 +83,19 @@ def test_a_traceback_keeps_its_lines(capped, caplog):
     assert record.getMessage() == "failed on a\\nb"
     assert record.exc_info[0] is ValueError and sys.exc_info() == (None, None, None)
     assert "Traceback" in logging.Formatter().format(record).splitlines()[1]
+
+
+def test_a_traceback_cannot_forge_a_record(capped, caplog):
+    """Every line but a record's first is indented, so a line at the margin is a record: an exception
+    message holding a newline and a would-be record stays inside its traceback, escaped."""
+    forged = "bad name x\n2026-11-25 23:59:59,000 INFO retouch.access: POST /v1/edits 200 FORGED\x1b[31m"
+    try:
+        raise ValueError(forged)
+    except ValueError:
+        with caplog.at_level(logging.ERROR):
+            logging.getLogger("retouch.test").exception("failed")
+    lines = IndentedTracebacks(LOG_FORMAT).format(caplog.records[-1]).split("\n")
+    assert lines[0].endswith("ERROR retouch.test: failed")
+    assert all(line.startswith("  ") for line in lines[1:]) and lines[1] == "  Traceback (most recent call last):"
+    assert lines[-2:] == ["  ValueError: bad name x", "  2026-11-25 23:59:59,000 INFO retouch.access: POST "
+                                                        "/v1/edits 200 FORGED\\x1b[31m"]

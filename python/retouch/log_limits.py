@@ -3,7 +3,8 @@ bounded length: diffusers' pipelines log the part of a prompt their text encoder
 part of your input was truncated ..."), so a long prompt would be copied into the server's log once per
 request. Every serving process caps each record's message, and escapes the control characters in it: a
 client's path, prompt or id with a newline would otherwise forge a log line of its own (and an escape
-sequence paint the operator's terminal)."""
+sequence paint the operator's terminal). A traceback keeps its lines, each escaped and indented
+(`IndentedTracebacks`): the exception's message is as much the client's as the record's."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ def setup_logging(level: str = "info") -> None:
     named (retouch.access: one line per HTTP answer; retouch.router: workers joining and leaving;
     retouch.node: a worker's edits), capped (`cap_log_messages`)."""
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(IndentedTracebacks(LOG_FORMAT))
     cap_log_messages()
 
 
@@ -55,3 +58,26 @@ def cap_log_messages(limit: int = MAX_LOG_CHARS) -> None:
 
     factory.retouch_limit = limit
     logging.setLogRecordFactory(factory)
+
+
+class IndentedTracebacks(logging.Formatter):
+    """A formatter whose tracebacks and stacks are indented two spaces, each line escaped (`escaped`): only
+    a record's first line starts at the margin, so an exception message with a newline in it (a client's
+    file name, say) cannot forge a record of its own."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        cached, record.exc_text = record.exc_text, None  # another handler's formatter may have cached its own
+        try:
+            return super().format(record)
+        finally:
+            record.exc_text = cached
+
+    def formatException(self, exc_info) -> str:
+        return indented(super().formatException(exc_info))
+
+    def formatStack(self, stack_info: str) -> str:
+        return indented(super().formatStack(stack_info))
+
+
+def indented(text: str) -> str:
+    return "\n".join("  " + escaped(line) for line in text.split("\n"))
