@@ -37,6 +37,27 @@ def cli():
 
 
 @pytest.fixture
+def cli_here(capfd, monkeypatch):
+    """Run `retouch ARGS` in this interpreter: for the many tests of what the CLI refuses, where a fresh
+    one adds only seconds of imports. Output is captured at the file descriptors, so a library's log line
+    counts as it would in a terminal; an exception escaping `main` fails the test as a traceback would."""
+    from retouch.cli import main
+
+    def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        capfd.readouterr()
+        try:
+            code = main([str(arg) for arg in args])
+        except SystemExit as exc:  # argparse's refusals
+            code = exc.code
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["retouch", *map(str, args)], code, out, err)
+
+    return run
+
+
+@pytest.fixture
 def context():
     """A ZeroMQ context for scripted workers (`scripted_worker.ScriptedWorker`), destroyed after."""
     import zmq

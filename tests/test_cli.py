@@ -261,12 +261,12 @@ BAD_EDITS = {
 
 
 @pytest.mark.parametrize("case", BAD_EDITS)
-def test_bad_input_is_one_line_and_exit_2(cli, tmp_path, case):
+def test_bad_input_is_one_line_and_exit_2(cli_here, tmp_path, case):
     _bad_inputs(tmp_path)
     overrides, flags, expected = BAD_EDITS[case]
     values = {"--model": "tiny-sd2-inpaint", "--image": "T.png", "--mask": "M.png", "--prompt": "a hat",
               "--out": "O.png", **overrides}
-    result = cli("edit", *[x for pair in values.items() for x in pair], *flags, cwd=tmp_path)
+    result = cli_here("edit", *[x for pair in values.items() for x in pair], *flags, cwd=tmp_path)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -304,18 +304,18 @@ def test_simulate_prints_every_policy(cli):
     (["--model", "tiny-flux-fill", "--scheduler", "dpm++2m"], "cannot drive this FluxFillPipeline"),
     (["--model", "tiny-sd2-inpaint", "--scheduler", "lcm", "--steps", "60"], "LCMScheduler makes at most 50 steps"),
 ])
-def test_serve_refuses_bad_options_before_starting_anything(cli, args, message):
-    result = cli("serve", *args)
+def test_serve_refuses_bad_options_before_starting_anything(cli_here, args, message):
+    result = cli_here("serve", *args)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert "workers ready" not in result.stderr
 
 
-def test_serve_refuses_a_port_in_use_before_loading_the_model(cli):
+def test_serve_refuses_a_port_in_use_before_loading_the_model(cli_here):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        result = cli("serve", "--model", "tiny-flux-fill", "--host", "127.0.0.1", "--port", str(port))
+        result = cli_here("serve", "--model", "tiny-flux-fill", "--host", "127.0.0.1", "--port", str(port))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "workers ready" not in result.stderr
 

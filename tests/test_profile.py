@@ -73,10 +73,10 @@ def test_profile_options_are_checked():
         ProfileOptions(model="tiny-flux-fill", load_mib="4,4")
 
 
-def test_profile_cli_rejects_bad_input(cli, tmp_path):
-    result = cli("profile", "--model", "no-such-model", "--out", tmp_path / "c.json")
+def test_profile_cli_rejects_bad_input(cli_here, tmp_path):
+    result = cli_here("profile", "--model", "no-such-model", "--out", tmp_path / "c.json")
     assert result.returncode == 2 and "no-such-model" in result.stderr and "Traceback" not in result.stderr
-    result = cli("profile", "--model", "tiny-flux-fill", "--repeats", "0")
+    result = cli_here("profile", "--model", "tiny-flux-fill", "--repeats", "0")
     assert result.returncode == 2 and "--repeats" in result.stderr
 
 
