@@ -1,3 +1,4 @@
+import logging
 import os
 import shutil
 import subprocess
@@ -47,10 +48,17 @@ def cli_here(capfd, monkeypatch):
         if cwd is not None:
             monkeypatch.chdir(cwd)
         capfd.readouterr()
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
         try:
             code = main([str(arg) for arg in args])
         except SystemExit as exc:  # argparse's refusals
             code = exc.code
+        finally:
+            # `serve` sets up logging on this capture's stderr, which closes with the test
+            for handler in set(root.handlers) - set(handlers):
+                handler.close()
+            root.handlers[:], root.level = handlers, level
         out, err = capfd.readouterr()
         return subprocess.CompletedProcess(["retouch", *map(str, args)], code, out, err)
 
