@@ -487,14 +487,14 @@ def run_worker(opts: WorkerOptions) -> None:
     """Load the model, join the router, run the step loop until told to stop."""
     if opts.supervised:
         die_with_parent()  # the server is gone: so is this worker (and, with it, its helpers)
-    setup_logging(opts.log_level)
+    name = opts.name or f"{socket.gethostname()}-{os.getpid()}"
+    setup_logging(opts.log_level, process=name)
     # Ctrl-C reaches the whole process group; a supervised worker is drained and stopped by the
     # server, one on its own by the signal handler below.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     keys = WorkerKeys.from_env()
     if opts.curve_secret is not None:
         keys = WorkerKeys.from_files(opts.curve_secret, opts.curve_server)
-    name = opts.name or f"{socket.gethostname()}-{os.getpid()}"
     device, dtype = resolve_device(opts.device, opts.dtype)
     health = HealthServer(opts.health_host, opts.health_port).start() if opts.health_port else None
     if opts.threads:

@@ -99,3 +99,19 @@ def test_a_traceback_cannot_forge_a_record(capped, caplog):
     assert all(line.startswith("  ") for line in lines[1:]) and lines[1] == "  Traceback (most recent call last):"
     assert lines[-2:] == ["  ValueError: bad name x", "  2026-11-25 23:59:59,000 INFO retouch.access: POST "
                                                         "/v1/edits 200 FORGED\\x1b[31m"]
+
+
+def test_a_workers_lines_carry_its_name_escaped(capped):
+    from retouch.log_limits import setup_logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        setup_logging("info", process="w%d\n0")  # a --name is the operator's text: % and controls stay literal
+        record = logging.LogRecord("retouch.node", logging.INFO, __file__, 1, "edit %s done", ("e-1",), None)
+        line = root.handlers[0].format(record)
+    finally:
+        for handler in set(root.handlers) - set(handlers):
+            handler.close()
+        root.handlers[:], root.level = handlers, level
+    assert line.endswith(" INFO [w%d\\n0] retouch.node: edit e-1 done")

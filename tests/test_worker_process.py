@@ -72,7 +72,7 @@ def test_a_standalone_worker_reports_health_and_leaves_cleanly_on_sigterm(tmp_pa
         said = (tmp_path / "worker.log").read_text()
         assert f"solo: connecting to {router.address}" in said
         assert f"solo: joined the router at {router.address}" in said
-        assert "INFO retouch.node: edit trace-7 of tpl-traced done: 2 steps" in said
+        assert "INFO [solo] retouch.node: edit trace-7 of tpl-traced done: 2 steps" in said  # which worker
         assert "no router has answered" not in said
         assert router.wait_until(lambda r: "solo" not in r.workers, 10)  # its bye, not the 60 s silence
         assert router.snapshot()["counters"]["workers_removed"] == 1

@@ -16,13 +16,16 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def setup_logging(level: str = "info") -> None:
+def setup_logging(level: str = "info", process: str | None = None) -> None:
     """`retouch serve` and `retouch worker`: every record at `level` and above on stderr, timestamped and
     named (retouch.access: one line per HTTP answer; retouch.router: workers joining and leaving;
-    retouch.node: a worker's edits), capped (`cap_log_messages`)."""
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True)
+    retouch.node: a worker's edits), capped (`cap_log_messages`). `process`: a tag after the level on
+    every line, the worker's name (supervised workers share the head's stderr)."""
+    line = LOG_FORMAT if process is None else LOG_FORMAT.replace(
+        "%(name)s", f"[{escaped(process).replace('%', '%%')}] %(name)s", 1)
+    logging.basicConfig(level=level.upper(), format=line, force=True)
     for handler in logging.getLogger().handlers:
-        handler.setFormatter(IndentedTracebacks(LOG_FORMAT))
+        handler.setFormatter(IndentedTracebacks(line))
     cap_log_messages()
 
 
