@@ -1398,8 +1398,15 @@ class Router:
             self._take_back(worker, pending)
             self._route(pending)
             return
-        self._answer(pending, EditAnswer(blobs.get("png"), int(header.get("status", 200)), header.get("error"),
-                                         header.get("message"), worker.name, header.get("metrics", {})))
+        status, template_id = int(header.get("status", 200)), pending.task.template_id
+        if status != 200 and template_id not in self.templates:
+            # deleted while the edit waited on its worker, which then failed it for want of the recording:
+            # the same answer as an edit that waited here
+            self._answer(pending, EditAnswer(None, 404, "template_deleted", f"template {template_id!r} was deleted",
+                                             worker.name, header.get("metrics", {})))
+        else:
+            self._answer(pending, EditAnswer(blobs.get("png"), status, header.get("error"), header.get("message"),
+                                             worker.name, header.get("metrics", {})))
         if pending.records:  # recorded (the template message came first), or failed without it
             self._recording_ended(pending.task.template_id, worker.name)
 

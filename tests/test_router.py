@@ -259,6 +259,23 @@ def test_back_pressure_deletion_and_failed_recordings(context, make_router):
     assert router.template("t2")["status"] == "failed"
 
 
+
+def test_an_edit_of_a_template_deleted_while_on_its_worker_is_answered_template_deleted(context, make_router):
+    """The worker fails an edit whose recording the delete dropped (422 "dropped before the edit ran"): the
+    client is told what a waiting edit is told, 404 template_deleted. Its other failures stay its own."""
+    router = make_router()
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(template("t1"))
+    w0.register("t1")
+    on_worker, failing = router.submit(task("t1")), router.submit(task("t1"))
+    first, second = w0.receive("edit"), w0.receive("edit")
+    w0.fail(second["request"], 500, "RuntimeError", "out of memory")
+    assert failing.result(TIMEOUT_S).status == 500  # the template still there: the worker's answer
+    assert router.drop_template("t1") and w0.receive("drop")["template"] == "t1"
+    w0.fail(first["request"], 422, "InputError", "template 't1' was dropped before the edit ran")
+    answer = on_worker.result(TIMEOUT_S)
+    assert (answer.status, answer.error, answer.worker) == (404, "template_deleted", "w0")
+
 def test_templates_still_recording_count_in_the_queue_in_all_and_per_tenant(context, make_router):
     """A recording is a generation, as an edit is: a thousand registrations at once slowed every edit 20-fold.
     Beyond the queue, in all or the tenant's share, a registration is refused (429) until recordings end."""
