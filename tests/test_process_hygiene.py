@@ -97,6 +97,28 @@ def test_ctrl_c_stops_the_server_with_no_process_or_folder_left(short_tmp):
     assert list(tmp_path.glob("retouch-*")) == []
 
 
+
+def test_sigterm_while_the_workers_load_stops_everything_it_started(short_tmp):
+    """Before it serves, a stopping server has nothing to drain: SIGTERM stops it as Ctrl-C does, with its
+    workers and its folder (the default action left the folder behind)."""
+    command = [sys.executable, "-m", "retouch.cli", "serve", "--model", "tiny-flux-fill", "--workers", "1",
+               "--port", "0", "--mode", "disagg", "--steps", "2", "--worker-threads", "1", "--helper-threads", "1"]
+    server = subprocess.Popen(command, env=dict(os.environ, TMPDIR=str(short_tmp)), stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        wait_for(lambda: any(short_tmp.glob("retouch-serve-*/w0")), "the worker starts", TIMEOUT_S)
+        started = descendants_of(server.pid)
+        assert started and server.poll() is None  # loading: "workers ready" not said yet
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=TIMEOUT_S) == 130
+    finally:
+        if server.poll() is None:
+            server.kill()
+    said = server.stderr.read()
+    assert "Traceback" not in said and "serving tiny-flux-fill" not in said, said
+    wait_for(lambda: not any(alive(pid) for pid in started), "every process the server started exits", 30)
+    assert list(short_tmp.glob("retouch-*")) == []
+
 def test_a_server_killed_outright_leaves_a_folder_the_next_one_removes(tmp_path):
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     stale, live = tmp_path / f"retouch-serve-{orphan.pid}-x", tmp_path / f"retouch-serve-{os.getpid()}-y"

@@ -10,6 +10,7 @@ import argparse
 import functools
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -255,6 +256,9 @@ def cmd_serve(args) -> int:
     from retouch.server import Server
 
     setup_logging(opts.log_level)
+    # SIGTERM while the workers load stops as Ctrl-C does: what was started is stopped, its folder removed
+    # (nothing is accepted yet, so there is nothing to drain); serve_forever's handlers drain from then on.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     Server(opts).start().serve_forever()
     return 0
 
