@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import device_arg, out_path, positive_float, publish, pyplot
+from retouch.bench.report import device_arg, out_path, positive_float, publish, pyplot, environment
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.api import Engine
 from retouch.engine.metrics import now
@@ -76,8 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs.update()
     runs.close()
 
-    report = {"bench": "batching", "command": "retouch bench batching " + " ".join(argv if argv is not None
-                                                                                  else sys.argv[1:]),
+    report = {"bench": "batching", **environment("batching", argv, args.device),
               "model": args.model, "device": args.device, "modes": results, "rps": args.rps,
               "requests": args.requests, "steps": args.steps, "size": args.size, "max_batch": args.max_batch,
               "mean_mask_ratio": statistics.fmean(ratios), "processing": processing,

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from retouch import ops
-from retouch.bench.report import device_arg, json_text, out_path, pyplot, write_json
+from retouch.bench.report import device_arg, json_text, out_path, pyplot, write_json, environment
 from retouch.bench.timing import interleaved_medians
 from retouch.errors import ArgumentParser
 from retouch.masks import centred_token_rectangle
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = [row for shape in config.rows for row in bench_row_shape(config, shape)]
     device = torch.device(config.device)
     report = {"bench": "copy", "device": config.device,
-              "command": "retouch bench copy " + " ".join(argv if argv is not None else sys.argv[1:]),
+              **environment("copy", argv, config.device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "quick": quick, "threads": torch.get_num_threads(), "torch": torch.__version__,
               "config": dataclasses.asdict(config), "results": results}

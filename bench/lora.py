@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +35,8 @@ import torch
 from safetensors.torch import save_file
 
 from retouch.adapters import CacheMode, MaskAwareContext
-from retouch.bench.report import DTYPE_CHOICES, device_arg, mask_ratio, out_path, publish, pyplot, side_pixels
+from retouch.bench.report import (DTYPE_CHOICES, device_arg, mask_ratio, out_path, publish, pyplot, side_pixels,
+                                  environment)
 from retouch.bench.step import TEXT_TOKENS, flux_setup
 from retouch.bench.timing import interleaved_medians
 from retouch.errors import ArgumentParser
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
 
-    report = {"bench": "lora", "command": "retouch bench lora " + " ".join(argv if argv is not None else sys.argv[1:]),
+    report = {"bench": "lora", **environment("lora", argv, device),
               "model": args.model, "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).removeprefix("torch."), "batch": args.batch, "rank": args.rank,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
-from retouch.bench.report import DTYPE_CHOICES, device_arg, mask_ratio, out_path, publish, pyplot
+from retouch.bench.report import DTYPE_CHOICES, device_arg, mask_ratio, out_path, publish, pyplot, environment
 from retouch.bench.step import TEXT_TOKENS
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import InMemoryActivationCache
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
                             "masked_tokens": sum(len(m) for size_masks in masks for m in size_masks)})
             modes.set_postfix_str(f"{mode} {results[-1]['throughput_ratio']}x", refresh=False)
 
-    report = {"bench": "mixed", "command": "retouch bench mixed " + " ".join(argv if argv is not None else sys.argv[1:]),
+    report = {"bench": "mixed", **environment("mixed", argv, device),
               "model": args.model, "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).removeprefix("torch."), "sizes": sizes, "per_size": args.per_size,

@@ -24,7 +24,8 @@ import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext
 from retouch.adapters.reads import staged_context
-from retouch.bench.report import DTYPE_CHOICES, cost_model_arg, device_arg, json_text, mask_ratio, out_path, side_pixels
+from retouch.bench.report import (DTYPE_CHOICES, cost_model_arg, device_arg, json_text, mask_ratio, out_path,
+                                  side_pixels, environment)
 from retouch.bench.step import TEXT_TOKENS, flux_setup, write_report
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import CacheStore, StoreConfig
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "speedup_vs_full": round(seconds["full"] / value, 3)} for name, value in seconds.items()]
     for row in results:
         print(f"{row['variant']:>10}: {row['image_s']:.4f} s/image, {row['vs_ideal']:.3f}x ideal", file=sys.stderr)
-    report = {"bench": "overlap", "command": "retouch bench overlap " + " ".join(argv if argv is not None else sys.argv[1:]),
+    report = {"bench": "overlap", **environment("overlap", argv, device),
               "model": args.model, "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).removeprefix("torch."), "cache_mode": args.cache_mode,

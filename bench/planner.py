@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retouch.bench.report import json_text, out_path, pyplot, write_json
+from retouch.bench.report import json_text, out_path, pyplot, write_json, environment
 from retouch.errors import ArgumentParser
 from retouch.planner import TIE_RTOL, BlockCosts, algorithm1, brute_force, optimal_plan, simulate
 from retouch.progress import bar
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     summary = gap_summary(rows)
     report = {"bench": "planner",
-              "command": "retouch bench planner " + " ".join(argv if argv is not None else sys.argv[1:]),
+              **environment("planner", argv, "cpu"),
               "instances": args.instances, "blocks": args.blocks, "seed": args.seed,
               "exact_matches_bruteforce": all(row["exact"] for row in rows),
               "fewest_cached_matches_bruteforce": sum(row["fewest_cached"] for row in rows),

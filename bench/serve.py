@@ -43,7 +43,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import out_path, positive_float, publish, pyplot
+from retouch.bench.report import out_path, positive_float, publish, pyplot, environment
 from retouch.errors import ArgumentParser
 from retouch.images import png_bytes
 from retouch.progress import bar
@@ -125,8 +125,10 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit("retouch bench serve needs httpx: pip install 'httpx>=0.28'")
 
     template, outcomes, wall_s, mask_ratios, with_registrations, stock = asyncio.run(_drive(args))
-    command = "retouch bench serve " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = {**summarize(outcomes, wall_s), "bench": "serve", "command": command, "url": args.url,
+    # the client's machine: the server's device is the server's to report (/metrics)
+    client = {key: value for key, value in environment("serve", argv, "cpu").items()
+              if key in ("command", "versions", "retouch_commit")}
+    report = {**summarize(outcomes, wall_s), "bench": "serve", **client, "url": args.url,
               "template": template, "mean_mask_ratio": statistics.fmean(mask_ratios),
               "classes": by_class(outcomes),
               "settings": {"requests": args.requests, "concurrency": args.concurrency, "rps": args.rps,

@@ -21,7 +21,7 @@ import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
 from retouch.bench.report import (DTYPE_CHOICES, device_arg, json_text, mask_ratios, out_path, pyplot, side_pixels,
-                                  write_json)
+                                  write_json, environment)
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import InMemoryActivationCache
 from retouch.errors import ArgumentParser
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
             ratios.set_postfix_str(f"m={results[-1]['mask_ratio']}: " + ", ".join(
                 f"{row['mode']} {row['speedup']}x" for row in results[-2:]), refresh=False)
 
-    report = {"bench": "step", "command": "retouch bench step " + " ".join(argv if argv is not None else sys.argv[1:]),
+    report = {"bench": "step", **environment("step", argv, device),
               "model": args.model, "device": str(device), "compiled": args.compile,
               "baseline": "the stock model under torch.compile" if args.compile else "the stock model, eager",
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -34,7 +34,7 @@ def test_block_times_every_kind_in_both_modes(tmp_path, capsys):
         for mode in ("y-cache", "kv-cache")}
     for row in rows:
         assert row["masked_tokens"] == round(row["mask_ratio"] * row["image_tokens"]) and row["image_tokens"] == 64
-        assert row["speedup"] == pytest.approx(row["full_s"] / row["mask_aware_s"], rel=1e-2)
+        assert row["speedup"] == pytest.approx(row["full_s"] / row["mask_aware_s"], rel=1e-2, abs=0.005)  # 2 places
     # Full compute is timed once per ratio and shared by both modes' rows.
     for kind in ("double", "single"):
         for ratio in (0.25, 1.0):
@@ -53,7 +53,7 @@ def test_image_latency_follows_the_issue_format_with_the_planner_on(tmp_path):
         (0.1875, "y-cache"), (0.875, "y-cache"), (0.1875, "kv-cache"), (0.875, "kv-cache")]
     for row in report["results"]:
         assert set(row) >= {"mask_ratio", "mode", "full_s", "mask_aware_s", "speedup"}
-        assert row["speedup"] == pytest.approx(row["full_s"] / row["mask_aware_s"], rel=1e-2)
+        assert row["speedup"] == pytest.approx(row["full_s"] / row["mask_aware_s"], rel=1e-2, abs=0.005)  # 2 places
         assert len(row["plan"]) == blocks and set(row["plan"]) <= {"c", "f"}
 
 
