@@ -1,6 +1,6 @@
 # Two commands for a newcomer:
 #   make demo   create .venv, install retouch, time one edit of a generated template with full compute and
-#               mask-aware (Y-cache, KV-cache) on the built-in flux-demo model (CPU, about a minute)
+#               mask-aware (Y-cache, KV-cache) on the built-in flux-demo model (CPU, 1-3 minutes)
 #   make test   same set-up, then the whole test suite
 PYTHON ?= python3
 VENV := .venv

@@ -33,6 +33,9 @@ def test_demo_table_png_and_json(tmp_path, capsys):
     with Image.open(tmp_path / "side_by_side.png") as picture:
         assert picture.width == 5 * SIZE and picture.height > SIZE
     assert json.loads((tmp_path / "demo.json").read_text()) == report
+    with Image.open(tmp_path / "template.png") as template, Image.open(tmp_path / "mask.png") as mask:
+        assert template.size == mask.size and mask.mode == "L"
+        assert 0 < (np.asarray(mask) > 0).mean() < 1
     assert str(tmp_path / "side_by_side.png") in printed
 
 

@@ -6,7 +6,8 @@ Registers the template once (full compute, every block's outputs, keys and value
 recording serves both modes), then times the same edit (prompt, seed, mask) three ways end to end, text
 encoders, denoising, VAE and paste-back included, and prints one table: latency, speedup over full
 compute, image tokens computed per step, PSNR and SSIM against full compute, and whether every pixel
-outside the mask is the template's own. Writes OUT/side_by_side.png and OUT/demo.json.
+outside the mask is the template's own. Writes OUT/side_by_side.png and OUT/demo.json, and the
+template and mask as OUT/template.png and OUT/mask.png.
 
 The built-in models have random weights: the repainted region is noise, and PSNR/SSIM measure how
 closely mask-aware inference follows full compute, not image quality.
@@ -192,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     picture, numbers = args.out / "side_by_side.png", args.out / "demo.json"
     side_by_side(demo_panels(template, mask, images), picture)
+    template.save(args.out / "template.png")  # inputs to try `retouch edit` and the API on
+    mask.save(args.out / "mask.png")
     report = {"model": spec.name, "description": spec.description, "size": size, "steps": args.steps,
               "device": str(device), "dtype": str(dtype).removeprefix("torch."),
               "mask_ratio": round(float(inside.mean()), 4), "registration_s": round(registration_s, 3),

@@ -70,7 +70,7 @@ BENCH_SPECS = (
         description=(
             "flux-small's transformer (150 M) and text encoders with the tiny models' narrow Flux VAE, so that "
             "on a CPU the denoiser takes the share of an edit it takes at full size on a GPU; the `make demo` "
-            "model (about a minute on a 2-core CPU)"
+            "model (1-3 minutes on a 2-core CPU)"
         ),
         resolution=_FLUX_SMALL_RESOLUTION,
         call_defaults={"max_sequence_length": 64},
