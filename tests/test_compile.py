@@ -1,5 +1,5 @@
-"""torch.compile of the mask-aware blocks (`MaskAwareAdapter.compile`): the compiled forward equals the eager one within fp32 tolerance for every cache mode and batch shape, and
-after a warm-up over the shapes a graph specializes on (a batch of one or more, each cache mode) no new
+"""torch.compile of the mask-aware blocks (`MaskAwareAdapter.compile`): the compiled forward equals the
+eager one within fp32 tolerance for every cache mode and batch shape, and after a warm-up over the shapes a graph specializes on (a batch of one or more, each cache mode) no new
 mask, ratio or batch composition compiles again (`torch._dynamo.config.error_on_recompile`).
 
 Tolerance: inductor fuses and reorders the elementwise ops and reductions of a block (e.g. layer norm's
