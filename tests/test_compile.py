@@ -1,6 +1,7 @@
 """torch.compile of the mask-aware blocks (`MaskAwareAdapter.compile`): the compiled forward equals the
-eager one within fp32 tolerance for every cache mode and batch shape, and after a warm-up over the shapes a graph specializes on (a batch of one or more, each cache mode) no new
-mask, ratio or batch composition compiles again (`torch._dynamo.config.error_on_recompile`).
+eager one within fp32 tolerance for every cache mode and batch shape, and after a warm-up over the shapes
+a graph specializes on (a batch of one or more, each cache mode) no new mask, ratio or batch composition
+compiles again (`torch._dynamo.config.error_on_recompile`).
 
 Tolerance: inductor fuses and reorders the elementwise ops and reductions of a block (e.g. layer norm's
 mean and variance in one pass), a few fp32 ulps per op; COMPILED_ULPS units of fp32 eps at the output's
