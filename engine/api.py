@@ -37,6 +37,11 @@ class HelperError(RetouchError):
     """Pre/post-processing in a helper process failed; the message is the helper's."""
 
 
+class MissingTemplate(InputError):
+    """The edit's template was dropped (deleted) before the edit ran. The router knows the name: it answers
+    404 template_deleted, or runs the edit again where the template is registered anew."""
+
+
 class Engine:
     def __init__(self, editor: MaskAwareEditor, config: EngineConfig = EngineConfig(), model_name: str | None = None,
                  predict_s: Callable[[Job], float] | None = None):
@@ -380,7 +385,7 @@ class Engine:
             self.worker.complete(job, image)
         elif kind == "prepared":
             self.worker.metrics.failed += 1
-            job.fail(InputError(f"template {job.request.template_id!r} was dropped before the edit ran"))
+            job.fail(MissingTemplate(f"template {job.request.template_id!r} was dropped before the edit ran"))
         else:
             self.worker.metrics.failed += 1
             job.fail(HelperError(f"{header['error']}: {header['message']}"))

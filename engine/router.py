@@ -1387,8 +1387,10 @@ class Router:
         if pending is None or pending.worker != worker.name:
             self.counters["duplicates_dropped"] += 1
             return
-        # lost it (restart race), stopping, or cancelled by a stale-edit cancel sent before the edit came back
-        # to this worker (`_drop_stale`; the router's own cancels answer the edit first)
+        # lost it (restart race, or a delete dropped it while the edit waited there: `_route` answers 404
+        # template_deleted, or runs it again if the template was registered again), stopping, or cancelled
+        # by a stale-edit cancel sent before the edit came back to this worker (`_drop_stale`; the router's
+        # own cancels answer the edit first)
         if header.get("error") in ("MissingTemplate", "WorkerDraining", "Cancelled"):
             record = self.templates.get(pending.task.template_id)
             if header["error"] == "WorkerDraining":
@@ -1398,15 +1400,8 @@ class Router:
             self._take_back(worker, pending)
             self._route(pending)
             return
-        status, template_id = int(header.get("status", 200)), pending.task.template_id
-        if status != 200 and template_id not in self.templates:
-            # deleted while the edit waited on its worker, which then failed it for want of the recording:
-            # the same answer as an edit that waited here
-            self._answer(pending, EditAnswer(None, 404, "template_deleted", f"template {template_id!r} was deleted",
-                                             worker.name, header.get("metrics", {})))
-        else:
-            self._answer(pending, EditAnswer(blobs.get("png"), status, header.get("error"), header.get("message"),
-                                             worker.name, header.get("metrics", {})))
+        self._answer(pending, EditAnswer(blobs.get("png"), int(header.get("status", 200)), header.get("error"),
+                                         header.get("message"), worker.name, header.get("metrics", {})))
         if pending.records:  # recorded (the template message came first), or failed without it
             self._recording_ended(pending.task.template_id, worker.name)
 
