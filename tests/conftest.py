@@ -1,9 +1,11 @@
 import logging
 import os
+import signal
 import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -16,8 +18,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 def pytest_configure(config):
-    # One folder of exported built-in models for the whole run, shared with CLI subprocesses:
-    # each model is built and saved once, then every test loads it with from_pretrained.
+    # One folder of exported built-in models per test process (each xdist worker, and the controller,
+    # which leaves it empty), shared with CLI subprocesses: each model is built and saved once there, then
+    # every test loads it with from_pretrained.
     config._retouch_cache = tempfile.mkdtemp(prefix="retouch-test-models-")
     os.environ["RETOUCH_CACHE_DIR"] = config._retouch_cache
 
@@ -37,28 +40,60 @@ def cli():
     return run_cli
 
 
+def interpreter_warning_filters() -> None:
+    """Python's own default filters (a release build without -W), which pytest replaces around each test."""
+    warnings.resetwarnings()
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.filterwarnings("ignore", category=category)
+
+
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
 @pytest.fixture
 def cli_here(capfd, monkeypatch):
     """Run `retouch ARGS` in this interpreter: for the many tests of what the CLI refuses, where a fresh
-    one adds only seconds of imports. Output is captured at the file descriptors, so a library's log line
-    counts as it would in a terminal; an exception escaping `main` fails the test as a traceback would."""
-    from retouch.cli import main
+    one adds only seconds of imports. As in a terminal, whatever would reach stderr does: records through
+    logging's last resort (pytest's own handlers are set aside), Python warnings, and the log lines of
+    diffusers' and transformers' handlers; an exception escaping `main` fails the test as a traceback would.
+    The process-wide state `main` sets (logging, the record factory, signal handlers) is put back."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    import retouch.cli
 
     def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
         if cwd is not None:
             monkeypatch.chdir(cwd)
         capfd.readouterr()
         root = logging.getLogger()
-        handlers, level = root.handlers[:], root.level
+        handlers, level, factory = root.handlers[:], root.level, logging.getLogRecordFactory()
+        signals = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+        library_handlers = [library._get_library_root_logger().handlers for library in
+                            (diffusers_logging, transformers_logging)]
+        streams = [(handler, handler.stream) for group in library_handlers for handler in group
+                   if type(handler) is logging.StreamHandler]
+        for handler, _ in streams:  # not setStream: it flushes the old stream, maybe a closed capture's
+            handler.stream = sys.stderr
+        root.handlers[:] = []
         try:
-            code = main([str(arg) for arg in args])
+            with warnings.catch_warnings():  # the interpreter's filters, shown on stderr, as outside pytest
+                interpreter_warning_filters()
+                warnings.showwarning = show_warning
+                code = retouch.cli.main([str(arg) for arg in args])
         except SystemExit as exc:  # argparse's refusals
             code = exc.code
         finally:
-            # `serve` sets up logging on this capture's stderr, which closes with the test
-            for handler in set(root.handlers) - set(handlers):
+            for handler in root.handlers:  # `serve`'s, on this capture's stderr, which closes with the test
                 handler.close()
             root.handlers[:], root.level = handlers, level
+            logging.setLogRecordFactory(factory)
+            for signum, handler in signals.items():
+                signal.signal(signum, handler)
+            for handler, stream in streams:
+                handler.stream = stream
         out, err = capfd.readouterr()
         return subprocess.CompletedProcess(["retouch", *map(str, args)], code, out, err)
 

@@ -2,6 +2,7 @@
 
 import json
 import socket
+import sys
 
 import numpy as np
 import pytest
@@ -405,3 +406,30 @@ def test_every_flag_with_a_default_says_it_in_its_help(options):
             assert "(default" in helps[field.name], field.name
         if field.default is True:
             assert f"(default: --{field.name.replace('_', '-')})" in helps[field.name], field.name
+
+
+def test_the_in_process_runner_shows_what_a_terminal_would(cli_here, monkeypatch):
+    """The refusal tests run `main` in this interpreter (`cli_here`): a library's warning or log line must
+    reach their stderr as it would a user's, or "one line" would pass where a user sees two; a deprecation
+    inside a library stays hidden, as Python hides it."""
+    import logging
+    import warnings
+
+    from diffusers.utils import logging as diffusers_logging
+
+    import retouch.cli
+
+    def noisy_main(argv):
+        warnings.warn("a future change", FutureWarning)
+        warnings.warn("deprecated inside a library", DeprecationWarning)
+        logging.getLogger("retouch.anything").warning("a log line")
+        diffusers_logging.get_logger("diffusers.anything").warning("a diffusers line")
+        print("retouch: error: refused", file=sys.stderr)
+        return 2
+
+    monkeypatch.setattr(retouch.cli, "main", noisy_main)
+    result = cli_here("edit")
+    assert result.returncode == 2 and result.stderr.endswith("retouch: error: refused\n")
+    for line in ("a future change", "a log line", "a diffusers line"):
+        assert line in result.stderr, result.stderr
+    assert "deprecated inside a library" not in result.stderr
