@@ -215,7 +215,8 @@ def multipart(prompt: bytes, charset: str | None = None) -> tuple[bytes, str]:
 async def prompts_in_encodings() -> dict:
     router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests")).start()
     sent = {"utf-8": multipart("café ☕".encode()), "latin-1 undeclared": multipart("café".encode("latin-1")),
-            "latin-1 declared": multipart("café".encode("latin-1"), "iso-8859-1")}
+            "latin-1 declared": multipart("café".encode("latin-1"), "iso-8859-1"),
+            "unknown charset": multipart("café".encode(), "bogus")}
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(router, Limits())),
                                      base_url="http://retouch") as client:
@@ -226,13 +227,16 @@ async def prompts_in_encodings() -> dict:
 
 
 def test_a_prompt_not_in_the_bodys_charset_is_refused_naming_it():
-    """Starlette reads undecodable text fields as latin-1: "café" sent in latin-1 to a UTF-8 body would run
-    as "caf\ufffd"-like mojibake. It is a 400 naming the prompt; text in the charset the body declares passes
+    """Starlette reads a text field that is not UTF-8 as latin-1, and a body of a charset it does not know
+    all as latin-1: right for a latin-1 client, mojibake for every other (cp1252, Shift JIS, GBK), and the
+    client is none the wiser. Both are a 400 naming what to fix; text in the charset the body declares passes
     the form (and reaches the template lookup: 404 for this unknown one)."""
     outcome = asyncio.run(prompts_in_encodings())
     refused = outcome["latin-1 undeclared"]
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
     assert "utf-8" in refused.json()["error"]["message"]
+    unknown = outcome["unknown charset"]
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "content-type", unknown.text
     for name in ("utf-8", "latin-1 declared"):
         assert outcome[name].status_code == 404, outcome[name].text
         assert outcome[name].json()["error"]["code"] == "template_not_found"

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import codecs
 import contextlib
 import difflib
 import functools
@@ -78,6 +79,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from python_multipart.multipart import parse_options_header
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from retouch import playground
@@ -398,7 +400,8 @@ def server_busy() -> JSONResponse:
 
 class UndecodableField(MultiPartException):
     def __init__(self, field: str, charset: str):
-        super().__init__(f"{field} is not {charset} text; send it encoded as UTF-8")
+        super().__init__(f"{field} is not {charset} text (the body's charset: UTF-8 unless its Content-Type "
+                         "names another)")
         self.field = field
 
 
@@ -418,7 +421,16 @@ class StrictMultiPartParser(MultiPartParser):
 
 
 async def parse_multipart(request: Request, **limits) -> FormData:
-    """`request.form(**limits)` through `StrictMultiPartParser`."""
+    """`request.form(**limits)` through `StrictMultiPartParser`; a charset Python does not know is refused
+    (starlette would read the fields as latin-1)."""
+    _, params = parse_options_header(request.headers.get("content-type", ""))
+    charset = params.get(b"charset")
+    if charset is not None:
+        try:
+            codecs.lookup(charset.decode("latin-1"))
+        except LookupError:
+            raise ApiError(400, f"unknown charset {charset.decode('latin-1')!r} in Content-Type; send UTF-8",
+                           "content-type") from None
     async with contextlib.aclosing(request.stream()) as stream:
         return await StrictMultiPartParser(request.headers, stream, **limits).parse()
 
