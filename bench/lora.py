@@ -236,7 +236,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {"bench": "lora", **environment("lora", argv, device),
               "model": args.model, "device": str(device),
-              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).removeprefix("torch."), "batch": args.batch, "rank": args.rank,
               "mask_ratio": args.mask_ratio, "resolution": args.resolution, "threads": torch.get_num_threads(),
               "torch": torch.__version__, "baseline": "the same batch without LoRA; the same edit without LoRA",

@@ -123,7 +123,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {"bench": "mixed", **environment("mixed", argv, device),
               "model": args.model, "device": str(device),
-              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).removeprefix("torch."), "sizes": sizes, "per_size": args.per_size,
               "requests": len(lens), "image_tokens": lens, "text_tokens": num_text, "mask_ratio": args.mask_ratio,
               "baseline": "one mask-aware forward per image size", "threads": torch.get_num_threads(),

@@ -112,7 +112,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{row['variant']:>10}: {row['image_s']:.4f} s/image, {row['vs_ideal']:.3f}x ideal", file=sys.stderr)
     report = {"bench": "overlap", **environment("overlap", argv, device),
               "model": args.model, "device": str(device),
-              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).removeprefix("torch."), "cache_mode": args.cache_mode,
               "mask_ratio": round(len(masked) / num_image, 4), "steps": args.steps,
               "template_mib": round(store.nbytes("template") / 2**20, 1), "pinned": store.arena.pinned,

@@ -105,7 +105,6 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"bench": "step", **environment("step", argv, device),
               "model": args.model, "device": str(device), "compiled": args.compile,
               "baseline": "the stock model under torch.compile" if args.compile else "the stock model, eager",
-              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).removeprefix("torch."), "image_tokens": num_image, "text_tokens": num_text,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "results": results}
     if args.out:

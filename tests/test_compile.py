@@ -8,9 +8,10 @@ mean and variance in one pass), a few fp32 ulps per op; COMPILED_ULPS units of f
 scale is ~4x the worst seen over these cases.
 
 Backend: inductor on a GPU for every family. On the CPU, inductor for Flux and aot_eager (dynamo and
-AOTAutograd, no code generation) for SD3 and the UNet: what these tests can break on (a graph break, a
-guard that recompiles, a core dynamo cannot trace) is decided before code generation, and inductor's
-C++ for two more families cost this suite two minutes on a cold cache for nothing served.
+AOTAutograd, no code generation) for SD3 and the UNet: most of what these tests catch (a graph break, a
+dynamo guard that recompiles, a core dynamo cannot trace) is decided before code generation; what is not
+(inductor's lowering, its own shape guards) is checked for them on a GPU, where it matters, and for Flux
+here. Inductor's C++ for two more families cost this suite two minutes on a cold cache.
 """
 
 import pytest

@@ -258,9 +258,15 @@ def cmd_serve(args) -> int:
     setup_logging(opts.log_level)
     # SIGTERM while the workers load stops as Ctrl-C does: what was started is stopped, its folder removed
     # (nothing is accepted yet, so there is nothing to drain); serve_forever's handlers drain from then on.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _stop_starting)
     Server(opts).start().serve_forever()
     return 0
+
+
+def _stop_starting(signum, frame) -> None:
+    # once: a process manager's repeat must not cut short the stopping of what was started
+    signal.signal(signal.SIGTERM, lambda *_: os.write(2, b"retouch: still stopping\n"))
+    raise KeyboardInterrupt
 
 
 def cmd_worker(args) -> int:

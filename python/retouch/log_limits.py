@@ -69,6 +69,8 @@ class IndentedTracebacks(logging.Formatter):
     file name, say) cannot forge a record of its own."""
 
     def format(self, record: logging.LogRecord) -> str:
+        if not record.exc_info:  # a traceback given only as text (a record made from a dict) stays as it is
+            return super().format(record)
         cached, record.exc_text = record.exc_text, None  # another handler's formatter may have cached its own
         try:
             return super().format(record)
