@@ -433,3 +433,14 @@ def test_the_in_process_runner_shows_what_a_terminal_would(cli_here, monkeypatch
     for line in ("a future change", "a log line", "a diffusers line"):
         assert line in result.stderr, result.stderr
     assert "deprecated inside a library" not in result.stderr
+
+
+def test_a_benchmarks_help_shows_its_defaults_once(capsys):
+    """`retouch bench serve --help`: where the server is assumed to be and how many edits it sends."""
+    from retouch.bench import serve
+
+    with pytest.raises(SystemExit):
+        serve.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default: http://127.0.0.1:8000)" in shown and "edits to send (default: 100)" in shown
+    assert shown.count("(default: 100)") == 1 and "(default: None)" not in shown

@@ -18,14 +18,27 @@ class InputError(RetouchError):
     """An unreadable or inconsistent image, mask or prompt."""
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Each option's default after its help, as "(default: X)", unless the help already speaks of its default
+    (the CLI's options spell theirs, an on/off flag's as the flag that gives it) or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or isinstance(action, argparse._HelpAction)):
+            return text
+        return text + " (default: %(default)s)"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line naming the flag (exit 2), not the whole usage block above it;
     a `description` given as a module docstring is cut to its first paragraph (its first line would end
-    mid-sentence)."""
+    mid-sentence); every option's default shows in --help (`DefaultsShown`)."""
 
     def __init__(self, *args, description: str | None = None, **kwargs):
         if description is not None:
             description = " ".join(description.split("\n\n")[0].split())
+        kwargs.setdefault("formatter_class", DefaultsShown)
         super().__init__(*args, description=description, **kwargs)
 
     def error(self, message: str):
