@@ -76,10 +76,9 @@ def main(argv: list[str] | None = None) -> dict:
     runs.close()
 
     report = {"bench": "batching", **environment("batching", argv, args.device),
-              "model": args.model, "device": args.device, "modes": results, "rps": args.rps,
+              "model": args.model, "modes": results, "rps": args.rps,
               "requests": args.requests, "steps": args.steps, "size": args.size, "max_batch": args.max_batch,
-              "mean_mask_ratio": statistics.fmean(ratios), "processing": processing,
-              "torch_threads": torch.get_num_threads()}
+              "mean_mask_ratio": statistics.fmean(ratios), "processing": processing}
     if "disagg" in results and "static" in results:
         report["disagg_p95_over_static_p95"] = results["disagg"]["p95_s"] / results["static"]["p95_s"]
     return publish(report, args.out, _plot)

@@ -158,9 +158,8 @@ def time_cuda(staging, memory, src_offsets, dst_rows, nbytes, repeats) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     config, quick, out = parse_args(argv)
     results = [row for shape in config.rows for row in bench_row_shape(config, shape)]
-    report = {"bench": "copy", "device": config.device,
-              **environment("copy", argv, config.device),
-              "quick": quick, "threads": torch.get_num_threads(), "torch": torch.__version__,
+    report = {"bench": "copy", **environment("copy", argv, config.device),
+              "quick": quick,
               "config": dataclasses.asdict(config), "results": results}
     if out is not None:
         write_json(report, out)

@@ -235,10 +235,10 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
 
     report = {"bench": "lora", **environment("lora", argv, device),
-              "model": args.model, "device": str(device),
+              "model": args.model,
               "dtype": str(dtype).removeprefix("torch."), "batch": args.batch, "rank": args.rank,
-              "mask_ratio": args.mask_ratio, "resolution": args.resolution, "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "baseline": "the same batch without LoRA; the same edit without LoRA",
+              "mask_ratio": args.mask_ratio, "resolution": args.resolution,
+              "baseline": "the same batch without LoRA; the same edit without LoRA",
               "steps": step_overhead(args, device, dtype)}
     if not args.skip_load:
         report["loading"] = {"model": args.engine_model, "resolution": args.engine_resolution,

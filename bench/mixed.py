@@ -122,11 +122,10 @@ def main(argv: list[str] | None = None) -> dict:
             modes.set_postfix_str(f"{mode} {results[-1]['throughput_ratio']}x", refresh=False)
 
     report = {"bench": "mixed", **environment("mixed", argv, device),
-              "model": args.model, "device": str(device),
+              "model": args.model,
               "dtype": str(dtype).removeprefix("torch."), "sizes": sizes, "per_size": args.per_size,
               "requests": len(lens), "image_tokens": lens, "text_tokens": num_text, "mask_ratio": args.mask_ratio,
-              "baseline": "one mask-aware forward per image size", "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "results": results}
+              "baseline": "one mask-aware forward per image size", "results": results}
     return publish(report, args.out, plot)
 
 

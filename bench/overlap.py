@@ -111,13 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
     for row in results:
         print(f"{row['variant']:>10}: {row['image_s']:.4f} s/image, {row['vs_ideal']:.3f}x ideal", file=sys.stderr)
     report = {"bench": "overlap", **environment("overlap", argv, device),
-              "model": args.model, "device": str(device),
+              "model": args.model,
               "dtype": str(dtype).removeprefix("torch."), "cache_mode": args.cache_mode,
               "mask_ratio": round(len(masked) / num_image, 4), "steps": args.steps,
               "template_mib": round(store.nbytes("template") / 2**20, 1), "pinned": store.arena.pinned,
               "plan": None if plan is None else "".join("c" if p else "f" for p in plan),
               "copy": {"bytes": engine.stats.bytes, "rows": engine.stats.rows, "blocks": engine.stats.blocks},
-              "torch": torch.__version__, "results": results}
+              "results": results}
     if args.out:
         for row in results:
             row.setdefault("mask_ratio", report["mask_ratio"])

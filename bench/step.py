@@ -103,10 +103,10 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{row['mode']} {row['speedup']}x" for row in results[-2:]), refresh=False)
 
     report = {"bench": "step", **environment("step", argv, device),
-              "model": args.model, "device": str(device), "compiled": args.compile,
+              "model": args.model, "compiled": args.compile,
               "baseline": "the stock model under torch.compile" if args.compile else "the stock model, eager",
               "dtype": str(dtype).removeprefix("torch."), "image_tokens": num_image, "text_tokens": num_text,
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "results": results}
+              "results": results}
     if args.out:
         write_report(report, args.out, "speedup", "speedup vs full compute")
     print(json_text(report))

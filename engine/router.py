@@ -993,8 +993,9 @@ class Router:
         worker.registering.discard(template_id)
         worker.missing.pop(template_id, None)
         worker.sent_in.pop(template_id, None)
-        if self.cluster.holds(worker.slot, _recording_key(worker, template_id)):
-            self.cluster.finish(worker.slot, _recording_key(worker, template_id))
+        key = _recording_key(worker, template_id)
+        if self.cluster.holds(worker.slot, key):
+            self.cluster.finish(worker.slot, key)
 
     def _remove_worker(self, name: str, why: str) -> None:
         worker = self.workers.pop(name, None)

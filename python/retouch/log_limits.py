@@ -23,9 +23,9 @@ def setup_logging(level: str = "info", process: str | None = None) -> None:
     every line, the worker's name (supervised workers share the head's stderr)."""
     line = LOG_FORMAT if process is None else LOG_FORMAT.replace(
         "%(name)s", f"[{escaped(process).replace('%', '%%')}] %(name)s", 1)
-    logging.basicConfig(level=level.upper(), format=line, force=True)
-    for handler in logging.getLogger().handlers:
-        handler.setFormatter(IndentedTracebacks(line))
+    handler = logging.StreamHandler()
+    handler.setFormatter(IndentedTracebacks(line))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     cap_log_messages()
 
 
