@@ -17,7 +17,22 @@ if not torch.cuda.is_available():
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 
+def share_cores_among_test_processes() -> None:
+    """Under pytest-xdist, give each test process (and the CLI, server and helper processes its tests
+    start) its share of the cores. Each at torch's default runs an OpenMP team as wide as the machine:
+    two test processes on 2 cores then spin 4 threads against each other, and model tests took 3-4x
+    their time alone (stop 40's note)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // workers)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # torch's default in the subprocesses, which inherit it
+
+
 def pytest_configure(config):
+    share_cores_among_test_processes()
     # One folder of exported built-in models per test process (each xdist worker, and the controller,
     # which leaves it empty), shared with CLI subprocesses: each model is built and saved once there, then
     # every test loads it with from_pretrained.

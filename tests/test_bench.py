@@ -51,7 +51,8 @@ def test_mixed_times_one_forward_against_one_per_size_on_the_same_requests(tmp_p
     assert report["image_tokens"] == [16, 16, 36, 36, 64, 64]
     assert [row["mode"] for row in report["results"]] == ["y-cache", "kv-cache"]
     for row in report["results"]:
-        assert row["throughput_ratio"] == pytest.approx(row["per_size_s"] / row["mixed_s"], rel=1e-2)
+        # rounded to 3 decimals: a ratio near 0 (a noisy moment on a shared CPU) is off by up to 5e-4
+        assert row["throughput_ratio"] == pytest.approx(row["per_size_s"] / row["mixed_s"], rel=1e-2, abs=5e-4)
         assert row["max_abs_difference"] <= 1e-5  # the same requests, computed both ways
     assert (tmp_path / "m.png").stat().st_size > 0
     assert_made_by(report, "mixed")
