@@ -19,8 +19,9 @@
 #
 # Results go to bench/results/<device>/ (RESULTS=dir overrides), with a log per part; each JSON
 # records its exact command, the package versions and the device. Where $OUT is set (the device
-# tool), the part's files are copied there too. Missing packages (diffusers, pyzmq, fastapi, ...)
-# are installed from .whl/ when it exists: bench/fetch_gpu_wheels.sh fills it on a machine with pip.
+# tool), each part's log and results are archived there too, as $OUT/PART.tgz. Missing packages
+# (diffusers, pyzmq, fastapi, ...) are installed from .whl/ when it exists: bench/fetch_gpu_wheels.sh
+# fills it on a machine with pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -162,10 +163,10 @@ for part in "${parts[@]}"; do
   echo "== part $part took $((SECONDS - started)) s, exit $status" | tee -a "$log"
   [ "$status" -eq 0 ] || failed+=("$part")
   if [ -n "${OUT:-}" ]; then
-    # The device tool returns at most 8 files: this part's log and the results it wrote.
-    cp "$log" "$OUT/"
-    find "$RESULTS" -maxdepth 1 -newer "$RESULTS/.started-$part" \( -name '*.json' -o -name '*.png' \) \
-      -exec cp {} "$OUT/" \;
+    # The device tool returns at most 8 files from $OUT, and a part writes up to 7: one archive per part
+    # (its log and the results it wrote), so that every part of a call comes back.
+    find "$RESULTS" -maxdepth 1 -newer "$RESULTS/.started-$part" \( -name '*.json' -o -name '*.png' \) -printf '%f\n' |
+      sort | tar -czf "$OUT/$part.tgz" -C "$RESULTS" "$part.log" -T -
   fi
   rm -f "$RESULTS/.started-$part"
 done

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -99,13 +100,21 @@ def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
     expected = ["attention", "gather", "block_latency", "cost_tiny-flux-fill", "image_latency_tiny-flux-fill", "overlap",
                 "cost_tiny-sdxl-inpaint", "image_latency_tiny-sdxl-inpaint", "throughput", "serving",
                 "overhead_flux-size", "step_compiled", "lora_tiny-flux-fill"]
+    # The device tool brings back at most 8 files from $OUT: one archive per part, holding its log and results.
+    parts = ("kernels", "flux", "unet", "throughput", "serving", "compile", "lora")
+    assert sorted(path.name for path in out.iterdir()) == sorted(f"{part}.tgz" for part in parts)
+    archived = {}
+    for part in parts:
+        with tarfile.open(out / f"{part}.tgz") as archive:
+            members = {member.name: archive.extractfile(member).read() for member in archive.getmembers()}
+        assert "exit 0" in members.pop(f"{part}.log").decode()
+        assert not set(members) & set(archived)  # each result comes back once, with the part that wrote it
+        archived |= members
     for name in expected:
         report = json.loads((results / f"{name}.json").read_text())
-        assert report and (out / f"{name}.json").read_bytes() == (results / f"{name}.json").read_bytes()
+        assert report and archived[f"{name}.json"] == (results / f"{name}.json").read_bytes()
         if not name.startswith("cost_"):
-            assert (results / f"{name}.png").stat().st_size > 0
-    for part in ("kernels", "flux", "unet", "throughput", "serving", "compile", "lora"):
-        assert "exit 0" in (out / f"{part}.log").read_text()
+            assert (results / f"{name}.png").stat().st_size > 0 and f"{name}.png" in archived
     # The compile part races the compiled mask-aware step against the compiled stock model (the
     # baseline users pick), not against eager diffusers.
     raced = json.loads((results / "step_compiled.json").read_text())
