@@ -88,7 +88,7 @@ profile() {  # profile MODEL ARGS...: the planner's cost models for MODEL on thi
 part_tests() {
   "$PYTHON" -m pytest -q -x tests/test_row_copy.py tests/test_row_copy_triton.py tests/test_host_gather.py \
     tests/test_host_arena.py tests/test_ragged_attention.py tests/test_ops.py tests/test_adapter_flux.py \
-    tests/test_adapter_unet.py tests/test_cache_store.py tests/test_editor_cache.py
+    tests/test_adapter_unet.py tests/test_cache_store.py tests/test_editor_cache.py tests/test_host_tables.py
 }
 
 part_kernels() {

@@ -433,7 +433,17 @@ class Worker:
         writes = RecordingWrites(editor.cache)
         context = editor.staged_edit_context(inputs, [job.row.schedule.index for job in jobs], handles,
                                              record_to=writes)
+        try:
+            self._step_in(jobs, context, writes)
+        finally:
+            if isinstance(context.cache, StagedActivations):
+                # Its copies have started: a step that fails or splits before its forward must end them (a
+                # no-op after the forward), or on the CPU a gated copy holds the copy thread, and every later step.
+                context.cache.abandon()
 
+    def _step_in(self, jobs: list[Job], context, writes: RecordingWrites) -> None:
+        """One step of `jobs` under their staged context (`_step_jobs`)."""
+        editor = self.editor
         mixed = len({job.template.canvas.padded for job in jobs}) > 1
         forward = (editor.adapter.forward_packed if mixed
                    else lambda **kwargs: editor.denoiser(**kwargs, return_dict=False)[0])
@@ -554,8 +564,7 @@ class Worker:
     def _release(self, job: Job) -> None:
         """The job leaves the batch: its template handles and its LoRA leases go now, not when the Job
         object is collected (its future's callbacks may keep it in a reference cycle for long)."""
-        for handle in job.handles.values():
-            handle.release()
+        self.editor.release(job.handles.values())
         job.handles = {}
         job.lora_loads, job.lora_entry = [], ()
 

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from retouch.kernels.host_tables import to_device_async
+
 BLOCK_M = 32  # rows per program
 BLOCK_R = 16  # rank columns per program (shrink) / per inner step (expand)
 BLOCK_K = 64  # input features per inner step (shrink)
@@ -152,7 +154,7 @@ def segmented_lora_triton(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: 
     device = x.device
 
     def table(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+        return to_device_async(torch.tensor(values, dtype=torch.int32), device)
 
     block_segment, block_start = table([b[0] for b in blocks]), table([b[1] for b in blocks])
     segment_end, segment_adapter = table([s[1] for s in segments]), table([s[2] for s in segments])

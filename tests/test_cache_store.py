@@ -130,6 +130,49 @@ def test_dropping_a_template_while_it_is_read_keeps_the_readers_memory():
     assert store.arena.used == TEMPLATE_BYTES  # only b's
 
 
+class Fence:
+    """A CUDA event's interface (`query`, `synchronize`) over a flag the test sets: the device's copies
+    from released memory are done once it is."""
+
+    def __init__(self):
+        self.passed = False
+        self.waits = 0
+
+    def query(self) -> bool:
+        return self.passed
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.passed = True
+
+
+def test_memory_released_behind_a_fence_is_reused_only_once_the_fence_has_passed():
+    store = make_store(templates_in_host=2)
+    record(store, "a")
+    record(store, "b")
+    fence = Fence()
+    store.acquire("a").release(fence)  # the host is done; the device may still be copying from a
+    assert store.evict("a")  # no reader: evictable at once, its memory still held for the copies
+    assert not store.contains("a") and store.arena.used == 2 * TEMPLATE_BYTES
+    record(store, "c")  # needs a's memory: waits for the fence rather than evicting b
+    assert fence.waits == 1 and store.contains("b") and store.metrics()["evictions"] == 1
+    assert_intact(store, "b")
+    assert_intact(store, "c")
+
+    passed = Fence()
+    passed.passed = True
+    store.acquire("b").release(passed)
+    store.drop("b")
+    assert store.arena.used == TEMPLATE_BYTES and passed.waits == 0  # freed at once: nothing to wait for
+    unseen = Fence()
+    store.acquire("c").release(unseen)
+    store.drop("c")
+    assert store.arena.used == TEMPLATE_BYTES
+    unseen.passed = True  # the device got there on its own: the next allocation frees it without waiting
+    record(store, "d")
+    assert unseen.waits == 0 and store.arena.used == TEMPLATE_BYTES
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_eviction_writes_back_and_reload_is_bit_exact(tmp_path, dtype):
     store = make_store(tmp_path, templates_in_host=torch.finfo(dtype).bits / 32)  # room for one

@@ -133,6 +133,27 @@ def test_cuda_graphs_capture_and_replay(model):
     assert counters["inductor"]["cudagraph_skips"] == 0
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_cuda_graphs_start_one_generation_per_denoiser_forward(model, monkeypatch):
+    """Inductor's CUDA graph trees start a generation at every entry into a compiled function unless told
+    otherwise, and a new generation overwrites the last one's outputs: block i's output, which block i+1
+    reads. The adapter marks one step per denoiser forward instead (stock, masked and all-full forwards
+    alike). Counted here on the CPU, where nothing is captured; the capture itself runs on a GPU above."""
+    forwards = Forwards(model)
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(len(marks)))
+    forwards.forward(batch=1)
+    assert marks == []  # eager blocks: nothing to mark
+    forwards.adapter.compile(cuda_graphs=True)
+    monkeypatch.setattr(forwards.adapter, "core", lambda function: function)  # which code runs is not the point
+    forwards.forward(batch=1)
+    assert len(marks) == 1
+    forwards.forward(forwards.context(EDIT_MODES[0], [0.3, 0.5]))
+    assert len(marks) == 2
+    forwards.forward(forwards.context(EDIT_MODES[-1], [0.3], block_plan=[False] * forwards.adapter.num_blocks))
+    assert len(marks) == 3
+
+
 # ---- the opt-in flag: editor, CLI and server options ----
 
 def test_a_compiled_engine_edits_as_the_eager_one_and_warms_up_once():

@@ -1,12 +1,15 @@
 """The editor on the cache engine: templates recorded into the host arena, evicted to disk, loaded back
 and staged by the copy engine; lost or damaged files cost a recompute, never a wrong edit."""
 
+import threading
+
 import pytest
 import torch
 from editor_inputs import LATENT_ATOL, max_diff, square_mask, template_image
 
 from retouch import load
 from retouch.cache import CacheStore, StoreConfig
+from retouch.cache.staging import CopyEngine
 
 STEPS = 2
 REPLAY_MASK = (16, 40, 79, 95)
@@ -135,3 +138,32 @@ def test_a_restarted_editor_adopts_the_recordings_its_disk_tier_kept(tmp_path):
     assert not retrained.adopt(kv.templates[template_id]) and not other_vae.adopt(kv.templates[template_id])
     register_replay_template(retrained)
     assert retrained.cache.metrics()["registrations"] == 1
+
+
+def test_a_forward_refused_before_its_first_block_ends_its_staged_copies(monkeypatch):
+    """The copy engine starts a forward's copies before the forward; copies two blocks ahead wait on
+    compute reaching a gate. A forward refused at its start must end them: on the CPU a gated copy would
+    hold the copy thread, and every later edit of the editor would wait for it forever."""
+    editor = load("tiny-flux-fill", cache=CacheStore(StoreConfig(host_bytes=64 << 20)),
+                  copy_engine=CopyEngine("cpu", lookahead=2))
+    template_id = register_replay_template(editor)
+    check_context = type(editor.adapter).check_context
+
+    def refuse_once(adapter, context):
+        monkeypatch.setattr(type(editor.adapter), "check_context", check_context)
+        raise RuntimeError("refused at the start of the forward")
+
+    monkeypatch.setattr(type(editor.adapter), "check_context", refuse_once)
+    with pytest.raises(RuntimeError, match="refused at the start"):
+        editor.edit(template_id, square_mask(REPLAY_MASK), "a red hat", seed=4)
+    staged_blocks = editor.copy_engine.stats.blocks
+    done = []
+    edit = threading.Thread(target=lambda: done.append(editor.edit(template_id, square_mask(REPLAY_MASK), "a red hat",
+                                                                   seed=4, output_type="latent")), daemon=True)
+    edit.start()
+    edit.join(timeout=120)  # a guard against a hang, not a wait for state: the edit ends on its own
+    assert not edit.is_alive(), "the next edit hung behind the refused forward's copies"
+    assert done and editor.copy_engine.stats.blocks > staged_blocks  # it ran, on staged rows
+    full = editor.edit(template_id, square_mask(REPLAY_MASK), "a red hat", seed=4, output_type="latent",
+                       full_compute=True)
+    assert max_diff(done[0], full) < LATENT_ATOL  # the replay identity holds after the refusal

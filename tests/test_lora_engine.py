@@ -15,6 +15,7 @@ from editor_inputs import max_diff, square_mask, template_image
 from lora_files import save_random_lora
 from loop_runs import run_loop
 
+from retouch.cache.staging import CopyEngine
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.worker import EngineConfig, Worker
 from retouch.lora import LoraError, LoraUse
@@ -97,6 +98,9 @@ def test_a_batch_mixing_lora_a_lora_b_and_none_equals_each_alone(flux, lora_dir)
 
 def test_an_ambiguous_batch_runs_in_halves_with_the_same_results(flux, lora_dir, monkeypatch):
     editor, ids = flux
+    # Copies two cached blocks ahead: the later blocks' copies wait on compute reaching a gate, so a batch
+    # refused before its forward must end them, or they hold the copy thread and the halves never run.
+    monkeypatch.setattr(editor, "copy_engine", CopyEngine("cpu", lookahead=2))
     choices = [(LoraUse("A", 1.0),), (), (LoraUse("B", 1.0),), ()]
     jobs = [edit_job(ids[i % 3], lora, seed=i) for i, lora in enumerate(choices)]
     calls = []
@@ -108,7 +112,11 @@ def test_an_ambiguous_batch_runs_in_halves_with_the_same_results(flux, lora_dir,
         return layouts + [(4,) + (0,) * (context.batch.batch_size - 1)] if context.batch.batch_size == 4 else layouts
 
     monkeypatch.setattr(type(editor.adapter), "row_layouts", colliding)
-    run_loop(editor, config_of(lora_dir), jobs)
+    loop = threading.Thread(target=run_loop, args=(editor, config_of(lora_dir), jobs), daemon=True)
+    loop.start()
+    loop.join(timeout=120)  # a guard against a hang, not a wait for state: the loop ends on its own
+    assert not loop.is_alive(), "the step loop hung after refusing an ambiguous batch"
+    assert editor.copy_engine.stats.blocks > 0  # the gated engine staged the edits' rows
     monkeypatch.undo()
     assert 4 in calls and 2 in calls  # refused at four, run as two halves
     for i, lora in enumerate(choices):

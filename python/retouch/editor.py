@@ -20,7 +20,7 @@ import hashlib
 import inspect
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -477,8 +477,7 @@ class MaskAwareEditor:
                                torch.stack([i.latents for i in inputs]), context_at, output_type=output_type,
                                strength=requests[0].strength)
         finally:
-            for handle in handles.values():
-                handle.release()
+            self.release(handles.values())
         if output_type == "latent":
             return list(images)
         return [finish(template, image, request.mask) if paste_back else template.canvas.crop(image)
@@ -629,6 +628,13 @@ class MaskAwareEditor:
             raise
         return handles
 
+    def release(self, handles: Iterable[TemplateHandle]) -> None:
+        """Release `acquire`'s handles once their forwards are done on the host: on a GPU the copy engine's
+        copies from them may still run, so their memory is kept until those have (`CopyEngine.fence`)."""
+        fence = self.copy_engine.fence() if self.copy_engine is not None else None
+        for handle in handles:
+            handle.release(fence)
+
     def _recompute(self, template: Template) -> None:
         template = replace(template, recorded_mode=self.mode_name)
         self._record(template)
@@ -656,9 +662,13 @@ class MaskAwareEditor:
                 nonlocal step
                 if step is None:
                     step = start_step(self.pipe)
-                context = active.enter_context(self.adapter.run(context_at(step)))
-                if isinstance(context.cache, StagedActivations):
-                    active.enter_context(context.cache)  # finishes its copies after the forward, or on an error
+                context = context_at(step)
+                staged = context.cache if isinstance(context.cache, StagedActivations) else None
+                if staged is not None:
+                    active.callback(staged.abandon)  # its copies have started: end them if the forward never runs
+                active.enter_context(self.adapter.run(context))
+                if staged is not None:
+                    active.enter_context(staged)  # finishes its copies after the forward, or on an error
 
             def leave(module, args, kwargs, output):
                 nonlocal step

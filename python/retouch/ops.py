@@ -21,6 +21,7 @@ from retouch.errors import RetouchError
 from retouch.kernels.ragged_attention import (RaggedPlan, device_capability, launch_config, launch_planned,
                                               plan_from_host, plan_from_shapes, plan_ragged_attention,
                                               ragged_attention_with_plan)
+from retouch.kernels.host_tables import to_device_async
 from retouch.kernels.norm_rope import norm_rope_triton
 from retouch.kernels.reference import rms_norm_rope_ref, rope_pairs_ref
 from retouch.kernels.ragged_attention import ragged_attention_sdpa as _ragged_attention_sdpa
@@ -295,7 +296,7 @@ def stack_lora_groups(groups: Sequence[LoraGroup]) -> tuple[torch.Tensor, torch.
     for g, (a, b, _) in enumerate(groups):
         A[g, :a.shape[0]] = a
         B[g, :, :b.shape[1]] = b
-    scales = torch.tensor([scale for _, _, scale in groups], dtype=torch.float32).to(first_A.device, non_blocking=True)
+    scales = to_device_async(torch.tensor([scale for _, _, scale in groups], dtype=torch.float32), first_A.device)
     return A, B, scales
 
 

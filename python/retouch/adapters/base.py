@@ -35,6 +35,7 @@ class MaskAwareAdapter:
         self._context = None
         self._memo: dict = {}  # what the blocks of the active context share (see memo)
         self._compiled: dict | None = None  # block core -> its torch.compile'd version (see compile)
+        self._cuda_graphs = False
         self.token_bucket: Callable[[int], int] | None = None  # see pad_tokens
         self.lora_layers = None  # the denoiser's `retouch.lora.layers.LoraLayers`, once a LoRA serves on it
         # The copy engine gates its copies on compute reaching blocks (staged memory stays bounded).
@@ -109,6 +110,7 @@ class MaskAwareAdapter:
         if cuda_graphs:
             options = {"mode": "reduce-overhead", **options}
             self.pad_tokens(token_bucket)
+        self._cuda_graphs = cuda_graphs
         self._compile_options = {"dynamic": True, **options}
         self._compiled = {}
 
@@ -190,6 +192,11 @@ class MaskAwareAdapter:
             self._compiled, self.token_bucket = compiled, bucket
 
     def _block_starts(self, index: int, module, args) -> None:
+        if index == 0 and self._cuda_graphs and self._compiled is not None:
+            # One generation of inductor's CUDA graph trees per denoiser forward. Left to itself, every call
+            # of a compiled core starts one (dynamo counts entries), and each overwrites the outputs of the
+            # last: block i's output, the next block's input, would be gone.
+            torch.compiler.cudagraph_mark_step_begin()
         context = self._context
         if context is not None and isinstance(context.cache, StagedActivations):
             context.cache.block_started(index)

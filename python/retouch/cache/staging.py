@@ -108,6 +108,16 @@ class CopyEngine:
             self._stream = None
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="retouch-copy")
 
+    def fence(self) -> torch.cuda.Event | None:
+        """An event after every copy issued so far, for releasing the host memory they read
+        (`TemplateHandle.release(fence)`); None on the CPU, where a forward's copies are done once it
+        has finished."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
@@ -132,6 +142,7 @@ class StagedActivations(ActivationCache):
         self._gates: dict[int, threading.Event] = {}  # CPU
         self._last_started = -1
         self._finished = False
+        self._abandoned = False
 
     def start(self, rows: Sequence[RowSource | None], levels: Sequence[LevelRows], block_levels: Sequence[int],
               reads: Sequence[tuple[int, Sequence[str]]], num_blocks: int, dtype: torch.dtype,
@@ -195,6 +206,8 @@ class StagedActivations(ActivationCache):
         if self._finished:
             return
         self._finished = True
+        if self._abandoned:
+            self._pending.clear()
         self.block_started(self.num_blocks)
         for result in self._results.values():
             if isinstance(result, Future):
@@ -202,6 +215,14 @@ class StagedActivations(ActivationCache):
                     result.result()
                 else:
                     result.exception()
+
+    def abandon(self) -> None:
+        """The forward will not run after all (it failed before its first block, or its batch is split):
+        release every gate and skip the copies not yet begun. Without it, on the CPU a gated copy would hold
+        the copy thread, and so every later forward, forever. Nothing happens once `finish` has run."""
+        if not self._finished:
+            self._abandoned = True
+            self.finish(raise_errors=False)
 
     # ---- the ActivationCache interface: staged activations are read-only ----
 
@@ -247,6 +268,8 @@ class StagedActivations(ActivationCache):
     def _copy_after(self, gate: threading.Event | None, block: int, names) -> dict[str, torch.Tensor]:
         if gate is not None:
             gate.wait()
+        if self._abandoned:
+            return {}
         return self._copy_block(block, names)
 
     def _issue_ready_cuda(self) -> None:
@@ -328,8 +351,9 @@ class StagedActivations(ActivationCache):
         if not layout.quantized:
             return stored if stored.dtype == self.dtype else stored.to(self.dtype)
         ones = torch.ones(entry.row_elems, dtype=torch.float32)
-        scale = torch.stack([ones if s is None else s for s in scales]).to(device, non_blocking=True)
+        scale = ops.to_device_async(torch.stack([ones if s is None else s for s in scales]), device)
         if level.packed:  # one scale per token row: its batch row's
-            scale = scale[torch.repeat_interleave(torch.arange(num_rows), torch.tensor(level.row_tokens)).to(device)]
+            row_of_token = torch.repeat_interleave(torch.arange(num_rows), torch.tensor(level.row_tokens))
+            scale = scale[ops.to_device_async(row_of_token, device)]
             return decode(stored.unsqueeze(1), scale, self.dtype).squeeze(1)
         return decode(stored, scale, self.dtype)

@@ -12,7 +12,10 @@ Tiers (paper §4.2, "hierarchical storage"; DESIGN.md "Cache store"):
 Lifetimes: the store's index holds one arena reference per step allocation; every `TemplateHandle`
 (from `acquire`) holds one more. Eviction and `drop` release only the index's reference, so memory
 that readers still use is freed when the last of them releases it. Victims are templates nobody
-reads; a template being recorded is invisible until `commit` and never evicted.
+reads; a template being recorded is invisible until `commit` and never evicted. A handle released with a
+`fence` (a CUDA event after the copies that read it: `CopyEngine.fence`) stops counting as a reader at
+once, but keeps its memory until the fence has passed: the device may still be copying from it when the
+host is done, and memory reused meanwhile (a disk load into it) would reach an edit in flight.
 
 Thread-safe: one lock guards the indexes; disk reads and writes happen outside it, so readers of
 host-resident templates never wait for disk I/O.
@@ -153,10 +156,12 @@ class TemplateHandle:
         """A decoded copy in the recorded dtype."""
         return decode(self.view(step, block, name), self.scale(step, block, name), self.source_dtype).clone()
 
-    def release(self) -> None:
+    def release(self, fence=None) -> None:
+        """Done reading on the host; `fence` (with `query()` and `synchronize()`, a CUDA event): the device's
+        reads of it are done once it has passed (the store's docstring)."""
         if not self._released:
             self._released = True
-            self._store._release(self._template)
+            self._store._release(self._template, fence)
 
     def __enter__(self) -> TemplateHandle:
         return self
@@ -189,6 +194,7 @@ class CacheStore(ActivationCache):
         self._prefetcher: ThreadPoolExecutor | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._writes: list[Future] = []
+        self._fenced: list[tuple[object, list[int]]] = []  # (fence, arena offsets) freed once it has passed
         self._closed = False
         self.counters: Counter[str] = Counter()
 
@@ -220,8 +226,10 @@ class CacheStore(ActivationCache):
             self._write_step(recording)
             recording.step = step
         tensor = tensor.detach()
-        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
-            tensor = tensor.clone()  # one row of a batch: do not keep the whole batch alive until the step is written
+        if tensor.is_cuda or tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            # One row of a batch: do not keep the whole batch alive until the step is written. On a GPU it may
+            # be a CUDA graph's output, which the next forward overwrites before this step is written.
+            tensor = tensor.clone()
         recording.tensors[(block, name)] = tensor
 
     def commit(self, template_id: str) -> None:
@@ -489,17 +497,39 @@ class CacheStore(ActivationCache):
 
     # ---- internals ----
 
-    def _release(self, template: _Template) -> None:
+    def _release(self, template: _Template, fence=None) -> None:
         with self._lock:
             template.readers -= 1
+            if fence is not None and not fence.query():
+                self._fenced.append((fence, list(template.step_offsets)))
+                return
             for offset in template.step_offsets:
                 self.arena.release(offset)
 
+    def _free_fenced(self, wait_all: bool = False) -> None:
+        """Release the memory of fenced handles whose fence has passed (`wait_all`: waiting for every one).
+        Called with the lock held."""
+        kept = []
+        for fence, offsets in self._fenced:
+            if wait_all:
+                fence.synchronize()
+            elif not fence.query():
+                kept.append((fence, offsets))
+                continue
+            for offset in offsets:
+                self.arena.release(offset)
+        self._fenced = kept
+
     def _allocate(self, nbytes: int) -> int:
-        """An arena allocation of `nbytes`, evicting least recently used templates nobody reads."""
+        """An arena allocation of `nbytes`, evicting least recently used templates nobody reads (after
+        waiting for the device's reads of released memory, which costs no template)."""
         while True:
             with self._lock:
+                self._free_fenced()
                 offset = self.arena.allocate(nbytes)
+                if offset < 0 and self._fenced:
+                    self._free_fenced(wait_all=True)
+                    offset = self.arena.allocate(nbytes)
                 if offset >= 0:
                     return offset
                 victim = next((t for t in self._host.values() if t.readers == 0 and not t.evicting), None)
