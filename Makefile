@@ -24,8 +24,8 @@ $(STAMP): requirements.txt pyproject.toml setup.py $(NATIVE_SOURCES)
 demo: install
 	$(BIN)/python -m retouch.demo --out $(DEMO_DIR) --model $(DEMO_MODEL)
 
-# Test files run in parallel, up to 4 at once (a test file's module fixtures load its models once): most
-# tests wait on subprocesses and sockets, so even 2 cores finish in about 2/3 of the serial time.
+# Test files run in parallel, up to 4 at once (a test file's module fixtures load its models once), each
+# process with its share of the cores (tests/conftest.py): about 8 minutes on 2 cores, cold.
 test: install
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
