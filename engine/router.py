@@ -52,10 +52,8 @@ import itertools
 import logging
 import math
 import secrets
-import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -625,7 +623,7 @@ class Router:
             try:
                 callback(event)
             except Exception:  # noqa: BLE001 - a watcher's bug must not stop routing
-                traceback.print_exc(file=sys.stderr)
+                logger.exception("a watcher of %s %s failed", kind, key)  # through the log's escaping formatter
 
     def _template_changed(self, record: TemplateRecord) -> None:
         if ("template", record.template_id) in self._watchers:
@@ -1067,7 +1065,7 @@ class Router:
                     try:
                         self._on_message(identity, frames)
                     except Exception:  # noqa: BLE001 - a bug handling one message must not stop routing
-                        traceback.print_exc(file=sys.stderr)
+                        logger.exception("handling a message from %r failed", identity[:64])
             with self._lock:
                 self._check_liveness()
                 stopped = self._stopped  # read with the swap: what close() queued before stopping goes out

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -88,6 +89,13 @@ def test_ctrl_c_stops_the_server_with_no_process_or_folder_left(short_tmp):
         started = descendants_of(server.pid)
         assert len(started) >= 4  # two workers and a helper each
         assert any(tmp_path.glob("retouch-serve-*/w*/retouch-helpers-*"))
+        # uvicorn's own records (a malformed request here) are lines of the serving log, not of a log of its own.
+        host, port = re.search(r"serving tiny-flux-fill on http://([\d.]+):(\d+)", said[-1]).groups()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"NOT HTTP\r\n\r\n")
+            sock.recv(4096)
+        logged = lines_until(server.stderr, "Invalid HTTP request")[-1]
+        assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING uvicorn\.error: Invalid HTTP request", logged), logged
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=TIMEOUT_S) == 0
     finally:

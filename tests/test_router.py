@@ -5,6 +5,7 @@ carried along (as JSON) wherever it goes."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -944,3 +945,25 @@ def test_lora_edits_wait_while_the_worker_that_serves_them_drains_and_go_where_t
     assert edit["template"] == "o1" and "image" in edit["blobs"]  # the image only the plain worker holds
     replacement.answer(edit["request"])
     assert waiting.result(TIMEOUT_S).status == 200
+
+
+def test_a_failing_watcher_is_logged_through_the_router_log_and_routing_goes_on(context, make_router, caplog):
+    """A watcher's bug is the router's log record with its traceback (escaped and indented by the serving
+    log's formatter, as every record is), not raw text on stderr; the template still gets ready."""
+    router = make_router()
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(TemplateRecord("t1", b"png-of-template", (64, 64), "", 3, 0, None, 0))
+
+    def broken(event):
+        if event["status"] == "ready":  # not its first event, which `watch` itself hands over
+            raise ValueError("a watcher's bug\nforged: line")
+
+    router.watch("template", "t1", broken)
+    assert w0.receive("register")["template"] == "t1"
+    with caplog.at_level(logging.ERROR, logger="retouch.router"):
+        w0.send({"kind": "template", "template": "t1", "ok": True})
+        w0.sync()
+    assert router.template("t1")["status"] == "ready"
+    failures = [r for r in caplog.records if r.name == "retouch.router" and r.exc_info]
+    assert failures and "watcher of template t1 failed" in failures[-1].getMessage()
+    assert failures[-1].exc_info[0] is ValueError

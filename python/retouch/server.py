@@ -208,8 +208,10 @@ class Server:
         closed = app.state.metrics.connections_closed
         protocol = guarded_protocol(limits.header_timeout_s, limits.body_timeout_s, limits.max_connections,
                                     on_close=lambda reason: closed.labels(reason).inc())
+        # log_config=None: uvicorn's records (a malformed request, its own tracebacks) go to the serving log's
+        # handler and formatter (`setup_logging`: escaped, tracebacks indented) instead of handlers of its own.
         self._http = HttpServer(uvicorn.Config(app, log_level="warning", lifespan="off", http=protocol,
-                                               timeout_keep_alive=30), app.state)
+                                               timeout_keep_alive=30, log_config=None), app.state)
         self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [listener]},
                                              name="retouch-http", daemon=True)
         self._http_thread.start()
