@@ -42,6 +42,19 @@ def test_full_blocks_in_the_plan_make_no_host_sync(forwards):
     assert dict(calls) == {}
 
 
+@pytest.mark.parametrize("mode", EDIT_MODES, ids=lambda mode: mode.name)
+def test_planning_what_a_forward_reads_from_the_cache_reads_nothing_back(forwards, mode):
+    """The copy engine's row lists come from the descriptor's host indices (`RaggedBatch.query_idx_host`),
+    not from the device copies: on a GPU each `.cpu()` waited for the step before."""
+    from retouch.adapters.reads import forward_reads
+
+    context = forwards.context(mode, BATCHES["ragged"])
+    with counting_host_syncs() as calls:
+        reads = forward_reads(forwards.adapter, context, lambda block: ("out", "k", "v"))
+    # Host work on host tensors (the unmasked rows' nonzero) syncs nothing; a copy back to the host would.
+    assert calls["cpu"] == calls["tolist"] == calls["item"] == 0 and reads.blocks
+
+
 def test_the_counter_sees_a_sync():
     """The unplanned attention call reads its cu_seqlens back (what every masked block did before)."""
     q = torch.randn(6, 2, 8)
@@ -50,3 +63,71 @@ def test_the_counter_sees_a_sync():
         ops.ragged_attention(q, q, q, cu_seqlens, cu_seqlens, 4, 4, backend="sdpa")
     assert calls["tolist"] >= 1
     assert torch.Tensor.tolist.__name__ == "tolist"  # restored
+
+
+@pytest.fixture
+def sync_errors():
+    """CUDA's sync debug mode at "error" within `with sync_errors():`: a blocking copy, a read of a device
+    value or a stream sync raises."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def errors():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
+@pytest.mark.parametrize("model", list(FAMILY_MODELS.values()))
+def test_on_a_gpu_planning_and_the_forward_make_no_sync(model, sync_errors):
+    """Planning included (the ragged descriptors and attention plans are built on the host and copied from
+    pinned memory): the host can plan step n+1 while the GPU runs step n."""
+    forwards = Forwards(model, device="cuda")
+    for mode in EDIT_MODES:
+        for fractions in BATCHES.values():
+            inputs = forwards.target.inputs(len(fractions), 8)
+            forwards.forward(forwards.context(mode, fractions))  # first calls: library set-up and kernel builds
+            with sync_errors(), torch.inference_mode():
+                context = forwards.context(mode, fractions)
+                with forwards.adapter.run(context):
+                    forwards.denoiser(**inputs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
+@pytest.mark.parametrize("mode", ["y", "kv"])
+def test_on_a_gpu_a_staged_edit_plans_and_runs_each_forward_without_a_sync(mode, sync_errors):
+    """The editor on the cache store: each denoiser forward's planning (in the editor's forward pre-hook),
+    staged copies from pinned host memory and blocks, with sync errors on from before the editor's hook."""
+    from editor_inputs import square_mask, template_image
+
+    from retouch import load
+    from retouch.cache import CacheStore, StoreConfig
+
+    editor = load("tiny-flux-fill", device="cuda", cache=CacheStore(StoreConfig(host_bytes=64 << 20)),
+                  cache_mode=mode)
+    template_id = editor.register_template(template_image(), prompt="a room", steps=3, seed=1)
+    editor.edit(template_id, square_mask((16, 16, 40, 40)), "a hat", seed=2, output_type="latent")  # warm
+    forwards = []
+
+    def errors_on(module, args, kwargs):
+        forwards.append(sync_errors())
+        forwards[-1].__enter__()
+
+    def errors_off(module, args, kwargs, output):
+        forwards[-1].__exit__(None, None, None)
+
+    hooks = [editor.denoiser.register_forward_pre_hook(errors_on, with_kwargs=True),
+             editor.denoiser.register_forward_hook(errors_off, with_kwargs=True)]
+    try:
+        editor.edit(template_id, square_mask((8, 24, 48, 40)), "a cat", seed=3, output_type="latent")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        for hook in hooks:
+            hook.remove()
+    assert len(forwards) == 3 and editor.copy_engine.stats.blocks > 0

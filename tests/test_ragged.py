@@ -1,5 +1,7 @@
 """The ragged-batch descriptor: index lists, rows and cu_seqlens agree with each other."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -46,3 +48,13 @@ def test_gathered_rows_are_the_query_tokens():
 def test_out_of_range_index(bad):
     with pytest.raises(ValueError, match="out of range"):
         RaggedBatch.from_masked_indices([bad], num_image_tokens=8)
+
+
+def test_the_host_indices_are_the_device_ones_and_padding_keeps_them():
+    batch = RaggedBatch.from_masked_indices([torch.tensor([3, 1]), torch.tensor([], dtype=torch.long)], 6, prefix=2)
+    assert [idx.tolist() for idx in batch.host_query_idx()] == [idx.tolist() for idx in batch.query_idx] == [
+        [0, 1, 3, 5], [0, 1]]
+    padded = batch.padded(batch.num_query_tokens + 3)
+    assert padded.host_query_idx() == batch.host_query_idx()  # as built: the planning reads need no repeats
+    made_elsewhere = dataclasses.replace(batch, query_idx_host=())
+    assert [idx.tolist() for idx in made_elsewhere.host_query_idx()] == [[0, 1, 3, 5], [0, 1]]

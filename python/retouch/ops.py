@@ -208,9 +208,9 @@ def plan_attention(lengths_q: Sequence[int], lengths_k: Sequence[int], device: t
     cu_q = [0, *itertools.accumulate(lengths_q)]
     cu_k = [0, *itertools.accumulate(lengths_k)]
     if cu_seqlens_q is None:
-        cu_seqlens_q = torch.tensor(cu_q, dtype=torch.int32, device=device)
+        cu_seqlens_q = to_device_async(torch.tensor(cu_q, dtype=torch.int32), device)
     if cu_seqlens_k is None:
-        cu_seqlens_k = torch.tensor(cu_k, dtype=torch.int32, device=device)
+        cu_seqlens_k = to_device_async(torch.tensor(cu_k, dtype=torch.int32), device)
     triton_plan = None
     if backend == "triton":
         config = launch_config(head_dim, dtype, device_capability(device))

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from retouch.kernels.host_tables import to_device_async
+
 
 @dataclass(frozen=True)
 class RaggedBatch:
@@ -27,6 +29,11 @@ class RaggedBatch:
     reused_rows:    [sum L_b - T] int64, the other rows (taken from the cache)
     cu_seqlens_q:   [B+1] int32, prefix sums of the query counts
     cu_seqlens_k:   [B+1] int32, prefix sums of seq_lens (every token is a key)
+    query_idx_host: B tensors, query_idx as built, on the host (what planning reads without a sync;
+                    `padded` keeps it unpadded)
+
+    Built on the host and copied to the device without a host sync (`to_device_async`): a planned step
+    never waits for the step before it.
     """
 
     seq_lens: tuple[int, ...]
@@ -38,6 +45,7 @@ class RaggedBatch:
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    query_idx_host: tuple[torch.Tensor, ...] = ()  # query_idx on the host, as built (unpadded)
 
     @classmethod
     def from_masked_indices(
@@ -76,9 +84,10 @@ class RaggedBatch:
         return cls(
             seq_lens=tuple(seq_lens),
             prefix=prefix,
-            query_idx=tuple(idx.to(device) for idx in query_idx),
-            query_rows=query_rows.to(device),
-            reused_rows=(~is_query).nonzero().flatten().to(device),
+            query_idx=tuple(to_device_async(idx, device) for idx in query_idx),
+            query_rows=to_device_async(query_rows, device),
+            reused_rows=to_device_async((~is_query).nonzero().flatten(), device),
+            query_idx_host=tuple(query_idx),
             cu_seqlens_q=_prefix_sums(counts, device),
             cu_seqlens_k=_prefix_sums(seq_lens, device),
             max_seqlen_q=max(counts, default=0),
@@ -117,6 +126,11 @@ class RaggedBatch:
     def num_query_tokens(self) -> int:
         return int(self.query_rows.numel())
 
+    def host_query_idx(self) -> tuple[torch.Tensor, ...]:
+        """query_idx on the host: as built, or copied back (a sync on a GPU) where the batch was made
+        without it."""
+        return self.query_idx_host or tuple(idx.cpu() for idx in self.query_idx)
+
     def query_counts(self) -> list[int]:
         return [len(idx) for idx in self.query_idx]
 
@@ -135,4 +149,4 @@ def _prefix_sums(counts: Sequence[int], device) -> torch.Tensor:
     sums = torch.zeros(len(counts) + 1, dtype=torch.int32)
     if counts:
         sums[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
-    return sums.to(device)
+    return to_device_async(sums, device)

@@ -19,6 +19,7 @@ from functools import cached_property
 import torch
 
 from retouch.cache import ActivationCache
+from retouch.kernels.host_tables import to_device_async
 from retouch.ragged import RaggedBatch
 
 
@@ -130,9 +131,10 @@ class TokenLayout:
     @cached_property
     def image_request(self) -> torch.Tensor:
         """[sum L_b] the request of each row of the packed image matrix."""
-        device = self.image_query_rows.device
+        device = self.image_query_rows.device  # host lengths and the output size: no sync on a GPU
         return torch.repeat_interleave(torch.arange(len(self.image_lens), device=device),
-                                       torch.tensor(self.image_lens, device=device))
+                                       to_device_async(torch.tensor(self.image_lens), device),
+                                       output_size=sum(self.image_lens))
 
     def joint_rows(self, text_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(text rows [B * P], image rows [sum L_b]) of a packed joint matrix `[sum (P + L_b), hidden]` whose

@@ -41,13 +41,15 @@ def forward_reads(adapter: MaskAwareAdapter, context: Context,
         raise ValueError("a RECORD forward reads nothing")
     if isinstance(context, UNetMaskAwareContext):
         rows = tuple(context.cache_key(row, "") for row in range(context.num_rows))
-        levels = tuple(LevelRows(batch.seq_lens[0], tuple(_unmasked(idx, batch.seq_lens[0]) for idx in batch.query_idx))
+        levels = tuple(LevelRows(batch.seq_lens[0], tuple(_unmasked(idx, batch.seq_lens[0])
+                                                          for idx in batch.host_query_idx()))
                        for batch in context.levels)
         block_levels = tuple(adapter.block_levels)
     else:
         rows = tuple(_row(template_id, step) for template_id, step in zip(context.template_ids, context.steps))
         num_text, lens = context.batch.prefix, context.image_lens
-        reused = tuple(_unmasked(idx[num_text:] - num_text, length) for idx, length in zip(context.batch.query_idx, lens))
+        reused = tuple(_unmasked(idx[num_text:] - num_text, length)
+                       for idx, length in zip(context.batch.host_query_idx(), lens))
         levels = (LevelRows(lens if context.mixed else context.num_image_tokens, reused),)
         block_levels = (0,) * adapter.num_blocks
     blocks = []
@@ -105,6 +107,7 @@ def _row(row_template_id: str, step: int) -> tuple[str, int, str]:
 
 
 def _unmasked(query_idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The token indices (host, sorted) of [0, num_tokens) not in `query_idx` (host)."""
     keep = torch.ones(num_tokens, dtype=torch.bool)
-    keep[query_idx.cpu()] = False
+    keep[query_idx] = False
     return keep.nonzero().flatten()
