@@ -13,6 +13,8 @@ PACKAGES=(
   typing-inspection==0.4.5 uvicorn==0.54.0 python-multipart==0.0.34
   # fastapi imports it at startup (telemetry); the device image lacks it
   opentelemetry-api==1.45.2
+  # retouch.webhooks signs with it, and the server, its options and `retouch worker` import that
+  standardwebhooks==1.1.0
 )
 PLATFORMS=()
 for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manylinux_2_17_x86_64 \

@@ -11,7 +11,6 @@ import threading
 
 import httpx
 import numpy as np
-import openai
 import pytest
 from mask_strategies import random_image
 from PIL import Image
@@ -20,6 +19,10 @@ from polling import wait_for
 from retouch.config import ServeOptions
 from retouch.images import png_bytes
 from retouch.server import Server
+
+# requirements.txt pins it, so it is here wherever the suite is installed as CI installs it; the GPU machines'
+# image lacks it and bench/run_gpu.sh carries no wheel of it (its parts never run this file).
+openai = pytest.importorskip("openai", reason="OpenAI's SDK is not installed (the GPU machines' image)")
 
 SIZE = (48, 32)
 STEPS = 4

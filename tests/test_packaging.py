@@ -37,3 +37,30 @@ def test_submodules_are_attributes_after_a_plain_import():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["MaskAwareEditor", "Engine", "Canvas"]
+
+
+# Requirements the GPU runs (bench/run_gpu.sh) never import, so neither the GPU machines' image nor the
+# carried wheels need them.
+NOT_NEEDED_ON_THE_GPU = {"openai": "tests/test_openai_sdk.py only, which skips without it",
+                         "playwright": "the playground's browser test only", "pytest-xdist": "`make test` only"}
+
+
+def package_names(words) -> set[str]:
+    return {word.split("==")[0].split(">=")[0].strip().lower().replace("_", "-") for word in words if word.strip()}
+
+
+def shell_array(script: Path, name: str) -> set[str]:
+    """The words of bash array NAME=( ... ) in `script`, comments dropped."""
+    body = script.read_text().split(f"{name}=(", 1)[1].split("\n)", 1)[0]
+    return package_names(word for line in body.splitlines() for word in line.split("#", 1)[0].split())
+
+
+def test_every_requirement_is_on_the_gpu_machines_or_carried_there():
+    """The device image's packages (`device_image_venv.sh`'s IMAGE, from the device tool's KINDS.md) and the
+    wheels `fetch_gpu_wheels.sh` carries cover requirements.txt: a package missing there fails the GPU
+    session that needs it (standardwebhooks did: every serving import)."""
+    required = package_names(line.split("#", 1)[0] for line in (REPO / "requirements.txt").read_text().splitlines())
+    image = shell_array(REPO / "bench" / "device_image_venv.sh", "IMAGE")
+    carried = shell_array(REPO / "bench" / "fetch_gpu_wheels.sh", "PACKAGES")
+    assert {"torch", "standardwebhooks", "diffusers"} <= required and "torch" in image and "diffusers" in carried
+    assert required - image - carried - set(NOT_NEEDED_ON_THE_GPU) == set()
