@@ -71,22 +71,32 @@ build() {
   MAX_JOBS=$(nproc) RETOUCH_CUDA=1 "$PYTHON" -m pip install -q --no-build-isolation --no-deps --no-index -e .
 }
 
+step_failed() {  # step_failed WHAT STATUS: a step of the running part failed; the part goes on with its next steps
+  echo "== FAILED (exit $2): $1"
+  echo "$1" >>"$RESULTS/.failed-$part"
+}
+
+pytest_gpu() {  # pytest_gpu FILE...: pytest on the GPU, stopping at the first failure
+  "$PYTHON" -m pytest -q -x "$@" || step_failed "pytest $*" $?
+}
+
 bench() {  # bench NAME OUTFILE ARGS...: one benchmark, its JSON and PNG under $RESULTS
   local name=$1 out=$RESULTS/$2
   shift 2
   echo "== retouch bench $name $* --out $out"
-  "$PYTHON" -m "retouch.bench.$name" "$@" --out "$out" >/dev/null
+  "$PYTHON" -m "retouch.bench.$name" "$@" --out "$out" >/dev/null || step_failed "bench $name" $?
 }
 
 profile() {  # profile MODEL ARGS...: the planner's cost models for MODEL on this device
   local model=$1
   shift
   echo "== retouch profile --model $model $*"
-  "$PYTHON" -m retouch.cli profile --model "$model" --device "$DEV" "$@" --out "$RESULTS/cost_$model.json"
+  "$PYTHON" -m retouch.cli profile --model "$model" --device "$DEV" "$@" --out "$RESULTS/cost_$model.json" ||
+    step_failed "profile $model" $?
 }
 
 part_tests() {
-  "$PYTHON" -m pytest -q -x tests/test_row_copy.py tests/test_row_copy_triton.py tests/test_host_gather.py \
+  pytest_gpu tests/test_row_copy.py tests/test_row_copy_triton.py tests/test_host_gather.py \
     tests/test_host_arena.py tests/test_ragged_attention.py tests/test_ops.py tests/test_adapter_flux.py \
     tests/test_adapter_unet.py tests/test_cache_store.py tests/test_editor_cache.py tests/test_host_tables.py
 }
@@ -131,7 +141,7 @@ part_serving() {
 
 part_compile() {
   if [ "$DEV" = cuda ]; then
-    "$PYTHON" -m pytest -q -x tests/test_compile.py tests/test_host_syncs.py tests/test_block_ops.py \
+    pytest_gpu tests/test_compile.py tests/test_host_syncs.py tests/test_block_ops.py \
       tests/test_token_padding.py
   fi
   # The narrow model (flux-size depth, tiny width) in both modes: host time is what it measures.
@@ -141,7 +151,7 @@ part_compile() {
 
 part_lora() {
   if [ "$DEV" = cuda ]; then
-    "$PYTHON" -m pytest -q -x tests/test_lora_batching.py tests/test_lora_engine.py
+    pytest_gpu tests/test_lora_batching.py tests/test_lora_engine.py
   fi
   bench lora "lora_$LORA_MODEL.json" --model "$LORA_MODEL" --device "$DEV" "${LORA[@]}"
 }
@@ -159,7 +169,13 @@ for part in "${parts[@]}"; do
   touch "$RESULTS/.started-$part"
   started=$SECONDS
   status=0
+  rm -f "$RESULTS/.failed-$part"
+  # A part runs every step even after one fails (each step's figures stand alone); any failed step fails it.
   ( set -o pipefail; "part_$part" 2>&1 | tee "$log" ) || status=$?
+  if [ "$status" -eq 0 ] && [ -s "$RESULTS/.failed-$part" ]; then
+    status=1
+  fi
+  rm -f "$RESULTS/.failed-$part"
   echo "== part $part took $((SECONDS - started)) s, exit $status" | tee -a "$log"
   [ "$status" -eq 0 ] || failed+=("$part")
   if [ -n "${OUT:-}" ]; then

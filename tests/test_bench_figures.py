@@ -84,8 +84,9 @@ def test_throughput_and_serving_refuse_a_cost_model_of_another_model():
     assert workload.load_cost_model(None, "tiny-flux-fill") is None
 
 
-def _run_gpu(*parts: str, results: Path, out: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RETOUCH_GPU_SMOKE": "1", "PYTHON": sys.executable, "RESULTS": str(results)}
+def _run_gpu(*parts: str, results: Path, out: Path | None = None, python: Path | None = None
+             ) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RETOUCH_GPU_SMOKE": "1", "PYTHON": str(python or sys.executable), "RESULTS": str(results)}
     if out is not None:
         env["OUT"] = str(out)
     return subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), *parts], capture_output=True, text=True,
@@ -121,6 +122,23 @@ def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
     assert raced["compiled"] and "torch.compile" in raced["baseline"]
     assert [row["mode"] for row in raced["results"]] == ["y-cache", "kv-cache"]
     assert all(row["full_s"] > 0 and row["mask_aware_s"] > 0 for row in raced["results"])
+
+
+def test_a_failed_step_fails_its_part_and_the_steps_after_it_still_run(tmp_path):
+    """Each step's figures stand alone, so a part goes on after a failed one; the part is then failed (its
+    status used to be its last step's, so a failed benchmark or test run before it went unreported)."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/usr/bin/env bash\ncase " $* " in *" retouch.bench.attention "*) exit 3;; esac\n'
+                      f'exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    results = tmp_path / "results"
+    done = _run_gpu("kernels", results=results, python=python)
+    assert done.returncode == 1 and "failed parts: kernels" in done.stdout, done.stdout[-3000:]
+    log = (results / "kernels.log").read_text()
+    assert "== FAILED (exit 3): bench attention" in log and log.rstrip().endswith("exit 1")
+    assert not (results / "attention.json").exists()
+    assert (results / "gather.json").exists() and (results / "block_latency.json").exists()
+    assert not list(results.glob(".failed-*"))
 
 
 def test_run_gpu_refuses_an_unknown_part(tmp_path):
