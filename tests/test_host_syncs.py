@@ -101,18 +101,20 @@ def test_on_a_gpu_planning_and_the_forward_make_no_sync(model, sync_errors):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
 @pytest.mark.parametrize("mode", ["y", "kv"])
-def test_on_a_gpu_a_staged_edit_plans_and_runs_each_forward_without_a_sync(mode, sync_errors):
-    """The editor on the cache store: each denoiser forward's planning (in the editor's forward pre-hook),
-    staged copies from pinned host memory and blocks, with sync errors on from before the editor's hook."""
-    from editor_inputs import square_mask, template_image
+def test_on_a_gpu_recording_and_staged_edits_plan_and_run_each_forward_without_a_sync(mode, sync_errors):
+    """The editor on the cache store, sync errors on around every denoiser forward from before the editor's
+    own hook: a registration's forwards (each step's activations copied to the pinned arena on a stream of
+    the store's while the next forward runs), then an edit's (planning in the editor's forward pre-hook,
+    staged copies from pinned host memory, the blocks)."""
+    from editor_inputs import LATENT_ATOL, max_diff, square_mask, template_image
 
     from retouch import load
     from retouch.cache import CacheStore, StoreConfig
 
     editor = load("tiny-flux-fill", device="cuda", cache=CacheStore(StoreConfig(host_bytes=64 << 20)),
                   cache_mode=mode)
-    template_id = editor.register_template(template_image(), prompt="a room", steps=3, seed=1)
-    editor.edit(template_id, square_mask((16, 16, 40, 40)), "a hat", seed=2, output_type="latent")  # warm
+    warm = editor.register_template(template_image(), prompt="a room", steps=3, seed=1)
+    editor.edit(warm, square_mask((16, 16, 40, 40)), "a hat", seed=2, output_type="latent")  # library set-up
     forwards = []
 
     def errors_on(module, args, kwargs):
@@ -125,9 +127,15 @@ def test_on_a_gpu_a_staged_edit_plans_and_runs_each_forward_without_a_sync(mode,
     hooks = [editor.denoiser.register_forward_pre_hook(errors_on, with_kwargs=True),
              editor.denoiser.register_forward_hook(errors_off, with_kwargs=True)]
     try:
-        editor.edit(template_id, square_mask((8, 24, 48, 40)), "a cat", seed=3, output_type="latent")
+        template_id = editor.register_template(template_image((200, 90, 30)), prompt="a cat", steps=3, seed=3,
+                                               mask=square_mask((8, 24, 48, 40)))
+        edited = editor.edit(template_id, square_mask((8, 24, 48, 40)), "a cat", seed=3, output_type="latent")
     finally:
         torch.cuda.set_sync_debug_mode("default")
         for hook in hooks:
             hook.remove()
-    assert len(forwards) == 3 and editor.copy_engine.stats.blocks > 0
+    assert len(forwards) == 6 and editor.copy_engine.stats.blocks > 0
+    # What the asynchronous copies recorded replays (the edit the template was recorded from, as full compute).
+    full = editor.edit(template_id, square_mask((8, 24, 48, 40)), "a cat", seed=3, output_type="latent",
+                       full_compute=True)
+    assert max_diff(edited, full) <= LATENT_ATOL

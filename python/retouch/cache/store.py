@@ -15,7 +15,9 @@ that readers still use is freed when the last of them releases it. Victims are t
 reads; a template being recorded is invisible until `commit` and never evicted. A handle released with a
 `fence` (a CUDA event after the copies that read it: `CopyEngine.fence`) stops counting as a reader at
 once, but keeps its memory until the fence has passed: the device may still be copying from it when the
-host is done, and memory reused meanwhile (a disk load into it) would reach an edit in flight.
+host is done, and memory reused meanwhile (a disk load into it) would reach an edit in flight. Likewise a
+recording's steps are copied from a GPU into the arena on a stream of the store's, without a host sync
+while the forwards go on; `commit` waits for those copies, and a step's memory stays held until they land.
 
 Thread-safe: one lock guards the indexes; disk reads and writes happen outside it, so readers of
 host-resident templates never wait for disk I/O.
@@ -100,6 +102,7 @@ class _Recording:
     step: int = 0
     tensors: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     discarded: bool = False
+    copies: list = field(default_factory=list)  # CUDA events: its steps' copies from the device have landed
 
 
 class TemplateHandle:
@@ -195,6 +198,7 @@ class CacheStore(ActivationCache):
         self._writer: ThreadPoolExecutor | None = None
         self._writes: list[Future] = []
         self._fenced: list[tuple[object, list[int]]] = []  # (fence, arena offsets) freed once it has passed
+        self._write_streams: dict[torch.device, torch.cuda.Stream] = {}  # recordings' copies from each GPU
         self._closed = False
         self.counters: Counter[str] = Counter()
 
@@ -240,6 +244,8 @@ class CacheStore(ActivationCache):
                 raise ValueError(f"nothing was recorded for template {template_id!r}")
         if recording.tensors:
             self._write_step(recording)
+        for copied in recording.copies:
+            copied.synchronize()  # its steps' rows are in the arena: readers may take them from now
         with self._lock:
             if self._recordings.get(template_id) is not recording:
                 return  # dropped meanwhile
@@ -321,19 +327,44 @@ class CacheStore(ActivationCache):
                 return
             template.step_offsets.append(offset)
             self.arena.retain(offset)  # ours while writing, should the recording be dropped meanwhile
+        copied = None
         try:
             for entry in layout.entries:
                 stored, scale = encode(recording.tensors[(entry.block, entry.name)], dtype)
                 start = offset + entry.offset
                 target = self.arena_bytes[start:start + stored.numel() * stored.element_size()]
-                target.view(dtype).view(stored.shape).copy_(stored)
+                copied = self._copy_to_arena(target.view(dtype).view(stored.shape), stored) or copied
                 if scale is not None:
                     start = offset + entry.scale_offset
-                    self.arena_bytes[start:start + scale.numel() * 4].view(torch.float32).copy_(scale)
+                    target = self.arena_bytes[start:start + scale.numel() * 4].view(torch.float32)
+                    copied = self._copy_to_arena(target, scale) or copied
         finally:
             with self._lock:
-                self.arena.release(offset)
+                if copied is None:
+                    self.arena.release(offset)
+                else:  # the copies still write into it: ours until they have landed
+                    event = torch.cuda.Event()
+                    event.record(copied)
+                    recording.copies.append(event)
+                    self._fenced.append((event, [offset]))
         recording.tensors.clear()
+
+    def _copy_to_arena(self, target: torch.Tensor, source: torch.Tensor) -> torch.cuda.Stream | None:
+        """target (a view of the arena) <- source. From a GPU, queued on a stream of the store's behind what
+        the current stream has queued, without a host sync: a step of a recording is written while the next
+        forward runs (a blocking copy per activation stalled every request in the batch). Returns that
+        stream, None when the copy is done."""
+        if not source.is_cuda:
+            target.copy_(source)
+            return None
+        stream = self._write_streams.get(source.device)
+        if stream is None:
+            stream = self._write_streams[source.device] = torch.cuda.Stream(source.device)
+        stream.wait_stream(torch.cuda.current_stream(source.device))
+        with torch.cuda.stream(stream):
+            target.copy_(source, non_blocking=True)
+        source.record_stream(stream)  # its memory is not reused before the copy has read it
+        return stream
 
     # ---- reading ----
 
