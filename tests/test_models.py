@@ -203,6 +203,19 @@ def test_loading_prints_nothing(tmp_path, monkeypatch, capfd):
 # --- errors ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", ["tiny-flux-fill", "tiny-sdxl-inpaint"])
+def test_a_pipeline_loaded_without_its_denoiser_keeps_every_other_component(name):
+    """What a helper process loads: it stops every run at the first denoiser call, so the denoiser's weights
+    never reach the device (on a GPU, a second copy of the transformer in the helper's process)."""
+    model = models.load_pipeline(name, denoiser=False)
+    denoiser = model.pipe.transformer if hasattr(model.pipe, "transformer") else model.pipe.unet
+    assert {parameter.device.type for parameter in denoiser.parameters()} == {"meta"}
+    others = [module for key, module in model.pipe.components.items()
+              if isinstance(module, torch.nn.Module) and module is not denoiser]
+    assert others and all(parameter.device.type == "cpu" for module in others for parameter in module.parameters())
+    assert model.pipe.device.type == "cpu"
+
+
 def test_unknown_name_lists_the_built_in_models():
     with pytest.raises(ModelError) as raised:
         models.get_spec("nope")

@@ -37,9 +37,12 @@ def load_pipeline(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     scheduler: str | None = None,
+    denoiser: bool = True,
 ) -> LoadedModel:
     """Load a built-in model (exported once into the cache) or a saved pipeline folder, with the
     scheduler `scheduler` names (`samplers.checked_scheduler`; None: the one it was saved with).
+    `denoiser=False` (a helper process, which stops every run at its first denoiser call): the denoiser
+    goes to the meta device before the pipeline moves to `device`, so its weights never take GPU memory.
 
     Only local files are read (local_files_only): nothing is ever downloaded. The family comes from
     the folder's retouch.json when it has one, else from its pipeline class. Raises ModelError when
@@ -72,7 +75,13 @@ def load_pipeline(
             # Library errors run to several lines; a ModelError is one.
             detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ModelError(f"cannot load the pipeline in {folder}: {detail}") from error
-        pipe.to(device)
+        if denoiser:
+            pipe.to(device)
+        else:
+            left_out = (pipe.transformer if hasattr(pipe, "transformer") else pipe.unet).to("meta")
+            for module in pipe.components.values():
+                if isinstance(module, torch.nn.Module) and module is not left_out:
+                    module.to(device)
     pipe.scheduler = checked_scheduler(pipe.scheduler, scheduler, family, type(pipe).__name__)
     pipe.set_progress_bar_config(disable=True)
     return LoadedModel(
