@@ -118,6 +118,21 @@ def test_templates_in_use_are_not_evicted_and_a_full_budget_says_so():
     assert store.contains("c")
 
 
+def test_a_recording_that_cannot_fit_whole_is_refused_at_its_first_step():
+    """Told how many steps it will write, the store refuses a recording larger than its whole budget when
+    the first step's size is known, naming what it needs, instead of after filling the budget."""
+    store = make_store(templates_in_host=2)
+    store.begin("a", steps=5)  # 5 steps of STEP_BYTES: more than 2 templates' worth (4 steps)
+    for block in range(BLOCKS):
+        store.put("a", 0, block, "out", activations("a", 0, block))
+    with pytest.raises(CacheFull, match=r"needs .* GiB of host cache \(5 steps of .*\(--cache-host-gib\)"):
+        store.put("a", 1, 0, "out", activations("a", 1, 0))  # step 0 is written now
+    assert store.arena.used == 0 and not store.contains("a")
+    store.begin("b", steps=4)  # exactly the budget
+    record(store, "b", steps=4)
+    assert store.contains("b") and store.arena.used == store.arena.capacity
+
+
 def test_dropping_a_template_while_it_is_read_keeps_the_readers_memory():
     store = make_store(templates_in_host=2)
     record(store, "a")

@@ -40,7 +40,7 @@ from retouch.images import as_image, as_mask, colour_profile
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
 from retouch.models import LoadedModel, load_pipeline, quiet_libraries
 from retouch.models.samplers import describe as describe_scheduler
-from retouch.models.samplers import steps_error
+from retouch.models.samplers import calls_line, steps_error
 from retouch.noise import initial_noise, latent_shape, latents_argument, pack_flux_latents  # noqa: F401 - API
 from retouch.noise import seeded_noise
 from retouch.strength import StartLatents, check_strength, noised_start, start_step
@@ -346,9 +346,11 @@ class MaskAwareEditor:
         """Before the first recorded step: what the recording keeps (its cache mode's names), and what
         it was recorded by (`adopt` reads that back)."""
         if isinstance(self.cache, CacheStore):
+            line = calls_line(self.pipe.scheduler)  # its denoiser calls: the steps the recording writes
             self.cache.begin(template.template_id, RECORDED_NAMES[CACHE_MODES[template.recorded_mode]],
                              {"recorded_by": self.model_fingerprint(), "recorded_mode": template.recorded_mode,
-                              "one_off": template.one_off, "shape": self._recording_shape(template)})
+                              "one_off": template.one_off, "shape": self._recording_shape(template)},
+                             steps=None if line is None or template.steps < 2 else line[0] * template.steps + line[1])
 
     def adopt(self, template: Template) -> bool:
         """Whether a recording of `template` that this editor did not make serves it: one that the disk

@@ -103,6 +103,7 @@ class _Recording:
     tensors: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     discarded: bool = False
     copies: list = field(default_factory=list)  # CUDA events: its steps' copies from the device have landed
+    steps: int | None = None  # how many steps it will write, where the recorder knows
 
 
 class TemplateHandle:
@@ -204,15 +205,18 @@ class CacheStore(ActivationCache):
 
     # ---- recording ----
 
-    def begin(self, template_id: str, names: Iterable[str] | None = None, meta: dict | None = None) -> None:
+    def begin(self, template_id: str, names: Iterable[str] | None = None, meta: dict | None = None,
+              steps: int | None = None) -> None:
         """Start recording `template_id`, keeping only activations whose base name is in `names`
         (None: all). An earlier recording of it in progress is discarded. `meta` (JSON) is kept with
-        the recording, in its file too: `meta(template_id)` reads it back, in a later process too."""
+        the recording, in its file too: `meta(template_id)` reads it back, in a later process too.
+        `steps`: how many steps it will write, if known: one that cannot fit the budget whole is refused
+        when its first step is written (CacheFull), not after filling the budget."""
         check_template_id(template_id)
         with self._lock:
             self._discard_recording(template_id)
             self._recordings[template_id] = _Recording(_Template(template_id, None, [], dict(meta or {})),
-                                                       None if names is None else frozenset(names))
+                                                       None if names is None else frozenset(names), steps=steps)
 
     def put(self, template_id, step, block, name, tensor):
         template_id, name = stored_key(template_id, name)
@@ -315,6 +319,11 @@ class CacheStore(ActivationCache):
         layout = StepLayout.for_tensors({key: tuple(t.shape) for key, t in recording.tensors.items()}, dtype,
                                         self.config.alignment)
         if template.layout is None:
+            if recording.steps is not None and layout.nbytes * recording.steps > self.arena.capacity:
+                raise CacheFull(f"template {template.template_id!r} needs {layout.nbytes * recording.steps / GiB:.3g} "
+                                f"GiB of host cache ({recording.steps} steps of {layout.nbytes / GiB:.3g} GiB), more "
+                                f"than its whole budget of {self.arena.capacity / GiB:.3g} GiB; a larger host budget "
+                                "(--cache-host-gib) holds it")
             template.layout = layout
             template.meta = {**template.meta, "source_dtype": dtype_name(source_dtype)}
         elif layout != template.layout:
