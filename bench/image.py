@@ -83,8 +83,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"building {args.model} on {device} ({dtype})", file=sys.stderr)
     model = load_for_bench(args.model, device, dtype)
     cost_model = workload.load_cost_model(args.cost_model, model.name)
-    store = CacheStore(StoreConfig(host_bytes=_host_bytes(args, model, resolution)))
-    editor = MaskAwareEditor(model, cache=store, cache_mode="kv", cost_model=cost_model, planner=args.planner)
+    # A KV-cache recording serves both modes; Y-cache alone records a third of it (outputs only), which is
+    # what fits a flux-size template of 28 steps at 1024 px in a GPU machine's host memory.
+    recorded_mode = "kv" if "kv" in modes else "y"
+    store = CacheStore(StoreConfig(host_bytes=_host_bytes(args, model, resolution, recorded_mode)))
+    editor = MaskAwareEditor(model, cache=store, cache_mode=recorded_mode, cost_model=cost_model,
+                             planner=args.planner)
     with pipeline_bar(model.pipe, f"image: register template ({resolution}px)"):
         template_id = editor.register_template(workload.template_image(np.random.default_rng(0), resolution),
                                                prompt="a living room", steps=args.steps)
@@ -136,16 +140,16 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"bench": "image", "model": args.model, **environment("image", argv, device),
               "dtype": str(dtype).removeprefix("torch."), "resolution": resolution, "steps": args.steps,
               "cache": {"tier": "pinned host memory" if store.arena.pinned else "host memory",
-                        "template_gib": round(store.nbytes(template_id) / 2**30, 3)},
+                        "recorded": MODES[recorded_mode], "template_gib": round(store.nbytes(template_id) / 2**30, 3)},
               "planner": args.planner if cost_model is not None else "off (every block cached)",
               "cost_model": str(args.cost_model) if args.cost_model else None, "results": results}
     store.close()
     return publish(report, args.out, _plot)
 
 
-def _host_bytes(args, model, resolution: int) -> int:
-    """The pinned budget: --host-gib, else one template recorded in KV-cache mode (outputs, keys and
-    values of every block at every step), from the denoiser's shapes, plus a margin."""
+def _host_bytes(args, model, resolution: int, recorded_mode: str) -> int:
+    """The pinned budget: --host-gib, else one template recorded in `recorded_mode` (KV-cache: outputs, keys
+    and values of every block at every step; Y-cache: outputs), from the denoiser's shapes, plus a margin."""
     if args.host_gib is not None:
         return int(args.host_gib * 2**30)
     denoiser = model.pipe.unet if model.family not in TRANSFORMER_FAMILIES else model.pipe.transformer
@@ -154,12 +158,12 @@ def _host_bytes(args, model, resolution: int) -> int:
         tokens = (resolution // FLUX_STRIDE) ** 2 + int(model.call_defaults.get("max_sequence_length", 512)) + 77
         width = denoiser.config.num_attention_heads * denoiser.config.attention_head_dim
         rows = tokens * (len(list(denoiser.transformer_blocks)) + len(getattr(denoiser, "single_transformer_blocks", [])))
-        per_step = 3 * rows * width
+        per_step = (3 if recorded_mode == "kv" else 1) * rows * width
     else:
         # Every attention block's output, keys and values at the widest level bounds a UNet's recording;
         # x2 for classifier-free guidance.
         latent = (resolution // UNET_LATENT_STRIDE) ** 2
-        per_step = 2 * 3 * latent * sum(denoiser.config.block_out_channels) * 4
+        per_step = 2 * (3 if recorded_mode == "kv" else 1) * latent * sum(denoiser.config.block_out_channels) * 4
     return int(per_step * args.steps * parameters.element_size() * 1.1) + (256 << 20)
 
 

@@ -107,26 +107,25 @@ part_kernels() {
   bench block block_latency.json --model "$FLUX" --device "$DEV" "${BLOCK[@]}"
 }
 
-part_flux() {
-  profile "$FLUX" "${PROFILE_FLUX[@]}"
-  bench image "image_latency_$FLUX.json" --model "$FLUX" --device "$DEV" --cost-model "$RESULTS/cost_$FLUX.json" \
-    "${IMAGE[@]}"
-  bench overlap overlap.json --model "$FLUX" --device "$DEV" --mask-ratio 0.2 --cost-model "$RESULTS/cost_$FLUX.json" \
-    "${OVERLAP[@]}"
+planner() {  # the planner's cost model for MODEL when a profile has written one (else: every block cached)
+  [ -f "$RESULTS/cost_$1.json" ] && echo "--cost-model $RESULTS/cost_$1.json"
+  return 0
 }
 
+# shellcheck disable=SC2046
+part_flux() {
+  profile "$FLUX" "${PROFILE_FLUX[@]}"
+  bench image "image_latency_$FLUX.json" --model "$FLUX" --device "$DEV" $(planner "$FLUX") "${IMAGE[@]}"
+  bench overlap overlap.json --model "$FLUX" --device "$DEV" --mask-ratio 0.2 $(planner "$FLUX") "${OVERLAP[@]}"
+}
+
+# shellcheck disable=SC2046
 part_unet() {
   local model
   for model in "${UNETS[@]}"; do
     profile "$model" "${PROFILE_UNET[@]}"
-    bench image "image_latency_$model.json" --model "$model" --device "$DEV" --cost-model "$RESULTS/cost_$model.json" \
-      "${IMAGE[@]}"
+    bench image "image_latency_$model.json" --model "$model" --device "$DEV" $(planner "$model") "${IMAGE[@]}"
   done
-}
-
-planner() {  # the planner's cost model for MODEL when the flux/unet part has written one
-  [ -f "$RESULTS/cost_$1.json" ] && echo "--cost-model $RESULTS/cost_$1.json"
-  return 0
 }
 
 part_throughput() {

@@ -49,6 +49,7 @@ def test_image_latency_follows_the_issue_format_with_the_planner_on(tmp_path):
     assert (tmp_path / "image_latency.png").stat().st_size > 0
     _assert_records_how_it_was_made(report, "image")
     assert report["model"] == "tiny-flux-fill" and report["planner"] == "optimal" and report["steps"] == 2
+    assert report["cache"]["recorded"] == "kv-cache"  # one recording serves both modes
     blocks = len(json.loads(TINY_FLUX_COST.read_text())["block_kinds"])
     assert [(row["mask_ratio"], row["mode"]) for row in report["results"]] == [
         (0.1875, "y-cache"), (0.875, "y-cache"), (0.1875, "kv-cache"), (0.875, "kv-cache")]
@@ -62,6 +63,7 @@ def test_image_latency_at_a_strength_runs_its_last_steps_and_refuses_less_than_o
     report = image.main(["--model", "tiny-sdxl-inpaint", "--steps", "4", "--strengths", "1,0.5", "--repeats", "1",
                          "--mask-ratios", "0.2,0.5", "--modes", "y"])
     rows = report["results"]
+    assert report["cache"]["recorded"] == "y-cache"  # outputs only: a third of a KV-cache recording's bytes
     assert [(row["strength"], row["steps_run"], row["mode"]) for row in rows] == [
         (1.0, 4, "y-cache"), (1.0, 4, "y-cache"), (0.5, 2, "y-cache"), (0.5, 2, "y-cache")]
     assert rows[0]["full_s"] == rows[1]["full_s"] != rows[2]["full_s"] == rows[3]["full_s"]
