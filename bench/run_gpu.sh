@@ -71,6 +71,12 @@ build() {
   MAX_JOBS=$(nproc) RETOUCH_CUDA=1 "$PYTHON" -m pip install -q --no-build-isolation --no-deps --no-index -e .
 }
 
+archive() {  # the running part's log and results so far, as $OUT/PART.tgz (see the loop below)
+  [ -n "${OUT:-}" ] || return 0
+  find "$RESULTS" -maxdepth 1 -newer "$RESULTS/.started-$part" \( -name '*.json' -o -name '*.png' \) -printf '%f\n' |
+    sort | tar -czf "$OUT/$part.tgz" -C "$RESULTS" "$part.log" -T -
+}
+
 step_failed() {  # step_failed WHAT STATUS: a step of the running part failed; the part goes on with its next steps
   echo "== FAILED (exit $2): $1"
   echo "$1" >>"$RESULTS/.failed-$part"
@@ -78,6 +84,7 @@ step_failed() {  # step_failed WHAT STATUS: a step of the running part failed; t
 
 pytest_gpu() {  # pytest_gpu FILE...: pytest on the GPU, stopping at the first failure
   "$PYTHON" -m pytest -q -x "$@" || step_failed "pytest $*" $?
+  archive
 }
 
 bench() {  # bench NAME OUTFILE ARGS...: one benchmark, its JSON and PNG under $RESULTS
@@ -85,6 +92,7 @@ bench() {  # bench NAME OUTFILE ARGS...: one benchmark, its JSON and PNG under $
   shift 2
   echo "== retouch bench $name $* --out $out"
   "$PYTHON" -m "retouch.bench.$name" "$@" --out "$out" >/dev/null || step_failed "bench $name" $?
+  archive
 }
 
 profile() {  # profile MODEL ARGS...: the planner's cost models for MODEL on this device
@@ -93,6 +101,7 @@ profile() {  # profile MODEL ARGS...: the planner's cost models for MODEL on thi
   echo "== retouch profile --model $model $*"
   "$PYTHON" -m retouch.cli profile --model "$model" --device "$DEV" "$@" --out "$RESULTS/cost_$model.json" ||
     step_failed "profile $model" $?
+  archive
 }
 
 part_tests() {
@@ -177,12 +186,10 @@ for part in "${parts[@]}"; do
   rm -f "$RESULTS/.failed-$part"
   echo "== part $part took $((SECONDS - started)) s, exit $status" | tee -a "$log"
   [ "$status" -eq 0 ] || failed+=("$part")
-  if [ -n "${OUT:-}" ]; then
-    # The device tool returns at most 8 files from $OUT, and a part writes up to 7: one archive per part
-    # (its log and the results it wrote), so that every part of a call comes back.
-    find "$RESULTS" -maxdepth 1 -newer "$RESULTS/.started-$part" \( -name '*.json' -o -name '*.png' \) -printf '%f\n' |
-      sort | tar -czf "$OUT/$part.tgz" -C "$RESULTS" "$part.log" -T -
-  fi
+  # The device tool returns at most 8 files from $OUT, and a part writes up to 7: one archive per part (its
+  # log and the results it wrote), so that every part of a call comes back. It is also written after each
+  # step: a part the tool stops at its time limit still brings back what it finished.
+  archive
   rm -f "$RESULTS/.started-$part"
 done
 if [ ${#failed[@]} -gt 0 ]; then

@@ -92,7 +92,16 @@ def _run_gpu(*parts: str, results: Path, out: Path | None = None, python: Path |
     if out is not None:
         env["OUT"] = str(out)
     return subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), *parts], capture_output=True, text=True,
-                          env=env, timeout=900)
+                          env=env, timeout=900, start_new_session=True)
+
+
+def python_that(tmp_path: Path, module: str, action: str) -> Path:
+    """A `python` for run_gpu.sh that runs `action` (shell) instead of `-m MODULE`, and is Python otherwise."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/usr/bin/env bash\ncase " $* " in *" {module} "*) {action};; esac\n'
+                      f'exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    return python
 
 
 def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
@@ -129,18 +138,27 @@ def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
 def test_a_failed_step_fails_its_part_and_the_steps_after_it_still_run(tmp_path):
     """Each step's figures stand alone, so a part goes on after a failed one; the part is then failed (its
     status used to be its last step's, so a failed benchmark or test run before it went unreported)."""
-    python = tmp_path / "python"
-    python.write_text(f'#!/usr/bin/env bash\ncase " $* " in *" retouch.bench.attention "*) exit 3;; esac\n'
-                      f'exec "{sys.executable}" "$@"\n')
-    python.chmod(0o755)
     results = tmp_path / "results"
-    done = _run_gpu("kernels", results=results, python=python)
+    done = _run_gpu("kernels", results=results, python=python_that(tmp_path, "retouch.bench.attention", "exit 3"))
     assert done.returncode == 1 and "failed parts: kernels" in done.stdout, done.stdout[-3000:]
     log = (results / "kernels.log").read_text()
     assert "== FAILED (exit 3): bench attention" in log and log.rstrip().endswith("exit 1")
     assert not (results / "attention.json").exists()
     assert (results / "gather.json").exists() and (results / "block_latency.json").exists()
     assert not list(results.glob(".failed-*"))
+
+
+def test_a_part_stopped_mid_way_still_brings_back_the_steps_it_finished(tmp_path):
+    """The device tool kills a command at its time limit: the part's archive is rewritten after each step,
+    so what finished before comes back. Here the last benchmark of the part kills the whole run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    python = python_that(tmp_path, "retouch.bench.block", "kill -KILL -$(ps -o pgid= $$ | tr -d ' ')")
+    done = _run_gpu("kernels", results=tmp_path / "results", out=out, python=python)
+    assert done.returncode == -9
+    with tarfile.open(out / "kernels.tgz") as archive:
+        names = set(archive.getnames())
+    assert {"kernels.log", "attention.json", "gather.json"} <= names and "block_latency.json" not in names
 
 
 def test_run_gpu_refuses_an_unknown_part(tmp_path):
