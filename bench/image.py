@@ -5,7 +5,8 @@ ratios (paper Fig. 15 right, §6.2): text encoders, every denoising step and the
         [--out F.json]
 
 The template is registered once in KV-cache mode (which records every block's output, keys and
-values, so the same recording serves both modes) into a `CacheStore` in pinned host memory; each
+values, so the same recording serves both modes; Y-cache mode when only y is measured) into a
+`CacheStore` in pinned host memory; each
 mask-aware edit loads its rows over PCIe with the copy engine, overlapped with compute, and with
 `--cost-model` (from `retouch profile`) the planner chooses per block cache or full compute. The
 masks are centred rectangles of tokens covering each ratio. Per mode, the full pipeline and every
@@ -14,12 +15,15 @@ the last steps x S of the schedule, from the template noised with the edit's noi
 is diffusers' own), all interleaved. Prints one JSON object
 `{"model", "device", "results": [{"strength", "steps_run", "mask_ratio", "mode", "full_s", "mask_aware_s",
 "speedup"}], ...}`;
-`--out F.json` also writes F.png.
+`--out F.json` also writes F.png. `--compile` races the stock model under torch.compile (an unpatched copy of
+the denoiser, whole-model compiled: what users pick over eager) against the mask-aware blocks compiled
+(`MaskAwareEditor(compile=True)`); compilation happens in the warm-up runs, outside the timed ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -35,7 +39,7 @@ from retouch.cache import CacheStore, StoreConfig
 from retouch.editor import PLANNERS, EditRequest, MaskAwareEditor
 from retouch.errors import ArgumentParser, InputError
 from retouch.masks import FLUX_STRIDE, UNET_LATENT_STRIDE, centred_token_rectangle, pixel_mask_of_tokens
-from retouch.models import get_spec
+from retouch.models import build_denoiser, get_spec
 from retouch.models.loading import load_for_bench
 from retouch.progress import bar, pipeline_bar
 from retouch.strength import check_strength, steps_run
@@ -63,6 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--planner", choices=PLANNERS, default="optimal")
     parser.add_argument("--host-gib", type=positive_float, default=None,
                         help="pinned host cache (default: the template's size)")
+    parser.add_argument("--compile", action="store_true",
+                        help="the stock model under torch.compile against compiled mask-aware blocks")
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     recorded_mode = "kv" if "kv" in modes else "y"
     store = CacheStore(StoreConfig(host_bytes=_host_bytes(args, model, resolution, recorded_mode)))
     editor = MaskAwareEditor(model, cache=store, cache_mode=recorded_mode, cost_model=cost_model,
-                             planner=args.planner)
+                             planner=args.planner, compile=args.compile)
+    stock = torch.compile(build_denoiser(args.model, device=device, dtype=dtype).eval()) if args.compile else None
     with pipeline_bar(model.pipe, f"image: register template ({resolution}px)"):
         template_id = editor.register_template(workload.template_image(np.random.default_rng(0), resolution),
                                                prompt="a living room", steps=args.steps)
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs = {}
         for strength in args.strengths:  # the full pipeline once per strength: its cost does not depend on the mask
             first = next(request for (of, _), request in requests.items() if of == strength)
-            runs["full", strength] = functools.partial(editor.edit_many, [first], full_compute=True)
+            runs["full", strength] = functools.partial(full_edit, editor, first, stock)
         plans = {}
         for key, request in requests.items():
             runs[key] = functools.partial(editor.edit_many, [request])
@@ -139,12 +146,26 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {"bench": "image", "model": args.model, **environment("image", argv, device),
               "dtype": str(dtype).removeprefix("torch."), "resolution": resolution, "steps": args.steps,
+              "compiled": args.compile,
+              "baseline": ("the diffusers pipeline, its denoiser under torch.compile" if args.compile else
+                           "the diffusers pipeline, eager"),
               "cache": {"tier": "pinned host memory" if store.arena.pinned else "host memory",
                         "recorded": MODES[recorded_mode], "template_gib": round(store.nbytes(template_id) / 2**30, 3)},
               "planner": args.planner if cost_model is not None else "off (every block cached)",
               "cost_model": str(args.cost_model) if args.cost_model else None, "results": results}
     store.close()
     return publish(report, args.out, _plot)
+
+
+def full_edit(editor: MaskAwareEditor, request: EditRequest, stock: torch.nn.Module | None) -> None:
+    """The unmodified pipeline's edit (`full_compute`), its denoiser replaced by `stock` when given."""
+    with contextlib.ExitStack() as swapped:
+        if stock is not None:
+            name = "unet" if editor.is_unet else "transformer"
+            patched = getattr(editor.pipe, name)
+            editor.pipe.register_modules(**{name: stock})
+            swapped.callback(editor.pipe.register_modules, **{name: patched})
+        editor.edit_many([request], full_compute=True)
 
 
 def _host_bytes(args, model, resolution: int, recorded_mode: str) -> int:

@@ -72,6 +72,29 @@ def test_image_latency_at_a_strength_runs_its_last_steps_and_refuses_less_than_o
     assert "--strengths: strength 0.2 of 4 steps is less than one step's worth" in capsys.readouterr().err
 
 
+def test_image_latency_compiled_races_the_compiled_stock_denoiser(monkeypatch):
+    """`--compile`: the baseline is the pipeline with an unpatched copy of its denoiser under torch.compile
+    (whole model), the mask-aware edit runs compiled blocks; both compile in their warm-up runs."""
+    import torch
+
+    compiled, compile_ = [], torch.compile
+
+    def recorded(target, **options):
+        compiled.append(target)
+        return compile_(target, **options)
+
+    monkeypatch.setattr(torch, "compile", recorded)
+    report = image.main(["--model", "tiny-flux-fill", "--steps", "2", "--repeats", "1", "--mask-ratios", "0.2",
+                         "--modes", "y", "--compile"])
+    assert report["compiled"] and "torch.compile" in report["baseline"]
+    (row,) = report["results"]
+    assert row["full_s"] > 0 and row["mask_aware_s"] > 0
+    stock = [target for target in compiled if isinstance(target, torch.nn.Module)]
+    assert [type(module).__name__ for module in stock] == ["FluxTransformer2DModel"]
+    assert not any("forward" in block.__dict__ for block in stock[0].transformer_blocks)  # unpatched
+    assert len(compiled) > 1  # and the mask-aware blocks' cores
+
+
 def test_image_latency_refuses_a_cost_model_of_another_model():
     with pytest.raises(SystemExit, match="profiled on tiny-flux-fill, not tiny-sd2-inpaint"):
         image.main(["--model", "tiny-sd2-inpaint", "--steps", "1", "--cost-model", str(TINY_FLUX_COST)])
