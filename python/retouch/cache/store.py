@@ -103,7 +103,7 @@ class _Recording:
     tensors: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     discarded: bool = False
     copies: list = field(default_factory=list)  # CUDA events: its steps' copies from the device have landed
-    steps: int | None = None  # how many steps it will write, where the recorder knows
+    total_steps: int | None = None  # how many steps it will write, where the recorder knows (`step`: the current)
 
 
 class TemplateHandle:
@@ -216,7 +216,8 @@ class CacheStore(ActivationCache):
         with self._lock:
             self._discard_recording(template_id)
             self._recordings[template_id] = _Recording(_Template(template_id, None, [], dict(meta or {})),
-                                                       None if names is None else frozenset(names), steps=steps)
+                                                       None if names is None else frozenset(names),
+                                                       total_steps=steps)
 
     def put(self, template_id, step, block, name, tensor):
         template_id, name = stored_key(template_id, name)
@@ -319,9 +320,10 @@ class CacheStore(ActivationCache):
         layout = StepLayout.for_tensors({key: tuple(t.shape) for key, t in recording.tensors.items()}, dtype,
                                         self.config.alignment)
         if template.layout is None:
-            if recording.steps is not None and layout.nbytes * recording.steps > self.arena.capacity:
-                raise CacheFull(f"template {template.template_id!r} needs {layout.nbytes * recording.steps / GiB:.3g} "
-                                f"GiB of host cache ({recording.steps} steps of {layout.nbytes / GiB:.3g} GiB), more "
+            total = recording.total_steps
+            if total is not None and layout.nbytes * total > self.arena.capacity:
+                raise CacheFull(f"template {template.template_id!r} needs {layout.nbytes * total / GiB:.3g} "
+                                f"GiB of host cache ({total} steps of {layout.nbytes / GiB:.3g} GiB), more "
                                 f"than its whole budget of {self.arena.capacity / GiB:.3g} GiB; a larger host budget "
                                 "(--cache-host-gib) holds it")
             template.layout = layout
