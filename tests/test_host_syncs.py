@@ -7,6 +7,8 @@ the same Python reads the same values (the Triton kernel is left out: its CPU in
 tensors to NumPy by design).
 """
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -65,27 +67,21 @@ def test_the_counter_sees_a_sync():
     assert torch.Tensor.tolist.__name__ == "tolist"  # restored
 
 
-@pytest.fixture
+@contextmanager
 def sync_errors():
-    """CUDA's sync debug mode at "error" within `with sync_errors():`: a blocking copy, a read of a device
-    value or a stream sync raises."""
-    from contextlib import contextmanager
-
-    @contextmanager
-    def errors():
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    return errors
+    """CUDA's sync debug mode at "error" within the block: a blocking copy, a read of a device value or a
+    stream sync raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
 @pytest.mark.parametrize("model", list(FAMILY_MODELS.values()))
-def test_on_a_gpu_planning_and_the_forward_make_no_sync(model, sync_errors):
+def test_on_a_gpu_planning_and_the_forward_make_no_sync(model):
     """Planning included (the ragged descriptors and attention plans are built on the host and copied from
     pinned memory): the host can plan step n+1 while the GPU runs step n."""
     forwards = Forwards(model, device="cuda")
@@ -101,7 +97,7 @@ def test_on_a_gpu_planning_and_the_forward_make_no_sync(model, sync_errors):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
 @pytest.mark.parametrize("mode", ["y", "kv"])
-def test_on_a_gpu_recording_and_staged_edits_plan_and_run_each_forward_without_a_sync(mode, sync_errors):
+def test_on_a_gpu_recording_and_staged_edits_plan_and_run_each_forward_without_a_sync(mode):
     """The editor on the cache store, sync errors on around every denoiser forward from before the editor's
     own hook: a registration's forwards (each step's activations copied to the pinned arena on a stream of
     the store's while the next forward runs), then an edit's (planning in the editor's forward pre-hook,
