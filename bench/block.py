@@ -7,16 +7,21 @@ Each kind of block of the model (Flux: double and single; a UNet: one per level)
 with the inputs it receives inside the denoiser at the model's own resolution, and with the template's
 activations already on the device: the compute of a cached block, without its load (the load is what
 `retouch bench overlap` and `retouch bench copy` measure). Variants are timed interleaved per ratio.
-Prints one JSON object; `--out F.json` also writes F.png (speedup against mask ratio per block kind).
+Full compute is the stock block eager and, with `--baselines eager,compiled`, the stock block under
+torch.compile (an unpatched twin's block, `retouch.bench.stock`), one row per baseline; `--compile` compiles
+the mask-aware cores (`MaskAwareAdapter.compile`) and adds the compiled baseline. Prints one JSON object;
+`--out F.json` also writes F.png (speedup against mask ratio per block kind).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
 import torch
 
+from retouch.bench import stock
 from retouch.bench.report import (DTYPE_CHOICES, device_arg, environment, mask_ratios, out_path, publish, pyplot,
                                   side_pixels)
 from retouch.bench.timing import interleaved_medians
@@ -39,6 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=1, help="requests per forward")
     parser.add_argument("--mask-ratios", type=mask_ratios, default="0.05,0.1,0.2,0.3,0.5,0.7,0.9,1.0")
     parser.add_argument("--repeats", type=int, default=10)
+    stock.add_options(parser)
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.repeats < 1:
@@ -52,30 +58,52 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"building {args.model} on {device} ({dtype}), {side}x{side} token grid", file=sys.stderr)
     target = build_target(args.model, device, dtype)
     captured, cache = target.record(args.batch, side, device)
+    baselines = stock_blocks(target, stock.chosen(args))
+    if args.compile:
+        target.adapter.compile()
 
     results = []
     points = bar([(kind, index, ratio) for kind, index in target.representative.items() for ratio in args.mask_ratios],
                  "block: full vs y/kv-cache", unit="point")
     for kind, index, ratio in points:
         block_args, block_kwargs = captured[index]
-        runs = {"full": target.block_run(index, block_args, block_kwargs, None)}
+        runs = {baseline: functools.partial(run_block, blocks[index], block_args, block_kwargs)
+                for baseline, blocks in baselines.items()}
         for variant, name in MODES.items():
             context = target.edit_context(VARIANTS[variant], args.batch, side, ratio, cache)
             runs[name] = target.block_run(index, block_args, block_kwargs, context)
         seconds = interleaved_medians(runs, args.repeats, device)
         tokens = target.tokens(kind, side, ratio)
-        for name in MODES.values():
-            results.append({"kind": kind, "block": index, "mask_ratio": round(tokens.masked / tokens.image, 4),
-                            "mode": name, "masked_tokens": tokens.masked, "image_tokens": tokens.image,
-                            "full_s": seconds["full"], "mask_aware_s": seconds[name],
-                            "speedup": round(seconds["full"] / seconds[name], 3)})
-        points.set_postfix_str(f"{kind} m={results[-1]['mask_ratio']}: " + ", ".join(
-            f"{row['mode']} {row['speedup']}x" for row in results[-len(MODES):]), refresh=False)
+        rows = [{"kind": kind, "block": index, "mask_ratio": round(tokens.masked / tokens.image, 4),
+                 "mode": name, "baseline": baseline, "masked_tokens": tokens.masked, "image_tokens": tokens.image,
+                 "full_s": seconds[baseline], "mask_aware_s": seconds[name],
+                 "speedup": round(seconds[baseline] / seconds[name], 3)}
+                for name in MODES.values() for baseline in baselines]
+        results += rows
+        points.set_postfix_str(f"{kind} m={rows[0]['mask_ratio']}: " + ", ".join(
+            f"{row['mode']} {row['speedup']}x vs {row['baseline']}" for row in rows), refresh=False)
 
     report = {"bench": "block", **environment("block", argv, device), "model": args.model,
               "dtype": str(dtype).removeprefix("torch."), "resolution": resolution, "batch": args.batch,
+              "compiled": args.compile, "baselines": stock.describe(tuple(baselines), "the unmodified diffusers block"),
               "block_kinds": sorted(target.representative), "results": results}
     return publish(report, args.out, _plot)
+
+
+def stock_blocks(target, baselines: tuple[str, ...]) -> dict[str, dict[int, torch.nn.Module]]:
+    """Per baseline, the representative blocks of the stock model (eager, or each under torch.compile): the
+    blocks of an unpatched twin of the target's denoiser (the patched ones carry the adapter's dispatch)."""
+    twin = stock.denoisers(target.denoiser, ("eager",))["eager"]
+    names = {id(module): name for name, module in target.denoiser.named_modules()}
+    eager = {index: twin.get_submodule(names[id(target.adapter.blocks[index])])
+             for index in target.representative.values()}
+    return {baseline: eager if baseline == "eager" else {index: torch.compile(block) for index, block in eager.items()}
+            for baseline in baselines}
+
+
+def run_block(block: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    with torch.inference_mode():
+        block(*args, **kwargs)
 
 
 def _plot(report: dict, out: Path) -> None:
@@ -86,12 +114,15 @@ def _plot(report: dict, out: Path) -> None:
     figure, axes = plt.subplots(1, len(kinds), figsize=(4.5 * len(kinds), 3.6), squeeze=False)
     for axis, kind in zip(axes[0], kinds):
         for mode in MODES.values():
-            rows = [row for row in report["results"] if row["kind"] == kind and row["mode"] == mode]
-            axis.plot([row["mask_ratio"] for row in rows], [row["speedup"] for row in rows], marker="o", label=mode)
+            for baseline in report["baselines"]:
+                rows = [row for row in report["results"]
+                        if (row["kind"], row["mode"], row["baseline"]) == (kind, mode, baseline)]
+                axis.plot([row["mask_ratio"] for row in rows], [row["speedup"] for row in rows], marker="o",
+                          linestyle="-" if baseline == "eager" else "--", label=f"{mode} vs {baseline}")
         axis.axhline(1.0, color="grey", linewidth=0.8)
         axis.set_title(f"{kind} block")
         axis.set_xlabel("mask ratio")
-        axis.set_ylabel("speedup vs full compute")
+        axis.set_ylabel("speedup vs the stock block")
         axis.legend()
     figure.suptitle(f"{report['model']} block, batch {report['batch']}, {report['device_name']}")
     figure.tight_layout()

@@ -15,15 +15,16 @@ the last steps x S of the schedule, from the template noised with the edit's noi
 is diffusers' own), all interleaved. Prints one JSON object
 `{"model", "device", "results": [{"strength", "steps_run", "mask_ratio", "mode", "full_s", "mask_aware_s",
 "speedup"}], ...}`;
-`--out F.json` also writes F.png. `--compile` races the stock model under torch.compile (an unpatched copy of
-the denoiser, whole-model compiled: what users pick over eager) against the mask-aware blocks compiled
-(`MaskAwareEditor(compile=True)`); compilation happens in the warm-up runs, outside the timed ones.
+`--out F.json` also writes F.png. Each row is quoted against one stock baseline (`baseline`), and
+`--baselines eager,compiled` times both in the same run (`retouch.bench.stock`: the pipeline with an
+unpatched twin of its denoiser, eager and under torch.compile). `--compile` compiles the mask-aware blocks
+(`MaskAwareEditor(compile=True)`) and adds the compiled baseline by default; compilation happens in the
+warm-up runs, outside the timed ones.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from retouch.bench import workload
+from retouch.bench import stock, workload
 from retouch.bench.report import (DTYPE_CHOICES, cost_model_arg, device_arg, environment, mask_ratios, out_path,
                                   positive_float, publish, pyplot, side_pixels)
 from retouch.bench.timing import interleaved_medians
@@ -39,7 +40,7 @@ from retouch.cache import CacheStore, StoreConfig
 from retouch.editor import PLANNERS, EditRequest, MaskAwareEditor
 from retouch.errors import ArgumentParser, InputError
 from retouch.masks import FLUX_STRIDE, UNET_LATENT_STRIDE, centred_token_rectangle, pixel_mask_of_tokens
-from retouch.models import build_denoiser, get_spec
+from retouch.models import get_spec
 from retouch.models.loading import load_for_bench
 from retouch.progress import bar, pipeline_bar
 from retouch.strength import check_strength, steps_run
@@ -67,8 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--planner", choices=PLANNERS, default="optimal")
     parser.add_argument("--host-gib", type=positive_float, default=None,
                         help="pinned host cache (default: the template's size)")
-    parser.add_argument("--compile", action="store_true",
-                        help="the stock model under torch.compile against compiled mask-aware blocks")
+    stock.add_options(parser)
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     store = CacheStore(StoreConfig(host_bytes=_host_bytes(args, model, resolution, recorded_mode)))
     editor = MaskAwareEditor(model, cache=store, cache_mode=recorded_mode, cost_model=cost_model,
                              planner=args.planner, compile=args.compile)
-    stock = torch.compile(build_denoiser(args.model, device=device, dtype=dtype).eval()) if args.compile else None
+    baselines = stock.denoisers(editor.denoiser, stock.chosen(args))
     with pipeline_bar(model.pipe, f"image: register template ({resolution}px)"):
         template_id = editor.register_template(workload.template_image(np.random.default_rng(0), resolution),
                                                prompt="a living room", steps=args.steps)
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     # Every edit this loop runs: per mode the planner's one per ratio, then each timed run's warm-up and repeats.
     planned = len(requests) if cost_model is not None else 0
-    full_runs = len(args.strengths)
+    full_runs = len(args.strengths) * len(baselines)
     edits = bar(desc="image: diffusers vs mask-aware", total=len(modes) * (planned + (full_runs + len(requests)) *
                                                                            (args.repeats + 1)), unit="edit")
     for mode in modes:
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
         runs = {}
         for strength in args.strengths:  # the full pipeline once per strength: its cost does not depend on the mask
             first = next(request for (of, _), request in requests.items() if of == strength)
-            runs["full", strength] = functools.partial(full_edit, editor, first, stock)
+            for baseline, denoiser in baselines.items():
+                runs[baseline, strength] = functools.partial(full_edit, editor, first, denoiser)
         plans = {}
         for key, request in requests.items():
             runs[key] = functools.partial(editor.edit_many, [request])
@@ -131,24 +132,25 @@ def main(argv: list[str] | None = None) -> dict:
                 edits.update()
                 plans[key] = "".join("c" if cached else "f" for cached in editor.last_plan.use_cache)
         seconds = interleaved_medians(runs, args.repeats, device, progress=edits)
+        rows = []
         for key in requests:
             strength, ratio = key
-            full_s = seconds["full", strength]
-            row = {"strength": strength, "steps_run": steps_run(model.family, args.steps, strength),
-                   "mask_ratio": ratio, "mode": MODES[mode], "full_s": full_s, "mask_aware_s": seconds[key],
-                   "speedup": round(full_s / seconds[key], 3)}
-            if key in plans:
-                row["plan"] = plans[key]
-            results.append(row)
-        speedups = [row["speedup"] for row in results[-len(requests):]]
+            for baseline in baselines:
+                full_s = seconds[baseline, strength]
+                row = {"strength": strength, "steps_run": steps_run(model.family, args.steps, strength),
+                       "mask_ratio": ratio, "mode": MODES[mode], "baseline": baseline, "full_s": full_s,
+                       "mask_aware_s": seconds[key], "speedup": round(full_s / seconds[key], 3)}
+                if key in plans:
+                    row["plan"] = plans[key]
+                rows.append(row)
+        results += rows
+        speedups = [row["speedup"] for row in rows]
         edits.set_postfix_str(f"{MODES[mode]} {min(speedups)}x..{max(speedups)}x", refresh=False)
     edits.close()
 
     report = {"bench": "image", "model": args.model, **environment("image", argv, device),
               "dtype": str(dtype).removeprefix("torch."), "resolution": resolution, "steps": args.steps,
-              "compiled": args.compile,
-              "baseline": ("the diffusers pipeline, its denoiser under torch.compile" if args.compile else
-                           "the diffusers pipeline, eager"),
+              "compiled": args.compile, "baselines": stock.describe(tuple(baselines)),
               "cache": {"tier": "pinned host memory" if store.arena.pinned else "host memory",
                         "recorded": MODES[recorded_mode], "template_gib": round(store.nbytes(template_id) / 2**30, 3)},
               "planner": args.planner if cost_model is not None else "off (every block cached)",
@@ -157,14 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
     return publish(report, args.out, _plot)
 
 
-def full_edit(editor: MaskAwareEditor, request: EditRequest, stock: torch.nn.Module | None) -> None:
-    """The unmodified pipeline's edit (`full_compute`), its denoiser replaced by `stock` when given."""
-    with contextlib.ExitStack() as swapped:
-        if stock is not None:
-            name = "unet" if editor.is_unet else "transformer"
-            patched = getattr(editor.pipe, name)
-            editor.pipe.register_modules(**{name: stock})
-            swapped.callback(editor.pipe.register_modules, **{name: patched})
+def full_edit(editor: MaskAwareEditor, request: EditRequest, denoiser: torch.nn.Module) -> None:
+    """The unmodified pipeline's edit (`full_compute`) with `denoiser`, a stock baseline, as its denoiser."""
+    with stock.swapped(editor.pipe, denoiser):
         editor.edit_many([request], full_compute=True)
 
 
@@ -201,23 +198,30 @@ def _plot(report: dict, out: Path) -> None:
     if plt is None:
         return
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    several = len({row["strength"] for row in report["results"]}) > 1
-    for mode, strength in dict.fromkeys((row["mode"], row["strength"]) for row in report["results"]):
-        rows = [row for row in report["results"] if (row["mode"], row["strength"]) == (mode, strength)]
+    results = report["results"]
+    several = len({row["strength"] for row in results}) > 1
+    baselines = list(dict.fromkeys(row["baseline"] for row in results))
+    for mode, strength, baseline in dict.fromkeys((row["mode"], row["strength"], row["baseline"]) for row in results):
+        rows = [row for row in results if (row["mode"], row["strength"], row["baseline"]) == (mode, strength, baseline)]
         ratios = [row["mask_ratio"] for row in rows]
-        label = f"{mode}, strength {strength:g}" if several else mode
-        left.plot(ratios, [row["mask_aware_s"] for row in rows], marker="o", label=label)
-        right.plot(ratios, [row["speedup"] for row in rows], marker="o", label=label)
-    for strength in dict.fromkeys(row["strength"] for row in report["results"]):
-        full_s = next(row["full_s"] for row in report["results"] if row["strength"] == strength)
-        left.axhline(full_s, color="grey", linestyle="--" if strength == 1 else ":",
-                     label=f"diffusers, strength {strength:g}" if several else "diffusers (full)")
+        label = mode + (f", strength {strength:g}" if several else "")
+        if baseline == baselines[0]:  # the mask-aware latency does not depend on the baseline
+            left.plot(ratios, [row["mask_aware_s"] for row in rows], marker="o", label=label)
+        right.plot(ratios, [row["speedup"] for row in rows], marker="o", linestyle="-" if baseline == "eager" else "--",
+                   label=f"{label} vs {baseline}")
+    for (strength, baseline), colour in zip(dict.fromkeys((row["strength"], row["baseline"]) for row in results),
+                                            ("grey", "black", "silver", "dimgrey")):
+        full_s = next(row["full_s"] for row in results if (row["strength"], row["baseline"]) == (strength, baseline))
+        left.axhline(full_s, color=colour, linestyle="--" if strength == 1 else ":",
+                     label=f"diffusers {baseline}" + (f", strength {strength:g}" if several else ""))
     left.set_ylabel("seconds per image")
     right.set_ylabel("speedup vs diffusers")
     for axis in (left, right):
         axis.set_xlabel("mask ratio")
-        axis.legend()
-    figure.suptitle(f"{report['model']}, {report['steps']} steps, {report['resolution']}px, {report['device_name']}")
+        axis.legend(fontsize=7)
+    compiled = ", mask-aware compiled" if report["compiled"] else ""
+    figure.suptitle(f"{report['model']}, {report['steps']} steps, {report['resolution']}px{compiled}, "
+                    f"{report['device_name']}")
     figure.tight_layout()
     figure.savefig(out, dpi=120)
     plt.close(figure)

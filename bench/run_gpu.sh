@@ -17,6 +17,14 @@
 #   lora     the LoRA tests on the GPU (Triton segmented kernel, loader stream and events); lora_flux-small.json
 #            (step overhead of 1 and 8 adapters, sync vs async loading of a 280 MiB adapter)
 #
+# Every speedup is quoted against the stock model eager and under torch.compile, timed in the same run
+# (`--baselines eager,compiled`); compiling flux-size adds its compile time (minutes) to the parts that
+# time it (kernels' block, flux, unet, throughput, serving), so those fits are estimates until a device
+# has run them.
+#
+# A device session's first call: RETOUCH_GPU_SMOKE=cuda bench/run_gpu.sh all   (every part at the tiny
+# sizes on the GPU: what breaks there, in minutes, under bench/results/<device>-smoke/).
+#
 # Results go to bench/results/<device>/ (RESULTS=dir overrides), with a log per part; each JSON
 # records its exact command, the package versions and the device. Where $OUT is set (the device
 # tool), each part's log and results are archived there too, as $OUT/PART.tgz. Missing packages
@@ -32,10 +40,24 @@ if [ $# -eq 0 ]; then
   exit 2
 fi
 
-if [ "${RETOUCH_GPU_SMOKE:-0}" = 1 ]; then
-  # The same parts on the CPU with the tiny models at tiny sizes: proves the glue (tests use it).
+SMOKE=${RETOUCH_GPU_SMOKE:-0}
+case $SMOKE in
+  0 | 1 | cuda) ;;
+  *) echo "RETOUCH_GPU_SMOKE is 0 (the figures), cuda (every part at tiny sizes on the GPU) or 1 (the same on the CPU)"
+     exit 2 ;;
+esac
+if [ "$SMOKE" != 1 ]; then
+  if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  device=$("$PYTHON" -c "import torch; n = torch.cuda.get_device_name(); print(next((w for w in n.lower().split() if w[0] in 'abhl' and w[1:2].isdigit()), n.split()[-1].lower()))")
+fi
+if [ "$SMOKE" != 0 ]; then
+  # The same parts with the tiny models at tiny sizes: on the CPU it proves the glue (tests use it); on
+  # a GPU (a device session's first call) it shows what breaks there in a few minutes, before any figure.
   # One UNet: SD2 runs the same adapter and the same glue as SDXL, and each costs the smoke about 10 s.
-  device=cpu-smoke DEV=cpu FLUX=tiny-flux-fill UNETS=(tiny-sdxl-inpaint)
+  FLUX=tiny-flux-fill UNETS=(tiny-sdxl-inpaint)
   QUICK=(--quick) BLOCK=(--repeats 1 --mask-ratios 0.2,1.0) IMAGE=(--steps 2 --repeats 1 --mask-ratios 0.2,0.9)
   PROFILE_FLUX=(--grids 4,6,8 --batch-sizes 1,2 --mask-ratios 0.3,1.0 --load-mib 0.25,1 --repeats 1)
   PROFILE_UNET=(--grids 8,12,16 --batch-sizes 1,2 --mask-ratios 0.3,1.0 --load-mib 0.25,1 --repeats 1)
@@ -44,14 +66,16 @@ if [ "${RETOUCH_GPU_SMOKE:-0}" = 1 ]; then
   OVERHEAD=(--grid 2 --text-tokens 2 --mask-ratios 0.2 --repeats 1) STEP=(--mask-ratio 0.2 --repeats 1)
   LORA_MODEL=tiny-flux-fill LORA=(--batch 2 --rank 4 --resolution 64 --repeats 1 --load-rank 8 --engine-resolution 64 --steps 2
     --load-repeats 1)
-else
-  if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  if [ "$SMOKE" = 1 ]; then
+    # Eager baselines only: the compiled stock model's glue has its own tests, and compiling costs the CPU.
+    device=cpu-smoke DEV=cpu BASELINES=()
+  else
+    device=$device-smoke DEV=cuda BASELINES=(--baselines eager,compiled)
   fi
-  device=$("$PYTHON" -c "import torch; n = torch.cuda.get_device_name(); print(next((w for w in n.lower().split() if w[0] in 'abhl' and w[1:2].isdigit()), n.split()[-1].lower()))")
+else
   DEV=cuda FLUX=flux-size UNETS=(sdxl-size sd2-size)
-  QUICK=() BLOCK=() IMAGE=() OVERLAP=()
+  # Every speedup against the stock model eager and under torch.compile, timed in the same run.
+  QUICK=() BLOCK=() IMAGE=() OVERLAP=() BASELINES=(--baselines eager,compiled)
   THROUGHPUT=(--size 1024 --steps 8 --batch-sizes 1 2 4 8 --repeats 2)
   SERVING=(--size 1024 --steps 8 --max-batch 8 --rps 0.5 1 2 4 --requests 16)
   PROFILE_FLUX=(--grids 16,32,48,64 --batch-sizes 1,2,4 --mask-ratios 0.1,0.3,0.6,1.0 --load-mib 1,16,64,256)
@@ -113,7 +137,7 @@ part_tests() {
 part_kernels() {
   bench attention attention.json --device "$DEV" "${QUICK[@]}"
   bench copy gather.json --device "$DEV" "${QUICK[@]}"
-  bench block block_latency.json --model "$FLUX" --device "$DEV" "${BLOCK[@]}"
+  bench block block_latency.json --model "$FLUX" --device "$DEV" "${BLOCK[@]}" "${BASELINES[@]}"
 }
 
 planner() {  # the planner's cost model for MODEL when a profile has written one (else: every block cached)
@@ -124,7 +148,8 @@ planner() {  # the planner's cost model for MODEL when a profile has written one
 # shellcheck disable=SC2046
 part_flux() {
   profile "$FLUX" "${PROFILE_FLUX[@]}"
-  bench image "image_latency_$FLUX.json" --model "$FLUX" --device "$DEV" $(planner "$FLUX") "${IMAGE[@]}"
+  bench image "image_latency_$FLUX.json" --model "$FLUX" --device "$DEV" $(planner "$FLUX") "${IMAGE[@]}" \
+    "${BASELINES[@]}"
   bench overlap overlap.json --model "$FLUX" --device "$DEV" --mask-ratio 0.2 $(planner "$FLUX") "${OVERLAP[@]}"
 }
 
@@ -133,18 +158,20 @@ part_unet() {
   local model
   for model in "${UNETS[@]}"; do
     profile "$model" "${PROFILE_UNET[@]}"
-    bench image "image_latency_$model.json" --model "$model" --device "$DEV" $(planner "$model") "${IMAGE[@]}"
+    bench image "image_latency_$model.json" --model "$model" --device "$DEV" $(planner "$model") "${IMAGE[@]}" \
+      "${BASELINES[@]}"
   done
 }
 
 part_throughput() {
   # shellcheck disable=SC2046
-  bench throughput throughput.json --model "$FLUX" --device "$DEV" $(planner "$FLUX") "${THROUGHPUT[@]}"
+  bench throughput throughput.json --model "$FLUX" --device "$DEV" $(planner "$FLUX") "${THROUGHPUT[@]}" \
+    "${BASELINES[@]}"
 }
 
 part_serving() {
   # shellcheck disable=SC2046
-  bench serving serving.json --model "$FLUX" --device "$DEV" $(planner "$FLUX") "${SERVING[@]}"
+  bench serving serving.json --model "$FLUX" --device "$DEV" $(planner "$FLUX") "${SERVING[@]}" "${BASELINES[@]}"
 }
 
 part_compile() {

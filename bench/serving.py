@@ -17,6 +17,8 @@ or not earlier ones are done; latency = sent to image ready, pre- and post-proce
     diffusers:  per device a loop that takes up to `--max-batch` waiting requests and runs the stock
                 pipeline on them as one static batch (`edit_many(..., full_compute=True)`); with
                 `--workers N` requests are dealt round-robin over the loops (request-level balance).
+                One such system per `--baselines` entry (`retouch.bench.stock`): `diffusers` with the
+                stock denoiser eager, `diffusers-compiled` with it under torch.compile.
 `--workers N` puts worker i on cuda:i; on one device there is one engine and one loop.
 
 Mask ratios follow the paper's distributions (`--mask-dist public|production`, as `retouch simulate`).
@@ -49,8 +51,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from retouch.bench import workload
+from retouch.bench import stock, workload
 from retouch.bench.report import environment, positive_float, publish, pyplot
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.api import Engine
@@ -60,7 +63,7 @@ from retouch.engine.worker import EngineConfig
 from retouch.errors import ArgumentParser
 from retouch.progress import bar
 
-SYSTEMS = ("retouch", "diffusers")
+BASELINE_SYSTEMS = {"eager": "diffusers", "compiled": "diffusers-compiled"}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -93,9 +96,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     results = []
     engine_config = EngineConfig(mode="disagg", max_batch=args.max_batch, helpers=args.helpers)
-    with MaskAwareServing(editors, engine_config, args.model) as retouch, StaticBatching(editors,
-                                                                                         args.max_batch) as diffusers:
-        systems = {"retouch": retouch, "diffusers": diffusers}
+    baselines = stock.chosen(args)
+    stocks = [stock.denoisers(editor.denoiser, baselines) for editor in editors]
+    with ExitStack() as running:
+        systems = {"retouch": running.enter_context(MaskAwareServing(editors, engine_config, args.model))}
+        for baseline in baselines:
+            systems[BASELINE_SYSTEMS[baseline]] = running.enter_context(
+                StaticBatching(editors, args.max_batch, [denoisers[baseline] for denoisers in stocks]))
         for name, system in systems.items():
             print(f"warming up {name}", file=sys.stderr)
             _warm_up(system, warm_up)
@@ -107,8 +114,9 @@ def main(argv: list[str] | None = None) -> dict:
                 runs.set_postfix_str(f"{rps:g} rps {name}")  # shown while it runs: a run lasts requests / rps
                 row[name] = _drive(system, arrivals, edits)
                 runs.update()
-            row["mean_speedup"] = _ratio(row["diffusers"]["mean_s"], row["retouch"]["mean_s"])
-            row["p95_speedup"] = _ratio(row["diffusers"]["p95_s"], row["retouch"]["p95_s"])
+            for metric in ("mean", "p95"):  # per baseline: its latency over retouch's
+                row[f"{metric}_speedup"] = {baseline: _ratio(row[BASELINE_SYSTEMS[baseline]][f"{metric}_s"],
+                                                             row["retouch"][f"{metric}_s"]) for baseline in baselines}
             results.append(row)
         runs.close()
 
@@ -118,8 +126,10 @@ def main(argv: list[str] | None = None) -> dict:
               "workers": args.workers, "helpers": args.helpers, "requests_per_point": args.requests,
               "planner": args.planner if args.cost_model else None,
               "cost_model": str(args.cost_model) if args.cost_model else None,
+              "compiled": args.compile, "baselines": stock.describe(baselines),
               "systems": {"retouch": MaskAwareServing.__doc__.splitlines()[0],
-                          "diffusers": StaticBatching.__doc__.splitlines()[0]},
+                          **{BASELINE_SYSTEMS[baseline]: f"{StaticBatching.__doc__.splitlines()[0]} ({baseline})"
+                             for baseline in baselines}},
               "cache": [editor.cache.metrics() for editor in editors],
               "recomputes": sum(editor.recomputes for editor in editors), "results": results}
     return publish(report, args.out, _plot)
@@ -178,8 +188,8 @@ class MaskAwareServing:
 class StaticBatching:
     """diffusers: the stock pipeline on static batches of up to max_batch waiting requests per device."""
 
-    def __init__(self, editors: list[MaskAwareEditor], max_batch: int):
-        self.loops = [_StaticLoop(editor, max_batch) for editor in editors]
+    def __init__(self, editors: list[MaskAwareEditor], max_batch: int, denoisers: list[torch.nn.Module]):
+        self.loops = [_StaticLoop(editor, max_batch, denoiser) for editor, denoiser in zip(editors, denoisers)]
         self._turn = itertools.cycle(range(len(self.loops)))  # request-level balance: round-robin
 
     def __enter__(self) -> StaticBatching:
@@ -204,10 +214,12 @@ class StaticBatching:
 
 
 class _StaticLoop:
-    """Takes whatever is waiting (up to max_batch) when the previous batch is done, and runs it to the end."""
+    """Takes whatever is waiting (up to max_batch) when the previous batch is done, and runs it to the end
+    with `denoiser` (a stock baseline) as the pipeline's."""
 
-    def __init__(self, editor: MaskAwareEditor, max_batch: int):
+    def __init__(self, editor: MaskAwareEditor, max_batch: int, denoiser: torch.nn.Module):
         self.editor = editor
+        self.denoiser = denoiser
         self.max_batch = max_batch
         self.batch_sizes: list[int] = []
         self._waiting: deque[tuple[EditRequest, Future]] = deque()
@@ -241,7 +253,8 @@ class _StaticLoop:
                 batch = [self._waiting.popleft() for _ in range(min(self.max_batch, len(self._waiting)))]
             self.batch_sizes.append(len(batch))
             try:
-                self.editor.edit_many([request for request, _ in batch], full_compute=True)
+                with stock.swapped(self.editor.pipe, self.denoiser):  # the engine is idle: systems run in turn
+                    self.editor.edit_many([request for request, _ in batch], full_compute=True)
             except Exception as exc:  # the batch's requests fail; the loop goes on
                 for _, future in batch:
                     future.set_exception(exc)
@@ -304,7 +317,7 @@ def _plot(report: dict, out: Path) -> None:
     rows = report["results"]
     figure, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     for axis, (metric, label) in zip(axes, (("mean_s", "mean latency (s)"), ("p95_s", "p95 latency (s)"))):
-        for system in SYSTEMS:
+        for system in report["systems"]:
             points = [(row["rps"], row[system][metric]) for row in rows if row[system][metric] is not None]
             axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=system)
         axis.set_xscale("log", base=2)

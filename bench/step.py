@@ -5,10 +5,11 @@
 The template is recorded once (one step); each ratio's mask (a centred rectangle of tokens: real
 masks are contiguous) is then timed in all modes, interleaved round-robin after a warm-up so that
 background load falls on every variant alike. Prints one JSON object; quote the speedups (absolute
-times only from a GPU). `--compile` races the compiled stock model (an unpatched copy under
-torch.compile, what users pick over eager) against the compiled mask-aware blocks
-(`MaskAwareAdapter.compile`); compilation happens in the warm-up, outside the timed runs. Progress
-goes to stderr.
+times only from a GPU). Each row is quoted against one stock baseline (`baseline`; `--baselines
+eager,compiled` times both in one run, `retouch.bench.stock`). `--compile` compiles the mask-aware blocks
+(`MaskAwareAdapter.compile`) and adds the compiled stock model (an unpatched twin under torch.compile,
+what users pick over eager) by default; compilation happens in the warm-up, outside the timed runs.
+Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
+from retouch.bench import stock
 from retouch.bench.report import (DTYPE_CHOICES, device_arg, json_text, mask_ratios, out_path, pyplot, side_pixels,
                                   write_json, environment)
 from retouch.bench.timing import interleaved_medians
@@ -69,8 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
                         help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--compile", action="store_true",
-                        help="compiled stock model against compiled mask-aware blocks")
+    stock.add_options(parser)
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -79,9 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     transformer, adapter, inputs, cache, grid, num_text = flux_setup(args.model, device, dtype, args.resolution)
-    full = transformer
+    baselines = stock.denoisers(transformer, stock.chosen(args))
     if args.compile:
-        full = torch.compile(build_denoiser(args.model, device=device, dtype=dtype).eval())
         adapter.compile()
     num_image = grid[0] * grid[1]
     results = []
@@ -89,22 +89,21 @@ def main(argv: list[str] | None = None) -> dict:
         ratios = bar(args.ratios, "step: full vs y/kv-cache", unit="ratio")
         for ratio in ratios:
             masked = centred_token_rectangle(grid, ratio)
-            runs = {"full": lambda: full(**inputs)}
+            runs = {baseline: functools.partial(denoiser, **inputs) for baseline, denoiser in baselines.items()}
             for mode, cache_mode in MODES.items():
                 context = MaskAwareContext.edit(cache_mode, [masked], ["template"], [0], num_text, num_image, cache,
                                                 device=device)
                 runs[mode] = functools.partial(run_with, adapter, context, transformer, inputs)
             seconds = interleaved_medians(runs, args.repeats, device)
-            for mode in MODES:
-                results.append({"mask_ratio": round(len(masked) / num_image, 4), "mode": mode,
-                                "masked_tokens": len(masked), "full_s": seconds["full"],
-                                "mask_aware_s": seconds[mode], "speedup": round(seconds["full"] / seconds[mode], 3)})
-            ratios.set_postfix_str(f"m={results[-1]['mask_ratio']}: " + ", ".join(
-                f"{row['mode']} {row['speedup']}x" for row in results[-2:]), refresh=False)
+            rows = [{"mask_ratio": round(len(masked) / num_image, 4), "mode": mode, "baseline": baseline,
+                     "masked_tokens": len(masked), "full_s": seconds[baseline], "mask_aware_s": seconds[mode],
+                     "speedup": round(seconds[baseline] / seconds[mode], 3)} for mode in MODES for baseline in baselines]
+            results += rows
+            ratios.set_postfix_str(f"m={rows[0]['mask_ratio']}: " + ", ".join(
+                f"{row['mode']} {row['speedup']}x vs {row['baseline']}" for row in rows), refresh=False)
 
     report = {"bench": "step", **environment("step", argv, device),
-              "model": args.model, "compiled": args.compile,
-              "baseline": "the stock model under torch.compile" if args.compile else "the stock model, eager",
+              "model": args.model, "compiled": args.compile, "baselines": stock.describe(tuple(baselines)),
               "dtype": str(dtype).removeprefix("torch."), "image_tokens": num_image, "text_tokens": num_text,
               "results": results}
     if args.out:
@@ -120,9 +119,11 @@ def write_report(report: dict, out: Path, metric: str, label: str) -> None:
     if plt is None:
         return
     figure, axis = plt.subplots(figsize=(5, 3.5))
-    for mode in dict.fromkeys(row["mode"] for row in report["results"]):
-        rows = [row for row in report["results"] if row["mode"] == mode]
-        axis.plot([row["mask_ratio"] for row in rows], [row[metric] for row in rows], marker="o", label=mode)
+    for line in dict.fromkeys((row["mode"], row.get("baseline")) for row in report["results"]):
+        rows = [row for row in report["results"] if (row["mode"], row.get("baseline")) == line]
+        mode, baseline = line
+        axis.plot([row["mask_ratio"] for row in rows], [row[metric] for row in rows], marker="o",
+                  linestyle="--" if baseline == "compiled" else "-", label=mode + (f" vs {baseline}" if baseline else ""))
     axis.set_xlabel("mask ratio")
     axis.set_ylabel(label)
     axis.set_title(f"{report['bench']}: {report['model']} on {report.get('device_name', 'cpu')}")

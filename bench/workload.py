@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from retouch.bench import stock
 from retouch.bench.report import DTYPE_CHOICES, cost_model_arg, device_arg, out_path, positive_float
 from retouch.cache import CacheFull, CacheStore, StoreConfig
 from retouch.editor import PATCH_STRIDE, EditRequest, MaskAwareEditor
@@ -63,6 +64,7 @@ def add_editor_options(parser: argparse.ArgumentParser) -> None:
                         help="a `retouch profile` JSON: the planner chooses cache or compute per block")
     parser.add_argument("--planner", choices=("optimal", "algorithm1"), default="optimal")
     parser.add_argument("--seed", type=int, default=0)
+    stock.add_options(parser)
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
 
 
@@ -98,13 +100,15 @@ def devices_for(device: str, workers: int) -> list[torch.device]:
 
 def load_editor(args: argparse.Namespace, device: torch.device) -> MaskAwareEditor:
     """The model on `device` behind a mask-aware editor whose templates live in a pinned host
-    `CacheStore`; with `--cost-model` the planner picks cache or compute per block and batch."""
+    `CacheStore`; with `--cost-model` the planner picks cache or compute per block and batch, with
+    `--compile` its mask-aware blocks run compiled."""
     host_gib = args.host_gib or DEFAULT_HOST_GIB.get(device.type, DEFAULT_HOST_GIB["cpu"])
     print(f"loading {args.model} on {device} ({args.dtype}), host cache {host_gib:g} GiB", file=sys.stderr)
     model = load_for_bench(args.model, device=device, dtype=getattr(torch, args.dtype))
     cost_model = load_cost_model(args.cost_model, model.name)
     return MaskAwareEditor(model, cache=CacheStore(StoreConfig(host_bytes=int(host_gib * GiB))),
-                           cache_mode=args.cache_mode, cost_model=cost_model, planner=args.planner)
+                           cache_mode=args.cache_mode, cost_model=cost_model, planner=args.planner,
+                           compile=args.compile)
 
 
 def load_cost_model(path: Path | None, model: str):

@@ -99,7 +99,9 @@ def test_lora_options_are_checked(options, capsys):
                                             (["--mask-ratio", "abc"], "--mask-ratio"),
                                             (["--repeats", "0"], "--repeats"),
                                             (["--resolution", "0"], "--resolution"), (["--dtype", "foo"], "--dtype"),
-                                            (["--device", "gpu"], "--device")])
+                                            (["--device", "gpu"], "--device"),
+                                            (["--baselines", "eager,fast"], "--baselines"),
+                                            (["--baselines", ""], "--baselines")])
 def test_step_options_are_checked(options, named, capsys):
     with pytest.raises(SystemExit) as exit_:
         step.main(["--model", "tiny-flux-fill", *options])

@@ -22,24 +22,31 @@ def _assert_records_how_it_was_made(report: dict, bench: str):
     assert report["device"] == "cpu" and report["device_name"].startswith("cpu")
 
 
-def test_block_times_every_kind_in_both_modes(tmp_path, capsys):
+def test_block_times_every_kind_in_both_modes_against_both_stock_baselines(tmp_path, capsys):
     report = block.main(["--model", "tiny-flux-fill", "--mask-ratios", "0.25,1.0", "--repeats", "1",
-                         "--out", str(tmp_path / "block.json")])
+                         "--baselines", "eager,compiled", "--out", str(tmp_path / "block.json")])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
     assert json.loads((tmp_path / "block.json").read_text()) == report
     assert (tmp_path / "block.png").stat().st_size > 0
     _assert_records_how_it_was_made(report, "block")
+    assert list(report["baselines"]) == ["eager", "compiled"] and "torch.compile" in report["baselines"]["compiled"]
     rows = report["results"]
-    assert {(row["kind"], row["mask_ratio"], row["mode"]) for row in rows} == {
-        (kind, ratio, mode) for kind in ("double", "single") for ratio in (0.25, 1.0)
-        for mode in ("y-cache", "kv-cache")}
+    assert {(row["kind"], row["mask_ratio"], row["mode"], row["baseline"]) for row in rows} == {
+        (kind, ratio, mode, baseline) for kind in ("double", "single") for ratio in (0.25, 1.0)
+        for mode in ("y-cache", "kv-cache") for baseline in ("eager", "compiled")}
+    assert len(rows) == 16
     for row in rows:
         assert row["masked_tokens"] == round(row["mask_ratio"] * row["image_tokens"]) and row["image_tokens"] == 64
         assert row["speedup"] == pytest.approx(row["full_s"] / row["mask_aware_s"], rel=1e-2, abs=0.005)  # 2 places
-    # Full compute is timed once per ratio and shared by both modes' rows.
+    # Each baseline is timed once per ratio and shared by both modes' rows; each mode once, quoted twice.
     for kind in ("double", "single"):
         for ratio in (0.25, 1.0):
-            assert len({row["full_s"] for row in rows if row["kind"] == kind and row["mask_ratio"] == ratio}) == 1
+            point = [row for row in rows if row["kind"] == kind and row["mask_ratio"] == ratio]
+            for baseline in ("eager", "compiled"):
+                assert len({row["full_s"] for row in point if row["baseline"] == baseline}) == 1
+            for mode in ("y-cache", "kv-cache"):
+                assert len({row["mask_aware_s"] for row in point if row["mode"] == mode}) == 1
+            assert len({row["full_s"] for row in point}) == 2
 
 
 def test_image_latency_follows_the_issue_format_with_the_planner_on(tmp_path):
@@ -72,26 +79,42 @@ def test_image_latency_at_a_strength_runs_its_last_steps_and_refuses_less_than_o
     assert "--strengths: strength 0.2 of 4 steps is less than one step's worth" in capsys.readouterr().err
 
 
-def test_image_latency_compiled_races_the_compiled_stock_denoiser(monkeypatch):
-    """`--compile`: the baseline is the pipeline with an unpatched copy of its denoiser under torch.compile
-    (whole model), the mask-aware edit runs compiled blocks; both compile in their warm-up runs."""
+def test_image_latency_compiled_races_eager_and_compiled_stock_in_one_run(monkeypatch):
+    """`--compile`: the mask-aware edit runs compiled blocks, against two baselines timed in the same run:
+    the pipeline with an unpatched twin of its denoiser eager and under torch.compile (whole model); the
+    twin shares the editor's weights (no second copy of the transformer)."""
     import torch
 
-    compiled, compile_ = [], torch.compile
+    from retouch.editor import MaskAwareEditor
+
+    compiled, compile_, editors = [], torch.compile, []
 
     def recorded(target, **options):
         compiled.append(target)
         return compile_(target, **options)
 
     monkeypatch.setattr(torch, "compile", recorded)
+    init = MaskAwareEditor.__init__
+
+    def kept(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        editors.append(self)
+
+    monkeypatch.setattr(MaskAwareEditor, "__init__", kept)
     report = image.main(["--model", "tiny-flux-fill", "--steps", "2", "--repeats", "1", "--mask-ratios", "0.2",
                          "--modes", "y", "--compile"])
-    assert report["compiled"] and "torch.compile" in report["baseline"]
-    (row,) = report["results"]
-    assert row["full_s"] > 0 and row["mask_aware_s"] > 0
+    assert report["compiled"] and list(report["baselines"]) == ["eager", "compiled"]
+    eager, versus_compiled = report["results"]
+    assert (eager["baseline"], versus_compiled["baseline"]) == ("eager", "compiled")
+    assert eager["mask_aware_s"] == versus_compiled["mask_aware_s"] > 0  # one timing, quoted twice
+    assert eager["full_s"] != versus_compiled["full_s"]
     stock = [target for target in compiled if isinstance(target, torch.nn.Module)]
     assert [type(module).__name__ for module in stock] == ["FluxTransformer2DModel"]
     assert not any("forward" in block.__dict__ for block in stock[0].transformer_blocks)  # unpatched
+    (editor,) = editors
+    assert stock[0] is not editor.denoiser
+    assert all(twin.data_ptr() == own.data_ptr() for twin, own in zip(stock[0].parameters(),
+                                                                       editor.denoiser.parameters()))
     assert len(compiled) > 1  # and the mask-aware blocks' cores
 
 
@@ -151,10 +174,11 @@ def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
         if not name.startswith("cost_"):
             assert (results / f"{name}.png").stat().st_size > 0 and f"{name}.png" in archived
     # The compile part races the compiled mask-aware step against the compiled stock model (the
-    # baseline users pick), not against eager diffusers.
+    # baseline users pick) as well as eager diffusers, in one run.
     raced = json.loads((results / "step_compiled.json").read_text())
-    assert raced["compiled"] and "torch.compile" in raced["baseline"]
-    assert [row["mode"] for row in raced["results"]] == ["y-cache", "kv-cache"]
+    assert raced["compiled"] and list(raced["baselines"]) == ["eager", "compiled"]
+    assert [(row["mode"], row["baseline"]) for row in raced["results"]] == [
+        ("y-cache", "eager"), ("y-cache", "compiled"), ("kv-cache", "eager"), ("kv-cache", "compiled")]
     assert all(row["full_s"] > 0 and row["mask_aware_s"] > 0 for row in raced["results"])
 
 
@@ -188,3 +212,10 @@ def test_run_gpu_refuses_an_unknown_part(tmp_path):
     done = _run_gpu("kernels", "everything", results=tmp_path)
     assert done.returncode == 2 and "unknown part everything" in done.stdout
     assert not list(tmp_path.glob("*.json"))  # nothing ran
+
+
+def test_run_gpu_refuses_an_unknown_smoke_mode(tmp_path):
+    env = {**os.environ, "RETOUCH_GPU_SMOKE": "yes", "RESULTS": str(tmp_path)}
+    done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), "kernels"], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert done.returncode == 2 and "RETOUCH_GPU_SMOKE is 0" in done.stdout and not list(tmp_path.iterdir())

@@ -375,3 +375,33 @@ def test_exported_folder_is_a_plain_diffusers_folder(tmp_path):
     shutil.rmtree(folder / "tokenizer")  # transformers would quietly load an empty tokenizer instead
     with pytest.raises(ModelError, match="components with no folder: tokenizer"):
         models.load_pipeline(folder)
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_an_unpatched_twin_is_the_stock_model_on_the_patched_models_weights(name):
+    """The bench baselines' denoiser (`unpatched_twin`): the stock class without the adapter's patches,
+    computing what a freshly built stock model does, on the very tensors of the patched model."""
+    from retouch.adapters import patch_flux, patch_sd3, patch_unet
+    from retouch.models.inputs import random_flux_inputs, random_sd3_inputs, random_unet_inputs
+
+    family = models.get_spec(name).family
+    patched = models.build_denoiser(name).eval()
+    patch = {"sd3": patch_sd3}.get(family, patch_unet if family.startswith("sd") else patch_flux)
+    patch(patched)
+    twin = models.unpatched_twin(patched)
+    if family.startswith("flux"):
+        inputs = random_flux_inputs(twin, 2, (4, 4), 8, seed=0)
+    elif family == "sd3":
+        inputs = random_sd3_inputs(twin, 2, (4, 4), 8, seed=0)
+    else:
+        inputs = random_unet_inputs(twin, 2, (64, 64), 8, seed=0)
+    with torch.inference_mode():
+        expected = models.build_denoiser(name).eval()(**inputs)[0]
+        assert torch.equal(twin(**inputs)[0], expected)
+    assert type(twin) is type(patched) and not twin.training
+    patched_blocks = [module for module in patched.modules() if "forward" in module.__dict__]
+    assert patched_blocks and not any("forward" in module.__dict__ for module in twin.modules())
+    assert not any(module._forward_pre_hooks for module in twin.modules())
+    shared = dict(patched.named_parameters()) | dict(patched.named_buffers())
+    for key, tensor in [*twin.named_parameters(), *twin.named_buffers()]:
+        assert tensor.data_ptr() == shared[key].data_ptr() and not tensor.requires_grad

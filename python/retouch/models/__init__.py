@@ -16,7 +16,7 @@ exactly as a downloaded model folder would be.
     quiet.py         silences known diffusers/transformers noise (wrap pipeline calls in it too)
 """
 
-from .builders import build_denoiser, build_pipeline
+from .builders import build_denoiser, build_pipeline, unpatched_twin
 from .export import export_pipeline
 from .loading import LoadedModel, family_of_pipeline, load_pipeline
 from .quiet import quiet_libraries
@@ -35,4 +35,5 @@ __all__ = [
     "list_models",
     "load_pipeline",
     "quiet_libraries",
+    "unpatched_twin",
 ]

@@ -38,6 +38,23 @@ def build_denoiser(
         return _build_denoiser(spec, torch.device(device), dtype)
 
 
+def unpatched_twin(denoiser: torch.nn.Module) -> torch.nn.Module:
+    """A second instance of `denoiser`'s class that shares its parameters and buffers (no memory of its own)
+    but none of its instance state: the stock model next to a patched one (`patch_flux` and the others
+    replace block `forward`s and add hooks on the instance), for a baseline compiled or run eagerly
+    beside the patched model without a second copy of a 24 GB transformer. Its weights never train."""
+    with quiet_libraries(), torch.device("meta"):
+        twin = type(denoiser).from_config(denoiser.config)
+    twin.load_state_dict(denoiser.state_dict(), strict=True, assign=True)
+    # Non-persistent buffers (rotary tables, position ids) are not in a state dict.
+    originals = dict(denoiser.named_buffers())
+    for name, buffer in list(twin.named_buffers()):
+        if buffer.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            twin.get_submodule(owner).register_buffer(leaf, originals[name], persistent=False)
+    return twin.train(denoiser.training).requires_grad_(False)  # an inference baseline
+
+
 def build_pipeline(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DiffusionPipeline:
     """The full diffusers pipeline: seeded random weights, local tokenizers, real scheduler.
 

@@ -1,0 +1,68 @@
+"""The stock baselines every speedup is quoted against, in one run: the unmodified denoiser eager, and under
+torch.compile (whole model: the strongest stock configuration users pick over eager).
+
+Each baseline is an `unpatched_twin` of the pipeline's (patched) denoiser: the stock class, sharing the
+patched model's weights, so a flux-size baseline costs no second 24 GB copy on the device.
+
+    --baselines eager,compiled   the stock variants timed (default: eager; eager,compiled with --compile)
+    --compile                    retouch's side compiled too (the mask-aware blocks' cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from retouch.models import unpatched_twin
+
+BASELINES = ("eager", "compiled")
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile", action="store_true",
+                        help="compile retouch's mask-aware blocks (and time the compiled stock model by default)")
+    parser.add_argument("--baselines", type=baselines_arg, default=None,
+                        help="stock variants to time, comma-separated: eager, compiled "
+                             "(default: eager; eager,compiled with --compile)")
+
+
+def chosen(args: argparse.Namespace) -> tuple[str, ...]:
+    """The baselines `args` asks for (`add_options`), eager first."""
+    if args.baselines is not None:
+        return args.baselines
+    return ("eager", "compiled") if args.compile else ("eager",)
+
+
+def baselines_arg(text: str) -> tuple[str, ...]:
+    """argparse `type` of `--baselines`: names of BASELINES, comma-separated, in BASELINES' order."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or (unknown := set(names) - set(BASELINES)):
+        raise argparse.ArgumentTypeError(f"takes {', '.join(BASELINES)}, comma-separated; got {text!r}")
+    return tuple(name for name in BASELINES if name in names)
+
+
+def denoisers(denoiser: torch.nn.Module, baselines: tuple[str, ...]) -> dict[str, torch.nn.Module]:
+    """The stock denoiser per baseline, sharing `denoiser`'s weights (see the module docstring)."""
+    twin = unpatched_twin(denoiser)
+    return {name: torch.compile(twin) if name == "compiled" else twin for name in baselines}
+
+
+@contextlib.contextmanager
+def swapped(pipe, denoiser: torch.nn.Module) -> Iterator[None]:
+    """`pipe` with `denoiser` as its transformer or UNet, restored after."""
+    name = "unet" if hasattr(pipe, "unet") else "transformer"
+    patched = getattr(pipe, name)
+    pipe.register_modules(**{name: denoiser})
+    try:
+        yield
+    finally:
+        pipe.register_modules(**{name: patched})
+
+
+def describe(baselines: tuple[str, ...], what: str = "the unmodified diffusers denoiser") -> dict[str, str]:
+    """The report's `baselines` entry: what each baseline row ran."""
+    return {name: f"{what}, eager" if name == "eager" else f"{what} under torch.compile (the whole module)"
+            for name in baselines}
