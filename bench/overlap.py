@@ -10,7 +10,9 @@ Variants, timed interleaved in one run (median seconds per image = `--steps` den
 - planned:   host arena + copy engine, block plan from the planner on `--cost-model` (retouch profile)
 - pipelined: host arena + copy engine, every block cached (Fig. 9 middle: bubbles where loads are slow)
 - naive:     host arena, every load issued before the first block and waited for (Fig. 4 left)
-- full:      full compute, no cache (the baseline every speedup is quoted against)
+- full:      full compute, no cache: the stock denoiser eager (an unpatched twin, `retouch.bench.stock`);
+             with `--baselines eager,compiled` also `full-compiled`, the same under torch.compile. Each
+             row's `speedup_vs` holds its speedup against each.
 A GPU benchmark; on the CPU it runs (tests use it at tiny sizes) but copies and compute share cores.
 """
 
@@ -24,6 +26,7 @@ import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext
 from retouch.adapters.reads import staged_context
+from retouch.bench import stock
 from retouch.bench.report import (DTYPE_CHOICES, cost_model_arg, device_arg, json_text, mask_ratio, out_path,
                                   side_pixels, environment)
 from retouch.bench.step import TEXT_TOKENS, flux_setup, write_report
@@ -35,6 +38,7 @@ from retouch.masks import centred_token_rectangle
 from retouch.progress import bar
 
 MODES = {"y": CacheMode.Y_CACHE, "kv": CacheMode.KV_CACHE}
+FULL = {"eager": "full", "compiled": "full-compiled"}  # the variant name of each stock baseline
 RECORDED = {"y": ("out",), "kv": None}
 
 
@@ -52,6 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lookahead", type=int, default=4, help="cached blocks the copy stream may run ahead")
     parser.add_argument("--cost-model", type=cost_model_arg, default=None,
                         help="retouch profile output for the planner")
+    parser.add_argument("--baselines", type=stock.baselines_arg, default=("eager",),
+                        help="full compute eager and/or under torch.compile, comma-separated (default: eager)")
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if min(args.steps, args.repeats, args.lookahead) < 1:
@@ -98,8 +104,9 @@ def main(argv: list[str] | None = None) -> dict:
 
         runs = {"ideal": functools.partial(image, lambda step: build(step, ideal_cache)),
                 "pipelined": functools.partial(image, staged()),
-                "naive": functools.partial(image, staged(sync=True)),
-                "full": lambda: _full_image(transformer, inputs, args.steps)}
+                "naive": functools.partial(image, staged(sync=True))}
+        for baseline, denoiser in stock.denoisers(transformer, args.baselines).items():
+            runs[FULL[baseline]] = functools.partial(_full_image, denoiser, inputs, args.steps)
         if plan is not None:
             runs["planned"] = functools.partial(image, staged(plan))
         with bar(desc="overlap: host cache vs ideal", total=len(runs) * (args.repeats + 1), unit="image") as images:
@@ -107,12 +114,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     ideal = seconds["ideal"]
     results = [{"variant": name, "image_s": value, "vs_ideal": round(value / ideal, 4),
-                "speedup_vs_full": round(seconds["full"] / value, 3)} for name, value in seconds.items()]
+                "speedup_vs": {baseline: round(seconds[FULL[baseline]] / value, 3) for baseline in args.baselines}}
+               for name, value in seconds.items()]
     for row in results:
         print(f"{row['variant']:>10}: {row['image_s']:.4f} s/image, {row['vs_ideal']:.3f}x ideal", file=sys.stderr)
     report = {"bench": "overlap", **environment("overlap", argv, device),
               "model": args.model,
               "dtype": str(dtype).removeprefix("torch."), "cache_mode": args.cache_mode,
+              "baselines": stock.describe(args.baselines),
               "mask_ratio": round(len(masked) / num_image, 4), "steps": args.steps,
               "template_mib": round(store.nbytes("template") / 2**20, 1), "pinned": store.arena.pinned,
               "plan": None if plan is None else "".join("c" if p else "f" for p in plan),

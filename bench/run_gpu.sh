@@ -150,7 +150,8 @@ part_flux() {
   profile "$FLUX" "${PROFILE_FLUX[@]}"
   bench image "image_latency_$FLUX.json" --model "$FLUX" --device "$DEV" $(planner "$FLUX") "${IMAGE[@]}" \
     "${BASELINES[@]}"
-  bench overlap overlap.json --model "$FLUX" --device "$DEV" --mask-ratio 0.2 $(planner "$FLUX") "${OVERLAP[@]}"
+  bench overlap overlap.json --model "$FLUX" --device "$DEV" --mask-ratio 0.2 $(planner "$FLUX") "${OVERLAP[@]}" \
+    "${BASELINES[@]}"
 }
 
 # shellcheck disable=SC2046

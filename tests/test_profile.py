@@ -85,10 +85,17 @@ def test_overlap_bench_compares_every_variant_on_the_cpu(tmp_path):
     run_profile(ProfileOptions(model="tiny-flux-fill", out=cost, **QUICK), torch.device("cpu"), torch.float32,
                 command="test", progress=False)
     report = overlap.main(["--model", "tiny-flux-fill", "--device", "cpu", "--steps", "2", "--repeats", "1",
-                           "--cost-model", str(cost), "--out", str(tmp_path / "overlap.json")])
+                           "--cost-model", str(cost), "--baselines", "compiled,eager",
+                           "--out", str(tmp_path / "overlap.json")])
     variants = {row["variant"]: row for row in report["results"]}
-    assert set(variants) == {"ideal", "planned", "pipelined", "naive", "full"}
+    assert set(variants) == {"ideal", "planned", "pipelined", "naive", "full", "full-compiled"}
     assert variants["ideal"]["vs_ideal"] == 1.0
+    assert list(report["baselines"]) == ["eager", "compiled"]
+    for row in variants.values():  # every variant against both stock baselines, timed in the same run
+        for baseline, full in (("eager", "full"), ("compiled", "full-compiled")):
+            assert row["speedup_vs"][baseline] == pytest.approx(variants[full]["image_s"] / row["image_s"],
+                                                                rel=1e-2, abs=0.005)
+    assert variants["full"]["speedup_vs"]["eager"] == variants["full-compiled"]["speedup_vs"]["compiled"] == 1.0
     assert report["copy"]["bytes"] > 0 and len(report["plan"]) == 3
     assert (tmp_path / "overlap.png").exists() and json.loads((tmp_path / "overlap.json").read_text())
 
