@@ -208,6 +208,20 @@ def test_a_part_stopped_mid_way_still_brings_back_the_steps_it_finished(tmp_path
     assert {"kernels.log", "attention.json", "gather.json"} <= names and "block_latency.json" not in names
 
 
+def test_a_hung_test_run_is_interrupted_reported_and_the_part_goes_on(tmp_path, monkeypatch):
+    """A GPU test that hangs (a stream waiting for an event that never fires) must not take the call's
+    time limit: pytest is interrupted after PYTEST_LIMIT seconds and the step is reported failed."""
+    monkeypatch.setenv("PYTEST_LIMIT", "1")
+    results = tmp_path / "results"
+    python = python_that(tmp_path, "pytest", f"exec {sys.executable} -c \"import signal, sys, time; signal.signal("
+                         "signal.SIGINT, lambda *_: (print('interrupted', flush=True), sys.exit(2))); time.sleep(60)\"")
+    done = _run_gpu("tests", results=results, python=python)
+    assert done.returncode == 1 and "failed parts: tests" in done.stdout, done.stdout[-3000:]
+    log = (results / "tests.log").read_text()
+    assert "interrupted" in log and "== FAILED (exit 124): pytest tests/test_row_copy.py" in log
+    assert "took" in log and log.rstrip().endswith("exit 1")
+
+
 def test_run_gpu_refuses_an_unknown_part(tmp_path):
     done = _run_gpu("kernels", "everything", results=tmp_path)
     assert done.returncode == 2 and "unknown part everything" in done.stdout
