@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     side = resolution // PATCH_PIXELS.get(spec.family, 8)
     print(f"building {args.model} on {device} ({dtype}), {side}x{side} token grid", file=sys.stderr)
     target = build_target(args.model, device, dtype)
-    captured, cache = target.record(args.batch, side, device)
+    captured, cache = target.record(args.batch, side, device, representative_only=True)
     baselines = stock_blocks(target, stock.chosen(args))
     if args.compile:
         target.adapter.compile()

@@ -37,6 +37,28 @@ def test_profile_writes_a_cost_model_the_planner_reads(tmp_path, model, kinds):
     assert len(plan.use_cache) == len(loaded.block_kinds)
 
 
+def test_profile_records_the_timed_blocks_only_and_frees_each_point_before_the_next(tmp_path, monkeypatch):
+    """Device memory at flux-size: a point records only the representative blocks it times, and its
+    recording is gone (no reference left, no garbage collection needed) when the next point records."""
+    import weakref
+
+    from retouch.profile import Target
+
+    recordings, record = [], Target.record
+
+    def tracked(self, *args, **kwargs):
+        assert all(cache() is None for cache in recordings)  # the previous points' recordings are freed
+        captured, cache = record(self, *args, **kwargs)
+        assert {key[2] for key in cache._tensors} == set(self.representative.values())
+        recordings.append(weakref.ref(cache))
+        return captured, cache
+
+    monkeypatch.setattr(Target, "record", tracked)
+    run_profile(ProfileOptions(model="tiny-flux-fill", out=tmp_path / "cost.json", **QUICK), torch.device("cpu"),
+                torch.float32, command="test", progress=False)
+    assert len(recordings) == 6  # 3 grids x 2 batch sizes
+
+
 def test_a_load_fit_that_does_not_grow_with_bytes_is_refused(tmp_path, monkeypatch):
     """A busy machine can time the larger copies faster; the planner must not learn that loads are free."""
     from retouch import profile
