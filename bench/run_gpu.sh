@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure of retouch, in parts that each fit one 10-minute call of a lent GPU machine.
 #
-#   bench/run_gpu.sh PART...        PART: tests kernels flux unet throughput serving compile lora | all
+#   bench/run_gpu.sh PART...        PART: tests kernels flux unet throughput serving compile step lora | all
 #
 #   tests    build retouch._C with CUDA, run the test suite on the GPU (kernels, adapters, engine)
 #   kernels  attention.json (ragged attention vs SDPA/FlexAttention/flash-attn), gather.json (host->device
@@ -12,8 +12,9 @@
 #   throughput  throughput.json (Fig. 14: images/s vs batch size, retouch vs the diffusers pipeline)
 #   serving  serving.json (Fig. 12: mean and p95 latency vs Poisson RPS, retouch vs diffusers static batching)
 #   compile  the compile, host-sync and CUDA-graph tests on the GPU; overhead_flux-size.json (host time and ops
-#            per forward, eager and compiled, vs the compiled stock model); step_compiled.json (one step,
-#            compiled mask-aware blocks vs the compiled stock model)
+#            per forward, eager and compiled, vs the compiled stock model)
+#   step     step_compiled.json (one flux-size step, compiled mask-aware blocks vs the stock model eager and
+#            compiled; its own part: compiling flux-size twice would not fit beside the compile part)
 #   lora     the LoRA tests on the GPU (Triton segmented kernel, loader stream and events); lora_flux-small.json
 #            (step overhead of 1 and 8 adapters, sync vs async loading of a 280 MiB adapter)
 #
@@ -66,8 +67,7 @@ if [ "$SMOKE" != 0 ]; then
   OVERHEAD=(--grid 2 --text-tokens 2 --mask-ratios 0.2 --repeats 1) STEP=(--mask-ratio 0.2 --repeats 1)
   LORA_MODEL=tiny-flux-fill LORA=(--batch 2 --rank 4 --resolution 64 --repeats 1 --load-rank 8 --engine-resolution 64 --steps 2
     --load-repeats 1)
-  # Eager baselines only: the compiled stock model's glue has its own tests and runs in the compile part's
-  # step race, and each whole-model compile would cost the smoke tens of seconds.
+  # Eager baselines only: the compiled stock model's glue has its own tests and runs in the step part, and each whole-model compile would cost the smoke tens of seconds.
   BASELINES=()
   if [ "$SMOKE" = 1 ]; then
     device=cpu-smoke DEV=cpu
@@ -187,6 +187,9 @@ part_compile() {
   fi
   # The narrow model (flux-size depth, tiny width) in both modes: host time is what it measures.
   bench overhead overhead_flux-size.json --model flux-size --device "$DEV" "${OVERHEAD[@]}"
+}
+
+part_step() {
   bench step step_compiled.json --model "$FLUX" --device "$DEV" --compile "${STEP[@]}"
 }
 
@@ -198,9 +201,9 @@ part_lora() {
 }
 
 parts=("$@")
-[ "${parts[*]}" = all ] && parts=(tests kernels flux unet throughput serving compile lora)
+[ "${parts[*]}" = all ] && parts=(tests kernels flux unet throughput serving compile step lora)
 for part in "${parts[@]}"; do
-  declare -F "part_$part" >/dev/null || { echo "unknown part $part (tests kernels flux unet throughput serving compile lora all)"; exit 2; }
+  declare -F "part_$part" >/dev/null || { echo "unknown part $part (tests kernels flux unet throughput serving compile step lora all)"; exit 2; }
 done
 build
 failed=()
