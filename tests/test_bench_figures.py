@@ -79,6 +79,16 @@ def test_image_latency_at_a_strength_runs_its_last_steps_and_refuses_less_than_o
     assert "--strengths: strength 0.2 of 4 steps is less than one step's worth" in capsys.readouterr().err
 
 
+def test_image_latency_stores_the_template_in_the_cache_dtype_asked_for():
+    """--cache-dtype float8_e4m3fn: half the bytes of bf16 (a 28-step KV-cache flux-size template fits a
+    128 GiB machine), a quarter of fp32 (here) plus its per-row scales."""
+    common = ["--model", "tiny-flux-fill", "--steps", "2", "--repeats", "1", "--mask-ratios", "0.2", "--modes", "kv"]
+    full = image.main(common)["cache"]
+    fp8 = image.main([*common, "--cache-dtype", "float8_e4m3fn"])["cache"]
+    assert (full["dtype"], fp8["dtype"]) == ("auto", "float8_e4m3fn")
+    assert 0.25 < fp8["template_bytes"] / full["template_bytes"] < 0.3
+
+
 def test_image_latency_compiled_races_eager_and_compiled_stock_in_one_run(monkeypatch):
     """`--compile`: the mask-aware edit runs compiled blocks, against two baselines timed in the same run:
     the pipeline with an unpatched twin of its denoiser eager and under torch.compile (whole model); the
