@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU figure of retouch, in parts that each fit one 10-minute call of a lent GPU machine.
 #
-#   bench/run_gpu.sh PART...        PART: tests kernels flux unet throughput serving compile step lora | all
+#   bench/run_gpu.sh PART...        PART: tests headline kernels flux unet throughput serving compile step lora | all
 #
 #   tests    build retouch._C with CUDA, run the test suite on the GPU (kernels, adapters, engine)
+#   headline the GPU issue's first target: flux-size at 1024 px, 28 steps, m = 0.2, cache in pinned host memory,
+#            against the stock pipeline eager and compiled: image_latency_flux-size_28_y.json (Y-cache, bf16:
+#            ~41 GiB pinned) and image_latency_flux-size_28_kv_fp8.json (KV-cache in float8: ~62 GiB; bf16
+#            would need ~124 GiB of the machine's 128)
 #   kernels  attention.json (ragged attention vs SDPA/FlexAttention/flash-attn), gather.json (host->device
 #            gather vs one contiguous copy), block_latency.json (one Flux block, Fig. 15 left)
 #   flux     cost_flux-size.json (retouch profile), image_latency_flux-size.json (Fig. 15 right, y/kv-cache,
@@ -65,6 +69,7 @@ if [ "$SMOKE" != 0 ]; then
   OVERLAP=(--steps 2 --repeats 1) THROUGHPUT=(--steps 2 --size 64 --batch-sizes 1 2 --repeats 1)
   SERVING=(--steps 2 --size 64 --rps 2 --requests 4)
   OVERHEAD=(--grid 2 --text-tokens 2 --mask-ratios 0.2 --repeats 1) STEP=(--mask-ratio 0.2 --repeats 1)
+  HEADLINE=(--steps 2 --repeats 1)
   LORA_MODEL=tiny-flux-fill LORA=(--batch 2 --rank 4 --resolution 64 --repeats 1 --load-rank 8 --engine-resolution 64 --steps 2
     --load-repeats 1)
   # Eager baselines only: the compiled stock model's glue has its own tests and runs in the step part, and each whole-model compile would cost the smoke tens of seconds.
@@ -82,7 +87,7 @@ else
   SERVING=(--size 1024 --steps 8 --max-batch 8 --rps 0.5 1 2 4 --requests 16)
   PROFILE_FLUX=(--grids 16,32,48,64 --batch-sizes 1,2,4 --mask-ratios 0.1,0.3,0.6,1.0 --load-mib 1,16,64,256)
   PROFILE_UNET=(--grids 32,64,96,128 --batch-sizes 1,2,4)
-  OVERHEAD=(--compile) STEP=(--mask-ratio 0.1,0.2,0.5)
+  OVERHEAD=(--compile) STEP=(--mask-ratio 0.1,0.2,0.5) HEADLINE=(--steps 28 --baselines eager,compiled)
   LORA_MODEL=flux-small LORA=(--resolution 512 --engine-resolution 1024 --steps 28)
 fi
 RESULTS=${RESULTS:-bench/results/$device}
@@ -137,6 +142,14 @@ part_tests() {
   pytest_gpu tests/test_row_copy.py tests/test_row_copy_triton.py tests/test_host_gather.py \
     tests/test_host_arena.py tests/test_ragged_attention.py tests/test_ops.py tests/test_adapter_flux.py \
     tests/test_adapter_unet.py tests/test_cache_store.py tests/test_editor_cache.py tests/test_host_tables.py
+}
+
+# shellcheck disable=SC2046
+part_headline() {
+  bench image "image_latency_${FLUX}_28_y.json" --model "$FLUX" --device "$DEV" --mask-ratios 0.2 --modes y \
+    $(planner "$FLUX") "${HEADLINE[@]}"
+  bench image "image_latency_${FLUX}_28_kv_fp8.json" --model "$FLUX" --device "$DEV" --mask-ratios 0.2 --modes kv \
+    --cache-dtype float8_e4m3fn $(planner "$FLUX") "${HEADLINE[@]}"
 }
 
 part_kernels() {
@@ -201,9 +214,9 @@ part_lora() {
 }
 
 parts=("$@")
-[ "${parts[*]}" = all ] && parts=(tests kernels flux unet throughput serving compile step lora)
+[ "${parts[*]}" = all ] && parts=(tests headline kernels flux unet throughput serving compile step lora)
 for part in "${parts[@]}"; do
-  declare -F "part_$part" >/dev/null || { echo "unknown part $part (tests kernels flux unet throughput serving compile step lora all)"; exit 2; }
+  declare -F "part_$part" >/dev/null || { echo "unknown part $part (tests headline kernels flux unet throughput serving compile step lora all)"; exit 2; }
 done
 build
 failed=()

@@ -163,14 +163,14 @@ def python_that(tmp_path: Path, module: str, action: str) -> Path:
 def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
     results, out = tmp_path / "results", tmp_path / "out"
     out.mkdir()
-    done = _run_gpu("kernels", "flux", "unet", "throughput", "serving", "compile", "step", "lora", results=results,
-                    out=out)
+    done = _run_gpu("headline", "kernels", "flux", "unet", "throughput", "serving", "compile", "step", "lora",
+                    results=results, out=out)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    expected = ["attention", "gather", "block_latency", "cost_tiny-flux-fill", "image_latency_tiny-flux-fill", "overlap",
+    expected = ["image_latency_tiny-flux-fill_28_y", "image_latency_tiny-flux-fill_28_kv_fp8", "attention", "gather", "block_latency", "cost_tiny-flux-fill", "image_latency_tiny-flux-fill", "overlap",
                 "cost_tiny-sdxl-inpaint", "image_latency_tiny-sdxl-inpaint", "throughput", "serving",
                 "overhead_flux-size", "step_compiled", "lora_tiny-flux-fill"]
     # The device tool brings back at most 8 files from $OUT: one archive per part, holding its log and results.
-    parts = ("kernels", "flux", "unet", "throughput", "serving", "compile", "step", "lora")
+    parts = ("headline", "kernels", "flux", "unet", "throughput", "serving", "compile", "step", "lora")
     assert sorted(path.name for path in out.iterdir()) == sorted(f"{part}.tgz" for part in parts)
     archived = {}
     for part in parts:
@@ -184,6 +184,11 @@ def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
         assert report and archived[f"{name}.json"] == (results / f"{name}.json").read_bytes()
         if not name.startswith("cost_"):
             assert (results / f"{name}.png").stat().st_size > 0 and f"{name}.png" in archived
+    # The headline part: Y-cache in the model's dtype, KV-cache in float8 (what fits the machine at 28 steps).
+    for mode, dtype in (("y", "auto"), ("kv_fp8", "float8_e4m3fn")):
+        headline = json.loads((results / f"image_latency_tiny-flux-fill_28_{mode}.json").read_text())
+        assert headline["cache"]["dtype"] == dtype and {row["mask_ratio"] for row in headline["results"]} == {0.1875}
+        assert {row["mode"] for row in headline["results"]} == {"y-cache" if mode == "y" else "kv-cache"}
     # The step part races the compiled mask-aware step against the compiled stock model (the
     # baseline users pick) as well as eager diffusers, in one run.
     raced = json.loads((results / "step_compiled.json").read_text())
