@@ -540,9 +540,9 @@ def test_progress_counts_the_workers_denoiser_calls(context, make_router):
     w0.send({"kind": "progress", "template": "t1", "step": 4, "steps": 5})
     w0.sync()
     assert router.template("t1")["progress"]["step"] == 2  # 4 of 5 calls: 2 of its 3 steps done
-    w0.send({"kind": "template", "template": "t1", "ok": True})
     seen: list[dict] = []
-    [request], [future] = router.submit_many([task()], on_event=lambda rid, event: seen.append(event))
+    [request], [future] = router.submit_many([task()], on_event=lambda rid, event: seen.append(event))  # parked
+    w0.send({"kind": "template", "template": "t1", "ok": True})  # sent after the edit: it was parked, always
     assert w0.receive("edit")["request"] == request
     w0.send({"kind": "progress", "request": request, "step": 4, "steps": 5})
     w0.sync()
