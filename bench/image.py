@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
         for strength in args.strengths:  # the full pipeline once per strength: its cost does not depend on the mask
             first = next(request for (of, _), request in requests.items() if of == strength)
             for baseline, denoiser in baselines.items():
-                runs[baseline, strength] = functools.partial(full_edit, editor, first, denoiser)
+                runs[baseline, strength] = functools.partial(stock.full_edits, editor, [first], denoiser)
         plans = {}
         for key, request in requests.items():
             runs[key] = functools.partial(editor.edit_many, [request])
@@ -165,12 +165,6 @@ def main(argv: list[str] | None = None) -> dict:
               "cost_model": str(args.cost_model) if args.cost_model else None, "results": results}
     store.close()
     return publish(report, args.out, _plot)
-
-
-def full_edit(editor: MaskAwareEditor, request: EditRequest, denoiser: torch.nn.Module) -> None:
-    """The unmodified pipeline's edit (`full_compute`) with `denoiser`, a stock baseline, as its denoiser."""
-    with stock.swapped(editor.pipe, denoiser):
-        editor.edit_many([request], full_compute=True)
 
 
 def _host_bytes(args, model, resolution: int, recorded_mode: str) -> int:

@@ -253,8 +253,8 @@ class _StaticLoop:
                 batch = [self._waiting.popleft() for _ in range(min(self.max_batch, len(self._waiting)))]
             self.batch_sizes.append(len(batch))
             try:
-                with stock.swapped(self.editor.pipe, self.denoiser):  # the engine is idle: systems run in turn
-                    self.editor.edit_many([request for request, _ in batch], full_compute=True)
+                # The engine is idle meanwhile (systems run in turn), so swapping the pipeline's denoiser is safe.
+                stock.full_edits(self.editor, [request for request, _ in batch], self.denoiser)
             except Exception as exc:  # the batch's requests fail; the loop goes on
                 for _, future in batch:
                     future.set_exception(exc)

@@ -62,6 +62,13 @@ def swapped(pipe, denoiser: torch.nn.Module) -> Iterator[None]:
         pipe.register_modules(**{name: patched})
 
 
+def full_edits(editor, requests, denoiser: torch.nn.Module) -> None:
+    """The unmodified pipeline's edits of `requests` as one static batch (`edit_many(..., full_compute=True)`)
+    with `denoiser`, a stock baseline, as its denoiser."""
+    with swapped(editor.pipe, denoiser):
+        editor.edit_many(requests, full_compute=True)
+
+
 def describe(baselines: tuple[str, ...], what: str = "the unmodified diffusers denoiser") -> dict[str, str]:
     """The report's `baselines` entry: what each baseline row ran."""
     return {name: f"{what}, eager" if name == "eager" else f"{what} under torch.compile (the whole module)"

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
         requests = [edit.request for edit in edits[:batch_size]]
         runs = {"retouch": functools.partial(editor.edit_many, requests)}
         for baseline, denoiser in baselines.items():
-            runs[baseline] = functools.partial(stock_edits, editor, requests, denoiser)
+            runs[baseline] = functools.partial(stock.full_edits, editor, requests, denoiser)
         seconds = interleaved_medians(runs, args.repeats, device, progress=batches)
         cached_blocks = editor.last_plan.num_cached if editor.last_plan is not None else None
         for baseline in baselines:
@@ -95,12 +95,6 @@ def main(argv: list[str] | None = None) -> dict:
               "speedup_at_max_batch": {row["baseline"]: row["speedup"] for row in results
                                        if row["batch_size"] == largest}}
     return publish(report, args.out, _plot)
-
-
-def stock_edits(editor, requests, denoiser) -> None:
-    """The stock pipeline's static batch (`full_compute`) with `denoiser`, a stock baseline."""
-    with stock.swapped(editor.pipe, denoiser):
-        editor.edit_many(requests, full_compute=True)
 
 
 def _plot(report: dict, out: Path) -> None:
