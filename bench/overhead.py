@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 
 from retouch.bench.report import device_arg, environment, mask_ratios, out_path, publish, pyplot
+from retouch.bench.trace import is_top_level_op
 from retouch.errors import ArgumentParser
 from retouch.host_syncs import counting_host_syncs
 from retouch.models import build_denoiser
 from retouch.profile import VARIANTS, build_target
 from retouch.progress import bar
 
-OP_NAMESPACES = ("aten::", "retouch::")
 MASK_AWARE = ("y", "kv")
 
 
@@ -169,16 +169,7 @@ def count_ops(run) -> int:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run()
-    return sum(1 for event in prof.events() if event.name.startswith(OP_NAMESPACES) and not inside_op(event))
-
-
-def inside_op(event) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name.startswith(OP_NAMESPACES):
-            return True
-        parent = parent.cpu_parent
-    return False
+    return sum(1 for event in prof.events() if is_top_level_op(event))
 
 
 def summary(rows: list[dict]) -> dict:

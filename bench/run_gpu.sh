@@ -18,7 +18,9 @@
 #   compile  the compile, host-sync and CUDA-graph tests on the GPU; overhead_flux-size.json (host time and ops
 #            per forward, eager and compiled, vs the compiled stock model)
 #   step     step_compiled.json (one flux-size step, compiled mask-aware blocks vs the stock model eager and
-#            compiled; its own part: compiling flux-size twice would not fit beside the compile part)
+#            compiled; its own part: compiling flux-size twice would not fit beside the compile part), with a
+#            profiled call of each variant at m = 0.2: device busy and idle time, and Chrome traces
+#            (step_compiled_trace_*.json.gz)
 #   lora     the LoRA tests on the GPU (Triton segmented kernel, loader stream and events); lora_flux-small.json
 #            (step overhead of 1 and 8 adapters, sync vs async loading of a 280 MiB adapter)
 #
@@ -104,7 +106,8 @@ build() {
 
 archive() {  # the running part's log and results so far, as $OUT/PART.tgz (see the loop below)
   [ -n "${OUT:-}" ] || return 0
-  find "$RESULTS" -maxdepth 1 -newer "$RESULTS/.started-$part" \( -name '*.json' -o -name '*.png' \) -printf '%f\n' |
+  find "$RESULTS" -maxdepth 1 -newer "$RESULTS/.started-$part" \( -name '*.json' -o -name '*.png' -o -name '*.json.gz' \) \
+    -printf '%f\n' |
     sort | tar -czf "$OUT/$part.tgz" -C "$RESULTS" "$part.log" -T -
 }
 
@@ -203,7 +206,7 @@ part_compile() {
 }
 
 part_step() {
-  bench step step_compiled.json --model "$FLUX" --device "$DEV" --compile "${STEP[@]}"
+  bench step step_compiled.json --model "$FLUX" --device "$DEV" --compile --trace "${STEP[@]}"
 }
 
 part_lora() {

@@ -9,7 +9,8 @@ times only from a GPU). Each row is quoted against one stock baseline (`baseline
 eager,compiled` times both in one run, `retouch.bench.stock`). `--compile` compiles the mask-aware blocks
 (`MaskAwareAdapter.compile`) and adds the compiled stock model (an unpatched twin under torch.compile,
 what users pick over eager) by default; compilation happens in the warm-up, outside the timed runs.
-Progress goes to stderr.
+`--trace` then profiles one call of each variant at the ratio nearest 0.2 (`retouch.bench.trace`: device
+busy and idle time, kernels, host ops, top ops; Chrome traces beside `--out`). Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from retouch.bench import stock
 from retouch.bench.report import (DTYPE_CHOICES, device_arg, json_text, mask_ratios, out_path, pyplot, side_pixels,
                                   write_json, environment)
 from retouch.bench.timing import interleaved_medians
+from retouch.bench.trace import traced
 from retouch.cache import InMemoryActivationCache
 from retouch.errors import ArgumentParser
 from retouch.masks import centred_token_rectangle
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
                         help="default: bfloat16 on cuda, float32 on cpu")
     stock.add_options(parser)
+    parser.add_argument("--trace", action="store_true",
+                        help="profile one call per variant at the ratio nearest 0.2 (traces beside --out)")
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compile:
         adapter.compile()
     num_image = grid[0] * grid[1]
-    results = []
+    results, runs_at = [], {}
     with torch.inference_mode():
         ratios = bar(args.ratios, "step: full vs y/kv-cache", unit="ratio")
         for ratio in ratios:
@@ -95,17 +99,22 @@ def main(argv: list[str] | None = None) -> dict:
                                                 device=device)
                 runs[mode] = functools.partial(run_with, adapter, context, transformer, inputs)
             seconds = interleaved_medians(runs, args.repeats, device)
+            runs_at[round(len(masked) / num_image, 4)] = runs
             rows = [{"mask_ratio": round(len(masked) / num_image, 4), "mode": mode, "baseline": baseline,
                      "masked_tokens": len(masked), "full_s": seconds[baseline], "mask_aware_s": seconds[mode],
                      "speedup": round(seconds[baseline] / seconds[mode], 3)} for mode in MODES for baseline in baselines]
             results += rows
             ratios.set_postfix_str(f"m={rows[0]['mask_ratio']}: " + ", ".join(
                 f"{row['mode']} {row['speedup']}x vs {row['baseline']}" for row in rows), refresh=False)
-
+        if args.trace:
+            traced_ratio = min(runs_at, key=lambda ratio: abs(ratio - 0.2))
+            traces = {"mask_ratio": traced_ratio, "variants": traced(runs_at[traced_ratio], device, args.out)}
     report = {"bench": "step", **environment("step", argv, device),
               "model": args.model, "compiled": args.compile, "baselines": stock.describe(tuple(baselines)),
               "dtype": str(dtype).removeprefix("torch."), "image_tokens": num_image, "text_tokens": num_text,
               "results": results}
+    if args.trace:
+        report["traces"] = traces
     if args.out:
         write_report(report, args.out, "speedup", "speedup vs full compute")
     print(json_text(report))

@@ -256,3 +256,43 @@ def test_benchmark_json_is_strict_json(tmp_path):
     for text in ((tmp_path / "r.json").read_text(), json_text(report)):
         assert json.loads(text, parse_constant=refuse) == {"psnr_db": None, "nested": [{"x": None}, [1.5, None]],
                                                             "n": 3}
+
+
+def test_step_trace_profiles_each_variant_once_and_writes_its_chrome_trace(tmp_path):
+    import gzip
+
+    report = step.main(["--model", "tiny-flux-fill", "--mask-ratio", "0.5,0.25", "--repeats", "1", "--trace",
+                        "--out", str(tmp_path / "s.json")])
+    traces = report["traces"]
+    assert traces["mask_ratio"] == 0.25  # the timed ratio nearest 0.2
+    assert set(traces["variants"]) == {"eager", "y-cache", "kv-cache"}
+    for name, summary in traces["variants"].items():
+        assert summary["wall_ms"] > 0 and summary["host_ops"] > 0 and summary["kernels"] == 0  # a CPU: no device
+        assert summary["device_busy_ms"] is None and summary["device_idle_share"] is None
+        assert 0 < len(summary["top"]) <= 5 and sum(op["share"] for op in summary["top"]) <= 1.0001
+        with gzip.open(tmp_path / summary["trace"]) as trace:
+            assert json.load(trace)["traceEvents"]
+    # The masked forwards issue fewer ops than the stock one.
+    assert traces["variants"]["y-cache"]["host_ops"] < traces["variants"]["eager"]["host_ops"]
+
+
+def test_device_busy_time_counts_overlapping_streams_once():
+    """A kernel on the compute stream and a copy on the copy stream that overlap are one busy interval;
+    the gaps between are the device waiting for the host."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from retouch.bench import trace
+
+    def event(name, start, end, device_type=DeviceType.CUDA):
+        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, time_range=span, device_type=device_type, cpu_parent=None,
+                               cpu_time_total=end - start)
+
+    events = [event("gemm", 0, 400), event("copy", 300, 600), event("gemm", 800, 1000),
+              event("aten::linear", 0, 50, DeviceType.CPU)]
+    summary = trace.summarize(events, wall_s=1e-3, device=torch.device("cuda"))
+    assert summary["device_busy_ms"] == 0.8 and summary["device_idle_share"] == 0.2
+    assert summary["kernels"] == 3 and summary["host_ops"] == 1
+    assert summary["top"][0] == {"name": "gemm", "ms": 0.6, "share": 0.6667}

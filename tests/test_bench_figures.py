@@ -196,6 +196,11 @@ def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
     assert [(row["mode"], row["baseline"]) for row in raced["results"]] == [
         ("y-cache", "eager"), ("y-cache", "compiled"), ("kv-cache", "eager"), ("kv-cache", "compiled")]
     assert all(row["full_s"] > 0 and row["mask_aware_s"] > 0 for row in raced["results"])
+    # ... and profiles one call of each variant: its summary in the JSON, its Chrome trace in the archive.
+    assert set(raced["traces"]["variants"]) == {"eager", "compiled", "y-cache", "kv-cache"}
+    assert {summary["trace"] for summary in raced["traces"]["variants"].values()} == {
+        f"step_compiled_trace_{variant}.json.gz" for variant in ("eager", "compiled", "y-cache", "kv-cache")
+    } <= set(archived)
 
 
 def test_a_failed_step_fails_its_part_and_the_steps_after_it_still_run(tmp_path):

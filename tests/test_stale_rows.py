@@ -9,7 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from forward_cases import FAMILY_MODELS, Forwards
 from retouch.adapters.context import CacheMode, MaskAwareContext
-from retouch.bench.overhead import inside_op
+from retouch.bench.trace import is_top_level_op
 from retouch.cache.base import InMemoryActivationCache
 from retouch.masks import centred_token_rectangle
 from retouch.profile import build_target
@@ -33,7 +33,7 @@ def _clones(target, context, batch: int = 1) -> int:
     inputs = target.inputs(batch, 4)
     with torch.inference_mode(), target.adapter.run(context), profile(activities=[ProfilerActivity.CPU]) as prof:
         target.denoiser(**inputs)
-    return sum(event.name == "aten::clone" and not inside_op(event) for event in prof.events())
+    return sum(event.name == "aten::clone" and is_top_level_op(event) for event in prof.events())
 
 
 def _copies_expected(adapter) -> int:
