@@ -13,8 +13,8 @@ masks are centred rectangles of tokens covering each ratio. Per mode, the full p
 ratio's edit are timed interleaved. `--strengths` runs them at each denoising strength (`retouch.strength`:
 the last steps x S of the schedule, from the template noised with the edit's noise; the full pipeline at S
 is diffusers' own), all interleaved. Prints one JSON object
-`{"model", "device", "results": [{"strength", "steps_run", "mask_ratio", "mode", "full_s", "mask_aware_s",
-"speedup"}], ...}`;
+`{"model", "device", "results": [{"strength", "steps_run", "mask_ratio", "mode", "baseline", "full_s",
+"mask_aware_s", "speedup"}], ...}`;
 `--out F.json` also writes F.png. Each row is quoted against one stock baseline (`baseline`), and
 `--baselines eager,compiled` times both in the same run (`retouch.bench.stock`: the pipeline with an
 unpatched twin of its denoiser, eager and under torch.compile). `--compile` compiles the mask-aware blocks

@@ -74,7 +74,8 @@ if [ "$SMOKE" != 0 ]; then
   HEADLINE=(--steps 2 --repeats 1)
   LORA_MODEL=tiny-flux-fill LORA=(--batch 2 --rank 4 --resolution 64 --repeats 1 --load-rank 8 --engine-resolution 64 --steps 2
     --load-repeats 1)
-  # Eager baselines only: the compiled stock model's glue has its own tests and runs in the step part, and each whole-model compile would cost the smoke tens of seconds.
+  # Eager baselines only: the compiled stock model's glue has its own tests and runs in the step part, and
+  # each whole-model compile would cost the smoke tens of seconds.
   BASELINES=()
   if [ "$SMOKE" = 1 ]; then
     device=cpu-smoke DEV=cpu
@@ -219,7 +220,10 @@ part_lora() {
 parts=("$@")
 [ "${parts[*]}" = all ] && parts=(tests headline kernels flux unet throughput serving compile step lora)
 for part in "${parts[@]}"; do
-  declare -F "part_$part" >/dev/null || { echo "unknown part $part (tests headline kernels flux unet throughput serving compile step lora all)"; exit 2; }
+  declare -F "part_$part" >/dev/null || {
+    echo "unknown part $part (tests headline kernels flux unet throughput serving compile step lora all)"
+    exit 2
+  }
 done
 build
 failed=()

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
             runs_at[round(len(masked) / num_image, 4)] = runs
             rows = [{"mask_ratio": round(len(masked) / num_image, 4), "mode": mode, "baseline": baseline,
                      "masked_tokens": len(masked), "full_s": seconds[baseline], "mask_aware_s": seconds[mode],
-                     "speedup": round(seconds[baseline] / seconds[mode], 3)} for mode in MODES for baseline in baselines]
+                     "speedup": round(seconds[baseline] / seconds[mode], 3)}
+                    for mode in MODES for baseline in baselines]
             results += rows
             ratios.set_postfix_str(f"m={rows[0]['mask_ratio']}: " + ", ".join(
                 f"{row['mode']} {row['speedup']}x vs {row['baseline']}" for row in rows), refresh=False)
@@ -132,7 +133,8 @@ def write_report(report: dict, out: Path, metric: str, label: str) -> None:
         rows = [row for row in report["results"] if (row["mode"], row.get("baseline")) == line]
         mode, baseline = line
         axis.plot([row["mask_ratio"] for row in rows], [row[metric] for row in rows], marker="o",
-                  linestyle="--" if baseline == "compiled" else "-", label=mode + (f" vs {baseline}" if baseline else ""))
+                  linestyle="--" if baseline == "compiled" else "-",
+                  label=mode + (f" vs {baseline}" if baseline else ""))
     axis.set_xlabel("mask ratio")
     axis.set_ylabel(label)
     axis.set_title(f"{report['bench']}: {report['model']} on {report.get('device_name', 'cpu')}")

@@ -39,7 +39,7 @@ def chosen(args: argparse.Namespace) -> tuple[str, ...]:
 def baselines_arg(text: str) -> tuple[str, ...]:
     """argparse `type` of `--baselines`: names of BASELINES, comma-separated, in BASELINES' order."""
     names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names or (unknown := set(names) - set(BASELINES)):
+    if not names or set(names) - set(BASELINES):
         raise argparse.ArgumentTypeError(f"takes {', '.join(BASELINES)}, comma-separated; got {text!r}")
     return tuple(name for name in BASELINES if name in names)
 
@@ -53,7 +53,7 @@ def denoisers(denoiser: torch.nn.Module, baselines: tuple[str, ...]) -> dict[str
 @contextlib.contextmanager
 def swapped(pipe, denoiser: torch.nn.Module) -> Iterator[None]:
     """`pipe` with `denoiser` as its transformer or UNet, restored after."""
-    name = "unet" if hasattr(pipe, "unet") else "transformer"
+    name = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
     patched = getattr(pipe, name)
     pipe.register_modules(**{name: denoiser})
     try:

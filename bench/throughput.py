@@ -110,9 +110,11 @@ def _plot(report: dict, out: Path) -> None:
               label="retouch" + (" (compiled)" if report["compiled"] else ""))
     for baseline in baselines:
         rows = [row for row in results if row["baseline"] == baseline]
-        axis.plot(batch_sizes, [row["diffusers_images_per_s"] for row in rows], marker="o", label=f"diffusers {baseline}")
+        axis.plot(batch_sizes, [row["diffusers_images_per_s"] for row in rows], marker="o",
+                  label=f"diffusers {baseline}")
     for row in ours:
-        speedups = " / ".join(f"{other['speedup']:.2f}x" for other in results if other["batch_size"] == row["batch_size"])
+        speedups = " / ".join(f"{other['speedup']:.2f}x" for other in results
+                              if other["batch_size"] == row["batch_size"])
         axis.annotate(speedups, (row["batch_size"], row["retouch_images_per_s"]),
                       textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     axis.set_xscale("log", base=2)

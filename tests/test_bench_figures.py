@@ -166,7 +166,8 @@ def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
     done = _run_gpu("headline", "kernels", "flux", "unet", "throughput", "serving", "compile", "step", "lora",
                     results=results, out=out)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    expected = ["image_latency_tiny-flux-fill_28_y", "image_latency_tiny-flux-fill_28_kv_fp8", "attention", "gather", "block_latency", "cost_tiny-flux-fill", "image_latency_tiny-flux-fill", "overlap",
+    expected = ["image_latency_tiny-flux-fill_28_y", "image_latency_tiny-flux-fill_28_kv_fp8", "attention", "gather",
+                "block_latency", "cost_tiny-flux-fill", "image_latency_tiny-flux-fill", "overlap",
                 "cost_tiny-sdxl-inpaint", "image_latency_tiny-sdxl-inpaint", "throughput", "serving",
                 "overhead_flux-size", "step_compiled", "lora_tiny-flux-fill"]
     # The device tool brings back at most 8 files from $OUT: one archive per part, holding its log and results.
