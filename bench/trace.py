@@ -52,7 +52,7 @@ def traced(runs: dict[str, Callable[[], None]], device: torch.device, out: Path 
 
 def summarize(events, wall_s: float, device: torch.device) -> dict:
     on_device = [event for event in events if event.device_type == DeviceType.CUDA]
-    busy_us = _union_us([(event.time_range.start, event.time_range.end) for event in on_device])
+    busy_us = covered_us([(event.time_range.start, event.time_range.end) for event in on_device])
     host_ops = [event for event in events
                 if is_top_level_op(event) and event.device_type == DeviceType.CPU]
     timed = on_device if device.type == "cuda" else host_ops
@@ -74,7 +74,8 @@ def trace_path(out: Path, variant: str) -> Path:
     return out.with_name(f"{out.stem}_trace_{re.sub(r'[^A-Za-z0-9.]+', '-', variant)}.json.gz")
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
+def covered_us(intervals: list[tuple[float, float]]) -> float:
+    """The time at least one of `intervals` (start, end) covers."""
     total, end = 0.0, float("-inf")
     for start, stop in sorted(intervals):
         if stop <= end:

@@ -4,6 +4,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from retouch.bench import fidelity, flops, lora, mixed, overhead, step
 
@@ -296,3 +298,14 @@ def test_device_busy_time_counts_overlapping_streams_once():
     assert summary["device_busy_ms"] == 0.8 and summary["device_idle_share"] == 0.2
     assert summary["kernels"] == 3 and summary["host_ops"] == 1
     assert summary["top"][0] == {"name": "gemm", "ms": 0.6, "share": 0.6667}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 60)), max_size=12))
+def test_busy_time_is_the_measure_of_the_union_of_the_intervals(spans):
+    """Whatever streams overlap, nest or touch: the busy time is the time at least one interval covers."""
+    from retouch.bench.trace import covered_us
+
+    intervals = [(float(start), float(start + length)) for start, length in spans]
+    covered = {tick for start, length in spans for tick in range(start, start + length)}
+    assert covered_us(intervals) == len(covered)
