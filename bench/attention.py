@@ -1,4 +1,4 @@
-"""Ragged attention benchmark: the Triton kernel against SDPA, FlexAttention and flash-attn varlen.
+"""Ragged attention benchmark: the Triton kernel against SDPA, FlexAttention and varlen flash attention.
 
 Baselines run in the same process, on the same inputs, timed round-robin with the kernel.
 
@@ -19,6 +19,8 @@ case serving sees). Methods:
   CUDA, with dynamic shapes by default (a few compiles in all instead of one per point); eager on
   the CPU, where it materialises the scores.
 - flash_attn_varlen: `flash_attn_varlen_func` on the packed layout, where flash-attn imports (CUDA, 16-bit).
+- torch_varlen: `torch.nn.attention.varlen.varlen_attn` on the packed layout (torch's own flash kernels,
+  CUDA, 16-bit): the varlen baseline of a machine without flash-attn (the GPU machines' image has none).
 Each output is compared with `ragged_attention_ref` (fp32 math) before timing, against flash-attention's
 tolerance rule: twice the error of the same math in the input dtype plus twice the output rounding.
 TFLOP/s counts useful work only (4 * heads * head_dim * sum of n_q * n_k), the same for every method.
@@ -61,8 +63,8 @@ from retouch.progress import bar, note
 # Heads per head_dim as in the models served: Flux 24 x 128, SDXL's first transformer level 10 x 64.
 HEADS_FOR_HEAD_DIM = {64: 10, 128: 24}
 METHODS = ("ragged_triton", "ragged_triton_unplanned", "padded_sdpa", "per_request_sdpa", "flex_attention",
-           "flash_attn_varlen")
-BASELINES = ("padded_sdpa", "per_request_sdpa", "flex_attention", "flash_attn_varlen")
+           "flash_attn_varlen", "torch_varlen")
+BASELINES = ("padded_sdpa", "per_request_sdpa", "flex_attention", "flash_attn_varlen", "torch_varlen")
 # The issue's acceptance at mask ratio 1: ragged_triton within 10% of the best baseline.
 M1_MIN_SPEEDUP_VS_BEST = 0.9
 
@@ -202,6 +204,7 @@ class Methods:
     flex: Callable | None  # flex_attention, compiled on CUDA
     flex_compile: str | None  # "dynamic", "static" or "eager"
     flash_attn_varlen: Callable | None
+    torch_varlen: Callable | None
 
 
 def setup_methods(config: BenchConfig, device: torch.device) -> Methods:
@@ -228,9 +231,18 @@ def setup_methods(config: BenchConfig, device: torch.device) -> Methods:
                 from flash_attn import flash_attn_varlen_func as flash
             except Exception as error:  # ImportError, or a build whose CUDA library does not load
                 unavailable["flash_attn_varlen"] = f"{type(error).__name__}: {error}"
+    varlen = None
+    if "torch_varlen" in config.methods:
+        if device.type != "cuda" or config.dtype == "float32":
+            unavailable["torch_varlen"] = "torch's varlen_attn runs on CUDA in fp16/bf16 only"
+        else:
+            try:
+                from torch.nn.attention.varlen import varlen_attn as varlen
+            except ImportError as error:  # torch before 2.10
+                unavailable["torch_varlen"] = f"ImportError: {error}"
     names = [name for name in METHODS if name in config.methods and name not in unavailable]
     tuner = RaggedAttentionTuner() if config.tune else None
-    return Methods(names, unavailable, tuner, flex, flex_compile, flash)
+    return Methods(names, unavailable, tuner, flex, flex_compile, flash, varlen)
 
 
 def padded_sdpa_fn(q, k, v, query_lens: list[int], tokens: int) -> Callable[[], torch.Tensor]:
@@ -279,6 +291,8 @@ def method_runs(methods: Methods, layout: Layout, q, k, v, launch) -> dict[str, 
         runs["flex_attention"] = flex_attention_fn(methods.flex, q, k, v, layout.block_mask)
     if methods.flash_attn_varlen is not None:
         runs["flash_attn_varlen"] = lambda: methods.flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, tokens)
+    if methods.torch_varlen is not None:
+        runs["torch_varlen"] = lambda: methods.torch_varlen(q, k, v, cu_q, cu_k, max_q, tokens)
     return {name: runs[name] for name in methods.names}
 
 

@@ -81,7 +81,8 @@ def test_quick_run_measures_and_summarises(tmp_path):
     report = attention.main(["--quick", "--device", "cpu", "--out", str(out)])
     assert report["methods"] == CPU_METHODS
     assert report["baselines"] == ["padded_sdpa", "per_request_sdpa", "flex_attention"]
-    assert "flash_attn_varlen" in report["unavailable"]
+    assert "flash_attn_varlen" in report["unavailable"] and "torch_varlen" in report["unavailable"]
+    assert "CUDA in fp16/bf16 only" in report["unavailable"]["torch_varlen"]
     assert report["triton_interpreted"] and report["flex_compile"] == "eager"
     assert report["environment"]["command"] == f"retouch bench attention --quick --device cpu --out {out}"
     assert report["environment"]["versions"]["torch"] == torch.__version__
@@ -182,3 +183,27 @@ def test_flags_derive_from_the_config():
         with pytest.raises(SystemExit) as exit_:  # a usage error (one line, exit 2), not an internal error
             attention.parse_args(bad)
         assert exit_.value.code == 2
+
+
+def test_torch_varlen_gets_the_packed_batch_in_its_own_argument_order():
+    """torch's varlen_attn runs on CUDA only: here a stand-in with its signature checks what the benchmark
+    passes (packed q/k/v, cumulative query and key rows, longest query and key run) and answers with
+    the reference, which the benchmark's output must then be."""
+    import dataclasses
+    import inspect
+
+    varlen = pytest.importorskip("torch.nn.attention.varlen").varlen_attn
+    query_lens, tokens = [3, 0, 9], 12
+    layout, q, k, v = packed_point(query_lens, tokens, heads=2, head_dim=64, dtype=torch.float32)
+    seen = {}
+
+    def stand_in(*args, **kwargs):
+        seen.update(inspect.signature(varlen).bind(*args, **kwargs).arguments)
+        return ragged_attention_ref(seen["query"], seen["key"], seen["value"], seen["cu_seq_q"], seen["cu_seq_k"])
+
+    methods = dataclasses.replace(all_methods(), names=["ragged_triton", "torch_varlen"], torch_varlen=stand_in)
+    out = attention.method_runs(methods, layout, q, k, v, DEFAULT_LAUNCH_CONFIG)["torch_varlen"]()
+    assert seen["query"] is q and seen["key"] is k and seen["value"] is v
+    assert seen["cu_seq_q"].tolist() == [0, 3, 3, 12] and seen["cu_seq_k"].tolist() == [0, 12, 24, 36]
+    assert (seen["max_q"], seen["max_k"]) == (9, tokens)
+    torch.testing.assert_close(out, ragged_attention_ref(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k))
