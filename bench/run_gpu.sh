@@ -90,7 +90,7 @@ else
   SERVING=(--size 1024 --steps 8 --max-batch 8 --rps 0.5 1 2 4 --requests 16)
   PROFILE_FLUX=(--grids 16,32,48,64 --batch-sizes 1,2,4 --mask-ratios 0.1,0.3,0.6,1.0 --load-mib 1,16,64,256)
   PROFILE_UNET=(--grids 32,64,96,128 --batch-sizes 1,2,4)
-  OVERHEAD=(--compile) STEP=(--mask-ratio 0.1,0.2,0.5) HEADLINE=(--steps 28 --baselines eager,compiled)
+  OVERHEAD=(--compile) STEP=(--mask-ratio 0.1,0.2,0.5) HEADLINE=(--steps 28 --repeats 2 --baselines eager,compiled)
   LORA_MODEL=flux-small LORA=(--resolution 512 --engine-resolution 1024 --steps 28)
 fi
 RESULTS=${RESULTS:-bench/results/$device}
