@@ -2,12 +2,14 @@
 
 `traced(runs, device, out)` runs each variant once more under the profiler (after the timed runs, so it
 is warm) and returns per variant:
-- wall_ms: the call, from its first launch to the device's last kernel;
+- wall_ms: the call, from the host entering it to the device finishing it;
 - device_busy_ms: the union of the device's kernel and copy intervals (streams that overlap count once);
 - device_idle_share: 1 - busy / wall, the time the device waited for the host (launch overhead, host
-  syncs, Python): what issue 16's host-overhead work is meant to remove; None on a CPU;
+  syncs, Python): what issue 16's host-overhead work is meant to remove; None on a CPU. The profiler
+  slows the host down (microseconds per op), so this is an upper bound: the timed rows give the call's
+  unprofiled time;
 - kernels: device events (kernels, copies, memsets); host_ops: top-level aten and retouch ops issued;
-- top: the five ops with the most device time (CPU: self CPU time), with their share.
+- top: the five ops with the most device time (on a CPU: the top-level ops' CPU time), with their share.
 Each variant's Chrome trace goes to `<out stem>_trace_<variant>.json.gz` (chrome://tracing, Perfetto).
 """
 
