@@ -71,7 +71,7 @@ if [ "$SMOKE" != 0 ]; then
   OVERLAP=(--steps 2 --repeats 1) THROUGHPUT=(--steps 2 --size 64 --batch-sizes 1 2 --repeats 1)
   SERVING=(--steps 2 --size 64 --rps 2 --requests 4)
   OVERHEAD=(--grid 2 --text-tokens 2 --mask-ratios 0.2 --repeats 1) STEP=(--mask-ratio 0.2 --repeats 1)
-  HEADLINE=(--steps 2 --repeats 1)
+  HEADLINE_STEPS=2 HEADLINE=(--repeats 1)
   LORA_MODEL=tiny-flux-fill LORA=(--batch 2 --rank 4 --resolution 64 --repeats 1 --load-rank 8 --engine-resolution 64 --steps 2
     --load-repeats 1)
   # Eager baselines only: the compiled stock model's glue has its own tests and runs in the step part, and
@@ -90,7 +90,8 @@ else
   SERVING=(--size 1024 --steps 8 --max-batch 8 --rps 0.5 1 2 4 --requests 16)
   PROFILE_FLUX=(--grids 16,32,48,64 --batch-sizes 1,2,4 --mask-ratios 0.1,0.3,0.6,1.0 --load-mib 1,16,64,256)
   PROFILE_UNET=(--grids 32,64,96,128 --batch-sizes 1,2,4)
-  OVERHEAD=(--compile) STEP=(--mask-ratio 0.1,0.2,0.5) HEADLINE=(--steps 28 --repeats 2 --baselines eager,compiled)
+  OVERHEAD=(--compile) STEP=(--mask-ratio 0.1,0.2,0.5) HEADLINE_STEPS=28
+  HEADLINE=(--repeats 2 --baselines eager,compiled)
   LORA_MODEL=flux-small LORA=(--resolution 512 --engine-resolution 1024 --steps 28)
 fi
 RESULTS=${RESULTS:-bench/results/$device}
@@ -150,10 +151,11 @@ part_tests() {
 
 # shellcheck disable=SC2046
 part_headline() {
-  bench image "image_latency_${FLUX}_28_y.json" --model "$FLUX" --device "$DEV" --mask-ratios 0.2 --modes y \
-    $(planner "$FLUX") "${HEADLINE[@]}"
-  bench image "image_latency_${FLUX}_28_kv_fp8.json" --model "$FLUX" --device "$DEV" --mask-ratios 0.2 --modes kv \
-    --cache-dtype float8_e4m3fn $(planner "$FLUX") "${HEADLINE[@]}"
+  local steps=$HEADLINE_STEPS
+  bench image "image_latency_${FLUX}_${steps}_y.json" --model "$FLUX" --device "$DEV" --steps "$steps" \
+    --mask-ratios 0.2 --modes y $(planner "$FLUX") "${HEADLINE[@]}"
+  bench image "image_latency_${FLUX}_${steps}_kv_fp8.json" --model "$FLUX" --device "$DEV" --steps "$steps" \
+    --mask-ratios 0.2 --modes kv --cache-dtype float8_e4m3fn $(planner "$FLUX") "${HEADLINE[@]}"
 }
 
 part_kernels() {
