@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import queue
 from collections import deque
@@ -62,6 +63,7 @@ from retouch.lora.layers import AmbiguousRows, EntryAdapters
 from retouch.lora.manager import LoraManager
 
 MODES = ("static", "naive", "disagg")
+logger = logging.getLogger("retouch.worker")
 
 
 @dataclass(frozen=True)
@@ -478,6 +480,10 @@ class Worker:
                 editor.abort_recording(job.recording.template_id)
                 if job.request is not None and isinstance(failure, CacheFull):
                     job.records = False  # a one-off edit answers all the same: computed in full, unrecorded
+                    self.metrics.unrecorded += 1
+                    if self.metrics.unrecorded == 1:  # an operator's mistake, not the user's: said once
+                        logger.warning("a one-off image is answered unrecorded, so its later edits will not be "
+                                       "mask-aware (counted in retouch_worker_unrecorded_total): %s", failure)
                     continue
                 self.running.remove(job)  # a registration fails, alone
                 self._fail(job, failure)

@@ -161,9 +161,10 @@ def test_one_off_edits_and_templates_of_one_image_in_other_scopes_share_no_recor
     assert not editor.is_recorded(registered[0]) and editor.is_recorded(registered[1])
 
 
-def test_a_one_off_edit_whose_recording_does_not_fit_the_host_cache_answers_unrecorded():
+def test_a_one_off_edit_whose_recording_does_not_fit_the_host_cache_answers_unrecorded(caplog):
     """The recording is the edit's by-product: when the host cache cannot hold it, the edit still answers
-    (computed in full, the stock pipeline's result) and records nothing; a registration fails saying why."""
+    (computed in full, the stock pipeline's result) and records nothing; a registration fails saying why.
+    The operator hears of it once (a warning naming the flag) and counts every one (`unrecorded`)."""
     from retouch.cache import CacheStore, StoreConfig
 
     image = random_image((61, 47), seed=3)
@@ -172,10 +173,15 @@ def test_a_one_off_edit_whose_recording_does_not_fit_the_host_cache_answers_unre
     editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=CacheStore(StoreConfig(host_bytes=4096)))
     baseline = run_baseline_edit(editor.pipe, image, mask, "a red hat", steps=STEPS, seed=7,
                                  call_defaults=editor.model.call_defaults)
-    with Engine(editor, EngineConfig(mode="naive")) as engine:
+    with Engine(editor, EngineConfig(mode="naive")) as engine, caplog.at_level("WARNING", "retouch.worker"):
         answer = engine.submit_image(image, mask, "a red hat", seed=7, steps=STEPS).result(timeout=120)
+        again = engine.submit_image(image, mask, "a blue hat", seed=8, steps=STEPS).result(timeout=120)
         with pytest.raises(Exception, match=r"host cache .*--cache-host-gib"):
             engine.submit_template(image, "a room", steps=STEPS).result(timeout=120)
+        assert engine.worker.metrics.summary()["unrecorded"] == 2 and engine.worker.metrics.recorded == 0
+    warnings = [record.getMessage() for record in caplog.records if record.name == "retouch.worker"]
+    assert len(warnings) == 1 and "--cache-host-gib" in warnings[0] and "not be mask-aware" in warnings[0]
+    assert again.recorded is None
     assert answer.recorded is None and answer.metrics.computed_tokens == answer.metrics.tokens
     assert np.abs(np.asarray(answer.image, int) - np.asarray(baseline, int)).max() <= 1
     assert not editor.is_recorded(editor.one_off_id(image, STEPS, None))
