@@ -108,8 +108,10 @@ class MaskAwareAdapter:
         to `retouch.ragged.token_bucket` sizes, so one graph is captured per batch size and bucket. Graphs
         are captured on CUDA devices only (elsewhere this is the padded compiled path)."""
         if cuda_graphs:
-            options = {"mode": "reduce-overhead", **options}
+            options = {"mode": "reduce-overhead", **options}  # which turns inductor's size asserts off itself
             self.pad_tokens(token_bucket)
+        elif "mode" not in options:  # torch.compile takes a mode or inductor options, not both
+            options = {**options, "options": {**LEAN_INDUCTOR, **options.get("options", {})}}
         self._cuda_graphs = cuda_graphs
         self._compile_options = {"dynamic": True, **options}
         self._compiled = {}
@@ -232,6 +234,11 @@ def _size_oblivious(compiled):
             _tracing.inside -= 1
     return call
 
+
+# Inductor's runtime checks of each call's sizes, strides, alignment and scalar ranges: dynamo's guards have
+# checked them before the call, and each is a Python call (about 40 per Flux block): on this CPU they cost
+# ~7% of a compiled forward's host time. vLLM compiles without them, as torch's reduce-overhead mode does.
+LEAN_INDUCTOR = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
 # torch 2.11's inductor (the GPU machines' image) fails to lower some of the cores' slices and views when
 # sizes are traced size-oblivious (LoweringException: KeyError 'unbacked_bindings', NotImplementedError
