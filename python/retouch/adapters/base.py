@@ -237,7 +237,7 @@ def _size_oblivious(compiled):
 
 # Inductor's runtime checks of each call's sizes, strides, alignment and scalar ranges: dynamo's guards have
 # checked them before the call, and each is a Python call (about 40 per Flux block): on this CPU they cost
-# ~7% of a compiled forward's host time. vLLM compiles without them, as torch's reduce-overhead mode does.
+# ~8% of a compiled forward's host time. vLLM compiles without them, as torch's reduce-overhead mode does.
 LEAN_INDUCTOR = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
 # torch 2.11's inductor (the GPU machines' image) fails to lower some of the cores' slices and views when
