@@ -26,7 +26,7 @@ from retouch.bench.report import (DTYPE_CHOICES, device_arg, environment, mask_r
                                   side_pixels)
 from retouch.bench.timing import interleaved_medians
 from retouch.errors import ArgumentParser
-from retouch.models import get_spec
+from retouch.models import get_spec, unpatched_twin
 from retouch.profile import VARIANTS, build_target
 from retouch.progress import bar
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
 def stock_blocks(target, baselines: tuple[str, ...]) -> dict[str, dict[int, torch.nn.Module]]:
     """Per baseline, the representative blocks of the stock model (eager, or each under torch.compile): the
     blocks of an unpatched twin of the target's denoiser (the patched ones carry the adapter's dispatch)."""
-    twin = stock.denoisers(target.denoiser, ("eager",))["eager"]
+    twin = unpatched_twin(target.denoiser)
     names = {id(module): name for name, module in target.denoiser.named_modules()}
     eager = {index: twin.get_submodule(names[id(target.adapter.blocks[index])])
              for index in target.representative.values()}

@@ -23,7 +23,7 @@ or not earlier ones are done; latency = sent to image ready, pre- and post-proce
 
 Mask ratios follow the paper's distributions (`--mask-dist public|production`, as `retouch simulate`).
 Each RPS point has `--requests` requests (that caps its duration: about requests / rps seconds per system,
-longer where a system saturates) and its own arrivals and masks; both systems see the same ones and
+longer where a system saturates) and its own arrivals and masks; every system sees the same ones, and all
 are warmed up first. Prints one JSON object: per RPS point and system the mean, p50 and p95 latency,
 ok and failed counts and the mean batch size (requests per denoising step); `--out F.json` also
 writes F.png (mean and p95 latency against RPS).
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rps", type=positive_float, nargs="+", default=[0.5, 1.0, 2.0, 4.0], help="request rates")
     parser.add_argument("--requests", type=int, default=16, help="requests per RPS point")
     parser.add_argument("--mask-dist", choices=tuple(MASK_BETA), default="public")
-    parser.add_argument("--max-batch", type=int, default=8, help="requests per batch, both systems")
+    parser.add_argument("--max-batch", type=int, default=8, help="requests per batch, every system")
     parser.add_argument("--workers", type=int, default=1, help="devices (cuda:0..N-1), one engine / loop each")
     parser.add_argument("--helpers", type=int, default=1, help="pre/post-processing processes per engine")
     args = parser.parse_args(argv)

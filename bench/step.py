@@ -99,13 +99,14 @@ def main(argv: list[str] | None = None) -> dict:
                                                 device=device)
                 runs[mode] = functools.partial(run_with, adapter, context, transformer, inputs)
             seconds = interleaved_medians(runs, args.repeats, device)
-            runs_at[round(len(masked) / num_image, 4)] = runs
-            rows = [{"mask_ratio": round(len(masked) / num_image, 4), "mode": mode, "baseline": baseline,
+            measured = round(len(masked) / num_image, 4)
+            runs_at[measured] = runs
+            rows = [{"mask_ratio": measured, "mode": mode, "baseline": baseline,
                      "masked_tokens": len(masked), "full_s": seconds[baseline], "mask_aware_s": seconds[mode],
                      "speedup": round(seconds[baseline] / seconds[mode], 3)}
                     for mode in MODES for baseline in baselines]
             results += rows
-            ratios.set_postfix_str(f"m={rows[0]['mask_ratio']}: " + ", ".join(
+            ratios.set_postfix_str(f"m={measured}: " + ", ".join(
                 f"{row['mode']} {row['speedup']}x vs {row['baseline']}" for row in rows), refresh=False)
         if args.trace:
             traced_ratio = min(runs_at, key=lambda ratio: abs(ratio - 0.2))
