@@ -221,6 +221,22 @@ def test_probes_reach_the_http_server(deployment):
         assert resolve_port(deployment, spec[probe]["httpGet"]["port"]) == http_port, probe
 
 
+def test_the_head_is_given_time_to_drain():
+    # SIGTERM drains for --drain-s; a kill before it ends resets the connections of edits still running.
+    # After the drain come the workers' stop and the last answers and webhooks (seconds).
+    from retouch.config import ServeOptions
+
+    drain = flags_of(HEAD).get("--drain-s")
+    drain_s = float(drain) if drain is not None else ServeOptions.__dataclass_fields__["drain_s"].default
+    assert pod_spec(HEAD).get("terminationGracePeriodSeconds", 30) >= drain_s + 15
+
+
+def test_a_worker_is_given_time_to_finish_what_it_accepted():
+    # Its drain ends when its batch and queue are answered; Kubernetes' default 30 s would recompute most
+    # of a loaded Flux worker's edits elsewhere on every rolling update.
+    assert pod_spec(WORKER).get("terminationGracePeriodSeconds", 30) >= 120
+
+
 def test_worker_health_port_is_the_one_the_manifest_names():
     assert int(flags_of(WORKER)["--health-port"]) == 8001
     assert int(flags_of(HEAD)["--port"]) == 8000

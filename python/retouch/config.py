@@ -343,7 +343,7 @@ class ServeOptions:
     max_inflight_mb: float = option(1024.0, help="request bodies being received at once (MiB); beyond it: 503")
     drain_s: float = option(60.0, help="on SIGTERM or Ctrl-C, seconds to answer the edits accepted (the rest "
                             "are answered 503); keep it below the orchestrator's grace period (Kubernetes: 30 s "
-                            "by default)")
+                            "unless the pod sets terminationGracePeriodSeconds, as deploy/k8s does)")
     result_ttl_s: float = option(3600.0, help="answers of asynchronous edits (async=true) and of edits sent with an "
                                  "Idempotency-Key are kept this long (seconds) for GET /v1/edits/{id}/result and "
                                  "retries (on disk too with --cache-disk-dir, so that they outlive a restart)")
