@@ -9,6 +9,7 @@ import base64
 import contextlib
 import io
 
+import anyio
 import httpx
 import numpy as np
 import pytest
@@ -621,6 +622,35 @@ def test_a_long_polls_wait_is_refused_outside_0_to_60_seconds(make_router):
     for wait in ("nan", "inf", "-5", "61"):
         assert answers[wait].status_code == 400 and answers[wait].json()["error"]["param"] == "wait", wait
     assert answers["0.01"].status_code == 200 and answers["0.01"].json()["status"] == "recording"
+
+
+async def polls_of_a_recording(router: Router) -> tuple[int, httpx.Response, list[httpx.Response]]:
+    """More ?wait polls of a recording template than the threads anyio lends, then its deletion."""
+    threads = anyio.to_thread.current_default_thread_limiter()
+    polls = int(threads.total_tokens) + 10
+    app = create_app(router, Limits(default_steps=2))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+        registered = await client.post("/v1/templates", data={"steps": "2"},
+                                       files={"image": ("t.png", png(Image.new("RGB", (32, 32), "red")))})
+        template_id = registered.json()["id"]
+        waiting = [asyncio.create_task(client.get(f"/v1/templates/{template_id}", params={"wait": 20}))
+                   for _ in range(polls)]
+        for _ in range(100_000):  # until every poll waits (each watches the template), or never
+            if len(router._watchers.get(("template", template_id), ())) == polls:
+                break
+            await asyncio.sleep(0)
+        threads_held = threads.borrowed_tokens
+        dropped = await client.delete(f"/v1/templates/{template_id}")
+        return threads_held, dropped, await asyncio.gather(*waiting)
+
+
+def test_long_polls_hold_no_thread_and_end_when_the_template_does(make_router):
+    """Each ?wait poll of a recording template held one of the threads every upload is decoded in, for up
+    to 60 s: forty polls (anyio's default) stalled every edit of every client."""
+    threads_held, dropped, answers = asyncio.run(polls_of_a_recording(make_router()))
+    assert threads_held == 0
+    assert dropped.status_code == 200
+    assert len(answers) > 40 and {answer.status_code for answer in answers} == {404}  # deleted while they waited
 
 
 async def numbers_sent(router: Router, fields: list[dict]) -> list[httpx.Response]:

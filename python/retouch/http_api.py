@@ -1046,8 +1046,17 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         tenant = request.state.tenant
         record = template_or_404(template_id, tenant)
         if record["status"] == "recording" and wait > 0:
-            await anyio.to_thread.run_sync(lambda: router.wait_until(
-                lambda r: (r.template(template_id, tenant) or {}).get("status") != "recording", wait))
+            # Waited for on the event loop, not in a thread: each poll held one of the threads that decode
+            # every upload, so forty polls stalled all edits.
+            relay = EventRelay()
+            try:
+                if relay.watch(router, "template", template_id):
+                    deadline = time.monotonic() + wait
+                    while (event := await relay.next(deadline - time.monotonic())) is not None:
+                        if event.get("status") != "recording":  # ready, failed or deleted
+                            break
+            finally:
+                relay.close()
             record = template_or_404(template_id, tenant)
         return record
 
