@@ -653,6 +653,29 @@ def test_long_polls_hold_no_thread_and_end_when_the_template_does(make_router):
     assert len(answers) > 40 and {answer.status_code for answer in answers} == {404}  # deleted while they waited
 
 
+async def padded_sizes_sent(router: Router) -> dict[str, httpx.Response]:
+    app = create_app(router, Limits(max_pixels=1100, max_work=1000, default_steps=2))
+    answers = {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+        for name, size in (("strip", (1, 300)), ("odd", (17, 17)), ("whole", (16, 16))):
+            files = {"image": ("i.png", png(Image.new("RGB", size, "red"))),
+                     "mask": ("m.png", png(Image.new("L", size, 255)))}
+            answers[name] = await client.post("/v1/edits", data={"prompt": "a cat"}, files=files)
+    return answers
+
+
+def test_pixel_and_work_limits_count_the_padded_canvas(make_router):
+    """A 1x300 strip is edited as 16x304 (4864 pixels, over 1100); 17x17 as 32x32 (2 steps: 2048
+    pixel-steps, over 1000). Counted by their own pixels, both passed."""
+    answers = asyncio.run(padded_sizes_sent(make_router(no_worker_s=0.01)))
+    strip = answers["strip"].json()["error"]
+    assert answers["strip"].status_code == 413 and strip["code"] == "image_too_large" and strip["param"] == "image"
+    assert "padded to 16x304" in strip["message"]
+    odd = answers["odd"].json()["error"]
+    assert answers["odd"].status_code == 413 and odd["code"] == "too_much_work" and "padded to 32x32" in odd["message"]
+    assert answers["whole"].status_code == 503  # within both: on to the router, which has no worker
+
+
 async def numbers_sent(router: Router, fields: list[dict]) -> list[httpx.Response]:
     app = create_app(router, Limits(default_steps=2))
     files = {"image": ("i.png", png(Image.new("RGB", (32, 32), "red"))),

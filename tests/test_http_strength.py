@@ -139,7 +139,7 @@ def test_a_one_off_image_edited_below_full_strength_again_is_recorded_beside_tha
             answers.append(edit(prompt))
             sent.append(await asyncio.to_thread(worker.receive, "edit"))
             await asyncio.to_thread(worker.answer, sent[-1]["request"], blue)
-        template = (await client.get(f"/v1/templates/{answers[0].result().headers['X-Template-Id']}")).json()
+        template = (await client.get(f"/v1/templates/{(await answers[0]).headers['X-Template-Id']}")).json()
         answers.append(edit("a bird"))
         await asyncio.to_thread(worker.sync)
         parked = "edit" not in worker.pending_kinds()

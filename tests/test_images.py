@@ -186,6 +186,24 @@ def test_oversized_image_is_refused_before_decoding(tmp_path, monkeypatch):
         images.load_image(tmp_path / "big.png")
 
 
+@settings(max_examples=40, deadline=None)
+@given(width=st.integers(1, 70), height=st.integers(1, 70), multiple=st.sampled_from([1, 8, 16]),
+       slack=st.integers(-1, 0))
+def test_the_pixel_limit_counts_the_canvas_an_image_is_padded_to(width, height, multiple, slack):
+    """A 1x262144 strip is edited on a 16x262144 canvas: counted by its own pixels it passed a limit that
+    its canvas is 16 times over."""
+    padded = images.padded_size((width, height), multiple)
+    assert all(side % multiple == 0 and 0 <= side - own < multiple for side, own in zip(padded, (width, height)))
+    limit = padded[0] * padded[1] + slack
+    data = images.png_bytes(Image.new("RGB", (width, height), "red"))
+    if slack < 0:
+        with pytest.raises(images.ImageTooLarge, match="over the limit") as refused:
+            images.decode_image(data, "image", limit, multiple)
+        assert ("padded to" in str(refused.value)) == (padded != (width, height))
+    else:
+        assert images.decode_image(data, "image", limit, multiple).size == (width, height)
+
+
 def test_unknown_output_format():
     for refused in ("out.nope", "out.xbm", "out.pdf", "out"):  # xbm: Pillow knows it but not for RGB (it
         with pytest.raises(InputError, match="not an image format retouch writes"):  # failed after the edit)

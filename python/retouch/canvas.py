@@ -15,13 +15,12 @@ stroke.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
 
-from retouch.images import colour_profile
+from retouch.images import colour_profile, padded_size
 from retouch.masks import token_mask
 
 
@@ -36,8 +35,7 @@ class Canvas:
         width, height = size
         if width < 1 or height < 1:
             raise ValueError(f"an image has at least one pixel, got {width}x{height}")
-        return cls((width, height), (math.ceil(width / multiple) * multiple, math.ceil(height / multiple) * multiple),
-                   stride)
+        return cls((width, height), padded_size(size, multiple), stride)
 
     @classmethod
     def for_pipeline(cls, size: tuple[int, int], pipe) -> Canvas:

@@ -96,7 +96,7 @@ from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
 from retouch.http_events import KEEPALIVE, KEEPALIVE_S, EventRelay, NativeEvents, OpenAIEvents, sse, with_image
 from retouch.images import (ImageTooLarge, alpha_of, as_image, as_mask, colour_profile, decode_image, orientation_hint,
-                            png_bytes)
+                            padded_size, png_bytes, size_words)
 from retouch.lora import MAX_PER_REQUEST, LoraChoice, LoraError, choice_header, parse_lora
 from retouch.lora.files import list_loras, lora_path
 from retouch.lora.spec import MAX_SCALE
@@ -646,7 +646,7 @@ async def read_upload(upload: UploadFile, name: str, max_pixels: int) -> Upload:
     if not data:
         raise ApiError(400, f"{name} is empty", name)
     try:
-        return Upload(await anyio.to_thread.run_sync(decode_image, data, name, max_pixels), data)
+        return Upload(await anyio.to_thread.run_sync(decode_image, data, name, max_pixels, TOKEN_STRIDE), data)
     except ImageTooLarge as exc:
         raise ApiError(413, str(exc), name, "image_too_large") from None
     except InputError as exc:
@@ -1111,12 +1111,15 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
     arriving: set[tuple[str, str]] = set()  # (tenant, X-Request-Id) of edits being checked (`claimed`)
 
     def check_work(size: tuple[int, int], steps: int, n: int, param: str) -> None:
-        """`steps`: those the edit runs (fewer than its schedule's below strength 1)."""
-        work = size[0] * size[1] * steps * n
+        """`steps`: those the edit runs (fewer than its schedule's below strength 1); `size`: the image's,
+        counted as the canvas it is edited on (sides padded to whole tokens)."""
+        width, height = padded_size(size, TOKEN_STRIDE)
+        work = width * height * steps * n
         if work > limits.max_work:
             images = f" x {n} images" if n > 1 else ""
-            raise ApiError(413, f"this request asks for {work} pixel-steps ({size[0]}x{size[1]} pixels x {steps} "
-                           f"steps{images}), over the limit of {limits.max_work} (--max-work)", param, "too_much_work")
+            raise ApiError(413, f"this request asks for {work} pixel-steps ({size_words(size, TOKEN_STRIDE)} pixels x "
+                           f"{steps} steps{images}), over the limit of {limits.max_work} (--max-work)", param,
+                           "too_much_work")
 
     def strength_of(form: Form) -> float:
         """The edit's `strength` field as a number (1 when absent; 400 if it is not one); `checked_strength`

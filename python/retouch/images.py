@@ -72,14 +72,30 @@ def _open(path: Path, what: str) -> Image.Image:
     return decode_image(path.read_bytes(), f"{what} {path}")
 
 
-def decode_image(data: bytes, what: str, max_pixels: int | None = None) -> Image.Image:
+def padded_size(size: tuple[int, int], multiple: int) -> tuple[int, int]:
+    """(width, height) with each side rounded up to `multiple`: the canvas an image is edited on
+    (`retouch.canvas`)."""
+    return tuple(-(-side // multiple) * multiple for side in size)
+
+
+def size_words(size: tuple[int, int], multiple: int) -> str:
+    """"WxH", and what the canvas makes of it when padding grows it ("1x4096, padded to 16x4096")."""
+    padded = padded_size(size, multiple)
+    said = f"{size[0]}x{size[1]}"
+    return said if padded == tuple(size) else f"{said}, padded to {padded[0]}x{padded[1]}"
+
+
+def decode_image(data: bytes, what: str, max_pixels: int | None = None, multiple: int = 1) -> Image.Image:
     """Decode an uploaded image, EXIF orientation applied. The size is checked from the header before
-    any pixel is decoded, so a small file that claims to be huge (a decompression bomb) costs nothing."""
+    any pixel is decoded, so a small file that claims to be huge (a decompression bomb) costs nothing.
+    `multiple`: the sides are counted as the canvas pads them (a 1x262144 strip is edited as 16x262144)."""
     max_pixels = MAX_PIXELS if max_pixels is None else max_pixels
     try:
         with Image.open(io.BytesIO(data), formats=READ_FORMATS) as img:
-            if img.width * img.height > max_pixels:
-                raise ImageTooLarge(f"{what} is {img.width}x{img.height}, over the limit of {max_pixels} pixels")
+            width, height = padded_size(img.size, multiple)
+            if width * height > max_pixels:
+                raise ImageTooLarge(f"{what} is {size_words(img.size, multiple)}, over the limit of {max_pixels} "
+                                    "pixels")
             _one_picture(img, what)
             img.load()
             decoded = ImageOps.exif_transpose(img)
