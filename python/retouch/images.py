@@ -41,6 +41,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError, features
 
 from retouch.errors import InputError
+from retouch.masks import FLUX_STRIDE
 from retouch.paths import check_writable
 
 # Larger inputs are refused rather than decoded: a decompression bomb must not take the process down.
@@ -69,7 +70,7 @@ def _open(path: Path, what: str) -> Image.Image:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{what} file not found: {path}")
-    return decode_image(path.read_bytes(), f"{what} {path}")
+    return decode_image(path.read_bytes(), f"{what} {path}", multiple=FLUX_STRIDE)  # counted as the canvas
 
 
 def padded_size(size: tuple[int, int], multiple: int) -> tuple[int, int]:
