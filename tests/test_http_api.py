@@ -676,6 +676,45 @@ def test_pixel_and_work_limits_count_the_padded_canvas(make_router):
     assert answers["whole"].status_code == 503  # within both: on to the router, which has no worker
 
 
+def encoded(image: Image.Image, format: str, **options) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=format, **options)
+    return out.getvalue()
+
+
+UPLOADS = {  # what decodes, but was refused (or failed) only where the image was first read: 500s
+    "32-bit out of range": encoded(Image.fromarray(np.full((32, 32), 10**8, np.int32), mode="I"), "TIFF"),
+    "float NaN": encoded(Image.fromarray(np.full((32, 32), np.nan, np.float32), mode="F"), "TIFF"),
+    "float negative": encoded(Image.fromarray(np.full((32, 32), -1.0, np.float32), mode="F"), "TIFF"),
+    "damaged EXIF": encoded(Image.new("RGB", (32, 32), "red"), "JPEG", exif=b"Exif\x00\x00garbagegarbage"),
+}
+
+
+async def uploads_sent(router: Router) -> dict[tuple[str, str], httpx.Response]:
+    app = create_app(router, Limits(default_steps=2))
+    masks = {"/v1/edits": png(Image.new("L", (32, 32), 255)),  # white = repaint; OpenAI's: alpha 0 = repaint
+             "/v1/images/edits": png(Image.new("RGBA", (32, 32), (0, 0, 0, 0)))}
+    answers = {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+        for name, data in UPLOADS.items():
+            image = {"image": ("i", data)}
+            answers[name, "/v1/templates"] = await client.post("/v1/templates", data={"steps": "2"}, files=image)
+            for path, mask in masks.items():
+                answers[name, path] = await client.post(path, data={"prompt": "a cat"},
+                                                        files={**image, "mask": ("m.png", mask)})
+    return answers
+
+
+def test_an_image_is_checked_when_it_arrives_and_a_damaged_exif_block_is_no_reason_to_refuse_it(make_router):
+    for (name, path), answer in asyncio.run(uploads_sent(make_router(no_worker_s=0.01))).items():
+        if name == "damaged EXIF":  # accepted: registered, or on to the router (which has no worker)
+            assert answer.status_code == (202 if path == "/v1/templates" else 503), (name, path, answer.text)
+        else:
+            error = answer.json()["error"]
+            assert answer.status_code == 400 and error["param"] == "image", (name, path, answer.text)
+            assert error["code"] == "invalid_image", (name, path)
+
+
 async def numbers_sent(router: Router, fields: list[dict]) -> list[httpx.Response]:
     app = create_app(router, Limits(default_steps=2))
     files = {"image": ("i.png", png(Image.new("RGB", (32, 32), "red"))),

@@ -168,6 +168,18 @@ def test_missing_and_unreadable_files(tmp_path):
     assert str(tmp_path / "junk.png") in str(error.value)
 
 
+@pytest.mark.parametrize("exif", [b"Exif\x00\x00garbagegarbage", b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\xff\xff",
+                                  b"Exif\x00\x00II*\x00"])
+def test_a_photo_with_a_damaged_exif_block_is_read_as_it_is(exif):
+    """The upload decoded, but the copy was parsed again as an image and as a mask (a 500 over HTTP)."""
+    out = io.BytesIO()
+    Image.new("RGB", (20, 10), "red").save(out, "JPEG", exif=exif)
+    decoded = images.decode_image(out.getvalue(), "image")
+    assert images.as_image(decoded).size == (20, 10)
+    assert images.as_mask(decoded, (20, 10)).size == (20, 10)
+    assert images.decode_image(images.png_bytes(images.as_image(decoded)), "answer").getpixel((0, 0))[0] > 200  # red
+
+
 def test_errors_name_the_input_not_a_buffer():
     with pytest.raises(InputError) as error:
         images.decode_image(b"not an image", "mask")

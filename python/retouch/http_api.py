@@ -95,8 +95,8 @@ from retouch.errors import InputError
 from retouch.http_connections import BodyBudget, ReserveBody
 from retouch.http_events import HEADERS as EVENT_HEADERS
 from retouch.http_events import KEEPALIVE, KEEPALIVE_S, EventRelay, NativeEvents, OpenAIEvents, sse, with_image
-from retouch.images import (ImageTooLarge, alpha_of, as_image, as_mask, colour_profile, decode_image, orientation_hint,
-                            padded_size, png_bytes, size_words)
+from retouch.images import (ImageTooLarge, alpha_of, as_image, as_mask, check_levels, colour_profile, decode_image,
+                            orientation_hint, padded_size, png_bytes, size_words)
 from retouch.lora import MAX_PER_REQUEST, LoraChoice, LoraError, choice_header, parse_lora
 from retouch.lora.files import list_loras, lora_path
 from retouch.lora.spec import MAX_SCALE
@@ -645,8 +645,14 @@ async def read_upload(upload: UploadFile, name: str, max_pixels: int) -> Upload:
     data = await upload.read()
     if not data:
         raise ApiError(400, f"{name} is empty", name)
+
+    def decoded() -> Image.Image:
+        image = decode_image(data, name, max_pixels, TOKEN_STRIDE)
+        if name == "image":  # its values, as every later reading takes them (masks have a reading of their own)
+            check_levels(image, name)
+        return image
     try:
-        return Upload(await anyio.to_thread.run_sync(decode_image, data, name, max_pixels, TOKEN_STRIDE), data)
+        return Upload(await anyio.to_thread.run_sync(decoded), data)
     except ImageTooLarge as exc:
         raise ApiError(413, str(exc), name, "image_too_large") from None
     except InputError as exc:

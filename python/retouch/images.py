@@ -99,7 +99,7 @@ def decode_image(data: bytes, what: str, max_pixels: int | None = None, multiple
                                     "pixels")
             _one_picture(img, what)
             img.load()
-            decoded = ImageOps.exif_transpose(img)
+            decoded = upright(img)
             if img.format in LOSSY_FORMATS:
                 decoded.info[LOSSY] = True  # as a mask, its compression noise is not the user's stroke
             return decoded
@@ -109,6 +109,19 @@ def decode_image(data: bytes, what: str, max_pixels: int | None = None, multiple
         raise InputError(f"cannot read {what}: not an image in a format retouch reads ({FORMAT_NAMES})") from None
     except (OSError, SyntaxError, ValueError) as exc:  # truncated or corrupt data
         raise InputError(f"cannot read {what}: {exc}") from None
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """The image with its EXIF orientation applied. An EXIF block that cannot be parsed leaves it as it
+    is, without that block: metadata that a camera app mangled is no reason to refuse a photo, and
+    Pillow parses it again wherever the image is read or written (and raises, anything from SyntaxError
+    to struct.error, at each place)."""
+    try:
+        return ImageOps.exif_transpose(image)
+    except Exception:  # noqa: BLE001 - any parse failure of the metadata, see above
+        stripped = image.copy()
+        stripped.info.pop("exif", None)
+        return stripped
 
 
 def _one_picture(image: Image.Image, what: str) -> None:
@@ -152,7 +165,7 @@ def as_image(image, what: str = "image") -> Image.Image:
     if image.width < 1 or image.height < 1:
         raise InputError(f"{what} is empty ({image.width}x{image.height})")
     profile = colour_profile(image)
-    rgb = _eight_bit(ImageOps.exif_transpose(image), what).convert("RGB")
+    rgb = _eight_bit(upright(image), what).convert("RGB")
     rgb.info.pop("icc_profile", None)  # a grey or CMYK one would mislabel the RGB image
     if profile is not None:
         rgb.info["icc_profile"] = profile
@@ -185,6 +198,12 @@ def _eight_bit(image: Image.Image, what: str) -> Image.Image:
     return Image.fromarray(np.rint(values * (255.0 / full_scale)).astype(np.uint8), mode="L")
 
 
+def check_levels(image: Image.Image, what: str = "image") -> None:
+    """InputError if `as_image` would refuse this decoded image's values (an integer or float image out of
+    range, NaN): what an upload is checked for when it arrives, not when it is first read as a template."""
+    _eight_bit(image, what)
+
+
 def as_mask(mask, size: tuple[int, int] | None = None, *, alpha: bool = False, what: str = "mask") -> Image.Image:
     """The one reading of a mask (see the module docstring): 8-bit "L", white = repaint, non-zero
     wherever the input is non-zero. `size` (width, height): the image it belongs to, checked."""
@@ -192,7 +211,7 @@ def as_mask(mask, size: tuple[int, int] | None = None, *, alpha: bool = False, w
         raise InputError(f"{what} is missing: send a mask (white = repaint)")
     if isinstance(mask, Image.Image):
         _one_picture(mask, what)
-        levels = _image_levels(ImageOps.exif_transpose(mask), alpha, what)
+        levels = _image_levels(upright(mask), alpha, what)
         if mask.info.get(LOSSY) or mask.format in LOSSY_FORMATS:  # decoded here, or opened by the caller
             levels = np.where(levels <= JPEG_SNAP, 0, np.where(levels >= 255 - JPEG_SNAP, 255, levels)).astype(np.uint8)
     else:
