@@ -81,6 +81,7 @@ BAD_LORAS = {
     "a name twice": ("grain,grain:0.5", 400, "invalid_lora"),
     "a path": ("../grain", 400, "invalid_lora"),
     "malformed json": ('["grain"', 400, "invalid_lora"),
+    "json nested past python's recursion limit": ("[" * 100_000, 400, "invalid_lora"),
     "json object with another key": ('[{"name": "grain", "weight": 1}]', 400, "invalid_lora"),
     "unknown name": ("grain,nope", 404, "lora_not_found"),
 }

@@ -677,6 +677,9 @@ def lora_field(form: Form, lora_dir: Path | None) -> LoraChoice:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ApiError(400, f"lora is not valid JSON: {exc}", "lora", "invalid_lora") from None
+        except RecursionError:  # json's decoder recurses per level: "[[[[..." of a few thousand
+            raise ApiError(400, "lora is JSON nested too deeply (a list of names or of {name, scale})", "lora",
+                           "invalid_lora") from None
         value = [value] if isinstance(value, dict) else value
     try:
         choice = parse_lora(value)
