@@ -408,7 +408,20 @@ class UndecodableField(MultiPartException):
 class StrictMultiPartParser(MultiPartParser):
     """Starlette's multipart parser, except that a text field whose bytes are not in the body's charset
     (UTF-8 unless the Content-Type names another) is refused: starlette reads it as latin-1 instead, and a
-    prompt sent in another encoding would run as mojibake, the client none the wiser."""
+    prompt sent in another encoding would run as mojibake, the client none the wiser; and a body that ends
+    before its closing boundary is refused: starlette kept the fields it had and dropped the one cut off,
+    so a truncated `steps=3` ran the default 28 steps."""
+
+    ended = False
+
+    def on_end(self) -> None:  # python-multipart calls it at the closing boundary only
+        self.ended = True
+
+    async def parse(self) -> FormData:
+        form = await super().parse()
+        if not self.ended:
+            raise MultiPartException("the body ends before its closing boundary (--BOUNDARY--): it was cut off")
+        return form
 
     def on_part_end(self) -> None:
         part = self._current_part
@@ -897,7 +910,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
     app.add_middleware(CountAnswers, metrics=metrics)
 
     async def read_form(request: Request) -> Form:
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        media_type, _ = parse_options_header(request.headers.get("content-type", ""))
+        if media_type != b"multipart/form-data":  # lower-cased by the parser: media types are case-insensitive
             raise ApiError(415, "send multipart/form-data (files: image, mask; text fields)", "content-type")
         try:
             return Form(await parse_multipart(request, max_files=8, max_fields=32,
