@@ -262,6 +262,31 @@ def test_a_body_cut_off_before_its_closing_boundary_is_refused_and_media_types_a
     assert outcome["capitals"].json()["error"]["code"] == "template_not_found"  # read: on to the lookup
 
 
+async def ids_asked(router: Router) -> dict[str, httpx.Response]:
+    app = create_app(router, Limits(default_steps=2))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+        mask = {"mask": ("m.png", png(Image.new("L", (32, 32), 255)))}
+        asked = {f"id {key}": await client.post("/v1/edits", headers={"X-Request-Id": key}, files=mask, data={
+            "template_id": "tpl-x", "prompt": "a cat", "async": "true"}) for key in (".", "..", "...", "v1.2")}
+        asked["no model name"] = await client.get("/v1/models/")
+        return asked
+
+
+def test_ids_that_urls_cannot_carry_are_refused():
+    """An asynchronous edit sent as X-Request-Id ".." was accepted, and its Location, /v1/edits/../result,
+    is /v1/result to every client; GET /v1/models/ answered a model named ""."""
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests")).start()
+    try:
+        asked = asyncio.run(ids_asked(router))
+    finally:
+        router.close(0)
+    for key in (".", "..", "..."):
+        answer = asked[f"id {key}"]
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "x-request-id", key
+    assert asked["id v1.2"].json()["error"]["code"] == "template_not_found"  # a dot among others is fine
+    assert asked["no model name"].status_code == 404
+
+
 def test_a_long_prompt_is_refused_naming_it_before_any_work():
     """Over max_prompt_chars: 422 prompt_too_long. Over the multipart parser's 1 MiB per text field (it does
     not say which field): 413 field_too_large, which states the prompt limit, not "malformed body"."""

@@ -109,7 +109,8 @@ TOKEN_STRIDE = FLUX_STRIDE  # the policies' token grid: 16 px per token (Flux/SD
 # image at the default 28 steps.
 DEFAULT_MAX_WORK = 4096 * 4096 * 28
 DISCONNECT_POLL_S = 0.25  # how often a waiting edit checks whether its client is still there
-REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# An edit's id is a URL path segment (/v1/edits/{id}): "." and ".." would be resolved away by clients.
+REQUEST_ID = re.compile(r"(?!\.+$)[A-Za-z0-9._-]{1,64}")
 IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")  # visible ASCII: UUIDs, base64, hashes
 SF_STRING_ESCAPE = re.compile(r'\\(["\\])')  # \" and \\ inside a quoted Idempotency-Key
 MAX_RESULT_WAIT_S = 60.0  # ?wait=S of a long poll (an edit's result, a template): longer meets proxies' idle timeouts
@@ -1046,7 +1047,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         return {"id": name, "object": "model", "created": 0, "owned_by": "retouch"}
 
     def check_model(name: str | None, param: str = "model") -> None:
-        if name and name not in model_names:
+        """404 for a model not served here; None (a request that names none) passes."""
+        if name is not None and name not in model_names:
             raise ApiError(404, f"the model {name!r} is not served here; this server serves "
                            f"{', '.join(map(repr, model_names))} (GET /v1/models)", param, "model_not_found")
 
@@ -1356,7 +1358,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         if key is None:
             return f"edit-{uuid.uuid4().hex}"
         if not REQUEST_ID.fullmatch(key):
-            raise ApiError(400, "X-Request-Id must be 1-64 letters, digits, '.', '_' or '-'", "x-request-id")
+            raise ApiError(400, "X-Request-Id must be 1-64 letters, digits, '.', '_' or '-', not dots alone",
+                           "x-request-id")
         return key
 
     def check_new_request_id(request: Request) -> None:
@@ -1620,7 +1623,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         return await edit_request(request, "/v1/edits", native_edit)
 
     async def native_edit(request: Request, form: Form, claim: EditClaim) -> Response:
-        check_model(form.text("model"))
+        check_model(form.text("model") or None)  # an empty field, as some clients send for "unset"
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required: say what to paint into the masked region")
         lora = lora_field(form, limits.lora_dir)
         response_format = form.text("response_format", "png")
@@ -1687,7 +1690,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             if form.text(name) is not None:
                 raise ApiError(400, "asynchronous edits (and their webhooks) are POST /v1/edits's (async=true); the "
                                "OpenAI edit answers when done (an Idempotency-Key makes its retries safe)", name)
-        check_model(form.text("model"))
+        check_model(form.text("model") or None)  # an empty field, as some clients send for "unset"
         prompt = form.prompt(limits.max_prompt_chars, "prompt is required")
         lora = lora_field(form, limits.lora_dir)
         n = form.integer("n", 1, 1, limits.max_n)
