@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import json
+import logging
 import os
 import select
 import socket
@@ -42,6 +43,13 @@ def png(image: Image.Image) -> bytes:
 @contextmanager
 def serving(app, limits: Limits) -> Iterator[tuple[str, int]]:
     """`app` under uvicorn with the guarded protocol, on a thread, as `retouch serve` runs it."""
+    with serving_with_server(app, limits) as (address, _):
+        yield address
+
+
+@contextmanager
+def serving_with_server(app, limits: Limits) -> Iterator[tuple[tuple[str, int], uvicorn.Server]]:
+    """`serving`, and the uvicorn server (its `server_state.tasks`: the requests being handled)."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(2048)  # connections wait in the backlog until uvicorn accepts: no start-up race
@@ -53,7 +61,7 @@ def serving(app, limits: Limits) -> Iterator[tuple[str, int]]:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     try:
-        yield listener.getsockname()
+        yield listener.getsockname(), server
     finally:
         server.should_exit = True
         thread.join(timeout=DEADLINE_S)
@@ -145,6 +153,41 @@ def test_a_request_that_is_not_http_gets_a_json_400():
     assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
     error = json.loads(body)["error"]
     assert error["code"] == "malformed_http" and error["type"] == "invalid_request_error" and error["message"]
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("path", ["/v1/edits", "/healthz"])
+def test_a_body_that_is_not_http_after_parsed_headers_gets_one_400_and_no_traceback(path):
+    """The handler of a request whose headers parsed ran on after h11 refused its body: its own answer
+    (415 here, or /healthz's 200) then failed inside h11, logged as "Exception in ASGI application"."""
+    limits = Limits()
+    logged = Records()
+    try:
+        with router_without_workers() as router, serving_with_server(create_app(router, limits), limits) as (
+                address, server):
+            logging.getLogger("uvicorn.error").addHandler(logged)  # after uvicorn's dictConfig, which clears them
+            with socket.create_connection(address) as sock:
+                sock.sendall(f"POST {path} HTTP/1.1\r\nHost: retouch\r\nContent-Type: application/json\r\n"
+                             "Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n".encode())
+                answer = bytearray()
+                read_all(sock, answer)
+            # The handler's end, after whatever it logs (its task was made before the 400 was sent).
+            handlers = list(server.server_state.tasks)
+            if handlers:
+                asyncio.run_coroutine_threadsafe(asyncio.wait(handlers), handlers[0].get_loop()).result(DEADLINE_S)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(logged)
+    assert bytes(answer).startswith(b"HTTP/1.1 400") and bytes(answer).count(b"HTTP/1.1") == 1
+    assert json.loads(bytes(answer).partition(b"\r\n\r\n")[2])["error"]["code"] == "malformed_http"
+    assert [record.getMessage() for record in logged.records if record.levelno >= logging.ERROR] == []
 
 
 @pytest.mark.parametrize("framing", [b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n",

@@ -57,6 +57,12 @@ class GuardedH11Protocol(H11Protocol):
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A request whose headers parsed and whose body did not: its handler runs. This 400 is its
+            # answer, so the handler's own one must go nowhere (as after a disconnect, which uvicorn only
+            # marks once the close is processed) instead of failing in h11 with a logged traceback.
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
