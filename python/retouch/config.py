@@ -310,8 +310,9 @@ class ServeOptions:
     steps: int = option(28, help="denoising steps of templates registered without `steps`")
     max_steps: int = option(200, help="largest `steps` a request may ask for")
     max_upload_mb: float = option(32.0, help="largest request body (MiB)")
-    max_pixels: int = option(4096 * 4096, help="largest image or mask (pixels; checked before decoding)")
-    max_work: int = option(4096 * 4096 * 28, help="most work one request may ask for, in pixel-steps (width x "
+    max_pixels: int = option(4096 * 4096, help="largest image or mask (pixels of the canvas it is edited on, sides "
+                             "padded to multiples of 16; checked before decoding)")
+    max_work: int = option(4096 * 4096 * 28, help="most work one request may ask for, in pixel-steps (canvas width x "
                            "height x steps x n, of the steps it runs: fewer below strength 1); beyond it: 413")
     max_queue: int = option(256, help="edits accepted and not yet answered; beyond it: 429 with Retry-After "
                             "(a registration also counts the templates being recorded)")
