@@ -17,7 +17,9 @@ It says hello (its batch size, the templates it holds), then answers the router'
               a preview PNG every that many steps), then the answer: a PNG, or an error with the
               HTTP status it maps to. An edit with `one_off` carries the image: its first edit
               here records it as it runs (one generation), and the router is told the template is
-              ready before the answer
+              ready before the answer. Its steps and answer carry its `attempt` (the router numbers
+              each sending and hears only the latest); sent an edit it still holds (it was presumed
+              dead meanwhile), the worker cancels the older copy
     cancel    drop an edit whose client is gone: it leaves the batch at the next step
     drop      forget a template (a recording of it in progress stops at the next step)
     stop      finish every accepted edit ("draining": the router sends nothing new, and heartbeats go
@@ -287,20 +289,27 @@ class Node:
 
     def _edit(self, header: dict, blobs: dict) -> None:
         request_id, router_template = header["request"], header["template"]
+        # What every message about this copy of the edit carries: the router numbers each sending, and hears
+        # only of the latest (a copy it sent before presuming this worker dead may still run here).
+        edit = {"request": request_id} | ({"attempt": header["attempt"]} if "attempt" in header else {})
+        with self._lock:
+            older = self.futures.get(request_id)
+        if older is not None:  # sent again (this worker was presumed dead meanwhile): the older copy is for nobody
+            older.cancel()
         if self.draining:  # sent before the router heard it is draining: it goes elsewhere
-            self._post({"kind": "result", "request": request_id, "status": 503, "error": "WorkerDraining",
+            self._post({"kind": "result", **edit, "status": 503, "error": "WorkerDraining",
                         "message": "this worker is stopping"})
             return
         one_off = header.get("one_off")
         template_id = self.templates.get(router_template)
         if template_id is None and one_off is None:
-            self._post({"kind": "result", "request": request_id, "status": 409, "error": "MissingTemplate",
+            self._post({"kind": "result", **edit, "status": 409, "error": "MissingTemplate",
                         "message": "this worker does not hold the template"})
             return
         try:
             mask = Image.frombytes("L", tuple(header["mask_size"]), blobs["mask"])
             prompt, seed = header["prompt"], int(header["seed"])
-            watch = self._watch(request_id, int(header.get("preview_every", 0)))
+            watch = self._watch(edit, int(header.get("preview_every", 0)))
             budget_s = None if header.get("budget_s") is None else float(header["budget_s"])
             lora = parse_lora(header.get("lora"))
             strength = float(header.get("strength", 1.0))
@@ -315,7 +324,7 @@ class Node:
                                                   record_beside=False,  # the router asks (`_record_one_off`)
                                                   scope=router_template)
         except Exception as exc:  # noqa: BLE001 - answered, never dropped
-            self._post({"kind": "result", "request": request_id, "status": status_of(exc),
+            self._post({"kind": "result", **edit, "status": status_of(exc),
                         "error": type(exc).__name__, "message": str(exc)})
             if one_off is not None and one_off.get("records"):
                 self._post({"kind": "template", "template": router_template, "ok": False, "message": str(exc)})
@@ -329,7 +338,7 @@ class Node:
             self.requests[future] = request_id
             self.futures[request_id] = future
         trace = str(header.get("trace") or request_id)
-        future.add_done_callback(lambda f: self._answer(f, router_template, trace))
+        future.add_done_callback(lambda f: self._answer(f, router_template, trace, edit))
 
     def _record_one_off(self, router_template: str, image: Image.Image, mask: Image.Image, prompt: str, seed: int,
                         one_off: dict) -> None:
@@ -338,14 +347,14 @@ class Node:
         self._record(router_template, lambda: self.engine.editor.one_off_template(
             image, mask, prompt, seed, int(one_off["steps"]), one_off["guidance"], scope=router_template))
 
-    def _watch(self, request_id: int, preview_every: int) -> StepWatch:
-        """The router hears of every step of an edit (its clients may be streaming its progress) and
-        sees its previews, when asked for, as PNGs."""
+    def _watch(self, edit: dict, preview_every: int) -> StepWatch:
+        """The router hears of every step of an edit (`edit`: its request and attempt; its clients may be
+        streaming its progress) and sees its previews, when asked for, as PNGs."""
         def step(k: int, n: int) -> None:
-            self._post({"kind": "progress", "request": request_id, "step": k, "steps": n})
+            self._post({"kind": "progress", **edit, "step": k, "steps": n})
 
         def preview(k: int, image: Image.Image) -> None:
-            self._post({"kind": "preview", "request": request_id, "step": k}, {"png": png_bytes(image)})
+            self._post({"kind": "preview", **edit, "step": k}, {"png": png_bytes(image)})
 
         return StepWatch(step, preview_every, preview if preview_every else None)
 
@@ -373,29 +382,29 @@ class Node:
 
     # ---- other threads ----
 
-    def _answer(self, future: Future, router_template: str, trace: str) -> None:
+    def _answer(self, future: Future, router_template: str, trace: str, edit: dict) -> None:
         """Tell the router how an edit ended, and log it under the client's request id (`trace`). It counts
         as held (heartbeats) until its answer is queued: a slow encode is not an edit lost."""
         with self._lock:
             request_id = self.requests[future]
         try:
-            self._post_answer(future, request_id, router_template, trace)
+            self._post_answer(future, edit, router_template, trace)
         finally:
             with self._lock:
                 self.requests.pop(future, None)
                 if self.futures.get(request_id) is future:  # not a later copy of the same edit
                     del self.futures[request_id]
 
-    def _post_answer(self, future: Future, request_id: int, router_template: str, trace: str) -> None:
+    def _post_answer(self, future: Future, edit: dict, router_template: str, trace: str) -> None:
         if future.cancelled():  # the router answered it when it cancelled; this closes the books
             logger.info("edit %s of %s cancelled", trace, router_template)
-            self._post({"kind": "result", "request": request_id, "status": 409, "error": "Cancelled",
+            self._post({"kind": "result", **edit, "status": 409, "error": "Cancelled",
                         "message": "the edit was cancelled"})
             return
         exc = future.exception()
         if exc is not None:
             logger.warning("edit %s of %s failed (%d): %s", trace, router_template, status_of(exc), exc)
-            self._post({"kind": "result", "request": request_id, "status": status_of(exc),
+            self._post({"kind": "result", **edit, "status": status_of(exc),
                         "error": type(exc).__name__, "message": str(exc)})
             return
         result: EditResult = future.result()
@@ -407,7 +416,7 @@ class Node:
             with self._lock:
                 self.templates[router_template] = result.recorded
             self._post({"kind": "template", "template": router_template, "ok": True})
-        self._post({"kind": "result", "request": request_id, "status": 200, "metrics": result.metrics.to_json()},
+        self._post({"kind": "result", **edit, "status": 200, "metrics": result.metrics.to_json()},
                    {"png": png_bytes(result.image)})
 
     def _register(self, header: dict, blobs: dict) -> None:

@@ -138,6 +138,13 @@ TOKEN_SIDE = 16  # pixels: the policies' token grid (`http_api.TOKEN_STRIDE`)
 PIXELS_PER_TOKEN = TOKEN_SIDE * TOKEN_SIDE
 
 
+def _this_attempt(header: dict, pending: Pending) -> bool:
+    """Whether a worker's message is about the latest sending of the edit: a worker presumed dead and back
+    may still run the copy it was sent before the edit came back to it (the same worker name), whose
+    steps and answer are for nobody. A message without an attempt (a worker that numbers none) counts."""
+    return header.get("attempt", pending.routes) == pending.routes
+
+
 def _recording_key(worker: WorkerState, template_id: str) -> tuple[str, int]:
     """A recording's row in the ClusterLoad (beside the edits' request ids): one per template and worker."""
     return template_id, worker.slot
@@ -858,9 +865,9 @@ class Router:
         self.cluster.assign(slot, pending.request_id, load)
         task = pending.task
         self._changed.notify_all()
-        header = {"kind": "edit", "request": pending.request_id, "template": task.template_id,
-                  "prompt": task.prompt, "seed": task.seed, "mask_size": list(task.mask_size),
-                  "preview_every": task.preview_every, "trace": task.trace}
+        header = {"kind": "edit", "request": pending.request_id, "attempt": pending.routes,
+                  "template": task.template_id, "prompt": task.prompt, "seed": task.seed,
+                  "mask_size": list(task.mask_size), "preview_every": task.preview_every, "trace": task.trace}
         if task.load.deadline is not None:  # what is left of it: the worker's clock is its own
             header["budget_s"] = task.load.deadline - time.monotonic()
         if task.lora:
@@ -1144,14 +1151,14 @@ class Router:
                     self._template_changed(record)
             elif kind == "preview":
                 pending = self.pending.get(header["request"])
-                if pending is not None and pending.worker == name:
+                if pending is not None and pending.worker == name and _this_attempt(header, pending):
                     self._tell("request", pending.request_id, {"event": "preview", "step": int(header["step"]),
                                                                "png": blobs.get("png", b"")})
 
     def _on_step(self, worker: WorkerState, header: dict) -> None:
         pending = self.pending.get(header["request"])
-        if pending is None or pending.worker != worker.name:
-            return  # answered, or moved elsewhere: the step is stale
+        if pending is None or pending.worker != worker.name or not _this_attempt(header, pending):
+            return  # answered, or moved elsewhere (to another worker, or sent to this one again): the step is stale
         record = self.templates.get(pending.task.template_id)
         # Denoiser calls, as the worker counts them (a second-order sampler makes two a step).
         steps = int(header.get("steps", record.steps if record is not None else header["step"]))
@@ -1383,7 +1390,7 @@ class Router:
         pending = self.pending.get(header["request"])
         if pending is None and header.get("error") == "Cancelled":
             return  # answered when it was cancelled
-        if pending is None or pending.worker != worker.name:
+        if pending is None or pending.worker != worker.name or not _this_attempt(header, pending):
             self.counters["duplicates_dropped"] += 1
             return
         # lost it (restart race, or a delete dropped it while the edit waited there: `_route` answers 404

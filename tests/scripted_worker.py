@@ -64,11 +64,17 @@ class ScriptedWorker:
         self.send({"kind": "template", "template": template, "ok": ok, "message": "out of memory"})
         self.sync()
 
-    def answer(self, request: int, png: bytes = b"png") -> None:
-        self.send({"kind": "result", "request": request, "status": 200}, {"png": png})
+    def answer(self, request: int, png: bytes = b"png", attempt: int | None = None) -> None:
+        """`attempt`: which sending of the edit this answers, as a node says (None: said not)."""
+        self.send({"kind": "result", "request": request, "status": 200} | _attempt(attempt), {"png": png})
 
-    def fail(self, request: int, status: int = 500, error: str = "RuntimeError", message: str = "it broke") -> None:
-        self.send({"kind": "result", "request": request, "status": status, "error": error, "message": message})
+    def fail(self, request: int, status: int = 500, error: str = "RuntimeError", message: str = "it broke",
+             attempt: int | None = None) -> None:
+        self.send({"kind": "result", "request": request, "status": status, "error": error, "message": message}
+                  | _attempt(attempt))
+
+    def step(self, request: int, step: int, steps: int, attempt: int | None = None) -> None:
+        self.send({"kind": "progress", "request": request, "step": step, "steps": steps} | _attempt(attempt))
 
     def answer_cancel(self) -> dict:
         """Receive the next cancel and answer it as a worker does (409 Cancelled); the cancel."""
@@ -108,3 +114,7 @@ def curve_router(folder, outsider: str) -> Router:
     security = RouterSecurity(folder / "router.key_secret", AllowedKeys.from_dir(folder / "allowed"))
     return Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", dead_after_s=60),
                   security=security).start()
+
+
+def _attempt(attempt: int | None) -> dict:
+    return {} if attempt is None else {"attempt": attempt}

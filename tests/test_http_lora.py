@@ -380,3 +380,31 @@ def test_a_worker_echoes_the_number_of_the_last_router_message_it_received():
         assert node._heartbeat()["seen"] == 7
     finally:
         node.context.destroy(linger=0)
+
+
+def test_a_worker_sent_an_edit_again_cancels_its_older_copy_and_tags_each_answer_with_its_attempt():
+    """Sent again by a router that presumed it dead, a worker ran both copies: twice the compute, and the
+    older one's steps in the edit's stream."""
+    from retouch.engine import wire
+
+    engine = RecordingEngine()
+    node = Node(engine, f"tcp://127.0.0.1:{free_port()}", "n0", supervised=False)
+    node.templates["t1"] = "e-1"
+    edit = {"kind": "edit", "request": 5, "template": "t1", "prompt": "a cat", "seed": 0, "mask_size": [2, 2]}
+    try:
+        node._on_message(wire.encode(edit | {"attempt": 1}, blobs={"mask": bytes(4)}))
+        *_, older = engine.next_submit()
+        node._on_message(wire.encode(edit | {"attempt": 2}, blobs={"mask": bytes(4)}))
+        *_, newer = engine.next_submit()
+        assert older.cancelled() and not newer.done()
+        newer.set_result(edited(0))
+        posted = []
+        while not node._outgoing.empty():
+            header, _, _ = wire.decode(node._outgoing.get_nowait()[1])
+            posted.append(header)
+        results = [(header["attempt"], header["status"]) for header in posted if header["kind"] == "result"]
+        assert results == [(1, 409), (2, 200)]
+        assert node._heartbeat()["held"] == []
+    finally:
+        node.context.destroy(linger=0)
+

@@ -131,6 +131,33 @@ def test_a_stale_cancel_that_meets_its_edit_sent_back_does_not_answer_it(context
     assert "cancel" not in w0.pending_kinds() and router.snapshot()["counters"]["stale_edits_dropped"] == 1
 
 
+def test_an_edit_sent_again_to_the_same_worker_is_heard_of_from_that_copy_only(context, make_router):
+    """The only worker, presumed dead while paused, is sent its parked edit again when it is back, while
+    the copy it was sent first may still run there: the steps and the answer of that copy (attempt 1) went
+    into the edit's stream beside the new one's (steps 51, 1, 52, 2, ...), and its answer could end it."""
+    router = make_router(dead_after_s=0.5)
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(template())
+    w0.register("t1")
+    future = router.submit(task())
+    first = w0.receive("edit")
+    events = []
+    router.watch("request", first["request"], events.append)
+    assert router.wait_until(lambda r: "w0" not in r.workers, TIMEOUT_S)  # silent: presumed dead, edit parked
+    back_after_a_pause(w0)
+    again = w0.receive("edit")
+    assert (first["request"], first["attempt"]) == (again["request"], 1) and again["attempt"] == 2
+    w0.step(first["request"], 51, 100, attempt=1)
+    w0.step(first["request"], 1, 100, attempt=2)
+    w0.answer(first["request"], b"from the first copy", attempt=1)
+    w0.sync()
+    assert not future.done() and router.snapshot()["counters"]["duplicates_dropped"] == 1
+    w0.answer(first["request"], b"from the second copy", attempt=2)
+    assert future.result(TIMEOUT_S).png == b"from the second copy"
+    steps = [event["step"] for event in events if event["event"] == "step"]
+    assert steps == [1] and [event.get("attempt") for event in events if event["event"] == "queued"][-1] == 2
+
+
 def test_exited_worker_is_rerouted_at_once(context, make_router):
     router = make_router()  # dead_after_s=60: only the supervisor's notice can remove it in time
     w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
