@@ -17,6 +17,8 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +38,32 @@ class WorkerProcess:
     reported: bool = False  # its exit was handled
 
 
+class RestartBudget:
+    """At most `max_restarts` replacements per worker slot within any `window_s` (a crash loop stops
+    there), as systemd's start limit counts them: a worker killed now and then over weeks is always
+    replaced, where a count over the server's life had left a slot empty after its sixth exit."""
+
+    def __init__(self, max_restarts: int, window_s: float, clock: Callable[[], float] = time.monotonic):
+        self.max_restarts, self.window_s, self.clock = max_restarts, window_s, clock
+        self._times: dict[int, deque[float]] = {}
+
+    def allow(self, slot: int) -> bool:
+        """Whether slot `slot` may get a replacement now (counted when it may)."""
+        now = self.clock()
+        times = self._times.setdefault(slot, deque())
+        while times and now - times[0] >= self.window_s:
+            times.popleft()
+        if len(times) >= self.max_restarts:
+            return False
+        times.append(now)
+        return True
+
+
 class Supervisor:
     def __init__(self, count: int, node_args: Sequence[str], router_address: str,
                  on_exit: Callable[[str], None], run_dir: Path, restart: bool = True, max_restarts: int = 5,
                  poll_s: float = 0.2, env: dict | None = None, gpus: bool = False, serve_id: str | None = None,
-                 extra_env: dict | None = None, cache_disk_dir: Path | None = None):
+                 extra_env: dict | None = None, cache_disk_dir: Path | None = None, restart_window_s: float = 600.0):
         """`node_args`: the arguments of `python -m retouch.engine.node` other than --router/--name;
         with `gpus`, worker i sees only GPU i (CUDA_VISIBLE_DEVICES). `run_dir`: the server's folder;
         worker `name` gets `run_dir/name`. `extra_env`: for the workers only (their CURVE keys).
@@ -51,7 +74,7 @@ class Supervisor:
         self.on_exit = on_exit
         self.run_dir = Path(run_dir)
         self.restart = restart
-        self.max_restarts = max_restarts
+        self.restarts = RestartBudget(max_restarts, restart_window_s)
         self.poll_s = poll_s
         self.env = dict(child_env(env, serve_id), **(extra_env or {}))
         self.gpus = gpus
@@ -98,13 +121,17 @@ class Supervisor:
                         continue
                     self.exits += 1
                     self.on_exit(worker.name)
-                    if self.restart and worker.restarts < self.max_restarts:
+                    if not self.restart:
+                        logger.warning(f"worker {worker.name} exited with {worker.process.returncode}")
+                    elif self.restarts.allow(worker.slot):
                         logger.warning(f"worker {worker.name} exited with {worker.process.returncode}; starting "
                                        "a replacement")
                         restarts = worker.restarts + 1
                         self.workers[index] = self._spawn(worker.slot, f"w{worker.slot}.{restarts}", restarts)
                     else:
-                        logger.warning(f"worker {worker.name} exited with {worker.process.returncode}")
+                        logger.error(f"worker {worker.name} exited with {worker.process.returncode}; not replaced: "
+                                     f"{self.restarts.max_restarts} replacements of slot {worker.slot} in the last "
+                                     f"{self.restarts.window_s:g} s (a crash loop; see its log above)")
 
     def _reap(self, worker: WorkerProcess) -> None:
         """The worker has exited: kill what is left of its group (helpers), remove its folder."""
@@ -112,28 +139,32 @@ class Supervisor:
         shutil.rmtree(worker.run_dir, ignore_errors=True)
         worker.reported = True
 
-    def close(self, timeout_s: float = 60.0, stopping: set[str] | None = None) -> None:
-        """Wait up to `timeout_s` for the workers the router told to stop (`stopping`, default all)
-        to exit; stop the others at once; then make sure their helpers and folders are gone."""
+    def close(self, timeout_s: float = 60.0, stopping: set[str] | None = None, grace_s: float = 10.0) -> None:
+        """Give the workers the router told to stop (`stopping`, default all) `timeout_s` from now, all
+        together, to exit; stop the others at once; terminate what is left then, and kill what is still
+        there `grace_s` later (a hung or stopped process: SIGTERM waits for it); then make sure their
+        helpers and folders are gone. Waiting per worker had made it minutes past a drain."""
         self._closing.set()
         with self._lock:
             workers = list(self.workers)
         for worker in workers:
             if stopping is not None and worker.name not in stopping:
                 worker.process.terminate()
+        _wait_all(workers, time.monotonic() + timeout_s, lambda process: process.terminate())
+        _wait_all(workers, time.monotonic() + grace_s, lambda process: process.kill())
         for worker in workers:
-            try:
-                worker.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                worker.process.terminate()
-        for worker in workers:
-            try:
-                worker.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                worker.process.kill()
-                worker.process.wait()
+            worker.process.wait()  # killed: it is gone, or about to be
         self._stop.set()
         self._thread.join()
         for worker in workers:
             if not worker.reported:
                 self._reap(worker)
+
+
+def _wait_all(workers: list[WorkerProcess], deadline: float, otherwise: Callable[[subprocess.Popen], None]) -> None:
+    """Wait for each worker's process until `deadline` (time.monotonic); `otherwise` those still running."""
+    for worker in workers:
+        try:
+            worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            otherwise(worker.process)

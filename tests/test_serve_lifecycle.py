@@ -144,7 +144,10 @@ def test_delete_stops_a_recording_within_one_step(server, client):
 def test_a_client_that_goes_away_cancels_its_edit(server, client):
     template_id = long_template(client, steps=200, seed=2)
     assert client.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
+    # The worker's count may still lack an earlier test's cancel (counted when its job leaves the batch, told
+    # a heartbeat later): so "more than before", and the router's own count, which is synchronous, exactly.
     cancelled = worker_report(server, "cancelled", lambda v: True)
+    router_cancelled = server.router.snapshot()["counters"]["cancelled"]
     # A raw connection that closes once the worker runs the edit: no guess at how long an edit takes.
     request = client.build_request("POST", "/v1/edits", files=files(mask=box()),
                                    data={"template_id": template_id, "prompt": "x"})
@@ -154,9 +157,9 @@ def test_a_client_that_goes_away_cancels_its_edit(server, client):
         connection.sendall(f"POST /v1/edits HTTP/1.1\r\n{head}\r\n".encode() + request.read())
         assert server.router.wait_until(lambda r: any(p.steps_left is not None and p.steps_left < 200
                                                       for p in r.pending.values()), 60)
-    assert worker_report(server, "cancelled", lambda v: v == cancelled + 1) == cancelled + 1
-    assert server.router.snapshot()["counters"]["cancelled"] >= 1
+    assert worker_report(server, "cancelled", lambda v: v > cancelled) > cancelled
     assert server.router.wait_until(lambda r: r.snapshot()["pending"] == 0, 10)
+    assert server.router.snapshot()["counters"]["cancelled"] == router_cancelled + 1
 
 
 def test_progress_and_cancel_by_request_id(server, client):

@@ -44,6 +44,8 @@ from retouch.kept_answers import AnswerFolder
 from retouch.log_limits import cap_log_messages
 from retouch.webhooks import secret_key
 
+# After the drain: how long workers get to say bye and exit, then (still there: hung) to die of SIGTERM.
+WORKER_EXIT_S = 5.0
 
 
 def step_cost(opts: ServeOptions) -> StepCost | None:
@@ -254,7 +256,9 @@ class Server:
             self._answers = None
         if self.supervisor is not None:
             # A replacement still loading never joined, so nobody told it to stop: no waiting for it.
-            self.supervisor.close(stopping=told_to_stop)
+            # What is left of the drain, and a few seconds for workers that drained to say bye and exit.
+            self.supervisor.close(max(WORKER_EXIT_S, deadline - time.monotonic()), stopping=told_to_stop,
+                                  grace_s=WORKER_EXIT_S)
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self.router = self.supervisor = self.run_dir = None
