@@ -54,7 +54,7 @@ import math
 import secrets
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -88,6 +88,7 @@ class QueueFull(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+DROPPED_KEPT = 10_000  # template ids remembered as dropped, for workers back after missing the drop (`_on_hello`)
 CLOSE_LINGER_MS = 1000  # at most this long for the last messages to a worker when the router closes
 # Retry-After of a full queue: without answers to go by yet, this long; never beyond the cap (OpenAI's
 # SDKs honour at most 60 s).
@@ -385,6 +386,9 @@ class Router:
         self._changed = threading.Condition(self._lock)
         # ("request", id) or ("template", id) -> callbacks told what happens to it (`watch`)
         self._watchers: dict[tuple[str, int | str], list[Callable[[dict], None]]] = {}
+        # Templates deleted or evicted lately (the newest DROPPED_KEPT), for workers that were away then: a
+        # worker back from a pause, or a replacement that adopted its disk tier, is told to drop them.
+        self._dropped: OrderedDict[str, None] = OrderedDict()
 
     # ---- lifecycle ----
 
@@ -465,6 +469,7 @@ class Router:
             # Registered only once the edits are accepted: a refused one-off leaves no template.
             if new_one_off:
                 self.templates[one_off.template_id] = one_off
+                self._dropped.pop(one_off.template_id, None)
                 self._evict_one_offs(keep=one_off.template_id)
             for task in tasks:
                 self.templates[task.template_id].last_used = time.monotonic()
@@ -691,6 +696,7 @@ class Router:
             self._keep(lambda registry: registry.save(record), record.template_id, "saved")
             with self._lock:
                 self.templates[record.template_id] = record
+                self._dropped.pop(record.template_id, None)
                 self._ensure_replicas(record)
         self._wake()
         return record
@@ -741,6 +747,9 @@ class Router:
 
     def _drop(self, template_id: str) -> None:
         record = self.templates.pop(template_id)
+        self._dropped[template_id] = None
+        while len(self._dropped) > DROPPED_KEPT:
+            self._dropped.popitem(last=False)
         self._tell("template", template_id, {"event": "deleted", "id": template_id})
         self._watchers.pop(("template", template_id), None)
         for name in record.states:
@@ -1236,6 +1245,8 @@ class Router:
                 self._dispatch_parked(template_id)
         for template_id in header.get("templates", ()):  # recorded before it (re)joined: ready there
             record = self.templates.get(template_id)
+            if record is None and template_id in self._dropped:  # deleted (or evicted) while it was away
+                self._send(worker, {"kind": "drop", "template": template_id})
             if record is not None:
                 record.states[name] = "ready"
                 record.progress[name] = record.steps

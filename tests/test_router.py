@@ -158,6 +158,24 @@ def test_an_edit_sent_again_to_the_same_worker_is_heard_of_from_that_copy_only(c
     assert steps == [1] and [event.get("attempt") for event in events if event["event"] == "queued"][-1] == 2
 
 
+def test_a_worker_back_after_missing_a_templates_deletion_is_told_to_drop_it(context, make_router):
+    """Deleted while its worker was presumed dead, a template stayed in that worker's cache for good once it
+    came back (a deleted tenant's activations resident). A template registered again meanwhile is kept."""
+    router = make_router(dead_after_s=0.5)
+    w0 = ScriptedWorker(context, router, "w0")
+    for template_id in ("t1", "t2"):
+        router.register_template(template(template_id))
+        w0.register(template_id)
+    assert router.wait_until(lambda r: "w0" not in r.workers, TIMEOUT_S)  # silent: presumed dead
+    assert router.drop_template("t1") and router.drop_template("t2")
+    router.register_template(template("t2"))  # back before the worker is
+    w0.send({"kind": "hello", "max_batch": 4, "pid": 1, "templates": ["t1", "t2"]})
+    w0.receive("welcome")
+    w0.sync()
+    assert [m["template"] for m in w0.inbox if m["kind"] == "drop"] == ["t1"]
+    assert router.template("t2")["progress"]["workers_ready"] == 1  # t2: ready there, as it said
+
+
 def test_exited_worker_is_rerouted_at_once(context, make_router):
     router = make_router()  # dead_after_s=60: only the supervisor's notice can remove it in time
     w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
