@@ -474,7 +474,7 @@ def kill_one(due: str, server, watch: ProcessWatch, rng: random.Random, t_s: flo
     """SIGKILL a process of kind `due` ("worker" or "helper"), else one of the other kind; None when
     there is neither. Workers whose slot the supervisor would not restart again are spared."""
     supervisor = server.supervisor
-    restartable = {w.name for w in supervisor.workers if w.restarts < supervisor.max_restarts}
+    restartable = {w.name for w in supervisor.workers if supervisor.restarts.would_allow(w.slot)}
     workers = {name: pid for name, pid in supervisor.pids().items() if name in restartable}
     _, helpers = watch.look()
     name_of = {pid: name for name, pid in supervisor.pids().items()}

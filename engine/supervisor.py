@@ -47,15 +47,19 @@ class RestartBudget:
         self.max_restarts, self.window_s, self.clock = max_restarts, window_s, clock
         self._times: dict[int, deque[float]] = {}
 
-    def allow(self, slot: int) -> bool:
-        """Whether slot `slot` may get a replacement now (counted when it may)."""
+    def would_allow(self, slot: int) -> bool:
+        """Whether slot `slot` may get a replacement now (nothing counted)."""
         now = self.clock()
         times = self._times.setdefault(slot, deque())
         while times and now - times[0] >= self.window_s:
             times.popleft()
-        if len(times) >= self.max_restarts:
+        return len(times) < self.max_restarts
+
+    def allow(self, slot: int) -> bool:
+        """Whether slot `slot` may get a replacement now (counted when it may)."""
+        if not self.would_allow(slot):
             return False
-        times.append(now)
+        self._times[slot].append(self.clock())
         return True
 
 

@@ -105,6 +105,7 @@ def test_replacements_are_limited_per_window_not_per_life(gaps, max_restarts, wi
     for gap in gaps:
         clock.now += gap
         recent = [t for t in allowed if clock.now - t < window_s]
+        assert budget.would_allow(0) == (len(recent) < max_restarts)  # asking counts nothing
         if budget.allow(0):
             assert len(recent) < max_restarts
             allowed.append(clock.now)
