@@ -441,3 +441,11 @@ def test_a_recording_that_does_not_fit_frees_what_it_had_written():
             record(store, "b", steps=3)  # 2 steps fit beside a, the third does not
         assert not store.contains("b")
         assert store.arena.used == TEMPLATE_BYTES  # only a's: b's two written steps were freed
+
+
+def test_a_host_budget_the_machine_cannot_give_is_refused_naming_the_flag():
+    """1e7 GiB failed inside the arena's constructor: a C++ message, exit 1 from the CLI."""
+    from retouch.errors import InputError
+
+    with pytest.raises(InputError, match="--cache-host-gib"):
+        CacheStore(StoreConfig(host_bytes=int(1e7 * 2**30)))

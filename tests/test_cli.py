@@ -234,6 +234,7 @@ BAD_EDITS = {
     "small mask": ({"--mask": "M64.png"}, [], "mask M64.png is 64x64 but image is 128x128"),
     "missing image": ({"--image": "nope.png"}, [], "image file not found"),
     "unreadable image": ({"--image": "junk.png"}, [], "cannot read image"),
+    "image the process cannot read": ({"--image": "/proc/self/mem"}, [], "cannot read image /proc/self/mem"),
     "empty prompt": ({"--prompt": " "}, [], "--prompt is empty"),
     "unknown model": ({"--model": "no-such-model"}, [], "no-such-model"),
     "not a pipeline folder": ({"--model": "empty_dir"}, [], "empty_dir"),
@@ -304,6 +305,18 @@ def test_simulate_prints_every_policy(cli):
     (["--model", "tiny-flux-fill", "--cors-origins", "shop.example.com"], "--cors-origins takes scheme://host"),
     (["--model", "tiny-flux-fill", "--scheduler", "dpm++2m"], "cannot drive this FluxFillPipeline"),
     (["--model", "tiny-sd2-inpaint", "--scheduler", "lcm", "--steps", "60"], "LCMScheduler makes at most 50 steps"),
+    # NaN passed `<= 0` checks, inf overflowed later, 0 spun a core: refused up front
+    (["--model", "tiny-flux-fill", "--heartbeat-s", "nan"], "--heartbeat-s must be a finite number > 0"),
+    (["--model", "tiny-flux-fill", "--heartbeat-s", "0"], "--heartbeat-s must be a finite number > 0"),
+    (["--model", "tiny-flux-fill", "--heartbeat-s", "0.0001"], "--heartbeat-s must be at least 0.01 s"),
+    (["--model", "tiny-flux-fill", "--max-upload-mb", "nan"], "--max-upload-mb must be a finite number > 0"),
+    (["--model", "tiny-flux-fill", "--max-inflight-mb", "inf"], "--max-inflight-mb must be a finite number > 0"),
+    (["--model", "tiny-flux-fill", "--result-store-mb", "inf"], "--result-store-mb must be a finite number > 0"),
+    (["--model", "tiny-flux-fill", "--drain-s", "inf"], "--drain-s must be a finite number >= 0"),
+    (["--model", "tiny-flux-fill", "--slo-ms-per-megapixel", "inf"], "--slo-ms-per-megapixel must be a finite"),
+    (["--model", "tiny-flux-fill", "--lora-cache-mb", "inf"], "--lora-cache-mb must be a finite number > 0"),
+    (["--model", "tiny-flux-fill", "--worker-listen", "tcp://127.0.0.1:99999"], "--worker-listen must be"),
+    (["--model", "tiny-flux-fill", "--worker-listen", "tcp://127.0.0.1:abc"], "--worker-listen must be"),
 ])
 def test_serve_refuses_bad_options_before_starting_anything(cli_here, args, message):
     result = cli_here("serve", *args)

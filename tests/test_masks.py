@@ -27,7 +27,7 @@ def token_mask_by_definition(pixels: torch.Tensor, stride: int, dilation: int) -
 
 @pytest.mark.parametrize("size", [(128, 128), (100, 75), (16, 16), (17, 33)])
 @pytest.mark.parametrize("stride", [8, 16, 32])
-@pytest.mark.parametrize("dilation", [0, 1, 2])
+@pytest.mark.parametrize("dilation", [0, 1, 2, 50, 10**9])  # past the grid: every token near a masked one
 def test_token_mask_matches_definition(size, stride, dilation):
     generator = torch.Generator().manual_seed(size[0] * stride + dilation)
     pixels = torch.rand(size, generator=generator) > 0.995  # sparse specks probe the borders

@@ -141,7 +141,11 @@ def resolve_device(device: str, dtype: str):
     return device, getattr(torch, dtype)
 
 
-_BOUNDS = {"> 0": lambda v: v > 0, ">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0}
+# Finite too: NaN compares false both ways (it passed `v <= 0` checks), and inf overflowed where a
+# number becomes bytes, milliseconds or a timestamp.
+_BOUNDS = {"> 0": lambda v: math.isfinite(v) and v > 0, ">= 1": lambda v: math.isfinite(v) and v >= 1,
+           ">= 0": lambda v: math.isfinite(v) and v >= 0}
+MIN_HEARTBEAT_S = 0.01  # a heartbeat loop faster than this spins a core while idle
 
 
 def _check_lora_dir(lora_dir: Path | None) -> None:
@@ -193,7 +197,7 @@ def _require(options, names: tuple[str, ...], bound: str) -> None:
     for name in names:
         value = getattr(options, name)
         if not _BOUNDS[bound](value):
-            raise InputError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
+            raise InputError(f"--{name.replace('_', '-')} must be a finite number {bound}, got {value}")
 
 
 def add_arguments(parser: argparse.ArgumentParser, options_cls: type) -> None:
@@ -405,8 +409,7 @@ class ServeOptions:
             raise InputError("--helpers must be >= 1 in disagg mode")
         if not 0 <= self.port < 65536:
             raise InputError(f"--port must be in [0, 65535], got {self.port}")
-        if self.max_upload_mb <= 0:
-            raise InputError(f"--max-upload-mb must be > 0, got {self.max_upload_mb}")
+        _require(self, ("max_upload_mb",), "> 0")
         # Checked here, before any worker loads the model, as the HTTP limits would check them after.
         if self.max_inflight_mb < self.max_upload_mb:
             raise InputError(f"--max-inflight-mb ({self.max_inflight_mb:g}) must hold one upload "
@@ -414,6 +417,13 @@ class ServeOptions:
         if self.steps > self.max_steps:
             raise InputError(f"--steps ({self.steps}) must not exceed --max-steps ({self.max_steps}): an edit "
                              "that omits steps would be refused the steps its template was recorded with")
+        _require(self, ("heartbeat_s", "dead_after_s"), "> 0")
+        if self.heartbeat_s < MIN_HEARTBEAT_S:
+            raise InputError(f"--heartbeat-s must be at least {MIN_HEARTBEAT_S:g} s, got {self.heartbeat_s:g}")
+        address = ROUTER_ADDRESS.fullmatch(self.worker_listen)
+        if address is None or (address["port"] is not None and not 0 <= int(address["port"]) < 65536):
+            raise InputError(f"--worker-listen must be tcp://ADDRESS:PORT with PORT in [0, 65535] (0: any free "
+                             f"one) or ipc://PATH, got {self.worker_listen!r}")
         if self.dead_after_s <= self.heartbeat_s:
             raise InputError("--dead-after-s must exceed --heartbeat-s")
         if not self.no_worker_s > 0:  # inf: edits wait for a worker however long none is connected

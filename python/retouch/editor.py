@@ -148,8 +148,8 @@ class MaskAwareEditor:
                              f"{model.name} is {model.family} (use the baseline edit)")
         if cache_mode not in CACHE_MODES:
             raise InputError(f"cache mode must be one of {', '.join(CACHE_MODES)}, got {cache_mode!r}")
-        if dilation < 0:
-            raise InputError(f"dilation must be >= 0 tokens, got {dilation}")
+        if isinstance(dilation, bool) or not isinstance(dilation, int) or dilation < 0:
+            raise InputError(f"dilation must be a whole number of tokens >= 0, got {dilation!r}")
         if planner not in PLANNERS:
             raise InputError(f"planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
         if cuda_graphs and model.pipe.device.type != "cuda":

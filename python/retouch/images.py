@@ -70,7 +70,11 @@ def _open(path: Path, what: str) -> Image.Image:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{what} file not found: {path}")
-    return decode_image(path.read_bytes(), f"{what} {path}", multiple=FLUX_STRIDE)  # counted as the canvas
+    try:
+        data = path.read_bytes()
+    except OSError as exc:  # unreadable: permissions, a device file
+        raise InputError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    return decode_image(data, f"{what} {path}", multiple=FLUX_STRIDE)  # counted as the canvas
 
 
 def padded_size(size: tuple[int, int], multiple: int) -> tuple[int, int]:

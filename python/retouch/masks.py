@@ -54,6 +54,7 @@ def token_mask(mask, stride: int, dilation: int = 0) -> torch.Tensor:
     padded = np.zeros((rows * stride, cols * stride), dtype=bool)
     padded[:height, :width] = pixels
     tokens = padded.reshape(rows, stride, cols, stride).any(axis=(1, 3))
+    dilation = min(dilation, max(rows, cols))  # a wider margin reaches no further token (a huge one hung here)
     if dilation:
         window = 2 * dilation + 1
         for axis in (0, 1):  # a square window is a row window after a column window

@@ -165,8 +165,10 @@ def _first_line(error: BaseException) -> str:
 
 
 # What a scheduler raises for settings it cannot make a schedule with (a negative step count is a
-# RuntimeError of torch's, a missing attribute an AttributeError).
-SCHEDULE_ERRORS = (ValueError, TypeError, KeyError, NotImplementedError, ImportError, RuntimeError, AttributeError)
+# RuntimeError of torch's, a missing attribute an AttributeError, num_train_timesteps=0 an IndexError,
+# original_inference_steps=0 a ZeroDivisionError).
+SCHEDULE_ERRORS = (ValueError, TypeError, KeyError, NotImplementedError, ImportError, RuntimeError, AttributeError,
+                   IndexError, ArithmeticError)
 
 
 def _usable(current, class_name: str, family: str, pipeline_class: str) -> bool:
