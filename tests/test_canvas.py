@@ -97,3 +97,24 @@ def test_sizes_that_are_already_whole_are_left_alone():
         Canvas.of((0, 5), 16, 16)
     with pytest.raises(ValueError, match="one size"):
         paste_unmasked(Image.new("RGB", (4, 4)), Image.new("RGB", (4, 5)), Image.new("L", (4, 4)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(width=st.integers(1, 1100), height=st.integers(1, 1100))
+def test_a_canvas_past_sd3s_position_embedding_is_refused_and_up_to_it_is_taken(width, height):
+    """SD3's transformer holds a position embedding of pos_embed_max_size patches a side (192: 3072 px); a
+    larger image failed inside it with a ValueError (exit 1, a 500). The UNets and Flux have no such table."""
+    from types import SimpleNamespace
+
+    from retouch.errors import InputError
+
+    table = SimpleNamespace(config=SimpleNamespace(pos_embed_max_size=64))
+    sd3 = SimpleNamespace(vae_scale_factor=8, transformer=table)
+    unet = SimpleNamespace(vae_scale_factor=8, unet=object())
+    padded = Canvas.for_pipeline((width, height), unet).padded
+    assert padded == (-(-width // 16) * 16, -(-height // 16) * 16)
+    if max(padded) > 64 * 16:
+        with pytest.raises(InputError, match="at most 1024 px a side"):
+            Canvas.for_pipeline((width, height), sd3)
+    else:
+        assert Canvas.for_pipeline((width, height), sd3).padded == padded

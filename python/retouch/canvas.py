@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from retouch.errors import InputError
 from retouch.images import colour_profile, padded_size
 from retouch.masks import token_mask
 
@@ -42,8 +43,15 @@ class Canvas:
         """The canvas of a diffusers pipeline: sides in whole latent patches (VAE /8, 2x2 patches); its
         mask in tokens for a transformer, in latent pixels for a UNet (whose levels pool them)."""
         multiple = pipe.vae_scale_factor * 2
-        stride = multiple if getattr(pipe, "transformer", None) is not None else pipe.vae_scale_factor
-        return cls.of(size, multiple, stride)
+        transformer = getattr(pipe, "transformer", None)
+        stride = multiple if transformer is not None else pipe.vae_scale_factor
+        canvas = cls.of(size, multiple, stride)
+        # SD3's position embedding is a table of so many patches a side: larger latents are its ValueError.
+        patches = getattr(getattr(transformer, "config", None), "pos_embed_max_size", None)
+        if patches is not None and max(canvas.padded) > patches * multiple:
+            raise InputError(f"the image is {size[0]}x{size[1]}; this model edits images of at most "
+                             f"{patches * multiple} px a side (its position embedding holds {patches} patches)")
+        return canvas
 
     @property
     def is_padded(self) -> bool:
