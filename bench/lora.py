@@ -134,13 +134,19 @@ def drop_from_page_cache(path: Path) -> None:
 
 
 def load_hiding(args, device: torch.device, dtype: torch.dtype) -> dict:
+    """The loading part, its adapter file in a folder of its own that goes with it (each run left one
+    behind: hundreds of MiB)."""
+    with tempfile.TemporaryDirectory(prefix="retouch-bench-lora-") as folder:
+        return _load_hiding(args, device, dtype, Path(folder))
+
+
+def _load_hiding(args, device: torch.device, dtype: torch.dtype, folder: Path) -> dict:
     from PIL import Image
 
     from retouch.editor import EditRequest
     from retouch.engine.api import Engine
     from retouch.engine.worker import EngineConfig
 
-    folder = Path(tempfile.mkdtemp(prefix="retouch-bench-lora-"))
     engine = Engine.load(args.engine_model, EngineConfig(mode="naive", max_batch=1, lora_dir=str(folder)),
                          device=str(device), dtype=dtype)
     path = save_diffusers_lora(engine.editor.denoiser, folder, args.load_rank)

@@ -72,9 +72,15 @@ def test_lora_reports_each_batch_against_the_batch_without_lora(tmp_path):
     assert_made_by(report, "lora")
 
 
-def test_lora_loading_reports_the_hidden_share_of_the_load_it_measured(tmp_path):
+def test_lora_loading_reports_the_hidden_share_of_the_load_it_measured(tmp_path, monkeypatch):
     """The loading part on a tiny model: every variant timed, the load read once per round (sync reads it
-    cold), and the headline share is the engine's default (load from submission), from its own figures."""
+    cold), and the headline share is the engine's default (load from submission), from its own figures.
+    Its adapter file goes with it (each run left a folder in /tmp)."""
+    import tempfile
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     report = lora.main(["--model", "tiny-flux-fill", "--batch", "2", "--rank", "4", "--resolution", "64",
                         "--repeats", "1", "--load-rank", "8", "--engine-resolution", "64", "--steps", "2",
                         "--load-repeats", "2"])
@@ -87,6 +93,7 @@ def test_lora_loading_reports_the_hidden_share_of_the_load_it_measured(tmp_path)
             assert loading[name]["hidden_share"] == pytest.approx(
                 1 - loading[name]["exposed_load_s"] / loading["load_cost_s"], abs=1e-3)
     assert loading["hidden_share"] == loading["async+prefetch"]["hidden_share"]
+    assert not list(scratch.glob("retouch-bench-lora-*"))
 
 
 @pytest.mark.parametrize("options", [["--load-repeats", "0"], ["--rank", "0"]])
