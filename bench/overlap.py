@@ -33,7 +33,7 @@ from retouch.bench.step import TEXT_TOKENS, flux_setup, write_report
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import CacheStore, StoreConfig
 from retouch.cache.staging import CopyEngine, StagedActivations
-from retouch.errors import ArgumentParser
+from retouch.errors import ArgumentParser, InputError
 from retouch.masks import centred_token_rectangle
 from retouch.progress import bar
 
@@ -153,7 +153,8 @@ def _plan(cost_model_path, adapter, cache_mode: str, num_text: int, num_image: i
 
     model = CostModel.from_json(cost_model_path)
     if len(model.block_kinds) != adapter.num_blocks:
-        raise SystemExit(f"{cost_model_path} describes {len(model.block_kinds)} blocks, the model has {adapter.num_blocks}")
+        raise InputError(f"--cost-model {cost_model_path} describes {len(model.block_kinds)} blocks, the model has "
+                         f"{adapter.num_blocks}")
     row = {kind: RequestTokens(text=num_text, image=num_image, masked=num_masked) for kind in set(model.block_kinds)}
     return optimal_plan(model.block_costs([row], cache_mode)).use_cache
 

@@ -28,7 +28,7 @@ from retouch.bench.report import (DTYPE_CHOICES, device_arg, json_text, mask_rat
 from retouch.bench.timing import interleaved_medians
 from retouch.bench.trace import traced
 from retouch.cache import InMemoryActivationCache
-from retouch.errors import ArgumentParser
+from retouch.errors import ArgumentParser, InputError
 from retouch.masks import centred_token_rectangle
 from retouch.models import build_denoiser, get_spec
 from retouch.models.inputs import random_flux_inputs
@@ -42,7 +42,7 @@ def flux_setup(model: str, device: torch.device, dtype: torch.dtype, resolution:
     """The denoiser with random weights, patched, its inputs for one request, and a template recorded
     (on `device`) at `steps` denoising steps."""
     if model not in TEXT_TOKENS:
-        raise SystemExit(f"bench supports the Flux models {', '.join(TEXT_TOKENS)}, got {model!r}")
+        raise InputError(f"bench supports the Flux models {', '.join(TEXT_TOKENS)}, got {model!r}")
     resolution = resolution or get_spec(model).resolution
     grid = (resolution // 16, resolution // 16)
     num_image, num_text = grid[0] * grid[1], TEXT_TOKENS[model]

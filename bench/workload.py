@@ -23,6 +23,7 @@ from retouch.bench import stock
 from retouch.bench.report import DTYPE_CHOICES, cost_model_arg, device_arg, out_path, positive_float
 from retouch.cache import CacheFull, CacheStore, StoreConfig
 from retouch.editor import PATCH_STRIDE, EditRequest, MaskAwareEditor
+from retouch.errors import InputError
 from retouch.engine.simulate import MASK_BETA
 from retouch.models import get_spec
 from retouch.models.loading import load_for_bench
@@ -119,7 +120,7 @@ def load_cost_model(path: Path | None, model: str):
 
     cost_model = CostModel.from_json(path)
     if cost_model.model != model:
-        raise SystemExit(f"{path} was profiled on {cost_model.model}, not {model}")
+        raise InputError(f"--cost-model {path} was profiled on {cost_model.model}, not {model}")
     return cost_model
 
 

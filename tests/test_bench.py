@@ -1,6 +1,7 @@
 """The benchmarks behind `retouch bench`: the JSON they print has the promised shape and content."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retouch.bench import fidelity, flops, lora, mixed, overhead, step
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "cpu"
 
 
 def assert_made_by(report: dict, bench: str) -> None:
@@ -316,3 +319,13 @@ def test_busy_time_is_the_measure_of_the_union_of_the_intervals(spans):
     intervals = [(float(start), float(start + length)) for start, length in spans]
     covered = {tick for start, length in spans for tick in range(start, start + length)}
     assert covered_us(intervals) == len(covered)
+
+
+def test_a_cost_model_of_another_model_is_a_one_line_error_naming_the_flag(capsys):
+    """It was SystemExit(message): the message, but exit 1, the CLI's code for its own failures."""
+    from retouch.cli import main
+
+    assert main(["bench", "image", "--model", "tiny-sd3-inpaint", "--device", "cpu",
+                 "--cost-model", str(RESULTS / "cost_tiny_flux_fill.json")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("retouch: error: --cost-model") and "profiled on tiny-flux-fill" in error
