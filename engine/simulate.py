@@ -316,6 +316,13 @@ def _progress_printer(name: str, every_s: float = 2.0):
     return report
 
 
+def out_path(text: str) -> Path:
+    """argparse `type` of `--out`: checked before the simulation runs (`retouch.bench.report.out_path`)."""
+    from retouch.bench.report import out_path as checked
+
+    return checked(text)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(prog="retouch simulate", description=__doc__)
     parser.add_argument("--workers", type=int, default=8)
@@ -355,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="seconds a request waits when its worker must read its adapter")
     parser.add_argument("--lora-affinity", type=int, default=0,
                         help="the router's bound: in-flight requests over the least loaded worker's")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here, and a PNG beside it")
+    parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
     unknown = [name for name in policies if name not in POLICIES]
@@ -372,6 +379,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--image-tokens must be >= 1 and --text-tokens >= 0")
     if args.loras < 0 or args.lora_zipf < 0 or args.lora_cache < 1 or args.lora_miss_s < 0 or args.lora_affinity < 0:
         parser.error("--loras, --lora-zipf, --lora-miss-s and --lora-affinity must be >= 0, --lora-cache >= 1")
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.loras and args.find_load:
         parser.error("--loras compares routing with and without LoRA affinity at one load: not with --find-load")
 

@@ -457,3 +457,15 @@ def test_a_benchmarks_help_shows_its_defaults_once(capsys):
     shown = " ".join(capsys.readouterr().out.split())
     assert "(default: http://127.0.0.1:8000)" in shown and "edits to send (default: 100)" in shown
     assert shown.count("(default: 100)") == 1 and "(default: None)" not in shown
+
+
+@pytest.mark.parametrize("args, message", [
+    (["simulate", "--seed", "-1"], "--seed must be >= 0"),
+    (["simulate", "--out", "{folder}"], "it is a folder"),
+    (["profile", "--model", "tiny-flux-fill", "--device", "cpu", "--out", "{folder}"], "it is a folder"),
+])
+def test_outputs_and_seeds_are_checked_before_the_run(cli_here, tmp_path, args, message):
+    """An --out that is a folder failed after the whole profile or simulation had run; a negative seed in
+    numpy's generator."""
+    result = cli_here(*[arg.format(folder=tmp_path) for arg in args])
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

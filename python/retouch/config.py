@@ -14,7 +14,7 @@ from pathlib import Path
 
 from retouch.engine.policies import POLICIES
 from retouch.errors import InputError, RetouchError
-from retouch.paths import check_writable_folder
+from retouch.paths import check_writable, check_writable_folder
 from retouch.log_limits import LOG_LEVELS
 from retouch.lora import LoraChoice, LoraError, parse_lora
 
@@ -263,6 +263,7 @@ class ProfileOptions:
                 raise InputError(f"{flag} values must be whole numbers")
         if max(self.values("mask_ratios")) > 1:
             raise InputError("--mask-ratios must lie in (0, 1]")
+        check_writable(self.out)  # before the profile runs, not after it
         if self.repeats < 1:
             raise InputError(f"--repeats must be >= 1, got {self.repeats}")
         # Each block's full-compute fit sees one sample per (grid, batch size) point: a least-squares fit of
