@@ -239,6 +239,7 @@ BAD_EDITS = {
     "unknown model": ({"--model": "no-such-model"}, [], "no-such-model"),
     "not a pipeline folder": ({"--model": "empty_dir"}, [], "empty_dir"),
     "bad steps": ({"--steps": "0"}, [], "--steps"),
+    "a schedule of 10^10 steps": ({"--steps": "10000000000"}, [], "--steps must be in [1, 10000]"),
     "mask without alpha": ({}, ["--mask-alpha"], "no alpha channel"),
     "mask-aware without paste-back": ({}, ["--mask-aware", "--no-paste-back"], "--no-paste-back applies to the baseline"),
     "negative dilation": ({"--dilation": "-1"}, [], "--dilation"),
@@ -317,6 +318,7 @@ def test_simulate_prints_every_policy(cli):
     (["--model", "tiny-flux-fill", "--lora-cache-mb", "inf"], "--lora-cache-mb must be a finite number > 0"),
     (["--model", "tiny-flux-fill", "--worker-listen", "tcp://127.0.0.1:99999"], "--worker-listen must be"),
     (["--model", "tiny-flux-fill", "--worker-listen", "tcp://127.0.0.1:abc"], "--worker-listen must be"),
+    (["--model", "tiny-flux-fill", "--max-steps", "10000000000"], "--max-steps must be at most 10000"),
 ])
 def test_serve_refuses_bad_options_before_starting_anything(cli_here, args, message):
     result = cli_here("serve", *args)

@@ -17,6 +17,7 @@ from retouch.errors import InputError, RetouchError
 from retouch.paths import check_writable, check_writable_folder
 from retouch.log_limits import LOG_LEVELS
 from retouch.lora import LoraChoice, LoraError, parse_lora
+from retouch.models.samplers import MAX_STEPS
 
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")  # --served-model-name: what clients put in `model`
@@ -94,8 +95,8 @@ class EditOptions:
     def __post_init__(self):
         if not self.prompt.strip():
             raise InputError("--prompt is empty; say what to paint into the masked region")
-        if self.steps is not None and self.steps < 1:
-            raise InputError(f"--steps must be >= 1, got {self.steps}")
+        if self.steps is not None and not 1 <= self.steps <= MAX_STEPS:
+            raise InputError(f"--steps must be in [1, {MAX_STEPS}], got {self.steps}")
         if not 0.0 < self.strength <= 1.0:
             raise InputError(f"--strength must be in (0, 1], got {self.strength}")
         if self.dilation < 0:
@@ -415,6 +416,8 @@ class ServeOptions:
         if self.max_inflight_mb < self.max_upload_mb:
             raise InputError(f"--max-inflight-mb ({self.max_inflight_mb:g}) must hold one upload "
                              f"(--max-upload-mb {self.max_upload_mb:g})")
+        if self.max_steps > MAX_STEPS:
+            raise InputError(f"--max-steps must be at most {MAX_STEPS}, got {self.max_steps}")
         if self.steps > self.max_steps:
             raise InputError(f"--steps ({self.steps}) must not exceed --max-steps ({self.max_steps}): an edit "
                              "that omits steps would be refused the steps its template was recorded with")

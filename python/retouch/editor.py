@@ -40,7 +40,7 @@ from retouch.images import as_image, as_mask, colour_profile
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
 from retouch.models import LoadedModel, load_pipeline, quiet_libraries
 from retouch.models.samplers import describe as describe_scheduler
-from retouch.models.samplers import calls_line, steps_error
+from retouch.models.samplers import MAX_STEPS, calls_line, steps_error
 from retouch.noise import initial_noise, latent_shape, latents_argument, pack_flux_latents  # noqa: F401 - API
 from retouch.noise import seeded_noise
 from retouch.strength import StartLatents, check_strength, noised_start, start_step
@@ -768,8 +768,8 @@ def _digest_profile(digest, image: Image.Image) -> None:
 
 
 def check_steps(steps) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise InputError(f"steps must be an integer >= 1, got {steps!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise InputError(f"steps must be an integer in [1, {MAX_STEPS}], got {steps!r}")
 
 
 def check_seed(seed) -> None:

@@ -227,9 +227,16 @@ def fresh(scheduler):
         return type(scheduler).from_config(scheduler.config)
 
 
+# The longest schedule asked of any sampler: far past what any sampler improves with (a few hundred), short
+# of what a schedule's tables cost in memory (10^10 steps: a 75 GiB allocation, a MemoryError).
+MAX_STEPS = 10_000
+
+
 def steps_error(scheduler, steps: int) -> str | None:
     """Why `scheduler` cannot make a schedule of `steps` steps (LCM makes at most its
     original_inference_steps), or None when it can."""
+    if steps > MAX_STEPS:
+        return f"at most {MAX_STEPS} steps are run"
     try:
         _trial(scheduler, steps)
     except SCHEDULE_ERRORS as error:
