@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from retouch import demo
@@ -45,3 +46,13 @@ def test_mask_covers_the_sun_on_whole_tokens():
     assert mask.reshape(32, 16, 32, 16).any(axis=(1, 3)).sum() == 210
     sun = np.all(np.asarray(demo.template_image(512)) == (255, 214, 90), axis=-1)
     assert sun.any() and mask[sun].all()
+
+
+@pytest.mark.parametrize("options, named", [(["--device", "gpu"], "--device"), (["--size", "8"], "--size"),
+                                            (["--out", "README.md"], "--out"), (["--steps", "0"], "--steps")])
+def test_bad_options_are_one_line_naming_the_flag(options, named, capsys):
+    """`make demo DEMO_DEVICE=gpu` (or cuda without one, or an --out that is a file) printed a traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        demo.parse_arguments(options)
+    error = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and named in error and len(error.splitlines()) == 1, error

@@ -24,12 +24,15 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from retouch.bench.report import device_arg
 from retouch.config import resolve_device
 from retouch.editor import EditRequest, MaskAwareEditor
+from retouch.errors import ArgumentParser, InputError
 from retouch.image_metrics import psnr, ssim
 from retouch.masks import FLUX_STRIDE
 from retouch.models import get_spec, list_models
 from retouch.models.loading import load_for_bench
+from retouch.paths import check_writable_folder
 from retouch.progress import note, pipeline_bar
 
 DEFAULT_MODEL = "flux-demo"
@@ -152,15 +155,29 @@ def demo_panels(template: Image.Image, mask: Image.Image, images: dict) -> list[
             (f"|full - Y-cache| x{DIFFERENCE_GAIN}", Image.fromarray(np.clip(difference, 0, 255).astype(np.uint8)))]
 
 
+def out_folder(text: str) -> Path:
+    """argparse `type` of `--out`: a folder files can be written in, checked before the demo runs."""
+    try:
+        return check_writable_folder(text)
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def demo_device(text: str) -> str:
+    """argparse `type` of `--device`: auto, or what the benchmarks take (a CUDA one only where there is one)."""
+    return text if text == "auto" else device_arg(text)
+
+
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m retouch.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="folder for side_by_side.png, demo.json")
+    parser = ArgumentParser(prog="python -m retouch.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=out_folder, default=Path("out/demo"),
+                        help="folder for side_by_side.png, demo.json")
     parser.add_argument("--model", choices=[spec.name for spec in list_models()], default=DEFAULT_MODEL,
                         metavar="MODEL", help=f"a built-in model (default {DEFAULT_MODEL}; see `retouch models`)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--size", type=int, default=None,
                         help="pixels per side, a multiple of 16 (default: the model's)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    parser.add_argument("--device", type=demo_device, default="cpu", help="cpu, cuda, cuda:N or auto")
     args = parser.parse_args(argv)
     args.size = args.size or get_spec(args.model).resolution
     if args.size % FLUX_STRIDE or args.size < 2 * FLUX_STRIDE:
