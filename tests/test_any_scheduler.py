@@ -284,7 +284,8 @@ def test_settings_parse_as_their_defaults_type_and_aliases_name_real_classes():
     for spec, says in (("dpm++2m:solver_order=abc", "solver_order is an integer, got 'abc'"),
                        ("dpm++2m:solver_order=2.5", "solver_order is an integer"),
                        ("ddim:set_alpha_to_one=maybe", "set_alpha_to_one is true or false"),
-                       ("ddim:beta_end=high", "beta_end is a number")):
+                       ("ddim:beta_end=high", "beta_end is a number"),
+                       ("flow-euler:shift=1,shift=2", "shift is set twice")):  # was the last, silently
         with pytest.raises(ModelError, match=says):
             parse_scheduler(spec)
     for alias in ALIASES:

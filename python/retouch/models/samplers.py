@@ -74,11 +74,15 @@ def parse_scheduler(spec: str) -> tuple[str, dict]:
     if name.lower() in ALIASES:
         settings = {**{key: accepted[key].default for key in SAMPLER_SETTINGS if key in accepted}, **settings}
     # Pairs split at a comma that starts the next KEY=, so that a list value keeps its commas.
+    given = set()
     for pair in filter(None, (pair.strip() for pair in re.split(r",(?=\s*\w+\s*=)", settings_text))):
         key, equals, value = pair.partition("=")
         key = key.strip()
         if not equals or not key:
             raise ModelError(f"--scheduler settings are KEY=VALUE pairs separated by commas; got {pair!r}")
+        if key in given:  # which of them was meant is not ours to guess
+            raise ModelError(f"--scheduler: {key} is set twice; set it once")
+        given.add(key)
         if key not in accepted:
             raise ModelError(f"--scheduler: {class_name} has no setting {key!r}; it has {', '.join(accepted)}")
         settings[key] = _setting(class_name, key, value.strip(), accepted[key].default)
