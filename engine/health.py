@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, exposition
 from prometheus_client.core import GaugeMetricFamily
 
+from retouch.errors import InputError
 from retouch.serve_metrics import worker_families, worker_label
 
 class EngineCollector:
@@ -74,7 +75,11 @@ class HealthServer:
             def log_message(self, *args):  # probes every few seconds are not news
                 pass
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self.server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:  # taken, or an address this host does not have (a gaierror among them)
+            raise InputError(f"cannot serve health on {host}:{port} (--health-host, --health-port): "
+                             f"{exc.strerror or exc}") from None
         self.server.daemon_threads = True
         self.address = self.server.server_address
         self._thread = threading.Thread(target=self.server.serve_forever, name="retouch-health", daemon=True)

@@ -471,3 +471,15 @@ def test_outputs_and_seeds_are_checked_before_the_run(cli_here, tmp_path, args, 
     numpy's generator."""
     result = cli_here(*[arg.format(folder=tmp_path) for arg in args])
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--run-dir", "{file}"], "as a folder: it is a file"),
+    (["--health-host", "999.1.1.1", "--health-port", "18080"], "cannot serve health on 999.1.1.1:18080"),
+])
+def test_a_worker_refuses_a_run_dir_or_health_address_it_cannot_use(cli_here, tmp_path, args, message):
+    """Both were internal errors (exit 1): NotADirectoryError when the helpers started, gaierror at the bind."""
+    (tmp_path / "a-file").write_text("")
+    result = cli_here("worker", "--connect", "tcp://127.0.0.1:9", "--model", "tiny-flux-fill", "--device", "cpu",
+                      *[arg.format(file=tmp_path / "a-file") for arg in args])
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

@@ -508,6 +508,8 @@ class WorkerOptions:
             raise InputError("--curve-secret and --curve-server go together (this worker's key, the router's key)")
         if self.cuda_graphs and self.device == "cpu":
             raise InputError("--cuda-graphs needs a CUDA device")
+        if self.run_dir is not None:
+            check_writable_folder(self.run_dir)
         address = ROUTER_ADDRESS.fullmatch(self.connect)
         if address is None or (address["port"] is not None and not 0 < int(address["port"]) < 65536):
             raise InputError(f"--connect must be tcp://HOST:PORT with PORT in [1, 65535] (or ipc://PATH), "
