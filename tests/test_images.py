@@ -410,3 +410,13 @@ def test_a_jpeg_masks_compression_noise_is_not_repainted():
     png = io.BytesIO()
     Image.fromarray(noisy).save(png, format="PNG")  # the same levels from a lossless file are taken as drawn
     assert (np.asarray(images.as_mask(images.decode_image(png.getvalue(), "mask"))) == noisy).all()
+
+
+def test_an_image_given_as_an_object_is_held_to_the_pixel_limit_of_files(monkeypatch):
+    """A 20000x20000 PIL image reached the pipeline and failed allocating 25.6 GB."""
+    monkeypatch.setattr(images, "MAX_PIXELS", 64 * 64)
+    assert images.as_image(Image.new("RGB", (64, 64))).size == (64, 64)
+    with pytest.raises(InputError, match="over the limit of 4096 pixels"):
+        images.as_image(Image.new("RGB", (64, 65)))  # a 64x80 canvas
+    with pytest.raises(InputError, match="over the limit"):
+        images.as_image(np.zeros((1, 5000, 3), np.uint8))

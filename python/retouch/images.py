@@ -168,6 +168,9 @@ def as_image(image, what: str = "image") -> Image.Image:
     _one_picture(image, what)
     if image.width < 1 or image.height < 1:
         raise InputError(f"{what} is empty ({image.width}x{image.height})")
+    width, height = padded_size(image.size, FLUX_STRIDE)
+    if width * height > MAX_PIXELS:  # as a file's header is checked (`decode_image`): a PIL image came unchecked
+        raise InputError(f"{what} is {size_words(image.size, FLUX_STRIDE)}, over the limit of {MAX_PIXELS} pixels")
     profile = colour_profile(image)
     rgb = _eight_bit(upright(image), what).convert("RGB")
     rgb.info.pop("icc_profile", None)  # a grey or CMYK one would mislabel the RGB image
