@@ -405,3 +405,22 @@ def test_an_unpatched_twin_is_the_stock_model_on_the_patched_models_weights(name
     shared = dict(patched.named_parameters()) | dict(patched.named_buffers())
     for key, tensor in [*twin.named_parameters(), *twin.named_buffers()]:
         assert tensor.data_ptr() == shared[key].data_ptr() and not tensor.requires_grad
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"device": "gpu"}, "device must be cpu, cuda or cuda:N"),
+    ({"device": "cuda:7"}, "no such CUDA device here"),
+    ({"dtype": "nope"}, "dtype must be a floating torch dtype"),
+    ({"dtype": torch.int8}, "dtype must be a floating torch dtype"),
+    ({"scheduler": 123}, "scheduler must be a name"),
+    ({"name_or_dir": None}, "model must be a built-in name or a pipeline folder"),
+])
+def test_load_refuses_what_it_cannot_load_on_naming_the_argument(options, says):
+    """A device torch does not know or this machine lacks failed inside diffusers (an AssertionError); a
+    dtype given by name was ignored (float32 ran)."""
+    with pytest.raises(ModelError, match=says):
+        models.load_pipeline(**{"name_or_dir": "tiny-flux-fill", **options})
+
+
+def test_a_dtype_may_be_named():
+    assert models.load_pipeline("tiny-flux-fill", dtype="float64").pipe.transformer.dtype == torch.float64

@@ -32,6 +32,29 @@ class LoadedModel:
     scheduler: str | None = None  # the --scheduler it was given (`samplers`); None: the pipeline's own
 
 
+def checked_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device, if this machine has it: torch's own errors for "gpu" or a missing CUDA
+    came from inside diffusers (an AssertionError, for one)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ModelError(f"device must be cpu, cuda or cuda:N, got {str(device)!r}")
+    if device.type == "cuda" and (not torch.cuda.is_available()
+                                  or (device.index or 0) >= torch.cuda.device_count()):
+        raise ModelError(f"device {str(device)!r}: no such CUDA device here")
+    return device
+
+
+def checked_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """`dtype` as a floating torch.dtype; its name ("bfloat16") too (a name was passed on, and ignored)."""
+    named = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(named, torch.dtype) or not named.is_floating_point:
+        raise ModelError(f"dtype must be a floating torch dtype (torch.bfloat16, or its name), got {dtype!r}")
+    return named
+
+
 def load_pipeline(
     name_or_dir: str | os.PathLike,
     device: str | torch.device = "cpu",
@@ -49,6 +72,11 @@ def load_pipeline(
     the folder is missing, is not a diffusers pipeline, or holds a pipeline retouch does not serve,
     or when the scheduler cannot drive it.
     """
+    if not isinstance(name_or_dir, str | os.PathLike):
+        raise ModelError(f"model must be a built-in name or a pipeline folder, got {name_or_dir!r}")
+    if scheduler is not None and not isinstance(scheduler, str):
+        raise ModelError(f"scheduler must be a name like 'dpm++2m-karras' (or None), got {scheduler!r}")
+    device, dtype = checked_device(device), checked_dtype(dtype)
     if isinstance(name_or_dir, str) and is_builtin(name_or_dir):
         folder = cached_export(name_or_dir)
     else:
