@@ -10,6 +10,7 @@ The server puts this behind the router; benchmarks and tests drive it directly.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -47,6 +48,8 @@ class Engine:
                  predict_s: Callable[[Job], float] | None = None):
         """`model_name`: what the helper processes of the disaggregated mode load (default: the editor's).
         `predict_s`: the step loop's prediction of a job's remaining seconds (slack ordering, `Worker`)."""
+        if not isinstance(config, EngineConfig):  # a dict of its fields failed later, as an AttributeError
+            raise TypeError(f"config must be an EngineConfig (EngineConfig(mode=...)), got {type(config).__name__}")
         self.editor = editor
         self.config = config
         self.model_name = model_name or editor.model.name
@@ -271,6 +274,8 @@ class Engine:
         adapters (names in `EngineConfig.lora_dir`, with scales: `retouch.lora.parse_lora`), loaded while
         it already denoises (`EngineConfig.lora_latest_step`)."""
         self._check_running()
+        if not isinstance(request, EditRequest):
+            raise InputError(f"submit takes an EditRequest (submit_image: an image), got {type(request).__name__}")
         template = self.editor.templates.get(request.template_id)
         if template is None:
             raise InputError(f"unknown template {request.template_id!r}; register it first")
@@ -404,4 +409,8 @@ class Engine:
 def _deadline(budget_s: float | None) -> float | None:
     """A budget (seconds from now, as the router sends it: clocks differ across hosts) as a deadline
     on this process's clock (`metrics.now`)."""
-    return None if budget_s is None else now() + budget_s
+    if budget_s is None:
+        return None
+    if isinstance(budget_s, bool) or not isinstance(budget_s, int | float) or not math.isfinite(budget_s):
+        raise InputError(f"budget_s must be a finite number of seconds (or None), got {budget_s!r}")
+    return now() + budget_s

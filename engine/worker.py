@@ -84,14 +84,14 @@ class EngineConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"batching mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.helper_threads < 0:
-            raise ValueError(f"helper_threads must be >= 0, got {self.helper_threads}")
-        if self.lora_cache_mb <= 0:
-            raise ValueError(f"lora_cache_mb must be > 0, got {self.lora_cache_mb}")
-        if self.lora_device_mb is not None and not self.lora_device_mb > 0:
-            raise ValueError(f"lora_device_mb must be > 0, got {self.lora_device_mb}")
+        for name, least in (("max_batch", 1), ("helpers", 1 if self.mode == "disagg" else 0), ("helper_threads", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+        if not (math.isfinite(self.lora_cache_mb) and self.lora_cache_mb > 0):
+            raise ValueError(f"lora_cache_mb must be a finite number > 0, got {self.lora_cache_mb}")
+        if self.lora_device_mb is not None and not (math.isfinite(self.lora_device_mb) and self.lora_device_mb > 0):
+            raise ValueError(f"lora_device_mb must be a finite number > 0, got {self.lora_device_mb}")
         if not 0.0 <= self.lora_latest_step <= 1.0:
             raise ValueError(f"lora_latest_step must be in [0, 1], got {self.lora_latest_step}")
 

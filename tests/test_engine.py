@@ -341,3 +341,34 @@ def test_worker_metrics_keep_exact_totals_in_bounded_memory(steps, history, mark
     assert summary["mean_overhead_s"] == pytest.approx(sum(overheads) / len(steps) if steps else 0.0)
     assert summary["step_seconds"] == pytest.approx(sum(s for _, s, _, _ in steps))
     assert metrics.batch_sizes_since(mark) == batches[mark:][len(batches[mark:]) - min(history, len(batches[mark:])):]
+
+
+@pytest.mark.parametrize("fields, says", [({"helpers": -1}, "helpers must be a whole number >= 1"),
+                                          ({"max_batch": 1.5}, "max_batch must be a whole number >= 1"),
+                                          ({"helper_threads": -2}, "helper_threads must be a whole number >= 0"),
+                                          ({"lora_cache_mb": float("inf")}, "lora_cache_mb must be a finite"),
+                                          ({"lora_device_mb": float("nan")}, "lora_device_mb must be a finite")])
+def test_an_engine_config_refuses_what_would_fail_later(fields, says):
+    """Each was accepted: helpers=-1 and max_batch=1.5 failed in the loop, lora_cache_mb=inf as an
+    OverflowError when the first adapter was cached."""
+    with pytest.raises(ValueError, match=says):
+        EngineConfig(**fields)
+
+
+def test_the_api_names_what_it_was_given_in_the_wrong_place(flux_editor):
+    """A config as a dict, a request or template id of None, a prompt of None and a budget that is not a
+    number each failed deep inside (AttributeError, TypeError, the text encoder's ValueError)."""
+    with pytest.raises(TypeError, match="config must be an EngineConfig"):
+        Engine(flux_editor, {"mode": "naive"})
+    for call, says in ((lambda: flux_editor.register_template(template_image(), prompt=None), "prompt must be"),
+                       (lambda: flux_editor.edit_many([None]), "edit_many takes EditRequests"),
+                       (lambda: flux_editor.drop_template(None), "a template id is a string"),
+                       (lambda: flux_editor.edit(None, square_mask(), "a hat"), "a template id is a string")):
+        with pytest.raises(InputError, match=says):
+            call()
+    template_id = flux_editor.register_template(template_image(), steps=2)
+    with Engine(flux_editor, EngineConfig(mode="naive")) as engine:
+        with pytest.raises(InputError, match="submit takes an EditRequest"):
+            engine.submit(None)
+        with pytest.raises(InputError, match="budget_s must be a finite number"):
+            engine.submit(EditRequest(template_id, square_mask(), "a hat"), budget_s="x")

@@ -231,6 +231,8 @@ class MaskAwareEditor:
         self._check_steps(steps)
         check_seed(seed)
         check_guidance(guidance)
+        if not isinstance(prompt, str):  # None reached the text encoder, whose error named no argument
+            raise InputError(f"prompt must be a string ('' for none), got {type(prompt).__name__}")
         image = as_image(image)
         recorded = None if mask is None else as_mask(mask, image.size, what="recorded mask")
         template_id = self._template_id(image, prompt, steps, seed, guidance, recorded, scope)
@@ -438,6 +440,7 @@ class MaskAwareEditor:
             self.drop_template(template_id)
 
     def drop_template(self, template_id: str) -> None:
+        check_template_id(template_id)
         self.templates.pop(template_id, None)
         self.cache.drop(template_id)
         self.cache.drop(uncond_row_id(template_id))
@@ -465,6 +468,8 @@ class MaskAwareEditor:
             raise InputError(f"output_type must be 'pil' or 'latent', got {output_type!r}")
         if not requests:
             return []
+        if not all(isinstance(request, EditRequest) for request in requests):
+            raise InputError("edit_many takes EditRequests (EditRequest(template_id, mask, prompt, ...))")
         templates = [self._template(request.template_id) for request in requests]
         requests = [self.check_request(request, template) for request, template in zip(requests, templates)]
         if len({(t.steps, t.guidance, t.num_text_tokens, t.latent_shape) for t in templates}) > 1:
@@ -714,6 +719,7 @@ class MaskAwareEditor:
     # ---- helpers ----
 
     def _template(self, template_id: str) -> Template:
+        check_template_id(template_id)
         template = self.templates.get(template_id)
         if template is None:
             raise InputError(f"unknown template {template_id!r}; register it first")
@@ -765,6 +771,13 @@ def _digest_profile(digest, image: Image.Image) -> None:
     profile = colour_profile(image)
     if profile is not None:
         digest.update(b"icc|" + profile)
+
+
+def check_template_id(template_id) -> None:
+    """None, or a request in a template id's place, failed as an AttributeError deep inside."""
+    if not isinstance(template_id, str):
+        raise InputError(f"a template id is a string (what register_template answers), got "
+                         f"{type(template_id).__name__}")
 
 
 def check_steps(steps) -> None:
