@@ -255,6 +255,10 @@ BAD_EDITS = {
     "unknown scheduler": ({}, ["--scheduler", "dpm3"], "--scheduler 'dpm3' is neither a diffusers scheduler"),
     "scheduler of another kind": ({}, ["--scheduler", "flow-euler"], "cannot drive this StableDiffusionInpaint"),
     "scheduler setting it lacks": ({}, ["--scheduler", "ddim:karras=true"], "DDIMScheduler has no setting 'karras'"),
+    # a schedule, but no step: every edit of a server that started failed
+    "sampler settings that make no step": ({}, ["--scheduler", "dpm++2m:solver_order=0"], "solver_order=0"),
+    "sampler settings that make no schedule": ({}, ["--scheduler", "ddim:num_train_timesteps=0"],
+                                               "num_train_timesteps=0"),
     "more steps than the sampler makes": ({"--steps": "51"}, ["--scheduler", "lcm"],
                                           "--steps 51: LCMScheduler cannot make that many"),
     "strength of nothing": ({"--strength": "0"}, [], "--strength must be in (0, 1], got 0.0"),

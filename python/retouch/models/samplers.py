@@ -158,6 +158,7 @@ def choose_scheduler(current, spec: str, family: str, pipeline_class: str):
             scheduler = getattr(diffusers, class_name).from_config(current.config, **settings)
             check_reproducible(scheduler, family, pipeline_class)
             _set_steps(scheduler, 4)  # settles what a scheduler settles in its first schedule, once
+            _trial_run(scheduler)
     except SCHEDULE_ERRORS as error:
         raise ModelError(f"--scheduler {spec}: {_first_line(error)}") from None
     return scheduler
@@ -277,6 +278,19 @@ def _trial(scheduler, steps: int = 4):
     with _quiet_swap():
         _set_steps(trial, steps)
     return trial
+
+
+def _trial_run(scheduler, steps: int = 4) -> None:
+    """Step a copy through a schedule of `steps` on a tiny latent: settings that make a schedule but no
+    step (solver_order=0, an unknown prediction_type) fail here, when the sampler is chosen, rather than
+    in every edit of a server that started. Torch's global generator is left as it was."""
+    trial = _trial(scheduler, steps)
+    sample = torch.zeros(1, 4, 2, 2)
+    with torch.random.fork_rng(devices=[]), _quiet_swap():
+        for timestep in trial.timesteps:
+            model_input = trial.scale_model_input(sample, timestep) if hasattr(trial, "scale_model_input") \
+                else sample
+            sample = trial.step(model_input * 0.5, timestep, sample, return_dict=False)[0]
 
 
 def _set_steps(scheduler, steps: int) -> None:
