@@ -291,3 +291,17 @@ def test_a_cost_model_of_another_model_is_refused_when_the_editor_is_built():
             MaskAwareEditor(pipeline, cost_model=fitted)
         assert all("forward" not in block.__dict__ for block in pipeline.pipe.components.get(
             "transformer", pipeline.pipe.components.get("unet")).modules())  # left unpatched
+
+
+@pytest.mark.parametrize("options, says", [({"cache": "x"}, "cache must be an ActivationCache"),
+                                           ({"cost_model": "cost.json"}, "cost_model must be a CostModel"),
+                                           ({"block_plan": [True]}, "block_plan has 1 entries; tiny-flux-fill has 3"),
+                                           ({"dilation": 1.5}, "dilation must be a whole number")])
+def test_editor_options_given_wrong_are_named_before_anything_runs(options, says):
+    """A cost model's path, a cache's name, a plan of the wrong length and a fractional dilation were accepted,
+    then failed at the first edit (AttributeError, IndexError, numpy's TypeError)."""
+    pipeline = load_pipeline("tiny-flux-fill")
+    with pytest.raises(InputError, match=says):
+        MaskAwareEditor(pipeline, **options)
+    blocks = [*pipeline.pipe.transformer.transformer_blocks, *pipeline.pipe.transformer.single_transformer_blocks]
+    assert not any("forward" in vars(block) for block in blocks)  # refused: the model is left unpatched

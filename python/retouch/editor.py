@@ -154,6 +154,12 @@ class MaskAwareEditor:
             raise InputError(f"planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
         if cuda_graphs and model.pipe.device.type != "cuda":
             raise InputError(f"cuda_graphs needs a CUDA device; the model is on {model.pipe.device.type}")
+        if cache is not None and not isinstance(cache, ActivationCache):
+            raise InputError(f"cache must be an ActivationCache (CacheStore(StoreConfig(...))), got {cache!r}")
+        from retouch.costs import CostModel  # noqa: F811 - at run time too (the module import is for typing)
+
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise InputError(f"cost_model must be a CostModel (CostModel.from_json(path)), got {cost_model!r}")
         self.model = model
         self.pipe = model.pipe
         # Read once, not per step: diffusers' pipe.device and model.dtype walk every module (~2 ms a call),
@@ -177,6 +183,10 @@ class MaskAwareEditor:
             self.denoiser = self.pipe.transformer
             patch = patch_sd3 if model.family == "sd3" else patch_flux
             self.adapter = patch(self.denoiser, attention_backend=attention_backend)
+        if self.block_plan is not None and len(self.block_plan) != self.adapter.num_blocks:
+            self.adapter.unpatch()
+            raise InputError(f"block_plan has {len(self.block_plan)} entries; {model.name} has "
+                             f"{self.adapter.num_blocks} blocks (one True or False each: cache or compute)")
         if cost_model is not None and tuple(cost_model.block_kinds) != self.adapter.block_kinds():
             self.adapter.unpatch()
             raise InputError(f"the cost model was profiled on {cost_model.model}, whose blocks are not "
