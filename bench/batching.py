@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import device_arg, out_path, positive_float, publish, pyplot, environment
+from retouch.bench.report import device_arg, out_path, positive_float, publish, pyplot, environment, seed_arg
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.api import Engine
 from retouch.engine.metrics import now
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--helpers", type=int, default=1, help="pre/post-processing processes (disagg)")
     parser.add_argument("--device", type=device_arg, default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_arg, default=0)
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if min(args.requests, args.steps, args.templates, args.max_batch, args.helpers) < 1 or args.size < 32:

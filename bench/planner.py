@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retouch.bench.report import json_text, out_path, pyplot, write_json, environment
+from retouch.bench.report import json_text, out_path, pyplot, write_json, environment, seed_arg
 from retouch.errors import ArgumentParser
 from retouch.planner import TIE_RTOL, BlockCosts, algorithm1, brute_force, optimal_plan, simulate
 from retouch.progress import bar
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--instances", type=int, default=200, help="random instances compared with brute force")
     parser.add_argument("--blocks", type=int, default=12, help="blocks per compared instance (2^blocks plans)")
     parser.add_argument("--timing-instances", type=int, default=100, help="Flux-shaped 57-block instances timed")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_arg, default=0)
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     if args.instances < 1 or args.timing_instances < 1 or not 1 <= args.blocks <= 20:

@@ -62,6 +62,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def seed_arg(text: str) -> int:
+    """argparse `type` of `--seed`: an integer numpy's generators take (>= 0)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a seed is a whole number >= 0, got {text!r}") from None
+    if seed < 0:
+        raise argparse.ArgumentTypeError(f"a seed is a whole number >= 0, got {seed}")
+    return seed
+
+
 def mask_ratio(text: str) -> float:
     """argparse `type` of a single `--mask-ratio` in (0, 1]."""
     ratios = mask_ratios(text)

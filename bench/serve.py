@@ -43,8 +43,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import out_path, positive_float, publish, pyplot, environment
-from retouch.errors import ArgumentParser
+from retouch.bench.report import out_path, positive_float, publish, pyplot, environment, seed_arg
+from retouch.errors import ArgumentParser, RetouchError
 from retouch.images import png_bytes
 from retouch.progress import bar
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mask-dist", choices=tuple(MASK_BETA), default="public",
                         help="mask area ratio: public Beta(1.9, 8.1), production Beta(1.1, 8.9)")
     parser.add_argument("--prompt", default="a red balloon", help="edit prompt (the request index is appended)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the masks, the arrivals and the template")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="seeds the masks, the arrivals and the template")
     parser.add_argument("--timeout", type=positive_float, default=300.0,
                         help="seconds one request may take before it counts as lost; also the most to wait "
                              "for the template to become ready")
@@ -360,9 +360,9 @@ async def _check_health(client, url: str) -> None:
     try:
         response = await client.get("/healthz")
     except httpx.RequestError as exc:
-        sys.exit(f"retouch bench serve: no retouch server answers at {url} ({type(exc).__name__}: {exc})")
+        raise RetouchError(f"no retouch server answers at {url} ({type(exc).__name__}: {exc})") from None
     if response.status_code != 200:
-        sys.exit(f"retouch bench serve: {url}/healthz answered {response.status_code}: {_error_message(response)}")
+        raise RetouchError(f"{url}/healthz answered {response.status_code}: {_error_message(response)}")
 
 
 async def _ready_template(client, args) -> dict:
@@ -372,8 +372,8 @@ async def _ready_template(client, args) -> dict:
                                      files={"image": ("template.png", template_png(args.size, args.seed), "image/png")},
                                      data={"prompt": "a scene", "steps": str(args.steps), "seed": str(args.seed)})
         if response.status_code not in (200, 201, 202):
-            sys.exit(f"retouch bench serve: registering a template failed with {response.status_code}: "
-                     f"{_error_message(response)}")
+            raise RetouchError(f"registering a template failed with {response.status_code}: "
+                               f"{_error_message(response)}")
         template = response.json()
         print(f"serve: registering template {template['id']} ({args.size}px, {args.steps} steps)", file=sys.stderr)
     else:

@@ -20,7 +20,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from retouch.bench import stock
-from retouch.bench.report import DTYPE_CHOICES, cost_model_arg, device_arg, out_path, positive_float
+from retouch.bench.report import DTYPE_CHOICES, cost_model_arg, device_arg, out_path, positive_float, seed_arg
 from retouch.cache import CacheFull, CacheStore, StoreConfig
 from retouch.editor import PATCH_STRIDE, EditRequest, MaskAwareEditor
 from retouch.errors import InputError
@@ -64,7 +64,7 @@ def add_editor_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-model", type=cost_model_arg, default=None,
                         help="a `retouch profile` JSON: the planner chooses cache or compute per block")
     parser.add_argument("--planner", choices=("optimal", "algorithm1"), default="optimal")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_arg, default=0)
     stock.add_options(parser)
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
 

@@ -329,3 +329,21 @@ def test_a_cost_model_of_another_model_is_a_one_line_error_naming_the_flag(capsy
                  "--cost-model", str(RESULTS / "cost_tiny_flux_fill.json")]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("retouch: error: --cost-model") and "profiled on tiny-flux-fill" in error
+
+
+@pytest.mark.parametrize("name", ["batching", "planner", "serve", "throughput", "image"])
+def test_a_negative_seed_is_refused_at_parsing(name, capsys):
+    """numpy's generators refuse it: after the model was built (exit 1)."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"retouch.bench.{name}").main(["--seed", "-1"])
+    assert exit_.value.code == 2 and "--seed" in capsys.readouterr().err
+
+
+def test_bench_serve_says_in_one_line_that_no_server_answers(capsys):
+    """It was sys.exit(message): exit 1, the CLI's code for its own failures."""
+    from retouch.cli import main
+
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--requests", "1"]) == 2
+    assert "retouch: error: no retouch server answers at http://127.0.0.1:9" in capsys.readouterr().err
