@@ -317,7 +317,8 @@ def _progress_printer(name: str, every_s: float = 2.0):
 
 
 def out_path(text: str) -> Path:
-    """argparse `type` of `--out`: checked before the simulation runs (`retouch.bench.report.out_path`)."""
+    """argparse `type` of `--out`: checked before the simulation runs (`retouch.bench.report.out_path`,
+    imported here: that module imports torch, which the simulator does not)."""
     from retouch.bench.report import out_path as checked
 
     return checked(text)
