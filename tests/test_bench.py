@@ -340,10 +340,3 @@ def test_a_negative_seed_is_refused_at_parsing(name, capsys):
         importlib.import_module(f"retouch.bench.{name}").main(["--seed", "-1"])
     assert exit_.value.code == 2 and "--seed" in capsys.readouterr().err
 
-
-def test_bench_serve_says_in_one_line_that_no_server_answers(capsys):
-    """It was sys.exit(message): exit 1, the CLI's code for its own failures."""
-    from retouch.cli import main
-
-    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--requests", "1"]) == 2
-    assert "retouch: error: no retouch server answers at http://127.0.0.1:9" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from retouch.bench import block, image
+from retouch.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_FLUX_COST = ROOT / "bench" / "results" / "cpu" / "cost_tiny_flux_fill.json"
@@ -129,14 +130,14 @@ def test_image_latency_compiled_races_eager_and_compiled_stock_in_one_run(monkey
 
 
 def test_image_latency_refuses_a_cost_model_of_another_model():
-    with pytest.raises(SystemExit, match="profiled on tiny-flux-fill, not tiny-sd2-inpaint"):
+    with pytest.raises(InputError, match="profiled on tiny-flux-fill, not tiny-sd2-inpaint"):
         image.main(["--model", "tiny-sd2-inpaint", "--steps", "1", "--cost-model", str(TINY_FLUX_COST)])
 
 
 def test_throughput_and_serving_refuse_a_cost_model_of_another_model():
     from retouch.bench import workload
 
-    with pytest.raises(SystemExit, match="profiled on tiny-flux-fill, not tiny-sdxl-inpaint"):
+    with pytest.raises(InputError, match="profiled on tiny-flux-fill, not tiny-sdxl-inpaint"):
         workload.load_cost_model(TINY_FLUX_COST, "tiny-sdxl-inpaint")
     assert workload.load_cost_model(TINY_FLUX_COST, "tiny-flux-fill").model == "tiny-flux-fill"
     assert workload.load_cost_model(None, "tiny-flux-fill") is None

@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from retouch.bench import serve
+from retouch.errors import RetouchError
 
 
 class StubServer(ThreadingHTTPServer):
@@ -215,7 +216,7 @@ def test_no_server_is_said_plainly():
     server = ThreadingHTTPServer(("127.0.0.1", 0), StubHandler)
     url = f"http://127.0.0.1:{server.server_address[1]}"
     server.server_close()  # the port is now closed: connections are refused
-    with pytest.raises(SystemExit, match="no retouch server answers"):
+    with pytest.raises(RetouchError, match="no retouch server answers"):  # one line, exit 2 from the CLI
         serve.main(["--url", url, "--requests", "3"])
 
 
