@@ -382,10 +382,10 @@ async def _ready_template(client, args) -> dict:
     pause = 0.02
     while template["status"] != "ready":
         if template["status"] == "failed":
-            sys.exit(f"retouch bench serve: template {template['id']} failed: {json.dumps(template)}")
+            raise RetouchError(f"template {template['id']} failed: {json.dumps(template)}")
         if time.monotonic() > deadline:
-            sys.exit(f"retouch bench serve: template {template['id']} not ready after {args.timeout} s "
-                     f"(status {template['status']!r})")
+            raise RetouchError(f"template {template['id']} not ready after {args.timeout} s "
+                               f"(status {template['status']!r})")
         await asyncio.sleep(pause)  # polling a recording in progress
         pause = min(1.0, pause * 2)
         template = await _get_template(client, template["id"])
@@ -395,8 +395,8 @@ async def _ready_template(client, args) -> dict:
 async def _get_template(client, template_id: str) -> dict:
     response = await client.get(f"/v1/templates/{template_id}")
     if response.status_code != 200:
-        sys.exit(f"retouch bench serve: GET /v1/templates/{template_id} answered {response.status_code}: "
-                 f"{_error_message(response)}")
+        raise RetouchError(f"GET /v1/templates/{template_id} answered {response.status_code}: "
+                           f"{_error_message(response)}")
     return response.json()
 
 

@@ -207,7 +207,7 @@ def test_a_request_past_its_timeout_is_lost_and_the_run_ends(stub):
 
 @pytest.mark.parametrize("stub", [{"template_fails": True}], indirect=True)
 def test_a_failed_template_stops_the_run_with_its_reason(stub):
-    with pytest.raises(SystemExit, match="template tpl-1 failed"):
+    with pytest.raises(RetouchError, match="template tpl-1 failed"):
         serve.main(["--url", stub.url, "--requests", "3"])
     assert stub.edits == 0
 
