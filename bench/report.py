@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from retouch.errors import InputError
-from retouch.paths import check_writable
+from retouch.errors import InputError, ModelError
+from retouch.paths import check_writable, check_writable_folder
 
 # Packages whose versions decide a benchmark's figures; a missing one is recorded as None.
 _PACKAGES = ("torch", "triton", "diffusers", "transformers", "flash-attn", "numpy")
@@ -28,15 +28,14 @@ MAX_SIDE = 8192  # pixels: a bigger image is a typo, not a benchmark (512 tokens
 
 
 def device_arg(text: str) -> str:
-    """argparse `type` of `--device`: cpu, cuda or cuda:N, and a CUDA one only where there is one."""
+    """argparse `type` of `--device`: cpu, cuda or cuda:N, and a CUDA one only where there is one
+    (`retouch.models.loading.checked_device`, what loading a model checks)."""
+    from retouch.models.loading import checked_device  # imports diffusers: not for every user of this module
+
     try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu or cuda") from None
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text}: no CUDA device here")
+        checked_device(text)
+    except ModelError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 
@@ -85,6 +84,14 @@ def out_path(text: str) -> Path:
     """argparse `type` of `--out`: checked before the benchmark runs (its folder made, a file created there)."""
     try:
         return check_writable(text)
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def out_folder(text: str) -> Path:
+    """argparse `type` of an `--out` folder: one files can be written in, checked before the run."""
+    try:
+        return check_writable_folder(text)
     except InputError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

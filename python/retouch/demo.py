@@ -24,15 +24,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from retouch.bench.report import device_arg
+from retouch.bench.report import device_arg, out_folder
 from retouch.config import resolve_device
 from retouch.editor import EditRequest, MaskAwareEditor
-from retouch.errors import ArgumentParser, InputError
+from retouch.errors import ArgumentParser
 from retouch.image_metrics import psnr, ssim
 from retouch.masks import FLUX_STRIDE
 from retouch.models import get_spec, list_models
 from retouch.models.loading import load_for_bench
-from retouch.paths import check_writable_folder
 from retouch.progress import note, pipeline_bar
 
 DEFAULT_MODEL = "flux-demo"
@@ -153,14 +152,6 @@ def demo_panels(template: Image.Image, mask: Image.Image, images: dict) -> list[
     return [("template", template), (f"mask ({ratio:.1%})", mask), ("full compute", Image.fromarray(full)),
             ("mask-aware (Y-cache)", Image.fromarray(masked)),
             (f"|full - Y-cache| x{DIFFERENCE_GAIN}", Image.fromarray(np.clip(difference, 0, 255).astype(np.uint8)))]
-
-
-def out_folder(text: str) -> Path:
-    """argparse `type` of `--out`: a folder files can be written in, checked before the demo runs."""
-    try:
-        return check_writable_folder(text)
-    except InputError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def demo_device(text: str) -> str:

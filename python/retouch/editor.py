@@ -25,7 +25,6 @@ from concurrent.futures import Future
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image, ImageChops
@@ -35,6 +34,7 @@ from retouch.adapters.reads import row_tokens, staged_context
 from retouch.cache import ActivationCache, CacheFull, CacheMiss, CacheStore, StoreConfig, TemplateHandle, uncond_row_id
 from retouch.cache.staging import CopyEngine, StagedActivations
 from retouch.canvas import Canvas, paste_unmasked
+from retouch.costs import CostModel
 from retouch.errors import InputError, ModelError
 from retouch.images import as_image, as_mask, colour_profile
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
@@ -44,9 +44,6 @@ from retouch.models.samplers import MAX_STEPS, calls_line, steps_error
 from retouch.noise import initial_noise, latent_shape, latents_argument, pack_flux_latents  # noqa: F401 - API
 from retouch.noise import seeded_noise
 from retouch.strength import StartLatents, check_strength, noised_start, start_step
-
-if TYPE_CHECKING:
-    from retouch.costs import CostModel
 
 logger = logging.getLogger("retouch.editor")
 PATCH_STRIDE = FLUX_STRIDE  # Flux and SD3 both patchify 2x2 latent pixels (VAE /8): 16 px per token
@@ -156,8 +153,6 @@ class MaskAwareEditor:
             raise InputError(f"cuda_graphs needs a CUDA device; the model is on {model.pipe.device.type}")
         if cache is not None and not isinstance(cache, ActivationCache):
             raise InputError(f"cache must be an ActivationCache (CacheStore(StoreConfig(...))), got {cache!r}")
-        from retouch.costs import CostModel  # noqa: F811 - at run time too (the module import is for typing)
-
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise InputError(f"cost_model must be a CostModel (CostModel.from_json(path)), got {cost_model!r}")
         self.model = model

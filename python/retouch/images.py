@@ -90,6 +90,13 @@ def size_words(size: tuple[int, int], multiple: int) -> str:
     return said if padded == tuple(size) else f"{said}, padded to {padded[0]}x{padded[1]}"
 
 
+def check_pixels(size: tuple[int, int], what: str, max_pixels: int, multiple: int) -> None:
+    """ImageTooLarge if an image of `size`, its sides padded to `multiple` (its canvas), is over `max_pixels`."""
+    width, height = padded_size(size, multiple)
+    if width * height > max_pixels:
+        raise ImageTooLarge(f"{what} is {size_words(size, multiple)}, over the limit of {max_pixels} pixels")
+
+
 def decode_image(data: bytes, what: str, max_pixels: int | None = None, multiple: int = 1) -> Image.Image:
     """Decode an uploaded image, EXIF orientation applied. The size is checked from the header before
     any pixel is decoded, so a small file that claims to be huge (a decompression bomb) costs nothing.
@@ -97,10 +104,7 @@ def decode_image(data: bytes, what: str, max_pixels: int | None = None, multiple
     max_pixels = MAX_PIXELS if max_pixels is None else max_pixels
     try:
         with Image.open(io.BytesIO(data), formats=READ_FORMATS) as img:
-            width, height = padded_size(img.size, multiple)
-            if width * height > max_pixels:
-                raise ImageTooLarge(f"{what} is {size_words(img.size, multiple)}, over the limit of {max_pixels} "
-                                    "pixels")
+            check_pixels(img.size, what, max_pixels, multiple)
             _one_picture(img, what)
             img.load()
             decoded = upright(img)
@@ -168,9 +172,7 @@ def as_image(image, what: str = "image") -> Image.Image:
     _one_picture(image, what)
     if image.width < 1 or image.height < 1:
         raise InputError(f"{what} is empty ({image.width}x{image.height})")
-    width, height = padded_size(image.size, FLUX_STRIDE)
-    if width * height > MAX_PIXELS:  # as a file's header is checked (`decode_image`): a PIL image came unchecked
-        raise InputError(f"{what} is {size_words(image.size, FLUX_STRIDE)}, over the limit of {MAX_PIXELS} pixels")
+    check_pixels(image.size, what, MAX_PIXELS, FLUX_STRIDE)  # as a file's header is: a PIL image came unchecked
     profile = colour_profile(image)
     rgb = _eight_bit(upright(image), what).convert("RGB")
     rgb.info.pop("icc_profile", None)  # a grey or CMYK one would mislabel the RGB image
