@@ -9,6 +9,8 @@ setuptools maps them with package_dir; both `pip install .` and `pip install -e 
 
 The C++ (CPU) part of retouch._C builds everywhere. The CUDA sources are added when torch has CUDA
 and a CUDA toolkit is found; RETOUCH_CUDA=0 skips them, RETOUCH_CUDA=1 makes their absence an error.
+RETOUCH_PREBUILT=1 builds nothing and uses the retouch._C already in python/retouch (bench/run_gpu.sh:
+one built ahead for the GPU machines' Python and torch, which saves a minute of a lent GPU's time).
 """
 
 import os
@@ -84,6 +86,6 @@ setup(
     packages=packages(),
     package_dir=PACKAGE_DIRS,
     package_data={"retouch.playground": ["*.html", "*.css", "*.js"]},
-    ext_modules=[native_extension()],
+    ext_modules=[] if os.environ.get("RETOUCH_PREBUILT") == "1" else [native_extension()],
     cmdclass={"build_ext": BuildNative},
 )

@@ -34,7 +34,11 @@
 #
 # Results go to bench/results/<device>/ (RESULTS=dir overrides), with a log per part; each JSON
 # records its exact command, the package versions and the device. Where $OUT is set (the device
-# tool), each part's log and results are archived there too, as $OUT/PART.tgz. Missing packages
+# tool), the logs and results of every part run are archived there too, as $OUT/results.tgz (Chrome
+# traces apart, in $OUT/traces.tgz: the tool brings back at most 8 files of 16 MiB). DEADLINE_S=N
+# ends the whole run within N seconds: each step gets what is left (pytest and benchmarks are
+# interrupted, the steps after are skipped and reported), so that a call ends before the tool's
+# limit with its table printed. Missing packages
 # (diffusers, pyzmq, fastapi, ...) are installed from .whl/ when it exists: bench/fetch_gpu_wheels.sh
 # fills it on a machine with pip.
 set -euo pipefail
@@ -98,19 +102,53 @@ RESULTS=${RESULTS:-bench/results/$device}
 mkdir -p "$RESULTS"
 export RETOUCH_CACHE_DIR=${RETOUCH_CACHE_DIR:-/tmp/retouch-models}
 
+built() {  # retouch imports, with a retouch._C built with CUDA
+  "$PYTHON" -c "import retouch._C as c, sys; sys.exit(0 if c.built_with_cuda() else 1)" 2>/dev/null
+}
+
 build() {
-  if [ "$DEV" = cpu ] || "$PYTHON" -c "import retouch._C as c, sys; sys.exit(0 if c.built_with_cuda() else 1)" 2>/dev/null; then
+  if [ "$DEV" = cpu ] || built; then
     return
+  fi
+  # An extension built ahead for this Python and torch (carried with the call) saves the build's minute.
+  local prebuilt
+  prebuilt=python/retouch/_C.$("$PYTHON" -c "import sysconfig; print(sysconfig.get_config_var('SOABI'))").so
+  if [ -f "$prebuilt" ]; then
+    echo "== installing retouch with the prebuilt $prebuilt"
+    RETOUCH_PREBUILT=1 "$PYTHON" -m pip install -q --no-build-isolation --no-deps --no-index -e . && built && return
+    echo "== the prebuilt extension does not load here: building it"
   fi
   echo "== building retouch._C with CUDA ($(nproc) jobs)"
   MAX_JOBS=$(nproc) RETOUCH_CUDA=1 "$PYTHON" -m pip install -q --no-build-isolation --no-deps --no-index -e .
 }
 
-archive() {  # the running part's log and results so far, as $OUT/PART.tgz (see the loop below)
+archive() {  # every part's log and results so far, as $OUT/results.tgz and $OUT/traces.tgz (see the loop below)
   [ -n "${OUT:-}" ] || return 0
-  find "$RESULTS" -maxdepth 1 -newer "$RESULTS/.started-$part" \( -name '*.json' -o -name '*.png' -o -name '*.json.gz' \) \
-    -printf '%f\n' |
-    sort | tar -czf "$OUT/$part.tgz" -C "$RESULTS" "$part.log" -T -
+  find "$RESULTS" -maxdepth 1 -newer "$STARTED" \( -name '*.json' -o -name '*.png' -o -name '*.log' \) -printf '%f\n' |
+    sort | tar -czf "$OUT/results.tgz" -C "$RESULTS" -T -
+  find "$RESULTS" -maxdepth 1 -newer "$STARTED" -name '*.json.gz' -printf '%f\n' | sort >"$STARTED.traces"
+  if [ -s "$STARTED.traces" ]; then
+    tar -czf "$OUT/traces.tgz" -C "$RESULTS" -T "$STARTED.traces"
+  fi
+}
+
+left() {  # seconds left before DEADLINE_S (a day where none is set)
+  echo $((DEADLINE - SECONDS))
+}
+
+limited() {  # limited [--at-most N] COMMAND...: COMMAND, interrupted (SIGINT, then killed) at the deadline
+  local seconds
+  seconds=$(left)
+  if [ "$seconds" -lt 5 ]; then
+    [ "$1" = --at-most ] && shift 2
+    echo "== SKIPPED (deadline): $*" >&2
+    return 125
+  fi
+  if [ "$1" = --at-most ]; then
+    [ "$2" -ge "$seconds" ] || seconds=$2
+    shift 2
+  fi
+  timeout --signal=INT --kill-after=20 "$seconds" "$@"
 }
 
 step_failed() {  # step_failed WHAT STATUS: a step of the running part failed; the part goes on with its next steps
@@ -121,8 +159,8 @@ step_failed() {  # step_failed WHAT STATUS: a step of the running part failed; t
 pytest_gpu() {  # pytest_gpu FILE...: pytest on the GPU, every test (first contact wants the whole table)
   # A hung test (a stream waiting on an event that never fires) must not take the call's 10 minutes: after
   # PYTEST_LIMIT seconds pytest gets SIGINT and still prints what passed and failed.
-  timeout --signal=INT --kill-after=30 "${PYTEST_LIMIT:-300}" \
-    "$PYTHON" -m pytest -q -rfE -p no:cacheprovider --maxfail=30 "$@" || step_failed "pytest $*" $?
+  limited --at-most "${PYTEST_LIMIT:-300}" "$PYTHON" -m pytest -q -rfE -p no:cacheprovider --maxfail=30 "$@" ||
+    step_failed "pytest $*" $?
   archive
 }
 
@@ -130,7 +168,7 @@ bench() {  # bench NAME OUTFILE ARGS...: one benchmark, its JSON and PNG under $
   local name=$1 out=$RESULTS/$2
   shift 2
   echo "== retouch bench $name $* --out $out"
-  "$PYTHON" -m "retouch.bench.$name" "$@" --out "$out" >/dev/null || step_failed "bench $name" $?
+  limited "$PYTHON" -m "retouch.bench.$name" "$@" --out "$out" >/dev/null || step_failed "bench $name" $?
   archive
 }
 
@@ -138,7 +176,7 @@ profile() {  # profile MODEL ARGS...: the planner's cost models for MODEL on thi
   local model=$1
   shift
   echo "== retouch profile --model $model $*"
-  "$PYTHON" -m retouch.cli profile --model "$model" --device "$DEV" "$@" --out "$RESULTS/cost_$model.json" ||
+  limited "$PYTHON" -m retouch.cli profile --model "$model" --device "$DEV" "$@" --out "$RESULTS/cost_$model.json" ||
     step_failed "profile $model" $?
   archive
 }
@@ -227,12 +265,15 @@ for part in "${parts[@]}"; do
     exit 2
   }
 done
+DEADLINE=$((SECONDS + ${DEADLINE_S:-86400}))
+STARTED=$RESULTS/.started
+touch "$STARTED"
 build
 failed=()
+summary=()
 for part in "${parts[@]}"; do
   log=$RESULTS/$part.log
   echo "== part $part -> $log"
-  touch "$RESULTS/.started-$part"
   started=$SECONDS
   status=0
   rm -f "$RESULTS/.failed-$part"
@@ -244,12 +285,15 @@ for part in "${parts[@]}"; do
   rm -f "$RESULTS/.failed-$part"
   echo "== part $part took $((SECONDS - started)) s, exit $status" | tee -a "$log"
   [ "$status" -eq 0 ] || failed+=("$part")
-  # The device tool returns at most 8 files from $OUT, and a part writes up to 7: one archive per part (its
-  # log and the results it wrote), so that every part of a call comes back. It is also written after each
-  # step: a part the tool stops at its time limit still brings back what it finished.
+  summary+=("$(printf '%-10s %5d s  %s' "$part" $((SECONDS - started)) "$([ "$status" -eq 0 ] && echo ok || echo FAILED)")")
+  # The device tool returns at most 8 files from $OUT: one archive of every part's log and results (and one
+  # of the traces), rewritten after each step, so that a part stopped at the tool's time limit still brings
+  # back what it finished.
   archive
-  rm -f "$RESULTS/.started-$part"
 done
+rm -f "$STARTED" "$STARTED.traces"
+echo "== summary"
+printf '%s\n' "${summary[@]}"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "failed parts: ${failed[*]}"
   exit 1

@@ -143,13 +143,20 @@ def test_throughput_and_serving_refuse_a_cost_model_of_another_model():
     assert workload.load_cost_model(None, "tiny-flux-fill") is None
 
 
-def _run_gpu(*parts: str, results: Path, out: Path | None = None, python: Path | None = None
-             ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RETOUCH_GPU_SMOKE": "1", "PYTHON": str(python or sys.executable), "RESULTS": str(results)}
+def _run_gpu(*parts: str, results: Path, out: Path | None = None, python: Path | None = None,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RETOUCH_GPU_SMOKE": "1", "PYTHON": str(python or sys.executable), "RESULTS": str(results),
+           **(env or {})}
     if out is not None:
         env["OUT"] = str(out)
     return subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), *parts], capture_output=True, text=True,
                           env=env, timeout=900, start_new_session=True)
+
+
+def _summary(stdout: str) -> list[str]:
+    """run_gpu.sh's closing table: one line per part run (PART, seconds, ok or FAILED)."""
+    table = stdout[stdout.index("== summary"):].splitlines()[1:]
+    return [line for line in table if not line.startswith("failed parts:")]
 
 
 def python_that(tmp_path: Path, module: str, action: str) -> Path:
@@ -171,16 +178,19 @@ def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
                 "block_latency", "cost_tiny-flux-fill", "image_latency_tiny-flux-fill", "overlap",
                 "cost_tiny-sdxl-inpaint", "image_latency_tiny-sdxl-inpaint", "throughput", "serving",
                 "overhead_flux-size", "step_compiled", "lora_tiny-flux-fill"]
-    # The device tool brings back at most 8 files from $OUT: one archive per part, holding its log and results.
+    # The device tool brings back at most 8 files from $OUT: one archive of every part's log and results,
+    # and one of the Chrome traces (the largest files).
     parts = ("headline", "kernels", "flux", "unet", "throughput", "serving", "compile", "step", "lora")
-    assert sorted(path.name for path in out.iterdir()) == sorted(f"{part}.tgz" for part in parts)
+    assert sorted(path.name for path in out.iterdir()) == ["results.tgz", "traces.tgz"]
     archived = {}
+    for name in ("results.tgz", "traces.tgz"):
+        with tarfile.open(out / name) as archive:
+            archived |= {member.name: archive.extractfile(member).read() for member in archive.getmembers()}
     for part in parts:
-        with tarfile.open(out / f"{part}.tgz") as archive:
-            members = {member.name: archive.extractfile(member).read() for member in archive.getmembers()}
-        assert "exit 0" in members.pop(f"{part}.log").decode()
-        assert not set(members) & set(archived)  # each result comes back once, with the part that wrote it
-        archived |= members
+        assert "exit 0" in archived.pop(f"{part}.log").decode()
+    assert all(name.endswith(".json.gz") for name in tarfile.open(out / "traces.tgz").getnames())
+    summary = _summary(done.stdout)
+    assert [line.split()[0] for line in summary] == list(parts) and all(line.endswith(" ok") for line in summary)
     for name in expected:
         report = json.loads((results / f"{name}.json").read_text())
         assert report and archived[f"{name}.json"] == (results / f"{name}.json").read_bytes()
@@ -224,12 +234,31 @@ def test_a_part_stopped_mid_way_still_brings_back_the_steps_it_finished(tmp_path
     so what finished before comes back. Here the last benchmark of the part kills the whole run."""
     out = tmp_path / "out"
     out.mkdir()
-    python = python_that(tmp_path, "retouch.bench.block", "kill -KILL -$(ps -o pgid= $$ | tr -d ' ')")
+    python = python_that(tmp_path, "retouch.bench.block", "kill -KILL -$(ps -o sid= $$ | tr -d ' ')")
     done = _run_gpu("kernels", results=tmp_path / "results", out=out, python=python)
     assert done.returncode == -9
-    with tarfile.open(out / "kernels.tgz") as archive:
+    with tarfile.open(out / "results.tgz") as archive:
         names = set(archive.getnames())
     assert {"kernels.log", "attention.json", "gather.json"} <= names and "block_latency.json" not in names
+
+
+def test_the_deadline_interrupts_the_running_step_and_skips_the_rest(tmp_path):
+    """DEADLINE_S ends the whole run in time: the benchmark that outlasts it is interrupted, the steps after
+    it are skipped and reported, and the summary table is still printed, so that a device call ends with
+    its table inside the tool's limit."""
+    results, out = tmp_path / "results", tmp_path / "out"
+    out.mkdir()
+    python = python_that(tmp_path, "retouch.bench.copy", "exec sleep 600")
+    done = _run_gpu("kernels", "flux", results=results, out=out, python=python, env={"DEADLINE_S": "20"})
+    assert done.returncode == 1 and "failed parts: kernels flux" in done.stdout, done.stdout[-3000:]
+    kernels, flux = (results / "kernels.log").read_text(), (results / "flux.log").read_text()
+    assert (results / "attention.json").exists() and "== FAILED (exit 124): bench copy" in kernels
+    assert "== SKIPPED (deadline)" in kernels and "== FAILED (exit 125): bench block" in kernels
+    assert "== SKIPPED (deadline)" in flux and not (results / "overlap.json").exists()
+    summary = _summary(done.stdout)
+    assert [line.split()[::3] for line in summary] == [["kernels", "FAILED"], ["flux", "FAILED"]]
+    with tarfile.open(out / "results.tgz") as archive:
+        assert {"kernels.log", "flux.log", "attention.json"} <= set(archive.getnames())
 
 
 def test_a_hung_test_run_is_interrupted_reported_and_the_part_goes_on(tmp_path, monkeypatch):
