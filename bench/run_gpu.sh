@@ -34,12 +34,12 @@
 #
 # Results go to bench/results/<device>/ (RESULTS=dir overrides), with a log per part; each JSON
 # records its exact command, the package versions and the device. Where $OUT is set (the device
-# tool), the logs and results of every part run are archived there too, as $OUT/results.tgz (Chrome
-# traces apart, in $OUT/traces.tgz: the tool brings back at most 8 files of 16 MiB). DEADLINE_S=N
-# ends the whole run within N seconds: each step gets what is left (pytest and benchmarks are
-# interrupted, the steps after are skipped and reported), so that a call ends before the tool's
-# limit with its table printed. Missing packages
-# (diffusers, pyzmq, fastapi, ...) are installed from .whl/ when it exists: bench/fetch_gpu_wheels.sh
+# tool), the logs and results of every part run are archived there too, as $OUT/<results dir>.tgz
+# (Chrome traces apart, in <results dir>-traces.tgz: the tool brings back at most 8 files of 16 MiB).
+# DEADLINE_S=N ends the whole run within N seconds: each step gets what is left (pytest and the
+# benchmarks are interrupted, the steps after are skipped and reported), so that a call ends before
+# the tool's limit with its table printed. Missing packages (diffusers, pyzmq, fastapi, ...) are
+# installed from .whl/ when it exists: bench/fetch_gpu_wheels.sh
 # fills it on a machine with pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -122,13 +122,15 @@ build() {
   MAX_JOBS=$(nproc) RETOUCH_CUDA=1 "$PYTHON" -m pip install -q --no-build-isolation --no-deps --no-index -e .
 }
 
-archive() {  # every part's log and results so far, as $OUT/results.tgz and $OUT/traces.tgz (see the loop below)
+archive() {  # every part's log and results so far, as $OUT/DIR.tgz and $OUT/DIR-traces.tgz (see the loop below)
   [ -n "${OUT:-}" ] || return 0
+  local name
+  name=$(basename "$RESULTS")
   find "$RESULTS" -maxdepth 1 -newer "$STARTED" \( -name '*.json' -o -name '*.png' -o -name '*.log' \) -printf '%f\n' |
-    sort | tar -czf "$OUT/results.tgz" -C "$RESULTS" -T -
+    sort | tar -czf "$OUT/$name.tgz" -C "$RESULTS" -T -
   find "$RESULTS" -maxdepth 1 -newer "$STARTED" -name '*.json.gz' -printf '%f\n' | sort >"$STARTED.traces"
   if [ -s "$STARTED.traces" ]; then
-    tar -czf "$OUT/traces.tgz" -C "$RESULTS" -T "$STARTED.traces"
+    tar -czf "$OUT/$name-traces.tgz" -C "$RESULTS" -T "$STARTED.traces"
   fi
 }
 
@@ -284,8 +286,9 @@ for part in "${parts[@]}"; do
   fi
   rm -f "$RESULTS/.failed-$part"
   echo "== part $part took $((SECONDS - started)) s, exit $status" | tee -a "$log"
-  [ "$status" -eq 0 ] || failed+=("$part")
-  summary+=("$(printf '%-10s %5d s  %s' "$part" $((SECONDS - started)) "$([ "$status" -eq 0 ] && echo ok || echo FAILED)")")
+  verdict=ok
+  [ "$status" -eq 0 ] || { failed+=("$part"); verdict=FAILED; }
+  summary+=("$(printf '%-10s %5d s  %s' "$part" $((SECONDS - started)) "$verdict")")
   # The device tool returns at most 8 files from $OUT: one archive of every part's log and results (and one
   # of the traces), rewritten after each step, so that a part stopped at the tool's time limit still brings
   # back what it finished.

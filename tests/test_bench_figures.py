@@ -181,14 +181,14 @@ def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
     # The device tool brings back at most 8 files from $OUT: one archive of every part's log and results,
     # and one of the Chrome traces (the largest files).
     parts = ("headline", "kernels", "flux", "unet", "throughput", "serving", "compile", "step", "lora")
-    assert sorted(path.name for path in out.iterdir()) == ["results.tgz", "traces.tgz"]
+    assert sorted(path.name for path in out.iterdir()) == ["results-traces.tgz", "results.tgz"]
     archived = {}
-    for name in ("results.tgz", "traces.tgz"):
+    for name in ("results.tgz", "results-traces.tgz"):
         with tarfile.open(out / name) as archive:
             archived |= {member.name: archive.extractfile(member).read() for member in archive.getmembers()}
     for part in parts:
         assert "exit 0" in archived.pop(f"{part}.log").decode()
-    assert all(name.endswith(".json.gz") for name in tarfile.open(out / "traces.tgz").getnames())
+    assert all(name.endswith(".json.gz") for name in tarfile.open(out / "results-traces.tgz").getnames())
     summary = _summary(done.stdout)
     assert [line.split()[0] for line in summary] == list(parts) and all(line.endswith(" ok") for line in summary)
     for name in expected:
