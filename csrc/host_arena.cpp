@@ -36,13 +36,14 @@ struct HostArena::Buffer {
   bool pinned = false;
 
   Buffer(int64_t capacity, int64_t alignment, bool want_pinned) {
-    // cudaHostAlloc and posix_memalign(page) both return page-aligned memory; a larger alignment
-    // (a huge-page-sized one, say) is met by over-allocating and rounding the base up.
-    const int64_t slack = alignment > kPageBytes ? alignment : 0;
-    const size_t bytes = static_cast<size_t>(capacity + slack);
+    // The base is page-aligned at least (O_DIRECT reads of the disk tier land in it). posix_memalign is
+    // asked for that alignment itself; cudaHostAlloc promises none, and returned a base only 512-byte
+    // aligned on an H200 (stop 44), so pinned memory is over-allocated and its base rounded up.
+    const int64_t base_alignment = std::max(alignment, kPageBytes);
 #ifdef RETOUCH_WITH_CUDA
     int devices = 0;
     if (want_pinned) {
+      const size_t bytes = static_cast<size_t>(capacity + base_alignment);
       // Mapped, so that the gather kernel can read the rows in place; portable, for every device.
       if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0 &&
           cudaHostAlloc(&raw, bytes, cudaHostAllocPortable | cudaHostAllocMapped) == cudaSuccess) {
@@ -56,10 +57,10 @@ struct HostArena::Buffer {
     (void)want_pinned;
 #endif
     if (raw == nullptr) {
-      TORCH_CHECK(posix_memalign(&raw, static_cast<size_t>(std::max(alignment, kPageBytes)), bytes) == 0,
+      TORCH_CHECK(posix_memalign(&raw, static_cast<size_t>(base_alignment), static_cast<size_t>(capacity)) == 0,
                   "HostArena: cannot allocate ", capacity, " bytes of host memory");
     }
-    const uintptr_t mask = static_cast<uintptr_t>(alignment) - 1;
+    const uintptr_t mask = static_cast<uintptr_t>(base_alignment) - 1;
     base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + mask) & ~mask);
   }
 

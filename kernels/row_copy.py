@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from retouch.kernels.devices import check_triton_device
+
 DEFAULT_BLOCK_H = 1024  # hidden elements per program: 2 KiB of bf16, whole rows for most models
 
 
@@ -62,6 +64,7 @@ def gather_rows_triton(src: torch.Tensor, row_idx: torch.Tensor, block_h: int = 
     """`src: [N, H]`, `row_idx: [T]` -> `[T, H]` with `out[i] = src[row_idx[i]]`."""
     _check_rows("src", src)
     _check_index(row_idx, src.shape[0], src.device)
+    check_triton_device(copy_rows_kernel, "gather_rows_triton", src)
     out = src.new_empty((row_idx.shape[0], src.shape[1]))
     if out.numel():
         grid = (row_idx.shape[0], triton.cdiv(src.shape[1], block_h))
@@ -79,6 +82,7 @@ def scatter_rows_triton(dst: torch.Tensor, row_idx: torch.Tensor, src: torch.Ten
     if src.shape != (row_idx.shape[0], dst.shape[1]) or src.dtype != dst.dtype or src.device != dst.device:
         raise ValueError(f"src must be [{row_idx.shape[0]}, {dst.shape[1]}] {dst.dtype} on {dst.device}, "
                          f"got {tuple(src.shape)} {src.dtype} on {src.device}")
+    check_triton_device(copy_rows_kernel, "scatter_rows_triton", dst)
     if src.numel():
         grid = (row_idx.shape[0], triton.cdiv(dst.shape[1], block_h))
         copy_rows_kernel[grid](src, dst, row_idx, row_idx.contiguous(), dst.shape[1], src.stride(0), dst.stride(0),

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from retouch.kernels.devices import check_triton_device
 from retouch.kernels.host_tables import to_device_async
 
 BLOCK_M = 32  # rows per program
@@ -145,6 +146,7 @@ def segmented_lora_triton(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: 
     """The Triton kernels, in place on y; `segments` and `ranks` are host values (the batch knows them),
     so building the launch tables syncs nothing."""
     check_segments(x, y, A, B, scales, ranks, segments)
+    check_triton_device(lora_shrink_kernel, "segmented_lora_triton", x, y, A, B)
     if x.stride(1) != 1 or y.stride(1) != 1 or A.stride(2) != 1 or B.stride(2) != 1:
         raise ValueError("x, y, A and B must have unit stride along their last dimension")
     segments = [(start, stop, adapter) for start, stop, adapter in segments if stop > start]

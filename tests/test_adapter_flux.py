@@ -9,6 +9,7 @@ through a block can add an ulp or so. We allow OUTPUT_ULPS units of fp32 eps at 
 
 import pytest
 import torch
+from kernel_device import interpreter_replay
 
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
 from retouch.cache import InMemoryActivationCache
@@ -127,6 +128,7 @@ def test_replay_identity_ragged_batch(tiny, tiny_adapter, tiny_templates, mode, 
         assert_close_ulps(actual[request: request + 1], unmodified, OUTPUT_ULPS)
 
 
+@interpreter_replay
 @pytest.mark.parametrize("mode", EDIT_MODES)
 def test_replay_identity_with_triton_attention(tiny_templates, mode):
     """The Triton ragged-attention kernel in place of SDPA (interpreted on the CPU, see conftest);

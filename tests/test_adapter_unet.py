@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
+from kernel_device import interpreter_replay
 
 from retouch.adapters.context import CacheMode
 from retouch.adapters.unet import UNetMaskAwareContext, level_grid, patch_unet
@@ -304,6 +305,7 @@ def test_block_flops_fall_with_mask_ratio(name):
     assert ratios[CacheMode.Y_CACHE, 0.2] < 0.33
 
 
+@interpreter_replay
 @pytest.mark.parametrize("mode", EDIT_MODES)
 def test_replay_identity_with_triton_attention(tiny, mode, request):
     """The Triton ragged-attention kernel in place of SDPA (interpreted on the CPU, see conftest) for self-

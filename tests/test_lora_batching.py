@@ -6,6 +6,7 @@ weight; layouts that cannot be told apart are refused before anything runs; the 
 import pytest
 import torch
 from editor_inputs import max_diff
+from kernel_device import TRITON_DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -158,17 +159,19 @@ def test_an_input_of_no_known_layout_is_an_error_not_a_silent_mixup(flux):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_both_backends_of_the_op_agree_over_ragged_segments(dtype):
     generator = torch.Generator().manual_seed(0)
-    groups = [(torch.randn(r, 40, generator=generator).to(dtype), torch.randn(24, r, generator=generator).to(dtype), s)
-              for r, s in ((4, 1.0), (16, -0.5), (128, 0.25))]
-    x = torch.randn(70, 40, generator=generator).to(dtype)
-    y = torch.randn(70, 24, generator=generator).to(dtype)
+
+    def drawn(*shape):
+        return torch.randn(*shape, generator=generator).to(device=TRITON_DEVICE, dtype=dtype)
+
+    groups = [(drawn(r, 40), drawn(24, r), s) for r, s in ((4, 1.0), (16, -0.5), (128, 0.25))]
+    x, y = drawn(70, 40), drawn(70, 24)
     segments = [(0, 5, 1), (5, 5, 0), (9, 40, 2), (40, 41, 1), (60, 70, 0)]  # an empty one, gaps without LoRA
     by_torch, by_triton = y.clone(), y.clone()
     ops.segmented_lora_(x, by_torch, groups, segments, backend="torch")
     ops.segmented_lora_(x, by_triton, groups, segments, backend="triton")
     tolerance = 1e-4 if dtype == torch.float32 else 0.25
     assert max_diff(by_torch, by_triton) < tolerance * max(1.0, by_torch.abs().max().item())
-    untouched = torch.ones(70, dtype=torch.bool)
+    untouched = torch.ones(70, dtype=torch.bool, device=TRITON_DEVICE)
     for start, stop, _ in segments:
         untouched[start:stop] = False
     assert torch.equal(by_torch[untouched], y[untouched]) and torch.equal(by_triton[untouched], y[untouched])

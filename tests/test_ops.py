@@ -2,24 +2,25 @@
 
 import pytest
 import torch
+from kernel_device import TRITON_DEVICE
 
 from retouch import ops
 from retouch.kernels.ragged_attention import ragged_attention_ref
 from retouch.ragged import RaggedBatch
 
 
-def packed_attention_inputs(dtype=torch.float32):
+def packed_attention_inputs(dtype=torch.float32, device="cpu"):
     # Requests of 3 and 0 and 7 queries over 9, 5 and 9 keys: an empty request in the middle.
     generator = torch.Generator().manual_seed(0)
-    cu_q = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
-    cu_k = torch.tensor([0, 9, 14, 23], dtype=torch.int32)
-    q, k, v = (torch.randn(n, 2, 16, generator=generator).to(dtype) for n in (10, 23, 23))
+    cu_q = torch.tensor([0, 3, 3, 10], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 9, 14, 23], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(n, 2, 16, generator=generator).to(device=device, dtype=dtype) for n in (10, 23, 23))
     return q, k, v, cu_q, cu_k
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "triton"])
 def test_ragged_attention_backends_match_oracle(backend):
-    q, k, v, cu_q, cu_k = packed_attention_inputs()
+    q, k, v, cu_q, cu_k = packed_attention_inputs(device=TRITON_DEVICE)
     out = ops.ragged_attention(q, k, v, cu_q, cu_k, 7, 9, backend=backend)
     torch.testing.assert_close(out, ragged_attention_ref(q, k, v, cu_q, cu_k), atol=1e-5, rtol=1e-5)
 
@@ -42,17 +43,19 @@ def test_bad_backends():
 def test_custom_ops_pass_opcheck():
     q, k, v, cu_q, cu_k = packed_attention_inputs()
     torch.library.opcheck(torch.ops.retouch.ragged_attention.default, (q, k, v, cu_q, cu_k, 7, 9, 0.25, "sdpa"))
-    src, row_idx = torch.randn(12, 8), torch.tensor([5, 0, 11])
+    src, row_idx = torch.randn(12, 8, device=TRITON_DEVICE), torch.tensor([5, 0, 11], device=TRITON_DEVICE)
     torch.library.opcheck(torch.ops.retouch.gather_rows_triton.default, (src, row_idx))
-    torch.library.opcheck(torch.ops.retouch.scatter_rows_triton_.default, (src.clone(), row_idx, torch.randn(3, 8)))
+    torch.library.opcheck(torch.ops.retouch.scatter_rows_triton_.default,
+                          (src.clone(), row_idx, torch.randn(3, 8, device=TRITON_DEVICE)))
 
 
 @pytest.mark.parametrize("backend", ops.ROW_COPY_BACKENDS)
 def test_row_copy_backends_on_a_ragged_batch(backend):
     # Pack the masked tokens of a [B, L, H] batch with the descriptor's rows, and scatter them back.
-    hidden = torch.randn(3, 16, 8).to(torch.bfloat16)
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    hidden = torch.randn(3, 16, 8).to(device=device, dtype=torch.bfloat16)
     masked = [torch.tensor([1, 5, 9]), torch.tensor([], dtype=torch.long), torch.arange(16)]
-    batch = RaggedBatch.from_masked_indices(masked, num_image_tokens=16)
+    batch = RaggedBatch.from_masked_indices(masked, num_image_tokens=16, device=device)
     packed = ops.gather_rows(hidden.view(-1, 8), batch.query_rows, backend=backend)
     assert torch.equal(packed, hidden.view(-1, 8)[batch.query_rows])
     restored = torch.zeros_like(hidden)
@@ -70,7 +73,7 @@ def test_flop_counter_sees_ragged_attention():
 
 
 def test_triton_attention_plans_a_batch_once_for_all_its_blocks():
-    q, k, v, cu_q, cu_k = packed_attention_inputs()
+    q, k, v, cu_q, cu_k = packed_attention_inputs(device=TRITON_DEVICE)
     plans = ops.RecentPlans()
     ops._recent_plans, saved = plans, ops._recent_plans
     try:

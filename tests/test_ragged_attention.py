@@ -323,9 +323,10 @@ def no_timing(run):
 
 
 def test_tuner_falls_back_to_the_table_without_timing():
+    """Off the GPU (CPU tensors, on any machine) the tuner times nothing and answers the table's config."""
     tuner = RaggedAttentionTuner(measure_ms=no_timing)
     q_lens, k_lens = BATCHES["mixed_odd"]
-    q, k, v, cu_q, cu_k = ragged_batch(q_lens, k_lens, heads=2, head_dim=64, dtype=torch.bfloat16)
+    q, k, v, cu_q, cu_k = (x.cpu() for x in ragged_batch(q_lens, k_lens, heads=2, head_dim=64, dtype=torch.bfloat16))
     config = tuner.config_for(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens))
     assert config == launch_config(64, torch.bfloat16, None) == DEFAULT_LAUNCH_CONFIG
     (result,) = tuner.results.values()
@@ -336,6 +337,7 @@ def test_tuner_falls_back_to_the_table_without_timing():
     assert len(tuner.results) == 1
     tuner.config_for(q, k, v, cu_q, cu_k, 1000, max(k_lens))
     assert len(tuner.results) == 2
+    q, k, v, cu_q, cu_k = (x.to(DEVICE) for x in (q, k, v, cu_q, cu_k))
     assert_matches_oracle(ragged_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), config=config),
                           q, k, v, cu_q, cu_k)
 
