@@ -170,16 +170,15 @@ class LaunchConfig:
 # 128 x 64 tiles, 8 warps so that a 128-row fp32 accumulator fits in registers up to head_dim 128.
 DEFAULT_LAUNCH_CONFIG = LaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
-# Hopper (sm_90), bf16/fp16, by head_dim. Not measured here (no GPU where this was written): picked
-# from the space that Triton's fused-attention tutorial (python/tutorials/06-fused-attention.py)
-# autotunes for its FA2-style forward kernel, BLOCK_M {64, 128} x BLOCK_N {32, 64, 128} x stages
-# {2, 3, 4, ...} x warps {4, 8}: 128 x 64 tiles with 3 stages; 4 warps at head_dim 64, as the tutorial's
-# filter keeps for tiles under 128 x 128, and 8 at head_dim 128, where a 128 x 128 fp32 accumulator
-# would need 128 registers per thread with 4 warps. RaggedAttentionTuner measures the whole space on
-# the GPU and `retouch bench attention` records its picks, which should replace these entries.
+# Hopper (sm_90), bf16/fp16, by head_dim: measured on an H200 (bench/results/h200/attention.json, stop 44).
+# RaggedAttentionTuner timed the whole space (TUNING_CANDIDATES) at 19 layouts from 64 to 4096 queries
+# per request; 64 x 64 tiles, 4 warps, 3 stages won 10 of them outright and stayed within 2% of the
+# winner at the largest (head_dim 128, 2048-4096 queries: 128 x 64 with 8 warps wins there). The entries
+# picked before any GPU run (128 x 64, 3 stages, 4 or 8 warps) were 1.2-1.9x the winner's time at every
+# head_dim 64 layout and at head_dim 128 up to 1024 queries.
 HOPPER_LAUNCH_CONFIGS = {
-    64: LaunchConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
-    128: LaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    64: LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    128: LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
 }
 _TABLE_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -273,7 +273,7 @@ def test_launch_config_falls_back_outside_the_table(head_dim, dtype, capability)
 
 def test_wrapper_launches_with_the_table_config(monkeypatch):
     # Pretend to be an H100: without a config, the wrapper must launch the table's entry (and the
-    # kernel must be right with it: 128 x 64 tiles, 4 warps, 3 stages at head_dim 64).
+    # kernel must be right with it: 64 x 64 tiles, 4 warps, 3 stages at head_dim 64).
     launched = []
     original_launch = ragged_module._launch
 
