@@ -13,7 +13,8 @@ from retouch.kernels.ragged_attention import DEFAULT_LAUNCH_CONFIG, KERNEL_INTER
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Eager FlexAttention on the CPU says it is unfused; that is the point of running it eagerly there.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-CPU_METHODS = ["ragged_triton", "ragged_triton_unplanned", "padded_sdpa", "per_request_sdpa", "flex_attention"]
+CPU_METHODS = ["ragged_triton", "ragged_triton_unplanned", "retouch_auto", "padded_sdpa", "per_request_sdpa",
+               "flex_attention"]
 
 
 # The CPU smoke run of the whole benchmark needs the kernel interpreted; on a GPU machine the
@@ -101,12 +102,14 @@ def test_quick_run_measures_and_summarises(tmp_path):
         best = min(report["baselines"], key=p50.get)
         assert row["best_baseline"] == best
         assert row["speedup_vs_best_baseline"] == pytest.approx(p50[best] / p50["ragged_triton"])
+        assert row["auto_speedup_vs_padded_sdpa"] == pytest.approx(p50["padded_sdpa"] / p50["retouch_auto"])
         assert row["tflop"] == pytest.approx(4 * 2 * 64 * sum(row["query_lens"]) * 64 / 1e12)
 
     summary = report["summary"]
     worst = min(r["speedup_vs_padded_sdpa"] for r in rows)
     m1_worst = min(r["speedup_vs_best_baseline"] for r in rows if r["mask_ratio"] == "1")
     assert summary["points"] == len(rows) == 6 and summary["errors"] == 0
+    assert summary["auto_worst_ratio_vs_padded"] == min(r["auto_speedup_vs_padded_sdpa"] for r in rows)
     assert summary["worst_ratio_vs_padded"] == worst
     assert summary["all_points_at_least_padded_sdpa"] == (worst >= 1.0)
     assert summary["m1_ratio_vs_best_baseline_min"] == m1_worst

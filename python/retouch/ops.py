@@ -172,6 +172,9 @@ class AttentionPlan:
     cu_seqlens_q, cu_seqlens_k:   their prefix sums, [B+1] int32 on the device
     backend:                      resolved ("sdpa", "triton" or "flash_attn")
     triton:                       the Triton kernel's block map (backend "triton")
+    padded_rows:                  backend "sdpa" as one call over queries padded to the longest request
+                                  (`sdpa_padded`): each packed query's row in that [B * max_q] layout, on the
+                                  device; None: one SDPA call per request
     """
 
     lengths_q: tuple[int, ...]
@@ -182,6 +185,7 @@ class AttentionPlan:
     cu_seqlens_k: torch.Tensor
     backend: str
     triton: RaggedPlan | None = None
+    padded_rows: torch.Tensor | None = None
 
     @property
     def max_seqlen_q(self) -> int:
@@ -194,9 +198,13 @@ class AttentionPlan:
 
 def plan_attention(lengths_q: Sequence[int], lengths_k: Sequence[int], device: torch.device | str,
                    dtype: torch.dtype, head_dim: int, backend: str = "auto",
-                   cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None) -> AttentionPlan:
+                   cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                   heads: int | None = None) -> AttentionPlan:
     """The plan of `planned_attention` calls over requests of `lengths_q` queries and `lengths_k` keys
-    (host ints; `cu_seqlens_*`: their prefix sums on `device` if already made). Reads nothing back."""
+    (host ints; `cu_seqlens_*`: their prefix sums on `device` if already made). Reads nothing back.
+
+    With `heads` given, "auto" on a GPU that `ATTENTION_COSTS` has measured picks the fastest of the
+    Triton kernel, SDPA over padded queries and SDPA per request for this layout (`choose_attention`)."""
     lengths_q, lengths_k = tuple(int(n) for n in lengths_q), tuple(int(n) for n in lengths_k)
     if len(lengths_q) != len(lengths_k) or not lengths_q:
         raise ValueError(f"lengths_q and lengths_k must describe the same requests (>= 1), got {len(lengths_q)} "
@@ -204,6 +212,11 @@ def plan_attention(lengths_q: Sequence[int], lengths_k: Sequence[int], device: t
     if min(lengths_q + lengths_k) < 0:
         raise ValueError("sequence lengths must be >= 0")
     device = torch.device(device)
+    pad = False
+    if backend == "auto" and heads is not None and not FLASH_ATTN_AVAILABLE:
+        costs = attention_costs(head_dim, dtype, device_capability(device) if device.type == "cuda" else None)
+        if costs is not None:
+            backend, pad = choose_attention(lengths_q, lengths_k, heads, head_dim, costs)
     backend = resolve_attention_backend(backend, torch.empty(0, device=device, dtype=dtype))
     cu_q = [0, *itertools.accumulate(lengths_q)]
     cu_k = [0, *itertools.accumulate(lengths_k)]
@@ -215,8 +228,83 @@ def plan_attention(lengths_q: Sequence[int], lengths_k: Sequence[int], device: t
     if backend == "triton":
         config = launch_config(head_dim, dtype, device_capability(device))
         triton_plan = plan_from_host(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, max(lengths_q), max(lengths_k), config)
-    return AttentionPlan(lengths_q, lengths_k, torch.tensor(lengths_q), torch.tensor(lengths_k), cu_seqlens_q,
+    plan = AttentionPlan(lengths_q, lengths_k, torch.tensor(lengths_q), torch.tensor(lengths_k), cu_seqlens_q,
                          cu_seqlens_k, backend, triton_plan)
+    return with_padded_queries(plan) if pad else plan
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCost:
+    """Milliseconds of one attention call: `fixed_ms + per_request_ms * B + TFLOP / tflops`."""
+
+    fixed_ms: float
+    per_request_ms: float
+    tflops: float
+
+    def ms(self, requests: int, flop: float) -> float:
+        return self.fixed_ms + self.per_request_ms * requests + flop / (self.tflops * 1e9)
+
+
+# Least-squares fits to the 72 layouts per head_dim of `retouch bench attention` on an H200 (bf16,
+# bench/results/h200/attention.json, stop 44): the Triton kernel (tuned launch configs) over the ragged
+# work, torch SDPA over the work padded to the longest request (one call: cuDNN/flash on Hopper), and
+# torch SDPA per request. SDPA runs at 1.5-2x the kernel's rate at large sizes; the kernel wins where
+# launches dominate. Fits are within ~10% (median) of the measurements; the H100 is the same chip.
+ATTENTION_COSTS = {
+    (9, 64): {"triton": AttentionCost(0.136, 0.0, 344), "sdpa_padded": AttentionCost(0.181, 0.0, 529),
+              "sdpa": AttentionCost(0.196, 0.051, 853)},
+    (9, 128): {"triton": AttentionCost(0.149, 0.0, 393), "sdpa_padded": AttentionCost(0.172, 0.0, 648),
+               "sdpa": AttentionCost(0.201, 0.043, 759)},
+}
+
+
+def attention_costs(head_dim: int, dtype: torch.dtype, capability: tuple[int, int] | None
+                    ) -> dict[str, AttentionCost] | None:
+    """The measured costs for 16-bit attention at `head_dim` on a GPU of `capability`; None if unmeasured."""
+    if capability is None or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return ATTENTION_COSTS.get((capability[0], head_dim))
+
+
+def choose_attention(lengths_q: Sequence[int], lengths_k: Sequence[int], heads: int, head_dim: int,
+                     costs: dict[str, AttentionCost]) -> tuple[str, bool]:
+    """(backend, padded) predicted fastest for this layout: ("triton", False), ("sdpa", True) for one SDPA
+    call over padded queries (keys of one length only: padded keys would need a mask, off SDPA's fast
+    kernels), or ("sdpa", False) for one call per request."""
+    requests = len(lengths_q)
+    flop_per_pair = 4 * heads * head_dim
+    ragged = flop_per_pair * sum(q * k for q, k in zip(lengths_q, lengths_k))
+    predicted = {("triton", False): costs["triton"].ms(requests, ragged),
+                 ("sdpa", False): costs["sdpa"].ms(requests, ragged)}
+    if requests > 1 and len(set(lengths_k)) == 1 and lengths_k[0] > 0:
+        padded = flop_per_pair * requests * max(lengths_q) * lengths_k[0]
+        predicted[("sdpa", True)] = costs["sdpa_padded"].ms(requests, padded)
+    return min(predicted, key=predicted.get)
+
+
+def with_padded_queries(plan: AttentionPlan) -> AttentionPlan:
+    """`plan` run as one SDPA call over queries padded to its longest request (`sdpa_padded`); its keys
+    must all be of one length."""
+    if len(set(plan.lengths_k)) != 1 or plan.lengths_k[0] == 0:
+        raise ValueError(f"padded SDPA needs every request's keys of one nonzero length, got {plan.lengths_k}")
+    longest = plan.max_seqlen_q
+    rows = [b * longest + j for b, n in enumerate(plan.lengths_q) for j in range(n)]
+    padded_rows = to_device_async(torch.tensor(rows, dtype=torch.long), plan.cu_seqlens_q.device)
+    return dataclasses.replace(plan, backend="sdpa", triton=None, padded_rows=padded_rows)
+
+
+def sdpa_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padded_rows: torch.Tensor, requests: int,
+                longest: int, softmax_scale: float) -> torch.Tensor:
+    """Ragged attention as one SDPA call: `q: [T_q, heads, d]` scattered to `[B, longest, heads, d]` at
+    `padded_rows`, keys `[B * L, heads, d]` as `[B, L, heads, d]`; the padding rows' outputs are dropped."""
+    heads, head_dim = q.shape[1:]
+    keys = k.shape[0] // requests
+    padded = q.new_zeros(requests * longest, heads, head_dim).index_copy_(0, padded_rows, q)
+    padded = padded.view(requests, longest, heads, head_dim).transpose(1, 2)
+    k_batched = k.reshape(requests, keys, heads, head_dim).transpose(1, 2)
+    v_batched = v.reshape(requests, keys, heads, head_dim).transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(padded, k_batched, v_batched, scale=softmax_scale)
+    return out.transpose(1, 2).reshape(requests * longest, heads, head_dim).index_select(0, padded_rows)
 
 
 def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
@@ -225,7 +313,8 @@ def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: A
     `plan` says -> `[T_q, heads, d]`. No host sync: the plan holds every length it needs.
 
     Traced by torch.compile, only the plan's tensors are read (graph inputs: a new layout is new data,
-    not a new graph) and the lengths' maxima are bounded by the token totals (`plan_from_shapes`)."""
+    not a new graph) and the lengths' maxima are bounded by the token totals (`plan_from_shapes`); a
+    padded plan runs one SDPA call per request there (its padded shape would be a new graph per batch)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if torch.compiler.is_compiling():
         if plan.backend == "sdpa":
@@ -234,6 +323,8 @@ def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: A
                                                           plan.backend)
     if plan.backend == "triton":
         return ragged_attention_with_plan(q, k, v, plan.triton, scale)
+    if plan.padded_rows is not None:
+        return sdpa_padded(q, k, v, plan.padded_rows, len(plan.lengths_q), plan.max_seqlen_q, scale)
     if plan.backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 

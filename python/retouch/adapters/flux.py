@@ -173,14 +173,15 @@ class FluxRows(NamedTuple):
 
 
 def _forward_rows(adapter: FluxMaskAwareAdapter, context: MaskAwareContext, image_rotary_emb: RotaryEmbedding,
-                  dtype: torch.dtype, head_dim: int) -> tuple[FluxRows, ops.AttentionPlan]:
+                  dtype: torch.dtype, heads: int, head_dim: int) -> tuple[FluxRows, ops.AttentionPlan]:
     """The forward's rows and its attention plan (`retouch.ops.plan_attention`: no host sync after it),
     once per forward: the transformer computes its position tables once per forward, so they name it."""
     def plan() -> tuple[FluxRows, ops.AttentionPlan]:
         layout, batch = adapter.computed_layout(context), adapter.computed_batch(context.batch)
         cos, sin = image_rotary_emb
         attention = ops.plan_attention(batch.query_counts(), batch.seq_lens, batch.cu_seqlens_q.device, dtype,
-                                       head_dim, adapter.attention_backend, batch.cu_seqlens_q, batch.cu_seqlens_k)
+                                       head_dim, adapter.attention_backend, batch.cu_seqlens_q, batch.cu_seqlens_k,
+                                       heads=heads)
         gathered = adapter.compiling or batch.batch_size > 1  # a compiled core takes one path
         num_text = layout.num_text_tokens
         packed = {}
@@ -216,7 +217,8 @@ def _masked_block_forward(core: Callable, block: torch.nn.Module, adapter: FluxM
     `single_block_core`) runs inside this eager wrapper: the recorded keys and values are read before
     it, the block's output filled and its activations recorded after it."""
     attn = block._modules["attn"]
-    rows, attention = _forward_rows(adapter, context, image_rotary_emb, hidden_states.dtype, attn.head_dim)
+    rows, attention = _forward_rows(adapter, context, image_rotary_emb, hidden_states.dtype, attn.heads,
+                                    attn.head_dim)
     recorded_k = recorded_v = None
     if context.mode is not CacheMode.Y_CACHE:
         like = adapter.key_rows_like(hidden_states, attn.heads, attn.head_dim)

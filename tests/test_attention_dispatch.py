@@ -1,0 +1,110 @@
+"""The measured choice among the GPU attention paths (`retouch.ops.choose_attention`) and the padded SDPA
+path it can pick: the same attention as the reference, and choices that agree with the H200 measurements
+they were fitted to (bench/results/h200/attention.json)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from retouch import ops
+from retouch.kernels.ragged_attention import ragged_attention_ref
+
+MEASURED = Path(__file__).resolve().parents[1] / "bench" / "results" / "h200" / "attention.json"
+
+
+def packed(lengths_q, lengths_k, heads=3, head_dim=16, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(sum(lengths), heads, head_dim, generator=generator).to(dtype)
+               for lengths in (lengths_q, lengths_k, lengths_k))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+                  for lengths in (lengths_q, lengths_k))
+    return q, k, v, cu_q, cu_k
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths_q=st.lists(st.integers(0, 9), min_size=1, max_size=4), keys=st.integers(1, 12),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_padded_plans_compute_the_reference_attention(lengths_q, keys, dtype):
+    lengths_k = [keys] * len(lengths_q)
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, dtype=dtype)
+    plan = ops.with_padded_queries(ops.plan_attention(lengths_q, lengths_k, "cpu", dtype, 16, backend="sdpa"))
+    assert plan.backend == "sdpa" and plan.padded_rows is not None
+    out = ops.planned_attention(q, k, v, plan)
+    expected = ragged_attention_ref(q.float(), k.float(), v.float(), cu_q, cu_k)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_padding_needs_keys_of_one_length():
+    plan = ops.plan_attention([2, 3], [5, 6], "cpu", torch.float32, 16, backend="sdpa")
+    with pytest.raises(ValueError, match="keys of one nonzero length"):
+        ops.with_padded_queries(plan)
+
+
+@settings(max_examples=50, deadline=None)
+@given(lengths_q=st.lists(st.integers(0, 4096), min_size=1, max_size=8),
+       lengths_k=st.lists(st.integers(0, 4608), min_size=1, max_size=8),
+       head_dim=st.sampled_from([64, 128]), heads=st.integers(1, 32))
+def test_padding_is_chosen_only_where_it_is_exact(lengths_q, lengths_k, head_dim, heads):
+    """Padded keys would need a mask (and leave SDPA's fast kernels): only keys of one length are padded."""
+    lengths_k = (lengths_k * len(lengths_q))[:len(lengths_q)]
+    backend, padded = ops.choose_attention(lengths_q, lengths_k, heads, head_dim, ops.ATTENTION_COSTS[9, head_dim])
+    assert backend in ("triton", "sdpa")
+    if padded:
+        assert backend == "sdpa" and len(lengths_q) > 1 and len(set(lengths_k)) == 1 and lengths_k[0] > 0
+
+
+def test_large_batches_go_to_sdpa_and_small_layouts_to_the_kernel():
+    costs = ops.ATTENTION_COSTS[9, 128]
+    # Eight Flux-size requests, whole images: SDPA, at ~1.6-1.9x the kernel's rate.
+    assert ops.choose_attention([4096] * 8, [4608] * 8, 24, 128, costs)[0] == "sdpa"
+    # Four requests of half a 2048-token image each: one padded call beats four (the per-call cost).
+    assert ops.choose_attention([1024, 1000, 980, 1024], [2048] * 4, 10, 128, costs) == ("sdpa", True)
+    # A small mask on a small image: launches dominate and the kernel has the fewest.
+    assert ops.choose_attention([51], [1024], 10, 128, costs) == ("triton", False)
+
+
+def test_choices_agree_with_the_measurements_they_were_fitted_to():
+    """At each of the 144 measured layouts the chosen path's measured time is within 1.25x of the fastest
+    path's, and over all of them the choice beats the kernel alone (which was 0.65x padded SDPA at worst)."""
+    measured = json.loads(MEASURED.read_text())
+    paths = {("triton", False): "ragged_triton", ("sdpa", True): "padded_sdpa", ("sdpa", False): "per_request_sdpa"}
+    gains = []
+    for point in measured["results"]:
+        lengths_q = point["query_lens"]
+        lengths_k = [point["tokens_per_request"]] * len(lengths_q)
+        costs = ops.ATTENTION_COSTS[9, point["head_dim"]]
+        chosen = paths[ops.choose_attention(lengths_q, lengths_k, point["heads"], point["head_dim"], costs)]
+        ms = point["ms_p50"]
+        fastest = min(ms[path] for path in paths.values())
+        assert ms[chosen] <= 1.25 * fastest, (point["tokens_per_request"], point["head_dim"], point["batch"],
+                                              point["mask_ratio"], chosen, ms)
+        gains.append(ms["ragged_triton"] / ms[chosen])
+    assert len(gains) == 144 and torch.tensor(gains).log().mean().exp() > 1.05
+
+
+def test_the_cpu_and_unmeasured_gpus_keep_their_backends():
+    assert ops.attention_costs(128, torch.bfloat16, None) is None
+    assert ops.attention_costs(128, torch.float32, (9, 0)) is None
+    assert ops.attention_costs(80, torch.bfloat16, (9, 0)) is None
+    assert ops.attention_costs(128, torch.bfloat16, (8, 0)) is None
+    plan = ops.plan_attention([4096] * 8, [4608] * 8, "cpu", torch.bfloat16, 128, heads=24)
+    assert plan.backend == "sdpa" and plan.padded_rows is None
+
+
+def test_a_measured_gpu_plans_the_chosen_path(monkeypatch):
+    """plan_attention follows choose_attention where costs are known (the CPU stands in for the GPU)."""
+    monkeypatch.setattr(ops, "attention_costs", lambda head_dim, dtype, capability: ops.ATTENTION_COSTS[9, 128])
+    lengths_q, lengths_k = [6, 2, 9], [11] * 3
+    monkeypatch.setattr(ops, "choose_attention", lambda *args: ("sdpa", True))
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, heads=2, head_dim=128)
+    plan = ops.plan_attention(lengths_q, lengths_k, "cpu", torch.float32, 128, heads=2)
+    assert plan.padded_rows is not None
+    torch.testing.assert_close(ops.planned_attention(q, k, v, plan), ragged_attention_ref(q, k, v, cu_q, cu_k),
+                               atol=1e-5, rtol=1e-5)
+    # Without heads, "auto" is what it was: no measured choice.
+    assert ops.plan_attention(lengths_q, lengths_k, "cpu", torch.float32, 128).padded_rows is None
