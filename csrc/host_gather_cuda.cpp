@@ -14,11 +14,13 @@
 namespace retouch {
 namespace {
 
-// "auto" takes the copy engines when the mean run is at least this long: each cudaMemcpyAsync costs a
-// few microseconds of driver and DMA set-up, about what 64 KiB takes on a PCIe 4/5 link, so longer runs
-// amortise it while shorter ones are faster through the SM kernel's single launch. A first guess, to be
-// tuned with `retouch bench copy --device cuda`.
-constexpr int64_t kMemcpyMinMeanRunBytes = 64 * 1024;
+// "auto" takes the copy engines when the mean run is at least this long. Measured on an H200 (PCIe 5,
+// bench/results/h200-smoke/gather.json, stop 44): each cudaMemcpyAsync added ~3 us to a contiguous
+// copy's time, and the SM kernel read pinned memory at ~0.8 of the contiguous rate with Flux's 6 KiB
+// rows (~0.5 with SDXL's 1.25 KiB rows). The kernel was as fast or faster at every measured mean run,
+// 70-350 KiB (the guess before, 64 KiB, sent all of them to the slower copies); copies win once a run's
+// transfer outlasts ~4x their overhead, ~640 KiB.
+constexpr int64_t kMemcpyMinMeanRunBytes = 640 * 1024;
 
 bool copy_with_memcpy(HostGatherMethod method, const HostGather& gather, bool src_pinned) {
   switch (method) {
