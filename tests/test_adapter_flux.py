@@ -9,7 +9,7 @@ through a block can add an ulp or so. We allow OUTPUT_ULPS units of fp32 eps at 
 
 import pytest
 import torch
-from kernel_device import interpreter_replay
+from kernel_device import TRITON_DEVICE, interpreter_replay
 
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
 from retouch.cache import InMemoryActivationCache
@@ -143,6 +143,34 @@ def test_replay_identity_with_triton_attention(tiny_templates, mode):
         actual = transformer(**stack_inputs([t[0] for t in templates]))[0]
     for request, (_, _, unmodified, _) in enumerate(templates):
         assert_close_ulps(actual[request: request + 1], unmodified, OUTPUT_ULPS)
+
+
+# On a GPU the masked path's matmuls run other cuBLAS kernels than full compute's (other row counts), so
+# their sums may be ordered differently than on the CPU; this bound awaits the first GPU run of this test.
+KERNEL_DEVICE_ULPS = OUTPUT_ULPS if TRITON_DEVICE.type == "cpu" else 256
+
+
+@pytest.mark.parametrize("mode", EDIT_MODES)
+def test_replay_identity_on_the_kernel_device(mode):
+    """Record and replay on the GPU where there is one (else the CPU), with the attention the engine picks
+    there ("auto": the Triton kernel for float32 on a GPU): the replay matches the unmodified model."""
+    transformer = build_denoiser("tiny-flux-fill").eval().to(TRITON_DEVICE)
+    adapter = patch_flux(transformer, attention_backend="auto")
+    cache, num_image = InMemoryActivationCache(), TINY_GRID[0] * TINY_GRID[1]
+    templates = []
+    for request, step in enumerate([0, 3, 7]):
+        inputs = random_flux_inputs(transformer, 1, TINY_GRID, TINY_TEXT_TOKENS, seed=request, device=TRITON_DEVICE)
+        with torch.no_grad():
+            unmodified = transformer(**inputs)[0]
+        record(adapter, inputs, f"template-{request}", step, TINY_TEXT_TOKENS, num_image, cache)
+        templates.append((inputs, step, unmodified))
+    context = MaskAwareContext.edit(mode, masked_indices(num_image, TINY_GRID), [f"template-{b}" for b in range(3)],
+                                    [t[1] for t in templates], TINY_TEXT_TOKENS, num_image, cache)
+    with torch.no_grad(), adapter.run(context):
+        actual = transformer(**stack_inputs([t[0] for t in templates]))[0]
+    assert actual.device.type == TRITON_DEVICE.type
+    for request, (_, _, unmodified) in enumerate(templates):
+        assert_close_ulps(actual[request: request + 1], unmodified, KERNEL_DEVICE_ULPS)
 
 
 @pytest.mark.parametrize("mode", EDIT_MODES)
