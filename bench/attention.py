@@ -247,22 +247,15 @@ def setup_methods(config: BenchConfig, device: torch.device) -> Methods:
     return Methods(names, unavailable, tuner, flex, flex_compile, flash, varlen)
 
 
-def padded_sdpa_fn(q, k, v, query_lens: list[int], tokens: int) -> Callable[[], torch.Tensor]:
-    """Pad queries to the longest request, one SDPA call, unpad. `q: [T_q, H, D]`, `k, v: [B*L, H, D]`."""
-    batch, heads, head_dim = len(query_lens), q.shape[1], q.shape[2]
-    max_q = max(query_lens)
+def padded_sdpa_fn(q, k, v, query_lens: list[int]) -> Callable[[], torch.Tensor]:
+    """Pad queries to the longest request, one SDPA call, unpad (`retouch.ops.sdpa_padded`, which the engine
+    also runs where it measures faster). `q: [T_q, H, D]`, `k, v: [B*L, H, D]`."""
+    from retouch import ops
+
+    batch, max_q = len(query_lens), max(query_lens)
     # Row of each packed query in the padded [B * max_q] layout.
     pad_rows = torch.cat([b * max_q + torch.arange(n, device=q.device) for b, n in enumerate(query_lens)])
-    k_batched = k.view(batch, tokens, heads, head_dim).transpose(1, 2)
-    v_batched = v.view(batch, tokens, heads, head_dim).transpose(1, 2)
-
-    def run():
-        q_pad = q.new_zeros(batch * max_q, heads, head_dim).index_copy_(0, pad_rows, q)
-        q_pad = q_pad.view(batch, max_q, heads, head_dim).transpose(1, 2)
-        out = torch.nn.functional.scaled_dot_product_attention(q_pad, k_batched, v_batched)
-        return out.transpose(1, 2).reshape(batch * max_q, heads, head_dim).index_select(0, pad_rows)
-
-    return run
+    return lambda: ops.sdpa_padded(q, k, v, pad_rows, batch, max_q, q.shape[-1] ** -0.5)
 
 
 def flex_attention_fn(flex: Callable, q, k, v, block_mask) -> Callable[[], torch.Tensor]:
@@ -273,6 +266,7 @@ def flex_attention_fn(flex: Callable, q, k, v, block_mask) -> Callable[[], torch
 
 def method_runs(methods: Methods, layout: Layout, q, k, v, launch) -> dict[str, Callable[[], torch.Tensor]]:
     """The runs of every method at one point, each returning `[T_q, H, D]`."""
+    from retouch import ops
     from retouch.kernels.ragged_attention import (
         plan_ragged_attention,
         ragged_attention,
@@ -283,15 +277,13 @@ def method_runs(methods: Methods, layout: Layout, q, k, v, launch) -> dict[str, 
     cu_q, cu_k, tokens = layout.cu_seqlens_q, layout.cu_seqlens_k, layout.tokens
     max_q = max(layout.query_lens)
     plan = plan_ragged_attention(cu_q, cu_k, max_q, tokens, launch)
-    from retouch import ops
-
     auto = ops.plan_attention(layout.query_lens, [tokens] * layout.batch, q.device, q.dtype, q.shape[2],
                               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, heads=q.shape[1])
     runs = {
         "ragged_triton": lambda: ragged_attention_with_plan(q, k, v, plan),
         "retouch_auto": lambda: ops.planned_attention(q, k, v, auto),
         "ragged_triton_unplanned": lambda: ragged_attention(q, k, v, cu_q, cu_k, max_q, tokens, config=launch),
-        "padded_sdpa": padded_sdpa_fn(q, k, v, layout.query_lens, tokens),
+        "padded_sdpa": padded_sdpa_fn(q, k, v, layout.query_lens),
         "per_request_sdpa": lambda: ragged_attention_sdpa(q, k, v, cu_q, cu_k),
     }
     if methods.flex is not None:
