@@ -9,6 +9,6 @@ TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # Tests that replay a CPU-recorded template through the Triton kernel: the interpreter computes on the
 # CPU's float32, as the recording did, so the replay matches to a few ULPs. On a GPU machine the kernel
-# needs CUDA tensors and a recording made there: test_adapter_flux's replay on the kernel device.
+# needs CUDA tensors and a recording made there: the adapter tests' replay on the kernel device.
 interpreter_replay = pytest.mark.skipif(torch.cuda.is_available(),
                                         reason="replays CPU recordings through the Triton interpreter")

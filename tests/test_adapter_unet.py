@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
-from kernel_device import interpreter_replay
+from kernel_device import TRITON_DEVICE, interpreter_replay
 
 from retouch.adapters.context import CacheMode
 from retouch.adapters.unet import UNetMaskAwareContext, level_grid, patch_unet
@@ -303,6 +303,34 @@ def test_block_flops_fall_with_mask_ratio(name):
     # keeps its K/V projections and every query's keys on all tokens, a larger share in SDXL's wider levels.
     assert ratios[CacheMode.KV_CACHE, 0.2] < 0.27
     assert ratios[CacheMode.Y_CACHE, 0.2] < 0.33
+
+
+# On a GPU the masked path's matmuls and convolutions run other kernels than full compute's (cuDNN may
+# also use TF32 for convolutions); this bound awaits the first GPU run of this test.
+KERNEL_DEVICE_ULPS = OUTPUT_ULPS if TRITON_DEVICE.type == "cpu" else 1024
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("mode", EDIT_MODES)
+def test_replay_identity_on_the_kernel_device(name, mode):
+    """Record and replay on the GPU where there is one (else the CPU) with the attention the engine picks
+    there ("auto"): the replay matches the unmodified model."""
+    unet = build_denoiser(name).eval().to(TRITON_DEVICE)
+    adapter = patch_unet(unet, attention_backend="auto")
+    cache, templates = InMemoryActivationCache(), []
+    for index, step in enumerate(STEPS):
+        inputs = random_unet_inputs(unet, 1, IMAGE_SIZE, TEXT_TOKENS, seed=index, device=TRITON_DEVICE)
+        with torch.no_grad():
+            unmodified = unet(**inputs).sample
+        record(adapter, inputs, [f"template-{index}"], [step], cache)
+        templates.append((inputs, unmodified))
+    context = UNetMaskAwareContext.edit(mode, pixel_masks(IMAGE_SIZE), [f"template-{b}" for b in range(3)], STEPS,
+                                        adapter.num_levels, cache)
+    with torch.no_grad(), adapter.run(context):
+        actual = unet(**stack_inputs([t[0] for t in templates])).sample
+    assert actual.device.type == TRITON_DEVICE.type
+    for index, (_, unmodified) in enumerate(templates):
+        assert_close_ulps(actual[index: index + 1], unmodified, KERNEL_DEVICE_ULPS)
 
 
 @interpreter_replay

@@ -172,7 +172,7 @@ def _dispatch(adapter: SD3MaskAwareAdapter, block: JointTransformerBlock, index:
     return _joint_block_forward(block, adapter, context, index, hidden_states, encoder_hidden_states, temb)
 
 
-def _forward_plan(adapter: SD3MaskAwareAdapter, context: MaskAwareContext, dtype: torch.dtype,
+def _forward_plan(adapter: SD3MaskAwareAdapter, context: MaskAwareContext, dtype: torch.dtype, heads: int,
                   width: int) -> tuple[SD3Rows, SD3Plans]:
     """The rows and attention plans every masked block of the active context shares, made once."""
     def plan() -> tuple[SD3Rows, SD3Plans]:
@@ -180,7 +180,7 @@ def _forward_plan(adapter: SD3MaskAwareAdapter, context: MaskAwareContext, dtype
         device = batch.cu_seqlens_q.device
         image_counts = layout.image_counts
         planned = functools.partial(ops.plan_attention, device=device, dtype=dtype, head_dim=width,
-                                    backend=adapter.attention_backend)
+                                    backend=adapter.attention_backend, heads=heads)
         plans = SD3Plans(
             joint=planned(batch.query_counts(), batch.seq_lens, cu_seqlens_q=batch.cu_seqlens_q,
                           cu_seqlens_k=batch.cu_seqlens_k),
@@ -204,7 +204,7 @@ def _joint_block_forward(block: JointTransformerBlock, adapter: SD3MaskAwareAdap
     encoder_hidden_states: [B, P, H] text -> (text or None, image).
     Eager around a tensors-only core: the recorded keys and values are read before it, the block's
     output filled and its activations recorded after it."""
-    rows, plans = _forward_plan(adapter, context, hidden_states.dtype, head_dim(block.attn))
+    rows, plans = _forward_plan(adapter, context, hidden_states.dtype, block.attn.heads, head_dim(block.attn))
     recorded = None
     if context.mode is not CacheMode.Y_CACHE:
         like = adapter.key_rows_like(hidden_states, block.attn.heads, head_dim(block.attn))

@@ -325,17 +325,17 @@ def _record_forward(block: BasicTransformerBlock, context: UNetMaskAwareContext,
 
 
 def _level_plan(adapter: UNetMaskAwareAdapter, context: UNetMaskAwareContext, level: int, num_text: int,
-                dtype: torch.dtype, width: int) -> tuple[ops.AttentionPlan, ops.AttentionPlan]:
+                dtype: torch.dtype, heads: int, width: int) -> tuple[ops.AttentionPlan, ops.AttentionPlan]:
     """A level's self- and cross-attention plans, made once per active context: each row's masked tokens
     against its L tokens, and against its `num_text` text tokens."""
     def plan() -> tuple[ops.AttentionPlan, ops.AttentionPlan]:
         ragged = adapter.computed_batch(context.levels[level])
         counts, device = ragged.query_counts(), ragged.cu_seqlens_q.device
         planned = functools.partial(ops.plan_attention, device=device, dtype=dtype, head_dim=width,
-                                    backend=adapter.attention_backend, cu_seqlens_q=ragged.cu_seqlens_q)
+                                    backend=adapter.attention_backend, cu_seqlens_q=ragged.cu_seqlens_q, heads=heads)
         return (planned(counts, ragged.seq_lens, cu_seqlens_k=ragged.cu_seqlens_k),
                 planned(counts, [num_text] * ragged.batch_size))
-    return adapter.memo(("unet", level, num_text, dtype, width), plan)
+    return adapter.memo(("unet", level, num_text, dtype, heads, width), plan)
 
 
 def _masked_forward(block: BasicTransformerBlock, adapter: UNetMaskAwareAdapter, context: UNetMaskAwareContext,
@@ -346,7 +346,8 @@ def _masked_forward(block: BasicTransformerBlock, adapter: UNetMaskAwareAdapter,
     filled and its activations recorded after it."""
     attn = block.attn1
     query_rows = adapter.computed_batch(context.levels[level]).query_rows
-    plans = _level_plan(adapter, context, level, encoder_hidden_states.shape[1], hidden_states.dtype, head_dim(attn))
+    plans = _level_plan(adapter, context, level, encoder_hidden_states.shape[1], hidden_states.dtype, attn.heads,
+                        head_dim(attn))
     recorded = None
     if context.mode is CacheMode.KV_CACHE:
         like = adapter.key_rows_like(hidden_states, attn.heads, head_dim(attn))

@@ -46,9 +46,11 @@ def random_sd3_inputs(transformer, batch: int, grid: tuple[int, int], num_text: 
     )
 
 
-def random_unet_inputs(unet, batch: int, image_size: tuple[int, int], num_text: int, seed: int) -> dict:
+def random_unet_inputs(unet, batch: int, image_size: tuple[int, int], num_text: int, seed: int,
+                       device: torch.device | str = "cpu") -> dict:
     """Inputs of a UNet2DConditionModel forward for `image_size` pixels: latents (9 channels for
-    inpainting UNets), timesteps, text states and, for SDXL, the pooled-text and size/crop conditioning."""
+    inpainting UNets), timesteps, text states and, for SDXL, the pooled-text and size/crop conditioning;
+    drawn on the CPU (the same values on every device), then moved to `device`."""
     config = unet.config
     generator = torch.Generator().manual_seed(seed)
     height, width = image_size[0] // 8, image_size[1] // 8
@@ -61,4 +63,9 @@ def random_unet_inputs(unet, batch: int, image_size: tuple[int, int], num_text: 
         pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
         inputs["added_cond_kwargs"] = {"text_embeds": torch.randn(batch, pooled, generator=generator),
                                        "time_ids": torch.randn(batch, 6, generator=generator)}
-    return inputs
+    if torch.device(device).type == "cpu":
+        return inputs
+    moved = {name: value.to(device) for name, value in inputs.items() if name != "added_cond_kwargs"}
+    if "added_cond_kwargs" in inputs:
+        moved["added_cond_kwargs"] = {name: value.to(device) for name, value in inputs["added_cond_kwargs"].items()}
+    return moved
