@@ -186,7 +186,8 @@ profile() {  # profile MODEL ARGS...: the planner's cost models for MODEL on thi
 part_tests() {
   pytest_gpu tests/test_row_copy.py tests/test_row_copy_triton.py tests/test_host_gather.py \
     tests/test_host_arena.py tests/test_ragged_attention.py tests/test_ops.py tests/test_adapter_flux.py \
-    tests/test_adapter_unet.py tests/test_cache_store.py tests/test_editor_cache.py tests/test_host_tables.py
+    tests/test_adapter_unet.py tests/test_adapter_sd3.py tests/test_attention_dispatch.py tests/test_cache_store.py \
+    tests/test_editor_cache.py tests/test_host_tables.py
 }
 
 # shellcheck disable=SC2046

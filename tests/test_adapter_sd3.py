@@ -15,6 +15,7 @@ import torch
 from diffusers import SD3Transformer2DModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
+from kernel_device import TRITON_DEVICE, interpreter_replay
 
 from retouch.adapters import CacheMode, MaskAwareContext
 from retouch.adapters.sd3 import DUAL_KEY, patch_sd3
@@ -171,6 +172,38 @@ def test_replay_identity_ragged_batch(tiny, tiny_templates, mode, plan_index):
         assert_close_ulps(actual[request: request + 1], unmodified, OUTPUT_ULPS)
 
 
+# On a GPU the masked path's matmuls run other cuBLAS kernels than full compute's (other row counts); this
+# bound awaits the first GPU run of this test.
+KERNEL_DEVICE_ULPS = OUTPUT_ULPS if TRITON_DEVICE.type == "cpu" else 256
+
+
+@pytest.mark.parametrize("variant", TINY_MODELS)
+@pytest.mark.parametrize("mode", EDIT_MODES)
+def test_replay_identity_on_the_kernel_device(variant, mode):
+    """Record and replay on the GPU where there is one (else the CPU) with the attention the engine picks
+    there ("auto"): the replay matches the unmodified model."""
+    transformer = build_denoiser("tiny-sd3-inpaint").eval()
+    if variant == "sd35":
+        transformer = build_sd35_like(transformer)
+    transformer = transformer.to(TRITON_DEVICE)
+    adapter = patch_sd3(transformer, attention_backend="auto")
+    cache, templates = InMemoryActivationCache(), []
+    for request, step in enumerate([0, 3, 7]):
+        inputs = random_sd3_inputs(transformer, 1, TINY_GRID, TINY_TEXT_TOKENS, seed=request, device=TRITON_DEVICE)
+        with torch.no_grad():
+            unmodified = transformer(**inputs)[0]
+        record(adapter, inputs, f"template-{request}", step, TINY_TEXT_TOKENS, NUM_IMAGE, cache)
+        templates.append((inputs, step, unmodified))
+    context = MaskAwareContext.edit(mode, masked_indices(NUM_IMAGE, TINY_GRID), [f"template-{b}" for b in range(3)],
+                                    [t[1] for t in templates], TINY_TEXT_TOKENS, NUM_IMAGE, cache)
+    with torch.no_grad(), adapter.run(context):
+        actual = transformer(**stack_inputs([t[0] for t in templates]))[0]
+    assert actual.device.type == TRITON_DEVICE.type
+    for request, (_, _, unmodified) in enumerate(templates):
+        assert_close_ulps(actual[request: request + 1], unmodified, KERNEL_DEVICE_ULPS)
+
+
+@interpreter_replay
 @pytest.mark.parametrize("mode", EDIT_MODES)
 def test_replay_identity_with_triton_attention(tiny, tiny_templates, mode):
     """The Triton ragged-attention kernel in place of SDPA (interpreted on the CPU, see conftest);

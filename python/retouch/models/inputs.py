@@ -31,19 +31,21 @@ def random_flux_inputs(transformer, batch: int, grid: tuple[int, int], num_text:
     return {**moved, "return_dict": False}
 
 
-def random_sd3_inputs(transformer, batch: int, grid: tuple[int, int], num_text: int, seed: int) -> dict:
+def random_sd3_inputs(transformer, batch: int, grid: tuple[int, int], num_text: int, seed: int,
+                      device: torch.device | str = "cpu") -> dict:
     """Inputs of an SD3Transformer2DModel forward on a `grid` of image tokens: latents
-    `[B, C, h*p, w*p]`, text `[B, P, J]`, pooled text, timesteps in the scheduler's range."""
+    `[B, C, h*p, w*p]`, text `[B, P, J]`, pooled text, timesteps in the scheduler's range; drawn on the
+    CPU (the same values on every device), then moved to `device`."""
     config = transformer.config
     patch = config.patch_size
     generator = torch.Generator().manual_seed(seed)
-    return dict(
+    drawn = dict(
         hidden_states=torch.randn(batch, config.in_channels, grid[0] * patch, grid[1] * patch, generator=generator),
         encoder_hidden_states=torch.randn(batch, num_text, config.joint_attention_dim, generator=generator),
         pooled_projections=torch.randn(batch, config.pooled_projection_dim, generator=generator),
         timestep=1000 * torch.rand(batch, generator=generator),
-        return_dict=False,
     )
+    return {**{name: value.to(device) for name, value in drawn.items()}, "return_dict": False}
 
 
 def random_unet_inputs(unet, batch: int, image_size: tuple[int, int], num_text: int, seed: int,
