@@ -102,6 +102,18 @@ def test_profile_cli_rejects_bad_input(cli_here, tmp_path):
     assert result.returncode == 2 and "--repeats" in result.stderr
 
 
+def test_a_load_size_the_machine_cannot_hold_is_refused_before_any_block_is_timed(tmp_path, monkeypatch):
+    """`--load-mib 1,1e12` was an internal error (exit 1) after every block had been profiled."""
+    import retouch.profile as profile
+
+    built = []
+    monkeypatch.setattr(profile, "build_target", lambda *args: built.append(args))
+    options = ProfileOptions(model="tiny-flux-fill", out=tmp_path / "c.json", **{**QUICK, "load_mib": "1,1e12"})
+    with pytest.raises(InputError, match=r"host memory for the largest --load-mib: ask for less"):
+        run_profile(options, torch.device("cpu"), torch.float32, command="test")
+    assert built == [] and not (tmp_path / "c.json").exists()
+
+
 def test_overlap_bench_compares_every_variant_on_the_cpu(tmp_path):
     cost = tmp_path / "cost.json"
     run_profile(ProfileOptions(model="tiny-flux-fill", out=cost, **QUICK), torch.device("cpu"), torch.float32,

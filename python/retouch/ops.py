@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.utils.flop_counter
 
-from retouch.errors import RetouchError
+from retouch.errors import InputError, RetouchError
 from retouch.kernels.ragged_attention import (RaggedPlan, device_capability, launch_config, launch_planned,
                                               plan_from_host, plan_from_shapes, plan_ragged_attention,
                                               ragged_attention_with_plan)
@@ -99,6 +99,19 @@ def gather_host_rows_(dst: torch.Tensor, src: torch.Tensor, src_offsets: torch.T
         raise ValueError(f"host gather method must be one of {HOST_GATHER_METHODS}, got {method!r}")
     _require_extension()
     torch.ops.retouch.gather_host_rows_(dst, src, src_offsets, dst_rows, method)
+
+
+def allocate_host_arena(capacity: int, alignment: int, pinned: bool, asked_by: str) -> HostArena:
+    """A HostArena of `capacity` bytes, or an InputError naming `asked_by` (the option that asked for the
+    memory) where the machine has less: TORCH_CHECK's own message holds a C++ trace, and surfaced as an
+    internal error after the work that preceded it."""
+    try:
+        return HostArena(capacity, alignment, pinned)
+    except RuntimeError as exc:
+        if "cannot allocate" not in str(exc):
+            raise
+        raise InputError(f"cannot allocate {capacity / (1 << 30):.3g} GiB of host memory for {asked_by}: ask for "
+                         "less") from None
 
 
 def row_runs(src_offsets: torch.Tensor, dst_rows: torch.Tensor, row_bytes: int) -> int:

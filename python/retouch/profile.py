@@ -223,13 +223,22 @@ def _profile_point(target: Target, opts: ProfileOptions, device: torch.device, s
 LOAD_REPEATS = 5  # copies take microseconds: more repeats cost nothing and keep noise out of the slope
 
 
-def profile_loads(opts: ProfileOptions, device: torch.device, progress: bool = False) -> list[dict]:
-    """Seconds of the copy engine's host->device gather of `bytes` (rows of 4 KiB, one run of rows); with
-    `progress`, a bar on stderr over the sizes."""
-    samples = []
-    row = 4096
+LOAD_ROW_BYTES = 4096
+
+
+def load_arena(opts: ProfileOptions) -> ops.HostArena:
+    """The host memory the load timings copy from: the largest --load-mib (allocated before any block is
+    timed, so that a size the machine cannot hold is refused at once)."""
     largest = int(max(opts.values("load_mib")) * (1 << 20))
-    arena = ops.HostArena(largest + row, 256, True)
+    return ops.allocate_host_arena(largest + LOAD_ROW_BYTES, 256, True, "the largest --load-mib")
+
+
+def profile_loads(opts: ProfileOptions, device: torch.device, arena: ops.HostArena,
+                  progress: bool = False) -> list[dict]:
+    """Seconds of the copy engine's host->device gather of `bytes` (rows of 4 KiB, one run of rows) out of
+    `arena` (`load_arena`); with `progress`, a bar on stderr over the sizes."""
+    samples = []
+    row = LOAD_ROW_BYTES
     source = arena.tensor()
     sizes = bar(opts.values("load_mib"), "profile loads", unit="size", show=progress)
     for mib in sizes:
@@ -248,6 +257,7 @@ def run_profile(opts: ProfileOptions, device: torch.device, dtype: torch.dtype, 
                 progress: bool = False) -> CostModel:
     """Profile `opts.model`, write the cost model to `opts.out` and return it. With `progress` (as
     `retouch profile` runs it), what is built and bars over the timed points and load sizes on stderr."""
+    arena = load_arena(opts)
     if progress:
         print(f"building {opts.model} on {device} ({dtype})", file=sys.stderr)
     target = build_target(opts.model, device, dtype)
@@ -258,7 +268,7 @@ def run_profile(opts: ProfileOptions, device: torch.device, dtype: torch.dtype, 
         for variant in VARIANTS:
             rows = [s for s in samples if s["kind"] == kind and s["variant"] == variant]
             compute[kind][variant] = fit_linear(rows, "seconds", FEATURES)
-    load = fit_linear(profile_loads(opts, device, progress), "seconds", ("bytes",))
+    load = fit_linear(profile_loads(opts, device, arena, progress), "seconds", ("bytes",))
     if load.coef[0] <= 0:  # the planner would think bigger loads are free
         raise RetouchError(f"the load timings did not grow with bytes ({opts.load_mib} MiB); the machine was "
                            "too busy or the sizes too small: rerun with larger --load-mib or more --repeats")

@@ -42,7 +42,7 @@ from retouch.cache.base import ActivationCache
 from retouch.cache.disk import CorruptCacheFile, DiskTier
 from retouch.cache.keys import base_name, check_template_id, stored_key
 from retouch.cache.layout import STORAGE_DTYPES, Entry, StepLayout, decode, dtype_name, encode
-from retouch.errors import InputError, RetouchError
+from retouch.errors import RetouchError
 
 GiB = 1 << 30
 logger = logging.getLogger("retouch.cache")
@@ -185,13 +185,8 @@ class CacheStore(ActivationCache):
 
     def __init__(self, config: StoreConfig = StoreConfig()):
         self.config = config
-        try:
-            self.arena = ops.HostArena(config.host_bytes, config.alignment, config.pinned)
-        except RuntimeError as exc:  # more than the machine gives (TORCH_CHECK's message holds a C++ trace)
-            if "cannot allocate" not in str(exc):
-                raise
-            raise InputError(f"cannot allocate {config.host_bytes / GiB:g} GiB of host memory for the template "
-                             "cache (--cache-host-gib): ask for less") from None
+        self.arena = ops.allocate_host_arena(config.host_bytes, config.alignment, config.pinned,
+                                             "the template cache (--cache-host-gib)")
         self.arena_bytes = self.arena.tensor()
         self._lock = threading.RLock()
         self._host: OrderedDict[str, _Template] = OrderedDict()  # least recently used first
