@@ -311,6 +311,8 @@ def sdpa_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padded_rows: 
     """Ragged attention as one SDPA call: `q: [T_q, heads, d]` scattered to `[B, longest, heads, d]` at
     `padded_rows`, keys `[B * L, heads, d]` as `[B, L, heads, d]`; the padding rows' outputs are dropped."""
     heads, head_dim = q.shape[1:]
+    if q.shape[0] == 0:  # no queries: nothing for SDPA's kernels (some refuse empty inputs) to do
+        return q.new_empty(q.shape)
     keys = k.shape[0] // requests
     padded = q.new_zeros(requests * longest, heads, head_dim).index_copy_(0, padded_rows, q)
     padded = padded.view(requests, longest, heads, head_dim).transpose(1, 2)
