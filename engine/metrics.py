@@ -74,6 +74,7 @@ class WorkerMetrics:
     cancelled: int = 0
     recorded: int = 0  # templates recorded as members of the batch
     unrecorded: int = 0  # one-off images answered unrecorded: their recording did not fit the host cache
+    recording_retries: int = 0  # registrations started over: templates in use held the host cache
     watch_errors: int = 0  # progress callbacks or previews that raised (the edits went on)
     last_watch_error: str | None = None
     total_step_s: float = 0.0
@@ -114,7 +115,8 @@ class WorkerMetrics:
         steps = self.steps
         return {
             "steps": steps, "completed": self.completed, "failed": self.failed, "cancelled": self.cancelled,
-            "recorded": self.recorded, "unrecorded": self.unrecorded, "watch_errors": self.watch_errors,
+            "recorded": self.recorded, "unrecorded": self.unrecorded, "recording_retries": self.recording_retries,
+            "watch_errors": self.watch_errors,
             "interruptions": self.interruptions,
             "step_seconds": self.total_step_s, "batch_rows": self.total_batch_rows,
             "mean_batch_size": self.total_batch_rows / steps if steps else 0.0,

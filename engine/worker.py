@@ -63,6 +63,7 @@ from retouch.lora.layers import AmbiguousRows, EntryAdapters
 from retouch.lora.manager import LoraManager
 
 MODES = ("static", "naive", "disagg")
+MEMORY_RETRIES = 3  # restarts of a registration whose host cache was held by templates in use
 logger = logging.getLogger("retouch.worker")
 
 
@@ -147,6 +148,10 @@ class Job:
     lora_loads: list[Future] = field(default_factory=list)  # its adapters' loads (`LoraManager.acquire`)
     lora_entry: EntryAdapters = ()  # what its rows bind, from the step its LoRA applies
     template_load: Future | None = None  # its template's read from disk (`MaskAwareEditor.prefetch`)
+    # A registration restarted because templates in use held the host memory its recording needed: how
+    # many times, and the count of jobs that had left the batch then (it waits for one more to leave).
+    memory_retries: int = 0
+    waits_for_departures: int | None = None
 
     @property
     def strength(self) -> float:
@@ -308,6 +313,11 @@ class Worker:
                 if still_loading and (self.running or self.waiting):
                     loading.append(job)
                     continue
+                if job.waits_for_departures is not None:
+                    if self.running and self._departures() == job.waits_for_departures:
+                        loading.append(job)  # the memory it needs is still held: no one has left since
+                        continue
+                    job.waits_for_departures = None
                 if job.ready is None:  # static and naive: pre-processing inline
                     ready = self._inline(lambda: self._prepare(job), job)
                     if ready is None:
@@ -479,14 +489,12 @@ class Worker:
             if failure is not None:  # its recording could not be kept
                 editor.abort_recording(job.recording.template_id)
                 if job.request is not None and isinstance(failure, CacheFull):
-                    job.records = False  # a one-off edit answers all the same: computed in full, unrecorded
-                    self.metrics.unrecorded += 1
-                    if self.metrics.unrecorded == 1:  # an operator's mistake, not the user's: said once
-                        logger.warning("a one-off image is answered unrecorded, so its later edits will not be "
-                                       "mask-aware (counted in retouch_worker_unrecorded_total): %s", failure)
+                    self._answer_unrecorded(job, failure)
                     continue
-                self.running.remove(job)  # a registration fails, alone
-                self._fail(job, failure)
+                self.running.remove(job)
+                if self._restarts_for_memory(job, failure, shared=len(jobs) > 1):
+                    continue
+                self._fail(job, failure)  # a registration fails, alone
 
     def retire(self) -> None:
         finished = [job for job in self.running if job.row.schedule.done]
@@ -504,12 +512,18 @@ class Worker:
                 continue
             if job.writes_cache:
                 try:
-                    self.editor.commit_recording(job.recording)
+                    self.editor.commit_recording(job.recording)  # writes its last step
                 except Exception as exc:
-                    self._fail(job, exc)
-                    continue
-                self.editor.templates[job.recording.template_id] = job.recording
-                self.metrics.recorded += 1
+                    self.editor.abort_recording(job.recording.template_id)
+                    if job.request is not None and isinstance(exc, CacheFull):
+                        self._answer_unrecorded(job, exc)
+                    else:
+                        if not self._restarts_for_memory(job, exc, shared=len(finished) > 1 or bool(self.running)):
+                            self._fail(job, exc)
+                        continue
+                else:
+                    self.editor.templates[job.recording.template_id] = job.recording
+                    self.metrics.recorded += 1
             if job.request is None:  # a registration: done once recorded
                 job.metrics.completed = now()
                 self._set_result(job, job.recording.template_id)
@@ -561,6 +575,41 @@ class Worker:
         if job.recording is not None:
             return prepare_recording(self.editor, job.recording, job.records, job.strength)
         return preprocess(self.editor, job.request, self.editor._template(job.request.template_id))
+
+    def _answer_unrecorded(self, job: Job, failure: CacheFull) -> None:
+        """A one-off edit whose recording does not fit the host cache answers all the same: computed in
+        full, unrecorded."""
+        job.records = False
+        self.metrics.unrecorded += 1
+        if self.metrics.unrecorded == 1:  # an operator's mistake, not the user's: said once
+            logger.warning("a one-off image is answered unrecorded, so its later edits will not be mask-aware "
+                           "(counted in retouch_worker_unrecorded_total): %s", failure)
+
+    def _departures(self) -> int:
+        """Jobs that have left the batch so far (each releases the host memory its template held)."""
+        return self.metrics.completed + self.metrics.failed + self.metrics.cancelled
+
+    def _restarts_for_memory(self, job: Job, failure: BaseException, shared: bool) -> bool:
+        """Whether a registration (no edit) whose recording found the host cache held by templates in use starts
+        over once a job leaves (its own steps were freed), rather than failing: under load a registration
+        must not fail for memory that is only lent. It fails where it needs more than the whole budget,
+        where it ran alone (`shared`: its step's batch had other rows; alone, it held the memory itself)
+        and after MEMORY_RETRIES restarts. Restarted jobs are admitted one at a time while others run
+        (`admit`), so two that failed together do not fail together again."""
+        if (job.request is not None or not isinstance(failure, CacheFull) or not failure.held or not shared
+                or job.memory_retries >= MEMORY_RETRIES):
+            return False
+        self._release(job)
+        job.memory_retries += 1
+        job.waits_for_departures = self._departures()
+        job.ready = job.row = None  # prepared again at its next admission: its schedule had advanced
+        job.metrics.steps = 0
+        self.metrics.recording_retries += 1
+        self.waiting.appendleft(job)
+        logger.info("template %s: the host cache is held by templates in use; its recording starts over once "
+                    "one of them leaves (retry %d of %d)", job.recording.template_id, job.memory_retries,
+                    MEMORY_RETRIES)
+        return True
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         self._release(job)

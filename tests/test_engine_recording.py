@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from editor_inputs import max_diff, square_mask, template_image
+from loop_runs import run_loop
 from mask_strategies import random_image
 from PIL import Image
 from test_engine import BATCH_ATOL, TINY_MODELS, final_latents, run
@@ -277,3 +278,28 @@ def test_disaggregated_engine_records_and_edits_one_offs_with_no_interruptions()
     assert later.metrics.computed_tokens < later.metrics.tokens
     keep = np.asarray(mask) == 0
     assert all(np.array_equal(np.asarray(r.image)[keep], np.asarray(image)[keep]) for r in (first, duplicate, later))
+
+
+def test_a_registration_whose_host_cache_is_held_by_another_starts_over_instead_of_failing():
+    """Two registrations admitted together into a host cache that holds one recording: their last steps
+    no longer fit, and they used to fail ("do not fit the host cache") although the memory was only lent
+    to each other. One now starts over once the other has left, and both answer; the first's template is
+    then evicted (no disk tier here) to make room, as any least recently used template would be."""
+    from retouch.cache import CacheStore, StoreConfig
+
+    def registrations(editor, images):
+        return [Worker.new_job(None, recording=editor.new_template(image, "a room", STEPS)) for image in images]
+
+    images = [random_image((64, 64), seed=seed) for seed in (21, 22)]
+    sizing = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=CacheStore(StoreConfig(host_bytes=256 << 20)))
+    run_loop(sizing, EngineConfig(mode="naive"), registrations(sizing, images[:1]))
+    one_recording = sizing.cache.arena.used
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"),
+                             cache=CacheStore(StoreConfig(host_bytes=one_recording * 3 // 2)))
+    jobs = registrations(editor, images)
+    worker = run_loop(editor, EngineConfig(mode="naive", max_batch=2), jobs)
+    registered = [job.future.result(timeout=0) for job in jobs]
+    assert len(set(registered)) == 2 and worker.metrics.failed == 0
+    assert worker.metrics.recording_retries == 1 and worker.metrics.summary()["recording_retries"] == 1
+    assert [job.memory_retries for job in jobs].count(1) == 1
+    assert [editor.is_recorded(template_id) for template_id in registered].count(True) == 1

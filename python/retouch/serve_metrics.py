@@ -61,6 +61,8 @@ WORKER_COUNTERS = (("steps", "denoising steps run"),
                    ("recorded", "templates recorded"),
                    ("unrecorded", "one-off images answered in full but not recorded: their recording did not fit "
                     "the host cache (--cache-host-gib), so their later edits are not mask-aware either"),
+                   ("recording_retries", "registrations started over because templates in use held the host "
+                    "cache their recording needed"),
                    ("interruptions", "inline pre/post-processing tasks, and templates recorded again, while "
                     "other requests were denoising"))
 # The keys of cache.store.CacheStore.metrics.

@@ -53,7 +53,14 @@ class CacheMiss(KeyError):
 
 
 class CacheFull(RetouchError):
-    """A template does not fit the host budget even after evicting every template nobody reads."""
+    """A template does not fit the host budget even after evicting every template nobody reads.
+
+    held: True where templates in use (being read or recorded) hold the memory it needed, so that it may
+          fit once they are released; False where it needs more than the whole budget."""
+
+    def __init__(self, message: str, held: bool = True):
+        super().__init__(message)
+        self.held = held
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +333,7 @@ class CacheStore(ActivationCache):
                 raise CacheFull(f"template {template.template_id!r} needs {layout.nbytes * total / GiB:.3g} "
                                 f"GiB of host cache ({total} steps of {layout.nbytes / GiB:.3g} GiB), more "
                                 f"than its whole budget of {self.arena.capacity / GiB:.3g} GiB; a larger host budget "
-                                "(--cache-host-gib) holds it")
+                                "(--cache-host-gib) holds it", held=False)
             template.layout = layout
             template.meta = {**template.meta, "source_dtype": dtype_name(source_dtype)}
         elif layout != template.layout:
