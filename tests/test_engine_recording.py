@@ -303,3 +303,31 @@ def test_a_registration_whose_host_cache_is_held_by_another_starts_over_instead_
     assert worker.metrics.recording_retries == 1 and worker.metrics.summary()["recording_retries"] == 1
     assert [job.memory_retries for job in jobs].count(1) == 1
     assert [editor.is_recorded(template_id) for template_id in registered].count(True) == 1
+
+
+@pytest.mark.parametrize("first", ["registration", "one-off"])
+def test_a_one_off_edit_and_a_registration_sharing_a_cache_for_one_both_answer(first):
+    """A one-off edit recording beside a registration in a host cache that holds one recording: whichever
+    write no longer fits (a step's, or the last one, written as the recording is committed), the edit
+    answers unrecorded (it failed when it was its last step) and the registration is kept or starts over."""
+    from retouch.cache import CacheStore, StoreConfig
+
+    images = [random_image((64, 64), seed=seed) for seed in (31, 32)]
+    mask = Image.new("L", (64, 64), 0)
+    mask.paste(255, (8, 8, 40, 40))
+    sizing = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=CacheStore(StoreConfig(host_bytes=256 << 20)))
+    run_loop(sizing, EngineConfig(mode="naive"),
+             [Worker.new_job(None, recording=sizing.new_template(images[0], "a room", STEPS))])
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"),
+                             cache=CacheStore(StoreConfig(host_bytes=sizing.cache.arena.used * 3 // 2)))
+    registration = Worker.new_job(None, recording=editor.new_template(images[0], "a room", STEPS))
+    template = editor.one_off_template(images[1], mask, "a red hat", 7, STEPS)
+    one_off = Worker.new_job(EditRequest(template.template_id, mask, "a red hat", seed=7), recording=template)
+    jobs = [registration, one_off] if first == "registration" else [one_off, registration]
+    worker = run_loop(editor, EngineConfig(mode="naive", max_batch=2), jobs)
+    assert worker.metrics.failed == 0
+    assert registration.future.result(timeout=0) == registration.recording.template_id
+    edited = one_off.future.result(timeout=0)
+    assert edited.image.size == images[1].size
+    assert worker.metrics.unrecorded + worker.metrics.recording_retries >= 1  # someone did not fit
+    assert editor.is_recorded(registration.recording.template_id) or worker.metrics.recording_retries == 0
