@@ -252,10 +252,10 @@ def padded_sdpa_fn(q, k, v, query_lens: list[int]) -> Callable[[], torch.Tensor]
     also runs where it measures faster). `q: [T_q, H, D]`, `k, v: [B*L, H, D]`."""
     from retouch import ops
 
-    batch, max_q = len(query_lens), max(query_lens)
-    # Row of each packed query in the padded [B * max_q] layout.
-    pad_rows = torch.cat([b * max_q + torch.arange(n, device=q.device) for b, n in enumerate(query_lens)])
-    return lambda: ops.sdpa_padded(q, k, v, pad_rows, batch, max_q, q.shape[-1] ** -0.5)
+    batch = len(query_lens)
+    plan = ops.with_padded_queries(ops.plan_attention(query_lens, [k.shape[0] // batch] * batch, q.device, q.dtype,
+                                                      q.shape[-1], backend="sdpa"))
+    return lambda: ops.planned_attention(q, k, v, plan)
 
 
 def flex_attention_fn(flex: Callable, q, k, v, block_mask) -> Callable[[], torch.Tensor]:

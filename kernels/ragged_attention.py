@@ -42,6 +42,7 @@ from triton.compiler.errors import CompileTimeAssertionFailure
 from triton.runtime.errors import OutOfResources, PTXASError
 from triton.runtime.interpreter import InterpretedFunction
 
+from retouch.kernels.devices import check_triton_device
 from retouch.kernels.reference import sdpa_ragged_ref
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -261,9 +262,7 @@ def _check_kernel_inputs(q: torch.Tensor) -> None:
     """What the Triton kernel adds to the layout checks: its dtypes, and a device it can run on."""
     if q.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"ragged_attention supports {[str(d) for d in _SUPPORTED_DTYPES]}, got {q.dtype}")
-    if q.device.type != "cuda" and not KERNEL_INTERPRETED:
-        raise ValueError(f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for CPU), got {q.device}; "
-                         "use ragged_attention_sdpa on the CPU")
+    check_triton_device(ragged_attention_kernel, "ragged_attention", q, hint="; use ragged_attention_sdpa on the CPU")
 
 
 def _default_scale(head_dim: int, softmax_scale: float | None) -> float:
