@@ -33,7 +33,7 @@ WORKER_REPORT = {"steps": 12, "completed": 5, "failed": 1, "cancelled": 2, "reco
                            "disk_bytes_used": 8192, "disk_bytes_budget": 1 << 32},
                  "lora": {"cached_bytes": 1 << 20, "cached_adapters": 2, "budget_bytes": 1 << 31, "hits": 9,
                           "misses": 3, "evictions": 1, "loads": 3, "load_failures": 1,
-                          "load_seconds": 0.75, "load_cpu_seconds": 0.25}}
+                          "load_seconds": 0.75, "load_cpu_seconds": 0.25, "read_fallbacks": 1}}
 # heartbeat key -> its gauge's name (Prometheus: the unit last); the other cache keys are counters
 CACHE_GAUGES = {"host_bytes_used": "host_used_bytes", "host_bytes_budget": "host_budget_bytes",
                 "host_templates": "host_templates", "disk_bytes_used": "disk_used_bytes",

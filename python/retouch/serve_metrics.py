@@ -96,7 +96,9 @@ LORA_COUNTERS = (("hits", "LoRA lookups served without reading the file (on the 
                  ("load_failures", "LoRA lookups a worker answered 422: no such file, or one that cannot be "
                   "loaded (names the HTTP frontend answers 404 never reach a worker)"),
                  ("load_seconds", "seconds spent loading LoRA files"),
-                 ("load_cpu_seconds", "CPU seconds the loader thread spent on them (the rest: waiting on storage)"))
+                 ("load_cpu_seconds", "CPU seconds the loader thread spent on them (the rest: waiting on storage)"),
+                 ("read_fallbacks", "LoRA files read into fresh host memory: the recycled memory had no free range "
+                  "of their size (evicted adapters still in use)"))
 LORA_GAUGES = (("cached_bytes", "bytes of LoRA weights in the worker's host cache"),
                ("cached_adapters", "LoRAs in the worker's host cache"),
                ("budget_bytes", "the LoRA host cache's budget in bytes"),

@@ -14,19 +14,21 @@ and the CLI check names with `lora_path` and load no model.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import safetensors
 import torch
 from torch import nn
 
+from retouch.lora.raw_file import NotSafetensors, read_file, tensor_views
 from retouch.lora.spec import NAME, LoraError
 
 FOLDER_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
@@ -130,14 +132,15 @@ def list_loras(lora_dir: str | Path) -> list[str]:
     return sorted(name for name in names if NAME.fullmatch(name))
 
 
-def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = None,
-              pin: bool = False) -> LoraWeights:
+def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = None, pin: bool = False,
+              allocate: Callable[[int], torch.Tensor] | None = None) -> LoraWeights:
     """The denoiser part of the LoRA file at `path`, for `pipe` (a diffusers pipeline retouch serves, or
-    a LoadedModel), on the CPU in `dtype` (default: the denoiser's), in memory of its own (page-locked with
-    `pin`, for asynchronous uploads): safetensors maps the file, and a mapping outlives neither a file
-    overwritten in place (`cp new.safetensors` over it: SIGBUS at the next read) nor its page cache.
-    `LoraError` for a file diffusers could not load into this denoiser, and for what retouch does not
-    apply: text-encoder LoRA, non-linear targets, DoRA, LoRA biases.
+    a LoadedModel), on the CPU in `dtype` (default: the denoiser's), in memory of its own: the file is read
+    (not mapped: a mapping outlives neither a file overwritten in place nor its page cache) into
+    `allocate(nbytes)` (uint8 CPU tensors; default fresh memory, page-locked with `pin` for asynchronous
+    uploads), and factors already in `dtype` stay where they were read. `LoraError` for a file diffusers
+    could not load into this denoiser, and for what retouch does not apply: text-encoder LoRA, non-linear
+    targets, DoRA, LoRA biases.
 
     Returns modules in the denoiser's named_modules() order: A: [r, in], B: [out, r], scaling."""
     from retouch.models import family_of_pipeline
@@ -148,20 +151,22 @@ def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = Non
     component = DENOISER_COMPONENT[family]
     denoiser = getattr(pipe, component)
     where = f"lora {name!r}"  # no path: the message reaches HTTP clients, who must not learn the server's folders
-    _check_raw_file(path, where)
-    state_dict, network_alphas, metadata = _pipeline_state_dict(pipe, family, path, where)
+    if allocate is None:
+        def allocate(nbytes: int) -> torch.Tensor:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    raw, tensors, file_metadata = _read_raw_file(path, allocate, where)
+    state_dict, network_alphas, metadata = _pipeline_state_dict(pipe, family, tensors, file_metadata, where)
     factors, network_alphas, metadata = _denoiser_entries(state_dict, network_alphas, metadata, component, where)
     factors = _fit_to_linears(denoiser, factors, family, where)
     config = _lora_config(factors, network_alphas, metadata, name, where)
     dtype = dtype or denoiser.dtype
-    modules = {}
+    scalings = {}
     digest = hashlib.blake2b(digest_size=8)
     for module_path, (A, B) in factors.items():
-        what = f"{where}: {module_path}"
-        scaling = _scaling(config, module_path, A.shape[0], where)
-        _digest_module(digest, module_path, A, B, scaling)
-        modules[module_path] = LoraModule(_owned(A, dtype, pin, f"{what}.lora_A"),
-                                          _owned(B, dtype, pin, f"{what}.lora_B"), scaling)
+        scalings[module_path] = _scaling(config, module_path, A.shape[0], where)
+        _digest_module(digest, module_path, A, B, scalings[module_path])
+    owned = _owned_factors(factors, raw, dtype, allocate, where)
+    modules = {module_path: LoraModule(A, B, scalings[module_path]) for module_path, (A, B) in owned.items()}
     return LoraWeights(name, modules, digest.hexdigest())
 
 
@@ -179,39 +184,49 @@ def _digest_module(digest, module_path: str, A: torch.Tensor, B: torch.Tensor, s
         digest.update(factor.reshape(-1)[:DIGEST_VALUES].contiguous().view(torch.uint8).numpy().tobytes())
 
 
-def _check_raw_file(path: Path, where: str) -> None:
-    """A readable safetensors file, without DoRA entries (diffusers drops kohya's dora_scale with a
-    warning and would apply the rest as a plain LoRA: a different adapter than the one trained)."""
+def _read_raw_file(path: Path, allocate, where: str) -> tuple[torch.Tensor, dict, dict]:
+    """(the file's bytes, its tensors as views of them, its `__metadata__`) of a readable safetensors file
+    without DoRA entries (diffusers drops kohya's dora_scale with a warning and would apply the rest as a
+    plain LoRA: a different adapter than the one trained)."""
     if not path.is_file():
         raise LoraError(f"{where} does not exist")
     try:
-        with safetensors.safe_open(str(path), framework="pt") as handle:
-            keys = list(handle.keys())
-    except (OSError, safetensors.SafetensorError) as error:
+        raw = read_file(path, allocate)
+        tensors, file_metadata = tensor_views(raw)
+    except (OSError, NotSafetensors) as error:
         raise LoraError(f"{where} is not a readable safetensors file: {_one_line(error, path)}") from None
-    dora = next((key for key in keys if "dora_scale" in key or "lora_magnitude_vector" in key), None)
+    dora = next((key for key in tensors if "dora_scale" in key or "lora_magnitude_vector" in key), None)
     if dora is not None:
         raise LoraError(f"{where} is a DoRA adapter ({dora}); retouch applies plain LoRA only")
+    return raw, tensors, file_metadata
 
 
-def _pipeline_state_dict(pipe, family: str, path: Path, where: str) -> tuple[dict, dict | None, dict | None]:
-    """(state dict, network alphas, adapter metadata) as each pipeline's load_lora_weights obtains them:
-    SDXL passes its UNet config (kohya's SGM block numbering), SD3 has no alphas, Flux pops `*.alpha`
-    entries into alphas. use_safetensors=True: never fall back to unpickling."""
+def _pipeline_state_dict(pipe, family: str, tensors: dict, file_metadata: dict,
+                         where: str) -> tuple[dict, dict | None, dict | None]:
+    """(state dict, network alphas, adapter metadata) as each pipeline's load_lora_weights obtains them from
+    the file whose entries and `__metadata__` these are: SDXL passes its UNet config (kohya's SGM block
+    numbering), SD3 has no alphas, Flux pops `*.alpha` entries into alphas. Given a dict, diffusers'
+    `_fetch_state_dict` finds no file to take the adapter metadata from; it is read here as diffusers'
+    `_load_sft_state_dict_metadata` reads it."""
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+
     loader = type(pipe)
-    options = {"use_safetensors": True, "local_files_only": True, "return_lora_metadata": True}
+    options = {"return_lora_metadata": True}
     try:
+        raw_metadata = file_metadata.get(LORA_ADAPTER_METADATA_KEY)
+        file_adapter_metadata = json.loads(raw_metadata) if raw_metadata else None
         if family in FLUX_FAMILIES:
-            return loader.lora_state_dict(str(path), return_alphas=True, **options)
-        if family == "sd3":
-            state_dict, metadata = loader.lora_state_dict(str(path), **options)
-            return state_dict, None, metadata
-        if family == "sdxl":
-            return loader.lora_state_dict(str(path), unet_config=pipe.unet.config, **options)
-        return loader.lora_state_dict(str(path), **options)
+            state_dict, network_alphas, metadata = loader.lora_state_dict(tensors, return_alphas=True, **options)
+        elif family == "sd3":
+            (state_dict, metadata), network_alphas = loader.lora_state_dict(tensors, **options), None
+        elif family == "sdxl":
+            state_dict, network_alphas, metadata = loader.lora_state_dict(tensors, unet_config=pipe.unet.config,
+                                                                          **options)
+        else:
+            state_dict, network_alphas, metadata = loader.lora_state_dict(tensors, **options)
     except Exception as error:  # a converter failing on a user's file: say which file and why, in one line
-        reason = _one_line(error, path)
-        raise LoraError(f"{where} is not a LoRA diffusers can read for {family}: {reason}") from None
+        raise LoraError(f"{where} is not a LoRA diffusers can read for {family}: {_one_line(error)}") from None
+    return state_dict, network_alphas, file_adapter_metadata if metadata is None else metadata
 
 
 def _denoiser_entries(state_dict: dict, network_alphas: dict | None, metadata: dict | None, component: str,
@@ -351,17 +366,54 @@ def _scaling(config, path: str, rank: int, where: str) -> float:
     return float(alpha / math.sqrt(r) if config.use_rslora else alpha / r)
 
 
-def _owned(tensor: torch.Tensor, dtype: torch.dtype, pin: bool, what: str) -> torch.Tensor:
-    """`tensor` in `dtype`, copied into memory of its own and checked finite in the same pass."""
+def _owned_factors(factors: dict[str, tuple[torch.Tensor, torch.Tensor]], raw: torch.Tensor, dtype: torch.dtype,
+                   allocate, where: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each factor in `dtype`, checked finite, in memory the adapter owns: a factor the file holds in `dtype`
+    stays where it was read (a view of `raw`, the file's bytes), the others (converted by dtype or by
+    diffusers) are copied into one block of `allocate`'s, each into its own aligned range."""
+    def in_place(tensor: torch.Tensor) -> bool:
+        return (tensor.dtype == dtype and tensor.is_contiguous()
+                and tensor.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr())
+
+    def what(path: str, factor: int) -> str:
+        return f"{where}: {path}.lora_{'AB'[factor]}"
+
+    copied = [(path, i) for path, pair in factors.items() for i, t in enumerate(pair) if not in_place(t)]
+    spans, total = {}, 0
+    for path, i in copied:
+        nbytes = factors[path][i].numel() * dtype.itemsize
+        spans[path, i] = (total, nbytes)
+        total += -(-nbytes // _ALIGNMENT) * _ALIGNMENT
+    block = allocate(total) if copied else None
+    owned = {}
+    for path, pair in factors.items():
+        out = []
+        for i, tensor in enumerate(pair):
+            if (path, i) not in spans:
+                if not all_finite(tensor):
+                    raise LoraError(f"{what(path, i)} has NaN or infinite values")
+                out.append(tensor)
+                continue
+            start, nbytes = spans[path, i]
+            out.append(_copy_finite(tensor, block[start:start + nbytes].view(dtype).view(tensor.shape),
+                                    what(path, i)))
+        owned[path] = tuple(out)
+    return owned
+
+
+_ALIGNMENT = 64  # bytes between factors copied into one block: a cache line, and any dtype's alignment
+
+
+def _copy_finite(tensor: torch.Tensor, out: torch.Tensor, what: str) -> torch.Tensor:
+    """`tensor` converted into `out`, checked finite in the same pass."""
     source = tensor.detach()
-    if source.dtype != dtype:
-        source = source.to(device="cpu", dtype=dtype)  # a conversion: torch's, on the CPU
-    owned = torch.empty(source.shape, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
-    if not copy_all_finite(source.contiguous(), owned):  # the second pass only to explain
+    if source.dtype != out.dtype:
+        source = source.to(device="cpu", dtype=out.dtype)  # a conversion: torch's, on the CPU
+    if not copy_all_finite(source.contiguous(), out):  # the second pass only to explain
         if not all_finite(tensor.detach().cpu().contiguous()):
             raise LoraError(f"{what} has NaN or infinite values")
-        raise LoraError(f"{what} has values too large for {dtype}")
-    return owned
+        raise LoraError(f"{what} has values too large for {out.dtype}")
+    return out
 
 
 _CHUNK = 1 << 20  # values per numpy call: a bounded temporary, and the GIL released for each

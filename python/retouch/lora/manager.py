@@ -28,6 +28,7 @@ import torch
 
 from retouch.lora.files import LoraWeights, file_identity, lora_path, read_lora
 from retouch.lora.host_cache import LoraHostCache
+from retouch.lora.host_memory import AdapterMemory
 from retouch.lora.layers import EntryAdapters, LoraLayers
 from retouch.lora.spec import LoraChoice, LoraError, LoraUse
 
@@ -67,6 +68,7 @@ class LoraManager:
     def __init__(self, lora_dir: str | Path | None, cache_bytes: int, editor=None, device_bytes: int | None = None):
         self.lora_dir = None if lora_dir is None else Path(lora_dir)
         self.host = LoraHostCache(cache_bytes)
+        self.memory = AdapterMemory(cache_bytes)  # what files are read into: the host cache's, recycled
         self._digests: dict[str, str] = {}  # name -> digest of its file's last read
         self.device_budget_bytes = cache_bytes if device_bytes is None else device_bytes
         if self.device_budget_bytes <= 0:
@@ -254,6 +256,8 @@ class LoraManager:
         read = weights is None
         try:
             if read:
+                if stream is not None:  # earlier uploads read host memory this read may now be given
+                    stream.synchronize()
                 weights = self._read(name, file)
             device_lora = DeviceLora(*self._host_to_device(weights, stream), identity=file)
         except BaseException as exc:  # noqa: BLE001 - the requests that asked fail with it
@@ -288,8 +292,9 @@ class LoraManager:
     def _read(self, name: str, file: tuple) -> LoraWeights:
         """The adapter's file, read for the denoiser and kept in the host cache (as a read of `file`)."""
         started, cpu_started = time.perf_counter(), time.thread_time()
+        pinned = self.device.type == "cuda"
         weights = read_lora(lora_path(self.lora_dir, name), name, self.editor.pipe, self.editor.dtype,
-                            pin=self.device.type == "cuda")
+                            allocate=lambda nbytes: self.memory.block(nbytes, pinned))
         self.host.put(name, weights, file)
         with self._lock:
             self._digests[name] = weights.digest
@@ -379,7 +384,8 @@ class LoraManager:
                     "device_bytes": device_bytes, "device_budget_bytes": self.device_budget_bytes,
                     "device_pinned": pinned, "device_evictions": self.device_evictions, "loads": self.loads,
                     "load_failures": self.load_failures, "load_seconds": self.load_seconds,
-                    "load_cpu_seconds": self.load_cpu_seconds, "loading": len(self._loading)}
+                    "load_cpu_seconds": self.load_cpu_seconds, "read_fallbacks": self.memory.fallbacks,
+                    "loading": len(self._loading)}
 
 
 def _resolved(result=None, error: BaseException | None = None) -> Future:
