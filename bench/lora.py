@@ -9,15 +9,18 @@
    round-robin. Reports each as a ratio over the batch without LoRA.
 2. Loading. One edit of a recorded template (`--steps` steps, naive engine) names an adapter of rank
    `--load-rank` saved in diffusers' file format (hundreds of MiB), read cold (the file dropped from the
-   page cache, the engine's LoRA caches cleared): synchronously (applied before the first step:
-   `lora_latest_step` 0) and asynchronously (loaded while the edit's first steps run without it:
-   `lora_latest_step` 0.3); beside it the same edit without LoRA and with the adapter already loaded
-   (warm); asynchronously both from admission ("async") and from submission ("async+prefetch", what the
-   engine does). The load costs a user sync - warm; async applies from step k, so its load-free reference
-   is warm less k steps of LoRA compute ((warm - none) / steps each); hidden share = 1 - (async - that
-   reference) / (sync - warm), each difference taken within one round of `--load-repeats` interleaved
-   rounds. `read_cpu_s` beside `read_s` says how much of the read was CPU work, which on a CPU-only
-   machine competes with the forward for the same cores.
+   page cache, the engine's LoRA caches cleared; the read lands in host memory the cleared adapter left,
+   as in a serving steady state where a read takes an evicted adapter's place): synchronously (applied
+   before the first step: `lora_latest_step` 0) and asynchronously (loaded while the edit's first steps run
+   without it: `lora_latest_step` 0.3), both from admission ("async") and from submission
+   ("async+prefetch", what the engine does); beside them the same edit without LoRA and with the adapter
+   already loaded ("warm"). The load costs a user sync - warm. An asynchronous edit applies its adapter
+   from step k, so it is paired with the same edit finding the adapter loaded and held back until step k
+   ("held@k": the same compute, no load): exposed load = async - held@k, hidden share = 1 - exposed / (sync
+   - warm), each difference taken within one of `--load-repeats` interleaved rounds, then the median
+   (quartiles beside it: this shared machine's step times vary by ~15% from edit to edit). `read_cpu_s`
+   beside `read_s` says how much of the read was CPU work, which on a CPU-only machine competes with the
+   forward for the same cores.
 
 Prints one JSON object; writes a PNG beside `--out`.
 """
@@ -25,6 +28,7 @@ Prints one JSON object; writes a PNG beside `--out`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import statistics
 import tempfile
@@ -155,26 +159,30 @@ def _load_hiding(args, device: torch.device, dtype: torch.dtype, folder: Path) -
     mask = Image.new("L", (size, size), 0)
     side = int(size * args.mask_ratio ** 0.5)
     mask.paste(255, ((size - side) // 2, (size - side) // 2, (size + side) // 2, (size + side) // 2))
-    rounds: list[dict[str, float]] = []  # one edit of each variant per round: paired against the round's warm
+    rounds: list[dict[str, float]] = []  # one edit of each variant per round: paired within the round
     read = {"wall": [], "cpu": []}
     applied: dict[str, list[int]] = {"async": [], "async+prefetch": []}
     with engine:
         template_id = engine.register_template(image, prompt="a field", steps=args.steps, seed=1)
         request = EditRequest(template_id, mask, "a red barn", seed=2)
-        # (name, latest step, read cold, load from submission): "warm" finds the adapter sync just loaded, so it
-        # applies from step 0. Without prefetch the load starts when the request joins the batch (after its
-        # pre-processing), as a server that loads a request's LoRA before running it does.
-        variants = [("none", None, False, False), ("sync", 0.0, True, False), ("warm", 0.3, False, False),
-                    ("async", 0.3, True, False), ("async+prefetch", 0.3, True, True)]
+        # (name, latest step, read cold, load from submission, the async variant whose step it holds back to):
+        # "warm" finds the adapter sync just loaded, so it applies from step 0. Without prefetch the load starts
+        # when the request joins the batch (after its pre-processing), as a server that loads a request's LoRA
+        # before running it does.
+        variants = [("none", None, False, False, None), ("sync", 0.0, True, False, None),
+                    ("warm", 0.3, False, False, None), ("async", 0.3, True, False, None),
+                    ("held@async", 0.3, False, False, "async"), ("async+prefetch", 0.3, True, True, None),
+                    ("held@async+prefetch", 0.3, False, False, "async+prefetch")]
         loras = engine.worker.loras
-        prefetch = loras.prefetch
+        prefetch, ready = loras.prefetch, loras.ready
         progress = bar(range((args.load_repeats + 1) * len(variants)), "lora: sync vs async load", unit="edit")
         steps = iter(progress)
         for repeat in range(args.load_repeats + 1):  # the first round warms up
-            latency = {}
-            for name, latest, cold, prefetches in variants:
+            latency, steps_applied = {}, {}
+            for name, latest, cold, prefetches, holds_for in variants:
                 next(steps, None)
                 loras.prefetch = prefetch if prefetches else (lambda choice: None)
+                loras.ready = ready if holds_for is None else _held_back(ready, steps_applied[holds_for])
                 if cold:
                     loras.clear()
                     drop_from_page_cache(path)
@@ -183,32 +191,46 @@ def _load_hiding(args, device: torch.device, dtype: torch.dtype, folder: Path) -
                 started = time.perf_counter()
                 result = engine.submit(request, lora=[] if latest is None else "big").result()
                 latency[name] = time.perf_counter() - started
+                steps_applied[name] = result.metrics.lora_applied_step
+                if holds_for is not None and steps_applied[name] != steps_applied[holds_for]:
+                    raise RuntimeError(f"{name} applied its adapter at step {steps_applied[name]}, not "
+                                       f"{steps_applied[holds_for]}")
                 after = loras.metrics()
                 if repeat and name == "sync":
                     read["wall"].append(after["load_seconds"] - before["load_seconds"])
                     read["cpu"].append(after["load_cpu_seconds"] - before["load_cpu_seconds"])
                 if repeat and name in applied:
-                    applied[name].append(result.metrics.lora_applied_step)
+                    applied[name].append(steps_applied[name])
             if repeat:
                 rounds.append(latency)
         progress.close()
+        loras.prefetch, loras.ready = prefetch, ready
     medians = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
-    # What the load costs a user: sync against warm (same LoRA compute, no load). Async applies from step k,
-    # so it also skips k steps of LoRA compute: its load-free reference is warm less those (per step: warm vs
-    # none). Each difference is taken within a round, then the median over rounds: the machine's drift
-    # between rounds cancels.
-    lora_step_s = (medians["warm"] - medians["none"]) / args.steps
     load_cost = statistics.median(r["sync"] - r["warm"] for r in rounds)
     report = {"adapter_mib": round(path.stat().st_size / 2**20, 1), "rank": args.load_rank, "steps": args.steps,
               "repeats": args.load_repeats, "e2e_s": medians, "read_s": statistics.median(read["wall"]),
               "read_cpu_s": statistics.median(read["cpu"]), "load_cost_s": load_cost,
-              "lora_compute_per_step_s": lora_step_s}
+              "load_cost_quartiles_s": _quartiles([r["sync"] - r["warm"] for r in rounds]),
+              "lora_compute_per_step_s": (medians["warm"] - medians["none"]) / args.steps}
     for name, steps_applied in applied.items():
-        exposed = statistics.median(r[name] - r["warm"] + k * lora_step_s for r, k in zip(rounds, steps_applied))
-        report[name] = {"applied_step": statistics.median(steps_applied), "exposed_load_s": exposed,
-                        "hidden_share": round(1 - exposed / load_cost, 3) if load_cost > 0 else None}
+        exposed = [r[name] - r[f"held@{name}"] for r in rounds]
+        report[name] = {"applied_step": statistics.median(steps_applied),
+                        "exposed_load_s": statistics.median(exposed), "exposed_quartiles_s": _quartiles(exposed),
+                        "hidden_share": round(1 - statistics.median(exposed) / load_cost, 3) if load_cost > 0
+                        else None}
     report["hidden_share"] = report["async+prefetch"]["hidden_share"]  # the engine's default: load from submission
     return report
+
+
+def _held_back(ready, steps: int):
+    """`LoraManager.ready` that says not yet for a request's first `steps` questions: the loop asks once per
+    step of a lone request until it is ready, so an adapter already loaded applies from step `steps`."""
+    asked = itertools.count()
+    return lambda futures: ready(futures) if next(asked) >= steps else False
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    return [round(q, 4) for q in statistics.quantiles(values, n=4)] if len(values) > 1 else values
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -225,7 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="pixels per side of the loading part")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--load-repeats", type=int, default=7, help="rounds of the loading part (after a warm-up)")
+    parser.add_argument("--load-repeats", type=int, default=12,
+                        help="rounds of the loading part (after a warm-up)")
     parser.add_argument("--skip-load", action="store_true", help="only the step overhead")
     parser.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
@@ -276,10 +299,17 @@ def plot(report: dict, path: Path) -> None:
     if panels == 2:
         loading = report["loading"]
         axis = axes[0][1]
-        names = list(loading["e2e_s"])
-        axis.bar(names, [loading["e2e_s"][n] for n in names],
-                 color=["grey", "tab:red", "tab:blue", "tab:green", "tab:olive"])
-        axis.set_ylabel("edit latency (s)")
+        # The differences the share is made of, with their quartiles over the rounds: the latencies themselves
+        # differ by less than their noise.
+        bars = [("load\n(sync - warm)", loading["load_cost_s"], loading["load_cost_quartiles_s"], "tab:red")]
+        bars += [(f"exposed\n({name} - held)", loading[name]["exposed_load_s"], loading[name]["exposed_quartiles_s"],
+                  colour) for name, colour in (("async", "tab:green"), ("async+prefetch", "tab:olive"))]
+        for x, (label, value, quartiles, colour) in enumerate(bars):
+            low, high = quartiles[0], quartiles[-1]
+            axis.bar(x, value, color=colour, yerr=[[value - low], [high - value]], capsize=4)
+        axis.set_xticks(range(len(bars)), [bar[0] for bar in bars])
+        axis.axhline(0, color="black", linewidth=0.5)
+        axis.set_ylabel("seconds (median, quartiles)")
         axis.set_title(f"{loading['adapter_mib']:.0f} MiB adapter: {loading['hidden_share'] * 100:.0f}% of its load "
                        "hidden" if loading["hidden_share"] is not None else "load")
         axis.tick_params(axis="x", labelsize=8)

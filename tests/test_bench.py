@@ -76,7 +76,8 @@ def test_lora_reports_each_batch_against_the_batch_without_lora(tmp_path):
 
 
 def test_lora_loading_reports_the_hidden_share_of_the_load_it_measured(tmp_path, monkeypatch):
-    """The loading part on a tiny model: every variant timed, the load read once per round (sync reads it
+    """The loading part on a tiny model: every variant timed (each asynchronous one beside the loaded adapter held
+    back to its step: the bench refuses a pair whose steps differ), the load read once per round (sync reads it
     cold), and the headline share is the engine's default (load from submission), from its own figures.
     Its adapter file goes with it (each run left a folder in /tmp)."""
     import tempfile
@@ -88,13 +89,16 @@ def test_lora_loading_reports_the_hidden_share_of_the_load_it_measured(tmp_path,
                         "--repeats", "1", "--load-rank", "8", "--engine-resolution", "64", "--steps", "2",
                         "--load-repeats", "2"])
     loading = report["loading"]
-    assert set(loading["e2e_s"]) == {"none", "sync", "warm", "async", "async+prefetch"}
+    assert set(loading["e2e_s"]) == {"none", "sync", "warm", "async", "async+prefetch", "held@async",
+                                     "held@async+prefetch"}
     assert loading["read_s"] > 0 and 0 <= loading["read_cpu_s"] and loading["adapter_mib"] > 0
     for name in ("async", "async+prefetch"):
         assert 0 <= loading[name]["applied_step"] <= 2
         if loading["load_cost_s"] > 0:
             assert loading[name]["hidden_share"] == pytest.approx(
                 1 - loading[name]["exposed_load_s"] / loading["load_cost_s"], abs=1e-3)
+        low, _, high = loading[name]["exposed_quartiles_s"]
+        assert low <= high
     assert loading["hidden_share"] == loading["async+prefetch"]["hidden_share"]
     assert not list(scratch.glob("retouch-bench-lora-*"))
 
@@ -340,3 +344,9 @@ def test_a_negative_seed_is_refused_at_parsing(name, capsys):
         importlib.import_module(f"retouch.bench.{name}").main(["--seed", "-1"])
     assert exit_.value.code == 2 and "--seed" in capsys.readouterr().err
 
+
+
+def test_an_adapter_held_back_to_step_k_is_ready_from_the_kth_question():
+    asked = []
+    held = lora._held_back(lambda futures: asked.append(futures) or True, 2)
+    assert [held("f") for _ in range(4)] == [False, False, True, True] and asked == ["f", "f"]
