@@ -88,7 +88,8 @@ class Engine:
                                       build_in_memory=self.editor.model.built_in_memory,
                                       scheduler=self.editor.model.scheduler,
                                       scheduler_description=describe_scheduler(self.worker.scheduler.template),
-                                      threads=self.config.helper_threads, run_dir=self.config.run_dir)
+                                      threads=self.config.helper_threads, run_dir=self.config.run_dir,
+                                      silence_s=self.config.helper_silence_s)
         self._running = True
         self._loop_done.clear()
         if own_thread:

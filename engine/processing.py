@@ -201,21 +201,27 @@ class HelperPool:
     Each helper has a task socket of its own, so the pool knows which jobs a helper holds. A helper
     that dies (killed, out of memory) is replaced, and the jobs it held are sent again to a live
     helper (a job that has outlived `MAX_JOB_SENDS` helpers is answered with an error instead: it may
-    be what kills them). Helpers die with the worker (`process_tree.die_with_parent`)."""
+    be what kills them). A helper says it is alive every `silence_s / 4` seconds from a thread of its own,
+    so one silent for `silence_s` (stopped, frozen by its host, or stuck holding the GIL) is killed, and so
+    replaced likewise; a helper whose main thread alone hangs with the GIL released keeps talking and is
+    not caught (an edit it holds ends at its request's timeout). Helpers die with the worker
+    (`process_tree.die_with_parent`)."""
 
     MAX_JOB_SENDS = 3
 
     def __init__(self, model: str, device: str, dtype: torch.dtype, dilation: int, count: int,
                  on_message: Callable[[dict, dict, dict], None], start_timeout_s: float = 600.0,
                  build_in_memory: bool = False, threads: int = 0, run_dir: str | None = None,
-                 poll_s: float = 0.2, scheduler: str | None = None, scheduler_description: str | None = None):
+                 poll_s: float = 0.2, scheduler: str | None = None, scheduler_description: str | None = None,
+                 silence_s: float = 30.0):
         """`build_in_memory`: the helpers build the built-in `model` on their device as the parent did
         (`retouch.models.loading.build_loaded`) instead of loading its export: the same seeds, the
         same weights. `threads`: torch CPU threads of each helper (0: torch's default). `run_dir`:
         where their sockets' folder goes (default: the system's temporary folder). `scheduler`: the
         `--scheduler` the parent's model was loaded with; `scheduler_description`: the scheduler it runs
         (`samplers.describe`), which the helpers then run too, however the parent came by it (the
-        helpers set up each request's schedule)."""
+        helpers set up each request's schedule). `silence_s`: how long a helper may say nothing before it is
+        killed and replaced (it says it is alive four times as often)."""
         if count < 1:
             raise ValueError(f"the disaggregated mode needs at least one helper process, got {count}")
         if run_dir is None:  # a worker started on its own: one killed outright left its folder behind
@@ -241,7 +247,7 @@ class HelperPool:
         self._command = [sys.executable, "-m", "retouch.engine.processing", "--model", model, "--device", device,
                          "--dtype", str(dtype).removeprefix("torch."), "--dilation", str(dilation),
                          "--results", self._results_address, "--control", self._control_address,
-                         "--threads", str(threads)]
+                         "--threads", str(threads), "--alive-every", f"{silence_s / 4:g}"]
         self._command += ["--build-in-memory"] if build_in_memory else []
         self._command += ["--scheduler", scheduler] if scheduler is not None else []
         self._command += ["--scheduler-description", scheduler_description] if scheduler_description else []
@@ -249,6 +255,8 @@ class HelperPool:
         self._lock = threading.Lock()  # the task sockets and the books below
         self._outstanding: dict[int, tuple[int, list, int]] = {}  # job -> (helper, frames, times sent)
         self._alive = [False] * count  # said hello and not dead since
+        self._heard = [0.0] * count  # when each last said anything (time.monotonic)
+        self._silence_s = silence_s
         self._backlog: list[int] = []  # jobs waiting for a live helper
         self.restarts = 0
         self.skipped = 0  # cancelled jobs the helpers dropped unrun
@@ -282,6 +290,7 @@ class HelperPool:
                 header, _, _ = wire.decode(self.results.recv_multipart())
                 if header.get("kind") == "hello":
                     self._alive[int(header["index"])] = True
+                    self._heard[int(header["index"])] = time.monotonic()
             elif time.monotonic() > deadline:
                 self.close()
                 raise TimeoutError(f"helper processes not ready after {timeout_s:.0f} s")
@@ -330,6 +339,10 @@ class HelperPool:
             kind = header.get("kind")
             if kind == "stop":
                 return
+            if kind == "alive":
+                with self._lock:
+                    self._heard[int(header["index"])] = time.monotonic()
+                continue
             if kind == "skipped":
                 with self._lock:
                     self.skipped += 1
@@ -337,6 +350,7 @@ class HelperPool:
             if kind == "hello":  # a replacement is ready: it takes what waited for it
                 with self._lock:
                     self._alive[int(header["index"])] = True
+                    self._heard[int(header["index"])] = time.monotonic()
                     backlog, self._backlog = self._backlog, []
                     for job in backlog:
                         self._dispatch(job)
@@ -356,6 +370,7 @@ class HelperPool:
                 backlog, self._backlog = self._backlog, []
                 for job in backlog:
                     self._dispatch(job)
+            self._kill_the_silent()
             for index, process in enumerate(self.processes):
                 if process.poll() is None or self._closing.is_set():
                     continue
@@ -377,6 +392,20 @@ class HelperPool:
                 for job in failed:
                     self.on_message({"kind": "error", "job": job, "error": "HelperError",
                                      "message": f"{self.MAX_JOB_SENDS} helper processes died running it"}, {}, {})
+
+    def _kill_the_silent(self) -> None:
+        """Kill each live helper that has said nothing for `silence_s`: the loop below then replaces it."""
+        now = time.monotonic()
+        with self._lock:
+            silent = [index for index, alive in enumerate(self._alive)
+                      if alive and now - self._heard[index] > self._silence_s]
+        for index in silent:
+            process = self.processes[index]
+            if process.poll() is None:
+                logger.warning(f"helper {index} has said nothing for {now - self._heard[index]:.0f} s (stopped or "
+                               "hung); killing it")
+                process.kill()
+                process.wait()
 
     def close(self) -> None:
         self._closing.set()
@@ -431,6 +460,17 @@ class CancelledJobs:
         return True
 
 
+def _say_alive(context: zmq.Context, address: str, index: int, every_s: float) -> None:
+    """Tell the pool this helper is alive, every `every_s`, on a socket of this thread's own (a socket is
+    not thread-safe): the pool kills a helper that falls silent (`HelperPool`)."""
+    with context.socket(zmq.PUSH) as socket:
+        socket.connect(address)
+        message = wire.encode({"kind": "alive", "index": index})
+        while True:
+            socket.send_multipart(message)
+            time.sleep(every_s)
+
+
 def main(argv: list[str] | None = None) -> None:
     from retouch.cache import InMemoryActivationCache
     from retouch.models import load_pipeline
@@ -451,6 +491,7 @@ def main(argv: list[str] | None = None) -> None:
                         "(retouch.models.samplers.describe)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--index", type=int, default=0, help="which of the pool's helpers this is")
+    parser.add_argument("--alive-every", type=float, default=7.5, help="seconds between its 'alive' messages")
     args = parser.parse_args(argv)
     die_with_parent()  # a helper without its worker is ~700 MB of nothing
     cap_log_messages()  # the text encoders log the part of a long prompt they cut
@@ -485,6 +526,8 @@ def main(argv: list[str] | None = None) -> None:
         control.connect(args.control)
     cancelled = CancelledJobs()
     results.send_multipart(wire.encode({"kind": "hello", "pid": os.getpid(), "index": args.index}))
+    threading.Thread(target=_say_alive, args=(context, args.results, args.index, args.alive_every),
+                     name="retouch-helper-alive", daemon=True).start()
     while True:
         frames = tasks.recv_multipart(copy=False)
         while control is not None and control.poll(0):

@@ -74,6 +74,7 @@ class EngineConfig:
     helpers: int = 1  # pre/post-processing processes of the disaggregated mode
     helper_threads: int = 0  # torch CPU threads of each helper (0: torch's default); 1 keeps them off the loop's cores
     run_dir: str | None = None  # where the helpers' socket folder goes (default: the system's temporary folder)
+    helper_silence_s: float = 30.0  # a helper silent this long (stopped, frozen) is killed and replaced
     mixed_sizes: bool = True  # Flux/SD3: requests of different image sizes share one forward (False: one per size)
     lora_dir: str | None = None  # the folder of LoRA files requests name (`retouch.lora.files`); None: no LoRA
     lora_cache_mb: float = 2048.0  # host memory of the LRU cache of loaded LoRAs
@@ -89,6 +90,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+        if not (math.isfinite(self.helper_silence_s) and self.helper_silence_s > 0):
+            raise ValueError(f"helper_silence_s must be a finite number > 0, got {self.helper_silence_s}")
         if not (math.isfinite(self.lora_cache_mb) and self.lora_cache_mb > 0):
             raise ValueError(f"lora_cache_mb must be a finite number > 0, got {self.lora_cache_mb}")
         if self.lora_device_mb is not None and not (math.isfinite(self.lora_device_mb) and self.lora_device_mb > 0):

@@ -164,6 +164,38 @@ def test_a_killed_helper_is_replaced_and_the_edit_it_held_is_answered(caplog):
         f"helper 0 exited with {helper.returncode}; starting a replacement"]
 
 
+def test_a_stopped_helper_is_killed_and_replaced_and_the_edit_it_held_is_answered(caplog):
+    """A helper that says nothing for `helper_silence_s` (here SIGSTOPped while it holds an edit's
+    pre-processing) is killed and replaced, and the edit is answered: it waited for the request's timeout."""
+    caplog.set_level("WARNING", logger="retouch.helpers")
+    config = EngineConfig(mode="disagg", max_batch=2, helpers=1, helper_threads=1, helper_silence_s=2.0)
+    with Engine.load("tiny-flux-fill", config) as engine:
+        template_id = engine.register_template(template_image(), prompt="a scene", steps=2, seed=3)
+        request = EditRequest(template_id, square_mask(), "a hat", seed=1)
+        before = engine.submit(request).result(timeout=TIMEOUT_S)
+        helper = engine.helpers.processes[0]
+        os.kill(helper.pid, signal.SIGSTOP)
+        after = engine.submit(request).result(timeout=TIMEOUT_S)
+        assert helper.returncode == -signal.SIGKILL and engine.helpers.restarts == 1
+    assert np.array_equal(np.asarray(after.image), np.asarray(before.image))
+    said = [r.getMessage() for r in caplog.records if r.name == "retouch.helpers"]
+    assert re.fullmatch(r"helper 0 has said nothing for \d+ s \(stopped or hung\); killing it", said[0]), said
+    assert said[1:] == [f"helper 0 exited with {-signal.SIGKILL}; starting a replacement"]
+
+
+def test_a_busy_helper_is_not_taken_for_a_silent_one():
+    """A helper's 'alive' messages come from a thread of their own: one busy with the VAE and the text
+    encoders for longer than its silence bound (1536 px pictures, ~2 s a job here; 1 s) is left alone."""
+    config = EngineConfig(mode="disagg", max_batch=2, helpers=1, helper_threads=1, helper_silence_s=1.0)
+    side = 1536
+    image = template_image().resize((side, side))
+    mask = square_mask().resize((side, side))
+    with Engine.load("tiny-flux-fill", config) as engine:
+        template_id = engine.register_template(image, prompt="a scene", steps=2, seed=3)
+        engine.submit(EditRequest(template_id, mask, "a hat", seed=1)).result(timeout=TIMEOUT_S)
+        assert engine.helpers.restarts == 0
+
+
 def test_a_helper_skips_work_cancelled_before_it_starts_it():
     """A dropped recording or a cancelled edit still queued at a helper costs no VAE encode: the helper skips
     it. The helper is stopped (SIGSTOP) while two edits queue behind each other and the second is cancelled."""

@@ -313,6 +313,8 @@ class ServeOptions:
     helper_threads: int = option(0, help="torch CPU threads per helper process (0: torch's default, or 1 for several "
                                  "workers on the CPU; on a CPU-only host, 1 keeps them off the step loop's cores "
                                  "under load)")
+    helper_silence_s: float = option(30.0, help="a helper process silent this long (stopped, frozen) is killed and "
+                                     "replaced, and its edits sent to another")
     steps: int = option(28, help="denoising steps of templates registered without `steps`")
     max_steps: int = option(200, help="largest `steps` a request may ask for")
     max_upload_mb: float = option(32.0, help="largest request body (MiB)")
@@ -400,7 +402,7 @@ class ServeOptions:
             raise InputError(f"--api-keys-file {self.api_keys_file} not found")
         _check_webhook_options(self)
         _require(self, ("header_timeout_s", "body_timeout_s", "max_inflight_mb", "result_ttl_s", "result_store_mb",
-                        "transfer_timeout_s"), "> 0")
+                        "transfer_timeout_s", "helper_silence_s"), "> 0")
         _require(self, ("drain_s",), ">= 0")
         _require(self, ("max_connections", "max_prompt_chars", "max_batch", "steps", "max_steps", "max_queue",
                         "max_pixels", "max_work", "max_templates_per_tenant"), ">= 1")
@@ -472,6 +474,8 @@ class WorkerOptions:
     max_batch: int = option(8, help="requests per denoising step")
     helpers: int = option(1, help="pre/post-processing processes (disagg mode)")
     helper_threads: int = option(0, help="torch CPU threads per helper process (0: torch's default)")
+    helper_silence_s: float = option(30.0, help="a helper process silent this long (stopped, frozen) is killed and "
+                                     "replaced, and its edits sent to another")
     threads: int = option(0, help="torch CPU threads of the step loop (0: torch's default)")
     compile: bool = option(False, help="run the blocks through torch.compile (compiled before joining)")
     cuda_graphs: bool = option(False, help="replay CUDA graphs of the compiled blocks (CUDA only)")
@@ -500,6 +504,7 @@ class WorkerOptions:
             raise InputError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _require(self, ("max_batch",), ">= 1")
         _require(self, ("threads", "helper_threads"), ">= 0")
+        _require(self, ("helper_silence_s",), "> 0")
         if self.helpers < 1 and self.mode == "disagg":
             raise InputError("--helpers must be >= 1 in disagg mode")
         if not 0 <= self.health_port < 65536:
