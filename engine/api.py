@@ -92,6 +92,7 @@ class Engine:
                                       silence_s=self.config.helper_silence_s)
         self._running = True
         self._loop_done.clear()
+        self.worker.stopping = False  # the last close's stop: a loop started again returned at once
         if own_thread:
             threading.Thread(target=self.run_loop, name="retouch-step-loop", daemon=True).start()
         return self
@@ -117,6 +118,8 @@ class Engine:
             self.helpers.close()
             self.helpers = None
         self.worker.loras.close()
+        if self.editor.copy_engine is not None:  # its thread, idle until the editor is collected otherwise
+            self.editor.copy_engine.close()
         if isinstance(self.editor.cache, CacheStore):
             self.editor.cache.flush()  # recordings still being written to disk: a restart adopts them
         self._running = False

@@ -373,3 +373,28 @@ def test_the_api_names_what_it_was_given_in_the_wrong_place(flux_editor):
             engine.submit(None)
         with pytest.raises(InputError, match="budget_s must be a finite number"):
             engine.submit(EditRequest(template_id, square_mask(), "a hat"), budget_s="x")
+
+
+def copy_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("retouch-copy")]
+
+
+def test_closing_an_engine_ends_its_copy_thread_and_a_restart_serves_again():
+    """The CPU copy engine's thread outlived `Engine.close` until the editor was collected: one idle thread
+    per engine a program opened. A closed engine started again (`with engine:` twice) stages its copies on a
+    new one; its loop used to return at once, the last close's stop still set, and its edits waited forever."""
+    from retouch.cache import CacheStore, StoreConfig
+
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=CacheStore(StoreConfig(host_bytes=64 << 20)))
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=2, seed=1)
+    request = EditRequest(template_id, square_mask(), "a red hat", seed=5)
+    before = copy_threads()
+    engine = Engine(editor, EngineConfig(mode="naive"))
+    results = []
+    for _ in range(2):
+        with engine:
+            results.append(engine.submit(request).result(120))
+            assert len(copy_threads()) == len(before) + 1
+        assert copy_threads() == before
+    assert editor.copy_engine.stats.blocks > 0
+    assert np.array_equal(np.asarray(results[0].image), np.asarray(results[1].image))

@@ -101,12 +101,8 @@ class CopyEngine:
         self.lookahead = lookahead
         self.method = method
         self.stats = CopyStats()
-        if self.device.type == "cuda":
-            self._stream = torch.cuda.Stream(self.device)
-            self._worker = None
-        else:
-            self._stream = None
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="retouch-copy")
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._worker: ThreadPoolExecutor | None = None  # the CPU's copy thread, from the first copy to `close`
 
     def fence(self) -> torch.cuda.Event | None:
         """An event after every copy issued so far, for releasing the host memory they read
@@ -118,9 +114,17 @@ class CopyEngine:
         event.record(self._stream)
         return event
 
+    def copy_thread(self) -> ThreadPoolExecutor:
+        """The CPU's copy thread, started again after `close`."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="retouch-copy")
+        return self._worker
+
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
+        """End the CPU's copy thread once its copies are done (a later forward starts another)."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
 
 
 class StagedActivations(ActivationCache):
@@ -259,7 +263,7 @@ class StagedActivations(ActivationCache):
                 event = None
                 if gate >= 0:
                     event = self._gates.setdefault(gate, threading.Event())
-                self._results[block] = self.engine._worker.submit(self._copy_after, event, block, names)
+                self._results[block] = self.engine.copy_thread().submit(self._copy_after, event, block, names)
         if self.engine._stream is not None:
             for _, block, _ in self._pending:
                 self._results[block] = {}
