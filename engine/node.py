@@ -416,7 +416,8 @@ class Node:
             with self._lock:
                 self.templates[router_template] = result.recorded
             self._post({"kind": "template", "template": router_template, "ok": True})
-        self._post({"kind": "result", **edit, "status": 200, "metrics": result.metrics.to_json()},
+        unrecorded = {"unrecorded": result.unrecorded} if result.unrecorded is not None else {}
+        self._post({"kind": "result", **edit, "status": 200, "metrics": result.metrics.to_json(), **unrecorded},
                    {"png": png_bytes(result.image)})
 
     def _register(self, header: dict, blobs: dict) -> None:

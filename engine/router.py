@@ -205,6 +205,9 @@ class TemplateRecord:
     states: dict[str, str] = field(default_factory=dict)  # worker -> recording | ready | failed
     progress: dict[str, int] = field(default_factory=dict)  # worker -> recorded steps
     error: str | None = None
+    # A one-off image larger than these workers' whole host caches (a recording there answered "too_large"):
+    # its edits go elsewhere to record it, or run in full side by side where none can.
+    too_large_for: set[str] = field(default_factory=set)
 
     @property
     def status(self) -> str:
@@ -375,7 +378,8 @@ class Router:
         self._no_worker_since: float | None = time.monotonic()  # None while a worker is connected
         self._lora_workers_since = time.monotonic()  # when a worker that serves LoRAs was last connected
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
-                         "one_offs_evicted": 0, "one_offs_recorded_beside": 0, "lora_affinity": 0,
+                         "one_offs_evicted": 0, "one_offs_recorded_beside": 0, "one_offs_too_large": 0,
+                         "lora_affinity": 0,
                          "registry_failures": 0, "workers_mismatched": 0, "lost_requests": 0, "lost_recordings": 0,
                          "lora_mismatches": 0, "worker_names_taken": 0, "stale_edits_dropped": 0}
         self._lora_mismatches: set[tuple[str, str, str]] = set()  # (name, digest, digest) said once
@@ -829,10 +833,14 @@ class Router:
                 # or a strength below 1 (it runs only the schedule's last steps). An image edited below
                 # strength 1 a second time is likely edited again: its worker records it beside the edit,
                 # as the edit would have at full strength (once: not after a failed recording).
-                records = not pending.task.lora and pending.task.strength == 1
+                # A worker whose whole host cache is smaller than the image's recording is not asked for one:
+                # where no worker can hold it, its edits run in full without waiting for each other.
+                recordable = open_workers & ~self._slots(record.too_large_for)
+                records = not pending.task.lora and pending.task.strength == 1 and bool(recordable.any())
                 records_beside = (not (records or pending.task.lora) and record.edits_below_full > 1
-                                  and not record.states)
-                eligible, carries_image = open_workers, True
+                                  and not record.states and bool(recordable.any()))
+                eligible = recordable if records or records_beside else open_workers
+                carries_image = True
             else:
                 self._park(pending, record)
                 self._ensure_replicas(record)
@@ -942,6 +950,14 @@ class Router:
         if not np.array_equal(preferred, eligible):  # affinity narrowed the choice
             self.counters["lora_affinity"] += 1
         return preferred
+
+    def _slots(self, names) -> np.ndarray:
+        """The cluster mask of the live workers among `names`."""
+        mask = np.zeros_like(self.cluster.alive)
+        for name in names:
+            if name in self.workers:
+                mask[self.workers[name].slot] = True
+        return mask
 
     def _holders(self, record: TemplateRecord) -> list[str]:
         """Live workers that take new edits where the template is recording or ready (a draining one's
@@ -1417,6 +1433,10 @@ class Router:
             self._take_back(worker, pending)
             self._route(pending)
             return
+        record = self.templates.get(pending.task.template_id)
+        if pending.records and record is not None and header.get("unrecorded") == "too_large":
+            record.too_large_for.add(worker.name)
+            self.counters["one_offs_too_large"] += 1
         self._answer(pending, EditAnswer(blobs.get("png"), int(header.get("status", 200)), header.get("error"),
                                          header.get("message"), worker.name, header.get("metrics", {})))
         if pending.records:  # recorded (the template message came first), or failed without it

@@ -105,6 +105,9 @@ class EditResult:
     image: Image.Image
     metrics: RequestMetrics
     recorded: str | None = None  # the template this request recorded as it ran (a one-off's first edit)
+    # A one-off edit that was to record its image and could not: "too_large" (more than the whole host
+    # cache) or "held" (other requests' templates held the memory); None otherwise.
+    unrecorded: str | None = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ class Job:
     # many times, and the count of jobs that had left the batch then (it waits for one more to leave).
     memory_retries: int = 0
     waits_for_departures: int | None = None
+    unrecorded: str | None = None  # why a one-off edit that was to record its image did not (`EditResult`)
 
     @property
     def strength(self) -> float:
@@ -564,7 +568,7 @@ class Worker:
         """Answer `job` (any thread: post-processing helpers answer from their receiver)."""
         job.metrics.completed = now()
         recorded = job.recording.template_id if job.writes_cache else None
-        if self._set_result(job, EditResult(image, job.metrics, recorded)):
+        if self._set_result(job, EditResult(image, job.metrics, recorded, job.unrecorded)):
             self.metrics.completed += 1
 
     def _set_result(self, job: Job, result) -> bool:
@@ -583,6 +587,7 @@ class Worker:
         """A one-off edit whose recording does not fit the host cache answers all the same: computed in
         full, unrecorded."""
         job.records = False
+        job.unrecorded = "held" if failure.held else "too_large"
         self.metrics.unrecorded += 1
         if self.metrics.unrecorded == 1:  # an operator's mistake, not the user's: said once
             logger.warning("a one-off image is answered unrecorded, so its later edits will not be mask-aware "

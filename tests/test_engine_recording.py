@@ -182,7 +182,7 @@ def test_a_one_off_edit_whose_recording_does_not_fit_the_host_cache_answers_unre
         assert engine.worker.metrics.summary()["unrecorded"] == 2 and engine.worker.metrics.recorded == 0
     warnings = [record.getMessage() for record in caplog.records if record.name == "retouch.worker"]
     assert len(warnings) == 1 and "--cache-host-gib" in warnings[0] and "not be mask-aware" in warnings[0]
-    assert again.recorded is None
+    assert again.recorded is None and (answer.unrecorded, again.unrecorded) == ("too_large", "too_large")
     assert answer.recorded is None and answer.metrics.computed_tokens == answer.metrics.tokens
     assert np.abs(np.asarray(answer.image, int) - np.asarray(baseline, int)).max() <= 1
     assert not editor.is_recorded(editor.one_off_id(image, STEPS, None))
@@ -329,5 +329,6 @@ def test_a_one_off_edit_and_a_registration_sharing_a_cache_for_one_both_answer(f
     assert registration.future.result(timeout=0) == registration.recording.template_id
     edited = one_off.future.result(timeout=0)
     assert edited.image.size == images[1].size
+    assert edited.unrecorded in (None, "held")  # it would fit the cache alone
     assert worker.metrics.unrecorded + worker.metrics.recording_retries >= 1  # someone did not fit
     assert editor.is_recorded(registration.recording.template_id) or worker.metrics.recording_retries == 0

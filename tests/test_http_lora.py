@@ -9,6 +9,7 @@ is asked and leaves each future to the test: no model, no sleeps."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import math
@@ -360,6 +361,30 @@ def test_a_worker_that_joins_a_new_router_drops_the_old_ones_edits(make_router):
         new = make_router(address=address)
         assert new.wait_for_workers(1, TIMEOUT_S)
         assert until(orphan.cancelled, TIMEOUT_S)
+    finally:
+        node.stop()
+        thread.join(TIMEOUT_S)
+
+
+def test_a_worker_tells_the_router_which_one_off_image_its_host_cache_cannot_hold(make_router):
+    """The engine's `EditResult.unrecorded` reaches the router with the answer, which then sends the image's
+    edits side by side rather than one at a time (`test_router`)."""
+    router = make_router()
+    engine = RecordingEngine()
+    node = Node(engine, router.address, "n0", supervised=False)
+    thread = threading.Thread(target=node.run, name="test-node")
+    thread.start()
+    try:
+        assert router.wait_for_workers(1, TIMEOUT_S)
+        image = TemplateRecord("img-1", png(Image.new("RGB", SIZE, "red")), SIZE, "", 2, 0, None, 1, one_off=True)
+        _, [answer] = router.submit_many([EditTask("img-1", bytes(SIZE[0] * SIZE[1]), SIZE, "a cat", 0,
+                                                   RequestLoad(image_tokens=4, masked_tokens=1, steps=2))], image)
+        kind, *_, future = engine.next_submit()
+        assert kind == "submit_image"
+        future.set_result(dataclasses.replace(edited(0), unrecorded="too_large"))
+        assert answer.result(TIMEOUT_S).status == 200
+        assert router.snapshot()["counters"]["one_offs_too_large"] == 1
+        assert router.templates["img-1"].too_large_for == {"n0"}
     finally:
         node.stop()
         thread.join(TIMEOUT_S)

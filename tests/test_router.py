@@ -468,6 +468,50 @@ def test_a_one_off_edit_that_fails_or_is_cancelled_leaves_the_image_to_the_next_
     assert router.snapshot()["counters"]["duplicates_dropped"] == 0
 
 
+def test_a_one_off_image_too_large_to_record_is_recorded_elsewhere_or_edited_side_by_side(context, make_router):
+    """Edits of a one-off image wait while one of them records it, to be mask-aware after it. An image that
+    a worker's whole host cache cannot hold (its edit answered unrecorded, "too_large") is recorded by a
+    worker whose cache may hold it; where none can, its edits no longer wait for each other: each runs in
+    full, carrying the image (they ran one at a time across the cluster, each trying again)."""
+    router = make_router()
+    w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+    [first_id], [first] = router.submit_many([task("img-1")], one_off())
+    carrier, other = (w0, w1) if router.pending[first_id].worker == "w0" else (w1, w0)
+    message = carrier.receive("edit")
+    _, waiting = router.submit_many([task("img-1"), task("img-1")], one_off())
+    assert router.snapshot()["parked"] == 2  # waiting for the recording
+    carrier.send({"kind": "result", "request": message["request"], "status": 200, "unrecorded": "too_large"},
+                 {"png": b"first"})
+    assert first.result(TIMEOUT_S).png == b"first"
+    retry = other.receive("edit")  # the other worker may hold it: it records it, the third edit waits
+    assert "one_off" in retry and router.snapshot()["parked"] == 1
+    assert "edit" not in carrier.pending_kinds()
+    other.send({"kind": "result", "request": retry["request"], "status": 200, "unrecorded": "too_large"},
+               {"png": b"second"})
+    [last] = next_edits((w0, w1), 1)  # no one can hold it: it runs in full, recording nothing
+    assert "one_off" in last and router.pending[last["request"]].records is False
+    router.submit_many([task("img-1"), task("img-1")], one_off())  # both go at once, carrying the image
+    assert router.snapshot()["parked"] == 0
+    assert all("one_off" in message for message in next_edits((w0, w1), 2))
+    for worker in (w0, w1):
+        worker.sync()
+        assert "edit" not in worker.pending_kinds()
+    assert router.snapshot()["counters"]["one_offs_too_large"] == 2
+    assert router.template("img-1")["status"] == "pending" and all(not w.done() for w in waiting[1:])
+
+
+def next_edits(workers, count: int) -> list[dict]:
+    """The next `count` edits the router sends to any of `workers`."""
+    found, deadline = [], time.monotonic() + TIMEOUT_S
+    while len(found) < count and time.monotonic() < deadline:
+        for worker in workers:
+            worker.socket.poll(10)
+            if "edit" in worker.pending_kinds():
+                found.append(worker.receive("edit"))
+    assert len(found) == count, f"{len(found)} of {count} edits sent"
+    return found
+
+
 def test_submit_many_is_all_or_nothing(context, make_router):
     router = make_router(max_queue=3)
     router.register_template(template())
