@@ -21,6 +21,9 @@ case serving sees). Methods:
 - flash_attn_varlen: `flash_attn_varlen_func` on the packed layout, where flash-attn imports (CUDA, 16-bit).
 - torch_varlen: `torch.nn.attention.varlen.varlen_attn` on the packed layout (torch's own flash kernels,
   CUDA, 16-bit): the varlen baseline of a machine without flash-attn (the GPU machines' image has none).
+- cudnn_varlen: cuDNN's SDPA on the packed layout with ragged offsets (`aten::_cudnn_attention_forward`
+  given cumulative lengths, what torch's nested-tensor SDPA calls; CUDA, 16-bit): cuDNN's Hopper kernel
+  without padding, which torch's own varlen_attn leaves off in 2.11.
 Each output is compared with `ragged_attention_ref` (fp32 math) before timing, against flash-attention's
 tolerance rule: twice the error of the same math in the input dtype plus twice the output rounding.
 TFLOP/s counts useful work only (4 * heads * head_dim * sum of n_q * n_k), the same for every method.
@@ -65,8 +68,9 @@ HEADS_FOR_HEAD_DIM = {64: 10, 128: 24}
 # retouch_auto: what the engine runs (`retouch.ops.plan_attention` "auto" with the model's heads: the
 # measured choice among the kernel, padded SDPA and SDPA per request on GPUs in ops.ATTENTION_COSTS).
 METHODS = ("ragged_triton", "ragged_triton_unplanned", "retouch_auto", "padded_sdpa", "per_request_sdpa",
-           "flex_attention", "flash_attn_varlen", "torch_varlen")
-BASELINES = ("padded_sdpa", "per_request_sdpa", "flex_attention", "flash_attn_varlen", "torch_varlen")
+           "flex_attention", "flash_attn_varlen", "torch_varlen", "cudnn_varlen")
+BASELINES = ("padded_sdpa", "per_request_sdpa", "flex_attention", "flash_attn_varlen", "torch_varlen",
+             "cudnn_varlen")
 # The issue's acceptance at mask ratio 1: ragged_triton within 10% of the best baseline.
 M1_MIN_SPEEDUP_VS_BEST = 0.9
 
@@ -242,6 +246,11 @@ def setup_methods(config: BenchConfig, device: torch.device) -> Methods:
                 from torch.nn.attention.varlen import varlen_attn as varlen
             except ImportError as error:  # torch before 2.10
                 unavailable["torch_varlen"] = f"ImportError: {error}"
+    if "cudnn_varlen" in config.methods:
+        if device.type != "cuda" or config.dtype == "float32":
+            unavailable["cudnn_varlen"] = "cuDNN's attention runs on CUDA in fp16/bf16 only"
+        elif not hasattr(torch.ops.aten, "_cudnn_attention_forward"):
+            unavailable["cudnn_varlen"] = f"torch {torch.__version__} has no aten::_cudnn_attention_forward"
     names = [name for name in METHODS if name in config.methods and name not in unavailable]
     tuner = RaggedAttentionTuner() if config.tune else None
     return Methods(names, unavailable, tuner, flex, flex_compile, flash, varlen)
@@ -292,7 +301,20 @@ def method_runs(methods: Methods, layout: Layout, q, k, v, launch) -> dict[str, 
         runs["flash_attn_varlen"] = lambda: methods.flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, tokens)
     if methods.torch_varlen is not None:
         runs["torch_varlen"] = lambda: methods.torch_varlen(q, k, v, cu_q, cu_k, max_q, tokens)
+    if "cudnn_varlen" in methods.names:
+        runs["cudnn_varlen"] = cudnn_varlen_fn(q, k, v, cu_q, cu_k, max_q, tokens)
     return {name: runs[name] for name in methods.names}
+
+
+def cudnn_varlen_fn(q, k, v, cu_q, cu_k, max_q: int, max_k: int, op=None) -> Callable[[], torch.Tensor]:
+    """cuDNN's SDPA over the packed `[T, H, D]` rows with int32 cumulative lengths (its ragged offsets are
+    cum_seqlen * H * D: rows must be contiguous), as torch's nested-tensor SDPA calls it. `op`: default
+    aten::_cudnn_attention_forward (query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
+    compute_log_sumexp, dropout_p, is_causal, return_debug_mask) -> (output, ...)."""
+    op = op or torch.ops.aten._cudnn_attention_forward
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    return lambda: op(q, k, v, None, cu_q, cu_k, max_q, max_k, False, 0.0, False, False)[0]
 
 
 def check_against_reference(runs: dict[str, Callable[[], torch.Tensor]], q, k, v, cu_q,

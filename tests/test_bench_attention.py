@@ -84,6 +84,7 @@ def test_quick_run_measures_and_summarises(tmp_path):
     assert report["baselines"] == ["padded_sdpa", "per_request_sdpa", "flex_attention"]
     assert "flash_attn_varlen" in report["unavailable"] and "torch_varlen" in report["unavailable"]
     assert "CUDA in fp16/bf16 only" in report["unavailable"]["torch_varlen"]
+    assert "CUDA in fp16/bf16 only" in report["unavailable"]["cudnn_varlen"]
     assert report["triton_interpreted"] and report["flex_compile"] == "eager"
     assert report["environment"]["command"] == f"retouch bench attention --quick --device cpu --out {out}"
     assert report["environment"]["versions"]["torch"] == torch.__version__
@@ -209,4 +210,28 @@ def test_torch_varlen_gets_the_packed_batch_in_its_own_argument_order():
     assert seen["query"] is q and seen["key"] is k and seen["value"] is v
     assert seen["cu_seq_q"].tolist() == [0, 3, 3, 12] and seen["cu_seq_k"].tolist() == [0, 12, 24, 36]
     assert (seen["max_q"], seen["max_k"]) == (9, tokens)
+    torch.testing.assert_close(out, ragged_attention_ref(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k))
+
+
+def test_cudnn_varlen_gets_the_packed_batch_as_torchs_nested_sdpa_passes_it():
+    """cuDNN's attention runs on CUDA only: a stand-in with aten::_cudnn_attention_forward's arguments checks
+    what the benchmark passes (contiguous packed rows, int32 cumulative lengths, the longest runs, no bias,
+    no log-sum-exp, no dropout, not causal) and answers with the reference in the first place."""
+    query_lens, tokens = [3, 0, 9], 12
+    layout, q, k, v = packed_point(query_lens, tokens, heads=2, head_dim=64, dtype=torch.float32)
+    schema = torch.ops.aten._cudnn_attention_forward.default._schema
+    names = [argument.name for argument in schema.arguments]
+    seen = {}
+
+    def stand_in(*args):
+        seen.update(zip(names, args))
+        out = ragged_attention_ref(seen["query"], seen["key"], seen["value"], seen["cum_seq_q"], seen["cum_seq_k"])
+        return out, None
+
+    out = attention.cudnn_varlen_fn(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k, 9, tokens, op=stand_in)()
+    assert all(seen[name].is_contiguous() for name in ("query", "key", "value"))
+    assert seen["cum_seq_q"].dtype == seen["cum_seq_k"].dtype == torch.int32
+    assert seen["cum_seq_q"].tolist() == [0, 3, 3, 12] and seen["cum_seq_k"].tolist() == [0, 12, 24, 36]
+    assert (seen["max_q"], seen["max_k"], seen["attn_bias"]) == (9, tokens, None)
+    assert (seen["compute_log_sumexp"], seen["dropout_p"], seen["is_causal"]) == (False, 0.0, False)
     torch.testing.assert_close(out, ragged_attention_ref(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k))
