@@ -205,13 +205,15 @@ def _load_hiding(args, device: torch.device, dtype: torch.dtype, folder: Path) -
                 rounds.append(latency)
         progress.close()
         loras.prefetch, loras.ready = prefetch, ready
+        fallbacks = loras.metrics()["read_fallbacks"]  # reads that found no recycled memory (expected: none)
     medians = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
     load_cost = statistics.median(r["sync"] - r["warm"] for r in rounds)
     report = {"adapter_mib": round(path.stat().st_size / 2**20, 1), "rank": args.load_rank, "steps": args.steps,
               "repeats": args.load_repeats, "e2e_s": medians, "read_s": statistics.median(read["wall"]),
               "read_cpu_s": statistics.median(read["cpu"]), "load_cost_s": load_cost,
               "load_cost_quartiles_s": _quartiles([r["sync"] - r["warm"] for r in rounds]),
-              "lora_compute_per_step_s": (medians["warm"] - medians["none"]) / args.steps}
+              "lora_compute_per_step_s": (medians["warm"] - medians["none"]) / args.steps,
+              "read_fallbacks": fallbacks}
     for name, steps_applied in applied.items():
         exposed = [r[name] - r[f"held@{name}"] for r in rounds]
         report[name] = {"applied_step": statistics.median(steps_applied),

@@ -92,6 +92,7 @@ def test_lora_loading_reports_the_hidden_share_of_the_load_it_measured(tmp_path,
     assert set(loading["e2e_s"]) == {"none", "sync", "warm", "async", "async+prefetch", "held@async",
                                      "held@async+prefetch"}
     assert loading["read_s"] > 0 and 0 <= loading["read_cpu_s"] and loading["adapter_mib"] > 0
+    assert loading["read_fallbacks"] == 0  # every cold read found the memory the cleared adapter left
     for name in ("async", "async+prefetch"):
         assert 0 <= loading[name]["applied_step"] <= 2
         if loading["load_cost_s"] > 0:
