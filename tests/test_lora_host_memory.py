@@ -124,3 +124,16 @@ def test_a_read_while_a_request_holds_the_only_range_falls_back_and_is_correct(e
         assert all(torch.equal(a, b) for a, b in zip(factors(weights), factors(expected)))
     finally:
         manager.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a pinned arena needs a GPU")
+def test_a_gpu_server_page_locks_its_read_memory_before_it_serves(tmp_path):
+    """Page-locking is slow and CUDA orders it against the device's work: it happens when the manager is made,
+    not at the first request's read."""
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill", device="cuda"))
+    manager = LoraManager(tmp_path, 1 << 24, editor)
+    try:
+        assert manager.memory._arena is not None and manager.memory._arena.pinned
+        assert manager.memory.block(4096, pinned=True).is_pinned()
+    finally:
+        manager.close()

@@ -1,6 +1,6 @@
 """Host memory that adapter files are read into, recycled: one `HostArena` as large as the LoRA host cache's
-budget, made at the first read (pinned where a GPU uploads from it), whose ranges return to it when the
-adapter read into them is gone.
+budget, made at the first read (pinned where a GPU uploads from it; a GPU server makes it before it serves),
+whose ranges return to it when the adapter read into them is gone.
 
 Why not fresh memory per read: on this project's VMs, first touches of fresh pages cost ~0.15 s of CPU per
 280 MiB adapter, five times the read itself, and on a CPU-only server that is taken from the forward the
@@ -45,6 +45,11 @@ class AdapterMemory:
                 return torch.from_numpy(owner)
             self.fallbacks += 1
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and torch.cuda.is_available())
+
+    def reserve(self, pinned: bool) -> None:
+        """Make the arena now (a server, before it serves): page-locking it takes a while, and CUDA orders a
+        page-locked allocation against work in flight on the device."""
+        self._arena_for(pinned)
 
     @property
     def used(self) -> int:

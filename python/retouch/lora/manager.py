@@ -69,6 +69,8 @@ class LoraManager:
         self.lora_dir = None if lora_dir is None else Path(lora_dir)
         self.host = LoraHostCache(cache_bytes)
         self.memory = AdapterMemory(cache_bytes)  # what files are read into: the host cache's, recycled
+        if lora_dir is not None and editor is not None and editor.device.type == "cuda":
+            self.memory.reserve(pinned=True)
         self._digests: dict[str, str] = {}  # name -> digest of its file's last read
         self.device_budget_bytes = cache_bytes if device_bytes is None else device_bytes
         if self.device_budget_bytes <= 0:
