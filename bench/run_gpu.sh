@@ -255,7 +255,7 @@ part_step() {
 
 part_lora() {
   if [ "$DEV" = cuda ]; then
-    pytest_gpu tests/test_lora_batching.py tests/test_lora_engine.py tests/test_lora_files.py
+    pytest_gpu tests/test_lora_batching.py tests/test_lora_engine.py tests/test_lora_files.py tests/test_lora_host_memory.py
   fi
   bench lora "lora_$LORA_MODEL.json" --model "$LORA_MODEL" --device "$DEV" "${LORA[@]}"
 }
