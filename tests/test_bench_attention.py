@@ -235,3 +235,10 @@ def test_cudnn_varlen_gets_the_packed_batch_as_torchs_nested_sdpa_passes_it():
     assert (seen["max_q"], seen["max_k"], seen["attn_bias"]) == (9, tokens, None)
     assert (seen["compute_log_sumexp"], seen["dropout_p"], seen["is_causal"]) == (False, 0.0, False)
     torch.testing.assert_close(out, ragged_attention_ref(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k))
+
+
+def test_the_cudnn_probe_says_why_it_cannot_run():
+    """The probe runs cuDNN's varlen attention in a process of its own before a sweep; where it fails (here:
+    no GPU) the method is reported unavailable with the probe's last line, and the sweep goes on."""
+    reason = attention.probe_cudnn_varlen("bfloat16")
+    assert reason is not None and reason.startswith("probe: ") and "\n" not in reason
