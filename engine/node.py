@@ -356,7 +356,10 @@ class Node:
         def preview(k: int, image: Image.Image) -> None:
             self._post({"kind": "preview", **edit, "step": k}, {"png": png_bytes(image)})
 
-        return StepWatch(step, preview_every, preview if preview_every else None)
+        def unrecorded(reason: str) -> None:  # the router need not wait for its answer to send the next edits
+            self._post({"kind": "unrecorded", **edit, "reason": reason})
+
+        return StepWatch(step, preview_every, preview if preview_every else None, unrecorded)
 
     def _heartbeat(self) -> dict:
         running, queued = self.engine.load_report()

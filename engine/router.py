@@ -1164,6 +1164,8 @@ class Router:
                 self._send(worker, {"kind": "pong"})
             elif kind == "progress" and "request" in header:
                 self._on_step(worker, header)
+            elif kind == "unrecorded":
+                self._on_unrecorded(worker, header)
             elif kind == "progress":
                 record = self.templates.get(header["template"])
                 if record is not None:  # in the template's steps (a worker counts denoiser calls)
@@ -1179,6 +1181,24 @@ class Router:
                 if pending is not None and pending.worker == name and _this_attempt(header, pending):
                     self._tell("request", pending.request_id, {"event": "preview", "step": int(header["step"]),
                                                                "png": blobs.get("png", b"")})
+
+    def _on_unrecorded(self, worker: WorkerState, header: dict) -> None:
+        """A one-off edit that was recording its image on `worker` goes on without recording it: the edits
+        waiting for that recording go now, without waiting for its answer."""
+        pending = self.pending.get(header["request"])
+        if (pending is not None and pending.worker == worker.name and _this_attempt(header, pending)
+                and pending.records):
+            self._recorded_nothing(worker, pending, header.get("reason", "held"))
+
+    def _recorded_nothing(self, worker: WorkerState, pending: Pending, reason: str) -> None:
+        """`pending`, which was to record its one-off image on `worker`, records nothing: an image too large for
+        the worker's whole host cache is not asked of it again (`TemplateRecord.too_large_for`)."""
+        record = self.templates.get(pending.task.template_id)
+        pending.records = False
+        if record is not None and reason == "too_large":
+            record.too_large_for.add(worker.name)
+            self.counters["one_offs_too_large"] += 1
+        self._recording_ended(pending.task.template_id, worker.name)
 
     def _on_step(self, worker: WorkerState, header: dict) -> None:
         pending = self.pending.get(header["request"])
@@ -1433,10 +1453,8 @@ class Router:
             self._take_back(worker, pending)
             self._route(pending)
             return
-        record = self.templates.get(pending.task.template_id)
-        if pending.records and record is not None and header.get("unrecorded") == "too_large":
-            record.too_large_for.add(worker.name)
-            self.counters["one_offs_too_large"] += 1
+        if pending.records and header.get("unrecorded") is not None:  # its early word was lost or overtaken
+            self._recorded_nothing(worker, pending, header["unrecorded"])
         self._answer(pending, EditAnswer(blobs.get("png"), int(header.get("status", 200)), header.get("error"),
                                          header.get("message"), worker.name, header.get("metrics", {})))
         if pending.records:  # recorded (the template message came first), or failed without it

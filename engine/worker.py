@@ -116,11 +116,14 @@ class StepWatch:
     counts denoiser calls, which is `steps` for most samplers, one more for PNDM, about twice as many
     for second-order ones such as Heun's); with
     `preview_every`, `on_preview(k, image)` after every that many steps before the last (a linear
-    latent->RGB picture of its latents, `retouch.previews`: no decoder runs)."""
+    latent->RGB picture of its latents, `retouch.previews`: no decoder runs). A one-off edit that was to
+    record its image and cannot goes on unrecorded, and says why at once: `on_unrecorded(reason)`
+    (`EditResult.unrecorded`)."""
 
     on_step: Callable[[int, int], None] | None = None
     preview_every: int = 0
     on_preview: Callable[[int, Image.Image], None] | None = None
+    on_unrecorded: Callable[[str], None] | None = None
 
     def __post_init__(self):
         if self.preview_every < 0:
@@ -588,6 +591,12 @@ class Worker:
         full, unrecorded."""
         job.records = False
         job.unrecorded = "held" if failure.held else "too_large"
+        if job.watch is not None and job.watch.on_unrecorded is not None:
+            try:
+                job.watch.on_unrecorded(job.unrecorded)
+            except Exception as exc:  # noqa: BLE001 - the watcher's failure is the watcher's (`_tell`)
+                self.metrics.watch_errors += 1
+                self.metrics.last_watch_error = f"{type(exc).__name__}: {exc}"
         self.metrics.unrecorded += 1
         if self.metrics.unrecorded == 1:  # an operator's mistake, not the user's: said once
             logger.warning("a one-off image is answered unrecorded, so its later edits will not be mask-aware "

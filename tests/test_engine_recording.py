@@ -19,7 +19,7 @@ from retouch.baseline import run_baseline_edit
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.api import Engine
 from retouch.engine.processing import prepare_recording
-from retouch.engine.worker import EngineConfig, Worker
+from retouch.engine.worker import EngineConfig, StepWatch, Worker
 from retouch.models import load_pipeline
 
 STEPS = 4
@@ -174,8 +174,11 @@ def test_a_one_off_edit_whose_recording_does_not_fit_the_host_cache_answers_unre
     editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=CacheStore(StoreConfig(host_bytes=4096)))
     baseline = run_baseline_edit(editor.pipe, image, mask, "a red hat", steps=STEPS, seed=7,
                                  call_defaults=editor.model.call_defaults)
+    said = []
+    watch = StepWatch(on_unrecorded=said.append)
     with Engine(editor, EngineConfig(mode="naive")) as engine, caplog.at_level("WARNING", "retouch.worker"):
-        answer = engine.submit_image(image, mask, "a red hat", seed=7, steps=STEPS).result(timeout=120)
+        answer = engine.submit_image(image, mask, "a red hat", seed=7, steps=STEPS, watch=watch).result(timeout=120)
+        assert said == ["too_large"]  # once, with the reason, as the router hears it
         again = engine.submit_image(image, mask, "a blue hat", seed=8, steps=STEPS).result(timeout=120)
         with pytest.raises(Exception, match=r"host cache .*--cache-host-gib"):
             engine.submit_template(image, "a room", steps=STEPS).result(timeout=120)

@@ -159,6 +159,7 @@ class RecordingEngine:
     def __init__(self):
         self.submitted: queue.Queue = queue.Queue()
         self.scopes: list[str] = []  # of the templates made and one-off edits submitted, in order
+        self.watches: list = []  # of the one-off edits submitted, in order
 
         def new_template(*args, scope=""):
             self.scopes.append(scope)
@@ -179,6 +180,7 @@ class RecordingEngine:
     def submit_image(self, image, mask, prompt, seed=0, steps=28, guidance=None, watch=None, budget_s=None,
                      lora=(), strength=1.0, record_beside=None, scope="") -> Future:
         self.scopes.append(scope)
+        self.watches.append(watch)
         return self._recorded("submit_image", image, lora)
 
     def submit_recording(self, template, on_step=None) -> Future:
@@ -367,8 +369,9 @@ def test_a_worker_that_joins_a_new_router_drops_the_old_ones_edits(make_router):
 
 
 def test_a_worker_tells_the_router_which_one_off_image_its_host_cache_cannot_hold(make_router):
-    """The engine's `EditResult.unrecorded` reaches the router with the answer, which then sends the image's
-    edits side by side rather than one at a time (`test_router`)."""
+    """An edit that cannot record its one-off image says so at the step it finds out (`StepWatch.on_unrecorded`)
+    and in its answer (`EditResult.unrecorded`); the router then sends the image's edits side by side rather
+    than one at a time (`test_router`), counting the image once."""
     router = make_router()
     engine = RecordingEngine()
     node = Node(engine, router.address, "n0", supervised=False)
@@ -381,10 +384,12 @@ def test_a_worker_tells_the_router_which_one_off_image_its_host_cache_cannot_hol
                                                    RequestLoad(image_tokens=4, masked_tokens=1, steps=2))], image)
         kind, *_, future = engine.next_submit()
         assert kind == "submit_image"
+        engine.watches[-1].on_unrecorded("too_large")  # at the step it found out: before its answer
+        assert router.wait_until(lambda r: r.snapshot()["counters"]["one_offs_too_large"] == 1, TIMEOUT_S)
+        assert router.templates["img-1"].too_large_for == {"n0"} and not answer.done()
         future.set_result(dataclasses.replace(edited(0), unrecorded="too_large"))
         assert answer.result(TIMEOUT_S).status == 200
-        assert router.snapshot()["counters"]["one_offs_too_large"] == 1
-        assert router.templates["img-1"].too_large_for == {"n0"}
+        assert router.snapshot()["counters"]["one_offs_too_large"] == 1  # counted once
     finally:
         node.stop()
         thread.join(TIMEOUT_S)

@@ -500,6 +500,28 @@ def test_a_one_off_image_too_large_to_record_is_recorded_elsewhere_or_edited_sid
     assert router.template("img-1")["status"] == "pending" and all(not w.done() for w in waiting[1:])
 
 
+def test_edits_waiting_for_a_recording_go_as_soon_as_the_worker_says_it_records_nothing(context, make_router):
+    """A worker that finds, at a step, that it cannot record the image its one-off edit was to record says so
+    at once: the edits waiting for that recording go then, not after the edit's answer (with n images of
+    one big picture, they waited a whole generation). Its answer then counts nothing twice."""
+    router = make_router()
+    w0 = ScriptedWorker(context, router, "w0")
+    [first_id], [first] = router.submit_many([task("img-1")], one_off())
+    message = w0.receive("edit")
+    _, [waiting] = router.submit_many([task("img-1")], one_off())
+    assert router.snapshot()["parked"] == 1
+    w0.send({"kind": "unrecorded", "request": message["request"], "attempt": message["attempt"],
+             "reason": "too_large"})
+    sent = w0.receive("edit")  # before the first edit is answered: in full, recording nothing
+    assert "one_off" in sent and router.pending[sent["request"]].records is False and not first.done()
+    w0.send({"kind": "result", "request": message["request"], "status": 200, "unrecorded": "too_large"},
+            {"png": b"first"})
+    w0.answer(sent["request"], b"second")
+    assert first.result(TIMEOUT_S).png == b"first" and waiting.result(TIMEOUT_S).png == b"second"
+    assert router.snapshot()["counters"]["one_offs_too_large"] == 1
+    assert router.templates["img-1"].too_large_for == {"w0"} and router.template("img-1")["status"] == "pending"
+
+
 def next_edits(workers, count: int) -> list[dict]:
     """The next `count` edits the router sends to any of `workers`."""
     found, deadline = [], time.monotonic() + TIMEOUT_S
