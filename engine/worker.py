@@ -564,8 +564,12 @@ class Worker:
                     and schedule.calls_made % watch.preview_every == 0):
                 watch.on_preview(schedule.calls_made, self._preview(job))
         except Exception as exc:  # noqa: BLE001 - progress is best effort; the answer is not
-            self.metrics.watch_errors += 1
-            self.metrics.last_watch_error = f"{type(exc).__name__}: {exc}"
+            self._watch_failed(exc)
+
+    def _watch_failed(self, exc: Exception) -> None:
+        """A watcher's callback raised: counted, the edit goes on."""
+        self.metrics.watch_errors += 1
+        self.metrics.last_watch_error = f"{type(exc).__name__}: {exc}"
 
     def complete(self, job: Job, image: Image.Image) -> None:
         """Answer `job` (any thread: post-processing helpers answer from their receiver)."""
@@ -594,9 +598,8 @@ class Worker:
         if job.watch is not None and job.watch.on_unrecorded is not None:
             try:
                 job.watch.on_unrecorded(job.unrecorded)
-            except Exception as exc:  # noqa: BLE001 - the watcher's failure is the watcher's (`_tell`)
-                self.metrics.watch_errors += 1
-                self.metrics.last_watch_error = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - the watcher's failure is the watcher's, as in `_tell`
+                self._watch_failed(exc)
         self.metrics.unrecorded += 1
         if self.metrics.unrecorded == 1:  # an operator's mistake, not the user's: said once
             logger.warning("a one-off image is answered unrecorded, so its later edits will not be mask-aware "
