@@ -179,7 +179,12 @@ def test_a_one_off_edit_whose_recording_does_not_fit_the_host_cache_answers_unre
     with Engine(editor, EngineConfig(mode="naive")) as engine, caplog.at_level("WARNING", "retouch.worker"):
         answer = engine.submit_image(image, mask, "a red hat", seed=7, steps=STEPS, watch=watch).result(timeout=120)
         assert said == ["too_large"]  # once, with the reason, as the router hears it
-        again = engine.submit_image(image, mask, "a blue hat", seed=8, steps=STEPS).result(timeout=120)
+        def broken(reason: str) -> None:
+            raise RuntimeError("the watcher broke")
+
+        again = engine.submit_image(image, mask, "a blue hat", seed=8, steps=STEPS,
+                                    watch=StepWatch(on_unrecorded=broken)).result(timeout=120)
+        assert engine.worker.metrics.watch_errors == 1  # the watcher's failure: counted, the edit answered
         with pytest.raises(Exception, match=r"host cache .*--cache-host-gib"):
             engine.submit_template(image, "a room", steps=STEPS).result(timeout=120)
         assert engine.worker.metrics.summary()["unrecorded"] == 2 and engine.worker.metrics.recorded == 0
