@@ -344,15 +344,12 @@ def probe_cudnn_varlen(dtype: str, timeout_s: float = 300.0) -> str | None:
     return f"probe: {said[-1][:300]}"
 
 
-def cudnn_varlen_fn(q, k, v, cu_q, cu_k, max_q: int, max_k: int, op=None) -> Callable[[], torch.Tensor]:
-    """cuDNN's SDPA over the packed `[T, H, D]` rows with int32 cumulative lengths (its ragged offsets are
-    cum_seqlen * H * D: rows must be contiguous), as torch's nested-tensor SDPA calls it. `op`: default
-    aten::_cudnn_attention_forward (query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
-    compute_log_sumexp, dropout_p, is_causal, return_debug_mask) -> (output, ...)."""
-    op = op or torch.ops.aten._cudnn_attention_forward
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
-    return lambda: op(q, k, v, None, cu_q, cu_k, max_q, max_k, False, 0.0, False, False)[0]
+def cudnn_varlen_fn(q, k, v, cu_q, cu_k, max_q: int, max_k: int) -> Callable[[], torch.Tensor]:
+    """cuDNN's SDPA over the packed `[T, H, D]` rows (`retouch.ops.cudnn_varlen`, the "cudnn" backend)."""
+    from retouch import ops
+
+    scale = q.shape[-1] ** -0.5
+    return lambda: ops.cudnn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)
 
 
 def check_against_reference(runs: dict[str, Callable[[], torch.Tensor]], q, k, v, cu_q,

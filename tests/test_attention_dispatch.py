@@ -108,3 +108,49 @@ def test_a_measured_gpu_plans_the_chosen_path(monkeypatch):
                                atol=1e-5, rtol=1e-5)
     # Without heads, "auto" is what it was: no measured choice.
     assert ops.plan_attention(lengths_q, lengths_k, "cpu", torch.float32, 128).padded_rows is None
+
+
+def test_the_cudnn_backend_passes_the_packed_layout_as_torchs_nested_sdpa_does(monkeypatch):
+    """cuDNN runs on CUDA only: a stand-in with aten::_cudnn_attention_forward's arguments checks what the
+    "cudnn" backend passes (contiguous packed rows, int32 cumulative lengths, the longest runs, no bias, no
+    log-sum-exp, no dropout, not causal, the scale) and answers with the reference, which every entry point
+    (the op, a plan) must then return."""
+    lengths_q, lengths_k = [3, 5, 9], [12, 12, 12]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, head_dim=64)
+    names = [argument.name for argument in torch.ops.aten._cudnn_attention_forward.default._schema.arguments]
+    seen = {}
+
+    def stand_in(*args, scale=None):
+        seen.update(zip(names, args), scale=scale)
+        return ragged_attention_ref(seen["query"], seen["key"], seen["value"], seen["cum_seq_q"],
+                                    seen["cum_seq_k"], scale), None
+
+    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_forward", stand_in)
+    out = ops.cudnn_varlen(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, cu_q.long(), cu_k, 9, 12, 0.125)
+    assert all(seen[name].is_contiguous() for name in ("query", "key", "value"))
+    assert seen["cum_seq_q"].dtype == seen["cum_seq_k"].dtype == torch.int32
+    assert seen["cum_seq_q"].tolist() == [0, 3, 8, 17] and seen["cum_seq_k"].tolist() == [0, 12, 24, 36]
+    assert (seen["max_q"], seen["max_k"], seen["attn_bias"], seen["scale"]) == (9, 12, None, 0.125)
+    assert (seen["compute_log_sumexp"], seen["dropout_p"], seen["is_causal"]) == (False, 0.0, False)
+    expected = ragged_attention_ref(q, k, v, cu_q, cu_k, 0.125)
+    torch.testing.assert_close(out, expected)
+    plan = ops.AttentionPlan((3, 5, 9), (12, 12, 12), torch.tensor(lengths_q), torch.tensor(lengths_k), cu_q, cu_k,
+                             "cudnn")
+    torch.testing.assert_close(ops.planned_attention(q, k, v, plan, 0.125), expected)
+
+
+def test_the_cudnn_backend_refuses_what_cudnn_cannot_run():
+    q, k, v, cu_q, cu_k = packed([3], [12], dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'cudnn' runs on CUDA in fp16/bf16 only"):
+        ops.ragged_attention(q, k, v, cu_q, cu_k, 3, 12, backend="cudnn")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's attention runs on a GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_cudnn_backend_computes_the_reference_attention_on_a_gpu(head_dim):
+    lengths_q, lengths_k = [1, 40, 7, 129], [130, 130, 130, 130]
+    q, k, v, cu_q, cu_k = (t.cuda() for t in packed(lengths_q, lengths_k, heads=4, head_dim=head_dim,
+                                                    dtype=torch.bfloat16))
+    out = ops.ragged_attention(q, k, v, cu_q, cu_k, max(lengths_q), 130, backend="cudnn")
+    expected = ragged_attention_ref(q.float(), k.float(), v.float(), cu_q, cu_k)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)

@@ -213,30 +213,6 @@ def test_torch_varlen_gets_the_packed_batch_in_its_own_argument_order():
     torch.testing.assert_close(out, ragged_attention_ref(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k))
 
 
-def test_cudnn_varlen_gets_the_packed_batch_as_torchs_nested_sdpa_passes_it():
-    """cuDNN's attention runs on CUDA only: a stand-in with aten::_cudnn_attention_forward's arguments checks
-    what the benchmark passes (contiguous packed rows, int32 cumulative lengths, the longest runs, no bias,
-    no log-sum-exp, no dropout, not causal) and answers with the reference in the first place."""
-    query_lens, tokens = [3, 0, 9], 12
-    layout, q, k, v = packed_point(query_lens, tokens, heads=2, head_dim=64, dtype=torch.float32)
-    schema = torch.ops.aten._cudnn_attention_forward.default._schema
-    names = [argument.name for argument in schema.arguments]
-    seen = {}
-
-    def stand_in(*args):
-        seen.update(zip(names, args))
-        out = ragged_attention_ref(seen["query"], seen["key"], seen["value"], seen["cum_seq_q"], seen["cum_seq_k"])
-        return out, None
-
-    out = attention.cudnn_varlen_fn(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k, 9, tokens, op=stand_in)()
-    assert all(seen[name].is_contiguous() for name in ("query", "key", "value"))
-    assert seen["cum_seq_q"].dtype == seen["cum_seq_k"].dtype == torch.int32
-    assert seen["cum_seq_q"].tolist() == [0, 3, 3, 12] and seen["cum_seq_k"].tolist() == [0, 12, 24, 36]
-    assert (seen["max_q"], seen["max_k"], seen["attn_bias"]) == (9, tokens, None)
-    assert (seen["compute_log_sumexp"], seen["dropout_p"], seen["is_causal"]) == (False, 0.0, False)
-    torch.testing.assert_close(out, ragged_attention_ref(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_k))
-
-
 def test_the_cudnn_probe_says_why_it_cannot_run():
     """The probe runs cuDNN's varlen attention in a process of its own before a sweep; where it fails (here:
     no GPU) the method is reported unavailable with the probe's last line, and the sweep goes on."""

@@ -30,7 +30,7 @@ from retouch.kernels.segmented_lora import segmented_lora_triton
 
 ROW_COPY_BACKENDS = ("native", "triton")
 HOST_GATHER_METHODS = ("auto", "kernel", "memcpy")
-ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flash_attn", "cudnn")
 FLASH_ATTN_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
 
 try:
@@ -138,7 +138,8 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     `q: [T_q, heads, d]`, `k, v: [T_k, heads, d]`, `cu_seqlens_q, cu_seqlens_k: [B+1]` int32 ->
     `[T_q, heads, d]`. backend: "triton" (GPU, or CPU under TRITON_INTERPRET=1), "sdpa" (torch SDPA
-    per request; the CPU path), "flash_attn" (flash_attn_varlen_func, if installed), or "auto":
+    per request; the CPU path), "flash_attn" (flash_attn_varlen_func, if installed), "cudnn" (cuDNN's
+    SDPA with ragged offsets, 16-bit CUDA only: `cudnn_varlen`; opt-in until measured), or "auto":
     flash-attn for 16-bit CUDA tensors when installed, else Triton on CUDA, else SDPA.
     """
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -151,6 +152,9 @@ def resolve_attention_backend(backend: str, q: torch.Tensor) -> str:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend == "flash_attn" and not FLASH_ATTN_AVAILABLE:
         raise ValueError("attention backend 'flash_attn' requested but flash-attn is not installed")
+    if backend == "cudnn" and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        raise ValueError(f"attention backend 'cudnn' runs on CUDA in fp16/bf16 only, got {q.dtype} on "
+                         f"{q.device.type}")
     if backend != "auto":
         return backend
     if q.is_cuda and FLASH_ATTN_AVAILABLE and q.dtype in (torch.float16, torch.bfloat16):
@@ -171,7 +175,20 @@ def _ragged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
 
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale=softmax_scale)
+    if backend == "cudnn":
+        return cudnn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     return _ragged_attention_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+
+
+def cudnn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                 softmax_scale: float) -> torch.Tensor:
+    """cuDNN's SDPA over packed rows, as torch's nested-tensor SDPA calls it (`aten::_cudnn_attention_forward`
+    with cumulative lengths): its ragged offsets are cum_seqlen * heads * d, so rows must be contiguous, and
+    the lengths int32."""
+    return torch.ops.aten._cudnn_attention_forward(
+        q.contiguous(), k.contiguous(), v.contiguous(), None, cu_seqlens_q.to(torch.int32),
+        cu_seqlens_k.to(torch.int32), max_seqlen_q, max_seqlen_k, False, 0.0, False, False, scale=softmax_scale)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,6 +362,9 @@ def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: A
 
         return flash_attn_varlen_func(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
                                       plan.max_seqlen_k, softmax_scale=scale)
+    if plan.backend == "cudnn":
+        return cudnn_varlen(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k,
+                            scale)
     return torch.ops.retouch.sdpa_ragged(q, k, v, plan.host_lengths_q, plan.host_lengths_k, scale)
 
 
@@ -357,6 +377,8 @@ def _ragged_attention_bounded_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
                                       softmax_scale=softmax_scale)
+    if backend == "cudnn":
+        return cudnn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], softmax_scale)
     config = launch_config(q.shape[-1], q.dtype, device_capability(q.device))
     plan = plan_from_shapes(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], config)
     return launch_planned(q, k, v, plan, softmax_scale)
