@@ -54,6 +54,7 @@ class Engine:
         self.config = config
         self.model_name = model_name or editor.model.name
         self.helpers: HelperPool | None = None
+        self._helper_restarts = 0  # of the helper pools closed before (`metrics`)
         self._jobs: dict[int, Job] = {}  # in the helpers (disaggregated mode), until answered
         self._unanswered: set[Future] = set()  # every accepted request's, until done (`cancel_all`)
         self._recordings: dict[str, Job] = {}  # template id -> the job recording it
@@ -116,6 +117,7 @@ class Engine:
         self._loop_done.wait()
         if self.helpers is not None:
             self.helpers.close()
+            self._helper_restarts += self.helpers.restarts  # a counter: it outlives the pool
             self.helpers = None
         self.worker.loras.close()
         if self.editor.copy_engine is not None:  # its thread, idle until the editor is collected otherwise
@@ -360,7 +362,9 @@ class Engine:
         return self.submit(EditRequest(template_id, mask, prompt, seed, steps, strength)).result().image
 
     def metrics(self) -> dict:
-        return self.worker.metrics.summary()
+        """The step loop's counters, and how many helper processes were replaced (died, or fell silent)."""
+        restarts = self._helper_restarts + (self.helpers.restarts if self.helpers is not None else 0)
+        return {**self.worker.metrics.summary(), "helper_restarts": restarts}
 
     # ---- the disaggregated mode's helpers ----
 

@@ -176,7 +176,8 @@ def test_a_stopped_helper_is_killed_and_replaced_and_the_edit_it_held_is_answere
         helper = engine.helpers.processes[0]
         os.kill(helper.pid, signal.SIGSTOP)
         after = engine.submit(request).result(timeout=TIMEOUT_S)
-        assert helper.returncode == -signal.SIGKILL and engine.helpers.restarts == 1
+        assert helper.returncode == -signal.SIGKILL and engine.metrics()["helper_restarts"] == 1
+    assert engine.metrics()["helper_restarts"] == 1  # a counter: closing the pool keeps it
     assert np.array_equal(np.asarray(after.image), np.asarray(before.image))
     said = [r.getMessage() for r in caplog.records if r.name == "retouch.helpers"]
     assert re.fullmatch(r"helper 0 has said nothing for \d+ s \(stopped or hung\); killing it", said[0]), said

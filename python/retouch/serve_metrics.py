@@ -64,7 +64,9 @@ WORKER_COUNTERS = (("steps", "denoising steps run"),
                    ("recording_retries", "registrations started over because templates in use held the host "
                     "cache their recording needed"),
                    ("interruptions", "inline pre/post-processing tasks, and templates recorded again, while "
-                    "other requests were denoising"))
+                    "other requests were denoising"),
+                   ("helper_restarts", "pre/post-processing helper processes replaced: they died, or said nothing "
+                    "for --helper-silence-s"))
 # The keys of cache.store.CacheStore.metrics.
 CACHE_COUNTERS = (("hits", "template activation lookups found in host memory"),
                   ("misses", "template activation lookups in no tier (or an unusable file): recorded again"),
