@@ -306,7 +306,7 @@ def plot(report: dict, path: Path) -> None:
         bars = [("load\n(sync - warm)", loading["load_cost_s"], loading["load_cost_quartiles_s"], "tab:red")]
         bars += [(f"exposed\n({name} - held)", loading[name]["exposed_load_s"], loading[name]["exposed_quartiles_s"],
                   colour) for name, colour in (("async", "tab:green"), ("async+prefetch", "tab:olive"))]
-        for x, (label, value, quartiles, colour) in enumerate(bars):
+        for x, (_, value, quartiles, colour) in enumerate(bars):
             low, high = quartiles[0], quartiles[-1]
             axis.bar(x, value, color=colour, yerr=[[value - low], [high - value]], capsize=4)
         axis.set_xticks(range(len(bars)), [bar[0] for bar in bars])
