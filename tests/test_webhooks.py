@@ -160,6 +160,27 @@ def test_closing_cancels_the_retries_and_waits_for_deliveries_in_flight():
     assert sent_after_close is False and pending == 0  # a closed sender sends nothing: a restart will
 
 
+def test_an_attempt_failing_while_closing_is_not_retried_and_counts_as_cancelled():
+    async def run() -> tuple:
+        release = asyncio.Event()
+        attempts = []
+
+        async def failing_late(request):
+            attempts.append(request)
+            await release.wait()
+            return httpx.Response(500)
+        sender = WebhookSender(SECRET, (ORIGIN,), retry_delays_s=(60.0,), transport=httpx.MockTransport(failing_late))
+        sender.send("", "msg_failing", ORIGIN, {})
+        while not attempts:
+            await asyncio.sleep(0.01)
+        asyncio.get_running_loop().call_later(0.05, release.set)
+        # the closing must not wait out the 60 s retry delay until the deadline
+        cancelled = await asyncio.wait_for(sender.close(time.monotonic() + 60), 10)
+        return cancelled, len(attempts), sender.counts
+    cancelled, attempts, counts = asyncio.run(run())
+    assert cancelled == 1 and attempts == 1 and counted(counts) == {"cancelled": 1}
+
+
 @pytest.mark.parametrize("url, allowed", [
     (ORIGIN + "/a/b?c=1", True), ("HTTPS://Hooks.Example.com/x", True), (ORIGIN + ":443/x", True),
     ("http://hooks.example.com/x", False), ("https://hooks.example.com.evil.io/x", False),

@@ -184,6 +184,8 @@ class WebhookSender:
         state, origin = "failed", self.origins.get(origin_of(url), "?")  # the logs name the origin, not the URL
         for attempt, delay in enumerate((0.0, *self.retry_delays_s)):
             if delay:
+                if self.closed:  # the server stops: no retry; close() counts this delivery among those cancelled
+                    raise asyncio.CancelledError
                 self._tasks[task] = True
                 await asyncio.sleep(delay)
                 self._tasks[task] = False
@@ -235,7 +237,7 @@ class WebhookSender:
             task.cancel()
         if deadline is not None and in_flight:
             await asyncio.wait(in_flight, timeout=max(0.0, deadline - time.monotonic()))
-        unfinished = waiting + [task for task in in_flight if not task.done()]
+        unfinished = waiting + [task for task in in_flight if not task.done() or task.cancelled()]
         for task in unfinished:
             task.cancel()
         await asyncio.gather(*unfinished, *self._tasks, return_exceptions=True)
