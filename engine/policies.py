@@ -265,6 +265,19 @@ class ClusterLoad:
         """Last reported steps to go of the slot's running (or queued, in queue order) requests."""
         return [row.steps_left for row in self._members[slot].values() if row.running == running]
 
+    def queued_ahead(self, slot: int, load: RequestLoad, step_s: float) -> list[int]:
+        """Steps to go of the slot's queued requests that its worker admits before `load`, as the worker
+        orders its queue (`Worker.next_waiting`): least slack first among those with a deadline, slack
+        counted as deadline - steps x `step_s` (the time left cancels out), the earlier first among equals;
+        those without a deadline after them, in arrival order. So a request without a deadline waits for
+        the whole queue, and one with a deadline only for the more urgent ones."""
+        queued = [row for row in self._members[slot].values() if not row.running]
+        if load.deadline is None:
+            return [row.steps_left for row in queued]
+        latest = load.deadline - load.steps * step_s
+        return [row.steps_left for row in queued
+                if row.load.deadline is not None and row.load.deadline - row.steps_left * step_s <= latest]
+
 
 class Policy:
     """Chooses a worker slot for a request: `choose` returns a slot that is alive and, where `eligible`
@@ -338,7 +351,7 @@ class MaskAware(Policy):
         slack = cluster.in_flight < cluster.max_batch
         if (slack & candidates).any():
             return np.where(slack, cost.latency(cluster.inflight_features + features), np.inf)
-        return self._finish_estimate(load, cluster, np.flatnonzero(candidates), cost, features)
+        return full_finish_s(load, cluster, np.flatnonzero(candidates), cost, features)
 
     def _cost(self, cluster: ClusterLoad) -> StepCost:
         if cluster.cost is None:
@@ -347,26 +360,6 @@ class MaskAware(Policy):
             raise ValueError("the policy and the ClusterLoad must share one StepCost: the cluster sums "
                              "request features with its own")
         return cluster.cost
-
-    @staticmethod
-    def _finish_estimate(load: RequestLoad, cluster: ClusterLoad, slots: np.ndarray, cost: StepCost,
-                         features: np.ndarray) -> np.ndarray:
-        """[slots] seconds until the request would finish at each of `slots` (all full): steps until a
-        batch slot is free for it, then its own steps, all at the worker's current step latency. The
-        queue ahead takes freed slots first; past one round of the batch, each further round is counted
-        as the queued requests' mean steps (an estimate: later changes of the batch are not modelled)."""
-        steps = np.full(cluster.num_slots, np.inf)
-        for slot in slots:
-            running = sorted(cluster.steps_left(int(slot), running=True))
-            queued = cluster.steps_left(int(slot), running=False)
-            if not running:  # nothing runs yet: the queue ahead runs first, a batch at a time
-                steps[slot] = (len(queued) // int(cluster.max_batch[slot])) * load.steps
-                continue
-            rounds, position = divmod(len(queued), len(running))
-            steps[slot] = running[position] + rounds * (np.mean(queued) if queued else 0.0)
-        current = cost.latency(cluster.running_features)
-        step_s = np.where(current > 0, current, cost.latency(features))
-        return (steps + load.steps) * step_s
 
 
 class LeastWork(MaskAware):
@@ -404,3 +397,29 @@ def make_policy(name: str, cost: StepCost | None = None) -> Policy:
     if name not in _POLICY_CLASSES:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
     return _POLICY_CLASSES[name](cost) if name in ("mask-aware", "least-work") else _POLICY_CLASSES[name]()
+
+
+def full_finish_s(load: RequestLoad, cluster: ClusterLoad, slots: np.ndarray, cost: StepCost,
+                  features: np.ndarray, siblings: np.ndarray | None = None) -> np.ndarray:
+    """[slots] seconds until `load` would finish at each of `slots`, workers whose batch is full: steps
+    until a batch slot is free for it, then its own steps, all at the worker's current step latency. The
+    queued requests its worker admits first (`ClusterLoad.queued_ahead`) take freed slots first; past one
+    round of the batch, each further round is counted as their mean steps (an estimate: later changes of
+    the batch are not modelled). `siblings` ([slots] ints): earlier images of the same request placed at
+    each slot, ahead of it; they take the free batch slots first, so a worker with free slots is full for
+    `load` once they have."""
+    finish = np.full(cluster.num_slots, np.inf)
+    for slot in map(int, slots):
+        placed = 0 if siblings is None else int(siblings[slot])
+        joining = min(placed, max(0, int(cluster.max_batch[slot] - cluster.in_flight[slot])))
+        step_s = (float(cost.latency(cluster.running_features[slot] + joining * features))
+                  or float(cost.latency(features)))
+        running = sorted([*cluster.steps_left(slot, running=True), *[load.steps] * joining])
+        ahead = [*cluster.queued_ahead(slot, load, step_s), *[load.steps] * (placed - joining)]
+        if running:
+            rounds, position = divmod(len(ahead), len(running))
+            wait_steps = running[position] + rounds * (float(np.mean(ahead)) if ahead else 0.0)
+        else:  # nothing runs yet: the queue ahead runs first, a batch at a time
+            wait_steps = (len(ahead) // int(cluster.max_batch[slot])) * load.steps
+        finish[slot] = (wait_steps + load.steps) * step_s
+    return finish

@@ -65,7 +65,8 @@ import zmq
 
 from retouch.engine import wire
 from retouch.engine.curve import RouterSecurity, is_loopback
-from retouch.engine.policies import ClusterLoad, NoWorker, RequestLoad, denoiser_calls, make_policy, prefer_holders
+from retouch.engine.policies import (ClusterLoad, NoWorker, RequestLoad, denoiser_calls, full_finish_s, make_policy,
+                                    prefer_holders)
 from retouch.engine.step_cost import StepCost
 from retouch.engine.wakeup import Wakeup
 from retouch.config import model_label
@@ -528,20 +529,26 @@ class Router:
 
     def _admit_deadlines(self, tasks: list[EditTask]) -> None:
         """Count the tasks with a deadline; in reject mode refuse them all (DeadlineUnattainable) if
-        one is predicted to finish after its deadline. No prediction (no StepCost, no live worker):
-        accepted."""
+        one is predicted to finish after its deadline. A request's images are predicted in turn, each
+        with the earlier ones placed where they would finish first. No prediction (no StepCost, no live
+        worker): accepted."""
         timed = [task for task in tasks if task.load.deadline is not None]
         for task in timed:
             self._slo_count(task.load, "with_deadline")
         if self.config.slo_admission != "reject":
             return
+        siblings = np.zeros(self.cluster.num_slots, dtype=int)
         for task in timed:
             budget_s = task.load.deadline - time.monotonic()
-            predicted_s = self.predict_finish_s(task.load, self._ready_slots(task.template_id))
-            if predicted_s is not None and predicted_s > budget_s:
+            finish = self._finish_s(task.load, self._ready_slots(task.template_id), siblings)
+            if finish is None:
+                continue
+            slot = int(np.argmin(finish))
+            if finish[slot] > budget_s:
                 for refused in timed:
                     self._slo_count(refused.load, "refused")
-                raise DeadlineUnattainable(predicted_s, budget_s)
+                raise DeadlineUnattainable(float(finish[slot]), budget_s)
+            siblings[slot] += 1
 
     def _ready_slots(self, template_id: str) -> np.ndarray | None:
         """Bool [slots] of live workers where the template is ready; None if there is none (it will be
@@ -557,29 +564,27 @@ class Router:
         """Seconds until `load` would be answered by the (eligible) live worker that would finish it
         first, from the StepCost and the cluster's view: with a free batch slot, its steps x the step
         latency of that worker's batch with it added; on a full worker, the steps until a slot frees
-        for it (the queue ahead first) and then its own, at the running batch's step latency. None
-        without a StepCost or a live eligible worker."""
+        for it (the requests its worker admits first take the first ones: `full_finish_s`) and then its
+        own, at the running batch's step latency. None without a StepCost or a live eligible worker."""
+        finish = self._finish_s(load, eligible)
+        return None if finish is None else float(finish.min())
+
+    def _finish_s(self, load: RequestLoad, eligible: np.ndarray | None,
+                  siblings: np.ndarray | None = None) -> np.ndarray | None:
+        """[slots] `predict_finish_s` at each worker (inf where it cannot run), with `siblings` ([slots]:
+        earlier images of the same request placed at each) counted ahead of it; None as there."""
         cluster, cost = self.cluster, self.cluster.cost
         candidates = cluster.alive if eligible is None else cluster.alive & eligible
         if cost is None or not candidates.any():
             return None
+        placed = np.zeros(cluster.num_slots, dtype=int) if siblings is None else siblings
         features = cost.request_features(load.image_tokens, load.masked_tokens, load.text_tokens)
-        best = float("inf")
-        for slot in np.flatnonzero(candidates):
-            slot = int(slot)
-            if cluster.in_flight[slot] < cluster.max_batch[slot]:
-                best = min(best, load.steps * float(cost.latency(cluster.inflight_features[slot] + features)))
-                continue
-            running = sorted(cluster.steps_left(slot, running=True))
-            queued = cluster.steps_left(slot, running=False)
-            if running:
-                rounds, position = divmod(len(queued), len(running))
-                wait_steps = running[position] + rounds * (float(np.mean(queued)) if queued else 0.0)
-            else:  # all queued: they run a batch at a time before it
-                wait_steps = (len(queued) // int(cluster.max_batch[slot])) * load.steps
-            step_s = float(cost.latency(cluster.running_features[slot])) or float(cost.latency(features))
-            best = min(best, (wait_steps + load.steps) * step_s)
-        return best
+        free = candidates & (cluster.in_flight + placed < cluster.max_batch)
+        finish = full_finish_s(load, cluster, np.flatnonzero(candidates & ~free), cost, features, placed)
+        for slot in map(int, np.flatnonzero(free)):
+            finish[slot] = load.steps * float(cost.latency(cluster.inflight_features[slot]
+                                                           + (placed[slot] + 1) * features))
+        return finish
 
     def _slo_count(self, load: RequestLoad, what: str) -> None:
         counts = self.slo.setdefault(size_class(load), dict.fromkeys(("with_deadline", *SLO_OUTCOMES), 0))

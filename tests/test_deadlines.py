@@ -169,6 +169,48 @@ def test_the_prediction_counts_the_queue_on_a_full_worker(context, make_router):
     assert running.result(TIMEOUT_S).status == 200
 
 
+def test_a_deadline_waits_only_for_the_queued_edits_its_worker_admits_first(context, make_router):
+    router = make_router(FakeStepCost(), slo_admission="reject")
+    worker = ready_worker(context, router, max_batch=1)
+    edit = EditTask("t1", bytes(64 * 64), (64, 64), "a dog", 0, LOAD)
+    futures = [router.submit(edit)]
+    running = worker.receive("edit")["request"]
+    worker.heartbeat({}, running=[[running, 1]])  # one step to go; then 3 queued edits without a deadline
+    futures += [router.submit(edit) for _ in range(3)]
+    queued = [worker.receive("edit")["request"] for _ in range(3)]
+    # Without a deadline: behind the 3 queued (2 steps each), one at a time: 1 + 3 x 2 steps, then its own 2.
+    assert router.predict_finish_s(LOAD) == pytest.approx((1 + 6 + 2) * STEP_S)
+    # With one: the worker admits it first, so only the running edit is ahead (the old prediction: 90 s).
+    urgent = replace(LOAD, deadline=time.monotonic() + 1000)
+    assert router.predict_finish_s(urgent) == pytest.approx((1 + 2) * STEP_S)
+    futures.append(router.submit(replace(edit, load=replace(LOAD, deadline=time.monotonic() + 45))))
+    queued.append(worker.receive("edit")["request"])
+    # A queued edit with less slack is ahead of a later deadline, one with more slack is not.
+    assert router.predict_finish_s(urgent) == pytest.approx((1 + 2 + 2) * STEP_S)
+    assert router.predict_finish_s(replace(LOAD, deadline=time.monotonic() + 40)) == pytest.approx(3 * STEP_S)
+    for request in (running, *queued):
+        worker.answer(request)
+    assert [future.result(TIMEOUT_S).status for future in futures] == [200] * 5
+
+
+@pytest.mark.parametrize("budget_s, admitted", [(50.0, False), (70.0, True)])
+def test_the_images_of_one_request_are_predicted_one_after_another(context, make_router, budget_s, admitted):
+    router = make_router(FakeStepCost(), slo_admission="reject")
+    worker = ready_worker(context, router, max_batch=1)
+    # Three images on one idle worker of batch 1: the third ends after 3 x 2 steps of 10 s, not 2.
+    tasks = [task(budget_s)] * 3
+    if not admitted:
+        with pytest.raises(DeadlineUnattainable) as refused:
+            router.submit_many(tasks)
+        assert refused.value.predicted_s == pytest.approx(60.0)
+        assert router.snapshot()["slo"][size_class(LOAD)]["refused"] == 3
+        return
+    _, futures = router.submit_many(tasks)
+    for _ in tasks:
+        worker.answer(worker.receive("edit")["request"])
+    assert [future.result(TIMEOUT_S).status for future in futures] == [200] * 3
+
+
 def test_accept_mode_runs_what_will_miss_and_counts_it_missed(context, make_router):
     router = make_router(FakeStepCost(), slo_admission="accept")
     worker = ready_worker(context, router)
