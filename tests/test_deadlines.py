@@ -233,7 +233,7 @@ def test_size_classes():
 async def http_scenario(context) -> dict:
     router = Router(RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05,
                                  dead_after_s=60.0, slo_admission="reject"), FakeStepCost()).start()
-    app = create_app(router, Limits(default_steps=2, slo_ms_per_megapixel=1.0))
+    app = create_app(router, Limits(default_steps=2, slo_ms_per_megapixel=1.0, slo_ms_min=5000.0))
     outcome = {}
     try:
         worker = await asyncio.to_thread(ScriptedWorker, context, router, "w0")
@@ -261,11 +261,15 @@ def test_slo_ms_is_validated_and_an_unattainable_deadline_is_refused_with_429(co
     for name in ("not a number", "python's digits", "spaced", "zero", "over an hour"):
         assert outcome[name].json()["error"]["param"] == "slo_ms", name
     assert outcome["zero"].status_code == 422 and outcome["over an hour"].status_code == 422
-    # 20 s predicted; 1 ms asked, and the default of 1 ms per megapixel: both refused.
+    # 20 s predicted; 1 ms asked, and the default of 1 ms per megapixel, 5 s at least: both refused.
     for name in ("tight", "default"):
         error = outcome[name].json()["error"]
         assert outcome[name].status_code == 429 and error["code"] == "slo_unattainable", name
         assert "20.000 s" in error["message"]
+    assert "its deadline" in outcome["tight"].json()["error"]["message"]
+    default = outcome["default"].json()["error"]["message"]
+    assert "the server's default deadline for its size" in default
+    assert 4.5 < float(re.search(r"budget of (\S+) s", default).group(1)) <= 5.0  # the floor, not 1 ms
     assert 'retouch_slo_requests_total{class="256",outcome="refused"} 2.0' in outcome["metrics"]
 
 
@@ -297,3 +301,5 @@ def test_a_served_edit_meets_a_huge_slo_and_misses_a_one_ms_one():
 def test_serve_options_check_the_slo_default():
     with pytest.raises(InputError, match="slo-ms-per-megapixel"):
         ServeOptions(model="tiny-flux-fill", slo_ms_per_megapixel=-1.0)
+    with pytest.raises(InputError, match="slo-ms-min"):
+        ServeOptions(model="tiny-flux-fill", slo_ms_min=-1.0)

@@ -371,6 +371,8 @@ class ServeOptions:
                                "--compile)")
     slo_ms_per_megapixel: float = option(0.0, help="default SLO of an edit without slo_ms: this many ms per "
                                          "megapixel of its image (0: none)")
+    slo_ms_min: float = option(1000.0, help="with --slo-ms-per-megapixel: the default SLO is never shorter (what "
+                               "an edit costs whatever its size: the text encoder, the VAE, the queue)")
     slo_admission: str = option("accept", help="an edit predicted to miss its SLO: accept it anyway, or reject it "
                                 "at once (429 slo_unattainable; predicted with the cost model)",
                                 choices=("accept", "reject"))
@@ -406,7 +408,8 @@ class ServeOptions:
         _require(self, ("drain_s",), ">= 0")
         _require(self, ("max_connections", "max_prompt_chars", "max_batch", "steps", "max_steps", "max_queue",
                         "max_pixels", "max_work", "max_templates_per_tenant"), ">= 1")
-        _require(self, ("worker_threads", "helper_threads", "slo_ms_per_megapixel", "max_queue_per_tenant"), ">= 0")
+        _require(self, ("worker_threads", "helper_threads", "slo_ms_per_megapixel", "slo_ms_min",
+                        "max_queue_per_tenant"), ">= 0")
         if self.cuda_graphs and self.device == "cpu":
             raise InputError("--cuda-graphs needs a CUDA device (--device cuda or auto)")
         if self.helpers < 1 and self.mode == "disagg":

@@ -149,6 +149,7 @@ class Limits:
     max_connections: int = 1024
     max_inflight_bytes: int = 1 << 30  # request bodies being handled at once (503 beyond)
     slo_ms_per_megapixel: float = 0.0  # an edit without slo_ms gets this x its megapixels (0: no deadline)
+    slo_ms_min: float = 1000.0  # ... and never less than this
     lora_dir: Path | None = None  # the workers' LoRA folder (--lora-dir): edits' names are checked in it; None: none
     model_names: tuple[str, ...] = ()  # what a request's `model` may say; none: the served model's name
     # Browser pages of these origins (scheme://host[:port], or "*") may call the API (CORS); none: same origin only
@@ -185,8 +186,9 @@ class Limits:
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "result_ttl_s", "max_result_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not (math.isfinite(self.slo_ms_per_megapixel) and self.slo_ms_per_megapixel >= 0):
-            raise ValueError(f"slo_ms_per_megapixel must be >= 0, got {self.slo_ms_per_megapixel}")
+        for name in ("slo_ms_per_megapixel", "slo_ms_min"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_inflight_bytes < self.max_upload_bytes:
             raise ValueError(f"max_inflight_bytes ({self.max_inflight_bytes}) must hold one upload "
                              f"(max_upload_bytes {self.max_upload_bytes})")
@@ -1244,10 +1246,11 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
 
     def slo_deadline(request: Request, form: Form, size: tuple[int, int]) -> None:
         """The edit's deadline on the router's clock (`request.state.deadline`, None: no SLO): its
-        arrival plus `slo_ms`, or plus the server's default for its size."""
+        arrival plus `slo_ms`, or plus the server's default for its size (`request.state.default_slo`)."""
         slo_ms = form.integer("slo_ms", None, 1, MAX_SLO_MS)
-        if slo_ms is None and limits.slo_ms_per_megapixel > 0:
-            slo_ms = max(1.0, limits.slo_ms_per_megapixel * size[0] * size[1] / 1e6)
+        request.state.default_slo = slo_ms is None and limits.slo_ms_per_megapixel > 0
+        if request.state.default_slo:
+            slo_ms = max(1.0, limits.slo_ms_min, limits.slo_ms_per_megapixel * size[0] * size[1] / 1e6)
         request.state.deadline = None if slo_ms is None else request.state.arrived + slo_ms / 1000
 
     def accept(request: Request, template_id: str, one_off: TemplateRecord | None, mask: Image.Image,
@@ -1267,7 +1270,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             raise ApiError(429, f"server busy: {exc}; retry in {exc.retry_after_s} s", None, "queue_full",
                            {"Retry-After": str(exc.retry_after_s)}) from None
         except DeadlineUnattainable as exc:
-            raise ApiError(429, f"the edit cannot meet its deadline: {exc}", "slo_ms", "slo_unattainable") from None
+            whose = ("the server's default deadline for its size (--slo-ms-per-megapixel; slo_ms sets another)"
+                     if getattr(request.state, "default_slo", False) else "its deadline")
+            raise ApiError(429, f"the edit cannot meet {whose}: {exc}", "slo_ms", "slo_unattainable") from None
         except Unavailable as exc:
             code = NO_WORKER if isinstance(exc, NoWorkerConnected) else "unavailable"
             raise ApiError(503, str(exc), None, code, {"Retry-After": "5"}) from None
