@@ -288,6 +288,8 @@ def test_a_served_edit_meets_a_huge_slo_and_misses_a_one_ms_one():
         missed = client.post("/v1/edits", files=parts, data={"prompt": "a cat", "slo_ms": "1"})
         plain = client.post("/v1/edits", files=parts, data={"prompt": "a cup"})
         assert met.status_code == missed.status_code == plain.status_code == 200
+        assert (met.headers["x-deadline-met"], missed.headers["x-deadline-met"]) == ("true", "false")
+        assert "x-deadline-met" not in plain.headers
         streamed = client.post("/v1/edits", files=parts, data={"prompt": "a hat", "slo_ms": "3600000",
                                                                "stream": "true"})
         assert '"deadline_met":true' in streamed.text

@@ -908,7 +908,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         app.add_middleware(CORSMiddleware, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST",
                            "DELETE"], allow_headers=["Authorization", "Content-Type", "X-Request-Id",
                            "Idempotency-Key", "Prefer"],
-                           expose_headers=["X-Request-Id", "X-Template-Id", "Retry-After", "Location",
+                           expose_headers=["X-Request-Id", "X-Template-Id", "X-Deadline-Met", "Retry-After", "Location",
                                            "Idempotent-Replayed", "Preference-Applied"], max_age=600)
     app.add_middleware(CountAnswers, metrics=metrics)
 
@@ -1320,8 +1320,20 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             finally:
                 in_flight.pop(key, None)
                 metrics.latency.labels(endpoint, outcome).observe(time.perf_counter() - started)
+            met = [answer.metrics.get("deadline_met") for answer in answered]
+            if any(value is not None for value in met):  # each image's, in order (X-Deadline-Met)
+                request.state.deadline_met = ",".join("true" if value else "false" for value in met)
             return [a.png for a in answered]
         return answers
+
+    def answer_headers(request: Request, template_id: str) -> dict[str, str]:
+        """An edit's answer headers: its template, its id, and for an edit with a deadline whether each
+        image met it (the streamed `done` event's metrics say it too)."""
+        headers = {"X-Template-Id": template_id, "X-Request-Id": request.state.request_id}
+        met = getattr(request.state, "deadline_met", None)
+        if met is not None:
+            headers["X-Deadline-Met"] = met
+        return headers
 
     async def answers_or_cancel(request: Request | None, ids: list[int], futures: list) -> list[EditAnswer]:
         """The router's answers, in order. The first that is not a success cancels the others at once
@@ -1672,7 +1684,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         async def answer(watch_client: bool) -> Reply:
             [png] = await answers(watch_client)
             image = await native_answer(template_id, one_off, mask, png, encoding)
-            headers = {"X-Template-Id": template_id, "X-Request-Id": request.state.request_id}
+            headers = answer_headers(request, template_id)
             if response_format == "png":
                 return Reply(headers, images=(image,), media_type=f"image/{output_format}")
             envelope = {"created": int(time.time()), "template_id": template_id, "output_format": output_format}
@@ -1772,8 +1784,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                       for png in pngs]
             envelope = {"created": int(time.time()), "output_format": output_format, "size": f"{width}x{height}",
                         "background": "opaque"}
-            return Reply({"X-Template-Id": template_id, "X-Request-Id": request.state.request_id}, envelope,
-                         tuple(images))
+            return Reply(answer_headers(request, template_id), envelope, tuple(images))
 
         return await answered(request, claim, template_id, answer)
 
