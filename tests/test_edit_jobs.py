@@ -314,6 +314,8 @@ def test_a_fingerprint_tells_requests_apart():
         assert fingerprint("/v1/edits", other, False) != base
     assert fingerprint("/v1/edits", fields(), True) != base
     assert fingerprint("/v1/images/edits", fields(), False) != base
+    # a retry may send the time it has left: the deadline is not what it asked for
+    assert fingerprint("/v1/edits", [*fields(), ("slo_ms", "900")], False) == base
 
 
 async def concurrent_and_failing() -> dict:
@@ -500,3 +502,17 @@ def test_a_stream_cleans_up_even_when_it_never_began():
     with pytest.raises(OSError):
         asyncio.run(response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, gone))
     assert closed == [True] and began == []
+
+
+async def an_edit_of_a_deleted_template() -> httpx.Response:
+    async with server_with_a_template() as (client, router, worker, form):
+        posted = asyncio.create_task(client.post("/v1/edits", headers=auth(), data=form, files=mask_file()))
+        edit = await asyncio.to_thread(worker.receive, "edit")
+        worker.fail(edit["request"], 404, "template_deleted", f"template {form['template_id']!r} was deleted")
+        return await posted
+
+
+def test_an_edit_whose_template_was_deleted_names_the_template_id():
+    answer = asyncio.run(an_edit_of_a_deleted_template())
+    error = answer.json()["error"]
+    assert answer.status_code == 404 and (error["code"], error["param"]) == ("template_deleted", "template_id")

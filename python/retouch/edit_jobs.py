@@ -132,13 +132,19 @@ async def wait_events(events: list[asyncio.Event], timeout_s: float, return_when
             wait.cancel()
 
 
+WHEN_NOT_WHAT = frozenset({"slo_ms"})  # fields a retry may change under the same Idempotency-Key
+
+
 def fingerprint(endpoint: str, fields: list[tuple[str, str | IO[bytes]]], runs_async: bool) -> str:
     """What a request asked for: its endpoint, every form field (name and value; a file by its bytes, read
     in chunks from its start and left at its start) by name, whatever their order (a client may rebuild
-    its form from a map), and whether it runs asynchronously.
+    its form from a map), and whether it runs asynchronously. Not `slo_ms`: it says when the answer is due,
+    not what it is, and a client retrying may well send the time it has left.
     Reads files: run it in a worker thread."""
     digest = hashlib.sha256(f"{endpoint}\0{int(runs_async)}\0".encode())
     for name, value in sorted(fields, key=lambda field: field[0]):  # stable: a repeated field keeps its order
+        if name in WHEN_NOT_WHAT:
+            continue
         if isinstance(value, str):
             data = value.encode()
             digest.update(f"{name}\0{len(data)}\0".encode())

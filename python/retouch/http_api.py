@@ -1895,8 +1895,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         code = WORKER_ERROR_CODES.get(answer.error) or (
             answer.error if answer.error and answer.error.islower()  # the router's own: no_worker, ...
             else "internal_error" if answer.status >= 500 else "invalid_request")
-        return ApiError(answer.status, answer.message or "the edit failed",
-                        "lora" if answer.error == LoraError.__name__ else None, code,
+        param = {LoraError.__name__: "lora", "template_deleted": "template_id"}.get(answer.error or "")
+        return ApiError(answer.status, answer.message or "the edit failed", param, code,
                         {"Retry-After": "5"} if answer.status == 503 else None)
 
     def edit_in_flight(request: Request, request_id: str) -> list[int]:
