@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from editor_inputs import max_diff, square_mask, template_image
 from lora_files import save_random_lora
 from loop_runs import run_loop
@@ -213,6 +214,45 @@ def test_a_forgotten_adapter_is_freed_while_the_loader_waits(flux, lora_dir):
         manager.close()
 
 
+def test_a_failed_read_keeps_none_of_the_file(flux, lora_dir):
+    """A file refused after it was read (NaN factors) gives its memory back at once: the failure kept for its
+    next lookup is a message, not an exception whose traceback holds the read's frames (once, every broken
+    file stayed in memory for the worker's life)."""
+    editor, _ = flux
+    tensors = load_file(lora_dir / "A" / "pytorch_lora_weights.safetensors")
+    name = next(key for key in tensors if "lora_A" in key)
+    tensors[name] = tensors[name].clone().fill_(float("nan"))
+    save_file(tensors, lora_dir / "poisoned.safetensors")
+    manager = Worker(editor, config_of(lora_dir)).loras
+    try:
+        (first,) = manager.acquire((LoraUse("poisoned"),))
+        assert "NaN" in str(first.exception(timeout=60))
+        manager._queue.join()
+        gc.collect()
+        assert manager.memory.used == 0
+        (again,) = manager.acquire((LoraUse("poisoned"),))
+        assert "NaN" in str(again.exception(timeout=0)) and manager.metrics()["loads"] == 0
+    finally:
+        manager.close()
+        (lora_dir / "poisoned.safetensors").unlink()
+
+
+def test_a_checkpoint_in_the_lora_folder_is_refused_from_its_header(flux, lora_dir, monkeypatch):
+    """A file without LoRA factors (a model checkpoint put in the folder by mistake: 23 GB for Flux) is
+    refused before any of its data is read or memory of its size is taken."""
+    editor, _ = flux
+    save_file({"transformer.x_embedder.weight": torch.zeros(64, 16)}, lora_dir / "checkpoint.safetensors")
+    asked = []
+    manager = Worker(editor, config_of(lora_dir)).loras
+    monkeypatch.setattr(manager.memory, "block", lambda nbytes, pinned: asked.append(nbytes))
+    try:
+        (future,) = manager.acquire((LoraUse("checkpoint"),))
+        assert "holds no LoRA factors" in str(future.exception(timeout=60)) and asked == []
+    finally:
+        manager.close()
+        (lora_dir / "checkpoint.safetensors").unlink()
+
+
 def test_resident_names_the_adapters_that_need_no_file_read(flux, lora_dir):
     """What the heartbeat tells the router (LoRA affinity): loaded adapters, until the caches forget them."""
     editor, _ = flux
@@ -247,7 +287,7 @@ def test_a_broken_file_is_read_once_until_it_changes(flux, lora_dir):
         first = manager.acquire((LoraUse("fixable"),))[0]
         assert isinstance(first.exception(timeout=60), LoraError)
         again = manager.acquire((LoraUse("fixable"),))[0]
-        assert again.exception(timeout=0) is first.exception()
+        assert str(again.exception(timeout=0)) == str(first.exception())  # at once, from the one read
         assert manager.metrics()["load_failures"] == 1 and manager.metrics()["misses"] == 1
         path.write_bytes((lora_dir / "A" / "pytorch_lora_weights.safetensors").read_bytes())  # the flux fixture's
         fixed = manager.acquire((LoraUse("fixable"),))[0]

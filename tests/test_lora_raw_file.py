@@ -2,6 +2,7 @@
 writes, views of the memory given (no copy), and the files safetensors refuses refused too."""
 
 import json
+import re
 import struct
 
 import pytest
@@ -119,6 +120,31 @@ def test_what_safetensors_refuses_is_refused(case):
     with pytest.raises(NotSafetensors) as raised:
         tensor_views(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else fresh(0))
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_a_file_refused_from_its_header_takes_no_memory_of_its_size(case, tmp_path):
+    """read_file checks the header before it allocates: junk of gigabytes costs its first bytes only."""
+    data, fragment = BROKEN[case]
+    path = tmp_path / "broken.safetensors"
+    path.write_bytes(data)
+    asked = []
+    with pytest.raises(NotSafetensors, match=re.escape(fragment)):
+        read_file(path, lambda nbytes: asked.append(nbytes) or fresh(nbytes))
+    assert asked == []
+
+
+def test_the_names_are_checked_before_the_data_is_read(tmp_path):
+    path = tmp_path / "a.safetensors"
+    save_file({"a": torch.randn(1024), "b": torch.randn(8)}, str(path))
+    seen, asked = [], []
+
+    def refuse(names: list[str]) -> None:
+        seen.extend(names)
+        raise KeyError("no")
+    with pytest.raises(KeyError):
+        read_file(path, lambda nbytes: asked.append(nbytes) or fresh(nbytes), refuse)
+    assert sorted(seen) == ["a", "b"] and asked == []
 
 
 def test_the_good_handmade_file_is_read_by_both():

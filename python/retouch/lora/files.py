@@ -190,14 +190,19 @@ def _read_raw_file(path: Path, allocate, where: str) -> tuple[torch.Tensor, dict
     plain LoRA: a different adapter than the one trained)."""
     if not path.is_file():
         raise LoraError(f"{where} does not exist")
+
+    def check_names(names: list[str]) -> None:  # before the data is read: a refused file costs its header only
+        dora = next((key for key in names if "dora_scale" in key or "lora_magnitude_vector" in key), None)
+        if dora is not None:
+            raise LoraError(f"{where} is a DoRA adapter ({dora}); retouch applies plain LoRA only")
+        if names and not any("lora" in key.lower() for key in names):  # every format diffusers reads names them so
+            raise LoraError(f"{where} holds no LoRA factors ({len(names)} tensors, none named *lora*): a model "
+                            "checkpoint in the LoRA folder?")
     try:
-        raw = read_file(path, allocate)
+        raw = read_file(path, allocate, check_names)
         tensors, file_metadata = tensor_views(raw)
     except (OSError, NotSafetensors) as error:
         raise LoraError(f"{where} is not a readable safetensors file: {_one_line(error, path)}") from None
-    dora = next((key for key in tensors if "dora_scale" in key or "lora_magnitude_vector" in key), None)
-    if dora is not None:
-        raise LoraError(f"{where} is a DoRA adapter ({dora}); retouch applies plain LoRA only")
     return raw, tensors, file_metadata
 
 

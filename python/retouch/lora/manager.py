@@ -79,7 +79,7 @@ class LoraManager:
         self._layers: LoraLayers | None = None
         self._device: OrderedDict[str, DeviceLora] = OrderedDict()
         self._loading: dict[str, _Load] = {}
-        self._failed: dict[str, tuple[tuple, BaseException]] = {}  # name -> (its file's identity, the error)
+        self._failed: dict[str, tuple[tuple, str]] = {}  # name -> (its file's identity, the error's message)
         # name -> the LoraUses of requests looked up but not admitted yet (weakly: a dropped request unpins)
         self._reserved: dict[str, list[weakref.ref]] = {}
         self._lock = threading.Lock()
@@ -191,7 +191,7 @@ class LoraManager:
             failed = self._failed.get(name)
             if failed is not None and failed[0] == identity:  # the same broken file: not read again
                 self.load_failures += lookup
-                return _resolved(error=failed[1])
+                return _resolved(error=LoraError(failed[1]))
             load = self._loading.get(name)
             if load is None:
                 load = self._loading[name] = _Load()
@@ -263,15 +263,17 @@ class LoraManager:
                 weights = self._read(name, file)
             device_lora = DeviceLora(*self._host_to_device(weights, stream), identity=file)
         except BaseException as exc:  # noqa: BLE001 - the requests that asked fail with it
-            error = exc if isinstance(exc, LoraError) else LoraError(f"LoRA {name!r} could not be loaded: {exc}")
+            # Only the message is kept and passed on: the exception's traceback holds the read's frames,
+            # whose locals are the whole file, for as long as anything holds the exception.
+            message = str(exc) if isinstance(exc, LoraError) else f"LoRA {name!r} could not be loaded: {exc}"
             with self._lock:
                 lookups = max(load.lookups, 1)  # a load no lookup asked for (an admission's) counts as one
                 self.misses += lookups if read else 0
                 self.load_failures += lookups
                 del self._loading[name]
-                self._failed[name] = (file, error)
+                self._failed[name] = (file, message)
             for future in (load.future, *load.leases):
-                future.set_exception(error)
+                future.set_exception(LoraError(message))
             return
         with self._lock:
             lookups = max(load.lookups, 1)

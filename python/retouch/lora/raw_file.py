@@ -35,11 +35,22 @@ class NotSafetensors(ValueError):
     """The bytes are not a safetensors file; the message says why, in one line."""
 
 
-def read_file(path: str | Path, allocate: Callable[[int], torch.Tensor]) -> torch.Tensor:
+def read_file(path: str | Path, allocate: Callable[[int], torch.Tensor],
+              check_names: Callable[[list[str]], None] | None = None) -> torch.Tensor:
     """The bytes of `path` in `allocate(size)` (a uint8 CPU tensor of that size). OSError as `open` raises it;
-    NotSafetensors for a file that shrank while it was read."""
+    NotSafetensors for a file that is not safetensors, or shrank while it was read. The header is read and
+    checked first (with `check_names(tensor names)`, which may raise), so that a file refused costs no more
+    than its header: no memory of its size, and no time reading it."""
     with open(path, "rb", buffering=0) as file:
         size = os.fstat(file.fileno()).st_size
+        prefix = file.read(8)
+        header_bytes = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+        if 8 + header_bytes <= min(size, 8 + MAX_HEADER_BYTES):
+            prefix += file.read(header_bytes)
+        _, entries, _ = _layout(memoryview(prefix), size)
+        if check_names is not None:
+            check_names([name for _, name in entries])
+        file.seek(0)
         raw = allocate(size)
         view = memoryview(raw.numpy())
         done = 0
@@ -54,12 +65,21 @@ def read_file(path: str | Path, allocate: Callable[[int], torch.Tensor]) -> torc
 def tensor_views(raw: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(name -> tensor, the header's `__metadata__`) of the safetensors bytes `raw`: each tensor a view of
     `raw` (a copy of its own only where its offset does not suit its dtype's alignment)."""
-    data = raw.numpy()
-    if len(data) < 8:
-        raise NotSafetensors(f"{len(data)} bytes: shorter than a safetensors header")
+    start, entries, metadata = _layout(raw.numpy(), len(raw))
+    tensors = {name: _view(raw, start + begin, start + stop, dtype, shape)
+               for (dtype, shape, begin, stop), name in entries}
+    return tensors, metadata
+
+
+def _layout(data, size: int) -> tuple[int, list[tuple[tuple[torch.dtype, list[int], int, int], str]], dict[str, str]]:
+    """(where the data starts, each tensor's ((dtype, shape, begin, stop), name) in data order, the header's
+    `__metadata__`) of a safetensors file of `size` bytes whose first bytes, its header at least, are `data`
+    (bytes sliced to bytes by `.tobytes()`: a memoryview or a uint8 numpy array)."""
+    if size < 8:
+        raise NotSafetensors(f"{size} bytes: shorter than a safetensors header")
     header_bytes = int.from_bytes(data[:8].tobytes(), "little")
-    if header_bytes > MAX_HEADER_BYTES or 8 + header_bytes > len(data):
-        raise NotSafetensors(f"a header of {header_bytes} bytes in a file of {len(data)}")
+    if header_bytes > MAX_HEADER_BYTES or 8 + header_bytes > size:
+        raise NotSafetensors(f"a header of {header_bytes} bytes in a file of {size}")
     try:
         header = json.loads(data[8:8 + header_bytes].tobytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -71,20 +91,19 @@ def tensor_views(raw: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, 
         raise NotSafetensors("its __metadata__ is not a map of strings")
     start = 8 + header_bytes
     entries = sorted(((_entry(name, info), name) for name, info in header.items()), key=lambda e: e[0][2])
-    tensors, end = {}, 0
+    end = 0
     for (dtype, shape, begin, stop), name in entries:
         if begin != end:
             raise NotSafetensors(f"{name} starts at byte {begin} of the data, not where the previous entry ends "
                                  f"({end})")
-        if start + stop > len(data):
-            raise NotSafetensors(f"{name} ends at byte {stop} of the data, the file holds {len(data) - start}")
+        if start + stop > size:
+            raise NotSafetensors(f"{name} ends at byte {stop} of the data, the file holds {size - start}")
         if stop - begin != math.prod(shape) * dtype.itemsize:
             raise NotSafetensors(f"{name} has {stop - begin} bytes for a {dtype} tensor of shape {shape}")
-        tensors[name] = _view(raw, start + begin, start + stop, dtype, shape)
         end = stop
-    if start + end != len(data):
-        raise NotSafetensors(f"its entries hold {end} bytes of data, the file {len(data) - start}")
-    return tensors, metadata
+    if start + end != size:
+        raise NotSafetensors(f"its entries hold {end} bytes of data, the file {size - start}")
+    return start, entries, metadata
 
 
 def _entry(name: str, info) -> tuple[torch.dtype, list[int], int, int]:
