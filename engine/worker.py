@@ -92,10 +92,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
         if not (math.isfinite(self.helper_silence_s) and self.helper_silence_s > 0):
             raise ValueError(f"helper_silence_s must be a finite number > 0, got {self.helper_silence_s}")
-        if not (math.isfinite(self.lora_cache_mb) and self.lora_cache_mb > 0):
-            raise ValueError(f"lora_cache_mb must be a finite number > 0, got {self.lora_cache_mb}")
-        if self.lora_device_mb is not None and not (math.isfinite(self.lora_device_mb) and self.lora_device_mb > 0):
-            raise ValueError(f"lora_device_mb must be a finite number > 0, got {self.lora_device_mb}")
+        for name in ("lora_cache_mb", "lora_device_mb"):
+            mb = getattr(self, name)
+            if mb is not None and not (math.isfinite(mb) and int(mb * 2**20) >= 1):
+                raise ValueError(f"{name} must be a finite number of at least one byte, got {mb!r}")
         if not 0.0 <= self.lora_latest_step <= 1.0:
             raise ValueError(f"lora_latest_step must be in [0, 1], got {self.lora_latest_step}")
 
@@ -641,7 +641,9 @@ class Worker:
         object is collected (its future's callbacks may keep it in a reference cycle for long)."""
         self.editor.release(job.handles.values())
         job.handles = {}
-        job.lora_loads, job.lora_entry = [], ()
+        if job.lora_loads:
+            job.lora_loads, job.lora_entry = [], ()
+            self.loras.settle()
 
     def _mid_denoising(self) -> bool:
         return any(job.metrics.steps for job in self.running)

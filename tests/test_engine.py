@@ -348,6 +348,7 @@ def test_worker_metrics_keep_exact_totals_in_bounded_memory(steps, history, mark
                                           ({"helper_threads": -2}, "helper_threads must be a whole number >= 0"),
                                           ({"lora_cache_mb": float("inf")}, "lora_cache_mb must be a finite"),
                                           ({"lora_device_mb": float("nan")}, "lora_device_mb must be a finite"),
+                                          ({"lora_cache_mb": 1e-7}, "lora_cache_mb must be a finite number of at"),
                                           ({"helper_silence_s": 0.0}, "helper_silence_s must be a finite")])
 def test_an_engine_config_refuses_what_would_fail_later(fields, says):
     """Each was accepted: helpers=-1 and max_batch=1.5 failed in the loop, lora_cache_mb=inf as an

@@ -143,6 +143,24 @@ def test_a_budget_smaller_than_one_adapter_reads_each_file_once_per_lookup(edito
     assert list(manager._device) == ["B"]  # A, no longer needed, left for B
 
 
+def test_reads_in_a_full_cache_take_the_memory_of_those_evicted(editor, lora_dir, make_manager):
+    """Requests one after another naming five adapters, with room for three: each read evicts before it
+    reads and lands in the memory it freed (the cache once counted factors only, not the files as read,
+    and evicted after the read: a full cache read every file into fresh memory)."""
+    names = [f"C{i}" for i in range(5)]
+    for name in names:
+        shutil.copyfile(lora_dir / "A.safetensors", lora_dir / f"{name}.safetensors")
+    file_bytes = os.path.getsize(lora_dir / "A.safetensors")
+    manager = make_manager(lora_dir, cache_bytes=3 * file_bytes + 3 * 256)  # 256: the arena's alignment
+    for name in names * 2:
+        request(manager, name)
+        gc.collect()  # the request has gone
+    metrics = manager.metrics()
+    assert metrics["loads"] == 10 and metrics["read_fallbacks"] == 0
+    assert metrics["cached_adapters"] == 3 and metrics["cached_bytes"] <= manager.host.budget_bytes
+    assert manager.memory.used <= manager.host.budget_bytes
+
+
 def test_an_adapter_stays_on_the_device_while_a_request_needs_it(editor, lora_dir, make_manager):
     """Queued (looked up, not admitted) or running (admitted, its futures alive): pinned beyond the budget;
     gone from the device once its request is gone, at the next lookup."""
@@ -184,10 +202,12 @@ def test_the_device_budget_is_its_own(editor, lora_dir, make_manager):
         LoraManager(lora_dir, ROOMY, editor, device_bytes=0)
 
 
-def test_an_engine_with_a_budget_below_one_adapter_reads_it_once(editor, lora_dir):
+def test_an_engine_with_a_budget_below_one_adapter_reads_it_once_per_edit(editor, lora_dir):
     """Through `Engine.submit` (lookup at submission, admission in the loop, with the request's own LoraUse
-    objects): edits one after another read the adapter once; a request refused (an unknown template, checked
-    before its LoRA is looked up) and a finished one leave no reservation behind."""
+    objects): each edit reads the adapter once (its lookup and its admission share the read), and its copy,
+    larger than the budget, goes when the edit ends, not at a later lookup (an idle worker kept it); a
+    request refused (an unknown template, checked before its LoRA is looked up) and a finished one leave no
+    reservation behind."""
     size = adapter_bytes(editor, lora_dir / "A.safetensors")
     config = EngineConfig(mode="naive", lora_dir=str(lora_dir), lora_latest_step=0.0,
                           lora_cache_mb=size / 2 / 2**20)
@@ -199,7 +219,8 @@ def test_an_engine_with_a_budget_below_one_adapter_reads_it_once(editor, lora_di
         with pytest.raises(InputError, match="unknown template"):
             engine.submit(EditRequest("tpl-nope", square_mask(), "a red hat"), lora="A")
         manager = engine.worker.loras
-        assert counts(manager) == (2, 1, 0, 1)  # the refused request was refused before any lookup
+        assert counts(manager) == (0, 3, 0, 3)  # the refused request was refused before any lookup
+        assert manager.metrics()["device_adapters"] == 0
     gc.collect()
     with manager._lock:
         assert manager._live_reservations("A") == []

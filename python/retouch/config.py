@@ -174,10 +174,9 @@ def _check_webhook_options(options) -> None:
 def _check_lora_options(options) -> None:
     """--lora-dir, --lora-cache-mb and --lora-latest-step of a server or worker."""
     _check_lora_dir(options.lora_dir)
-    _require(options, ("lora_cache_mb",), "> 0")
-    device_mb = options.lora_device_mb
-    if device_mb is not None and not (math.isfinite(device_mb) and device_mb > 0):
-        raise InputError(f"--lora-device-mb must be a finite number > 0, got {device_mb}")
+    for flag, mb in (("--lora-cache-mb", options.lora_cache_mb), ("--lora-device-mb", options.lora_device_mb)):
+        if mb is not None and not (math.isfinite(mb) and int(mb * 2**20) >= 1):  # a budget of 0 bytes holds nothing
+            raise InputError(f"{flag} must be a finite number of at least one byte (1e-6 MiB), got {mb:g}")
     if not 0.0 <= options.lora_latest_step <= 1.0:
         raise InputError(f"--lora-latest-step must be in [0, 1], got {options.lora_latest_step}")
 

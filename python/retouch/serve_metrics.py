@@ -100,12 +100,17 @@ LORA_COUNTERS = (("hits", "LoRA lookups served without reading the file (on the 
                  ("load_seconds", "seconds spent loading LoRA files"),
                  ("load_cpu_seconds", "CPU seconds the loader thread spent on them (the rest: waiting on storage)"),
                  ("read_fallbacks", "LoRA files read into fresh host memory: the recycled memory had no free range "
-                  "of their size (evicted adapters still in use)"))
-LORA_GAUGES = (("cached_bytes", "bytes of LoRA weights in the worker's host cache"),
+                  "of their size (evicted adapters still in use by requests, or a file converted to the serving "
+                  "dtype, whose read and converted factors are held at once)"),
+                 ("device_evictions", "LoRA copies evicted from the worker's device"))
+LORA_GAUGES = (("cached_bytes", "bytes of host memory the worker's LoRA cache holds (the files as read)"),
                ("cached_adapters", "LoRAs in the worker's host cache"),
                ("budget_bytes", "the LoRA host cache's budget in bytes"),
                ("device_bytes", "bytes of LoRA weights on the worker's device"),
-               ("device_budget_bytes", "the budget of the LoRA copies on the device in bytes"))
+               ("device_budget_bytes", "the budget of the LoRA copies on the device in bytes"),
+               ("device_adapters", "LoRAs on the worker's device"),
+               ("device_pinned", "LoRAs on the device held by queued or running requests (kept beyond the budget)"),
+               ("loading", "LoRA files being read"))
 
 
 def endpoint_label(path: str) -> str:

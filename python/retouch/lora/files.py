@@ -13,6 +13,7 @@ and the CLI check names with `lora_path` and load no model.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -65,7 +66,20 @@ class LoraWeights:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its factors (what a device copy holds)."""
         return sum(t.numel() * t.element_size() for m in self.modules.values() for t in (m.A, m.B))
+
+    @functools.cached_property
+    def host_bytes(self) -> int:
+        """Bytes of the memory its factors live in: the whole read of its file where factors are views of it
+        (header and entries not applied included), and the block of those converted. What keeping it costs
+        the host, and what the host cache counts against its budget."""
+        storages = {}
+        for module in self.modules.values():
+            for factor in (module.A, module.B):
+                storage = factor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
     @property
     def max_rank(self) -> int:

@@ -40,15 +40,28 @@ class LoraHostCache:
         budget; False (kept nowhere) for an adapter larger than the whole budget."""
         with self._lock:
             self._pop(name)
-            if weights.nbytes > self.budget_bytes:
+            if weights.host_bytes > self.budget_bytes:
                 return False
             self._entries[name] = (identity, weights)
-            self.nbytes += weights.nbytes
+            self.nbytes += weights.host_bytes
             while self.nbytes > self.budget_bytes:
                 _, (_, evicted) = self._entries.popitem(last=False)
-                self.nbytes -= evicted.nbytes
+                self.nbytes -= evicted.host_bytes
                 self.evictions += 1
             return True
+
+    def make_room(self, nbytes: int) -> list[str]:
+        """Evict the least recently used until `nbytes` more fit the budget (or none is left): before a read
+        of that many bytes, so that it takes the memory of those evicted, not fresh memory. The names
+        evicted."""
+        evicted = []
+        with self._lock:
+            while self._entries and self.nbytes + nbytes > self.budget_bytes:
+                name, (_, weights) = self._entries.popitem(last=False)
+                self.nbytes -= weights.host_bytes
+                self.evictions += 1
+                evicted.append(name)
+        return evicted
 
     def discard(self, name: str) -> None:
         """Forget `name` (its file was replaced): not an eviction."""
@@ -58,7 +71,7 @@ class LoraHostCache:
     def _pop(self, name: str) -> None:
         entry = self._entries.pop(name, None)
         if entry is not None:
-            self.nbytes -= entry[1].nbytes
+            self.nbytes -= entry[1].host_bytes
 
     def clear(self) -> None:
         with self._lock:

@@ -297,6 +297,10 @@ class LoraManager:
         """The adapter's file, read for the denoiser and kept in the host cache (as a read of `file`)."""
         started, cpu_started = time.perf_counter(), time.thread_time()
         pinned = self.device.type == "cuda"
+        self.host.make_room(file[-1] if file else 0)  # its size: the read takes the memory of those evicted
+        if self.device.type == "cpu":  # where the device copies are the host cache's own tensors
+            with self._lock:
+                self._evict_locked()
         weights = read_lora(lora_path(self.lora_dir, name), name, self.editor.pipe, self.editor.dtype,
                             allocate=lambda nbytes: self.memory.block(nbytes, pinned))
         self.host.put(name, weights, file)
@@ -328,9 +332,24 @@ class LoraManager:
             module.B.record_stream(compute)
         device_lora.streamed = True
 
+    def settle(self) -> None:
+        """A request let its adapters go (`Worker._release`): device copies that only its lease kept beyond
+        the budget go now, not at the next lookup, which a worker whose later requests name no LoRA would
+        never make."""
+        with self._lock:
+            self._evict_locked()
+
     def _evict_locked(self) -> None:
         """Device copies beyond the device budget, least recently used first, except those pinned: reserved
-        for an admission to come, or leased to a request (its futures are alive)."""
+        for an admission to come, or leased to a request (its futures are alive). On a CPU worker a device
+        copy is the host cache's tensors, so one the host cache has let go goes too (once not pinned): its
+        memory is what the next read is to take."""
+        if self.device.type == "cpu":
+            cached = set(self.host.names())
+            for name, device_lora in list(self._device.items()):
+                if name not in cached and not self._pinned(name, device_lora):
+                    self._drop_locked(name)
+                    self.device_evictions += 1
         total = sum(d.weights.nbytes for d in self._device.values())
         for name, device_lora in list(self._device.items()):
             if total <= self.device_budget_bytes:
