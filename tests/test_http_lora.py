@@ -129,6 +129,22 @@ def test_the_served_loras_and_model_are_listed(make_router, lora_dir):
     assert [model["id"] for model in models["data"]] == ["flux-fill", "gpt-image-1"]
 
 
+def test_a_lora_folder_gone_after_the_start_is_the_servers_error(make_router, tmp_path):
+    """Not an empty list and 404s (a client's errors): 503, naming the field, retried later."""
+    gone = tmp_path / "loras"  # never made: as if deleted after the server started
+    answer = asyncio.run(refused(make_router(), Limits(lora_dir=gone), "/v1/edits", "grain"))
+    error = answer.json()["error"]
+    assert answer.status_code == 503 and (error["code"], error["param"]) == ("lora_folder_missing", "lora")
+    assert str(gone) not in answer.text and answer.headers["retry-after"] == "30"
+
+    async def listing():
+        app = create_app(make_router(), Limits(lora_dir=gone), "tiny-flux-fill")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+            return await client.get("/v1/loras")
+    listed = asyncio.run(listing())
+    assert listed.status_code == 503 and listed.json()["error"]["code"] == "lora_folder_missing"
+
+
 def test_spaces_around_a_lora_scale_are_allowed():
     assert parse_lora(" grain : 0.5 , ink") == (LoraUse("grain", 0.5), LoraUse("ink"))
 

@@ -324,6 +324,9 @@ BROKEN = {
             "lora_A has NaN or infinite values"),
     "infinity": (lambda t, m: _edited(t, f"{m[1]}.lora_B.weight", lambda v: v.view(-1)[0].fill_(float("inf"))),
                  "lora_B has NaN or infinite values"),
+    "integer factor": (lambda t, m: _with_factors(t, m[0], t[f"{m[0]}.lora_A.weight"].to(torch.int32),
+                                                  t[f"{m[0]}.lora_B.weight"]),
+                       "has a factor of dtype int32; LoRA factors are floating point"),
     "not a LoRA entry": (lambda t, m: {**t, "unet.conv_in.weight": torch.zeros(32, 9, 3, 3)},
                          "not a LoRA A or B weight: conv_in.weight"),
 }

@@ -680,6 +680,12 @@ async def read_mask_upload(upload: UploadFile, max_pixels: int, alpha: bool = Fa
     return await anyio.to_thread.run_sync(lambda: read_mask(image, alpha))
 
 
+def lora_folder_missing() -> ApiError:
+    """The LoRA folder went away after the server started: the operator's error, not the request's."""
+    return ApiError(503, "the server's LoRA folder is missing (an operator's error, not the request's)", "lora",
+                    "lora_folder_missing", {"Retry-After": "30"})
+
+
 def lora_field(form: Form, lora_dir: Path | None) -> LoraChoice:
     """The edit's `lora` field: "NAME[:SCALE]", comma-separated, or a JSON list of names or of
     {"name", "scale"} objects (`retouch.lora.parse_lora`), each name a file of `lora_dir`. 400 if it is
@@ -703,6 +709,8 @@ def lora_field(form: Form, lora_dir: Path | None) -> LoraChoice:
         raise ApiError(400, str(exc), "lora", "invalid_lora") from None
     if lora_dir is None:
         raise ApiError(400, "this server serves no LoRAs (start it with --lora-dir)", "lora", "lora_unsupported")
+    if choice and not lora_dir.is_dir():
+        raise lora_folder_missing()
     for use in choice:
         try:
             lora_path(lora_dir, use.name)
@@ -1018,8 +1026,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             return {"data": []}
         try:
             names = await anyio.to_thread.run_sync(list_loras, limits.lora_dir)
-        except LoraError:  # the folder went away after start: nothing to offer
-            names = []
+        except LoraError:  # the folder went away after start
+            raise lora_folder_missing() from None
         return {"data": [{"name": name} for name in names]}
 
     @app.get("/v1/webhooks/secret")

@@ -316,6 +316,10 @@ def _fit_to_linears(denoiser: nn.Module, factors: dict, family: str, where: str)
         if module_path not in factors:
             continue
         A, B = factors[module_path]
+        integral = next((factor for factor in (A, B) if not factor.is_floating_point()), None)
+        if integral is not None:  # a cast would apply rounded garbage, not the trained adapter
+            raise LoraError(f"{where}: {module_path} has a factor of dtype {str(integral.dtype).removeprefix('torch.')}"
+                            "; LoRA factors are floating point")
         if A.ndim != 2 or B.ndim != 2:
             raise LoraError(f"{where}: {module_path} has lora_A of shape {list(A.shape)} and lora_B of shape "
                             f"{list(B.shape)}; a linear's LoRA factors are matrices")
