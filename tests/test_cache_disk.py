@@ -121,7 +121,11 @@ def test_disk_tier_keeps_its_budget_and_evicts_least_recently_used(tmp_path):
     assert sum(p.stat().st_size for p in folder.iterdir()) == tier.used
     assert not tier.write("huge", layout, random_steps(layout, 4, seed=4))  # alone over budget
     assert not tier.path("huge").exists()
-    # A new tier over the same folder adopts the files; a smaller budget evicts the oldest.
+    # A new tier over the same folder (the first gave it back) adopts the files; a smaller budget evicts
+    # the oldest. While the first holds it, another process's tier is refused.
+    with pytest.raises(InputError, match="keeps its disk tier in"):
+        DiskTier(folder, budget=2 * file_bytes)
+    tier.close()
     again = DiskTier(folder, budget=2 * file_bytes)
     assert again.used <= again.budget and again.contains("d")
 

@@ -103,9 +103,15 @@ def test_a_restarted_editor_adopts_the_recordings_its_disk_tier_kept(tmp_path):
     reads its file's header instead of recording it, and its edits are the earlier process's, bit for
     bit. Other weights under the same model name, or a recording that lacks what the cache mode reads,
     are recorded again."""
+    stores = []
+
     def editor(mode: str = "y", storage: str = "auto"):
+        """A worker process on the folder: the one before it has stopped (a disk tier is one process's)."""
+        for earlier in stores:
+            earlier.close()
         store = CacheStore(StoreConfig(host_bytes=64 << 20, disk_dir=tmp_path / "disk", disk_bytes=256 << 20,
                                        dtype=storage))
+        stores.append(store)
         return load("tiny-flux-fill", cache=store, cache_mode=mode)
 
     mask = square_mask((40, 40, 90, 90))
@@ -131,13 +137,17 @@ def test_a_restarted_editor_adopts_the_recordings_its_disk_tier_kept(tmp_path):
 
     assert editor("kv").adopt(kv.templates[template_id])  # the same weights would adopt it
     assert not editor("kv", storage="float16").adopt(kv.templates[template_id])  # auto is lossless, fp16 not
-    retrained, other_vae = editor("kv"), editor("kv")
+    retrained = editor("kv")
     with torch.no_grad():
         next(retrained.denoiser.parameters()).add_(1e-3)
+    assert not retrained.adopt(kv.templates[template_id])
+    other_vae = editor("kv")
+    with torch.no_grad():
         next(other_vae.pipe.vae.parameters()).add_(1e-3)  # other latents under the same name
-    assert not retrained.adopt(kv.templates[template_id]) and not other_vae.adopt(kv.templates[template_id])
-    register_replay_template(retrained)
-    assert retrained.cache.metrics()["registrations"] == 1
+    assert not other_vae.adopt(kv.templates[template_id])
+    register_replay_template(other_vae)
+    assert other_vae.cache.metrics()["registrations"] == 1
+    stores[-1].close()
 
 
 def test_a_forward_refused_before_its_first_block_ends_its_staged_copies(monkeypatch):

@@ -67,17 +67,17 @@ def write_whole(path: Path, data: bytes) -> None:
         temporary.unlink(missing_ok=True)
 
 
-def lock_folder(directory: Path) -> IO:
+def lock_folder(directory: Path, taken: str | None = None) -> IO:
     """Make `directory` this process's alone (one server per folder: two would each miss the other's files
     and delete each other's), and remove what a killed one left half-written. The open lock file: closing
-    it gives the folder back. InputError when another process holds it."""
+    it gives the folder back. InputError when another process holds it (`taken`: what it says then)."""
     directory.mkdir(parents=True, exist_ok=True)
     lock = open(directory / ".lock", "a")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        raise InputError(f"another retouch serve uses {directory.parent} (--cache-disk-dir); give each "
+        raise InputError(taken or f"another retouch serve uses {directory.parent} (--cache-disk-dir); give each "
                          "server a folder of its own") from None
     for stale in directory.glob(".*.tmp"):
         with contextlib.suppress(OSError):  # a folder that refuses removals is still served (its files read)

@@ -30,7 +30,7 @@ import numpy as np
 from retouch.cache.keys import check_template_id
 from retouch.cache.layout import StepLayout
 from retouch.errors import InputError
-from retouch.paths import open_private
+from retouch.paths import lock_folder, open_private
 
 MAGIC = b"RTCACHE1"
 PREAMBLE = struct.Struct("<8sII")
@@ -133,6 +133,9 @@ class DiskTier:
             raise ValueError(f"disk budget must be >= 0 bytes, got {budget}")
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Another process's tier in the same folder would count this one's files as its own and evict them.
+        self._lock_file = lock_folder(self.directory, f"another retouch process keeps its disk tier in "
+                                      f"{self.directory} (--cache-disk-dir); give each worker a folder of its own")
         self.budget = budget
         self.redundant = redundant or (lambda template_id: False)
         self._lock = threading.Lock()
@@ -145,9 +148,11 @@ class DiskTier:
             except InputError:
                 continue  # not ours
             self._files[template_id] = path.stat().st_size
-        for stale in self.directory.glob(".*.tmp"):  # a writer that died mid-write
-            stale.unlink(missing_ok=True)
         self._evict_to(self.budget)
+
+    def close(self) -> None:
+        """Give the folder back (another process may take it)."""
+        self._lock_file.close()
 
     def path(self, template_id: str) -> Path:
         return self.directory / (check_template_id(template_id) + SUFFIX)

@@ -544,6 +544,8 @@ class CacheStore(ActivationCache):
             for pool in (self._prefetcher, self._writer):
                 if pool is not None:
                     pool.shutdown(wait=True)
+            if self.disk is not None:
+                self.disk.close()
 
     # ---- internals ----
 
