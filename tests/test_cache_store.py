@@ -331,6 +331,19 @@ def test_a_template_recorded_again_while_its_first_write_waited_keeps_the_second
     assert_intact(store, "a")
 
 
+def test_a_template_larger_than_the_disk_tier_is_counted_and_said_once(tmp_path, caplog):
+    """Not written (it alone exceeds the budget), and said: once a silent miss after every restart."""
+    store = make_store(tmp_path, templates_in_host=1, disk_templates=0.5)
+    record(store, "a")
+    store.flush()
+    record(store, "b")  # a is evicted: its write-back is not tried again
+    store.flush()
+    assert not store.disk.contains("a") and store.metrics()["disk_too_large"] == 2  # a, then b's write-through
+    assert store.metrics()["disk_writes"] == 0
+    assert sum("larger than the whole disk tier" in r.getMessage() for r in caplog.records) == 2
+    store.close()
+
+
 def test_prefetch_loads_from_disk_in_the_background(tmp_path):
     store = make_store(tmp_path, templates_in_host=1)
     record(store, "a")

@@ -94,6 +94,7 @@ class _Template:
     linked: bool = False  # in the index: holds one arena reference per step
     evicting: bool = False
     written: Future | None = None  # its write-through to the disk tier
+    too_large_for_disk: bool = False  # alone over the disk tier's budget: never written, said once
 
     @property
     def nbytes(self) -> int:
@@ -517,11 +518,12 @@ class CacheStore(ActivationCache):
     def metrics(self) -> dict[str, int | float]:
         """Counters (hits: found in host memory; misses: in no tier, or its file was unusable;
         disk_hits: loaded from disk; evictions, prefetches, prefetch_bytes, prefetch_seconds, disk_reads,
-        disk_writes, disk_write_failures, disk_bytes_read, disk_bytes_written, corrupt_files,
+        disk_writes, disk_write_failures, disk_too_large, disk_bytes_read, disk_bytes_written, corrupt_files,
         registrations, adoptions) and tier occupancy."""
         with self._lock:
             report = {name: 0 for name in ("hits", "misses", "disk_hits", "evictions", "prefetches",
                                            "prefetch_bytes", "disk_reads", "disk_writes", "disk_write_failures",
+                                           "disk_too_large",
                                            "disk_bytes_read", "disk_bytes_written", "corrupt_files",
                                            "registrations", "adoptions")}
             report.update(self.counters)
@@ -616,13 +618,20 @@ class CacheStore(ActivationCache):
 
     def _write_back(self, template: _Template) -> None:
         """Keep an evicted template on disk (if there is a disk tier and the file is not there yet)."""
-        if self.disk is None or self.disk.contains(template.template_id):
+        if self.disk is None or template.too_large_for_disk or self.disk.contains(template.template_id):
             return
         steps = [self._numpy(offset, template.layout.nbytes) for offset in template.step_offsets]
         if self.disk.write(template.template_id, template.layout, steps, template.meta):
             with self._lock:
                 self.counters["disk_writes"] += 1
                 self.counters["disk_bytes_written"] += template.nbytes
+            return
+        template.too_large_for_disk = True
+        logger.warning("template %s (%.3g GiB) is larger than the whole disk tier (--cache-disk-gib %.3g): not "
+                       "written, so a restart records it again", template.template_id, template.nbytes / GiB,
+                       self.disk.budget / GiB)
+        with self._lock:
+            self.counters["disk_too_large"] += 1
 
     def _load_into(self, future: Future, template_id: str, prefetch: bool = False) -> None:
         """Read the template's file into new arena allocations and publish it; completes `future`."""
