@@ -257,6 +257,7 @@ class HelperPool:
         self._alive = [False] * count  # said hello and not dead since
         self._heard = [0.0] * count  # when each last said anything (time.monotonic)
         self._silence_s = silence_s
+        self._judged_at = time.monotonic()  # the last look for silent helpers
         self._backlog: list[int] = []  # jobs waiting for a live helper
         self.restarts = 0
         self.skipped = 0  # cancelled jobs the helpers dropped unrun
@@ -394,9 +395,15 @@ class HelperPool:
                                      "message": f"{self.MAX_JOB_SENDS} helper processes died running it"}, {}, {})
 
     def _kill_the_silent(self) -> None:
-        """Kill each live helper that has said nothing for `silence_s`: the loop below then replaces it."""
+        """Kill each live helper that has said nothing for `silence_s`: the loop below then replaces it. Not
+        after a pause of this process itself (SIGSTOP, a frozen VM, swapping: the watcher did not look for half
+        of `silence_s`): what the helpers said meanwhile is still unread, so each gets a fresh bound."""
         now = time.monotonic()
         with self._lock:
+            paused, self._judged_at = now - self._judged_at > self._silence_s / 2, now
+            if paused:
+                self._heard = [max(heard, now) for heard in self._heard]
+                return
             silent = [index for index, alive in enumerate(self._alive)
                       if alive and now - self._heard[index] > self._silence_s]
         for index in silent:

@@ -184,6 +184,22 @@ def test_a_stopped_helper_is_killed_and_replaced_and_the_edit_it_held_is_answere
     assert said[1:] == [f"helper 0 exited with {-signal.SIGKILL}; starting a replacement"]
 
 
+def test_helpers_are_not_taken_for_silent_after_their_worker_was_paused():
+    """A worker stopped (SIGSTOP, a frozen VM) for longer than the bound finds, on resuming, helpers it has
+    not heard from: their messages wait unread. It gives them a fresh bound rather than killing them."""
+    config = EngineConfig(mode="disagg", max_batch=2, helpers=1, helper_threads=1, helper_silence_s=30.0)
+    with Engine.load("tiny-flux-fill", config) as engine:
+        pool = engine.helpers
+        template_id = engine.register_template(template_image(), prompt="a scene", steps=2, seed=3)
+        with pool._lock:  # as if the whole process had been stopped for a minute
+            pool._judged_at -= 60
+            pool._heard = [heard - 60 for heard in pool._heard]
+        pool._kill_the_silent()
+        assert pool.processes[0].poll() is None and pool.restarts == 0
+        engine.submit(EditRequest(template_id, square_mask(), "a hat", seed=1)).result(timeout=TIMEOUT_S)
+        assert pool.restarts == 0
+
+
 def test_a_busy_helper_is_not_taken_for_a_silent_one():
     """A helper's 'alive' messages come from a thread of their own: one busy with the VAE and the text
     encoders for longer than its silence bound (1536 px pictures, ~2 s a job here; 1 s) is left alone."""
