@@ -343,6 +343,8 @@ class Router:
                              "(--curve-secret, --curve-allowed): anyone who can reach it could join as a worker")
         self.config = config
         self.on_decision = on_decision
+        # told the name of each worker removed for its silence (`retouch serve`: its supervisor kills it)
+        self.on_worker_lost: Callable[[str], None] | None = None
         self.security = security
         self.policy = make_policy(config.policy, cost)
         self.cluster = ClusterLoad(cost)
@@ -1117,6 +1119,8 @@ class Router:
         for name, worker in list(self.workers.items()):
             if now - worker.last_seen > self.config.dead_after_s:
                 self._remove_worker(name, f"no heartbeat for {now - worker.last_seen:.1f} s")
+                if self.on_worker_lost is not None:
+                    self.on_worker_lost(name)
         if self.parked and (idle := self._without_workers_s()) > self.config.no_worker_s:
             for template_id in list(self.parked):
                 for request_id in self.parked.pop(template_id):

@@ -84,6 +84,7 @@ class Supervisor:
         self.gpus = gpus
         self.exits = 0  # worker processes that ended while the server ran
         self._closing = threading.Event()  # no more replacements
+        self._presumed_dead: deque[str] = deque()  # names the router stopped hearing from (`presumed_dead`)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.workers: list[WorkerProcess] = []
@@ -107,6 +108,12 @@ class Supervisor:
         process = subprocess.Popen(command, env=env, start_new_session=True)
         return WorkerProcess(slot, name, process, run_dir, restarts)
 
+    def presumed_dead(self, name: str) -> None:
+        """The router stopped hearing from worker `name` (stopped, hung, cut off) and sent its edits elsewhere:
+        its process is killed, and so replaced as one that exited; alive, it would hold its slot (its GPU,
+        its disk folder) for good. Quick and lock-free: the router calls it holding its own lock."""
+        self._presumed_dead.append(name)
+
     def pids(self) -> dict[str, int]:
         with self._lock:
             return {w.name: w.process.pid for w in self.workers if w.process.poll() is None}
@@ -117,6 +124,7 @@ class Supervisor:
         self._started.set()
         while not self._stop.wait(self.poll_s):
             with self._lock:
+                self._kill_presumed_dead()
                 for index, worker in enumerate(self.workers):
                     if worker.reported or worker.process.poll() is None:
                         continue
@@ -137,6 +145,14 @@ class Supervisor:
                                      f"{self.restarts.max_restarts} replacements of slot {worker.slot} in the last "
                                      f"{self.restarts.window_s:g} s (a crash loop; see its log above)")
 
+    def _kill_presumed_dead(self) -> None:
+        while self._presumed_dead:
+            name = self._presumed_dead.popleft()
+            for worker in self.workers:
+                if worker.name == name and worker.process.poll() is None and not self._closing.is_set():
+                    logger.warning(f"worker {name} stopped answering the router; killing it to start a replacement")
+                    kill_group(worker.process.pid)  # its exit is seen, and handled, as any other
+
     def _reap(self, worker: WorkerProcess) -> None:
         """The worker has exited: kill what is left of its group (helpers), remove its folder."""
         kill_group(worker.process.pid)
@@ -147,14 +163,16 @@ class Supervisor:
         """Give the workers the router told to stop (`stopping`, default all) `timeout_s` from now, all
         together, to exit; stop the others at once; terminate what is left then, and kill what is still
         there `grace_s` later (a hung or stopped process: SIGTERM waits for it); then make sure their
-        helpers and folders are gone. Waiting per worker had made it minutes past a drain."""
+        helpers and folders are gone. Waiting per worker had made it minutes past a drain; waiting the drain
+        for a worker not told to stop (a stopped one) made it a minute."""
         self._closing.set()
         with self._lock:
             workers = list(self.workers)
+        told = [worker for worker in workers if stopping is None or worker.name in stopping]
         for worker in workers:
             if stopping is not None and worker.name not in stopping:
                 worker.process.terminate()
-        _wait_all(workers, time.monotonic() + timeout_s, lambda process: process.terminate())
+        _wait_all(told, time.monotonic() + timeout_s, lambda process: process.terminate())
         _wait_all(workers, time.monotonic() + grace_s, lambda process: process.kill())
         for worker in workers:
             worker.process.wait()  # killed: it is gone, or about to be

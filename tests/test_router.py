@@ -78,9 +78,11 @@ def back_after_a_pause(worker: ScriptedWorker) -> None:
 
 def test_silent_worker_is_removed_its_request_rerouted_and_its_late_answer_dropped(context, make_router):
     router = make_router(dead_after_s=0.5)
+    lost = []
+    router.on_worker_lost = lost.append  # `retouch serve`: its supervisor kills the process
     w0, w1, future, first, second = an_edit_moved_off_a_silent_worker(context, router)
     assert second["request"] == first["request"]
-    assert "w0" not in router.snapshot()["workers"]
+    assert "w0" not in router.snapshot()["workers"] and lost == ["w0"]
     w1.answer(second["request"], b"from w1")
     assert future.result(TIMEOUT_S).png == b"from w1"
     w0.answer(first["request"], b"from w0, too late")  # a zombie's answer does not count

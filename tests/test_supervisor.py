@@ -3,7 +3,10 @@ that moves only as they are waited for."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import sys
+import threading
 from types import SimpleNamespace
 
 from hypothesis import given, settings
@@ -120,3 +123,39 @@ def test_a_worker_killed_now_and_then_is_always_replaced():
     for _ in range(50):
         clock.now += 601.0
         assert budget.allow(0)
+
+
+def test_a_hung_worker_not_told_to_stop_gets_the_grace_only(tmp_path, monkeypatch):
+    """A stopped worker the router no longer counted (not told to drain) held a stopping server for the
+    whole drain, then the grace: 67 s with --drain-s 60."""
+    clock = Clock()
+    told, hung = StandInProcess(clock, exits_after=2.0), StandInProcess(clock)
+    assert stopped([told, hung], tmp_path, monkeypatch, clock, timeout_s=60.0, grace_s=5.0,
+                   stopping={"w0"}) == 2.0 + 5.0
+    assert told.signals == [] and hung.signals == ["terminate", "kill"]
+
+
+def test_a_worker_presumed_dead_is_killed_and_replaced(tmp_path, monkeypatch):
+    """The router stopped hearing from w0 (SIGSTOPped, here a sleeper that never answers): the supervisor
+    kills it, reports its exit, and starts w0.1 in its slot. A name it does not run is ignored."""
+    def sleeper(self, slot, name, restarts):
+        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        return WorkerProcess(slot, name, process, tmp_path / name, restarts)
+    monkeypatch.setattr(Supervisor, "_spawn", sleeper)
+    exited = threading.Event()
+    names = []
+
+    def on_exit(name):
+        names.append(name)
+        exited.set()
+    supervisor = Supervisor(1, [], "tcp://127.0.0.1:1", on_exit, tmp_path, poll_s=0.01)
+    try:
+        first = supervisor.workers[0].process
+        supervisor.presumed_dead("w7")  # not one of its workers
+        supervisor.presumed_dead("w0")
+        assert exited.wait(30) and names == ["w0"]
+        assert first.wait(10) == -signal.SIGKILL
+        with supervisor._lock:  # the replacement is made under the lock the exit was handled under
+            assert [worker.name for worker in supervisor.workers] == ["w0.1"]
+    finally:
+        supervisor.close(timeout_s=0, grace_s=5)

@@ -197,6 +197,7 @@ class Server:
                                      extra_env=security.local_worker_env() if security is not None else None,
                                      cache_disk_dir=None if opts.cache_disk_dir is None
                                      else Path(opts.cache_disk_dir).resolve())
+        self.router.on_worker_lost = self.supervisor.presumed_dead
         self._await_workers(ready_timeout_s)
         self._answers = answer_folder(opts)
         app = create_app(self.router, limits, opts.model, self._answers)
