@@ -697,6 +697,35 @@ def test_long_polls_hold_no_thread_and_end_when_the_template_does(make_router):
     assert len(answers) > 40 and {answer.status_code for answer in answers} == {404}  # deleted while they waited
 
 
+async def watches_of_a_recording_when_the_server_stops(router: Router) -> tuple[httpx.Response, list[str]]:
+    """A long-poll and a template's event stream of a recording template, then the server stops."""
+    app = create_app(router, Limits(default_steps=2))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
+        registered = await client.post("/v1/templates", data={"steps": "2"},
+                                       files={"image": ("t.png", png(Image.new("RGB", (32, 32), "red")))})
+        template_id = registered.json()["id"]
+        poll = asyncio.create_task(client.get(f"/v1/templates/{template_id}", params={"wait": 60}))
+
+        async def stream() -> list[str]:
+            async with client.stream("GET", f"/v1/templates/{template_id}/events") as answer:
+                return [line async for line in answer.aiter_lines() if line.startswith("event:")]
+        streamed = asyncio.create_task(stream())
+        for _ in range(100_000):  # until both watch the template, or never
+            if len(router._watchers.get(("template", template_id), ())) == 2:
+                break
+            await asyncio.sleep(0)
+        app.state.stop_template_watches()  # what the stopping server does first
+        return await asyncio.wait_for(poll, 10), await asyncio.wait_for(streamed, 10)
+
+
+def test_a_stopping_server_answers_long_polls_and_ends_template_streams(make_router):
+    """They have no edit to drain for: they held a stopping server for its whole drain, then were cut off
+    without an answer."""
+    poll, events = asyncio.run(watches_of_a_recording_when_the_server_stops(make_router()))
+    assert poll.status_code == 200 and poll.json()["status"] == "recording"
+    assert events[-1] == "event: stopping"
+
+
 async def padded_sizes_sent(router: Router) -> dict[str, httpx.Response]:
     app = create_app(router, Limits(max_pixels=1100, max_work=1000, default_steps=2))
     answers = {}

@@ -65,6 +65,7 @@ import logging
 import math
 import re
 import time
+import weakref
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field, replace
@@ -1074,6 +1075,21 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         check_model(model_id, "model_id")
         return model_entry(model_id)
 
+    template_relays: weakref.WeakSet[EventRelay] = weakref.WeakSet()
+
+    def template_relay() -> EventRelay:
+        """A relay of template events, ended when the server stops: a long-poll or a template's stream has
+        no edit to drain for, and held the stopping server for its whole drain before it was cut."""
+        relay = EventRelay()
+        template_relays.add(relay)
+        return relay
+
+    def stop_template_watches() -> None:
+        for relay in list(template_relays):
+            relay.tell({"event": "stopping", "message": "the server is stopping"})
+
+    app.state.stop_template_watches = stop_template_watches
+
     @app.get("/v1/templates/{template_id}")
     async def get_template(request: Request, template_id: str, wait: float = 0.0):
         """`?wait=S` long-polls: answers once the template is no longer recording, or after S seconds."""
@@ -1083,12 +1099,12 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         if record["status"] == "recording" and wait > 0:
             # Waited for on the event loop, not in a thread: each poll held one of the threads that decode
             # every upload, so forty polls stalled all edits.
-            relay = EventRelay()
+            relay = template_relay()
             try:
                 if relay.watch(router, "template", template_id):
                     deadline = time.monotonic() + wait
                     while (event := await relay.next(deadline - time.monotonic())) is not None:
-                        if event.get("status") != "recording":  # ready, failed or deleted
+                        if event.get("status") != "recording":  # ready, failed, deleted; or the server stops
                             break
             finally:
                 relay.close()
@@ -1108,7 +1124,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         """The template's recording as events (`retouch.http_events`): `template` at each change,
         until it is ready, failed or deleted."""
         template_or_404(template_id, request.state.tenant)
-        relay = EventRelay()
+        relay = template_relay()
         if not relay.watch(router, "template", template_id):
             template_or_404("", request.state.tenant)  # deleted meanwhile: 404
 
@@ -1122,7 +1138,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                     name = event.pop("event")
                     yield sse(name, event)
                     # "pending": a one-off image nobody records now (its next edit will)
-                    if name == "deleted" or event.get("status") in ("ready", "failed", "pending"):
+                    if name in ("deleted", "stopping") or event.get("status") in ("ready", "failed", "pending"):
                         return
             finally:
                 relay.close()

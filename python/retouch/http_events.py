@@ -17,7 +17,8 @@ An edit's events, in order (each `event: NAME` and one `data: {json}` line):
     error     {status, error: {message, type, param, code}}   the edit failed or was cancelled
 A worker that dies mid-edit: `queued` again (attempt 2) and the steps start over from 1.
 A template's: `template` {id, status, progress: {step, steps, workers_ready, ...}} at each change,
-ending when its status is ready or failed; `deleted` if it is deleted meanwhile.
+ending when its status is ready or failed; `deleted` if it is deleted meanwhile; `stopping` {message} if
+the server stops first (watch again once it is back: the recording goes on on its workers, or starts over).
 A comment line (`: keep-alive`) goes out after KEEPALIVE_S without an event, so proxies keep the
 connection open. A client that goes away from a POST stream cancels its edit.
 

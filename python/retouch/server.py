@@ -327,6 +327,7 @@ class HttpServer(uvicorn.Server):
             print(f"retouch: {waiting} asynchronous edits may finish within "
                   f"{max(0.0, self.async_deadline - time.monotonic()):.0f} s", file=sys.stderr)
         stopping = asyncio.ensure_future(self.app_state.stop_async(self.async_deadline))
+        self.app_state.stop_template_watches()  # long-polls and template streams answer now
         await super().shutdown(sockets)
         cancelled = await stopping
         if cancelled:
