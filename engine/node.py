@@ -176,7 +176,9 @@ class Node:
                 next_join_note = time.monotonic() + JOIN_NOTE_S
             elif drain is None and time.monotonic() - self._hello_at > self.heartbeat_s:  # until it is heard
                 self._hello()
-            if not self.welcomed.is_set() and not self.supervised and time.monotonic() >= next_join_note:
+            heard = self._name_taken_said > -math.inf  # the router answers: with name_taken, said on its own
+            if (not self.welcomed.is_set() and not self.supervised and not heard
+                    and time.monotonic() >= next_join_note):
                 print(f"{self.name}: no router has answered at {self.router_address} yet (is `retouch serve "
                       "--worker-listen` there, with matching CURVE keys?); still trying", file=sys.stderr, flush=True)
                 next_join_note = time.monotonic() + JOIN_NOTE_REPEAT_S

@@ -1,5 +1,7 @@
 """Step layout, fp8 encoding and the disk tier's file format: round trips, corruption, budget."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -142,3 +144,13 @@ def test_copies_the_host_also_holds_are_evicted_first(tmp_path):
     assert not tier.contains("b") and all(tier.contains(n) for n in "acd")  # a was older, but only on disk
     in_host.clear()
     assert tier.write("e", layout, steps) and not tier.contains("a")  # then least recently used
+
+
+def test_a_folder_removed_while_serving_is_made_again_at_the_next_write(tmp_path):
+    """Every write failed (ENOENT) until the worker restarted."""
+    layout = StepLayout.for_tensors({(0, "out"): (64, 64)}, torch.float32, 64)
+    tier = DiskTier(tmp_path / "disk", budget=1 << 30)
+    shutil.rmtree(tmp_path / "disk")
+    assert tier.write("a", layout, random_steps(layout, 2, seed=1))
+    assert tier.path("a").exists()
+    tier.close()

@@ -183,6 +183,7 @@ class DiskTier:
             self._evict_to(self.budget - size)
             self._files[template_id] = size  # reserved before the write, so concurrent writers stay in budget
         try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # an operator may have removed it
             write_template(self.path(template_id), header, steps)
         except OSError:
             self.remove(template_id)
