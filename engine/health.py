@@ -53,9 +53,10 @@ class HealthServer:
                     self._answer(200, "application/json", json.dumps({"status": "ok"}).encode())
                 elif path == "/readyz":
                     node = health.node
-                    ready = node is not None and node.welcomed.is_set()
-                    self._answer(200 if ready else 503, "application/json",
-                                 json.dumps({"status": "ready" if ready else "not ready"}).encode())
+                    draining = node is not None and node.draining  # SIGTERM: it takes nothing new
+                    ready = node is not None and node.welcomed.is_set() and not draining
+                    status = "ready" if ready else "draining" if draining else "not ready"
+                    self._answer(200 if ready else 503, "application/json", json.dumps({"status": status}).encode())
                 elif path == "/metrics":
                     encoder, content_type = exposition.choose_encoder(self.headers.get("Accept"))
                     self._answer(200, content_type, encoder(registry))
