@@ -96,6 +96,15 @@ JOIN_NOTE_REPEAT_S = 30.0
 FINAL_FLUSH_S = 5.0  # at most this long, once drained, for the last answers to go out
 
 
+def cache_dtype(editor) -> str | None:
+    """How the worker's template cache stores activations (--cache-dtype; auto: the model's dtype); None
+    without a CacheStore."""
+    if not isinstance(editor.cache, CacheStore):
+        return None
+    stored = editor.cache.config.dtype
+    return str(editor.dtype).removeprefix("torch.") if stored == "auto" else stored
+
+
 class Node:
     def __init__(self, engine: Engine, router_address: str, name: str, heartbeat_s: float = 0.5,
                  keys: WorkerKeys | None = None, supervised: bool = True):
@@ -285,7 +294,7 @@ class Node:
         self._post({"kind": "hello", "max_batch": self.engine.config.max_batch, "pid": os.getpid(),
                     "model": self.engine.model_name, "dtype": str(editor.dtype).removeprefix("torch."),
                     "weights": editor.model_fingerprint(), **self._sampler, "family": editor.model.family,
-                    "supervised": self.supervised,
+                    "supervised": self.supervised, "cache_dtype": cache_dtype(editor),
                     "lora": self.engine.worker.loras.lora_dir is not None, "boot": self._boot,
                     "draining": self.draining, "templates": templates})
 

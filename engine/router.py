@@ -1259,7 +1259,8 @@ class Router:
             self._remove_worker(name, "it said hello again (restarted)")
         slot = self.cluster.add_worker(int(header["max_batch"]))
         info = {key: header.get(key)
-                for key in ("model", "dtype", "weights", "scheduler", "supervised", "lora", "boot", "family")}
+                for key in ("model", "dtype", "weights", "scheduler", "supervised", "lora", "boot", "family",
+                            "cache_dtype")}
         calls = header.get("calls")
         info["calls"] = [int(calls[0]), int(calls[1])] if isinstance(calls, list) and len(calls) == 2 else None
         info["scheduler_id"] = header.get("scheduler_id")
@@ -1282,6 +1283,12 @@ class Router:
             else:  # a worker that does not say its sampler
                 what = f"other weights, scheduler or dtype than worker {other.name}"
             logger.warning(f"worker {name} runs {what}: an edit's image depends on which of them runs it")
+        stores = [other for other in self.workers.values() if other is not worker and None not in (
+            info["cache_dtype"], other.info.get("cache_dtype")) and other.info["cache_dtype"] != info["cache_dtype"]]
+        if stores:  # the same weights, but cached activations kept in another (lossy) format: other pixels
+            logger.warning(f"worker {name} stores cached activations as {info['cache_dtype']}, worker "
+                           f"{stores[0].name} as {stores[0].info['cache_dtype']} (--cache-dtype): an edit's image "
+                           "depends on which of them runs it")
         self._send(worker, self._welcome())
         if header.get("draining"):  # joined (a new head) while stopping: it only finishes what it holds
             self._draining(worker)

@@ -799,7 +799,15 @@ def test_a_worker_of_another_model_is_refused_and_other_weights_are_told(context
                                "true)) than worker w0 (FlowMatchEulerDiscreteScheduler)") for line in warnings)
     assert any(line.startswith("worker w4 runs other weights than worker w0") for line in warnings)
     assert any(line.startswith("worker w5 runs other weights, scheduler or dtype than worker w0") for line in warnings)
+    assert not any("stores cached activations" in line for line in warnings)  # none said how
     assert router.snapshot()["workers"]["w2"]["info"]["weights"] == "bbb"
+    # the same weights, their cached activations stored in another format: other pixels too
+    ScriptedWorker(context, router, "w6", model="tiny-flux-fill", dtype="float32", weights="aaa",
+                   scheduler="FlowMatchEulerDiscreteScheduler", scheduler_id="s0", cache_dtype="float32")
+    ScriptedWorker(context, router, "w7", model="tiny-flux-fill", dtype="float32", weights="aaa",
+                   scheduler="FlowMatchEulerDiscreteScheduler", scheduler_id="s0", cache_dtype="float8_e4m3fn")
+    assert any(line.startswith("worker w7 stores cached activations as float8_e4m3fn, worker w6 as float32")
+               for line in router_lines(caplog, "WARNING"))
     # the same process saying hello again (its welcome lost) is welcomed, not removed and added
     w0.send({"kind": "hello", "max_batch": 4, "pid": 1, "model": "tiny-flux-fill", "weights": "aaa"})
     assert w0.receive("welcome") and router.snapshot()["counters"]["workers_removed"] == 0
