@@ -227,7 +227,8 @@ class Node:
             self.dead_after_s = float(header.get("dead_after_s", self.dead_after_s))
             session = header.get("session")
             if session != self._session and self._session is not None:
-                self._forget_old_session()
+                # A new router took this worker in: the last one answered its edits, or died with them.
+                self._forget_edits("of the previous router")
             self._session = session
             if not self.supervised and not self.welcomed.is_set():
                 print(f"{self.name}: joined the router at {self.router_address}", file=sys.stderr, flush=True)
@@ -238,6 +239,9 @@ class Node:
                   file=sys.stderr, flush=True)
             return True
         elif kind == "name_taken":  # another live worker has this --name: hellos go on until it is gone
+            # It took the name while this one was presumed dead (paused, cut off): this one's edits went
+            # there, or were answered; computing them here is for nobody.
+            self._forget_edits("the router sent elsewhere (another worker has this name)")
             if time.monotonic() - self._name_taken_said > JOIN_NOTE_REPEAT_S:
                 self._name_taken_said = time.monotonic()
                 print(f"{self.name}: the router at {self.router_address} has a live worker of this name (pid "
@@ -268,15 +272,14 @@ class Node:
         `Wakeup.wake`, whose lock it would then wait for forever."""
         self._stop_requested.set()
 
-    def _forget_old_session(self) -> None:
-        """A new router took this worker in: the last one's edits have no client any more (that router
-        answered them, or died with them), so they leave the batch at the next step."""
+    def _forget_edits(self, whose: str) -> None:
+        """The edits this worker holds have no client any more: they leave the batch at the next step."""
         with self._lock:
             futures = list(self.futures.values())
         for future in futures:
             future.cancel()
         if futures:
-            logger.info("%d edits of the previous router cancelled", len(futures))
+            logger.info("%d edits %s cancelled", len(futures), whose)
 
     def _router_lost(self, why: str) -> None:
         """Not ready until a router welcomes it again (its edits were, or will be, moved elsewhere)."""
