@@ -1314,7 +1314,9 @@ class Router:
         if worker.draining:
             return
         worker.draining = True
-        logger.info(f"worker {worker.name} is draining: it finishes its {len(worker.assigned)} edits")
+        recording = sum(1 for record in self.templates.values() if record.states.get(worker.name) == "recording")
+        logger.info(f"worker {worker.name} is draining: it finishes its {len(worker.assigned)} edits and "
+                    f"{recording} recordings")
         for record in list(self.templates.values()):
             if worker.name in record.states:
                 self._ensure_replicas(record)

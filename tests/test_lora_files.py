@@ -395,7 +395,7 @@ def test_values_that_overflow_the_dtype_are_refused(good, tmp_path):
 BROKEN_METADATA = {
     "rank": ({"unet.r": 8}, "has rank 4 but the file's adapter metadata says 8"),
     "alpha": ({"unet.lora_alpha": "eight"}, "has lora_alpha 'eight' in the file's adapter metadata"),
-    "unknown field": ({"unet.no_such_field": 1}, "has adapter metadata PEFT cannot use"),
+    "unknown field": ({"unet.no_such_field": 1}, "has adapter metadata PEFT cannot use (its fields: "),
     "DoRA": ({"unet.use_dora": True}, "its metadata says use_dora"),
     "bias": ({"unet.lora_bias": True}, "its metadata says lora_bias"),
     "targets": ({"unet.target_modules": ["to_q"]}, "but its adapter metadata does not target it"),

@@ -207,6 +207,7 @@ def test_sigterm_drains_the_accepted_edits_while_the_router_sends_nothing_new(tm
         assert later.done() is False
         lines = [r.getMessage() for r in caplog.records if r.name == "retouch.router"]
         assert any("solo left: it said bye" in line for line in lines), lines
+        assert "worker solo is draining: it finishes its 1 edits and 0 recordings" in lines, lines
         assert not any("no heartbeat" in line for line in lines), lines
     finally:
         if worker.poll() is None:

@@ -353,7 +353,10 @@ def _lora_config(factors: dict, network_alphas: dict | None, metadata: dict | No
             re.compile(pattern_key)
         untargeted = next((path for path in factors if not check_target_module_exists(config, path)), None)
     except (TypeError, ValueError, re.error) as error:
-        raise LoraError(f"{where} has adapter metadata PEFT cannot use: {_one_line(error)}") from None
+        fields = ", ".join(sorted(metadata)) if isinstance(metadata, dict) else type(metadata).__name__
+        raise LoraError(f"{where} has adapter metadata PEFT cannot use (its fields: {fields or 'none'}; PEFT's "
+                        f"LoraConfig as diffusers' save_lora_weights writes it is expected): "
+                        f"{_one_line(error)}") from None
     if untargeted is not None:
         raise LoraError(f"{where} has weights for {untargeted} but its adapter metadata does not target it")
     if config.use_dora:
