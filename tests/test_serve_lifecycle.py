@@ -19,13 +19,14 @@ from retouch.images import png_bytes
 from retouch.server import Server
 
 SIZE = (48, 32)
-MAX_WORK = 48 * 32 * 250  # the long recordings below fit; the refused requests do not
+MAX_STEPS = 2000  # a recording of SIZE this long lasts a second or more: time to delete it while it runs
+MAX_WORK = 48 * 32 * MAX_STEPS  # the long recordings below fit; the refused requests do not
 
 
 @pytest.fixture(scope="module")
 def server():
     opts = ServeOptions(model="tiny-flux-fill", workers=1, port=0, mode="naive", worker_threads=1, steps=2,
-                        heartbeat_s=0.1, dead_after_s=5.0, max_work=MAX_WORK)
+                        heartbeat_s=0.1, dead_after_s=5.0, max_work=MAX_WORK, max_steps=MAX_STEPS)
     with Server(opts).start() as running:
         yield running
 
@@ -85,11 +86,11 @@ def openai_mask(size) -> Image.Image:
 # case: (endpoint, image size, mask, form fields, status, the field the error names)
 REFUSED = {
     "mask of another size": ("/v1/edits", SIZE, box(size=(20, 20)), {}, 422, "mask"),
-    "too much work": ("/v1/edits", (64, 64), box(size=(64, 64)), {"steps": "199"}, 413, "image"),
+    "too much work": ("/v1/edits", (64, 64), box(size=(64, 64)), {"steps": "1999"}, 413, "image"),
     "bad response_format": ("/v1/edits", SIZE, box(), {"response_format": "gif"}, 400, "response_format"),
     "openai: n=0": ("/v1/images/edits", SIZE, openai_mask(SIZE), {"n": "0"}, 422, "n"),
     "openai: bad size": ("/v1/images/edits", SIZE, openai_mask(SIZE), {"size": "big"}, 400, "size"),
-    "openai: too much work": ("/v1/images/edits", (256, 256), openai_mask((256, 256)), {"n": "4"}, 413, "n"),
+    "openai: too much work": ("/v1/images/edits", (640, 640), openai_mask((640, 640)), {"n": "4"}, 413, "n"),
 }
 
 
@@ -126,16 +127,17 @@ def long_template(client, steps: int, seed: int | None = None) -> str:
 
 def test_delete_stops_a_recording_within_one_step(server, client):
     cancelled = worker_report(server, "cancelled", lambda v: True)
-    template_id = long_template(client, steps=200)
+    # 200 steps of this model at this size once ended between two heartbeats: nothing was left to delete
+    template_id = long_template(client, steps=MAX_STEPS)
     assert server.router.wait_until(lambda r: (r.template(template_id) or {}).get("progress", {}).get("step", 0) >= 3,
                                     60)
     steps_before = worker_report(server, "steps", lambda v: True)
     assert client.delete(f"/v1/templates/{template_id}").status_code == 200
     assert worker_report(server, "cancelled", lambda v: v == cancelled + 1) == cancelled + 1
     steps_after = worker_report(server, "steps", lambda v: True)
-    # A heartbeat is at most 0.1 s old and a step of this model takes milliseconds; the recording had
-    # 190+ steps to go. It stopped within one step of the drop reaching the worker.
-    assert steps_after - steps_before < 100
+    # A heartbeat is at most 0.1 s old and a step of this model takes a millisecond or less; the recording
+    # had most of its steps to go. It stopped within one step of the drop reaching the worker.
+    assert steps_after - steps_before < MAX_STEPS // 2
     assert client.get(f"/v1/templates/{template_id}").status_code == 404
     assert client.post("/v1/edits", files=files(random_image(SIZE, seed=3), box()),
                        data={"prompt": "a hat"}).status_code == 200  # the worker goes on serving
@@ -163,7 +165,7 @@ def test_a_client_that_goes_away_cancels_its_edit(server, client):
 
 
 def test_progress_and_cancel_by_request_id(server, client):
-    template_id = long_template(client, steps=200, seed=1)  # the most --max-steps allows: time to look at it
+    template_id = long_template(client, steps=200, seed=1)  # time to look at it
     assert client.get(f"/v1/templates/{template_id}", params={"wait": 60}).json()["status"] == "ready"
     answer = {}
 
