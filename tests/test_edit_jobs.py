@@ -209,7 +209,7 @@ def test_cancelled_and_failed_asynchronous_edits_keep_their_errors():
     assert seen["failed"].status_code == 500 and "CUDA error" in seen["failed"].json()["error"]["message"]
     failed = seen["failed status"].json()
     assert failed["status"] == "failed" and failed["error"]["message"] == "CUDA error"
-    assert seen["bad wait"].status_code == 400 and seen["bad wait"].json()["error"]["param"] == "wait"
+    assert seen["bad wait"].status_code == 422 and seen["bad wait"].json()["error"]["param"] == "wait"
     assert seen["nothing"].status_code == 200
     assert Image.open(io.BytesIO(seen["nothing"].content)).convert("RGB").getpixel((0, 0)) == (255, 0, 0)
 

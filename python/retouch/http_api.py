@@ -236,10 +236,16 @@ def _cut(text: str) -> str:
                                                      "more characters cut]"
 
 
-def check_wait(wait: float) -> None:
-    """A long poll's `?wait=S` (NaN and infinity are out of range too)."""
+def parse_wait(text: str) -> float:
+    """A long poll's `?wait=S`, as the form's numbers are checked: 400 for what is not a number, 422 for a
+    number out of range (NaN and infinity among them)."""
+    try:
+        wait = float(text)
+    except ValueError:
+        raise ApiError(400, f"wait must be a number of seconds, got {text[:40]!r}", "wait") from None
     if not 0 <= wait <= MAX_RESULT_WAIT_S:
-        raise ApiError(400, f"wait must be 0-{MAX_RESULT_WAIT_S:g} seconds, got {wait:g}", "wait")
+        raise ApiError(422, f"wait must be 0-{MAX_RESULT_WAIT_S:g} seconds, got {wait:g}", "wait")
+    return wait
 
 
 def reply_response(reply: Reply, status: int = 200) -> Response:
@@ -1091,9 +1097,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
     app.state.stop_template_watches = stop_template_watches
 
     @app.get("/v1/templates/{template_id}")
-    async def get_template(request: Request, template_id: str, wait: float = 0.0):
+    async def get_template(request: Request, template_id: str, wait: str = "0"):
         """`?wait=S` long-polls: answers once the template is no longer recording, or after S seconds."""
-        check_wait(wait)
+        wait = parse_wait(wait)
         tenant = request.state.tenant
         record = template_or_404(template_id, tenant)
         if record["status"] == "recording" and wait > 0:
@@ -1942,11 +1948,11 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         return {"id": request_id, "images": image_statuses(ids)}
 
     @app.get("/v1/edits/{request_id}/result")
-    async def edit_result(request: Request, request_id: str, wait: float = 0.0):
+    async def edit_result(request: Request, request_id: str, wait: str = "0"):
         """An asynchronous or keyed edit's answer, as its POST answered it (or would have): the image, its
         JSON, or its error with the error's status. Still running after waiting up to `wait` seconds for
         it: 202 with its status (and Retry-After), as the POST of an asynchronous edit answered."""
-        check_wait(wait)
+        wait = parse_wait(wait)
         job = jobs.find(request.state.tenant, request_id)
         if job is None:
             known = (request.state.tenant, request_id) in in_flight
