@@ -18,6 +18,7 @@ sides = st.integers(1, 70)
 @given(sized_masks(), st.sampled_from([(16, 16), (16, 8)]))
 @settings(max_examples=300, deadline=None)
 def test_a_square_of_the_canvas_mask_is_white_exactly_when_a_pixel_in_it_is_non_zero(mask, geometry):
+    """... or, when the mask repaints anything, when it holds none of the user's pixels (padding)."""
     multiple, stride = geometry
     canvas = Canvas.of(mask.size, multiple, stride)
     assert all(p % multiple == 0 and p >= s for p, s in zip(canvas.padded, mask.size))
@@ -30,7 +31,8 @@ def test_a_square_of_the_canvas_mask_is_white_exactly_when_a_pixel_in_it_is_non_
     for r in range(rows):
         for c in range(cols):
             square = (slice(r * stride, (r + 1) * stride), slice(c * stride, (c + 1) * stride))
-            expected = 255 if user[square].any() else 0
+            padding = r * stride >= mask.height or c * stride >= mask.width
+            expected = 255 if user[square].any() or (padding and user.any()) else 0
             assert (canvas_mask[square] == expected).all()
 
 

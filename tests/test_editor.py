@@ -74,6 +74,20 @@ def test_all_tokens_masked_equals_the_unmodified_pipeline(editor):
     assert np.abs(pixels(edited) - pixels(baseline)).max() <= 1
 
 
+@pytest.mark.parametrize("model", ["tiny-sd2-inpaint", "tiny-sdxl-inpaint"])
+def test_a_full_mask_at_a_side_past_a_multiple_of_16_computes_every_token(model):
+    """A UNet's latent pixels past a side 1-8 px over a multiple of 16 hold none of the user's pixels: they
+    were left unmasked, so a full mask read them from the cache and was not the stock edit (SD2 at 129x77:
+    4 levels of 255 off inside the mask). Now they are repainted with the rest."""
+    editor = load(model)
+    image = template_image().resize((129, 77))
+    template_id = editor.register_template(image, prompt="a scene", steps=STEPS, seed=0)
+    full = editor.check_request(EditRequest(template_id, Image.new("L", image.size, 255), "a red hat", seed=5))
+    assert len(editor.prepare_edit(full).masked_idx) == editor.num_tokens(editor.templates[template_id])
+    empty = editor.check_request(EditRequest(template_id, Image.new("L", image.size, 0), "a red hat", seed=5))
+    assert len(editor.prepare_edit(empty).masked_idx) == 0  # nothing to repaint: the padding neither
+
+
 def test_edit_keeps_unmasked_pixels_and_follows_the_seed(editor):
     template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
     mask = square_mask()

@@ -70,11 +70,19 @@ class Canvas:
 
     def mask(self, mask: Image.Image) -> Image.Image:
         """The pipeline's mask: `mask` ("L", the user's size) on the canvas, binary, in whole squares of
-        `stride` pixels; a square is white when any pixel of the user's mask in it is non-zero."""
+        `stride` pixels; a square is white when any pixel of the user's mask in it is non-zero, or, where
+        the mask repaints anything, when it holds none of the user's pixels (padding: a UNet's latent
+        pixels past a side 1-8 px over a multiple of 16). No user pixel comes from those, and left
+        unmasked they would follow the template's run beside the repainted region: a full mask at such a
+        size was then not the stock edit's full computation."""
         self._check(mask)
         pixels = np.zeros(self.padded[::-1], np.uint8)
         pixels[:self.size[1], :self.size[0]] = np.asarray(mask)
-        squares = token_mask(pixels, self.stride).numpy().astype(np.uint8) * 255
+        squares = token_mask(pixels, self.stride).numpy()
+        if squares.any():
+            rows, cols = np.indices(squares.shape) * self.stride
+            squares |= (rows >= self.size[1]) | (cols >= self.size[0])
+        squares = squares.astype(np.uint8) * 255
         full = squares.repeat(self.stride, 0).repeat(self.stride, 1)
         return Image.fromarray(np.ascontiguousarray(full[:self.padded[1], :self.padded[0]]), mode="L")
 
