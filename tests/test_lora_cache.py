@@ -8,6 +8,7 @@ awaited through their futures or the loader's queue, never by sleeping."""
 import gc
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -159,6 +160,30 @@ def test_reads_in_a_full_cache_take_the_memory_of_those_evicted(editor, lora_dir
     assert metrics["loads"] == 10 and metrics["read_fallbacks"] == 0
     assert metrics["cached_adapters"] == 3 and metrics["cached_bytes"] <= manager.host.budget_bytes
     assert manager.memory.used <= manager.host.budget_bytes
+
+
+def test_a_load_whose_requests_have_all_gone_is_not_made(editor, lora_dir, make_manager, monkeypatch):
+    """Requests cancelled while their adapters wait for the loader: it once read every file all the same."""
+    manager = make_manager(lora_dir)
+    reading, release = threading.Event(), threading.Event()
+    read = manager._read
+
+    def held_read(name, file):
+        reading.set()
+        release.wait(60)
+        return read(name, file)
+    monkeypatch.setattr(manager, "_read", held_read)
+    kept = (LoraUse("A"),)
+    manager.prefetch(kept)
+    assert reading.wait(60)  # the loader holds A's read; B waits behind it
+    manager.prefetch((LoraUse("B"),))  # a request cancelled at once: its LoraUse is gone
+    gc.collect()
+    release.set()
+    manager._queue.join()
+    metrics = manager.metrics()
+    assert (metrics["loads"], metrics["loads_skipped"]) == (1, 1)
+    assert "B" not in manager.resident() and "A" in manager.resident()
+    assert manager.acquire(kept)[0].result(timeout=60).weights.name == "A"
 
 
 def test_an_adapter_stays_on_the_device_while_a_request_needs_it(editor, lora_dir, make_manager):

@@ -103,7 +103,8 @@ LORA_COUNTERS = (("hits", "LoRA lookups served without reading the file (on the 
                  ("read_fallbacks", "LoRA files read into fresh host memory: the recycled memory had no free range "
                   "of their size (evicted adapters still in use by requests, or a file converted to the serving "
                   "dtype, whose read and converted factors are held at once)"),
-                 ("device_evictions", "LoRA copies evicted from the worker's device"))
+                 ("device_evictions", "LoRA copies evicted from the worker's device"),
+                 ("loads_skipped", "LoRA loads not made: every request that asked for it had gone (cancelled)"))
 LORA_GAUGES = (("cached_bytes", "bytes of host memory the worker's LoRA cache holds (the files as read)"),
                ("cached_adapters", "LoRAs in the worker's host cache"),
                ("budget_bytes", "the LoRA host cache's budget in bytes"),

@@ -89,6 +89,7 @@ class LoraManager:
         # (answered 422: no such file, or one that cannot be loaded; a failed read is a miss too).
         self.hits = self.misses = self.load_failures = 0
         self.loads = self.device_evictions = 0
+        self.loads_skipped = 0  # loads whose requests had all gone before the loader came to them
         self.load_seconds = self.load_cpu_seconds = 0.0  # wall and loader-thread CPU seconds of file reads
 
     @property
@@ -250,9 +251,15 @@ class LoraManager:
     def _load_one(self, name: str, stream) -> None:
         """One load, in a frame of its own: nothing of it stays referenced while the thread waits for the
         next (a finished load held by `_run`'s locals would keep an evicted adapter's memory). A failure is
-        remembered against the file's identity: requests for it fail at once until the file changes."""
+        remembered against the file's identity: requests for it fail at once until the file changes. A load
+        every request that asked for has gone without (cancelled, refused) is not made."""
         with self._lock:
             load = self._loading[name]
+            if not load.leases and not self._live_reservations(name):
+                del self._loading[name]
+                self.loads_skipped += 1
+                load.future.cancel()
+                return
         file = self._file_identity(name)  # before the read: a file replaced during it is read again
         weights = self.host.get(name, file)  # only a read of this very file
         read = weights is None
@@ -408,6 +415,7 @@ class LoraManager:
                     "device_pinned": pinned, "device_evictions": self.device_evictions, "loads": self.loads,
                     "load_failures": self.load_failures, "load_seconds": self.load_seconds,
                     "load_cpu_seconds": self.load_cpu_seconds, "read_fallbacks": self.memory.fallbacks,
+                    "loads_skipped": self.loads_skipped,
                     "loading": len(self._loading)}
 
 
