@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import device_arg, out_path, positive_float, publish, pyplot, environment, seed_arg
+from retouch.bench.report import MAX_SIDE, device_arg, out_path, positive_float, publish, pyplot, environment, seed_arg
 from retouch.editor import EditRequest, MaskAwareEditor
 from retouch.engine.api import Engine
 from retouch.engine.metrics import now
@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if min(args.requests, args.steps, args.templates, args.max_batch, args.helpers) < 1 or args.size < 32:
         parser.error("--requests, --steps, --templates, --max-batch and --helpers must be >= 1, --size >= 32")
+    if args.size > MAX_SIDE:
+        parser.error(f"--size must be at most {MAX_SIDE}, got {args.size}")
     if args.size % FLUX_STRIDE:
         parser.error(f"--size must be a multiple of {FLUX_STRIDE}")
 

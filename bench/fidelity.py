@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import environment, mask_ratios, out_path, publish, pyplot
+from retouch.bench.report import MAX_SIDE, environment, mask_ratios, out_path, publish, pyplot
 from retouch.cache import CacheStore, StoreConfig
 from retouch.cache.layout import STORAGE_DTYPES
 from retouch.editor import CACHE_MODES, load
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
-    if args.size < 16 or args.size % 16:
-        parser.error("--size must be a positive multiple of 16")
+    if not 16 <= args.size <= MAX_SIDE or args.size % 16:
+        parser.error(f"--size must be a multiple of 16 in [16, {MAX_SIDE}], got {args.size}")
 
     template = template_image(args.size)
     grid = (args.size // 16, args.size // 16)

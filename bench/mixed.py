@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from retouch.adapters import CacheMode, MaskAwareContext, patch_flux
-from retouch.bench.report import DTYPE_CHOICES, device_arg, mask_ratio, out_path, publish, pyplot, environment
+from retouch.bench.report import DTYPE_CHOICES, MAX_SIDE, device_arg, mask_ratio, out_path, publish, pyplot, environment
 from retouch.bench.step import TEXT_TOKENS
 from retouch.bench.timing import interleaved_medians
 from retouch.cache import InMemoryActivationCache
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = [int(size) for size in args.sizes.split(",")]
     except ValueError:
         parser.error(f"--sizes takes integers separated by commas, got {args.sizes!r}")
-    if any(size < 16 or size % 16 for size in sizes) or len(set(sizes)) < 2:
-        parser.error(f"--sizes needs two or more distinct multiples of 16, got {args.sizes!r}")
+    if any(not 16 <= size <= MAX_SIDE or size % 16 for size in sizes) or len(set(sizes)) < 2:
+        parser.error(f"--sizes needs two or more distinct multiples of 16 in [16, {MAX_SIDE}], got {args.sizes!r}")
     if args.per_size < 1 or args.repeats < 1:
         parser.error("--per-size and --repeats must be >= 1")
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from retouch.bench.report import out_path, positive_float, publish, pyplot, environment, seed_arg
+from retouch.bench.report import MAX_SIDE, out_path, positive_float, publish, pyplot, environment, seed_arg
 from retouch.errors import ArgumentParser, RetouchError
 from retouch.images import png_bytes
 from retouch.progress import bar
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
-    if args.requests < 1 or args.concurrency < 1 or args.steps < 1 or args.size < 1:
-        parser.error("--requests, --concurrency, --steps and --size must be >= 1")
+    if args.requests < 1 or args.concurrency < 1 or args.steps < 1 or not 1 <= args.size <= MAX_SIDE:
+        parser.error(f"--requests, --concurrency and --steps must be >= 1, --size in [1, {MAX_SIDE}]")
     if not 0 <= args.one_off <= 1 or args.registrations < 0 or args.stock_samples < 1:
         parser.error("--one-off must lie in [0, 1], --registrations >= 0 and --stock-samples >= 1")
     if args.stock_model is not None and args.concurrency != 1:

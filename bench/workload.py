@@ -20,7 +20,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from retouch.bench import stock
-from retouch.bench.report import DTYPE_CHOICES, cost_model_arg, device_arg, out_path, positive_float, seed_arg
+from retouch.bench.report import DTYPE_CHOICES, MAX_SIDE, cost_model_arg, device_arg, out_path, positive_float, seed_arg
 from retouch.cache import CacheFull, CacheStore, StoreConfig
 from retouch.editor import PATCH_STRIDE, EditRequest, MaskAwareEditor
 from retouch.errors import InputError
@@ -77,8 +77,8 @@ def check_editor_options(parser: argparse.ArgumentParser, args: argparse.Namespa
         if not is_builtin(args.model):
             parser.error("--size is required for a pipeline folder")
         args.size = get_spec(args.model).resolution
-    if args.size < 32 or args.size % PATCH_STRIDE:
-        parser.error(f"--size must be a multiple of {PATCH_STRIDE} and >= 32")
+    if not 32 <= args.size <= MAX_SIDE or args.size % PATCH_STRIDE:
+        parser.error(f"--size must be a multiple of {PATCH_STRIDE} in [32, {MAX_SIDE}], got {args.size}")
     if args.steps < 1 or args.templates < 1:
         parser.error("--steps and --templates must be >= 1")
     if args.host_gib is not None and args.host_gib <= 0:

@@ -61,6 +61,8 @@ RESOLUTIONS = (512, 768, 1024)
 RESOLUTION_MIX = {"1024": (0.0, 0.0, 1.0), "uniform": (1 / 3, 1 / 3, 1 / 3), "low": (0.5, 0.25, 0.25),
                   "medium": (0.25, 0.5, 0.25), "high": (0.25, 0.25, 0.5)}
 # A fit of a model too small to time extrapolates below zero, which clamps to a step that takes no time.
+MAX_WORKERS = 100_000  # simulated workers: each holds arrays of the cluster's view
+MAX_REQUESTS = 10_000_000
 ZERO_STEP_ADVICE = ("its fit extrapolates below zero here; profile a larger model or larger --grids, or simulate "
                     "--image-tokens inside the profiled grids")
 SLO_SCALE = 5.0  # PatchedServe §8.1 after Clockwork: an SLO of 5x the request's execution latency
@@ -374,6 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"--{flag.replace('_', '-')} must be a finite number")
     if min(args.workers, args.requests, args.steps, args.max_batch, args.guidance_copies) < 1 or args.rps <= 0:
         parser.error("--workers, --requests, --steps, --max-batch, --guidance-copies must be >= 1, --rps > 0")
+    if args.workers > MAX_WORKERS or args.requests > MAX_REQUESTS:  # a typo, not a cluster: memory runs out
+        parser.error(f"--workers must be at most {MAX_WORKERS} and --requests at most {MAX_REQUESTS}")
     if args.slo_scale <= 0 or args.rate_step <= 0 or args.max_rate <= 0:
         parser.error("--slo-scale, --rate-step and --max-rate must be > 0")
     if (args.image_tokens is not None and args.image_tokens < 1) or (args.text_tokens or 0) < 0:

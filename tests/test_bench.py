@@ -126,7 +126,7 @@ def test_step_options_are_checked(options, named, capsys):
 
 
 @pytest.mark.parametrize("options", [["--sizes", "64"], ["--sizes", "64,100"], ["--sizes", "a,b"],
-                                     ["--per-size", "0"], ["--mask-ratio", "0"]])
+                                     ["--sizes", "16,160000"], ["--per-size", "0"], ["--mask-ratio", "0"]])
 def test_mixed_options_are_checked(options, capsys):
     with pytest.raises(SystemExit) as exit_:
         mixed.main(["--model", "tiny-flux-fill", *options])
@@ -207,7 +207,8 @@ def test_fidelity_against_full_compute(tmp_path):
 
 @pytest.mark.parametrize("argv, named", [(["--cache-dtypes", "fp8"], "--cache-dtypes"),
                                          (["--mask-ratios", "0"], "--mask-ratios"),
-                                         (["--size", "100"], "--size"), (["--steps", "0"], "--steps")])
+                                         (["--size", "100"], "--size"), (["--steps", "0"], "--steps"),
+                                         (["--size", "1600000"], "--size")])  # once drawn until memory ran out
 def test_fidelity_refuses_bad_options(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         fidelity.main(argv)

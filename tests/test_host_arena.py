@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retouch import ops
+from retouch.errors import InputError
 
 ALIGNMENT = 256
 
@@ -46,6 +47,13 @@ def test_pinned_only_with_a_gpu():
 def test_bad_construction(capacity, alignment):
     with pytest.raises(ValueError, match="capacity|alignment"):
         ops.HostArena(capacity, alignment=alignment)
+
+
+@pytest.mark.parametrize("gib", [1e9, 1e30])
+def test_more_memory_than_any_machine_is_an_input_error_naming_the_option(gib):
+    """1e30 GiB overflowed the extension's size_t: a TypeError, reported as an internal error."""
+    with pytest.raises(InputError, match="for --cache-host-gib: ask for less"):
+        ops.allocate_host_arena(int(gib * 2**30), ALIGNMENT, False, "--cache-host-gib")
 
 
 def test_offsets_aligned_and_accounted():

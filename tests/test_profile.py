@@ -87,6 +87,10 @@ def test_profile_options_are_checked():
             ProfileOptions(model="tiny-flux-fill", grids=bad)
     with pytest.raises(InputError, match="--batch-sizes"):
         ProfileOptions(model="tiny-flux-fill", batch_sizes="1,1.5")
+    with pytest.raises(InputError, match="--grids values must be at most"):  # once 4 TB asked of the allocator
+        ProfileOptions(model="tiny-flux-fill", grids="1000000,8,12,16")
+    with pytest.raises(InputError, match="--batch-sizes values must be at most"):
+        ProfileOptions(model="tiny-flux-fill", batch_sizes="1,2,100000")
     # The full-compute fit has one sample per (grid, batch size): too few points fail only after the timing.
     with pytest.raises(InputError, match="4 distinct points"):
         ProfileOptions(model="tiny-flux-fill", grids="8,16,16", batch_sizes="1,2,1")

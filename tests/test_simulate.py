@@ -102,6 +102,8 @@ def test_main_with_a_fitted_cost_model_writes_json_and_png(tmp_path):
 @pytest.mark.parametrize("argv, named", [(["--policies", "random"], "--policies"), (["--rps", "0"], "--rps"),
                                          (["--rps", "nan"], "--rps"), (["--slo-scale", "inf"], "--slo-scale"),
                                          (["--workers", "0"], "--workers"), (["--loras", "-1"], "--loras"),
+                                         (["--workers", "100000000"], "--workers"),  # 23 GB, then a timeout
+                                         (["--requests", "100000000000"], "--requests"),
                                          (["--image-tokens", "-4"], "--image-tokens"),
                                          (["--text-tokens", "-1"], "--text-tokens"),
                                          (["--loras", "5", "--lora-cache", "0"], "--lora-cache"),

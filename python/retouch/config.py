@@ -27,6 +27,8 @@ LORA_DIR_HELP = "folder of LoRA adapters requests may name: NAME.safetensors or 
 LORA_DEVICE_HELP = ("device memory of {whose} LoRA copies kept for later requests (MiB; default: --lora-cache-mb); "
                     "adapters a queued or running request needs stay beyond it")
 CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")  # retouch.cache.layout.STORAGE_DTYPES
+MAX_PROFILE_GRID = 512  # tokens a side: 8192 px on Flux
+MAX_PROFILE_BATCH = 256
 CACHE_HOST_HELP = ("pinned host memory of {whose} template cache (GiB): every template being recorded or edited "
                    "is held whole in it (a flux-size template at 1024 px, 28 steps, bf16, Y-cache: about 40 GB)")
 CACHE_DISK_HELP = ("folder of {whose} disk tier: templates evicted from host memory are written there and read "
@@ -263,6 +265,9 @@ class ProfileOptions:
                 raise InputError(f"{flag} values must be whole numbers")
         if max(self.values("mask_ratios")) > 1:
             raise InputError("--mask-ratios must lie in (0, 1]")
+        for name, most in (("grids", MAX_PROFILE_GRID), ("batch_sizes", MAX_PROFILE_BATCH)):
+            if max(self.values(name)) > most:  # a typo, not a profile: the first forward would exhaust memory
+                raise InputError(f"--{name.replace('_', '-')} values must be at most {most}")
         check_writable(self.out)  # before the profile runs, not after it
         if self.repeats < 1:
             raise InputError(f"--repeats must be >= 1, got {self.repeats}")

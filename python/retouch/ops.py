@@ -105,6 +105,8 @@ def allocate_host_arena(capacity: int, alignment: int, pinned: bool, asked_by: s
     """A HostArena of `capacity` bytes, or an InputError naming `asked_by` (the option that asked for the
     memory) where the machine has less: TORCH_CHECK's own message holds a C++ trace, and surfaced as an
     internal error after the work that preceded it."""
+    if capacity >= 1 << 62:  # past what a size_t the extension takes can hold, and any machine's memory
+        raise InputError(f"cannot allocate {capacity / (1 << 30):.3g} GiB of host memory for {asked_by}: ask for less")
     try:
         return HostArena(capacity, alignment, pinned)
     except RuntimeError as exc:
