@@ -558,11 +558,16 @@ def run_worker(opts: WorkerOptions) -> None:
         raise InputError(f"the router refused this worker: {node.refused}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """A worker `retouch serve` starts: its errors (a model that will not load, memory it cannot have) in one
+    line, as `retouch worker` says them, not as tracebacks in the server's log."""
+    from retouch.cli import reported
+
     parser = argparse.ArgumentParser(prog="python -m retouch.engine.node")
     add_arguments(parser, WorkerOptions)
-    run_worker(from_arguments(WorkerOptions, parser.parse_args(argv)))
+    opts = from_arguments(WorkerOptions, parser.parse_args(argv))
+    return reported(lambda: run_worker(opts) or 0)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

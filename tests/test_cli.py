@@ -489,3 +489,12 @@ def test_a_worker_refuses_a_run_dir_or_health_address_it_cannot_use(cli_here, tm
     result = cli_here("worker", "--connect", "tcp://127.0.0.1:9", "--model", "tiny-flux-fill", "--device", "cpu",
                       *[arg.format(file=tmp_path / "a-file") for arg in args])
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_worker_that_cannot_start_says_why_in_one_line(cli_here):
+    """`retouch serve`'s workers printed their tracebacks (a host cache no machine has, a broken model folder):
+    each now says its error in one line, as `retouch worker` does, and the server stops with exit 2."""
+    result = cli_here("serve", "--model", "tiny-flux-fill", "--port", "0", "--workers", "1",
+                      "--cache-host-gib", "100000")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "retouch: error: cannot allocate 1e+05 GiB" in result.stderr

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from retouch.config import (EditOptions, ProfileOptions, ServeOptions, WorkerOptions, add_arguments, from_arguments,
@@ -372,8 +373,14 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(handler=cmd_simulate, options=argv[1:])
     else:
         args = parser.parse_args(argv)
+    return reported(lambda: args.handler(args))
+
+
+def reported(run: Callable[[], int]) -> int:
+    """`run()`'s exit status, its errors said in one line: a bad input's (exit 2), an interruption's (130),
+    or anything else as an internal error (1; RETOUCH_DEBUG=1 raises it, with its traceback)."""
     try:
-        return args.handler(args)
+        return run()
     except RetouchError as exc:
         print(f"retouch: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
