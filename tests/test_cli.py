@@ -1,12 +1,16 @@
 """The `retouch` command as a user runs it: a fresh interpreter per call, real files, exit codes."""
 
 import json
+import os
+import signal
 import socket
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 from PIL import Image, ImageDraw
+from polling import wait_for
 
 from retouch.config import ServeOptions
 
@@ -498,3 +502,20 @@ def test_a_worker_that_cannot_start_says_why_in_one_line(cli_here):
                       "--cache-host-gib", "100000")
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and "retouch: error: cannot allocate 1e+05 GiB" in result.stderr
+
+
+def test_sigterm_ends_a_command_through_its_cleanup(tmp_path):
+    """SIGTERM (a process manager, `timeout`) left `bench lora`'s adapter file, hundreds of MiB, in /tmp
+    after each run: the command ended without its `finally`s. It now exits 143 through them."""
+    command = [sys.executable, "-m", "retouch.cli", "bench", "lora", "--model", "tiny-flux-fill", "--batch", "1",
+               "--steps", "2", "--repeats", "1", "--load-rank", "4", "--load-repeats", "100000", "--device", "cpu"]
+    bench = subprocess.Popen(command, env={**os.environ, "TMPDIR": str(tmp_path)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: any(tmp_path.glob("retouch-bench-lora-*/*")), "the bench writes its adapter file", 120)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 143
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert not list(tmp_path.glob("retouch-bench-lora-*"))

@@ -373,7 +373,16 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(handler=cmd_simulate, options=argv[1:])
     else:
         args = parser.parse_args(argv)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        # A plain SIGTERM ends the process where it stands: temporary folders (a benchmark's adapter file of
+        # hundreds of MiB) and helpers' sockets stayed. As SystemExit the `finally`s and `with`s run; `serve`
+        # and `worker` put their own handler (a drain) in its place.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     return reported(lambda: args.handler(args))
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    sys.exit(128 + signal.SIGTERM)
 
 
 def reported(run: Callable[[], int]) -> int:
