@@ -81,7 +81,11 @@ def mask_ratio(text: str) -> float:
 
 
 def out_path(text: str) -> Path:
-    """argparse `type` of `--out`: checked before the benchmark runs (its folder made, a file created there)."""
+    """argparse `type` of `--out`: checked before the benchmark runs (its folder made, a file created there).
+    The JSON's path: the plot goes beside it as .png, so a .png here would be overwritten by the plot."""
+    if Path(text).suffix.lower() == ".png":
+        raise argparse.ArgumentTypeError(f"{text} is where the JSON goes (its plot is written beside it as .png): "
+                                         "give a .json path")
     try:
         return check_writable(text)
     except InputError as exc:

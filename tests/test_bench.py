@@ -134,6 +134,7 @@ def test_mixed_options_are_checked(options, capsys):
 
 
 SHARED_BAD_OPTIONS = [(["--out", "/proc/no/such.json"], "--out"), (["--device", "gpu"], "--device"),
+                      (["--out", "plot.png"], "--out"),  # the plot, written beside the JSON, overwrote it
                       *([(["--device", "cuda"], "--device")] if not torch.cuda.is_available() else []),
                       (["--dtype", "int8"], "--dtype"),
                       (["--resolution", "99999999"], "--resolution"), (["--resolution", "17"], "--resolution"),
