@@ -60,7 +60,7 @@ import torch
 from retouch.bench.report import (DTYPE_CHOICES, device_arg, device_name, environment, json_text, out_path, pyplot,
                                   write_json)
 from retouch.bench.timing import seconds_of
-from retouch.errors import ArgumentParser
+from retouch.errors import ArgumentParser, InputError
 from retouch.progress import bar, note
 
 # Heads per head_dim as in the models served: Flux 24 x 128, SDXL's first transformer level 10 x 64.
@@ -540,7 +540,10 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     config, quick, out = parse_args(argv)
     device = torch.device(config.device)
-    if device.type != "cuda":
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if "triton" in sys.modules:  # `retouch bench` loaded it already: its kernels would not be interpreted
+            raise InputError("on a CPU the Triton kernel runs in Triton's interpreter, chosen when Triton loads: "
+                             "run it as TRITON_INTERPRET=1 retouch bench attention ...")
         # The kernel module picks the interpreter when it is imported, so decide before importing it.
         os.environ["TRITON_INTERPRET"] = "1"
     from torch._dynamo import config as dynamo_config

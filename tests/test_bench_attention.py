@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from retouch.bench import attention
+from retouch.errors import InputError
 from retouch.kernels.ragged_attention import DEFAULT_LAUNCH_CONFIG, KERNEL_INTERPRETED, ragged_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -218,3 +219,11 @@ def test_the_cudnn_probe_says_why_it_cannot_run():
     no GPU) the method is reported unavailable with the probe's last line, and the sweep goes on."""
     reason = attention.probe_cudnn_varlen("bfloat16")
     assert reason is not None and reason.startswith("probe: ") and "\n" not in reason
+
+
+def test_on_a_cpu_without_the_interpreter_asked_for_it_says_how(monkeypatch):
+    """`retouch bench attention --quick` loads Triton before the bench could ask for its interpreter: every
+    kernel point failed and the run still ended 0. It now says to set TRITON_INTERPRET=1 first."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(InputError, match="TRITON_INTERPRET=1 retouch bench attention"):
+        attention.main(["--quick", "--device", "cpu"])
