@@ -10,6 +10,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before huggingface_hub is imported, which 
 import json
 import shutil
 
+import diffusers
 import numpy as np
 import pytest
 import torch
@@ -174,6 +175,26 @@ def test_export_race_lost_to_another_process_keeps_the_winner(tmp_path, monkeypa
     monkeypatch.setattr(export, "export_pipeline", export_while_another_process_finishes_first)
     assert export.cached_export(spec.name) == final
     assert sorted(path.name for path in tmp_path.iterdir()) == [final.name]
+
+
+def test_an_interrupted_export_leaves_nothing_and_a_rerun_works(tmp_path, monkeypatch):
+    """Ctrl-C during `retouch models export` left a folder of weights without model_index.json, which no
+    loader read and which refused the rerun ("it exists and is not an empty folder")."""
+    real_save = diffusers.DiffusionPipeline.save_pretrained
+
+    def interrupted(self, folder, **options):
+        real_save(self, folder, **options)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        models.export_pipeline("tiny-sd2-inpaint", tmp_path / "exported")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "save_pretrained", real_save)
+    folder = models.export_pipeline("tiny-sd2-inpaint", tmp_path / "exported")
+    assert (folder / "model_index.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~umask  # as a folder made by hand
 
 
 def test_folder_without_manifest_takes_family_from_pipeline_class(tmp_path):

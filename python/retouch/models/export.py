@@ -36,17 +36,29 @@ def export_pipeline(name: str, directory: str | os.PathLike) -> Path:
     """Build the built-in model `name` and write it to `directory` (new or empty); returns the folder.
 
     The folder is a diffusers pipeline (model_index.json, one subfolder per component, safetensors
-    weights in the spec's export_dtype) plus retouch.json with the name, family and call defaults.
+    weights in the spec's export_dtype) plus retouch.json with the name, family and call defaults. It is
+    written beside `directory` and renamed into place: an interrupted export (minutes, tens of GB for the
+    full-size specs) leaves nothing, where it had left a folder without model_index.json that also
+    refused the export's rerun.
     """
     spec = get_spec(name)
     directory = Path(directory)
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise ModelError(f"cannot export {name} to {directory}: it exists and is not an empty folder; pick a new one")
-    pipe = builders.build_pipeline(name, dtype=spec.export_dtype)
-    with quiet_libraries():
-        pipe.save_pretrained(directory, safe_serialization=True)
-    manifest = {"name": spec.name, "family": spec.family, "call_defaults": spec.call_defaults}
-    (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        pipe = builders.build_pipeline(name, dtype=spec.export_dtype)
+        with quiet_libraries():
+            pipe.save_pretrained(staging, safe_serialization=True)
+        manifest = {"name": spec.name, "family": spec.family, "call_defaults": spec.call_defaults}
+        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # as a folder made by hand, not mkdtemp's 0700
+        os.rename(staging, directory)  # replaces an empty folder; atomic
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already, unless the export failed
     return directory
 
 
