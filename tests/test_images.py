@@ -2,6 +2,9 @@
 orientation, size checks, limits, and errors that name the input."""
 
 import io
+import struct
+import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -420,3 +423,16 @@ def test_an_image_given_as_an_object_is_held_to_the_pixel_limit_of_files(monkeyp
         images.as_image(Image.new("RGB", (64, 65)))  # a 64x80 canvas
     with pytest.raises(InputError, match="over the limit"):
         images.as_image(np.zeros((1, 5000, 3), np.uint8))
+
+
+def test_a_header_over_pillows_own_limit_is_refused_without_its_warning():
+    """A 10000x10000 header: Pillow warned (DecompressionBombWarning, two lines on stderr) before
+    retouch's own limit refused it in one line."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    header = struct.pack(">IIBBBBB", 10000, 10000, 8, 0, 0, 0, 0)  # 8-bit grey
+    data = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        with pytest.raises(images.ImageTooLarge, match="10000x10000"):
+            images.decode_image(data, "image")

@@ -103,7 +103,10 @@ def decode_image(data: bytes, what: str, max_pixels: int | None = None, multiple
     `multiple`: the sides are counted as the canvas pads them (a 1x262144 strip is edited as 16x262144)."""
     max_pixels = MAX_PIXELS if max_pixels is None else max_pixels
     try:
-        with Image.open(io.BytesIO(data), formats=READ_FORMATS) as img:
+        with warnings.catch_warnings():  # Pillow's DecompressionBombWarning: the limit below is the one that counts
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=READ_FORMATS)
+        with img:
             check_pixels(img.size, what, max_pixels, multiple)
             _one_picture(img, what)
             img.load()
