@@ -469,6 +469,7 @@ def test_a_benchmarks_help_shows_its_defaults_once(capsys):
     shown = " ".join(capsys.readouterr().out.split())
     assert "(default: http://127.0.0.1:8000)" in shown and "edits to send (default: 100)" in shown
     assert shown.count("(default: 100)") == 1 and "(default: None)" not in shown
+    assert "(default: 0)" in shown  # --registrations: a default of 0 was hidden as if there were none
 
 
 @pytest.mark.parametrize("args, message", [

@@ -24,8 +24,8 @@ class DefaultsShown(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (not action.option_strings or "default" in text or action.default in (None, False, argparse.SUPPRESS)
-                or isinstance(action, argparse._HelpAction)):
+        unset = any(action.default is nothing for nothing in (None, False, argparse.SUPPRESS))  # `in` took 0 too
+        if not action.option_strings or "default" in text or unset or isinstance(action, argparse._HelpAction):
             return text
         return text + " (default: %(default)s)"
 
