@@ -133,12 +133,28 @@ def _flag_options(hint) -> dict:
     return {"type": hint}
 
 
+CONFIG_HELP = {  # BenchConfig's fields as options (their defaults in parentheses: argparse's are None, "not given")
+    "tokens_per_request": "tokens per request, L (1024 2048 4096; Flux at 1024 px has 4096 image tokens)",
+    "batch_sizes": "requests per packed batch (1 2 4 8)",
+    "head_dims": "head dimensions (64 128)",
+    "mask_ratios": "fractions of each request's tokens that query (0.05 0.1 0.2 0.5 1.0)",
+    "methods": f"methods to time ({' '.join(METHODS)})",
+    "heads": "attention heads (by head dimension, as the models have them)",
+    "tune": "time launch configs per tuning key, CUDA only (--no-tune: the launch-config table)",
+    "flex_compile": "FlexAttention's torch.compile on CUDA: dynamic, or static (a compile per point)",
+    "max_points": "stop after this many points (a smoke run of a GPU sweep)",
+    "warmup": "untimed calls per point (3)",
+    "iters": "timed calls per point (20)",
+    "seed": "seeds the random queries, keys and values (0)",
+}
+
+
 def parse_args(argv: list[str] | None) -> tuple[BenchConfig, bool, Path | None]:
     parser = ArgumentParser(prog="retouch bench attention", description=__doc__)
     hints = typing.get_type_hints(BenchConfig)
     shared = {"device": {"type": device_arg}, "dtype": {"choices": DTYPE_CHOICES}}
     for field in dataclasses.fields(BenchConfig):
-        parser.add_argument("--" + field.name.replace("_", "-"), default=None,
+        parser.add_argument("--" + field.name.replace("_", "-"), default=None, help=CONFIG_HELP.get(field.name),
                             **shared.get(field.name, _flag_options(hints[field.name])))
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU interpreter smoke run)")
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")

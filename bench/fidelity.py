@@ -23,7 +23,7 @@ from retouch.bench.report import MAX_SIDE, environment, mask_ratios, out_path, p
 from retouch.cache import CacheStore, StoreConfig
 from retouch.cache.layout import STORAGE_DTYPES
 from retouch.editor import CACHE_MODES, load
-from retouch.errors import ArgumentParser
+from retouch.errors import COMMON_HELP, ArgumentParser
 from retouch.image_metrics import psnr, ssim
 from retouch.masks import centred_token_rectangle, pixel_mask_of_tokens
 from retouch.progress import bar
@@ -42,7 +42,8 @@ def template_image(size: int) -> Image.Image:
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(prog="retouch bench fidelity", description=__doc__)
     parser.add_argument("--model", default="tiny-flux-fill")
-    parser.add_argument("--mask-ratios", dest="ratios", type=mask_ratios, default="0.1,0.2,0.3")
+    parser.add_argument("--mask-ratios", dest="ratios", type=mask_ratios, help=COMMON_HELP["mask_ratios"],
+                        default="0.1,0.2,0.3")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--size", type=int, default=128, help="template side in pixels (a multiple of 16)")
     parser.add_argument("--cache-dtypes", type=cache_dtypes, default="auto",

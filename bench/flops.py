@@ -16,7 +16,7 @@ import torch
 from retouch.adapters import MaskAwareContext
 from retouch.bench.report import environment, mask_ratios, out_path, publish, pyplot
 from retouch.bench.step import MODES, TEXT_TOKENS, flux_setup
-from retouch.errors import ArgumentParser
+from retouch.errors import COMMON_HELP, ArgumentParser
 from retouch.flops import count_flops, flux_forward_macs
 from retouch.masks import centred_token_rectangle
 from retouch.progress import bar
@@ -25,7 +25,8 @@ from retouch.progress import bar
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(prog="retouch bench flops", description=__doc__)
     parser.add_argument("--model", default="flux-small", choices=sorted(TEXT_TOKENS))
-    parser.add_argument("--mask-ratios", dest="ratios", type=mask_ratios, default="0.1,0.2,0.5,1.0")
+    parser.add_argument("--mask-ratios", dest="ratios", type=mask_ratios, help=COMMON_HELP["mask_ratios"],
+                        default="0.1,0.2,0.5,1.0")
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
 

@@ -241,8 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--engine-model", default=None, help="pipeline of the loading part (default: flux-demo for "
                         "flux-small: its transformer with a VAE that leaves the denoiser its share)")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--load-rank", type=int, default=512)
+    parser.add_argument("--rank", type=int, default=16, help="rank of the step part's adapters")
+    parser.add_argument("--load-rank", type=int, default=512,
+                        help="rank of the loading part's adapter (its file: hundreds of MiB at 512)")
     parser.add_argument("--mask-ratio", type=mask_ratio, default=0.2)
     parser.add_argument("--resolution", type=side_pixels, default=256, help="pixels per side of the step part")
     parser.add_argument("--engine-resolution", type=side_pixels, default=256,

@@ -520,3 +520,31 @@ def test_sigterm_ends_a_command_through_its_cleanup(tmp_path):
         if bench.poll() is None:
             bench.kill()
     assert not list(tmp_path.glob("retouch-bench-lora-*"))
+
+
+BENCHES = ["step", "block", "image", "overlap", "lora", "mixed", "batching", "throughput", "serving", "flops",
+           "planner", "copy", "fidelity", "serve", "overhead", "attention", "soak"]
+
+
+@pytest.mark.parametrize("name", [*BENCHES, "simulate"])
+def test_every_option_of_a_benchmark_says_what_it_is(name, monkeypatch):
+    """About 75 options had no help, so `--help` listed them bare and without their defaults."""
+    import importlib
+
+    from retouch import errors
+
+    class Parsed(Exception):
+        pass
+
+    parsers = []
+
+    def keep(parser, *args, **kwargs):
+        parsers.append(parser)
+        raise Parsed
+    monkeypatch.setattr(errors.ArgumentParser, "parse_args", keep)
+    module = importlib.import_module("retouch.engine.simulate" if name == "simulate" else f"retouch.bench.{name}")
+    with pytest.raises(Parsed):
+        module.main([])
+    bare = [action.option_strings[0] for action in parsers[0]._actions
+            if action.option_strings and not action.help]
+    assert bare == [], bare

@@ -30,10 +30,42 @@ class DefaultsShown(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
+# What the options that many commands share mean, for those that give no help of their own.
+COMMON_HELP = {
+    "model": "the model to run (`retouch models` lists the built-in ones)",
+    "device": "cpu, cuda or cuda:N",
+    "dtype": "weights dtype",
+    "steps": "denoising steps of every edit",
+    "repeats": "timed repeats per point",
+    "mask_ratio": "fraction of the image tokens each mask repaints",
+    "mask_ratios": "fractions of the image tokens the masks repaint, one point each",
+    "mask_dist": "distribution of the mask ratios: InstGenIE's public or production traces",
+    "cache_mode": "y: blocks' cached outputs; kv: their cached keys and values",
+    "planner": "how the planner chooses, per block, cached rows or full compute",
+    "seed": "seeds the random inputs (images, masks, arrivals)",
+    "batch": "requests in the batch",
+    "batch_sizes": "batch sizes, one point each",
+    "max_batch": "most requests a worker's batch holds",
+    "requests": "requests to run",
+    "templates": "templates the requests edit",
+    "workers": "workers of the cluster",
+    "mode": "batching: static (whole batches), naive (step-level, pre/post-processing inline) or disagg "
+            "(step-level, pre/post-processing in helper processes)",
+}
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line naming the flag (exit 2), not the whole usage block above it;
     a `description` given as a module docstring is cut to its first paragraph (its first line would end
     mid-sentence); every option's default shows in --help (`DefaultsShown`)."""
+
+    def add_argument(self, *args, **kwargs):
+        """An option without a help of its own gets its shared meaning (`COMMON_HELP`), so that --help
+        describes it and shows its default."""
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings and action.help is None:
+            action.help = COMMON_HELP.get(action.dest)
+        return action
 
     def __init__(self, *args, description: str | None = None, **kwargs):
         if description is not None:
