@@ -555,11 +555,9 @@ class Router:
     def _ready_slots(self, template_id: str) -> np.ndarray | None:
         """Bool [slots] of live workers where the template is ready; None if there is none (it will be
         recorded, or wait: any worker may take it)."""
-        eligible = np.zeros_like(self.cluster.alive)
         record = self.templates.get(template_id)  # None: a one-off not yet registered, recorded anywhere
-        for name, state in (record.states.items() if record is not None else ()):
-            if state == "ready" and name in self.workers:
-                eligible[self.workers[name].slot] = True
+        states = record.states.items() if record is not None else ()
+        eligible = self._slots(name for name, state in states if state == "ready")
         return eligible if eligible.any() else None
 
     def predict_finish_s(self, load: RequestLoad, eligible: np.ndarray | None = None) -> float | None:

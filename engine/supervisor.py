@@ -170,7 +170,7 @@ class Supervisor:
             workers = list(self.workers)
         told = [worker for worker in workers if stopping is None or worker.name in stopping]
         for worker in workers:
-            if stopping is not None and worker.name not in stopping:
+            if worker not in told:
                 worker.process.terminate()
         _wait_all(told, time.monotonic() + timeout_s, lambda process: process.terminate())
         _wait_all(workers, time.monotonic() + grace_s, lambda process: process.kill())

@@ -65,8 +65,8 @@ import logging
 import math
 import re
 import time
-import weakref
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone

@@ -341,8 +341,8 @@ class HttpServer(uvicorn.Server):
         dropped = await webhooks.close(deadline)
         if dropped:
             kept = self.app_state.jobs.folder is not None
-            print(f"retouch: {dropped} webhook{'s' * (dropped > 1)} not delivered" + (" (sent again after the restart)" if kept else ""),
-                  file=sys.stderr)
+            again = " (sent again after the restart)" if kept else ""
+            print(f"retouch: {dropped} webhook{'s' * (dropped > 1)} not delivered{again}", file=sys.stderr)
 
 
 def answer_folder(opts: ServeOptions) -> AnswerFolder | None:
