@@ -67,8 +67,10 @@ def tiny(request):
     adapter.unpatch()
 
 
-def record(adapter, inputs: dict, template_id: str, step: int, num_text: int, num_image: int, cache) -> torch.Tensor:
-    with torch.no_grad(), adapter.run(MaskAwareContext.record([template_id], [step], num_text, num_image, cache)):
+def record(adapter, inputs: dict, template_id: str, step: int, num_text: int, num_image: int, cache,
+           device: torch.device | str = "cpu") -> torch.Tensor:
+    context = MaskAwareContext.record([template_id], [step], num_text, num_image, cache, device=device)
+    with torch.no_grad(), adapter.run(context):
         return adapter.transformer(**inputs)[0]
 
 
@@ -192,10 +194,11 @@ def test_replay_identity_on_the_kernel_device(variant, mode):
         inputs = random_sd3_inputs(transformer, 1, TINY_GRID, TINY_TEXT_TOKENS, seed=request, device=TRITON_DEVICE)
         with torch.no_grad():
             unmodified = transformer(**inputs)[0]
-        record(adapter, inputs, f"template-{request}", step, TINY_TEXT_TOKENS, NUM_IMAGE, cache)
+        record(adapter, inputs, f"template-{request}", step, TINY_TEXT_TOKENS, NUM_IMAGE, cache, TRITON_DEVICE)
         templates.append((inputs, step, unmodified))
     context = MaskAwareContext.edit(mode, masked_indices(NUM_IMAGE, TINY_GRID), [f"template-{b}" for b in range(3)],
-                                    [t[1] for t in templates], TINY_TEXT_TOKENS, NUM_IMAGE, cache)
+                                    [t[1] for t in templates], TINY_TEXT_TOKENS, NUM_IMAGE, cache,
+                                    device=TRITON_DEVICE)
     with torch.no_grad(), adapter.run(context):
         actual = transformer(**stack_inputs([t[0] for t in templates]))[0]
     assert actual.device.type == TRITON_DEVICE.type

@@ -58,9 +58,9 @@ def pixel_masks(image_size: tuple[int, int]) -> list[torch.Tensor]:
 
 
 def record(adapter, inputs: dict, template_ids: list[str], steps: list[int], cache,
-           guidance_copies: int = 1) -> torch.Tensor:
+           guidance_copies: int = 1, device: torch.device | str = "cpu") -> torch.Tensor:
     context = UNetMaskAwareContext.record(template_ids, steps, IMAGE_SIZE, adapter.num_levels, cache,
-                                          guidance_copies=guidance_copies)
+                                          guidance_copies=guidance_copies, device=device)
     with torch.no_grad(), adapter.run(context):
         return adapter.unet(**inputs).sample
 
@@ -324,10 +324,10 @@ def test_replay_identity_on_the_kernel_device(name, mode, monkeypatch):
         inputs = random_unet_inputs(unet, 1, IMAGE_SIZE, TEXT_TOKENS, seed=index, device=TRITON_DEVICE)
         with torch.no_grad():
             unmodified = unet(**inputs).sample
-        record(adapter, inputs, [f"template-{index}"], [step], cache)
+        record(adapter, inputs, [f"template-{index}"], [step], cache, device=TRITON_DEVICE)
         templates.append((inputs, unmodified))
     context = UNetMaskAwareContext.edit(mode, pixel_masks(IMAGE_SIZE), [f"template-{b}" for b in range(3)], STEPS,
-                                        adapter.num_levels, cache)
+                                        adapter.num_levels, cache, device=TRITON_DEVICE)
     with torch.no_grad(), adapter.run(context):
         actual = unet(**stack_inputs([t[0] for t in templates])).sample
     assert actual.device.type == TRITON_DEVICE.type
