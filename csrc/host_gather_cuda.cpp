@@ -15,12 +15,12 @@ namespace retouch {
 namespace {
 
 // "auto" takes the copy engines when the mean run is at least this long. Measured on an H200 (PCIe 5,
-// bench/results/h200-smoke/gather.json, stop 44): each cudaMemcpyAsync added ~3 us to a contiguous
-// copy's time, and the SM kernel read pinned memory at ~0.8 of the contiguous rate with Flux's 6 KiB
-// rows (~0.5 with SDXL's 1.25 KiB rows). The kernel was as fast or faster at every measured mean run,
-// 70-350 KiB (the guess before, 64 KiB, sent all of them to the slower copies); copies win once a run's
-// transfer outlasts ~4x their overhead, ~640 KiB.
-constexpr int64_t kMemcpyMinMeanRunBytes = 640 * 1024;
+// bench/results/h200/gather.json, stop 47, 2-190 MB from pinned memory): with Flux's 6 KiB rows the SM
+// kernel moved 45-48 GB/s at every mean run, per-run cudaMemcpyAsync 33 GB/s at ~270 KiB, 42 GB/s at
+// ~670 KiB and 48 GB/s at ~1.6 MiB (one contiguous copy: 54-55 GB/s). The crossover lies between the last
+// two, so copies are taken from 1 MiB (stop 44's 640 KiB, fitted on the smoke sizes, sent the ~670 KiB runs
+// of a Flux edit at m = 0.2 to copies 10% slower than the kernel).
+constexpr int64_t kMemcpyMinMeanRunBytes = 1024 * 1024;
 
 bool copy_with_memcpy(HostGatherMethod method, const HostGather& gather, bool src_pinned) {
   switch (method) {

@@ -91,7 +91,7 @@ def gather_host_rows_(dst: torch.Tensor, src: torch.Tensor, src_offsets: torch.T
     `dst[dst_rows[i]]` become `src[src_offsets[i] : src_offsets[i] + row_bytes]`; every index is checked
     before anything is written. A CUDA `dst` is filled asynchronously on the current stream, by method
     "kernel" (an SM kernel reads pinned host memory directly; src must be pinned), "memcpy" (one host->
-    device copy per run of adjacent rows) or "auto" (memcpy when the mean run is >= 640 KiB or src is
+    device copy per run of adjacent rows) or "auto" (memcpy when the mean run is >= 1 MiB or src is
     pageable, else kernel); keep `src` alive and unchanged until the stream has run the copy. A CPU `dst`
     is filled at once by threaded memcpys of the runs of adjacent rows; method is then ignored.
     """
