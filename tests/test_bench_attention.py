@@ -85,7 +85,7 @@ def test_quick_run_measures_and_summarises(tmp_path):
     assert report["baselines"] == ["padded_sdpa", "per_request_sdpa", "flex_attention"]
     assert "flash_attn_varlen" in report["unavailable"] and "torch_varlen" in report["unavailable"]
     assert "CUDA in fp16/bf16 only" in report["unavailable"]["torch_varlen"]
-    assert "CUDA in fp16/bf16 only" in report["unavailable"]["cudnn_varlen"]
+    assert "cudnn_varlen" not in report["config"]["methods"]  # named in --methods only (45-80 ms a call)
     assert report["triton_interpreted"] and report["flex_compile"] == "eager"
     assert report["environment"]["command"] == f"retouch bench attention --quick --device cpu --out {out}"
     assert report["environment"]["versions"]["torch"] == torch.__version__
@@ -95,16 +95,19 @@ def test_quick_run_measures_and_summarises(tmp_path):
     rows = report["results"]
     assert {(r["batch"], r["mask_ratio"]) for r in rows} == {(b, m) for b in (1, 3) for m in ("0.2", "1", "mixed")}
     for row in rows:
-        assert set(row["ms_p50"]) == set(row["ms_p95"]) == set(row["tflops"]) == set(CPU_METHODS)
+        assert set(row["ms_p50"]) == set(row["ms_p95"]) == set(row["ms_steady"]) == set(row["tflops"]) \
+            == set(CPU_METHODS)
         assert row["errors"] == {} and all(row["matches_reference"].values())
         assert row["launch_config"] == DEFAULT_LAUNCH_CONFIG.name and row["launch_config_source"] == "table"
-        p50 = row["ms_p50"]
-        assert row["tflops"]["padded_sdpa"] == pytest.approx(row["tflop"] / (p50["padded_sdpa"] / 1e3))
-        assert row["speedup_vs_padded_sdpa"] == pytest.approx(p50["padded_sdpa"] / p50["ragged_triton"])
-        best = min(report["baselines"], key=p50.get)
+        # Speedups and rates come from the steady-state times; the idle-device latency has its own ratio.
+        steady, p50 = row["ms_steady"], row["ms_p50"]
+        assert row["tflops"]["padded_sdpa"] == pytest.approx(row["tflop"] / (steady["padded_sdpa"] / 1e3))
+        assert row["speedup_vs_padded_sdpa"] == pytest.approx(steady["padded_sdpa"] / steady["ragged_triton"])
+        assert row["latency_speedup_vs_padded_sdpa"] == pytest.approx(p50["padded_sdpa"] / p50["ragged_triton"])
+        best = min(report["baselines"], key=steady.get)
         assert row["best_baseline"] == best
-        assert row["speedup_vs_best_baseline"] == pytest.approx(p50[best] / p50["ragged_triton"])
-        assert row["auto_speedup_vs_padded_sdpa"] == pytest.approx(p50["padded_sdpa"] / p50["retouch_auto"])
+        assert row["speedup_vs_best_baseline"] == pytest.approx(steady[best] / steady["ragged_triton"])
+        assert row["auto_speedup_vs_padded_sdpa"] == pytest.approx(steady["padded_sdpa"] / steady["retouch_auto"])
         assert row["tflop"] == pytest.approx(4 * 2 * 64 * sum(row["query_lens"]) * 64 / 1e12)
 
     summary = report["summary"]
@@ -125,14 +128,29 @@ def test_quick_run_measures_and_summarises(tmp_path):
 @cpu_smoke_run
 def test_methods_and_max_points_select_the_work():
     report = attention.main(["--quick", "--device", "cpu", "--no-tune", "--methods", "ragged_triton", "padded_sdpa",
-                             "flash_attn_varlen", "--max-points", "2", "--head-dims", "128"])
+                             "flash_attn_varlen", "cudnn_varlen", "--max-points", "2", "--head-dims", "128"])
     assert report["methods"] == ["ragged_triton", "padded_sdpa"]
-    assert set(report["unavailable"]) == {"flash_attn_varlen"}
+    assert set(report["unavailable"]) == {"flash_attn_varlen", "cudnn_varlen"}
+    assert "CUDA in fp16/bf16 only" in report["unavailable"]["cudnn_varlen"]
     assert report["tuning"] == []
     rows = report["results"]
     assert len(rows) == 2 and all(set(r["ms_p50"]) == {"ragged_triton", "padded_sdpa"} for r in rows)
     assert all(r["head_dim"] == 128 and r["best_baseline"] == "padded_sdpa" for r in rows)
     assert all(r["speedup_vs_best_baseline"] == r["speedup_vs_padded_sdpa"] for r in rows)
+
+
+def test_steady_time_is_per_call_of_back_to_back_bursts():
+    calls = {"a": 0, "b": 0}
+
+    def counted(name):
+        def run():
+            calls[name] += 1
+        return run
+
+    steady = attention.steady_ms({name: counted(name) for name in calls}, torch.device("cpu"), bursts=3, burst=4)
+    assert calls == {"a": 12, "b": 12} and set(steady) == {"a", "b"} and all(ms > 0 for ms in steady.values())
+    with pytest.raises(ValueError, match="bursts and burst must be >= 1"):
+        attention.BenchConfig(device="cpu", burst=0)
 
 
 def row(mask_ratio, vs_padded, vs_best, matches=True, errors=None):

@@ -278,10 +278,13 @@ class AttentionCost:
 
 
 # Least-squares fits to the 72 layouts per head_dim of `retouch bench attention` on an H200 (bf16,
-# bench/results/h200/attention.json, stop 44): the Triton kernel (tuned launch configs) over the ragged
+# bench/results/h200/attention_stop44.json): the Triton kernel (tuned launch configs) over the ragged
 # work, torch SDPA over the work padded to the longest request (one call: cuDNN/flash on Hopper), and
 # torch SDPA per request. SDPA runs at 1.5-2x the kernel's rate at large sizes; the kernel wins where
-# launches dominate. Fits are within ~10% (median) of the measurements; the H100 is the same chip.
+# launches dominate. Fits are within ~10% (median) of the measurements; the H100 is the same chip. Those
+# times were one call each from an idle device (launch latency included); stop 47's sweep measured that
+# way again scattered by up to 1.3x between calls of the same code, so a refit waits for the sweep's
+# steady-state times (`ms_steady`), which no GPU has measured yet.
 ATTENTION_COSTS = {
     (9, 64): {"triton": AttentionCost(0.136, 0.0, 344), "sdpa_padded": AttentionCost(0.181, 0.0, 529),
               "sdpa": AttentionCost(0.196, 0.051, 853)},
