@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     target = build_target(args.model, device, dtype)
     captured, cache = target.record(args.batch, side, device, representative_only=True)
     baselines = stock_blocks(target, stock.chosen(args))
-    if args.compile:
-        target.adapter.compile()
+    if stock.compiled(args):
+        target.adapter.compile(cuda_graphs=args.cuda_graphs)
 
     results = []
     points = bar([(kind, index, ratio) for kind, index in target.representative.items() for ratio in args.mask_ratios],
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {"bench": "block", **environment("block", argv, device), "model": args.model,
               "dtype": str(dtype).removeprefix("torch."), "resolution": resolution, "batch": args.batch,
-              "compiled": args.compile, "baselines": stock.describe(tuple(baselines), "the unmodified diffusers block"),
+              "compiled": stock.compiled(args), "cuda_graphs": args.cuda_graphs,
+              "baselines": stock.describe(tuple(baselines), "the unmodified diffusers block"),
               "block_kinds": sorted(target.representative), "results": results}
     return publish(report, args.out, _plot)
 

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     store = CacheStore(StoreConfig(host_bytes=_host_bytes(args, model, resolution, recorded_mode),
                                    dtype=args.cache_dtype))
     editor = MaskAwareEditor(model, cache=store, cache_mode=recorded_mode, cost_model=cost_model,
-                             planner=args.planner, compile=args.compile)
+                             planner=args.planner, compile=args.compile, cuda_graphs=args.cuda_graphs)
     baselines = stock.denoisers(editor.denoiser, stock.chosen(args))
     with pipeline_bar(model.pipe, f"image: register template ({resolution}px)"):
         template_id = editor.register_template(workload.template_image(np.random.default_rng(0), resolution),
@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {"bench": "image", "model": args.model, **environment("image", argv, device),
               "dtype": str(dtype).removeprefix("torch."), "resolution": resolution, "steps": args.steps,
-              "compiled": args.compile, "baselines": stock.describe(tuple(baselines)),
+              "compiled": stock.compiled(args), "cuda_graphs": args.cuda_graphs,
+              "baselines": stock.describe(tuple(baselines)),
               "cache": {"tier": "pinned host memory" if store.arena.pinned else "host memory",
                         "recorded": MODES[recorded_mode], "dtype": args.cache_dtype,
                         "template_gib": round(store.nbytes(template_id) / 2**30, 3),

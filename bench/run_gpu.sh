@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Every GPU figure of retouch, in parts that each fit one 10-minute call of a lent GPU machine.
 #
-#   bench/run_gpu.sh PART...        PART: tests headline kernels flux unet throughput serving compile step lora | all
+#   bench/run_gpu.sh PART...        PART: tests headline graphs kernels flux unet throughput serving compile step lora | all
 #
 #   tests    build retouch._C with CUDA, run the test suite on the GPU (kernels, adapters, engine)
 #   headline the GPU issue's first target: flux-size at 1024 px, 28 steps, m = 0.2, cache in pinned host memory,
 #            against the stock pipeline eager and compiled: image_latency_flux-size_28_y.json (Y-cache, bf16:
 #            ~41 GiB pinned) and image_latency_flux-size_28_kv_fp8.json (KV-cache in float8: ~62 GiB; bf16
 #            would need ~124 GiB of the machine's 128)
+#   graphs   the headline with retouch's blocks compiled and replayed as CUDA graphs (--cuda-graphs):
+#            image_latency_flux-size_28_y_graphs.json, image_latency_flux-size_28_kv_fp8_graphs.json. Eager,
+#            the mask-aware step was launch-bound on an H200 (stop 47: a block's latency stayed at ~2.4 ms
+#            from m = 0.05 to 0.3, where a full block computes in 3.4 ms)
 #   kernels  attention.json (ragged attention vs SDPA/FlexAttention/flash-attn), gather.json (host->device
 #            gather vs one contiguous copy), block_latency.json (one Flux block, Fig. 15 left)
 #   flux     cost_flux-size.json (retouch profile), image_latency_flux-size.json (Fig. 15 right, y/kv-cache,
@@ -83,6 +87,7 @@ if [ "$SMOKE" != 0 ]; then
   BASELINES=()
   if [ "$SMOKE" = 1 ]; then
     device=cpu-smoke DEV=cpu
+    GRAPHS=(--compile)  # CUDA graphs are captured on CUDA only; the CPU runs the same compiled blocks
   else
     device=$device-smoke DEV=cuda
   fi
@@ -98,6 +103,7 @@ else
   HEADLINE=(--repeats 2 --baselines eager,compiled)
   LORA_MODEL=flux-small LORA=(--resolution 512 --engine-resolution 1024 --steps 28)
 fi
+[ -n "${GRAPHS+set}" ] || GRAPHS=(--cuda-graphs)
 RESULTS=${RESULTS:-bench/results/$device}
 mkdir -p "$RESULTS"
 export RETOUCH_CACHE_DIR=${RETOUCH_CACHE_DIR:-/tmp/retouch-models}
@@ -199,6 +205,15 @@ part_headline() {
     --mask-ratios 0.2 --modes kv --cache-dtype float8_e4m3fn $(planner "$FLUX") "${HEADLINE[@]}"
 }
 
+# shellcheck disable=SC2046
+part_graphs() {
+  local steps=$HEADLINE_STEPS
+  bench image "image_latency_${FLUX}_${steps}_y_graphs.json" --model "$FLUX" --device "$DEV" --steps "$steps" \
+    --mask-ratios 0.2 --modes y "${GRAPHS[@]}" $(planner "$FLUX") "${HEADLINE[@]}"
+  bench image "image_latency_${FLUX}_${steps}_kv_fp8_graphs.json" --model "$FLUX" --device "$DEV" --steps "$steps" \
+    --mask-ratios 0.2 --modes kv --cache-dtype float8_e4m3fn "${GRAPHS[@]}" $(planner "$FLUX") "${HEADLINE[@]}"
+}
+
 part_kernels() {
   bench attention attention.json --device "$DEV" "${QUICK[@]}"
   bench copy gather.json --device "$DEV" "${QUICK[@]}"
@@ -261,10 +276,10 @@ part_lora() {
 }
 
 parts=("$@")
-[ "${parts[*]}" = all ] && parts=(tests headline kernels flux unet throughput serving compile step lora)
+[ "${parts[*]}" = all ] && parts=(tests headline graphs kernels flux unet throughput serving compile step lora)
 for part in "${parts[@]}"; do
   declare -F "part_$part" >/dev/null || {
-    echo "unknown part $part (tests headline kernels flux unet throughput serving compile step lora all)"
+    echo "unknown part $part (tests headline graphs kernels flux unet throughput serving compile step lora all)"
     exit 2
   }
 done

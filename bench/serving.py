@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
               "workers": args.workers, "helpers": args.helpers, "requests_per_point": args.requests,
               "planner": args.planner if args.cost_model else None,
               "cost_model": str(args.cost_model) if args.cost_model else None,
-              "compiled": args.compile, "baselines": stock.describe(baselines),
+              "compiled": stock.compiled(args), "cuda_graphs": args.cuda_graphs,
+              "baselines": stock.describe(baselines),
               "systems": {"retouch": MaskAwareServing.__doc__.splitlines()[0],
                           **{BASELINE_SYSTEMS[baseline]: f"{StaticBatching.__doc__.splitlines()[0]} ({baseline})"
                              for baseline in baselines}},

@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     transformer, adapter, inputs, cache, grid, num_text = flux_setup(args.model, device, dtype, args.resolution)
     baselines = stock.denoisers(transformer, stock.chosen(args))
-    if args.compile:
-        adapter.compile()
+    if stock.compiled(args):
+        adapter.compile(cuda_graphs=args.cuda_graphs)
     num_image = grid[0] * grid[1]
     results, runs_at = [], {}
     with torch.inference_mode():
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
             traced_ratio = min(runs_at, key=lambda ratio: abs(ratio - 0.2))
             traces = {"mask_ratio": traced_ratio, "variants": traced(runs_at[traced_ratio], device, args.out)}
     report = {"bench": "step", **environment("step", argv, device),
-              "model": args.model, "compiled": args.compile, "baselines": stock.describe(tuple(baselines)),
+              "model": args.model, "compiled": stock.compiled(args), "cuda_graphs": args.cuda_graphs,
+              "baselines": stock.describe(tuple(baselines)),
               "dtype": str(dtype).removeprefix("torch."), "image_tokens": num_image, "text_tokens": num_text,
               "results": results}
     if args.trace:

@@ -6,6 +6,8 @@ patched model's weights, so a flux-size baseline costs no second 24 GB copy on t
 
     --baselines eager,compiled   the stock variants timed (default: eager; eager,compiled with --compile)
     --compile                    retouch's side compiled too (the mask-aware blocks' cores)
+    --cuda-graphs                and replayed as CUDA graphs (inductor's "reduce-overhead", computed tokens
+                                 padded to buckets): what cuts the host's launches per step on a GPU
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ BASELINES = ("eager", "compiled")
 def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="compile retouch's mask-aware blocks (and time the compiled stock model by default)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="--compile, with the compiled blocks replayed as CUDA graphs (CUDA only)")
     parser.add_argument("--baselines", type=baselines_arg, default=None,
                         help="stock variants to time, comma-separated: eager, compiled "
                              "(default: eager; eager,compiled with --compile)")
@@ -33,7 +37,12 @@ def chosen(args: argparse.Namespace) -> tuple[str, ...]:
     """The baselines `args` asks for (`add_options`), eager first."""
     if args.baselines is not None:
         return args.baselines
-    return ("eager", "compiled") if args.compile else ("eager",)
+    return ("eager", "compiled") if compiled(args) else ("eager",)
+
+
+def compiled(args: argparse.Namespace) -> bool:
+    """Whether retouch's side runs compiled (`--compile`, or `--cuda-graphs`, which implies it)."""
+    return args.compile or args.cuda_graphs
 
 
 def baselines_arg(text: str) -> tuple[str, ...]:

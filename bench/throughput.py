@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
               "mask_ratio": args.mask_ratio, "repeats": args.repeats,
               "planner": args.planner if args.cost_model else None,
               "cost_model": str(args.cost_model) if args.cost_model else None,
-              "compiled": args.compile, "baselines": stock.describe(tuple(baselines)),
+              "compiled": stock.compiled(args), "cuda_graphs": args.cuda_graphs,
+              "baselines": stock.describe(tuple(baselines)),
               "blocks": editor.adapter.num_blocks, "cache": editor.cache.metrics(), "recomputes": editor.recomputes,
               "results": results,
               "speedup_at_max_batch": {row["baseline"]: row["speedup"] for row in results

@@ -109,7 +109,7 @@ def load_editor(args: argparse.Namespace, device: torch.device) -> MaskAwareEdit
     cost_model = load_cost_model(args.cost_model, model.name)
     return MaskAwareEditor(model, cache=CacheStore(StoreConfig(host_bytes=int(host_gib * GiB))),
                            cache_mode=args.cache_mode, cost_model=cost_model, planner=args.planner,
-                           compile=args.compile)
+                           compile=args.compile, cuda_graphs=args.cuda_graphs)
 
 
 def load_cost_model(path: Path | None, model: str):

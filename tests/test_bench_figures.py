@@ -50,6 +50,24 @@ def test_block_times_every_kind_in_both_modes_against_both_stock_baselines(tmp_p
             assert len({row["full_s"] for row in point}) == 2
 
 
+def test_cuda_graphs_imply_compile_and_the_compiled_baseline():
+    """`--cuda-graphs` (the figures' lever against launch-bound steps) compiles retouch's side as --compile
+    does, times the compiled stock model by default, and is refused off CUDA where the editor captures."""
+    import argparse
+
+    from retouch.bench import stock
+
+    parser = argparse.ArgumentParser()
+    stock.add_options(parser)
+    graphs = parser.parse_args(["--cuda-graphs"])
+    assert stock.compiled(graphs) and stock.chosen(graphs) == ("eager", "compiled")
+    plain = parser.parse_args([])
+    assert not stock.compiled(plain) and stock.chosen(plain) == ("eager",)
+    with pytest.raises(InputError, match="cuda_graphs needs a CUDA device"):
+        image.main(["--model", "tiny-flux-fill", "--steps", "1", "--repeats", "1", "--mask-ratios", "0.2",
+                    "--modes", "y", "--cuda-graphs"])
+
+
 def test_image_latency_follows_the_issue_format_with_the_planner_on(tmp_path):
     report = image.main(["--model", "tiny-flux-fill", "--steps", "2", "--repeats", "1", "--mask-ratios", "0.2,0.9",
                          "--cost-model", str(TINY_FLUX_COST), "--out", str(tmp_path / "image_latency.json")])
@@ -214,6 +232,19 @@ def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
     assert {summary["trace"] for summary in raced["traces"]["variants"].values()} == {
         f"step_compiled_trace_{variant}.json.gz" for variant in ("eager", "compiled", "y-cache", "kv-cache")
     } <= set(archived)
+
+
+def test_the_graphs_part_runs_the_headline_with_compiled_blocks(tmp_path):
+    """`graphs` is the headline with retouch's blocks compiled (CUDA graphs on a GPU, `--compile` in the CPU
+    smoke, where nothing is captured): both cache modes, each with its own file."""
+    calls = tmp_path / "calls"
+    python = python_that(tmp_path, "retouch.bench.image", f'echo "$*" >> {calls}; exit 0')
+    done = _run_gpu("graphs", results=tmp_path / "results", python=python)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    y, kv = calls.read_text().splitlines()
+    assert "--modes y --compile" in y and y.endswith("image_latency_tiny-flux-fill_2_y_graphs.json")
+    assert "--modes kv --cache-dtype float8_e4m3fn --compile" in kv
+    assert kv.endswith("image_latency_tiny-flux-fill_2_kv_fp8_graphs.json")
 
 
 def test_a_failed_step_fails_its_part_and_the_steps_after_it_still_run(tmp_path):
