@@ -203,6 +203,11 @@ def _plot(report: dict, out: Path) -> None:
         return
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     results = report["results"]
+    if len({(row["mask_ratio"], row["strength"]) for row in results}) == 1:
+        _plot_one_point(report, figure, left, right)
+        figure.savefig(out, dpi=120)
+        plt.close(figure)
+        return
     several = len({row["strength"] for row in results}) > 1
     baselines = list(dict.fromkeys(row["baseline"] for row in results))
     for mode, strength, baseline in dict.fromkeys((row["mode"], row["strength"], row["baseline"]) for row in results):
@@ -233,3 +238,29 @@ def _plot(report: dict, out: Path) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def _plot_one_point(report: dict, figure, left, right) -> None:
+    """One mask ratio (the headline): bars, seconds per image of each stock baseline and each cache mode, and
+    each mode's speedup over each baseline."""
+    results = report["results"]
+    full = dict.fromkeys((f"diffusers {row['baseline']}", row["full_s"]) for row in results)
+    mine = dict.fromkeys((row["mode"], row["mask_aware_s"]) for row in results)
+    names, seconds = zip(*[*full, *mine])
+    left.bar(names, seconds, color=["grey"] * len(full) + ["tab:blue"] * len(mine))
+    for index, value in enumerate(seconds):
+        left.annotate(f"{value:.2f} s", (index, value), ha="center", va="bottom", fontsize=8)
+    left.set_ylabel("seconds per image")
+    labels = [f"{row['mode']}\nvs {row['baseline']}" for row in results]
+    right.bar(labels, [row["speedup"] for row in results], color="tab:blue")
+    for index, row in enumerate(results):
+        right.annotate(f"{row['speedup']:.2f}x", (index, row["speedup"]), ha="center", va="bottom", fontsize=8)
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    right.set_ylabel("speedup vs diffusers")
+    for axis in (left, right):
+        axis.tick_params(axis="x", labelsize=8)
+    row = results[0]
+    compiled = ", mask-aware compiled" if report["compiled"] else ""
+    figure.suptitle(f"{report['model']}, {report['steps']} steps, {report['resolution']}px, mask ratio "
+                    f"{row['mask_ratio']:g}{compiled}, {report['device_name']}")
+    figure.tight_layout()
