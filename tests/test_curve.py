@@ -52,8 +52,15 @@ def hello(context: zmq.Context, address: str, keys: WorkerKeys | None, name: str
     socket.setsockopt(zmq.IDENTITY, f"{name}:1".encode())
     if keys is not None:
         keys.apply(socket)
+    # A DEALER's send blocks while it has no connection, which a refused CURVE handshake can leave it
+    # without: bounded, as a worker's own sends are (NOBLOCK), or the test hangs (it once held CI).
+    socket.setsockopt(zmq.SNDTIMEO, 2000)
     socket.connect(address)
-    socket.send_multipart(wire.encode({"kind": "hello", "worker": name, "max_batch": 1, "pid": 1}))
+    try:
+        socket.send_multipart(wire.encode({"kind": "hello", "worker": name, "max_batch": 1, "pid": 1}))
+    except zmq.Again:
+        socket.close()
+        return None
     answer = wire.decode(socket.recv_multipart())[0] if socket.poll(2000) else None
     socket.close()
     return answer

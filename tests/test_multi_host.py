@@ -95,8 +95,12 @@ def refused(address: str, keys: WorkerKeys) -> bool:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IDENTITY, b"intruder:1")
         keys.apply(socket)
+        socket.setsockopt(zmq.SNDTIMEO, 3000)  # a refused handshake can leave the DEALER's send blocked
         socket.connect(address)
-        socket.send_multipart(wire.encode({"kind": "hello", "worker": "intruder", "max_batch": 1, "pid": 1}))
+        try:
+            socket.send_multipart(wire.encode({"kind": "hello", "worker": "intruder", "max_batch": 1, "pid": 1}))
+        except zmq.Again:
+            return True
         return socket.poll(3000) == 0
     finally:
         context.destroy(linger=0)
