@@ -236,10 +236,6 @@ def _plot(report: dict, out: Path) -> None:
     plt.close(figure)
 
 
-if __name__ == "__main__":
-    main(sys.argv[1:])
-
-
 def _plot_one_point(report: dict, figure, left, right) -> None:
     """One mask ratio (the headline): bars, seconds per image of each stock baseline and each cache mode, and
     each mode's speedup over each baseline."""
@@ -264,3 +260,7 @@ def _plot_one_point(report: dict, figure, left, right) -> None:
     figure.suptitle(f"{report['model']}, {report['steps']} steps, {report['resolution']}px, mask ratio "
                     f"{row['mask_ratio']:g}{compiled}, {report['device_name']}")
     figure.tight_layout()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
