@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from retouch import ops
@@ -69,6 +70,16 @@ class LevelRows:
         object.__setattr__(self, "row_of", torch.cat([empty] + rows))
         starts = torch.tensor([0, *itertools.accumulate(self.row_tokens[:-1])], dtype=torch.long)
         object.__setattr__(self, "dst_rows", starts[self.row_of] + self.reused_cat if len(rows) else empty)
+        object.__setattr__(self, "_reused_np", self.reused_cat.numpy())
+        object.__setattr__(self, "_row_of_np", self.row_of.numpy())
+
+    def src_offsets(self, bases: Sequence[int], row_bytes: int) -> torch.Tensor:
+        """[n] arena byte offsets of the reused rows, row r's token t at `bases[r] + t * row_bytes`. In numpy:
+        this runs for every staged activation of every forward on the thread that launches the compute, where
+        each torch op costs a dispatch."""
+        offsets = self._reused_np * row_bytes
+        offsets += np.asarray(bases, dtype=np.int64)[self._row_of_np]
+        return torch.from_numpy(offsets)
 
     @property
     def packed(self) -> bool:
@@ -143,6 +154,8 @@ class StagedActivations(ActivationCache):
         self._ready_events: dict[int, torch.cuda.Event] = {}
         self._started_events: dict[int, object] = {}
         self._pending: list[tuple[int, int, Sequence[str]]] = []  # (gate block, block, names), CUDA
+        self._gate_blocks: set[int] = set()  # blocks whose start a pending copy waits for, CUDA
+        self._row_of_token: dict[int, torch.Tensor] = {}  # per packed level, each token's batch row, on the device
         self._gates: dict[int, threading.Event] = {}  # CPU
         self._last_started = -1
         self._finished = False
@@ -197,9 +210,10 @@ class StagedActivations(ActivationCache):
         """Compute has reached `block` (every earlier block is enqueued or done): release its gate."""
         self._last_started = block
         if self.engine._stream is not None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.engine.device))
-            self._started_events[block] = event
+            if block in self._gate_blocks:  # an event only where a copy waits for one (a few per forward)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.engine.device))
+                self._started_events[block] = event
             self._issue_ready_cuda()
         else:
             for gate in [g for g in self._gates if g <= block]:
@@ -265,8 +279,10 @@ class StagedActivations(ActivationCache):
                     event = self._gates.setdefault(gate, threading.Event())
                 self._results[block] = self.engine.copy_thread().submit(self._copy_after, event, block, names)
         if self.engine._stream is not None:
-            for _, block, _ in self._pending:
+            for gate, block, _ in self._pending:
                 self._results[block] = {}
+                if gate >= 0:
+                    self._gate_blocks.add(gate)
             self._issue_ready_cuda()
 
     def _copy_after(self, gate: threading.Event | None, block: int, names) -> dict[str, torch.Tensor]:
@@ -313,16 +329,18 @@ class StagedActivations(ActivationCache):
     # ---- the copies ----
 
     def _copy_block(self, block: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        level = self.levels[self.block_levels[block]]
+        level_index = self.block_levels[block]
         staged = {}
         for name in names:
-            staged[name] = self._copy_activation(block, name, level)
+            staged[name] = self._copy_activation(block, name, level_index)
         self.engine.stats.blocks += 1
         return staged
 
-    def _copy_activation(self, block: int, name: str, level: LevelRows) -> torch.Tensor:
+    def _copy_activation(self, block: int, name: str, level_index: int) -> torch.Tensor:
         """`[R, L, *row_shape]` (packed `[sum L_r, *row_shape]`) in the compute dtype: every row's unmasked
-        rows of `name`."""
+        rows of `name`. On a GPU this runs on the thread that launches the compute, once per staged activation
+        of every forward (57 blocks x 1-3 names a Flux step): few torch ops, no per-call host tables."""
+        level = self.levels[level_index]
         bases, entry, layout, scales = [], None, None, []
         for row, num_tokens in zip(self.rows, level.row_tokens):
             if row is None:
@@ -341,7 +359,7 @@ class StagedActivations(ActivationCache):
         num_rows = len(self.rows)
         device = self.engine.device
         stored = torch.empty((sum(level.row_tokens), entry.row_elems), dtype=layout.dtype, device=device)
-        src_offsets = torch.tensor(bases, dtype=torch.long)[level.row_of] + level.reused_cat * row_bytes
+        src_offsets = level.src_offsets(bases, row_bytes)
         dst_rows = level.dst_rows
         arena = self.rows[next(r for r, row in enumerate(self.rows) if row is not None)].handle.arena_bytes
         ops.gather_host_rows_(stored.view(torch.uint8) if layout.quantized else stored, arena, src_offsets,
@@ -354,10 +372,20 @@ class StagedActivations(ActivationCache):
             stored = stored.view(-1, *entry.shape[1:])
         if not layout.quantized:
             return stored if stored.dtype == self.dtype else stored.to(self.dtype)
-        ones = torch.ones(entry.row_elems, dtype=torch.float32)
-        scale = ops.to_device_async(torch.stack([ones if s is None else s for s in scales]), device)
+        if len(scales) == 1:  # one batch row: its scale straight from the (pinned) arena
+            scale = ops.to_device_async(scales[0], device).unsqueeze(0)
+        else:
+            ones = torch.ones(entry.row_elems, dtype=torch.float32)
+            scale = ops.to_device_async(torch.stack([ones if s is None else s for s in scales]), device)
         if level.packed:  # one scale per token row: its batch row's
-            row_of_token = torch.repeat_interleave(torch.arange(num_rows), torch.tensor(level.row_tokens))
-            scale = scale[ops.to_device_async(row_of_token, device)]
+            scale = scale[self._row_of_token_on_device(level_index)]
             return decode(stored.unsqueeze(1), scale, self.dtype).squeeze(1)
         return decode(stored, scale, self.dtype)
+
+    def _row_of_token_on_device(self, level_index: int) -> torch.Tensor:
+        """[sum L_r] the batch row of each token of a packed level, on the device: once per forward."""
+        if level_index not in self._row_of_token:
+            level = self.levels[level_index]
+            row_of_token = torch.repeat_interleave(torch.arange(len(level.row_tokens)), torch.tensor(level.row_tokens))
+            self._row_of_token[level_index] = ops.to_device_async(row_of_token, self.engine.device)
+        return self._row_of_token[level_index]
