@@ -154,6 +154,25 @@ def test_cuda_graphs_start_one_generation_per_denoiser_forward(model, monkeypatc
     assert len(marks) == 3
 
 
+def test_cuda_graphs_keep_flux_attention_on_device_tensors(monkeypatch):
+    """Under CUDA graphs the Flux cores attend with the ragged kernel's device-side plan, never the measured
+    choice (`ops.choose_attention`), whose SDPA reads host lengths when compiled: inductor would skip
+    capturing that graph. On the CPU with the measured choice forced on: eager consults it, graphs do not."""
+    from retouch import ops
+
+    forwards = Forwards("tiny-flux-fill")
+    chosen = []
+    monkeypatch.setattr(ops, "attention_costs", lambda *args: ops.ATTENTION_COSTS[9, 128])
+    monkeypatch.setattr(ops, "choose_attention", lambda *args: chosen.append(args) or ("sdpa", False))
+    forwards.forward(forwards.context(EDIT_MODES[0], [0.3]))
+    assert chosen
+    chosen.clear()
+    forwards.adapter.compile(cuda_graphs=True)
+    monkeypatch.setattr(forwards.adapter, "core", lambda function: function)  # which code runs is not the point
+    forwards.forward(forwards.context(EDIT_MODES[0], [0.3]))
+    assert chosen == [] and not forwards.adapter.measured_attention
+
+
 # ---- the opt-in flag: editor, CLI and server options ----
 
 def test_a_compiled_engine_edits_as_the_eager_one_and_warms_up_once():

@@ -120,6 +120,13 @@ class MaskAwareAdapter:
     def compiling(self) -> bool:
         return self._compiled is not None
 
+    @property
+    def measured_attention(self) -> bool:
+        """Whether attention may take `ops.plan_attention`'s measured choice, SDPA among it: not under CUDA
+        graphs, whose cores must read device tensors alone. SDPA's compiled path reads the plan's host
+        lengths, and inductor skips capturing a graph with a CPU input (silently: a launch-bound step again)."""
+        return not self._cuda_graphs
+
     def core(self, function):
         """`function` (a block core: tensors and modules in, tensors out), compiled if `compile` was called."""
         if self._compiled is None:

@@ -181,7 +181,7 @@ def _forward_rows(adapter: FluxMaskAwareAdapter, context: MaskAwareContext, imag
         cos, sin = image_rotary_emb
         attention = ops.plan_attention(batch.query_counts(), batch.seq_lens, batch.cu_seqlens_q.device, dtype,
                                        head_dim, adapter.attention_backend, batch.cu_seqlens_q, batch.cu_seqlens_k,
-                                       heads=heads)
+                                       heads=heads if adapter.measured_attention else None)
         gathered = adapter.compiling or batch.batch_size > 1  # a compiled core takes one path
         num_text = layout.num_text_tokens
         packed = {}
