@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"bench": "image", "model": args.model, **environment("image", argv, device),
               "dtype": str(dtype).removeprefix("torch."), "resolution": resolution, "steps": args.steps,
               "compiled": stock.compiled(args), "cuda_graphs": args.cuda_graphs,
+              "cudagraph_skips": stock.cudagraph_skips(args),
               "baselines": stock.describe(tuple(baselines)),
               "cache": {"tier": "pinned host memory" if store.arena.pinned else "host memory",
                         "recorded": MODES[recorded_mode], "dtype": args.cache_dtype,

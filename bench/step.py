@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
             traces = {"mask_ratio": traced_ratio, "variants": traced(runs_at[traced_ratio], device, args.out)}
     report = {"bench": "step", **environment("step", argv, device),
               "model": args.model, "compiled": stock.compiled(args), "cuda_graphs": args.cuda_graphs,
+              "cudagraph_skips": stock.cudagraph_skips(args),
               "baselines": stock.describe(tuple(baselines)),
               "dtype": str(dtype).removeprefix("torch."), "image_tokens": num_image, "text_tokens": num_text,
               "results": results}

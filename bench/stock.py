@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -38,6 +39,20 @@ def chosen(args: argparse.Namespace) -> tuple[str, ...]:
     if args.baselines is not None:
         return args.baselines
     return ("eager", "compiled") if compiled(args) else ("eager",)
+
+
+def cudagraph_skips(args: argparse.Namespace) -> int | None:
+    """With `--cuda-graphs`, how many times inductor declined to capture a compiled core (a CPU input, a
+    mutated input, ...: that core then runs launch by launch), said on stderr when any; else None."""
+    if not args.cuda_graphs:
+        return None
+    from torch._dynamo.utils import counters
+
+    skips = int(counters["inductor"]["cudagraph_skips"])
+    if skips:
+        print(f"CUDA graphs: inductor skipped capturing {skips} time(s); TORCH_LOGS=perf_hints says why",
+              file=sys.stderr)
+    return skips
 
 
 def compiled(args: argparse.Namespace) -> bool:

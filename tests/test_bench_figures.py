@@ -50,7 +50,7 @@ def test_block_times_every_kind_in_both_modes_against_both_stock_baselines(tmp_p
             assert len({row["full_s"] for row in point}) == 2
 
 
-def test_cuda_graphs_imply_compile_and_the_compiled_baseline():
+def test_cuda_graphs_imply_compile_and_the_compiled_baseline(capsys):
     """`--cuda-graphs` (the figures' lever against launch-bound steps) compiles retouch's side as --compile
     does, times the compiled stock model by default, and is refused off CUDA where the editor captures."""
     import argparse
@@ -63,6 +63,16 @@ def test_cuda_graphs_imply_compile_and_the_compiled_baseline():
     assert stock.compiled(graphs) and stock.chosen(graphs) == ("eager", "compiled")
     plain = parser.parse_args([])
     assert not stock.compiled(plain) and stock.chosen(plain) == ("eager",)
+    # Where inductor declines to capture a core, the report says how often (and stderr, why to look).
+    from torch._dynamo.utils import counters
+
+    before = counters["inductor"]["cudagraph_skips"]
+    counters["inductor"]["cudagraph_skips"] += 2
+    try:
+        assert stock.cudagraph_skips(graphs) == before + 2 and stock.cudagraph_skips(plain) is None
+        assert "skipped capturing" in capsys.readouterr().err
+    finally:
+        counters["inductor"]["cudagraph_skips"] = before
     with pytest.raises(InputError, match="cuda_graphs needs a CUDA device"):
         image.main(["--model", "tiny-flux-fill", "--steps", "1", "--repeats", "1", "--mask-ratios", "0.2",
                     "--modes", "y", "--cuda-graphs"])
