@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure of retouch, in parts that each fit one 10-minute call of a lent GPU machine.
 #
-#   bench/run_gpu.sh PART...        PART: tests headline graphs kernels flux unet throughput serving compile step lora | all
+#   bench/run_gpu.sh PART...   PART: tests headline graphs kernels flux unet throughput serving compile step lora | all
 #
 #   tests    build retouch._C with CUDA, run the test suite on the GPU (kernels, adapters, engine)
 #   headline the GPU issue's first target: flux-size at 1024 px, 28 steps, m = 0.2, cache in pinned host memory,
@@ -193,7 +193,7 @@ part_tests() {
   pytest_gpu tests/test_row_copy.py tests/test_row_copy_triton.py tests/test_host_gather.py \
     tests/test_host_arena.py tests/test_ragged_attention.py tests/test_ops.py tests/test_adapter_flux.py \
     tests/test_adapter_unet.py tests/test_adapter_sd3.py tests/test_attention_dispatch.py tests/test_cache_store.py \
-    tests/test_editor_cache.py tests/test_host_tables.py
+    tests/test_editor_cache.py tests/test_host_tables.py tests/test_staging.py tests/test_fp8_decode.py
 }
 
 # shellcheck disable=SC2046

@@ -1,11 +1,13 @@
 """The copy engine's staging (`retouch.cache.staging`): every batch row's unmasked rows of what a block reads
 arrive exactly as the cache store holds them (decoded: fp8 entries with their own per-channel scales), for
-one or several rows, templates and steps, equal or mixed token counts (packed), in every storage dtype."""
+one or several rows, templates and steps, equal or mixed token counts (packed), in every storage dtype. On a
+GPU through the copy stream (and fp8 through the one-pass decode kernel), else the CPU's copy thread."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernel_device import TRITON_DEVICE
 from retouch.cache import CacheStore, StoreConfig
 from retouch.cache.staging import CopyEngine, LevelRows, RowSource, StagedActivations
 
@@ -67,7 +69,7 @@ def test_staged_rows_are_the_stores_rows(batch, dtype, names):
                    for template_id, step, _, _ in rows]
         num_tokens = tuple(tokens for _, _, tokens, _ in rows) if mixed else rows[0][2]
         level = LevelRows(num_tokens, tuple(torch.tensor(reused, dtype=torch.long) for *_, reused in rows))
-        staged = StagedActivations(CopyEngine("cpu", lookahead=2))
+        staged = StagedActivations(CopyEngine(TRITON_DEVICE, lookahead=2))
         reads = [(block, names) for block in range(BLOCKS)]
         staged.start(sources, [level], [0] * BLOCKS, reads, BLOCKS, torch.float32)
         with staged:
@@ -75,9 +77,10 @@ def test_staged_rows_are_the_stores_rows(batch, dtype, names):
                 staged.block_started(block)
                 for name in names:
                     keys = [None if template_id is None else (template_id, step) for template_id, step, _, _ in rows]
-                    like = torch.empty(0, *SHAPES[name])
+                    like = torch.empty(0, *SHAPES[name], device=TRITON_DEVICE)
                     got = staged.read_rows(block, name, keys, like, list(num_tokens) if mixed else num_tokens)
-                    assert got.dtype == torch.float32
+                    assert got.dtype == torch.float32 and got.device.type == TRITON_DEVICE.type
+                    got = got.cpu()
                     start = 0
                     for row, (template_id, step, tokens, reused) in enumerate(rows):
                         mine = got[start:start + tokens] if mixed else got[row]

@@ -34,6 +34,7 @@ from retouch import ops
 from retouch.cache.base import ActivationCache, RowKey
 from retouch.cache.layout import decode
 from retouch.cache.store import TemplateHandle
+from retouch.kernels.fp8_decode import decode_fp8_rows
 
 OUT = "out"
 
@@ -366,17 +367,20 @@ class StagedActivations(ActivationCache):
                               dst_rows, method=self.engine.method)
         self.engine.stats.bytes += int(src_offsets.numel()) * row_bytes
         self.engine.stats.rows += int(src_offsets.numel())
-        if not level.packed:
-            stored = stored.view(num_rows, level.num_tokens, *entry.shape[1:])
-        else:
-            stored = stored.view(-1, *entry.shape[1:])
+        shape = (num_rows, level.num_tokens, *entry.shape[1:]) if not level.packed else (-1, *entry.shape[1:])
         if not layout.quantized:
+            stored = stored.view(shape)
             return stored if stored.dtype == self.dtype else stored.to(self.dtype)
         if len(scales) == 1:  # one batch row: its scale straight from the (pinned) arena
             scale = ops.to_device_async(scales[0], device).unsqueeze(0)
         else:
             ones = torch.ones(entry.row_elems, dtype=torch.float32)
             scale = ops.to_device_async(torch.stack([ones if s is None else s for s in scales]), device)
+        if stored.is_cuda:  # one pass and one launch (`decode` takes three of each)
+            rows = ({"row_of_token": self._row_of_token_on_device(level_index)} if level.packed
+                    else {"tokens_per_row": level.num_tokens})
+            return decode_fp8_rows(stored, scale, self.dtype, **rows).view(shape)
+        stored = stored.view(shape)
         if level.packed:  # one scale per token row: its batch row's
             scale = scale[self._row_of_token_on_device(level_index)]
             return decode(stored.unsqueeze(1), scale, self.dtype).squeeze(1)
