@@ -21,10 +21,10 @@
 #   serving  serving.json (Fig. 12: mean and p95 latency vs Poisson RPS, retouch vs diffusers static batching)
 #   compile  the compile, host-sync and CUDA-graph tests on the GPU; overhead_flux-size.json (host time and ops
 #            per forward, eager and compiled, vs the compiled stock model)
-#   step     step_compiled.json (one flux-size step, compiled mask-aware blocks vs the stock model eager and
-#            compiled; its own part: compiling flux-size twice would not fit beside the compile part), with a
-#            profiled call of each variant at m = 0.2: device busy and idle time, and Chrome traces
-#            (step_compiled_trace_*.json.gz)
+#   step     step_compiled.json (one flux-size step, the mask-aware blocks compiled and replayed as CUDA graphs,
+#            as `graphs` runs them, vs the stock model eager and compiled; its own part: compiling flux-size
+#            twice would not fit beside the compile part), with a profiled call of each variant at m = 0.2:
+#            device busy and idle time, and Chrome traces (step_compiled_trace_*.json.gz)
 #   lora     the LoRA tests on the GPU (Triton segmented kernel, loader stream and events); lora_flux-small.json
 #            (step overhead of 1 and 8 adapters, sync vs async loading of a 280 MiB adapter)
 #
@@ -265,7 +265,7 @@ part_compile() {
 }
 
 part_step() {
-  bench step step_compiled.json --model "$FLUX" --device "$DEV" --compile --trace "${STEP[@]}"
+  bench step step_compiled.json --model "$FLUX" --device "$DEV" "${GRAPHS[@]}" --trace "${STEP[@]}"
 }
 
 part_lora() {
