@@ -95,6 +95,11 @@ def test_arrays_and_tensors():
     assert levels(images.as_mask(torch.tensor([[True, False]]))) == [[255, 0]]
     white_rgb = np.full((1, 2, 3), 255, np.uint8)
     assert levels(images.as_mask(white_rgb)) == [[255, 255]]
+    # 8-bit 0/1 is judged by its largest value like every other type: it was read as levels 0 and 1 (an
+    # edit blended in at 1/255, invisible) where int64 or bool 0/1 repainted in full.
+    assert levels(images.as_mask(np.array([[0, 1, 1]], np.uint8))) == [[0, 255, 255]]
+    assert levels(images.as_mask(torch.tensor([[1, 0]], dtype=torch.uint8))) == [[255, 0]]
+    assert levels(images.as_mask(np.zeros((1, 2), np.uint8))) == [[0, 0]]
 
 
 @pytest.mark.parametrize("mask, message", [

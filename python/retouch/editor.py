@@ -16,10 +16,13 @@ unconditional rows are recorded and read under their own template id (`<id>/unco
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import logging
 import math
+import operator
+import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from contextlib import ExitStack
@@ -122,6 +125,17 @@ def warm_up_inputs(size: tuple[int, int]) -> tuple[Image.Image, Image.Image]:
     return Image.new("RGB", size, (127, 127, 127)), corner
 
 
+def one_at_a_time(method):
+    """An editor method that runs the denoiser: callers on other threads wait their turn. The adapter holds
+    one active context and the pipeline's hooks are the editor's own, so two forwards at once would each
+    run in the other's context (the engine batches concurrent edits instead: `retouch.engine`)."""
+    @functools.wraps(method)
+    def serialized(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return serialized
+
+
 class MaskAwareEditor:
     """Edits of registered templates that compute only the masked tokens."""
 
@@ -197,6 +211,7 @@ class MaskAwareEditor:
         self.recomputes = 0  # templates recorded again because no cache tier held them any more
         self._fingerprint: str | None = None
         self._schedulable: set[tuple[int, int]] = set()  # (scheduler, step count) seen to make a schedule
+        self._lock = threading.RLock()  # see one_at_a_time
 
     @property
     def token_stride(self) -> int:
@@ -211,6 +226,7 @@ class MaskAwareEditor:
 
     # ---- templates ----
 
+    @one_at_a_time
     def register_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
                           guidance: float | None = None, mask: Image.Image | None = None) -> str:
         """Run the full computation once on `image` and record its activations; returns the template id.
@@ -233,8 +249,7 @@ class MaskAwareEditor:
         """A template to register, checked and placed on its canvas; nothing is computed yet. Templates of
         other `scope`s never share a recording, even of the same image and run (a server's tenants: one's
         registration would be ready at once for another who sent it too, and one's deletion drop it)."""
-        self._check_steps(steps)
-        check_seed(seed)
+        steps, seed = self._check_steps(steps), check_seed(seed)
         check_guidance(guidance)
         if not isinstance(prompt, str):  # None reached the text encoder, whose error named no argument
             raise InputError(f"prompt must be a string ('' for none), got {type(prompt).__name__}")
@@ -250,22 +265,22 @@ class MaskAwareEditor:
         prompt, seed and mask, so that the recording run is the edit itself, the stock pipeline's
         result. Its `recorded_mask` is the region that run repainted: later edits recompute it, since
         the activations cached there are the first edit's, not the template's (`prepare_edit`)."""
-        self._check_steps(steps)
-        check_seed(seed)
+        steps, seed = self._check_steps(steps), check_seed(seed)
         check_guidance(guidance)
         image = as_image(image)
         mask = as_mask(mask, image.size)
         return replace(self._template_on_canvas(self.one_off_id(image, steps, guidance, scope), image, prompt, steps,
                                                 seed, guidance, mask), one_off=True)
 
-    def _check_steps(self, steps) -> None:
+    def _check_steps(self, steps) -> int:
         """`check_steps`, and that the scheduler makes that many (LCM makes at most 50)."""
-        check_steps(steps)
+        steps = check_steps(steps)
         if (id(self.pipe.scheduler), steps) not in self._schedulable:
             problem = steps_error(self.pipe.scheduler, steps)
             if problem is not None:
                 raise InputError(f"steps: {type(self.pipe.scheduler).__name__} cannot make {steps} steps: {problem}")
             self._schedulable.add((id(self.pipe.scheduler), steps))
+        return steps
 
     def one_off_id(self, image: Image.Image, steps: int, guidance: float | None, scope: str = "") -> str:
         """The id of one-off edits' recording of `image` (RGB, as `as_image` returns it). Edits of other
@@ -293,6 +308,7 @@ class MaskAwareEditor:
             recorded_mask=canvas.empty_mask() if recorded is None else canvas.mask(recorded),
             recorded_mode=self.mode_name)
 
+    @one_at_a_time
     def edit_image(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int = 0,
                    steps: int = DEFAULT_STEPS, guidance: float | None = None, strength: float = 1.0) -> Image.Image:
         """A one-off edit of `image`: the first edit of an image runs in full (the stock pipeline's
@@ -459,6 +475,7 @@ class MaskAwareEditor:
         `strength` 1 the masked region keeps the template's structure (`retouch.strength`)."""
         return self.edit_many([EditRequest(template_id, mask, prompt, seed, steps, strength)], **options)[0]
 
+    @one_at_a_time
     def edit_many(self, requests: Sequence[EditRequest], *, full_compute: bool = False, output_type: str = "pil",
                   paste_back: bool = True):
         """Several edits as one ragged batch (different templates and masks; the same step count).
@@ -471,6 +488,12 @@ class MaskAwareEditor:
         """
         if output_type not in ("pil", "latent"):
             raise InputError(f"output_type must be 'pil' or 'latent', got {output_type!r}")
+        if isinstance(requests, EditRequest):
+            raise InputError("edit_many takes a list of EditRequests: [request], or edit(...) for one")
+        try:
+            requests = list(requests)  # a generator is read once
+        except TypeError:
+            raise InputError(f"edit_many takes a list of EditRequests, got {type(requests).__name__}") from None
         if not requests:
             return []
         if not all(isinstance(request, EditRequest) for request in requests):
@@ -500,14 +523,16 @@ class MaskAwareEditor:
         the InputError that names what is wrong with it. Every entry point checks a request here
         before any work starts."""
         template = template if template is not None else self._template(request.template_id)
-        if not isinstance(request.prompt, str) or not request.prompt.strip():
+        if not isinstance(request.prompt, str):
+            raise InputError(f"prompt must be a string, got {type(request.prompt).__name__}")
+        if not request.prompt.strip():
             raise InputError("prompt is empty; say what to paint into the masked region")
-        check_seed(request.seed)
+        seed = check_seed(request.seed)
         if request.steps is not None and request.steps != template.steps:
             raise InputError(f"template {template.template_id!r} was recorded with {template.steps} steps; its edits "
                              f"run the same schedule (omit steps or pass {template.steps})")
         strength = check_strength(request.strength, template.steps)
-        return replace(request, mask=as_mask(request.mask, template.original_size), strength=strength)
+        return replace(request, mask=as_mask(request.mask, template.original_size), strength=strength, seed=seed)
 
     def prepare_edit(self, request: EditRequest, template: Template | None = None) -> EditInputs:
         """What an edit feeds the denoiser: its mask on the canvas, the tokens it recomputes (its mask's,
@@ -785,15 +810,30 @@ def check_template_id(template_id) -> None:
                          f"{type(template_id).__name__}")
 
 
-def check_steps(steps) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+def check_steps(steps) -> int:
+    """`steps` as an int (numpy's integers too), or the InputError."""
+    value = _integer(steps)
+    if value is None or not 1 <= value <= MAX_STEPS:
         raise InputError(f"steps must be an integer in [1, {MAX_STEPS}], got {steps!r}")
+    return value
 
 
-def check_seed(seed) -> None:
-    """A seed torch's generators take: an integer in [0, 2**64)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+def check_seed(seed) -> int:
+    """A seed torch's generators take: an integer in [0, 2**64) (numpy's integers too), as an int."""
+    value = _integer(seed)
+    if value is None or not 0 <= value < 2**64:
         raise InputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return value
+
+
+def _integer(value) -> int | None:
+    """`value` as an int where it is an integer of any kind (`operator.index`: numpy's too), not a bool."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def check_guidance(guidance) -> None:

@@ -14,7 +14,7 @@ black or white snapped to them first.
     "RGBA", "LA", "PA", "P" + tRNS   luminance x alpha: the mask as it looks over black, so white
                                      strokes on a transparent background mark the region
     alpha=True (OpenAI convention)   1 - alpha: transparent = repaint; the colours are ignored
-    "I", "F", numpy arrays,          bool as 0/1, uint8 as 0..255; other numbers by their largest
+    "I", "F", numpy arrays,          bool as 0/1; all numbers (uint8 too) by their largest
     torch tensors ([H, W]; arrays     value: <= 1 means 0..1, <= 255 means 0..255, and <= 65535
     [H, W, 1], tensors [1, H, W])     means 0..65535 (16-bit integers); negative, NaN or larger
                                      values are refused
@@ -289,8 +289,8 @@ def _array_levels(values, what: str) -> np.ndarray:
         raise InputError(f"{what} must be 2-D [H, W] (or one channel), got shape {list(values.shape)}")
     if values.dtype == np.bool_:
         return values.astype(np.uint8) * 255
-    if values.dtype == np.uint8:
-        return np.ascontiguousarray(values)
+    if values.dtype == np.uint8:  # 0..255, or 0..1 (the largest value decides, as for every other type)
+        return np.ascontiguousarray(values) if values.size == 0 or values.max() > 1 else values * np.uint8(255)
     integer = np.issubdtype(values.dtype, np.integer)
     if not (integer or np.issubdtype(values.dtype, np.floating)):
         raise InputError(f"{what} has values of type {values.dtype}; a mask holds numbers")
