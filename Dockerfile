@@ -35,8 +35,9 @@ COPY engine engine
 COPY kernels kernels
 COPY bench bench
 # RETOUCH_CUDA=1: setup.py fails instead of quietly building a CPU-only extension. A100 (sm_80) and
-# H100/H200 (sm_90); CUDA_HOME is read by torch.utils.cpp_extension.
-ENV TORCH_CUDA_ARCH_LIST="8.0;9.0" RETOUCH_CUDA=1 CUDA_HOME=/usr/local/cuda
+# H100/H200 (sm_90), with sm_90's PTX for GPUs newer than both (the driver compiles it at load);
+# CUDA_HOME is read by torch.utils.cpp_extension.
+ENV TORCH_CUDA_ARCH_LIST="8.0;9.0+PTX" RETOUCH_CUDA=1 CUDA_HOME=/usr/local/cuda
 ARG MAX_JOBS=8
 RUN MAX_JOBS=${MAX_JOBS} pip install --no-build-isolation . \
  && cd / && python -c "import torch, retouch._C as c; assert c.built_with_cuda(), 'retouch._C has no CUDA kernels'"
