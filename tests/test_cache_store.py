@@ -55,6 +55,18 @@ def test_record_then_read_back_every_activation():
         store.acquire("never")
 
 
+@pytest.mark.parametrize("options, says", [({"host_bytes": "1G"}, "host_bytes must be a whole number of bytes"),
+                                           ({"disk_bytes": 2.5}, "disk_bytes must be a whole number"),
+                                           ({"host_bytes": -1}, "host budget must be >= 1"),
+                                           ({"dtype": "int4"}, "cache dtype must be auto or one of")])
+def test_bad_budgets_are_named(options, says):
+    from retouch.errors import InputError
+
+    with pytest.raises(InputError, match=says):
+        StoreConfig(**options)
+    assert StoreConfig(host_bytes=1.5e9).host_bytes == 1_500_000_000  # a whole number, written as a float
+
+
 def test_uncommitted_recording_is_invisible_and_drop_frees_it():
     store = make_store()
     store.begin("a")

@@ -339,6 +339,7 @@ def test_a_cost_model_of_another_model_is_refused_when_the_editor_is_built():
 
 
 @pytest.mark.parametrize("options, says", [({"cache": "x"}, "cache must be an ActivationCache"),
+                                           ({"attention_backend": "foo"}, "attention_backend must be one of"),
                                            ({"cost_model": "cost.json"}, "cost_model must be a CostModel"),
                                            ({"block_plan": [True]}, "block_plan has 1 entries; tiny-flux-fill has 3"),
                                            ({"dilation": 1.5}, "dilation must be a whole number")])
@@ -350,3 +351,24 @@ def test_editor_options_given_wrong_are_named_before_anything_runs(options, says
         MaskAwareEditor(pipeline, **options)
     blocks = [*pipeline.pipe.transformer.transformer_blocks, *pipeline.pipe.transformer.single_transformer_blocks]
     assert not any("forward" in vars(block) for block in blocks)  # refused: the model is left unpatched
+
+
+def test_a_closed_editor_gives_its_model_back_and_refuses_work():
+    """`close` (or leaving a `with` block) unpatches the denoiser, so another editor can take the model; a
+    closed editor says so. Its repr names the model and mode."""
+    from retouch.errors import RetouchError
+
+    with load("tiny-flux-fill", cache_mode="kv") as editor:
+        template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
+        first = pixels(editor.edit(template_id, square_mask(), "a hat", seed=1))
+        assert repr(editor).startswith("MaskAwareEditor('tiny-flux-fill', family='flux-fill', cache_mode='kv'")
+        with pytest.raises(TypeError, match="unexpected keyword argument 'foo'"):
+            editor.edit(template_id, square_mask(), "a hat", foo=1)
+    assert "closed" in repr(editor)
+    with pytest.raises(RetouchError, match="editor is closed"):
+        editor.edit(template_id, square_mask(), "a hat", seed=1)
+    editor.close()  # twice is harmless
+    again = MaskAwareEditor(editor.model, cache_mode="kv")
+    template_id = again.register_template(template_image(), prompt="a scene", steps=STEPS, seed=0)
+    assert np.array_equal(pixels(again.edit(template_id, square_mask(), "a hat", seed=1)), first)
+

@@ -38,7 +38,7 @@ from retouch.cache import ActivationCache, CacheFull, CacheMiss, CacheStore, Sto
 from retouch.cache.staging import CopyEngine, StagedActivations
 from retouch.canvas import Canvas, paste_unmasked
 from retouch.costs import CostModel
-from retouch.errors import InputError, ModelError
+from retouch.errors import InputError, ModelError, RetouchError
 from retouch.images import as_image, as_mask, colour_profile
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
 from retouch.models import LoadedModel, load_pipeline, quiet_libraries
@@ -46,6 +46,7 @@ from retouch.models.samplers import describe as describe_scheduler
 from retouch.models.samplers import MAX_STEPS, calls_line, steps_error
 from retouch.noise import initial_noise, latent_shape, latents_argument, pack_flux_latents  # noqa: F401 - API
 from retouch.noise import seeded_noise
+from retouch.ops import ATTENTION_BACKENDS
 from retouch.strength import StartLatents, check_strength, noised_start, start_step
 
 logger = logging.getLogger("retouch.editor")
@@ -132,6 +133,8 @@ def one_at_a_time(method):
     @functools.wraps(method)
     def serialized(self, *args, **kwargs):
         with self._lock:
+            if self._closed:
+                raise RetouchError("this editor is closed; load another (retouch.load)")
             return method(self, *args, **kwargs)
     return serialized
 
@@ -163,6 +166,9 @@ class MaskAwareEditor:
             raise InputError(f"dilation must be a whole number of tokens >= 0, got {dilation!r}")
         if planner not in PLANNERS:
             raise InputError(f"planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise InputError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
+                             f"{attention_backend!r}")
         if cuda_graphs and model.pipe.device.type != "cuda":
             raise InputError(f"cuda_graphs needs a CUDA device; the model is on {model.pipe.device.type}")
         if cache is not None and not isinstance(cache, ActivationCache):
@@ -176,6 +182,8 @@ class MaskAwareEditor:
         self.device = model.pipe.device
         self.default_guidance = inspect.signature(self.pipe.__call__).parameters["guidance_scale"].default
         self.cache = cache if cache is not None else CacheStore(StoreConfig())
+        self._owns_cache = cache is None  # closed with the editor (see close)
+        self._closed = False
         self.mode = CACHE_MODES[cache_mode]
         self.mode_name = cache_mode
         self.cost_model = cost_model
@@ -223,6 +231,30 @@ class MaskAwareEditor:
         """Tokens of the template's canvas, in `token_stride` units."""
         width, height = template.canvas.padded
         return (width // self.token_stride) * (height // self.token_stride)
+
+    def close(self) -> None:
+        """Give the model back unpatched (another editor may take it) and end the copy thread, and the
+        cache's background work where the editor made the cache. Waits for a running edit; later calls refuse."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.adapter.unpatch()
+            if self.copy_engine is not None:
+                self.copy_engine.close()
+            if self._owns_cache and isinstance(self.cache, CacheStore):
+                self.cache.close()
+
+    def __enter__(self) -> MaskAwareEditor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = ", closed" if self._closed else ""
+        return (f"MaskAwareEditor({self.model.name!r}, family={self.model.family!r}, cache_mode={self.mode_name!r}, "
+                f"device={str(self.device)!r}, templates={len(self.templates)}{state})")
 
     # ---- templates ----
 
@@ -470,10 +502,12 @@ class MaskAwareEditor:
     # ---- edits ----
 
     def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0, steps: int | None = None,
-             strength: float = 1.0, **options):
+             strength: float = 1.0, *, full_compute: bool = False, output_type: str = "pil", paste_back: bool = True):
         """Repaint the white region of `mask` in the registered template; the template's size. Below
-        `strength` 1 the masked region keeps the template's structure (`retouch.strength`)."""
-        return self.edit_many([EditRequest(template_id, mask, prompt, seed, steps, strength)], **options)[0]
+        `strength` 1 the masked region keeps the template's structure (`retouch.strength`). The keywords
+        are `edit_many`'s."""
+        return self.edit_many([EditRequest(template_id, mask, prompt, seed, steps, strength)],
+                              full_compute=full_compute, output_type=output_type, paste_back=paste_back)[0]
 
     @one_at_a_time
     def edit_many(self, requests: Sequence[EditRequest], *, full_compute: bool = False, output_type: str = "pil",

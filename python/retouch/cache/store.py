@@ -26,6 +26,7 @@ host-resident templates never wait for disk I/O.
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -42,7 +43,7 @@ from retouch.cache.base import ActivationCache
 from retouch.cache.disk import CorruptCacheFile, DiskTier
 from retouch.cache.keys import base_name, check_template_id, stored_key
 from retouch.cache.layout import STORAGE_DTYPES, Entry, StepLayout, decode, dtype_name, encode
-from retouch.errors import RetouchError
+from retouch.errors import InputError, RetouchError
 
 GiB = 1 << 30
 logger = logging.getLogger("retouch.cache")
@@ -75,11 +76,16 @@ class StoreConfig:
     pinned: bool = True
 
     def __post_init__(self):
+        for name in ("host_bytes", "disk_bytes", "alignment"):  # 8192.0 or 1.5e9 are whole numbers too
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value).is_integer():
+                raise InputError(f"StoreConfig {name} must be a whole number of bytes, got {value!r}")
+            object.__setattr__(self, name, int(value))
         if self.host_bytes < 1 or self.disk_bytes < 0:
-            raise ValueError(f"host budget must be >= 1 and disk budget >= 0 bytes, got {self.host_bytes}, "
+            raise InputError(f"host budget must be >= 1 and disk budget >= 0 bytes, got {self.host_bytes}, "
                              f"{self.disk_bytes}")
         if self.dtype != "auto" and self.dtype not in STORAGE_DTYPES:
-            raise ValueError(f"cache dtype must be auto or one of {', '.join(STORAGE_DTYPES)}, got {self.dtype!r}")
+            raise InputError(f"cache dtype must be auto or one of {', '.join(STORAGE_DTYPES)}, got {self.dtype!r}")
 
 
 @dataclass(eq=False)
