@@ -7,8 +7,14 @@ import torch  # noqa: F401
 __version__ = "0.1.0"
 
 
-def load(model: str, **options):
-    """A mask-aware editor (`retouch.editor.MaskAwareEditor`) on a built-in model or a pipeline folder."""
+def load(model: str, **options) -> "retouch.editor.MaskAwareEditor":  # noqa: F821 - imported on use
+    """A mask-aware editor (`retouch.editor.MaskAwareEditor`) on a built-in model or a pipeline folder.
+
+    Options (keywords; `retouch.editor.load` and `MaskAwareEditor` say more): `device` ("cpu", "cuda"),
+    `dtype` (a torch dtype, float32 by default), `scheduler` (a sampler name: `retouch.models.samplers`),
+    `cache_mode` ("y" or "kv"), `cache` (an `ActivationCache`, e.g. `CacheStore(StoreConfig(...))`),
+    `cost_model` and `planner` (per-block cache or compute), `attention_backend`, `dilation`, `block_plan`,
+    `compile` and `cuda_graphs`. Close the editor (or use it in a `with` block) to give the model back."""
     from retouch.editor import load as load_editor  # diffusers is imported only when used
 
     return load_editor(model, **options)
