@@ -319,7 +319,14 @@ def test_pods_meet_the_restricted_pod_security_standard(deployment):
     assert all(set(volume) & {"secret", "emptyDir", "persistentVolumeClaim", "configMap"} for volume in spec["volumes"])
 
 
-@pytest.mark.parametrize("deployment", [HEAD, WORKER])
+def test_prometheus_scrapes_the_head_alone():
+    """The head's /metrics re-exports every connected worker's series under the same names and labels, so
+    scraping the workers too counted each worker series twice."""
+    annotations = find("Deployment", WORKER)["spec"]["template"]["metadata"].get("annotations", {})
+    assert "prometheus.io/scrape" not in annotations
+
+
+@pytest.mark.parametrize("deployment", [HEAD])
 def test_prometheus_scrapes_the_metrics_endpoint(deployment):
     annotations = find("Deployment", deployment)["spec"]["template"]["metadata"].get("annotations", {})
     assert annotations.get("prometheus.io/scrape") == "true"
