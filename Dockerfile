@@ -21,10 +21,12 @@ ENV PATH=/opt/retouch/bin:$PATH
 WORKDIR /src
 
 # requirements.txt pins the CPU torch used for development; the image takes the same version built
-# for CUDA 12.8, then the rest of the pinned set (already-satisfied torch is left as it is).
+# for CUDA 12.8, then the rest of the pinned set but the test tools (`serve` and `worker` import none of
+# them; playwright alone brings a Node driver).
 COPY requirements.txt .
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128 \
- && grep -v '^torch==' requirements.txt > /tmp/requirements-without-torch.txt \
+ && grep -vE '^(torch|pytest|pytest-xdist|hypothesis|playwright|openai)==' requirements.txt \
+    > /tmp/requirements-without-torch.txt \
  && pip install -r /tmp/requirements-without-torch.txt \
  && python -c "import torch; assert torch.version.cuda, 'a CPU torch replaced the CUDA build'"
 

@@ -433,6 +433,17 @@ def test_extension_is_built_with_cuda_for_sm80_and_sm90():
     assert env.get("RETOUCH_CUDA") == "1"
 
 
+def test_image_leaves_the_test_tools_out_and_nothing_it_runs():
+    """The runtime installs requirements.txt but torch (its CUDA build comes first) and the test tools; what
+    `serve` and `worker` import stays in."""
+    left_out = re.search(r"grep -vE '\^\(([^)]*)\)==' requirements\.txt", DOCKERFILE.read_text()).group(1).split("|")
+    pinned = set(re.findall(r"^([A-Za-z0-9_.-]+)==", (REPO / "requirements.txt").read_text(), re.MULTILINE))
+    assert "torch" in left_out and set(left_out) <= pinned, left_out
+    assert set(left_out) - {"torch"} <= {"pytest", "pytest-xdist", "hypothesis", "playwright", "openai"}
+    kept = pinned - set(left_out)
+    assert {"diffusers", "pyzmq", "fastapi", "uvicorn", "prometheus-client", "standardwebhooks"} <= kept
+
+
 def test_image_installs_the_pinned_torch_built_for_cuda():
     pinned = re.search(r"^torch==(\S+)", (REPO / "requirements.txt").read_text(), re.MULTILINE).group(1)
     text = DOCKERFILE.read_text()
