@@ -120,6 +120,10 @@ class TemplateLimit(RuntimeError):
     """The tenant already keeps `RouterConfig.max_templates_per_tenant` registered templates."""
 
 
+class TemplateStorageFull(RuntimeError):
+    """The registered templates' images, all tenants', would exceed `RouterConfig.max_template_bytes`."""
+
+
 class RegistryError(RuntimeError):
     """The template registry (`--cache-disk-dir`) could not save or remove a template's files."""
 
@@ -211,6 +215,11 @@ class TemplateRecord:
     too_large_for: set[str] = field(default_factory=set)
 
     @property
+    def nbytes(self) -> int:
+        """What the head holds of it in memory: its image and transparency, encoded."""
+        return len(self.image) + len(self.alpha or b"")
+
+    @property
     def status(self) -> str:
         if "ready" in self.states.values():
             return "ready"
@@ -283,7 +292,10 @@ class RouterConfig:
     # Of them, one tenant's (API key's) at most, so that one client's burst cannot refuse every other
     # client for as long as it lasts; None: max_queue.
     max_queue_per_tenant: int | None = None
-    max_one_off: int = 1024  # one-off images remembered; beyond it the least recently edited idle one goes
+    # One-off images remembered, and their bytes (uploads of up to --max-upload-mb each); beyond either the
+    # least recently edited idle ones go.
+    max_one_off: int = 1024
+    max_one_off_bytes: int = 1 << 30
     slo_admission: str = "accept"  # reject: refuse an edit predicted to miss its deadline (needs a StepCost)
     # An edit with a LoRA goes to a worker that holds its adapters (no file read, no second copy evicting
     # another adapter) if one has a free batch slot and at most this many more requests in flight than the
@@ -306,6 +318,9 @@ class RouterConfig:
     # the registry on disk), so without a bound one client could grow the head without end. One-off
     # images are bounded by max_one_off instead.
     max_templates_per_tenant: int = 1000
+    # The registered templates' images, all tenants', held in memory (each is also on disk with a registry,
+    # but the head sends it to every worker that joins); beyond it registrations are refused.
+    max_template_bytes: int = 4 << 30
 
     def __post_init__(self):
         if self.dead_after_s <= self.heartbeat_s:
@@ -322,6 +337,9 @@ class RouterConfig:
             raise ValueError(f"max_one_off must be >= 1, got {self.max_one_off}")
         if self.max_templates_per_tenant < 1:
             raise ValueError(f"max_templates_per_tenant must be >= 1, got {self.max_templates_per_tenant}")
+        for name in ("max_one_off_bytes", "max_template_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lora_affinity is not None and self.lora_affinity < 0:
             raise ValueError(f"lora_affinity must be >= 0 or None, got {self.lora_affinity}")
         if self.slo_admission not in SLO_ADMISSION:
@@ -366,6 +384,11 @@ class Router:
         self._registry_lock = threading.Lock()  # taken before self._lock, never after
         self.templates: dict[str, TemplateRecord] = {} if registry is None else {
             record.template_id: record for record in registry.load()}
+        if self.held_bytes(one_off=False) > config.max_template_bytes:  # kept: they are the clients' templates
+            logger.warning("the %d registered templates in %s hold %.0f MiB, over the %.0f MiB allowed "
+                           "(--max-templates-mb): new registrations are refused until some are deleted",
+                           len(self.templates), registry.directory, self.held_bytes(one_off=False) / 2**20,
+                           config.max_template_bytes / 2**20)
         self.pending: dict[int, Pending] = {}
         self._answered: deque[float] = deque(maxlen=64)  # when the last edits were answered (Retry-After)
         self.parked: dict[str, deque[int]] = {}  # template -> requests waiting for a ready replica
@@ -691,7 +714,8 @@ class Router:
         """Record `record` on its replicas (again if it was dropped); the same id twice is one template.
         With a registry it is saved first: one that cannot be saved is not registered (RegistryError),
         since its id would not outlive the server as promised. A tenant keeping its most templates
-        already is refused (TemplateLimit)."""
+        already is refused (TemplateLimit), and so is a template the server has no memory left for
+        (TemplateStorageFull)."""
         with self._registry_lock:  # a save and the change it follows are one step for deletions too
             with self._lock:
                 existing = self.templates.get(record.template_id)
@@ -701,6 +725,13 @@ class Router:
                 if existing is None and kept >= self.config.max_templates_per_tenant:
                     raise TemplateLimit(f"this API key keeps {kept} templates, the most this server allows "
                                         f"(--max-templates-per-tenant); delete some (DELETE /v1/templates/ID)")
+                held = self.held_bytes(one_off=False) - (existing.nbytes if existing is not None else 0)
+                if held + record.nbytes > self.config.max_template_bytes:
+                    raise TemplateStorageFull(
+                        f"the server keeps {held / 2**20:.0f} MiB of templates and this one needs "
+                        f"{record.nbytes / 2**20:.1f} MiB more, over its {self.config.max_template_bytes / 2**20:.0f}"
+                        f" MiB (--max-templates-mb); delete some (DELETE /v1/templates/ID) or edit it as a "
+                        f"one-off image")
                 self._admit_recording(record.owner)
             self._keep(lambda registry: registry.save(record), record.template_id, "saved")
             with self._lock:
@@ -769,17 +800,26 @@ class Router:
             self._answer(self.pending[request_id],
                          EditAnswer(None, 404, "template_deleted", f"template {template_id!r} was deleted"))
 
+    def held_bytes(self, one_off: bool) -> int:
+        """The bytes of the one-off images, or of the registered templates, the router holds."""
+        with self._lock:
+            return sum(record.nbytes for record in self.templates.values() if record.one_off == one_off)
+
     def _evict_one_offs(self, keep: str) -> None:
-        """Keep at most `max_one_off` one-off images: forget the least recently edited ones that no
-        accepted edit waits for (their next edit records them again: one generation)."""
+        """Keep at most `max_one_off` one-off images of at most `max_one_off_bytes` in all: forget the least
+        recently edited ones that no accepted edit waits for (their next edit records them again: one
+        generation). The busy ones stay, over the bounds if they must, until they are idle."""
         one_offs = [r for r in self.templates.values() if r.one_off]
-        excess = len(one_offs) - self.config.max_one_off
-        if excess <= 0:
+        count, held = len(one_offs), sum(r.nbytes for r in one_offs)
+        if count <= self.config.max_one_off and held <= self.config.max_one_off_bytes:
             return
         busy = {p.task.template_id for p in self.pending.values()} | {keep}
-        for record in sorted((r for r in one_offs if r.template_id not in busy), key=lambda r: r.last_used)[:excess]:
+        for record in sorted((r for r in one_offs if r.template_id not in busy), key=lambda r: r.last_used):
+            if count <= self.config.max_one_off and held <= self.config.max_one_off_bytes:
+                break
             self._drop(record.template_id)
             self.counters["one_offs_evicted"] += 1
+            count, held = count - 1, held - record.nbytes
 
     def _owned(self, template_id: str, owner: str | None) -> TemplateRecord | None:
         record = self.templates.get(template_id)
@@ -813,6 +853,8 @@ class Router:
             return {"workers": workers, "pending": len(self.pending),
                     "parked": sum(len(q) for q in self.parked.values()),
                     "templates": len(self.templates),
+                    "template_bytes": {"registered": self.held_bytes(one_off=False),
+                                       "one_off": self.held_bytes(one_off=True)},
                     "counters": {**self.counters, "workers_refused": self.security.allowed.refused
                                  if self.security is not None else 0},
                     "slo": {size: dict(counts) for size, counts in self.slo.items()}}

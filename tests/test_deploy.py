@@ -231,6 +231,20 @@ def test_the_head_is_given_time_to_drain():
     assert pod_spec(HEAD).get("terminationGracePeriodSeconds", 30) >= drain_s + 15
 
 
+def test_what_the_head_holds_in_memory_fits_its_memory_limit():
+    # Templates, one-off images, kept answers and bodies being received are each bounded by a flag: raising
+    # one, or lowering the limit, must keep their sum inside it (1 GiB more is the process itself), or the
+    # head is OOM-killed with every edit in flight.
+    from retouch.config import ServeOptions
+
+    flags, fields = flags_of(HEAD), ServeOptions.__dataclass_fields__
+    held_mb = sum(float(flags.get(flag) or fields[name].default) for flag, name in (
+        ("--max-templates-mb", "max_templates_mb"), ("--max-one-off-mb", "max_one_off_mb"),
+        ("--result-store-mb", "result_store_mb"), ("--max-inflight-mb", "max_inflight_mb")))
+    limit = container(HEAD)["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and held_mb + 1024 <= 0.9 * float(limit.removesuffix("Gi")) * 1024
+
+
 def test_a_worker_is_given_time_to_finish_what_it_accepted():
     # Its drain ends when its batch and queue are answered; Kubernetes' default 30 s would recompute most
     # of a loaded Flux worker's edits elsewhere on every rolling update.

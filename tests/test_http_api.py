@@ -479,8 +479,8 @@ def test_a_transparent_template_is_answered_with_its_alpha_outside_the_mask():
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "output_format"
 
 
-async def over_the_template_limit() -> httpx.Response:
-    router = Router(RouterConfig(address="tcp://127.0.0.1:0", max_templates_per_tenant=1)).start()
+async def over_the_template_limit(**config) -> httpx.Response:
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", **config)).start()
     app = create_app(router, Limits(default_steps=2))
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://retouch") as client:
@@ -494,10 +494,17 @@ async def over_the_template_limit() -> httpx.Response:
 
 
 def test_a_template_over_the_tenants_limit_is_refused_for_good():
-    refused, limits = asyncio.run(over_the_template_limit())
+    refused, limits = asyncio.run(over_the_template_limit(max_templates_per_tenant=1))
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "template_limit"
     assert refused.headers["x-should-retry"] == "false"  # deleting templates makes room, not retrying
     assert limits["max_templates"] == 1
+
+
+def test_a_template_the_head_has_no_memory_left_for_is_refused_naming_the_image():
+    refused, _ = asyncio.run(over_the_template_limit(max_template_bytes=1))  # no image fits
+    error = refused.json()["error"]
+    assert refused.status_code == 507 and (error["code"], error["param"]) == ("template_storage_full", "image")
+    assert "--max-templates-mb" in error["message"] and refused.headers["x-should-retry"] == "false"
 
 
 async def listed_pages() -> dict:

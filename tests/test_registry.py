@@ -15,7 +15,7 @@ from PIL import Image
 from scripted_worker import ScriptedWorker
 
 from retouch.engine.registry import TemplateRegistry
-from retouch.engine.router import RegistryError, Router, RouterConfig, TemplateRecord
+from retouch.engine.router import RegistryError, Router, RouterConfig, TemplateRecord, TemplateStorageFull
 from retouch.http_api import Limits, create_app
 
 
@@ -90,6 +90,27 @@ def test_the_router_starts_with_the_kept_templates_and_keeps_what_changes(tmp_pa
         context.destroy(linger=0)
     registry = TemplateRegistry(tmp_path)  # the router's, closed with it
     assert [t.template_id for t in registry.load()] == ["tpl-0000bbbb"]
+
+
+def test_kept_templates_over_the_memory_bound_are_all_served_and_new_ones_refused(tmp_path, caplog):
+    """A server restarted with a smaller --max-templates-mb keeps every template its clients registered
+    (said in the log) and refuses new ones until deletions bring it under the bound."""
+    kept = TemplateRegistry(tmp_path)
+    for template_id in ("tpl-0000aaaa", "tpl-0000bbbb"):
+        kept.save(record(template_id))
+    kept.close()
+    size = len(record("tpl-0000aaaa").image)
+    router = Router(RouterConfig(address="tcp://127.0.0.1:0", max_template_bytes=size),
+                    registry=TemplateRegistry(tmp_path)).start()
+    try:
+        assert "hold 0 MiB, over the 0 MiB allowed (--max-templates-mb)" in caplog.text
+        assert {t["id"] for t in router.list_templates("0123abcd")} == {"tpl-0000aaaa", "tpl-0000bbbb"}
+        with pytest.raises(TemplateStorageFull):
+            router.register_template(record("tpl-0000cccc"))
+        assert router.drop_template("tpl-0000aaaa") and router.drop_template("tpl-0000bbbb")
+        router.register_template(record("tpl-0000cccc"))
+    finally:
+        router.close(drain_s=0)
 
 
 class FailingRegistry(TemplateRegistry):

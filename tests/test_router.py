@@ -15,7 +15,7 @@ from scripted_worker import TIMEOUT_S, ScriptedWorker
 
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (RETRY_AFTER_MAX_S, RETRY_AFTER_UNKNOWN_S, EditTask, NoWorkerConnected, QueueFull,
-                                   RouterConfig, TemplateLimit, TemplateRecord)
+                                   RouterConfig, TemplateLimit, TemplateRecord, TemplateStorageFull)
 from retouch.lora import LoraUse, parse_lora
 
 LOAD = RequestLoad(image_tokens=16, masked_tokens=4, steps=2)
@@ -377,6 +377,49 @@ def test_a_tenant_keeps_at_most_its_template_limit_and_one_offs_do_not_count(mak
     assert router.drop_template("t1")
     router.register_template(template("t3"))  # room again
     assert {t["id"] for t in router.list_templates("")} == {"t2", "t3", "o1"}
+
+
+def test_registered_templates_are_bounded_by_bytes_across_tenants(make_router):
+    """The head holds every registered template's image: past --max-templates-mb a new one is refused,
+    whoever registers it; the same template again costs nothing more, a deletion makes room, and one-off
+    images have their own bound."""
+    size = len(template().image)
+    router = make_router(max_template_bytes=2 * size + 1)
+    router.register_template(template("t1"))
+    router.register_template(replace(template("u1"), owner="another key"))
+    router.register_template(template("t1"))  # the same template again: no more bytes
+    router.submit_many([task("o1")], one_off=one_off("o1"))
+    with pytest.raises(TemplateStorageFull, match="over its 0 MiB"):
+        router.register_template(template("t2"))
+    assert router.snapshot()["template_bytes"] == {"registered": 2 * size, "one_off": len(one_off().image)}
+    assert router.drop_template("u1", owner="another key")
+    router.register_template(template("t2"))  # room again
+    assert router.held_bytes(one_off=False) == 2 * size
+
+
+def test_one_off_images_are_bounded_by_bytes_evicting_idle_ones_first(context, make_router):
+    """Past max_one_off_bytes the least recently edited idle images go until the rest fit; an image an
+    accepted edit waits for stays, over the bound if it must."""
+    size = len(one_off().image)
+    router = make_router(max_one_off_bytes=2 * size)
+    w0 = ScriptedWorker(context, router, "w0")
+    answers = []
+    for image in ("img-1", "img-2"):
+        answers += router.submit_many([task(image)], one_off(image))[1]
+    held = [w0.receive("edit"), w0.receive("edit")]  # both busy: a third goes over the bound for now
+    answers += router.submit_many([task("img-3")], one_off("img-3"))[1]
+    held.append(w0.receive("edit"))
+    assert router.held_bytes(one_off=True) == 3 * size and router.snapshot()["counters"]["one_offs_evicted"] == 0
+    for message in held:
+        w0.answer(message["request"])
+    assert all(answer.result(TIMEOUT_S).status == 200 for answer in answers)
+    router.templates["img-2"].last_used = 0.0  # the least recently edited
+    answers = router.submit_many([task("img-4")], one_off("img-4"))[1]
+    assert router.template("img-2") is None and router.template("img-1") is None
+    assert {t["id"] for t in router.list_templates()} == {"img-3", "img-4"}
+    assert router.snapshot()["counters"]["one_offs_evicted"] == 2
+    w0.answer(w0.receive("edit")["request"])
+    assert answers[0].result(TIMEOUT_S).status == 200
 
 
 def test_close_answers_what_it_could_not_run(context, make_router):

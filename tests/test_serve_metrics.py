@@ -115,6 +115,8 @@ def test_metrics_count_every_answer_and_expose_router_and_worker_state():
     assert sample(found, "retouch_workers") == 2 and sample(found, "retouch_queue_depth") == 0
     assert sample(found, "retouch_router_events_total", event="routed") == 1
     assert sample(found, "retouch_http_inflight_body_bytes") == 0
+    assert sample(found, "retouch_template_bytes", kind="registered") == router.held_bytes(one_off=False) > 0
+    assert sample(found, "retouch_template_bytes", kind="one_off") == 0
 
     assert sample(found, "retouch_worker_mean_batch_size", worker="w0") == WORKER_REPORT["mean_batch_size"]
     assert sample(found, "retouch_worker_mean_step_seconds", worker="w0") == WORKER_REPORT["mean_step_s"]

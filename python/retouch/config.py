@@ -334,6 +334,11 @@ class ServeOptions:
                             "the workers' one per edit)", choices=LOG_LEVELS)
     max_templates_per_tenant: int = option(1000, help="registered templates each API key may keep (the head holds "
                                            "their images in memory); beyond it: 409 template_limit")
+    max_templates_mb: float = option(4096.0, help="memory the head holds the registered templates' images in, "
+                                     "every API key's (MiB); beyond it: 507 template_storage_full")
+    max_one_off_mb: float = option(1024.0, help="memory the head remembers one-off images in (edits of an image "
+                                   "sent with them, MiB); beyond it the least recently edited go (their next edit "
+                                   "records them again)")
     api_keys_file: Path | None = option(None, help="file of API keys, one per line: /v1 needs `Authorization: Bearer "
                                         "KEY`, and each key sees only its own templates (default: $RETOUCH_API_KEYS, "
                                         "comma-separated; neither: no keys)")
@@ -408,7 +413,7 @@ class ServeOptions:
             raise InputError(f"--api-keys-file {self.api_keys_file} not found")
         _check_webhook_options(self)
         _require(self, ("header_timeout_s", "body_timeout_s", "max_inflight_mb", "result_ttl_s", "result_store_mb",
-                        "transfer_timeout_s", "helper_silence_s"), "> 0")
+                        "transfer_timeout_s", "helper_silence_s", "max_templates_mb", "max_one_off_mb"), "> 0")
         _require(self, ("drain_s",), ">= 0")
         _require(self, ("max_connections", "max_prompt_chars", "max_batch", "steps", "max_steps", "max_queue",
                         "max_pixels", "max_work", "max_templates_per_tenant"), ">= 1")

@@ -87,7 +87,8 @@ from retouch import playground
 from retouch.canvas import Canvas, paste_alpha, paste_unmasked
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (NO_WORKER, DeadlineUnattainable, EditAnswer, EditTask, NoWorkerConnected, QueueFull,
-                                   RegistryError, Router, TemplateLimit, TemplateRecord, Unavailable)
+                                   RegistryError, Router, TemplateLimit, TemplateRecord,
+                                   TemplateStorageFull, Unavailable)
 from retouch.config import CORS_ORIGIN, model_label
 from retouch.edit_jobs import EditJobs, Job, KeyReused, Outcome, Reply, fingerprint, wait_events
 from retouch.kept_answers import AnswerFolder
@@ -197,7 +198,8 @@ class Limits:
 
 # Answers a client must not repeat as they are: sending the edit again would undo a cancel, run a
 # duplicate, or miss the deadline again (or, for a timeout, run a stuck edit once more).
-FINAL_CODES = frozenset({"cancelled", "duplicate_request_id", "slo_unattainable", "template_limit", "timeout"})
+FINAL_CODES = frozenset({"cancelled", "duplicate_request_id", "slo_unattainable", "template_limit",
+                         "template_storage_full", "timeout"})
 
 
 # An error's code when nothing more precise names it, so that a client can always switch on the code.
@@ -978,6 +980,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             raise ApiError(507, str(exc), None, "storage_error") from None
         except TemplateLimit as exc:
             raise ApiError(409, str(exc), "image", "template_limit") from None
+        except TemplateStorageFull as exc:
+            raise ApiError(507, str(exc), "image", "template_storage_full") from None
         except QueueFull as exc:
             raise ApiError(429, f"server busy: {exc}; retry in {exc.retry_after_s} s", None, "queue_full",
                            {"Retry-After": str(exc.retry_after_s)}) from None

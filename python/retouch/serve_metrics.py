@@ -224,6 +224,12 @@ class RouterCollector(Collector):
                                        ("retouch_templates", "registered templates and one-off images",
                                         snapshot["templates"])):
             yield GaugeMetricFamily(name, help_text, value=value)
+        held = GaugeMetricFamily("retouch_template_bytes", "bytes of images the head holds in memory: registered "
+                                 "templates (--max-templates-mb) and one-off images (--max-one-off-mb)",
+                                 labels=("kind",))
+        for kind, value in sorted(snapshot["template_bytes"].items()):
+            held.add_metric((kind,), value)
+        yield held
         events = CounterMetricFamily("retouch_router_events", "router events (routed, rerouted, ...)",
                                      labels=("event",))
         for event, value in sorted(snapshot["counters"].items()):
