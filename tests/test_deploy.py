@@ -6,6 +6,7 @@ one side names (a Service port, a secret key, a probe port, a CLI flag) must exi
 
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,11 +32,24 @@ HTTP_PORT_FLAG = {HEAD: "--port", WORKER: "--health-port"}
 SECRET_VOLUME_DEFAULT_MODE = 0o644  # Kubernetes' default for secret volume files
 
 
+def manifest_files() -> list[Path]:
+    return [path for path in sorted(K8S.glob("*.yaml")) if path.name != "kustomization.yaml"]
+
+
 def manifests() -> list[dict]:
     documents = []
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in manifest_files():
         documents += [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
     return documents
+
+
+def kustomized(folder: Path) -> list[dict]:
+    """What `kubectl apply -k folder` would apply (kubectl's built-in kustomize, offline)."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+    built = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+    assert built.returncode == 0, built.stderr
+    return [doc for doc in yaml.safe_load_all(built.stdout) if doc is not None]
 
 
 def find(kind: str, name: str) -> dict:
@@ -243,6 +257,62 @@ def test_what_the_head_holds_in_memory_fits_its_memory_limit():
         ("--result-store-mb", "result_store_mb"), ("--max-inflight-mb", "max_inflight_mb")))
     limit = container(HEAD)["resources"]["limits"]["memory"]
     assert limit.endswith("Gi") and held_mb + 1024 <= 0.9 * float(limit.removesuffix("Gi")) * 1024
+
+
+def test_apply_k_applies_every_manifest():
+    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == [path.name for path in manifest_files()]
+
+
+def worker_sizing(documents: list[dict]) -> dict[str, float]:
+    """A worker's caches against its pod's memory and disk, in GiB."""
+    (deployment,) = [d for d in documents if d["kind"] == "Deployment" and d["metadata"]["name"] == WORKER]
+    spec = deployment["spec"]["template"]["spec"]
+    (only,) = spec["containers"]
+    _, flags = parse_args(only["args"])
+    (cache,) = [v for v in spec["volumes"] if v["name"] == "cache"]
+    gib = {"Gi": 1, "Mi": 1 / 1024, "Ti": 1024}
+
+    def quantity(text: str) -> float:
+        return float(text[:-2]) * gib[text[-2:]]
+
+    resources = only["resources"]
+    return {"host_cache": float(flags["--cache-host-gib"]), "disk_cache": float(flags["--cache-disk-gib"]),
+            "memory_request": quantity(resources["requests"]["memory"]),
+            "memory_limit": quantity(resources["limits"]["memory"]),
+            "disk_limit": quantity(resources["limits"]["ephemeral-storage"]),
+            "volume": quantity(cache["emptyDir"]["sizeLimit"])}
+
+
+def check_worker_fits_its_pod(sizing: dict[str, float]) -> None:
+    # Pinned cache counts against the memory limit; the process, a model loading through host memory and
+    # the helpers need room beside it, or the worker is OOM-killed with its edits.
+    assert sizing["host_cache"] + 8 <= sizing["memory_limit"]
+    assert sizing["memory_request"] <= sizing["memory_limit"]
+    # The disk tier stays inside its volume, and the volume inside the pod's ephemeral storage.
+    assert sizing["disk_cache"] < sizing["volume"] <= sizing["disk_limit"]
+
+
+def test_a_flux_size_worker_fits_its_pod():
+    check_worker_fits_its_pod(worker_sizing(manifests()))
+
+
+def test_the_smoke_deployment_serves_the_tiny_model_on_an_ordinary_gpu_node():
+    """deploy/smoke: the base with small workers. A node with 16 GiB to give schedules it; the base's
+    128Gi request schedules nowhere but the largest nodes."""
+    documents = kustomized(REPO / "deploy" / "smoke")
+    (config,) = [d for d in documents if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "retouch-config"]
+    assert config["data"]["model"] == "tiny-flux-fill"
+    sizing = worker_sizing(documents)
+    check_worker_fits_its_pod(sizing)
+    assert sizing["memory_limit"] <= 16 and sizing["disk_limit"] <= 32
+    # Only the sizes changed: the patch's indices still name the cache flags.
+    (worker,) = [d for d in documents if d["kind"] == "Deployment" and d["metadata"]["name"] == WORKER]
+    smoke_flags = parse_args(worker["spec"]["template"]["spec"]["containers"][0]["args"])[1]
+    base_flags = parse_args(container(WORKER)["args"])[1]
+    assert {flag for flag in base_flags if smoke_flags.get(flag) != base_flags[flag]} == {
+        "--cache-host-gib", "--cache-disk-gib"}
+    assert len(documents) == len(kustomized(K8S)) == len(manifests())
 
 
 def test_a_worker_is_given_time_to_finish_what_it_accepted():
