@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"bench": "block", **environment("block", argv, device), "model": args.model,
               "dtype": str(dtype).removeprefix("torch."), "resolution": resolution, "batch": args.batch,
               "compiled": stock.compiled(args), "cuda_graphs": args.cuda_graphs,
+              "cudagraph_skips": stock.cudagraph_skips(args),
               "baselines": stock.describe(tuple(baselines), "the unmodified diffusers block"),
               "block_kinds": sorted(target.representative), "results": results}
     return publish(report, args.out, _plot)

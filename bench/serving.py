@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
               "planner": args.planner if args.cost_model else None,
               "cost_model": str(args.cost_model) if args.cost_model else None,
               "compiled": stock.compiled(args), "cuda_graphs": args.cuda_graphs,
+              "cudagraph_skips": stock.cudagraph_skips(args),
               "baselines": stock.describe(baselines),
               "systems": {"retouch": MaskAwareServing.__doc__.splitlines()[0],
                           **{BASELINE_SYSTEMS[baseline]: f"{StaticBatching.__doc__.splitlines()[0]} ({baseline})"

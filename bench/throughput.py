@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
               "planner": args.planner if args.cost_model else None,
               "cost_model": str(args.cost_model) if args.cost_model else None,
               "compiled": stock.compiled(args), "cuda_graphs": args.cuda_graphs,
+              "cudagraph_skips": stock.cudagraph_skips(args),
               "baselines": stock.describe(tuple(baselines)),
               "blocks": editor.adapter.num_blocks, "cache": editor.cache.metrics(), "recomputes": editor.recomputes,
               "results": results,

@@ -31,6 +31,7 @@ def test_block_times_every_kind_in_both_modes_against_both_stock_baselines(tmp_p
     assert (tmp_path / "block.png").stat().st_size > 0
     _assert_records_how_it_was_made(report, "block")
     assert list(report["baselines"]) == ["eager", "compiled"] and "torch.compile" in report["baselines"]["compiled"]
+    assert report["cudagraph_skips"] is None
     rows = report["results"]
     assert {(row["kind"], row["mask_ratio"], row["mode"], row["baseline"]) for row in rows} == {
         (kind, ratio, mode, baseline) for kind in ("double", "single") for ratio in (0.25, 1.0)
