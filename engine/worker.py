@@ -257,6 +257,7 @@ class Worker:
         self.predict_s = predict_s or self.predicted_s
         self.loras = LoraManager(config.lora_dir, int(config.lora_cache_mb * 2**20), editor,
                                  None if config.lora_device_mb is None else int(config.lora_device_mb * 2**20))
+        self._recording_again: dict[str, Job] = {}  # template id -> its recording, for the edits that found it lost
 
     @classmethod
     def new_job(cls, request: EditRequest | None, recording: Template | None = None, records: bool = True,
@@ -333,6 +334,9 @@ class Worker:
                     if ready is None:
                         continue
                     job.ready = ready
+                if job.recording is None and self._waits_for_recording(job):
+                    loading.append(job)
+                    continue
                 try:
                     self.scheduler.admit(job.ready.prepared.schedule, self.editor.device)
                     if job.recording is not None:
@@ -362,6 +366,31 @@ class Worker:
                 self.running.append(job)
         finally:
             self.waiting.extendleft(reversed(loading))  # first in line again, in their order
+
+    def _waits_for_recording(self, job: Job) -> bool:
+        """Whether the edit waits for its template to be recorded again, as a job of the batch: the store lost
+        it (`MaskAwareEditor.lost`: evicted without a disk tier). `acquire` would record it inline, holding
+        every running request for a whole generation. The first edit to find it lost starts the recording,
+        at the head of the queue with the edit's deadline; a recording that failed leaves the edit to
+        `acquire`, which records inline or says why it cannot."""
+        template_id = job.request.template_id
+        recording = self._recording_again.get(template_id)
+        if recording is not None:
+            if not recording.future.done():
+                return True
+            del self._recording_again[template_id]
+            return False
+        if self.config.mode == "static" or not self.editor.lost(job.template):
+            return False
+        recording = self.new_job(None, self.editor.to_record_again(job.template), deadline=job.deadline)
+        recording.ready = self._inline(lambda: self._prepare(recording), recording)
+        if recording.ready is None:
+            return False
+        self._recording_again[template_id] = recording
+        self.waiting.appendleft(recording)
+        logger.info("template %s is in no cache tier any more: recorded again beside the batch, for edit %d",
+                    template_id, job.id)
+        return True
 
     def next_waiting(self) -> Job:
         """Take the waiting job to admit next: the least slack (deadline - now - `predict_s`) among

@@ -340,3 +340,41 @@ def test_a_one_off_edit_and_a_registration_sharing_a_cache_for_one_both_answer(f
     assert edited.unrecorded in (None, "held")  # it would fit the cache alone
     assert worker.metrics.unrecorded + worker.metrics.recording_retries >= 1  # someone did not fit
     assert editor.is_recorded(registration.recording.template_id) or worker.metrics.recording_retries == 0
+
+
+def test_a_template_the_store_lost_is_recorded_again_beside_the_running_batch():
+    """With no disk tier, a template evicted from host memory is recorded again for its next edit. That
+    recording joins the batch as a registration does: the running edit keeps stepping beside it (recorded
+    inline, it would wait through a whole generation), and the edit that found it lost waits for it,
+    then reads it mask-aware and gets what it gets with the template never lost."""
+    from retouch.cache import CacheStore, StoreConfig
+
+    reference = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    colours = [(200, 90, 30), (30, 90, 200), (90, 200, 30)]
+    ids = [reference.register_template(template_image(c), prompt="a room", steps=STEPS, seed=i)
+           for i, c in enumerate(colours)]
+    size = reference.cache.nbytes(ids[0])
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=CacheStore(StoreConfig(host_bytes=2 * size + 4096)))
+    for i, colour in enumerate(colours):  # the third evicts the first
+        assert editor.register_template(template_image(colour), prompt="a room", steps=STEPS, seed=i) == ids[i]
+    assert editor.lost(editor.templates[ids[0]]) and not editor.lost(editor.templates[ids[2]])
+
+    running = EditRequest(ids[2], square_mask(), "a red hat", seed=5)
+    lost = Worker.new_job(EditRequest(ids[0], square_mask((32, 32, 79, 63)), "a blue door", seed=6))
+    beside = []  # per loop step: whether a recording ran beside the running edit
+
+    def inject(worker, step):
+        beside.append(any(job.request is None for job in worker.running)
+                      and any(job.request == running for job in worker.running))
+        if step == 1:
+            worker.inbox.put(("edit", lost))
+
+    worker, (first,) = run(editor, EngineConfig(mode="naive"), [running], inject)
+    assert any(beside), "the recording did not run beside the edit"
+    assert editor.recomputes == 1 and worker.metrics.recorded == 1 and worker.metrics.completed == 2
+    assert lost.metrics.computed_tokens < lost.metrics.tokens  # mask-aware once recorded
+    expected = [reference.edit_many([request], output_type="latent")[0] for request in (lost.request, running)]
+    # The recording was made beside another request, so it carries that batch's reordering, up to 4x the
+    # bound at the activations (the registration test above), which the edit reads.
+    assert max_diff(final_latents(lost), expected[0]) <= 4 * batch_bound(expected[0])
+    assert max_diff(final_latents(first), expected[1]) <= batch_bound(expected[1])

@@ -707,11 +707,24 @@ class MaskAwareEditor:
             handle.release(fence)
 
     def _recompute(self, template: Template) -> None:
-        template = replace(template, recorded_mode=self.mode_name)
+        template = self.to_record_again(template)
         self._record(template)
         if template.template_id in self.templates:
             self.templates[template.template_id] = template
+
+    def lost(self, template: Template) -> bool:
+        """Whether `acquire` would record the template again: the store holds it in no tier any more
+        (evicted without a disk tier), or its recording lacks what the current cache mode reads. A
+        one-off image is not said lost: its recording is its first edit's, which only an edit remakes."""
+        if not isinstance(self.cache, CacheStore) or template.one_off:
+            return False
+        template = self.templates.get(template.template_id, template)
+        return not self._covers(template) or not self.cache.contains(template.template_id)
+
+    def to_record_again(self, template: Template) -> Template:
+        """The template as it is recorded again (`lost`), in the current cache mode; counted in `recomputes`."""
         self.recomputes += 1
+        return replace(self.templates.get(template.template_id, template), recorded_mode=self.mode_name)
 
     def _covers(self, template: Template) -> bool:
         """Whether the template's recording holds what an edit in the current mode reads."""
