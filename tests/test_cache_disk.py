@@ -132,6 +132,27 @@ def test_disk_tier_keeps_its_budget_and_evicts_least_recently_used(tmp_path):
     assert again.used <= again.budget and again.contains("d")
 
 
+def test_a_file_evicted_while_it_is_written_does_not_stay_on_disk(tmp_path, monkeypatch):
+    """Files are written outside the tier's lock: another write can evict one still being written. Its
+    file then lands after the eviction's unlink, and must not stay on disk uncounted, over the budget."""
+    import retouch.cache.disk as disk
+
+    layout = StepLayout.for_tensors({(0, "out"): (64, 64)}, torch.float32, 64)
+    steps = random_steps(layout, 1, seed=3)
+    tier = DiskTier(tmp_path, budget=(layout.nbytes + 1024) * 3 // 2)  # one file at a time
+    real = disk.write_template
+
+    def write_while_another_evicts(path, header, data):
+        if path.name.startswith("a"):
+            assert tier.write("b", layout, steps)  # evicts "a", reserved but not written yet
+        real(path, header, data)
+
+    monkeypatch.setattr(disk, "write_template", write_while_another_evicts)
+    assert tier.write("a", layout, steps)  # written, then gone as an evicted file goes
+    assert not tier.contains("a") and tier.contains("b") and not tier.path("a").exists()
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) == tier.used <= tier.budget
+
+
 def test_copies_the_host_also_holds_are_evicted_first(tmp_path):
     """With write-through every recording is on disk too; a new file pushes out a copy whose template is
     in host memory before the only copy of another."""

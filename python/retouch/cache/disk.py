@@ -173,7 +173,8 @@ class DiskTier:
 
     def write(self, template_id: str, layout: StepLayout, steps: Sequence[np.ndarray], meta: dict | None = None) -> bool:
         """Keep the template on disk, evicting least recently used files to stay in budget; False (and
-        nothing written) when it alone exceeds the budget."""
+        nothing written) when it alone exceeds the budget. Another write may evict it as soon as it is
+        reserved, even while it is written, as it may evict any file."""
         header = template_header(template_id, layout, steps, meta)
         size = file_size(header, layout, len(steps))
         if size > self.budget:
@@ -188,6 +189,14 @@ class DiskTier:
         except OSError:
             self.remove(template_id)
             raise
+        with self._lock:
+            if template_id not in self._files:
+                # Evicted while written: the file came after the eviction's unlink, so it is deleted here, or
+                # it would stay on disk uncounted, over the budget.
+                try:
+                    self.path(template_id).unlink(missing_ok=True)
+                except OSError:
+                    pass
         return True
 
     def read(self, template_id: str, allocate) -> tuple[StepLayout, list[np.ndarray], dict]:
