@@ -526,8 +526,9 @@ def run_worker(opts: WorkerOptions) -> None:
     health = HealthServer(opts.health_host, opts.health_port).start() if opts.health_port else None
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    config = EngineConfig(mode=opts.mode, max_batch=opts.max_batch, helpers=opts.helpers,
-                          helper_threads=opts.helper_threads, helper_silence_s=opts.helper_silence_s,
+    config = EngineConfig(mode=opts.mode, max_batch=opts.max_batch, edit_slots=opts.edit_slots,
+                          helpers=opts.helpers, helper_threads=opts.helper_threads,
+                          helper_silence_s=opts.helper_silence_s,
                           run_dir=None if opts.run_dir is None else str(opts.run_dir),
                           lora_dir=None if opts.lora_dir is None else str(opts.lora_dir),
                           lora_cache_mb=opts.lora_cache_mb, lora_device_mb=opts.lora_device_mb,

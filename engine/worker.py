@@ -71,6 +71,9 @@ logger = logging.getLogger("retouch.worker")
 class EngineConfig:
     mode: str = "disagg"
     max_batch: int = 8  # requests per step (a guided request is two denoiser rows)
+    # Batch slots registrations leave to edits: a burst of registrations would otherwise fill the batch, and
+    # an edit arriving after it wait a whole generation for a slot. None: a quarter of max_batch.
+    edit_slots: int | None = None
     helpers: int = 1  # pre/post-processing processes of the disaggregated mode
     helper_threads: int = 0  # torch CPU threads of each helper (0: torch's default); 1 keeps them off the loop's cores
     run_dir: str | None = None  # where the helpers' socket folder goes (default: the system's temporary folder)
@@ -90,6 +93,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+        if self.edit_slots is not None and not (isinstance(self.edit_slots, int)
+                                                and 0 <= self.edit_slots < self.max_batch):
+            raise ValueError(f"edit_slots must be a whole number from 0 to max_batch - 1 ({self.max_batch - 1}), "
+                             f"got {self.edit_slots!r}")
         if not (math.isfinite(self.helper_silence_s) and self.helper_silence_s > 0):
             raise ValueError(f"helper_silence_s must be a finite number > 0, got {self.helper_silence_s}")
         for name in ("lora_cache_mb", "lora_device_mb"):
@@ -320,6 +327,10 @@ class Worker:
         try:
             while self.waiting and len(self.running) < self.config.max_batch:
                 job = self.next_waiting()
+                if self._is_registration(job) and sum(map(self._is_registration, self.running)) >= \
+                        self.registration_slots:
+                    loading.append(job)  # the rest of the batch is the edits'
+                    continue
                 still_loading = job.template_load is not None and not job.template_load.done()
                 if still_loading and (self.running or self.waiting):
                     loading.append(job)
@@ -391,6 +402,19 @@ class Worker:
         logger.info("template %s is in no cache tier any more: recorded again beside the batch, for edit %d",
                     template_id, job.id)
         return True
+
+    @property
+    def registration_slots(self) -> int:
+        """The batch slots registrations may take (`EngineConfig.edit_slots`); all of them in static mode,
+        where no edit joins a running batch."""
+        config = self.config
+        if config.mode == "static":
+            return config.max_batch
+        return config.max_batch - (config.max_batch // 4 if config.edit_slots is None else config.edit_slots)
+
+    def _is_registration(self, job: Job) -> bool:
+        """A recording no edit waits for (an edit that found its template lost waits for its own)."""
+        return job.request is None and self._recording_again.get(job.recording.template_id) is not job
 
     def next_waiting(self) -> Job:
         """Take the waiting job to admit next: the least slack (deadline - now - `predict_s`) among

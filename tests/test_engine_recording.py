@@ -378,3 +378,34 @@ def test_a_template_the_store_lost_is_recorded_again_beside_the_running_batch():
     # bound at the activations (the registration test above), which the edit reads.
     assert max_diff(final_latents(lost), expected[0]) <= 4 * batch_bound(expected[0])
     assert max_diff(final_latents(first), expected[1]) <= batch_bound(expected[1])
+
+
+def test_registrations_leave_edits_their_slots_and_an_edit_joins_at_the_next_step():
+    """A burst of registrations fills the batch only up to `max_batch - edit_slots`: an edit arriving
+    behind it joins at the next step instead of waiting a generation for a slot, and the registrations
+    all complete, the same as recorded alone."""
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=3)
+    templates = [editor.new_template(template_image((40 * i, 90, 30)), prompt="a room", steps=STEPS, seed=i)
+                 for i in range(5)]
+    registrations = [Worker.new_job(None, recording=t) for t in templates]
+    for job in registrations:
+        job.ready = prepare_recording(editor, job.recording)
+    late = Worker.new_job(EditRequest(template_id, square_mask(), "a red hat", seed=5))
+    registering = []  # per step: registrations in the batch
+
+    def inject(worker, step):
+        registering.append(sum(job.request is None for job in worker.running))
+        if step == 1:
+            worker.inbox.put(("edit", late))
+            late.metrics.admitted_step = None
+
+    config = EngineConfig(mode="naive", max_batch=4, edit_slots=1)
+    worker = run_loop(editor, config, registrations, inject)
+    assert worker.registration_slots == 3 and max(registering) == 3
+    assert late.metrics.admitted_step == 1  # the step it arrived before, not after the first registrations
+    assert [job.future.result() for job in registrations] == [t.template_id for t in templates]
+    assert late.future.result().image is not None and worker.metrics.recorded == 5
+    default = Worker(editor, EngineConfig(mode="naive", max_batch=8))
+    assert default.registration_slots == 6  # a quarter of the batch is the edits' by default
+    default.loras.close()

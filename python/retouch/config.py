@@ -194,6 +194,12 @@ def _check_cache_options(options) -> None:
         check_writable_folder(options.cache_disk_dir)
 
 
+def _check_edit_slots(options) -> None:
+    if options.edit_slots is not None and not 0 <= options.edit_slots < options.max_batch:
+        raise InputError(f"--edit-slots must be from 0 to --max-batch - 1 ({options.max_batch - 1}): registrations "
+                         f"need a slot; got {options.edit_slots}")
+
+
 def _require(options, names: tuple[str, ...], bound: str) -> None:
     """Each option in `names` must satisfy `bound` ("> 0", ">= 1" or ">= 0"), else an error naming its flag."""
     for name in names:
@@ -311,6 +317,9 @@ class ServeOptions:
     scheduler: str | None = option(None, help=SCHEDULER_HELP)
     mode: str = option("disagg", help="batching mode of each worker", choices=("static", "naive", "disagg"))
     max_batch: int = option(8, help="requests per denoising step per worker")
+    edit_slots: int | None = option(None, help="batch slots registrations leave to edits, so that an edit "
+                                    "arriving while templates are being registered joins at the next step, not "
+                                    "after a generation (default: a quarter of --max-batch, rounded down)")
     helpers: int = option(1, help="pre/post-processing processes per worker (disagg mode)")
     worker_threads: int = option(0, help="torch CPU threads per worker (0: torch's default; several workers on the "
                                  "CPU: its cores shared among them)")
@@ -417,6 +426,7 @@ class ServeOptions:
         _require(self, ("drain_s",), ">= 0")
         _require(self, ("max_connections", "max_prompt_chars", "max_batch", "steps", "max_steps", "max_queue",
                         "max_pixels", "max_work", "max_templates_per_tenant"), ">= 1")
+        _check_edit_slots(self)
         _require(self, ("worker_threads", "helper_threads", "slo_ms_per_megapixel", "slo_ms_min",
                         "max_queue_per_tenant"), ">= 0")
         if self.cuda_graphs and self.device == "cpu":
@@ -484,6 +494,9 @@ class WorkerOptions:
     scheduler: str | None = option(None, help=SCHEDULER_HELP)
     mode: str = option("disagg", help="batching mode", choices=("static", "naive", "disagg"))
     max_batch: int = option(8, help="requests per denoising step")
+    edit_slots: int | None = option(None, help="batch slots registrations leave to edits, so that an edit "
+                                    "arriving while templates are being registered joins at the next step, not "
+                                    "after a generation (default: a quarter of --max-batch, rounded down)")
     helpers: int = option(1, help="pre/post-processing processes (disagg mode)")
     helper_threads: int = option(0, help="torch CPU threads per helper process (0: torch's default)")
     helper_silence_s: float = option(30.0, help="a helper process silent this long (stopped, frozen) is killed and "
@@ -516,6 +529,7 @@ class WorkerOptions:
             raise InputError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _require(self, ("max_batch",), ">= 1")
         _require(self, ("threads", "helper_threads"), ">= 0")
+        _check_edit_slots(self)
         _require(self, ("helper_silence_s",), "> 0")
         if self.helpers < 1 and self.mode == "disagg":
             raise InputError("--helpers must be >= 1 in disagg mode")

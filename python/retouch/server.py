@@ -183,6 +183,7 @@ class Server:
         node_args = ["--model", opts.model, "--device", device, "--dtype", str(dtype).removeprefix("torch."),
                      "--mode", opts.mode,
                      "--max-batch", str(opts.max_batch), "--helpers", str(opts.helpers),
+                     *(["--edit-slots", str(opts.edit_slots)] if opts.edit_slots is not None else []),
                      "--helper-threads", str(helper_threads), "--helper-silence-s", repr(opts.helper_silence_s),
                      "--threads", str(worker_threads), "--log-level", opts.log_level]
         node_args += ["--compile"] * opts.compile + ["--cuda-graphs"] * opts.cuda_graphs
