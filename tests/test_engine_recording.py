@@ -398,7 +398,6 @@ def test_registrations_leave_edits_their_slots_and_an_edit_joins_at_the_next_ste
         registering.append(sum(job.request is None for job in worker.running))
         if step == 1:
             worker.inbox.put(("edit", late))
-            late.metrics.admitted_step = None
 
     config = EngineConfig(mode="naive", max_batch=4, edit_slots=1)
     worker = run_loop(editor, config, registrations, inject)
