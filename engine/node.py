@@ -382,9 +382,11 @@ class Node:
             queued = [self.requests[f] for f in queued if f in self.requests]
             held = list(self.futures)  # every edit accepted and not yet answered, wherever it is
             recording = list(self.registrations)  # every template it records and has not yet reported
+        cache = self.engine.editor.cache
         return {"kind": "heartbeat", "running": running, "queued": queued, "held": held, "recording": recording,
                 "seen": self._seen, "metrics": self.metrics(),
                 "loras": self.engine.worker.loras.resident(), "lora_digests": self.engine.worker.loras.digests(),
+                "cached": cache.in_host() if isinstance(cache, CacheStore) else [],
                 "draining": self.draining}
 
     def metrics(self) -> dict:

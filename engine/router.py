@@ -17,6 +17,10 @@ that hold its adapters (their heartbeat's `loras`, or an edit sent there naming 
 one has a free batch slot and at most `RouterConfig.lora_affinity` requests more in flight than the least
 loaded (`policies.prefer_holders`): with thousands of long-tailed adapters, spreading one adapter's
 requests over every worker would read its file, and evict another adapter for it, once per worker.
+Likewise, among the workers ready for an edit's template, those that hold its recording in host memory
+(their heartbeat's `cached`, or an edit of it sent there) are preferred within
+`RouterConfig.template_affinity`: a template recorded on every worker is not in every worker's host cache,
+and an edit elsewhere reads it from disk or, evicted from every tier, records it again (a generation).
 Requests can be cancelled (the client went away): the worker drops them at its next step.
 
 Failure handling: a worker that stops heartbeating for `dead_after_s`, or whose process the
@@ -267,6 +271,7 @@ class WorkerState:
     assigned: set[int] = field(default_factory=set)
     report: dict = field(default_factory=dict)  # its last heartbeat's metrics
     loras: frozenset[str] = frozenset()  # the LoRAs its last heartbeat held (`LoraManager.resident`)
+    cached: frozenset[str] = frozenset()  # the templates its last heartbeat held in host memory (`CacheStore.in_host`)
     lora_digests: dict[str, str] = field(default_factory=dict)  # of their files (`LoraManager.digests`)
     info: dict = field(default_factory=dict)  # from its hello: model, dtype, weights (digest), supervised, lora
     # assigned edits (by request id) and templates it records (by template id) its heartbeats lack, since when
@@ -302,6 +307,9 @@ class RouterConfig:
     # least loaded eligible worker; None: the policy alone decides. 0 cut reads without costing latency in
     # `retouch simulate --loras`; 1 cuts more reads, but adds to p95 when loads are mostly hidden.
     lora_affinity: int | None = 0
+    # The same for an edit's template: a worker holding its recording in host memory (no disk read, no
+    # recording again) is preferred within this bound. None: the policy alone decides.
+    template_affinity: int | None = 0
     # With no worker connected for this long, parked edits are answered 503 and new ones refused at once: a
     # cluster without workers should not hold clients for minutes. inf: wait for one (a single worker whose
     # restart reloads a large model may take longer than the default).
@@ -340,8 +348,9 @@ class RouterConfig:
         for name in ("max_one_off_bytes", "max_template_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.lora_affinity is not None and self.lora_affinity < 0:
-            raise ValueError(f"lora_affinity must be >= 0 or None, got {self.lora_affinity}")
+        for name in ("lora_affinity", "template_affinity"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {getattr(self, name)}")
         if self.slo_admission not in SLO_ADMISSION:
             raise ValueError(f"slo_admission must be one of {', '.join(SLO_ADMISSION)}, got {self.slo_admission!r}")
 
@@ -405,7 +414,7 @@ class Router:
         self._lora_workers_since = time.monotonic()  # when a worker that serves LoRAs was last connected
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
                          "one_offs_evicted": 0, "one_offs_recorded_beside": 0, "one_offs_too_large": 0,
-                         "lora_affinity": 0,
+                         "lora_affinity": 0, "template_affinity": 0,
                          "registry_failures": 0, "workers_mismatched": 0, "lost_requests": 0, "lost_recordings": 0,
                          "lora_mismatches": 0, "worker_names_taken": 0, "stale_edits_dropped": 0}
         self._lora_mismatches: set[tuple[str, str, str]] = set()  # (name, digest, digest) said once
@@ -907,6 +916,8 @@ class Router:
                 # image (the router keeps every template's), recording nothing
                 eligible, carries_image, records = serving, True, False
             eligible = self._lora_holders(pending.task.lora, eligible & serving)
+        if not carries_image:
+            eligible = self._template_holders(record.template_id, eligible)
         load = pending.task.load
         if carries_image:
             load = replace(load, masked_tokens=load.image_tokens)
@@ -996,6 +1007,19 @@ class Router:
         preferred = prefer_holders(eligible, holds, self.cluster, self.config.lora_affinity)
         if not np.array_equal(preferred, eligible):  # affinity narrowed the choice
             self.counters["lora_affinity"] += 1
+        return preferred
+
+    def _template_holders(self, template_id: str, eligible: np.ndarray) -> np.ndarray:
+        """`policies.prefer_holders` for an edit's template: a worker holds what its last heartbeat reported in
+        host memory and the templates of the edits sent there and not yet answered (they bring it there)."""
+        holds = np.zeros_like(eligible)
+        for worker in self.workers.values():
+            holds[worker.slot] = template_id in worker.cached or any(
+                self.pending[request_id].task.template_id == template_id
+                for request_id in worker.assigned if request_id in self.pending)
+        preferred = prefer_holders(eligible, holds, self.cluster, self.config.template_affinity)
+        if not np.array_equal(preferred, eligible):
+            self.counters["template_affinity"] += 1
         return preferred
 
     def _slots(self, names) -> np.ndarray:
@@ -1381,6 +1405,7 @@ class Router:
                 self.pending[request_id].steps_left = int(steps_left)
         worker.report = dict(header.get("metrics", {}))
         worker.loras = frozenset(header.get("loras", ()))
+        worker.cached = frozenset(header.get("cached", ()))
         if "lora_digests" in header:
             digests = {str(name): str(digest) for name, digest in dict(header["lora_digests"]).items()}
             read = {name: digest for name, digest in digests.items() if worker.lora_digests.get(name) != digest}

@@ -82,11 +82,12 @@ class ScriptedWorker:
         self.fail(cancel["request"], 409, "Cancelled", "cancelled")
         return cancel
 
-    def heartbeat(self, metrics: dict, running: list = (), queued: list = (), loras: list = ()) -> None:
-        """A heartbeat carrying `metrics` (the worker's summary, with "cache": CacheStore.metrics()) and the
-        LoRAs it holds (`LoraManager.resident`)."""
+    def heartbeat(self, metrics: dict, running: list = (), queued: list = (), loras: list = (),
+                  cached: list = ()) -> None:
+        """A heartbeat carrying `metrics` (the worker's summary, with "cache": CacheStore.metrics()), the
+        LoRAs it holds (`LoraManager.resident`) and the templates in its host memory (`CacheStore.in_host`)."""
         self.send({"kind": "heartbeat", "running": list(running), "queued": list(queued), "metrics": metrics,
-                   "loras": list(loras)})
+                   "loras": list(loras), "cached": list(cached)})
         self.sync()
 
 

@@ -117,6 +117,21 @@ def test_least_recently_used_template_is_evicted_first():
     assert store.arena.used <= store.arena.capacity
 
 
+def test_in_host_lists_the_templates_in_host_memory_most_recently_used_first():
+    """What a worker's heartbeat tells the router (template affinity): committed templates only, the most
+    recently used first, at most `most`; an evicted one is gone from it."""
+    store = make_store(templates_in_host=2)
+    record(store, "a")
+    record(store, "b")
+    store.begin("c")  # being recorded: not readable yet
+    assert store.in_host() == ["b", "a"]
+    store.acquire("a").release()
+    assert store.in_host() == ["a", "b"] and store.in_host(most=1) == ["a"]
+    store.abandon("c")
+    record(store, "d")  # evicts b, the least recently used
+    assert store.in_host() == ["d", "a"]
+
+
 def test_templates_in_use_are_not_evicted_and_a_full_budget_says_so():
     store = make_store(templates_in_host=2)
     record(store, "a")

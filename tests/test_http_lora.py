@@ -320,7 +320,8 @@ def test_lora_options_are_validated_naming_their_flag(tmp_path):
         for bad, flag in (({"lora_dir": missing}, "--lora-dir"), ({"lora_cache_mb": 0.0}, "--lora-cache-mb"),
                           ({"lora_latest_step": 1.5}, "--lora-latest-step"),
                           ({"lora_latest_step": -0.1}, "--lora-latest-step")) + (
-                          (({"lora_affinity": -2}, "--lora-affinity"),) if options is ServeOptions else ()):
+                          (({"lora_affinity": -2}, "--lora-affinity"),
+                           ({"template_affinity": -2}, "--template-affinity")) if options is ServeOptions else ()):
             with pytest.raises(InputError, match=flag):
                 options(**fields, **bad)
     edit = {"model": "m", "image": tmp_path / "i.png", "mask": tmp_path / "m.png", "prompt": "a hat"}
@@ -348,6 +349,9 @@ def test_the_serve_flags_reach_the_options(tmp_path):
     for flags, affinity in (([], 0), (["--lora-affinity", "2"], 2), (["--lora-affinity", "-1"], None)):
         args = build_parser().parse_args(["serve", "--model", "m", *flags])
         assert router_config(from_arguments(ServeOptions, args)).lora_affinity == affinity
+        # template affinity: the same flag grammar
+        args = build_parser().parse_args(["serve", "--model", "m", *(f.replace("lora", "template") for f in flags)])
+        assert router_config(from_arguments(ServeOptions, args)).template_affinity == affinity
     # every router flag reaches its own field (a field added in the middle once shifted --max-queue)
     args = build_parser().parse_args(["serve", "--model", "m", "--max-queue", "7", "--transfer-timeout-s", "30",
                                       "--heartbeat-s", "0.25", "--dead-after-s", "3", "--policy", "round-robin"])

@@ -796,6 +796,29 @@ def test_lora_affinity_0_prefers_holders_among_the_least_loaded_and_none_leaves_
     assert router.snapshot()["counters"]["lora_affinity"] == (0 if bound is None else 1)  # the first edit only
 
 
+@pytest.mark.parametrize("bound, expected", [(None, ["w0", "w1", "w0", "w1"]), (0, ["w1", "w0", "w1", "w0"])])
+def test_an_edit_goes_where_its_template_is_in_host_memory_among_the_least_loaded(context, make_router, bound,
+                                                                                  expected):
+    """Every worker recorded t1 and t2, but only w1's host memory still holds t1: with bound 0 its edit goes
+    there; the next (w1 now one ahead) to the policy's choice, w0, which then holds it too (its edit brings it
+    there), so the third has nothing to narrow; t2, held nowhere, is the policy's alone."""
+    router = make_router(template_affinity=bound)
+    workers = [ScriptedWorker(context, router, f"w{i}") for i in range(2)]
+    for template_id in ("t1", "t2"):
+        router.register_template(template(template_id))
+        for worker in workers:
+            worker.register(template_id)
+    workers[1].heartbeat({}, cached=["t1"])
+    routed = [_edit_goes_to(task("t1"), router, workers) for _ in range(3)] + [_edit_goes_to(task("t2"), router,
+                                                                                             workers)]
+    assert routed == expected
+    assert router.snapshot()["counters"]["template_affinity"] == (0 if bound is None else 1)  # the first edit
+    workers[1].heartbeat({}, cached=[])  # evicted there since
+    assert not router.workers["w1"].cached
+    with pytest.raises(ValueError, match="template_affinity"):
+        RouterConfig(template_affinity=-1)
+
+
 def test_lora_affinity_needs_a_free_slot_and_ends_when_the_adapter_goes(context, make_router):
     router = make_router(lora_affinity=5)  # in flight never binds here: the free batch slot does
     w0, w1 = ScriptedWorker(context, router, "w0", max_batch=1), ScriptedWorker(context, router, "w1")

@@ -412,6 +412,10 @@ class ServeOptions:
     lora_affinity: int = option(0, help="an edit with a LoRA goes to a worker holding its adapters (no file read) "
                                 "while that worker has a free batch slot and at most this many requests in flight "
                                 "more than the least loaded one (-1: off, the policy alone decides)")
+    template_affinity: int = option(0, help="an edit goes to a worker holding its template's recording in host "
+                                    "memory (no disk read, no recording again) while that worker has a free batch "
+                                    "slot and at most this many requests in flight more than the least loaded one "
+                                    "(-1: off)")
 
     def __post_init__(self):
         if self.workers < 0:
@@ -467,8 +471,9 @@ class ServeOptions:
                              f"comma-separated; got {self.served_model_name!r}")
         _check_lora_options(self)
         _check_cache_options(self)
-        if self.lora_affinity < -1:
-            raise InputError(f"--lora-affinity must be >= -1 (-1: off), got {self.lora_affinity}")
+        for name in ("lora_affinity", "template_affinity"):
+            if getattr(self, name) < -1:
+                raise InputError(f"--{name.replace('_', '-')} must be >= -1 (-1: off), got {getattr(self, name)}")
 
     def model_names(self) -> tuple[str, ...]:
         """What a request's `model` may say (the first is what /v1/models lists first)."""
