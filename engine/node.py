@@ -382,11 +382,15 @@ class Node:
             queued = [self.requests[f] for f in queued if f in self.requests]
             held = list(self.futures)  # every edit accepted and not yet answered, wherever it is
             recording = list(self.registrations)  # every template it records and has not yet reported
+            router_ids: dict[str, list[str]] = {}  # the editor names templates its own way
+            for router_template, template_id in self.templates.items():
+                router_ids.setdefault(template_id, []).append(router_template)
         cache = self.engine.editor.cache
+        in_host = cache.in_host() if isinstance(cache, CacheStore) else []
         return {"kind": "heartbeat", "running": running, "queued": queued, "held": held, "recording": recording,
                 "seen": self._seen, "metrics": self.metrics(),
                 "loras": self.engine.worker.loras.resident(), "lora_digests": self.engine.worker.loras.digests(),
-                "cached": cache.in_host() if isinstance(cache, CacheStore) else [],
+                "cached": [name for template_id in in_host for name in router_ids.get(template_id, ())],
                 "draining": self.draining}
 
     def metrics(self) -> dict:

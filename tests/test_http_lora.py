@@ -432,6 +432,30 @@ def test_a_worker_echoes_the_number_of_the_last_router_message_it_received():
         node.context.destroy(linger=0)
 
 
+def test_a_worker_heartbeat_names_the_templates_in_its_host_memory_by_the_routers_ids():
+    """The router's template affinity reads `cached`: the editor names templates its own way, so each is
+    said by every router id the worker serves it under; one not in host memory is not said."""
+    import torch
+
+    from retouch.cache import CacheStore, StoreConfig
+
+    engine = RecordingEngine()
+    engine.editor.cache = store = CacheStore(StoreConfig(host_bytes=1 << 20))
+    for template_id in ("e-1", "e-2"):
+        store.begin(template_id)
+        store.put(template_id, 0, 0, "out", torch.zeros(4, 8))
+        store.commit(template_id)
+    node = Node(engine, f"tcp://127.0.0.1:{free_port()}", "n0", supervised=False)
+    node.templates.update({"t1": "e-1", "t2": "e-2", "t3": "e-1", "t4": "e-3"})
+    try:
+        assert sorted(node._heartbeat()["cached"]) == ["t1", "t2", "t3"]
+        store.drop("e-1")
+        assert node._heartbeat()["cached"] == ["t2"]
+    finally:
+        node.context.destroy(linger=0)
+        store.close()
+
+
 def test_a_worker_sent_an_edit_again_cancels_its_older_copy_and_tags_each_answer_with_its_attempt():
     """Sent again by a router that presumed it dead, a worker ran both copies: twice the compute, and the
     older one's steps in the edit's stream."""
