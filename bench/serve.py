@@ -10,7 +10,10 @@ runs the same load a second time while N more templates register one after anoth
 the p95 of template edits with and without them (`registrations`). `--stock-model M` (with
 `--concurrency 1`) runs the stock diffusers pipeline (model M, in this process) on each of the first
 `--stock-samples` requests of each class right after the server answered it, and reports each
-class's median latency over the stock median for the same requests (`stock`).
+class's median latency over the stock median for the same requests (`stock`). `--templates N` registers
+N templates and spreads the template edits uniformly (seeded) over them: with more templates than the
+workers' host caches hold, `server` says from the server's /metrics what the edits cost it in recordings
+made again, host hits and disk reads (`retouch serve --template-affinity` decides how many).
 
 Registers a generated template (POST /v1/templates, polled until ready) unless `--template-id` names one,
 then sends `--requests` edits (POST /v1/edits, PNG answers), never more than `--concurrency` at once.
@@ -34,6 +37,7 @@ import asyncio
 import io
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -63,6 +67,7 @@ class EditSpec:
     mask: bytes  # PNG
     image: bytes | None = None  # PNG of a one-off image
     box: tuple[int, int, int, int] = (0, 0, 0, 0)
+    template: int = 0  # which of the `--templates` a template edit edits
 
 
 @dataclass(slots=True)
@@ -92,6 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rps", type=positive_float, default=None,
                         help="mean arrival rate (Poisson, seeded); default: closed loop at --concurrency")
     parser.add_argument("--template-id", default=None, help="edit this registered template (default: register one)")
+    parser.add_argument("--templates", type=int, default=1,
+                        help="register this many templates and spread the edits over them")
     parser.add_argument("--size", type=int, default=64, help="side in pixels of the generated template")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps of the generated template")
     parser.add_argument("--mask-dist", choices=tuple(MASK_BETA), default="public",
@@ -119,22 +126,26 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--one-off must lie in [0, 1], --registrations >= 0 and --stock-samples >= 1")
     if args.stock_model is not None and args.concurrency != 1:
         parser.error("--stock-model times the stock pipeline between requests: use --concurrency 1")
+    if args.templates < 1 or (args.templates > 1 and (args.template_id is not None or args.stock_model is not None)):
+        parser.error("--templates must be >= 1, and 1 with --template-id or --stock-model")
     try:
         import httpx  # noqa: F401
     except ImportError:
         sys.exit("retouch bench serve needs httpx: pip install 'httpx>=0.28'")
 
-    template, outcomes, wall_s, mask_ratios, with_registrations, stock = asyncio.run(_drive(args))
+    template, template_ids, outcomes, wall_s, mask_ratios, with_registrations, stock, server = asyncio.run(
+        _drive(args))
     # the client's machine: the server's device is the server's to report (/metrics)
     client = {key: value for key, value in environment("serve", argv, "cpu").items()
               if key in ("command", "versions", "retouch_commit")}
     report = {**summarize(outcomes, wall_s), "bench": "serve", **client, "url": args.url,
-              "template": template, "mean_mask_ratio": statistics.fmean(mask_ratios),
+              "template": template, "template_ids": template_ids, "server": server,
+              "mean_mask_ratio": statistics.fmean(mask_ratios),
               "classes": by_class(outcomes),
               "settings": {"requests": args.requests, "concurrency": args.concurrency, "rps": args.rps,
                            "mask_dist": args.mask_dist, "mask_beta": MASK_BETA[args.mask_dist],
                            "size": args.size, "steps": args.steps, "seed": args.seed, "timeout_s": args.timeout,
-                           "template_id": args.template_id, "one_off": args.one_off,
+                           "template_id": args.template_id, "templates": args.templates, "one_off": args.one_off,
                            "registrations": args.registrations, "stock_model": args.stock_model}}
     if with_registrations is not None:
         report["registrations"] = compare_registrations(outcomes, *with_registrations)
@@ -295,16 +306,18 @@ def edit_specs(args, template: dict, phase: int = 0) -> list[EditSpec]:
     0 draws other images, so that a second run's one-offs are first edits too)."""
     width, height = template.get("width") or args.size, template.get("height") or args.size
     boxes = mask_boxes(args.requests, width, height, MASK_BETA[args.mask_dist], args.seed)
-    rng = random.Random(args.seed + 7)
+    rng, which = random.Random(args.seed + 7), random.Random(args.seed + 11)
     specs = []
     for index, box in enumerate(boxes):
         one_off = rng.random() < args.one_off
         image = template_png(args.size, args.seed + 1 + index + phase * args.requests) if one_off else None
-        specs.append(EditSpec(index, "one_off" if one_off else "template", mask_png(box, width, height), image, box))
+        specs.append(EditSpec(index, "one_off" if one_off else "template", mask_png(box, width, height), image, box,
+                              which.randrange(args.templates)))
     return specs
 
 
-async def _drive(args) -> tuple[dict, list[Outcome], float, list[float], tuple | None, StockTimer | None]:
+async def _drive(args) -> tuple[dict, list[str], list[Outcome], float, list[float], tuple | None, StockTimer | None,
+                                dict | None]:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -313,6 +326,10 @@ async def _drive(args) -> tuple[dict, list[Outcome], float, list[float], tuple |
                                  timeout=httpx.Timeout(args.timeout)) as client:
         await _check_health(client, args.url)
         template = await _ready_template(client, args)
+        template_ids = [template["id"]]
+        for index in range(1, args.templates):  # the same size: every mask fits every template
+            image = template_png(args.size, args.seed + 20_000 + index)
+            template_ids.append((await _ready_template(client, args, image, args.seed + index))["id"])
         width, height = template.get("width") or args.size, template.get("height") or args.size
         # Encoded up front so that the client's own work does not sit inside the measured latencies.
         specs = edit_specs(args, template)
@@ -323,16 +340,42 @@ async def _drive(args) -> tuple[dict, list[Outcome], float, list[float], tuple |
               f"({width}x{height}), concurrency {args.concurrency}, "
               + (f"{args.rps} rps" if args.rps else "closed loop"), file=sys.stderr)
         stock = StockTimer(args, template) if args.stock_model is not None else None
-        outcomes, wall_s = await _send_all(client, args, template["id"], specs, offsets,
+        before = await _server_counters(client)
+        outcomes, wall_s = await _send_all(client, args, template_ids, specs, offsets,
                                            None if stock is None else stock.after, desc="serve: edits")
+        after = await _server_counters(client)
+        server = None if None in (before, after) else {name: after[name] - before[name] for name in after}
         with_registrations = None
         if args.registrations:
             print(f"serve: the same load again while {args.registrations} templates register", file=sys.stderr)
             registering = asyncio.create_task(_register_in_turn(client, args))
-            beside, _ = await _send_all(client, args, template["id"], edit_specs(args, template, phase=1), offsets,
+            beside, _ = await _send_all(client, args, template_ids, edit_specs(args, template, phase=1), offsets,
                                         desc="serve: edits while registering")
             with_registrations = (beside, await registering)
-    return template, outcomes, wall_s, ratios, with_registrations, stock
+    return template, template_ids, outcomes, wall_s, ratios, with_registrations, stock, server
+
+
+# What the edits cost the server, summed over its workers (`retouch_worker_*` on the head's /metrics), and
+# how often the router sent an edit where its template was in host memory.
+SERVER_COUNTERS = {"recordings": "retouch_worker_cache_registrations_total",
+                   "host_hits": "retouch_worker_cache_hits_total",
+                   "disk_hits": "retouch_worker_cache_disk_hits_total",
+                   "template_affinity": 'retouch_router_events_total{event="template_affinity"}'}
+
+
+async def _server_counters(client) -> dict[str, float] | None:
+    """SERVER_COUNTERS now, from /metrics; None where it does not answer them (another server, a stub)."""
+    response = await client.get("/metrics")
+    if response.status_code != 200:
+        return None
+    totals = {}
+    for name, series in SERVER_COUNTERS.items():
+        pattern = re.escape(series) if "{" in series else re.escape(series) + r"\{[^}]*\}"
+        values = re.findall(rf"^{pattern} (\S+)$", response.text, re.MULTILINE)
+        if not values:
+            return None
+        totals[name] = sum(float(value) for value in values)
+    return totals
 
 
 async def _register_in_turn(client, args) -> int:
@@ -365,12 +408,14 @@ async def _check_health(client, url: str) -> None:
         raise RetouchError(f"{url}/healthz answered {response.status_code}: {_error_message(response)}")
 
 
-async def _ready_template(client, args) -> dict:
-    """The template's JSON once its status is "ready": `--template-id`, or one registered now."""
-    if args.template_id is None:
-        response = await client.post("/v1/templates",
-                                     files={"image": ("template.png", template_png(args.size, args.seed), "image/png")},
-                                     data={"prompt": "a scene", "steps": str(args.steps), "seed": str(args.seed)})
+async def _ready_template(client, args, image: bytes | None = None, seed: int | None = None) -> dict:
+    """The template's JSON once its status is "ready": `--template-id`, or one registered now (`image`, `seed`:
+    another than the first)."""
+    if args.template_id is None or image is not None:
+        image = template_png(args.size, args.seed) if image is None else image
+        seed = args.seed if seed is None else seed
+        response = await client.post("/v1/templates", files={"image": ("template.png", image, "image/png")},
+                                     data={"prompt": "a scene", "steps": str(args.steps), "seed": str(seed)})
         if response.status_code not in (200, 201, 202):
             raise RetouchError(f"registering a template failed with {response.status_code}: "
                                f"{_error_message(response)}")
@@ -400,7 +445,7 @@ async def _get_template(client, template_id: str) -> dict:
     return response.json()
 
 
-async def _send_all(client, args, template_id: str, specs: list[EditSpec], offsets: list[float],
+async def _send_all(client, args, template_ids: list[str], specs: list[EditSpec], offsets: list[float],
                     after=None, desc: str = "serve: edits") -> tuple[list[Outcome], float]:
     """`after(spec, outcome)`, when given, runs once each answer is in and before its slot frees."""
     slots = asyncio.Semaphore(args.concurrency)
@@ -410,7 +455,8 @@ async def _send_all(client, args, template_id: str, specs: list[EditSpec], offse
     async def send(index: int) -> Outcome:
         try:
             sent = time.perf_counter() - start
-            outcome = await _edit(client, args, template_id, specs[index], offsets[index], sent)
+            spec = specs[index]
+            outcome = await _edit(client, args, template_ids[spec.template], spec, offsets[index], sent)
             if after is not None:
                 after(specs[index], outcome)
         finally:

@@ -30,8 +30,11 @@ class StubServer(ThreadingHTTPServer):
     # busy machine, and a connection reset before its request was read was counted lost by the client alone
     request_queue_size = 64
 
-    def __init__(self, drop_every=0, reject_every=0, hang_every=0, rendezvous=0, template_fails=False):
+    def __init__(self, drop_every=0, reject_every=0, hang_every=0, rendezvous=0, template_fails=False,
+                 metrics=False):
         super().__init__(("127.0.0.1", 0), StubHandler)
+        self.metrics = metrics  # serve /metrics: each edit of a template not edited before is a recording
+        self.edited_templates: list[str] = []
         self.drop_every, self.reject_every, self.template_fails = drop_every, reject_every, template_fails
         self.hang_every, self.release = hang_every, threading.Event()  # hung edits wait for release
         self.rendezvous = threading.Barrier(rendezvous, timeout=10) if rendezvous else None
@@ -57,6 +60,14 @@ class StubHandler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/healthz":
             return self.answer(200, {"status": "ok"})
+        if self.path == "/metrics":
+            if not self.server.metrics:
+                return self.answer(404, {"error": {"message": "no route", "type": "not_found", "param": None}})
+            with self.server.lock:
+                edits, recordings = len(self.server.edited_templates), len(set(self.server.edited_templates))
+            text = "".join(f'retouch_worker_cache_{name}_total{{worker="w{i}"}} {value / 2}\n' for i in (0, 1)
+                           for name, value in (("registrations", recordings), ("hits", edits), ("disk_hits", 0)))
+            return self.answer(200, text + f'retouch_router_events_total{{event="template_affinity"}} {edits}\n')
         template_id = self.path.removeprefix("/v1/templates/").split("?")[0]
         with self.server.lock:
             template = self.server.templates.get(template_id)
@@ -102,6 +113,8 @@ class StubHandler(BaseHTTPRequestHandler):
                     self.server.one_off_images.append(fields["image"])
             else:
                 template = self.server.templates[fields["template_id"].decode()]
+                with self.server.lock:
+                    self.server.edited_templates.append(fields["template_id"].decode())
             mask = Image.open(io.BytesIO(fields["mask"]))
             self.server.mask_sizes.add(mask.size)
             assert mask.mode == "L" and mask.size == (template["width"], template["height"])
@@ -140,8 +153,9 @@ class StubHandler(BaseHTTPRequestHandler):
                 for part in message.iter_parts()}
 
     def answer(self, status, payload, headers=None):
-        body, kind = (payload, "image/png") if isinstance(payload, bytes) else (json.dumps(payload).encode(),
-                                                                                 "application/json")
+        body, kind = ((payload, "image/png") if isinstance(payload, bytes)
+                      else (payload.encode(), "text/plain") if isinstance(payload, str)
+                      else (json.dumps(payload).encode(), "application/json"))
         self.send_response(status)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
@@ -284,6 +298,24 @@ def test_one_off_mix_registrations_and_the_stock_pipeline(stub):
     for kind in ("template", "one_off"):
         stock = report["stock"][kind]
         assert stock["requests"] == 2 and stock["ratio_p50"] == stock["served_p50_s"] / stock["stock_p50_s"]
+
+
+@pytest.mark.parametrize("stub", [{"metrics": True}], indirect=True)
+def test_edits_spread_over_several_templates_and_the_server_says_what_they_cost(stub):
+    report = serve.main(["--url", stub.url, "--requests", "30", "--concurrency", "4", "--templates", "3",
+                         "--size", "32", "--steps", "2"])
+    assert report["ok"] == 30 and len(report["template_ids"]) == 3 == len(set(report["template_ids"]))
+    assert set(stub.edited_templates) == set(report["template_ids"])  # every one edited, seeded draws
+    # The stub's counters: one recording per template first edited, a host hit and an affinity per edit.
+    assert report["server"] == {"recordings": 3, "host_hits": 30, "disk_hits": 0, "template_affinity": 30}
+    assert report["settings"]["templates"] == 3
+
+
+def test_a_server_without_metrics_leaves_them_out_and_templates_need_their_own_images(stub):
+    assert serve.main(["--url", stub.url, "--requests", "2", "--concurrency", "1"])["server"] is None
+    for flags in (["--templates", "0"], ["--templates", "2", "--template-id", "tpl-existing"]):
+        with pytest.raises(SystemExit):
+            serve.main(["--url", stub.url, *flags])
 
 
 def test_the_stock_pipeline_needs_concurrency_1(stub):
