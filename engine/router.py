@@ -233,13 +233,18 @@ class TemplateRecord:
             return "pending"  # its next edit records it
         return "recording"
 
-    def to_json(self, live: set[str]) -> dict:
+    def to_json(self, live: set[str], cached: set[str] = frozenset()) -> dict:
+        """`live`: the connected workers' names; `cached`: those whose host memory holds its recording (their
+        last heartbeat), where an edit of it costs no disk read and no recording again."""
         recording = [w for w, s in self.states.items() if s == "recording" and w in live]
         return {"id": self.template_id, "status": self.status, "width": self.size[0], "height": self.size[1],
                 "steps": self.steps, "seed": self.seed, "prompt": self.prompt, "guidance": self.guidance,
                 "created": int(self.created), "error": self.error, "one_off": self.one_off,
                 "progress": {"workers_ready": sum(1 for w, s in self.states.items() if s == "ready" and w in live),
                              "workers_recording": len(recording),
+                             # "ready" workers keep it on disk, or record it again for an edit, once their host
+                             # memory went to other templates: these hold it there now
+                             "workers_cached": len(cached & live),
                              # 0: it waits for a worker to join and record it (its edits get 503 after no_worker_s)
                              "workers_connected": len(live),
                              # Once one replica is ready the template is, whatever the others are at.
@@ -658,7 +663,7 @@ class Router:
                 record = self.templates.get(key)
                 if record is None:
                     return None
-                on_event({"event": "template", **record.to_json(set(self.workers))})
+                on_event({"event": "template", **self._template_json(record)})
             self._watchers.setdefault((kind, key), []).append(on_event)
 
         def stop() -> None:
@@ -680,7 +685,7 @@ class Router:
 
     def _template_changed(self, record: TemplateRecord) -> None:
         if ("template", record.template_id) in self._watchers:
-            self._tell("template", record.template_id, {"event": "template", **record.to_json(set(self.workers))})
+            self._tell("template", record.template_id, {"event": "template", **self._template_json(record)})
 
     def denoiser_calls(self, steps: int, worker: str | None = None, strength: float = 1.0) -> int:
         """How many denoiser calls, the units of an edit's progress, an edit of `steps` steps at `strength`
@@ -754,14 +759,14 @@ class Router:
         """The template as JSON; None if unknown or (`owner` given) another tenant's."""
         with self._lock:
             record = self._owned(template_id, owner)
-            return None if record is None else record.to_json(set(self.workers))
+            return None if record is None else self._template_json(record)
 
     def list_templates(self, owner: str | None = None) -> list[dict]:
         """Every template, or (`owner` given) that tenant's, newest first."""
         with self._lock:
             records = sorted((record for record in self.templates.values() if owner is None or record.owner == owner),
                              key=lambda record: (-record.created, record.template_id))
-            return [record.to_json(set(self.workers)) for record in records]
+            return [self._template_json(record) for record in records]
 
     def drop_template(self, template_id: str, owner: str | None = None) -> bool:
         """Forget a template (False if unknown or, `owner` given, another tenant's). Its saved copy goes
@@ -1021,6 +1026,10 @@ class Router:
         if not np.array_equal(preferred, eligible):
             self.counters["template_affinity"] += 1
         return preferred
+
+    def _template_json(self, record: TemplateRecord) -> dict:
+        return record.to_json(set(self.workers), {name for name, worker in self.workers.items()
+                                                  if record.template_id in worker.cached})
 
     def _slots(self, names) -> np.ndarray:
         """The cluster mask of the live workers among `names`."""

@@ -809,12 +809,14 @@ def test_an_edit_goes_where_its_template_is_in_host_memory_among_the_least_loade
         for worker in workers:
             worker.register(template_id)
     workers[1].heartbeat({}, cached=["t1"])
+    assert [router.template(t)["progress"]["workers_cached"] for t in ("t1", "t2")] == [1, 0]
+    assert router.template("t1")["progress"]["workers_ready"] == 2
     routed = [_edit_goes_to(task("t1"), router, workers) for _ in range(3)] + [_edit_goes_to(task("t2"), router,
                                                                                              workers)]
     assert routed == expected
     assert router.snapshot()["counters"]["template_affinity"] == (0 if bound is None else 1)  # the first edit
     workers[1].heartbeat({}, cached=[])  # evicted there since
-    assert not router.workers["w1"].cached
+    assert not router.workers["w1"].cached and router.template("t1")["progress"]["workers_cached"] == 0
     with pytest.raises(ValueError, match="template_affinity"):
         RouterConfig(template_affinity=-1)
 
