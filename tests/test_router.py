@@ -662,8 +662,8 @@ def test_template_watchers_see_its_recording_to_the_end(context, make_router):
     assert w1.receive("register")["template"] == "t1"
     w1.send({"kind": "progress", "template": "t1", "step": 1})
     w1.sync()
-    assert router.template("t1")["progress"] == {"workers_ready": 1, "workers_recording": 1, "workers_connected": 2,
-                                                 "step": 3, "steps": 3}
+    assert router.template("t1")["progress"] == {"workers_ready": 1, "workers_recording": 1, "workers_cached": 0,
+                                                 "workers_connected": 2, "step": 3, "steps": 3}
     assert all(e["progress"]["step"] == 3 for e in seen if e["status"] == "ready")
     stop()
     assert router.watch("template", "unknown", seen.append) is None and not router._watchers
