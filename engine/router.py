@@ -204,7 +204,7 @@ class TemplateRecord:
     steps: int
     seed: int
     guidance: float | None
-    replicas: int  # 0: every worker
+    replicas: int  # 0: the router's `template_replicas`
     one_off: bool = False  # recorded by its first edit, never registered on its own
     edits_below_full: int = 0  # requests editing it below strength 1 (a one-off's second records it, `_route`)
     owner: str = ""  # the tenant (API key) that registered it: others neither see nor use it
@@ -315,6 +315,10 @@ class RouterConfig:
     # The same for an edit's template: a worker holding its recording in host memory (no disk read, no
     # recording again) is preferred within this bound. None: the policy alone decides.
     template_affinity: int | None = 0
+    # The workers a registered template is recorded on (0: every one). Each recording is a generation on
+    # that worker and takes room in its caches: with fewer, a registration costs less GPU time and the
+    # cluster's caches hold more distinct templates, while each template's edits go to its replicas only.
+    template_replicas: int = 0
     # With no worker connected for this long, parked edits are answered 503 and new ones refused at once: a
     # cluster without workers should not hold clients for minutes. inf: wait for one (a single worker whose
     # restart reloads a large model may take longer than the default).
@@ -356,6 +360,8 @@ class RouterConfig:
         for name in ("lora_affinity", "template_affinity"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 or None, got {getattr(self, name)}")
+        if self.template_replicas < 0:
+            raise ValueError(f"template_replicas must be >= 0, got {self.template_replicas}")
         if self.slo_admission not in SLO_ADMISSION:
             raise ValueError(f"slo_admission must be one of {', '.join(SLO_ADMISSION)}, got {self.slo_admission!r}")
 
@@ -1075,7 +1081,8 @@ class Router:
             return
         live = [w for w in self.workers.values() if not w.draining]  # none yet: the first hello records it
         holding = [w for w in live if record.states.get(w.name) in ("recording", "ready")]
-        wanted = len(live) if record.replicas == 0 else min(record.replicas, len(live))
+        replicas = record.replicas or self.config.template_replicas
+        wanted = len(live) if replicas == 0 else min(replicas, len(live))
         candidates = [w for w in live if w.name not in record.states]
         candidates.sort(key=lambda w: self.cluster.in_flight[w.slot])  # the least busy records it
         for worker in candidates[:max(0, wanted - len(holding))]:

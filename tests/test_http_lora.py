@@ -321,6 +321,7 @@ def test_lora_options_are_validated_naming_their_flag(tmp_path):
                           ({"lora_latest_step": 1.5}, "--lora-latest-step"),
                           ({"lora_latest_step": -0.1}, "--lora-latest-step")) + (
                           (({"lora_affinity": -2}, "--lora-affinity"),
+                           ({"template_replicas": -1}, "--template-replicas"),
                            ({"template_affinity": -2}, "--template-affinity")) if options is ServeOptions else ()):
             with pytest.raises(InputError, match=flag):
                 options(**fields, **bad)
@@ -352,6 +353,8 @@ def test_the_serve_flags_reach_the_options(tmp_path):
         # template affinity: the same flag grammar
         args = build_parser().parse_args(["serve", "--model", "m", *(f.replace("lora", "template") for f in flags)])
         assert router_config(from_arguments(ServeOptions, args)).template_affinity == affinity
+    args = build_parser().parse_args(["serve", "--model", "m", "--template-replicas", "2"])
+    assert router_config(from_arguments(ServeOptions, args)).template_replicas == 2
     # every router flag reaches its own field (a field added in the middle once shifted --max-queue)
     args = build_parser().parse_args(["serve", "--model", "m", "--max-queue", "7", "--transfer-timeout-s", "30",
                                       "--heartbeat-s", "0.25", "--dead-after-s", "3", "--policy", "round-robin"])

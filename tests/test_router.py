@@ -46,6 +46,26 @@ def test_templates_go_to_every_worker_and_edits_wait_for_a_ready_one(context, ma
     assert router.template("t1")["progress"]["workers_ready"] == 2
 
 
+def test_template_replicas_record_a_template_on_that_many_workers_and_replace_a_lost_one(context, make_router):
+    """`--template-replicas 1`: a registration is one generation on one worker, not one on each; its edits
+    go there; when that worker goes, another records it."""
+    router = make_router(template_replicas=1)
+    w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+    router.register_template(template())
+    for worker in (w0, w1):
+        worker.sync()
+    (holder,) = [w for w in (w0, w1) if "register" in w.pending_kinds()]
+    other = w1 if holder is w0 else w0
+    holder.register("t1")
+    assert router.template("t1")["progress"]["workers_ready"] == 1 and "register" not in other.pending_kinds()
+    assert _edit_goes_to(task(), router, [w0, w1]) == holder.name
+    router.worker_exited(holder.name)  # its process ended: what it held is recorded elsewhere
+    other.register("t1")
+    assert router.template("t1")["progress"]["workers_ready"] == 1
+    with pytest.raises(ValueError, match="template_replicas"):
+        RouterConfig(template_replicas=-1)
+
+
 def test_a_worker_that_joins_later_records_the_templates(context, make_router):
     router = make_router()
     router.register_template(template())

@@ -412,6 +412,9 @@ class ServeOptions:
     lora_affinity: int = option(0, help="an edit with a LoRA goes to a worker holding its adapters (no file read) "
                                 "while that worker has a free batch slot and at most this many requests in flight "
                                 "more than the least loaded one (-1: off, the policy alone decides)")
+    template_replicas: int = option(0, help="workers each registered template is recorded on (0: every worker); "
+                                    "fewer cost less GPU time per registration and leave the workers' caches room "
+                                    "for more templates, but send each template's edits to its replicas only")
     template_affinity: int = option(0, help="an edit goes to a worker holding its template's recording in host "
                                     "memory (no disk read, no recording again) while that worker has a free batch "
                                     "slot and at most this many requests in flight more than the least loaded one "
@@ -471,6 +474,7 @@ class ServeOptions:
                              f"comma-separated; got {self.served_model_name!r}")
         _check_lora_options(self)
         _check_cache_options(self)
+        _require(self, ("template_replicas",), ">= 0")
         for name in ("lora_affinity", "template_affinity"):
             if getattr(self, name) < -1:
                 raise InputError(f"--{name.replace('_', '-')} must be >= -1 (-1: off), got {getattr(self, name)}")

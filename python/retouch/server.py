@@ -68,6 +68,7 @@ def router_config(opts: ServeOptions) -> RouterConfig:
                         max_queue=opts.max_queue, slo_admission=opts.slo_admission,
                         lora_affinity=None if opts.lora_affinity < 0 else opts.lora_affinity,
                         template_affinity=None if opts.template_affinity < 0 else opts.template_affinity,
+                        template_replicas=opts.template_replicas,
                         no_worker_s=opts.no_worker_s, max_templates_per_tenant=opts.max_templates_per_tenant,
                         max_template_bytes=max(1, int(opts.max_templates_mb * 2**20)),
                         max_one_off_bytes=max(1, int(opts.max_one_off_mb * 2**20)),
