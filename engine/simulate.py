@@ -33,6 +33,12 @@ its latency (the part of the load its first steps do not hide; the worker's step
 request for an adapter still being read there waits for the rest of that read. Each
 policy then runs twice on the same arrivals: alone, and after the router's LoRA affinity
 (`policies.prefer_holders`, bound --lora-affinity); each reports its adapters' hit rate.
+
+Templates (--templates N): the same model for the templates requests edit, drawn from a Zipf law too
+(--template-zipf). A worker's host memory holds its --template-cache most recently edited ones; an edit
+routed to a worker without its template there waits --template-miss-s for it to be read back from the disk
+tier (every worker recorded every template: none is recorded again). Each policy runs alone and after the
+router's template affinity (bound --template-affinity); each reports the templates' host hit rate.
 """
 
 from __future__ import annotations
@@ -94,20 +100,21 @@ def make_workload(requests: int, rps: float, mask_dist: str, image_tokens: int, 
 
 
 @dataclass(frozen=True)
-class LoraWorkload:
-    """adapters: [N] the adapter each request names; cache: adapters a worker holds (least recently routed
-    first out); miss_s: seconds a request waits for a read of its adapter; affinity: the router's bound
-    (`RouterConfig.lora_affinity`), None for the policy alone."""
+class KeyedCache:
+    """What each request needs a worker to hold, LoRA adapters or templates in host memory. keys: [N] the
+    key each request names; cache: keys a worker holds (least recently routed first out); miss_s: seconds
+    a request waits for a read of its key; affinity: the router's bound (`RouterConfig.lora_affinity`,
+    `template_affinity`), None for the policy alone."""
 
-    adapters: np.ndarray
+    keys: np.ndarray
     cache: int
     miss_s: float
     affinity: int | None = None
 
 
-def zipf_adapters(requests: int, count: int, exponent: float, seed: int) -> np.ndarray:
-    """[requests] adapter indices, adapter k (0-based rank) drawn with probability proportional to 1/(k+1)^s.
-    Drawn from a generator of its own (seed + 1): the arrivals and masks of `seed` stay those without LoRA."""
+def zipf_keys(requests: int, count: int, exponent: float, seed: int) -> np.ndarray:
+    """[requests] key indices, key k (0-based rank) drawn with probability proportional to 1/(k+1)^s. Drawn
+    from a generator of its own (seed + 1): the arrivals and masks of `seed` stay those without keys."""
     weights = 1.0 / np.arange(1, count + 1) ** exponent
     return np.random.default_rng(seed + 1).choice(count, requests, p=weights / weights.sum())
 
@@ -135,15 +142,15 @@ class _Worker:
     phase_start: float = 0.0  # when the current batch started its first step
     event_steps: int = 0  # steps after phase_start at which the pending event fires
     version: int = 0  # invalidates superseded events
-    held: OrderedDict = field(default_factory=OrderedDict)  # LoRA adapter -> when its read completes; LRU order
+    held: OrderedDict = field(default_factory=OrderedDict)  # key -> when its read completes; LRU order
 
 
 class SimulatedCluster:
     """The simulated workers and their event queue, routing through `policy` and a ClusterLoad."""
 
     def __init__(self, policy: Policy, cost: StepCost, workload: Workload, workers: int, max_batch: int,
-                 loras: LoraWorkload | None = None):
-        self.policy, self.cost, self.workload, self.max_batch, self.loras = policy, cost, workload, max_batch, loras
+                 keyed: KeyedCache | None = None):
+        self.policy, self.cost, self.workload, self.max_batch, self.keyed = policy, cost, workload, max_batch, keyed
         self.cluster_load = ClusterLoad(cost)
         self.workers = [_Worker(self.cluster_load.add_worker(max_batch), features=np.zeros(cost.num_features))
                         for _ in range(workers)]
@@ -152,8 +159,8 @@ class SimulatedCluster:
                                   for x in loads])
         self.steps_left = [x.steps for x in loads]
         self.finished = np.full(len(loads), np.nan)
-        self.waited = np.zeros(len(loads))  # seconds each request waited for its adapter's read
-        self.lora_hits = 0
+        self.waited = np.zeros(len(loads))  # seconds each request waited for its key's read
+        self.hits = 0
         self.decision_s = 0.0
         self._events: list[tuple[float, int, int, int, int]] = []  # (time, seq, worker, version, steps)
         self._seq = 0
@@ -179,15 +186,15 @@ class SimulatedCluster:
         load = self.workload.loads[request]
         started = time.perf_counter()
         eligible = None
-        if self.loras is not None:
-            adapter = self.loras.adapters[request]
-            holds = np.array([adapter in worker.held for worker in self.workers])
-            eligible = prefer_holders(self.cluster_load.alive, holds, self.cluster_load, self.loras.affinity)
+        if self.keyed is not None:
+            key = self.keyed.keys[request]
+            holds = np.array([key in worker.held for worker in self.workers])
+            eligible = prefer_holders(self.cluster_load.alive, holds, self.cluster_load, self.keyed.affinity)
         slot = self.policy.choose(load, self.cluster_load, eligible)
         self.decision_s += time.perf_counter() - started
         self.cluster_load.assign(slot, request, load)
         worker = self.workers[slot]  # slots are 0..W-1 in creation order
-        if self.loras is not None:
+        if self.keyed is not None:
             self._hold(worker, request, now)
         worker.queue.append(request)
         if not worker.batch:
@@ -198,18 +205,18 @@ class SimulatedCluster:
                 self._schedule(worker, steps)
 
     def _hold(self, worker: _Worker, request: int, now: float) -> None:
-        """The worker holds the request's adapter from now (its read starts at submission): a hit (no read),
+        """The worker holds the request's key from now (its read starts at submission): a hit (no read),
         which still waits for a read in progress, or a miss, whose read delays the request by miss_s."""
-        adapter = self.loras.adapters[request]
-        ready = worker.held.get(adapter)
+        key = self.keyed.keys[request]
+        ready = worker.held.get(key)
         if ready is not None:
-            worker.held.move_to_end(adapter)
-            self.lora_hits += 1
+            worker.held.move_to_end(key)
+            self.hits += 1
             self.waited[request] = max(0.0, ready - now)
             return
-        self.waited[request] = self.loras.miss_s
-        worker.held[adapter] = now + self.loras.miss_s
-        while len(worker.held) > self.loras.cache:
+        self.waited[request] = self.keyed.miss_s
+        worker.held[key] = now + self.keyed.miss_s
+        while len(worker.held) > self.keyed.cache:
             worker.held.popitem(last=False)
 
     def _boundary(self, worker: _Worker, now: float, steps: int) -> None:
@@ -365,13 +372,24 @@ def main(argv: list[str] | None = None) -> dict:
                         help="seconds a request waits when its worker must read its adapter")
     parser.add_argument("--lora-affinity", type=int, default=0,
                         help="the router's bound: in-flight requests over the least loaded worker's")
+    parser.add_argument("--templates", type=int, default=0,
+                        help="templates requests edit (0: one, always in host memory)")
+    parser.add_argument("--template-zipf", type=float, default=1.0, help="Zipf exponent of template popularity")
+    parser.add_argument("--template-cache", type=int, default=2,
+                        help="templates a worker's host memory holds (flux-size at 1024 px: 2 in 96 GiB)")
+    parser.add_argument("--template-miss-s", type=float, default=6.0,
+                        help="seconds an edit waits when its worker reads its template back from disk (flux-size: "
+                             "37 GiB at ~6 GB/s)")
+    parser.add_argument("--template-affinity", type=int, default=0,
+                        help="the router's bound: in-flight requests over the least loaded worker's")
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
     unknown = [name for name in policies if name not in POLICIES]
     if unknown or not policies:
         parser.error(f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}")
-    for flag in ("rps", "slo_scale", "rate_step", "max_rate", "lora_zipf", "lora_miss_s"):
+    for flag in ("rps", "slo_scale", "rate_step", "max_rate", "lora_zipf", "lora_miss_s", "template_zipf",
+                 "template_miss_s"):
         if not math.isfinite(getattr(args, flag)):
             parser.error(f"--{flag.replace('_', '-')} must be a finite number")
     if min(args.workers, args.requests, args.steps, args.max_batch, args.guidance_copies) < 1 or args.rps <= 0:
@@ -388,6 +406,13 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.loras and args.find_load:
         parser.error("--loras compares routing with and without LoRA affinity at one load: not with --find-load")
+    if (args.templates < 0 or args.template_zipf < 0 or args.template_cache < 1 or args.template_miss_s < 0
+            or args.template_affinity < 0):
+        parser.error("--templates, --template-zipf, --template-miss-s and --template-affinity must be >= 0, "
+                     "--template-cache >= 1")
+    if args.templates and (args.loras or args.find_load):
+        parser.error("--templates compares routing with and without template affinity at one load: not with "
+                     "--loras or --find-load")
 
     model = CostModel.from_json(args.cost_model) if args.cost_model else h800_flux()
     image_tokens, text_tokens = _request_shape(model, args, parser)
@@ -402,18 +427,20 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     results, latencies = {}, {}
     runs = [(name, name, None) for name in policies]
-    if args.loras:
-        adapters = zipf_adapters(args.requests, args.loras, args.lora_zipf, args.seed)
-        runs = [(label, name, LoraWorkload(adapters, args.lora_cache, args.lora_miss_s, affinity))
-                for name in policies
-                for label, affinity in ((name, None), (f"{name}+lora-affinity", args.lora_affinity))]
-    for label, name, loras in runs:
+    kind = "lora" if args.loras else "template" if args.templates else None
+    if kind is not None:
+        count, zipf, cache, miss_s, affinity = (getattr(args, f"{kind}{suffix}") for suffix in (
+            "s", "_zipf", "_cache", "_miss_s", "_affinity"))
+        keys = zipf_keys(args.requests, count, zipf, args.seed)
+        runs = [(label, name, KeyedCache(keys, cache, miss_s, bound)) for name in policies
+                for label, bound in ((name, None), (f"{name}+{kind}-affinity", affinity))]
+    for label, name, keyed in runs:
         print(f"{label}: {args.requests} requests at {args.rps} rps on {args.workers} workers", file=sys.stderr)
-        cluster = SimulatedCluster(make_policy(name, cost), cost, workload, args.workers, args.max_batch, loras)
+        cluster = SimulatedCluster(make_policy(name, cost), cost, workload, args.workers, args.max_batch, keyed)
         latencies[label] = cluster.run(_progress_printer(label))
         results[label] = summarize(latencies[label], cluster.decision_s, workload)
-        if loras is not None:
-            results[label]["lora_hit_rate"] = cluster.lora_hits / args.requests
+        if keyed is not None:
+            results[label][f"{kind}_hit_rate"] = cluster.hits / args.requests
     alone = cost.latency(cost.request_features(image_tokens, round(_mean_ratio(args.mask_dist) * image_tokens),
                                                text_tokens))
     report = {"policies": results, "workers": args.workers, "rps": args.rps, "requests": args.requests,
@@ -423,6 +450,9 @@ def main(argv: list[str] | None = None) -> dict:
               "resolutions": args.resolutions, "slo_scale": args.slo_scale,
               "loras": {"adapters": args.loras, "zipf": args.lora_zipf, "cache": args.lora_cache,
                         "miss_s": args.lora_miss_s, "affinity": args.lora_affinity} if args.loras else None,
+              "templates": {"templates": args.templates, "zipf": args.template_zipf, "cache": args.template_cache,
+                            "miss_s": args.template_miss_s, "affinity": args.template_affinity}
+              if args.templates else None,
               "unloaded_p95_s": float(np.percentile(alone_seconds(cost, workload.loads), 95)),
               "mean_mask_ratio": float(np.mean([x.masked_tokens for x in workload.loads]) / image_tokens),
               "alone_at_mean_mask_s": float(alone) * args.steps, "wall_s": time.perf_counter() - started,
@@ -515,17 +545,21 @@ def _plot(report: dict, latencies: dict[str, np.ndarray], out: Path) -> None:
     for name, values in latencies.items():
         ordered = np.sort(values)
         summary = report["policies"][name]
-        hits = f", LoRA hits {summary['lora_hit_rate']:.0%}" if "lora_hit_rate" in summary else ""
+        hits = "".join(f", {what} hits {summary[key]:.0%}" for key, what in (
+            ("lora_hit_rate", "LoRA"), ("template_hit_rate", "host")) if key in summary)
         axis.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered),
                   label=f"{name} (p95 {summary['p95_s']:.2f} s{hits})")
     axis.set_xlabel("request latency (s)")
     axis.set_ylabel("fraction of requests")
-    loras = report.get("loras")
-    lora_title = (f"\n{loras['adapters']} LoRAs (Zipf {loras['zipf']:g}), {loras['cache']} held per worker, "
-                  f"a miss +{loras['miss_s']:g} s, affinity bound {loras['affinity']}" if loras else "")
-    axis.set_title(f"{report['workers']} workers, {report['rps']} rps, {report['mask_dist']} masks{lora_title}",
-                   fontsize=10 if loras else None)
-    axis.legend()
+    loras, templates = report.get("loras"), report.get("templates")
+    keyed_title = (f"\n{loras['adapters']} LoRAs (Zipf {loras['zipf']:g}), {loras['cache']} held per worker, "
+                   f"a miss +{loras['miss_s']:g} s, affinity bound {loras['affinity']}" if loras else
+                   f"\n{templates['templates']} templates (Zipf {templates['zipf']:g}), {templates['cache']} in "
+                   f"host memory per worker,\na read from disk +{templates['miss_s']:g} s, affinity bound "
+                   f"{templates['affinity']}" if templates else "")
+    axis.set_title(f"{report['workers']} workers, {report['rps']} rps, {report['mask_dist']} masks{keyed_title}",
+                   fontsize=10 if keyed_title else None)
+    axis.legend(loc="upper left", fontsize=8)  # the curves rise at the right
     figure.tight_layout()
     figure.savefig(out, dpi=120)
     plt.close(figure)

@@ -107,7 +107,9 @@ def test_main_with_a_fitted_cost_model_writes_json_and_png(tmp_path):
                                          (["--image-tokens", "-4"], "--image-tokens"),
                                          (["--text-tokens", "-1"], "--text-tokens"),
                                          (["--loras", "5", "--lora-cache", "0"], "--lora-cache"),
-                                         (["--loras", "5", "--find-load"], "--find-load")])
+                                         (["--loras", "5", "--find-load"], "--find-load"),
+                                         (["--templates", "5", "--template-cache", "0"], "--template-cache"),
+                                         (["--templates", "5", "--loras", "5"], "--loras")])
 def test_bad_options_are_refused_in_one_line(argv, named, capsys):
     with pytest.raises(SystemExit) as exited:
         simulate.main(argv)
@@ -196,14 +198,14 @@ def test_lora_affinity_holds_more_adapters_and_a_miss_costs_its_request_the_read
     holds one adapter misses exactly at every change of adapter, each miss adding miss_s to its request and a
     hit during that read what is left of it."""
     workload = simulate.make_workload(600, 8.0, "public", IMAGE_TOKENS, TEXT_TOKENS, 10, seed=0)
-    adapters = simulate.zipf_adapters(600, 300, 1.0, seed=0)
+    adapters = simulate.zipf_keys(600, 300, 1.0, seed=0)
     assert np.bincount(adapters, minlength=300)[0] > np.bincount(adapters, minlength=300)[100:].mean() * 10
     hits = {}
     for affinity in (None, 0, 1):
-        loras = simulate.LoraWorkload(adapters, cache=8, miss_s=0.5, affinity=affinity)
+        loras = simulate.KeyedCache(adapters, cache=8, miss_s=0.5, affinity=affinity)
         cluster = simulate.SimulatedCluster(make_policy("least-requests", cost), cost, workload, 8, 8, loras)
         cluster.run()
-        hits[affinity] = cluster.lora_hits
+        hits[affinity] = cluster.hits
     assert hits[None] < hits[0] < hits[1]
 
     alternating = np.array([0, 0, 1, 1, 1, 0])
@@ -211,9 +213,9 @@ def test_lora_affinity_holds_more_adapters_and_a_miss_costs_its_request_the_read
     small = simulate.Workload(arrivals, workload.loads[:6])
     plain = run("round-robin", cost, small, workers=1)
     cluster = simulate.SimulatedCluster(make_policy("round-robin", cost), cost, small, 1, 8,
-                                        simulate.LoraWorkload(alternating, cache=1, miss_s=0.5))
+                                        simulate.KeyedCache(alternating, cache=1, miss_s=0.5))
     waited = cluster.run() - plain
-    assert cluster.lora_hits == 3 and np.allclose(waited, [0.5, 0.3, 0.5, 0.4, 0, 0.5])
+    assert cluster.hits == 3 and np.allclose(waited, [0.5, 0.3, 0.5, 0.4, 0, 0.5])
 
 
 def test_main_with_loras_runs_each_policy_with_and_without_affinity():
@@ -223,3 +225,13 @@ def test_main_with_loras_runs_each_policy_with_and_without_affinity():
     assert report["loras"] == {"adapters": 50, "zipf": 1.0, "cache": 4, "miss_s": 0.5, "affinity": 0}
     for summary in report["policies"].values():
         assert 0 <= summary["lora_hit_rate"] <= 1
+
+
+def test_main_with_templates_runs_each_policy_with_and_without_template_affinity():
+    """Templates in host memory are the same kind of cache as adapters: affinity raises their hit rate."""
+    report = simulate.main(SMALL + ["--policies", "least-requests", "--templates", "40", "--template-cache", "2"])
+    assert list(report["policies"]) == ["least-requests", "least-requests+template-affinity"]
+    assert report["templates"] == {"templates": 40, "zipf": 1.0, "cache": 2, "miss_s": 6.0, "affinity": 0}
+    assert report["loras"] is None
+    rates = [summary["template_hit_rate"] for summary in report["policies"].values()]
+    assert 0 <= rates[0] < rates[1] <= 1
