@@ -114,7 +114,9 @@ def test_sigterm_while_the_workers_load_stops_everything_it_started(short_tmp):
     server = subprocess.Popen(command, env=dict(os.environ, TMPDIR=str(short_tmp)), stderr=subprocess.PIPE,
                               text=True)
     try:
-        wait_for(lambda: any(short_tmp.glob("retouch-serve-*/w0")), "the worker starts", TIMEOUT_S)
+        # its folder is made before its process: wait for both (a busy machine once ran the check between)
+        wait_for(lambda: any(short_tmp.glob("retouch-serve-*/w0")) and descendants_of(server.pid),
+                 "the worker starts", TIMEOUT_S)
         started = descendants_of(server.pid)
         assert started and server.poll() is None  # loading: "workers ready" not said yet
         server.send_signal(signal.SIGTERM)
