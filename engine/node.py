@@ -347,7 +347,7 @@ class Node:
             if template_id is None:
                 self._record_one_off(router_template, image, mask, prompt, seed, one_off)
             else:  # held here already (the router lost track of it)
-                self._post({"kind": "template", "template": router_template, "ok": True})
+                self._post({"kind": "template", "template": router_template, "ok": True, "cached": self._cached()})
         with self._lock:
             self.requests[future] = request_id
             self.futures[request_id] = future
@@ -382,16 +382,24 @@ class Node:
             queued = [self.requests[f] for f in queued if f in self.requests]
             held = list(self.futures)  # every edit accepted and not yet answered, wherever it is
             recording = list(self.registrations)  # every template it records and has not yet reported
-            router_ids: dict[str, list[str]] = {}  # the editor names templates its own way
-            for router_template, template_id in self.templates.items():
-                router_ids.setdefault(template_id, []).append(router_template)
-        cache = self.engine.editor.cache
-        in_host = cache.in_host() if isinstance(cache, CacheStore) else []
         return {"kind": "heartbeat", "running": running, "queued": queued, "held": held, "recording": recording,
                 "seen": self._seen, "metrics": self.metrics(),
                 "loras": self.engine.worker.loras.resident(), "lora_digests": self.engine.worker.loras.digests(),
-                "cached": [name for template_id in in_host for name in router_ids.get(template_id, ())],
+                "cached": self._cached(),
                 "draining": self.draining}
+
+    def _cached(self) -> list[str]:
+        """The templates in host memory, by the router's ids (the editor names them its own way): said in
+        each heartbeat, and in each answer and recording's end, after which it has likely changed."""
+        cache = self.engine.editor.cache
+        if not isinstance(cache, CacheStore):
+            return []
+        in_host = cache.in_host()
+        with self._lock:
+            router_ids: dict[str, list[str]] = {}
+            for router_template, template_id in self.templates.items():
+                router_ids.setdefault(template_id, []).append(router_template)
+        return [name for template_id in in_host for name in router_ids.get(template_id, ())]
 
     def metrics(self) -> dict:
         """The engine's counters, with its template cache's under "cache" and its LoRA cache's under "lora"
@@ -438,10 +446,10 @@ class Node:
         if result.recorded is not None:  # a one-off's first edit recorded its image: later edits come here
             with self._lock:
                 self.templates[router_template] = result.recorded
-            self._post({"kind": "template", "template": router_template, "ok": True})
+            self._post({"kind": "template", "template": router_template, "ok": True, "cached": self._cached()})
         unrecorded = {"unrecorded": result.unrecorded} if result.unrecorded is not None else {}
-        self._post({"kind": "result", **edit, "status": 200, "metrics": result.metrics.to_json(), **unrecorded},
-                   {"png": png_bytes(result.image)})
+        self._post({"kind": "result", **edit, "status": 200, "metrics": result.metrics.to_json(), **unrecorded,
+                    "cached": self._cached()}, {"png": png_bytes(result.image)})
 
     def _register(self, header: dict, blobs: dict) -> None:
         """Record a template as a member of the running batch; the router hears of each step and the end."""
@@ -467,7 +475,7 @@ class Node:
                 if exc is None:
                     with self._lock:
                         self.templates[router_template] = future.result()
-                    self._post({"kind": "template", "template": router_template, "ok": True})
+                    self._post({"kind": "template", "template": router_template, "ok": True, "cached": self._cached()})
                 else:
                     self._post({"kind": "template", "template": router_template, "ok": False,
                                 "message": f"{type(exc).__name__}: {exc}", "draining": self.draining})

@@ -1238,6 +1238,8 @@ class Router:
                     self._outgoing.append((identity, wire.encode({"kind": "rejoin"})))
                 return
             worker.last_seen = time.monotonic()
+            if "cached" in header:  # heartbeats, answers and recordings' ends say what its host memory holds
+                worker.cached = frozenset(header["cached"])
             if kind == "heartbeat":
                 self._on_heartbeat(worker, header)
                 self._send(worker, {"kind": "alive"})  # a worker hearing nothing presumes the router gone
@@ -1421,7 +1423,6 @@ class Router:
                 self.pending[request_id].steps_left = int(steps_left)
         worker.report = dict(header.get("metrics", {}))
         worker.loras = frozenset(header.get("loras", ()))
-        worker.cached = frozenset(header.get("cached", ()))
         if "lora_digests" in header:
             digests = {str(name): str(digest) for name, digest in dict(header["lora_digests"]).items()}
             read = {name: digest for name, digest in digests.items() if worker.lora_digests.get(name) != digest}

@@ -841,6 +841,21 @@ def test_an_edit_goes_where_its_template_is_in_host_memory_among_the_least_loade
         RouterConfig(template_affinity=-1)
 
 
+def test_an_answer_says_what_the_workers_host_memory_holds_without_waiting_for_a_heartbeat(context, make_router):
+    """Edits a tenth of a second apart would otherwise be routed by what the host memory held up to a
+    heartbeat ago."""
+    router = make_router()
+    w0 = ScriptedWorker(context, router, "w0")
+    router.register_template(template())
+    w0.register("t1")
+    future = router.submit(task())
+    w0.send({"kind": "result", "request": w0.receive("edit")["request"], "status": 200, "cached": ["t1"]},
+            {"png": b"png"})
+    assert future.result(TIMEOUT_S).status == 200
+    w0.sync()
+    assert router.workers["w0"].cached == {"t1"} and router.template("t1")["progress"]["workers_cached"] == 1
+
+
 def test_lora_affinity_needs_a_free_slot_and_ends_when_the_adapter_goes(context, make_router):
     router = make_router(lora_affinity=5)  # in flight never binds here: the free batch slot does
     w0, w1 = ScriptedWorker(context, router, "w0", max_batch=1), ScriptedWorker(context, router, "w1")
