@@ -24,7 +24,7 @@ from retouch.editor import DEFAULT_STEPS, EditRequest, MaskAwareEditor, Template
 from retouch.engine import processing, recipes
 from retouch.engine.metrics import now
 from retouch.engine.processing import HelperPool
-from retouch.engine.worker import EditResult, EngineConfig, Job, StepWatch, Worker
+from retouch.engine.worker import EditResult, EngineConfig, Job, MissingTemplate, StepWatch, Worker
 from retouch.errors import InputError, RetouchError
 from retouch.lora import LoraChoice, parse_lora
 from retouch.models import load_pipeline
@@ -36,11 +36,6 @@ MAX_BELOW_FULL = 1024
 
 class HelperError(RetouchError):
     """Pre/post-processing in a helper process failed; the message is the helper's."""
-
-
-class MissingTemplate(InputError):
-    """The edit's template was dropped (deleted) before the edit ran. The router knows the name: it answers
-    404 template_deleted, or runs the edit again where the template is registered anew."""
 
 
 class Engine:
@@ -256,7 +251,12 @@ class Engine:
             self.editor.drop_template(template_id)
             return
         future: Future = Future()
-        self.worker.inbox.put(("call", lambda: self.editor.drop_template(template_id), future))
+
+        def drop() -> None:
+            self.worker.cancel_recording_again(template_id)
+            self.editor.drop_template(template_id)
+
+        self.worker.inbox.put(("call", drop, future))
         if wait:
             future.result()
 

@@ -55,7 +55,7 @@ from retouch.engine.processing import ReadyEdit, postprocess, prepare_recording,
 from retouch.engine.previews import LatentPreviewer
 from retouch.engine.policies import denoiser_calls
 from retouch.engine.schedulers import BatchScheduler
-from retouch.errors import RetouchError
+from retouch.errors import InputError, RetouchError
 from retouch.models.samplers import calls_line
 from retouch.strength import steps_run
 from retouch.lora import LoraChoice, LoraError
@@ -65,6 +65,11 @@ from retouch.lora.manager import LoraManager
 MODES = ("static", "naive", "disagg")
 MEMORY_RETRIES = 3  # restarts of a registration whose host cache was held by templates in use
 logger = logging.getLogger("retouch.worker")
+
+
+class MissingTemplate(InputError):
+    """The edit's template was dropped (deleted) before the edit ran. The router knows the name: it answers
+    404 template_deleted, or runs the edit again where the template is registered anew."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +174,9 @@ class Job:
     memory_retries: int = 0
     waits_for_departures: int | None = None
     unrecorded: str | None = None  # why a one-off edit that was to record its image did not (`EditResult`)
+    # The recording of its template that an edit which found the template lost waited for (`Worker.admit`):
+    # once it has ended, recorded or not, the edit goes on to `acquire`, and never starts another.
+    waited_for: Job | None = None
 
     @property
     def strength(self) -> float:
@@ -345,6 +353,8 @@ class Worker:
                     if ready is None:
                         continue
                     job.ready = ready
+                if job.recording is None and self._dropped(job):
+                    continue
                 if job.recording is None and self._waits_for_recording(job):
                     loading.append(job)
                     continue
@@ -378,30 +388,53 @@ class Worker:
         finally:
             self.waiting.extendleft(reversed(loading))  # first in line again, in their order
 
+    def _dropped(self, job: Job) -> bool:
+        """Whether the edit's template was dropped (deleted) after the edit was prepared: it fails with
+        MissingTemplate, which the router answers, rather than record a deleted template again."""
+        template = job.template
+        if template.one_off or template.template_id in self.editor.templates:
+            return False
+        self._fail(job, MissingTemplate(f"template {job.request.template_id!r} was dropped before the edit ran"))
+        return True
+
     def _waits_for_recording(self, job: Job) -> bool:
         """Whether the edit waits for its template to be recorded again, as a job of the batch: the store lost
         it (`MaskAwareEditor.lost`: evicted without a disk tier). `acquire` would record it inline, holding
         every running request for a whole generation. The first edit to find it lost starts the recording,
-        at the head of the queue with the edit's deadline; a recording that failed leaves the edit to
-        `acquire`, which records inline or says why it cannot."""
+        at the head of the queue with the edit's deadline, and the others of it wait for the same one. Once it
+        has ended, recorded or not (failed, cancelled by a drop), the edit goes on to `acquire`, which finds
+        it, records it inline, or says why it cannot."""
+        if job.waited_for is not None:
+            return not job.waited_for.future.done()
         template_id = job.request.template_id
         recording = self._recording_again.get(template_id)
-        if recording is not None:
-            if not recording.future.done():
-                return True
-            del self._recording_again[template_id]
-            return False
-        if self.config.mode == "static" or not self.editor.lost(job.template):
-            return False
-        recording = self.new_job(None, self.editor.to_record_again(job.template), deadline=job.deadline)
-        recording.ready = self._inline(lambda: self._prepare(recording), recording)
-        if recording.ready is None:
-            return False
-        self._recording_again[template_id] = recording
-        self.waiting.appendleft(recording)
-        logger.info("template %s is in no cache tier any more: recorded again beside the batch, for edit %d",
-                    template_id, job.id)
+        if recording is None:
+            if self.config.mode == "static" or not self.editor.lost(job.template):
+                return False
+            recording = self.new_job(None, self.editor.to_record_again(job.template, missed=True),
+                                     deadline=job.deadline)
+            recording.ready = self._inline(lambda: self._prepare(recording), recording)
+            if recording.ready is None:
+                return False
+            self._recording_again[template_id] = recording
+
+            def ended(_, recording=recording) -> None:  # on the loop thread: recorded, failed or cancelled
+                if self._recording_again.get(template_id) is recording:
+                    del self._recording_again[template_id]
+
+            recording.future.add_done_callback(ended)
+            self.waiting.appendleft(recording)
+            logger.info("template %s is in no cache tier any more: recorded again beside the batch, for edit %d",
+                        template_id, job.id)
+        job.waited_for = recording
         return True
+
+    def cancel_recording_again(self, template_id: str) -> None:
+        """The template is being dropped: its recording for lost-template edits stops at the next step (they
+        then fail as edits of a dropped template do)."""
+        recording = self._recording_again.get(template_id)
+        if recording is not None:
+            recording.future.cancel()
 
     @property
     def registration_slots(self) -> int:

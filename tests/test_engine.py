@@ -316,7 +316,7 @@ def test_an_edit_waiting_for_its_template_stays_queued_when_another_does_not_fit
         raise CacheFull("the running batch holds the host cache")
 
     worker.editor = type("Editor", (), {"acquire": staticmethod(host_full), "lost": staticmethod(lambda t: False),
-                                        "recomputes": 0, "device": "cpu"})()
+                                        "templates": flux_editor.templates, "recomputes": 0, "device": "cpu"})()
     worker.admit()
     assert list(worker.waiting) == [loading, full] and not loading.future.done() and not full.future.done()
     worker.loras.close()

@@ -372,6 +372,8 @@ def test_a_template_the_store_lost_is_recorded_again_beside_the_running_batch():
     worker, (first,) = run(editor, EngineConfig(mode="naive"), [running], inject)
     assert any(beside), "the recording did not run beside the edit"
     assert editor.recomputes == 1 and worker.metrics.recorded == 1 and worker.metrics.completed == 2
+    assert editor.cache.metrics()["misses"] == 1  # found lost, as `acquire` would have counted it
+    assert worker._recording_again == {}  # forgotten once it ended
     assert lost.metrics.computed_tokens < lost.metrics.tokens  # mask-aware once recorded
     expected = [reference.edit_many([request], output_type="latent")[0] for request in (lost.request, running)]
     # The recording was made beside another request, so it carries that batch's reordering, up to 4x the
@@ -408,3 +410,36 @@ def test_registrations_leave_edits_their_slots_and_an_edit_joins_at_the_next_ste
     default = Worker(editor, EngineConfig(mode="naive", max_batch=8))
     assert default.registration_slots == 6  # a quarter of the batch is the edits' by default
     default.loras.close()
+
+
+def test_a_template_dropped_while_it_is_recorded_again_stays_dropped():
+    """A DELETE between steps (what `Engine.drop_template` runs on the loop) stops the recording of a lost
+    template, and the edit that waited for it fails as an edit of a dropped template does (the router
+    answers 404), instead of recording the deleted template inline; nothing of it stays cached."""
+    from retouch.cache import CacheStore, StoreConfig
+    from retouch.engine.worker import MissingTemplate
+
+    probe = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    size = probe.cache.nbytes(probe.register_template(template_image(), prompt="a room", steps=STEPS, seed=0))
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=CacheStore(StoreConfig(host_bytes=2 * size + 4096)))
+    ids = [editor.register_template(template_image((60 * i, 90, 30)), prompt="a room", steps=STEPS, seed=i)
+           for i in range(3)]  # the third evicts the first
+    running = Worker.new_job(EditRequest(ids[2], square_mask(), "a red hat", seed=5))
+    lost = Worker.new_job(EditRequest(ids[0], square_mask((32, 32, 79, 63)), "a blue door", seed=6))
+    cancelled = []
+
+    def inject(worker, step):
+        if step == 1:
+            worker.inbox.put(("edit", lost))
+        if step == 2:  # the recording has joined the batch
+            (recording,) = [job for job in worker.running if job.request is None]
+            cancelled.append(recording)
+            worker.cancel_recording_again(ids[0])
+            editor.drop_template(ids[0])
+
+    worker = run_loop(editor, EngineConfig(mode="naive"), [running], inject)
+    assert cancelled and cancelled[0].future.cancelled()
+    with pytest.raises(MissingTemplate, match="dropped before the edit ran"):
+        lost.future.result()
+    assert running.future.result().image is not None
+    assert not editor.cache.contains(ids[0]) and editor.recomputes == 1 and worker._recording_again == {}

@@ -721,9 +721,12 @@ class MaskAwareEditor:
         template = self.templates.get(template.template_id, template)
         return not self._covers(template) or not self.cache.contains(template.template_id)
 
-    def to_record_again(self, template: Template) -> Template:
-        """The template as it is recorded again (`lost`), in the current cache mode; counted in `recomputes`."""
+    def to_record_again(self, template: Template, missed: bool = False) -> Template:
+        """The template as it is recorded again (`lost`), in the current cache mode; counted in `recomputes`.
+        `missed`: found lost by `lost`, not by `acquire`, which counts the store's misses: counted here."""
         self.recomputes += 1
+        if missed and isinstance(self.cache, CacheStore) and not self.cache.contains(template.template_id):
+            self.cache.count_miss()
         return replace(self.templates.get(template.template_id, template), recorded_mode=self.mode_name)
 
     def _covers(self, template: Template) -> bool:

@@ -422,6 +422,11 @@ class CacheStore(ActivationCache):
             future.result()  # raises CacheMiss when the load failed
             loaded = True
 
+    def count_miss(self) -> None:
+        """A lookup that found a template in no tier without `acquire` (the engine records it again first)."""
+        with self._lock:
+            self.counters["misses"] += 1
+
     def prefetch(self, template_id: str) -> Future:
         """Load the template from disk into host memory in the background (a request for it is
         queued); the future's result is True once it is in host memory, False if no tier holds it."""
