@@ -748,10 +748,10 @@ class Router:
                 held = self.held_bytes(one_off=False) - (existing.nbytes if existing is not None else 0)
                 if held + record.nbytes > self.config.max_template_bytes:
                     raise TemplateStorageFull(
-                        f"the server keeps {held / 2**20:.0f} MiB of templates and this one needs "
-                        f"{record.nbytes / 2**20:.1f} MiB more, over its {self.config.max_template_bytes / 2**20:.0f}"
-                        f" MiB (--max-templates-mb); delete some (DELETE /v1/templates/ID) or edit it as a "
-                        f"one-off image")
+                        f"the server has no memory left for this template ({record.nbytes / 2**20:.2f} MiB): the "
+                        f"templates of every API key hold {held / 2**20:.2f} of its "
+                        f"{self.config.max_template_bytes / 2**20:.2f} MiB (--max-templates-mb); delete some of "
+                        f"yours (DELETE /v1/templates/ID), or send the image with each edit (a one-off image)")
                 self._admit_recording(record.owner)
             self._keep(lambda registry: registry.save(record), record.template_id, "saved")
             with self._lock:
@@ -828,7 +828,8 @@ class Router:
     def _evict_one_offs(self, keep: str) -> None:
         """Keep at most `max_one_off` one-off images of at most `max_one_off_bytes` in all: forget the least
         recently edited ones that no accepted edit waits for (their next edit records them again: one
-        generation). The busy ones stay, over the bounds if they must, until they are idle."""
+        generation). The busy ones stay, over the bounds if they must, until they are idle (checked again
+        as each edit of a one-off is answered)."""
         one_offs = [r for r in self.templates.values() if r.one_off]
         count, held = len(one_offs), sum(r.nbytes for r in one_offs)
         if count <= self.config.max_one_off and held <= self.config.max_one_off_bytes:
@@ -1156,6 +1157,9 @@ class Router:
             self._release(self.workers[pending.worker], pending.request_id)
         if not pending.future.done():
             pending.future.set_result(answer)
+        record = self.templates.get(pending.task.template_id)
+        if record is not None and record.one_off:  # it may be idle now: one-offs over their bounds go
+            self._evict_one_offs(keep="")
         self._changed.notify_all()
 
     # ---- the socket (router thread) ----

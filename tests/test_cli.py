@@ -323,6 +323,8 @@ def test_simulate_prints_every_policy(cli):
     (["--model", "tiny-flux-fill", "--result-store-mb", "inf"], "--result-store-mb must be a finite number > 0"),
     (["--model", "tiny-flux-fill", "--max-templates-mb", "0"], "--max-templates-mb must be a finite number > 0"),
     (["--model", "tiny-flux-fill", "--max-one-off-mb", "inf"], "--max-one-off-mb must be a finite number > 0"),
+    (["--model", "tiny-flux-fill", "--max-batch", "4", "--edit-slots", "4"], "--edit-slots must be from 0 to"),
+    (["--model", "tiny-flux-fill", "--mode", "static", "--edit-slots", "1"], "--edit-slots has no effect"),
     (["--model", "tiny-flux-fill", "--drain-s", "inf"], "--drain-s must be a finite number >= 0"),
     (["--model", "tiny-flux-fill", "--slo-ms-per-megapixel", "inf"], "--slo-ms-per-megapixel must be a finite"),
     (["--model", "tiny-flux-fill", "--lora-cache-mb", "inf"], "--lora-cache-mb must be a finite number of at least"),

@@ -195,9 +195,13 @@ def _check_cache_options(options) -> None:
 
 
 def _check_edit_slots(options) -> None:
-    if options.edit_slots is not None and not 0 <= options.edit_slots < options.max_batch:
+    if options.edit_slots is None:
+        return
+    if not 0 <= options.edit_slots < options.max_batch:
         raise InputError(f"--edit-slots must be from 0 to --max-batch - 1 ({options.max_batch - 1}): registrations "
                          f"need a slot; got {options.edit_slots}")
+    if options.mode == "static":
+        raise InputError("--edit-slots has no effect in --mode static: no edit joins a running batch there")
 
 
 def _require(options, names: tuple[str, ...], bound: str) -> None:
