@@ -13,7 +13,8 @@ the p95 of template edits with and without them (`registrations`). `--stock-mode
 class's median latency over the stock median for the same requests (`stock`). `--templates N` registers
 N templates and spreads the template edits uniformly (seeded) over them: with more templates than the
 workers' host caches hold, `server` says from the server's /metrics what the edits cost it in recordings
-made again, host hits and disk reads (`retouch serve --template-affinity` decides how many).
+made again (and one-off first edits), host hits and disk reads, read once they settle (`retouch serve
+--template-affinity` decides how many).
 
 Registers a generated template (POST /v1/templates, polled until ready) unless `--template-id` names one,
 then sends `--requests` edits (POST /v1/edits, PNG answers), never more than `--concurrency` at once.
@@ -340,10 +341,10 @@ async def _drive(args) -> tuple[dict, list[str], list[Outcome], float, list[floa
               f"({width}x{height}), concurrency {args.concurrency}, "
               + (f"{args.rps} rps" if args.rps else "closed loop"), file=sys.stderr)
         stock = StockTimer(args, template) if args.stock_model is not None else None
-        before = await _server_counters(client)
+        before = await _settled_counters(client)
         outcomes, wall_s = await _send_all(client, args, template_ids, specs, offsets,
                                            None if stock is None else stock.after, desc="serve: edits")
-        after = await _server_counters(client)
+        after = await _settled_counters(client)
         server = None if None in (before, after) else {name: after[name] - before[name] for name in after}
         with_registrations = None
         if args.registrations:
@@ -355,12 +356,29 @@ async def _drive(args) -> tuple[dict, list[str], list[Outcome], float, list[floa
     return template, template_ids, outcomes, wall_s, ratios, with_registrations, stock, server
 
 
-# What the edits cost the server, summed over its workers (`retouch_worker_*` on the head's /metrics), and
-# how often the router sent an edit where its template was in host memory.
+# What the edits cost the server, summed over its workers (`retouch_worker_*` on the head's /metrics):
+# recordings (templates recorded again after their eviction, and one-off images' first edits), host hits,
+# disk reads; and how many routing choices template affinity narrowed to workers holding the template.
 SERVER_COUNTERS = {"recordings": "retouch_worker_cache_registrations_total",
                    "host_hits": "retouch_worker_cache_hits_total",
                    "disk_hits": "retouch_worker_cache_disk_hits_total",
                    "template_affinity": 'retouch_router_events_total{event="template_affinity"}'}
+
+
+async def _settled_counters(client, tries: int = 10) -> dict[str, float] | None:
+    """SERVER_COUNTERS once two reads a second apart agree: the head shows its workers' counters as of
+    their last heartbeat (0.5 s by default), so a read right after the templates became ready would count
+    their last recordings among the edits'."""
+    last = await _server_counters(client)
+    for _ in range(tries):
+        if last is None:
+            return None
+        await asyncio.sleep(1.0)  # two heartbeats
+        now = await _server_counters(client)
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 async def _server_counters(client) -> dict[str, float] | None:
