@@ -38,7 +38,8 @@ Templates (--templates N): the same model for the templates requests edit, drawn
 (--template-zipf). A worker's host memory holds its --template-cache most recently edited ones; an edit
 routed to a worker without its template there waits --template-miss-s for it to be read back from the disk
 tier (every worker recorded every template: none is recorded again). Each policy runs alone and after the
-router's template affinity (bound --template-affinity); each reports the templates' host hit rate.
+router's template affinity (bound --template-affinity); each reports the templates' host hit rate. With
+--template-replicas K each template is recorded on K workers only (spread evenly), and its edits go there.
 """
 
 from __future__ import annotations
@@ -110,6 +111,15 @@ class KeyedCache:
     cache: int
     miss_s: float
     affinity: int | None = None
+    replicas: int = 0  # workers that may serve a key (`RouterConfig.template_replicas`); 0: every one
+
+    def eligible(self, key: int, workers: int) -> np.ndarray | None:
+        """[workers] bool: the key's replicas, spread evenly over the workers by key; None: every worker."""
+        if self.replicas == 0 or self.replicas >= workers:
+            return None
+        chosen = np.zeros(workers, dtype=bool)
+        chosen[(key * self.replicas + np.arange(self.replicas)) % workers] = True
+        return chosen
 
 
 def zipf_keys(requests: int, count: int, exponent: float, seed: int) -> np.ndarray:
@@ -189,7 +199,9 @@ class SimulatedCluster:
         if self.keyed is not None:
             key = self.keyed.keys[request]
             holds = np.array([key in worker.held for worker in self.workers])
-            eligible = prefer_holders(self.cluster_load.alive, holds, self.cluster_load, self.keyed.affinity)
+            replicas = self.keyed.eligible(int(key), len(self.workers))
+            alive = self.cluster_load.alive if replicas is None else self.cluster_load.alive & replicas
+            eligible = prefer_holders(alive, holds, self.cluster_load, self.keyed.affinity)
         slot = self.policy.choose(load, self.cluster_load, eligible)
         self.decision_s += time.perf_counter() - started
         self.cluster_load.assign(slot, request, load)
@@ -382,6 +394,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "37 GiB at ~6 GB/s)")
     parser.add_argument("--template-affinity", type=int, default=0,
                         help="the router's bound: in-flight requests over the least loaded worker's")
+    parser.add_argument("--template-replicas", type=int, default=0,
+                        help="workers each template is recorded on (0: every worker)")
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
@@ -407,9 +421,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.loras and args.find_load:
         parser.error("--loras compares routing with and without LoRA affinity at one load: not with --find-load")
     if (args.templates < 0 or args.template_zipf < 0 or args.template_cache < 1 or args.template_miss_s < 0
-            or args.template_affinity < 0):
-        parser.error("--templates, --template-zipf, --template-miss-s and --template-affinity must be >= 0, "
-                     "--template-cache >= 1")
+            or args.template_affinity < 0 or args.template_replicas < 0):
+        parser.error("--templates, --template-zipf, --template-miss-s, --template-affinity and --template-replicas "
+                     "must be >= 0, --template-cache >= 1")
     if args.templates and (args.loras or args.find_load):
         parser.error("--templates compares routing with and without template affinity at one load: not with "
                      "--loras or --find-load")
@@ -432,7 +446,8 @@ def main(argv: list[str] | None = None) -> dict:
         count, zipf, cache, miss_s, affinity = (getattr(args, f"{kind}{suffix}") for suffix in (
             "s", "_zipf", "_cache", "_miss_s", "_affinity"))
         keys = zipf_keys(args.requests, count, zipf, args.seed)
-        runs = [(label, name, KeyedCache(keys, cache, miss_s, bound)) for name in policies
+        replicas = args.template_replicas if kind == "template" else 0
+        runs = [(label, name, KeyedCache(keys, cache, miss_s, bound, replicas)) for name in policies
                 for label, bound in ((name, None), (f"{name}+{kind}-affinity", affinity))]
     for label, name, keyed in runs:
         print(f"{label}: {args.requests} requests at {args.rps} rps on {args.workers} workers", file=sys.stderr)
@@ -451,8 +466,8 @@ def main(argv: list[str] | None = None) -> dict:
               "loras": {"adapters": args.loras, "zipf": args.lora_zipf, "cache": args.lora_cache,
                         "miss_s": args.lora_miss_s, "affinity": args.lora_affinity} if args.loras else None,
               "templates": {"templates": args.templates, "zipf": args.template_zipf, "cache": args.template_cache,
-                            "miss_s": args.template_miss_s, "affinity": args.template_affinity}
-              if args.templates else None,
+                            "miss_s": args.template_miss_s, "affinity": args.template_affinity,
+                            "replicas": args.template_replicas} if args.templates else None,
               "unloaded_p95_s": float(np.percentile(alone_seconds(cost, workload.loads), 95)),
               "mean_mask_ratio": float(np.mean([x.masked_tokens for x in workload.loads]) / image_tokens),
               "alone_at_mean_mask_s": float(alone) * args.steps, "wall_s": time.perf_counter() - started,
@@ -556,7 +571,8 @@ def _plot(report: dict, latencies: dict[str, np.ndarray], out: Path) -> None:
                    f"a miss +{loras['miss_s']:g} s, affinity bound {loras['affinity']}" if loras else
                    f"\n{templates['templates']} templates (Zipf {templates['zipf']:g}), {templates['cache']} in "
                    f"host memory per worker,\na read from disk +{templates['miss_s']:g} s, affinity bound "
-                   f"{templates['affinity']}" if templates else "")
+                   f"{templates['affinity']}, recorded on "
+                   f"{templates.get('replicas') or 'every'} worker(s)" if templates else "")
     axis.set_title(f"{report['workers']} workers, {report['rps']} rps, {report['mask_dist']} masks{keyed_title}",
                    fontsize=10 if keyed_title else None)
     axis.legend(loc="upper left", fontsize=8)  # the curves rise at the right

@@ -231,7 +231,24 @@ def test_main_with_templates_runs_each_policy_with_and_without_template_affinity
     """Templates in host memory are the same kind of cache as adapters: affinity raises their hit rate."""
     report = simulate.main(SMALL + ["--policies", "least-requests", "--templates", "40", "--template-cache", "2"])
     assert list(report["policies"]) == ["least-requests", "least-requests+template-affinity"]
-    assert report["templates"] == {"templates": 40, "zipf": 1.0, "cache": 2, "miss_s": 6.0, "affinity": 0}
+    assert report["templates"] == {"templates": 40, "zipf": 1.0, "cache": 2, "miss_s": 6.0, "affinity": 0,
+                                   "replicas": 0}
     assert report["loras"] is None
     rates = [summary["template_hit_rate"] for summary in report["policies"].values()]
     assert 0 <= rates[0] < rates[1] <= 1
+
+
+def test_template_replicas_send_a_templates_edits_to_its_replicas_only(cost):
+    """--template-replicas K: a template's edits go to its K workers (spread evenly by template), so each
+    worker sees fewer templates and holds more of them; one worker per template never misses after its
+    first edit when its cache holds all of its templates."""
+    keyed = simulate.KeyedCache(np.arange(8) % 4, cache=1, miss_s=0.5, affinity=None, replicas=1)
+    assert [int(np.flatnonzero(keyed.eligible(key, 4))[0]) for key in range(4)] == [0, 1, 2, 3]
+    assert simulate.KeyedCache(np.zeros(1), 1, 0.5, replicas=0).eligible(0, 4) is None
+    assert simulate.KeyedCache(np.zeros(1), 1, 0.5, replicas=2).eligible(3, 4).tolist() == [False, False, True,
+                                                                                             True]
+    workload = simulate.make_workload(8, 2.0, "public", IMAGE_TOKENS, TEXT_TOKENS, 10, seed=0)
+    cluster = simulate.SimulatedCluster(make_policy("least-requests", cost), cost, workload, 4, 8, keyed)
+    cluster.run()
+    assert cluster.hits == 4  # the first edit of each template misses, the second finds it
+    assert [list(worker.held) for worker in cluster.workers] == [[0], [1], [2], [3]]
