@@ -418,7 +418,8 @@ class ServeOptions:
                                 "more than the least loaded one (-1: off, the policy alone decides)")
     template_replicas: int = option(0, help="workers each registered template is recorded on (0: every worker); "
                                     "fewer cost less GPU time per registration and leave the workers' caches room "
-                                    "for more templates, but send each template's edits to its replicas only")
+                                    "for more templates, but send each template's edits to its replicas only, "
+                                    "which a popular template overloads")
     template_affinity: int = option(0, help="an edit goes to a worker holding its template's recording in host "
                                     "memory (no disk read, no recording again) while that worker has a free batch "
                                     "slot and at most this many requests in flight more than the least loaded one "
