@@ -714,8 +714,9 @@ class MaskAwareEditor:
 
     def lost(self, template: Template) -> bool:
         """Whether `acquire` would record the template again: the store holds it in no tier any more
-        (evicted without a disk tier), or its recording lacks what the current cache mode reads. A
-        one-off image is not said lost: its recording is its first edit's, which only an edit remakes."""
+        (evicted without a disk tier), or its recording lacks what the current cache mode reads. One-off
+        images are left to `acquire`, which records them inline as before: their recordings are their first
+        edits' (`Template.recorded_mask`), and recording one again as a member of a batch is not tested."""
         if not isinstance(self.cache, CacheStore) or template.one_off:
             return False
         template = self.templates.get(template.template_id, template)
