@@ -1034,6 +1034,12 @@ class Router:
             self.counters["template_affinity"] += 1
         return preferred
 
+    def _most_recently_edited(self) -> list[TemplateRecord]:
+        """The templates, the most recently edited (or registered) first: the order a worker that joins, or
+        takes over from one that left, records them in, so that it serves the templates in use first (each
+        recording is a generation there, and it may be sent hundreds)."""
+        return sorted(self.templates.values(), key=lambda record: record.last_used, reverse=True)
+
     def _template_json(self, record: TemplateRecord) -> dict:
         return record.to_json(set(self.workers), {name for name, worker in self.workers.items()
                                                   if record.template_id in worker.cached})
@@ -1132,7 +1138,7 @@ class Router:
                 self._template_changed(record)
         orphans = sorted(worker.assigned)
         worker.assigned.clear()
-        for record in self.templates.values():
+        for record in self._most_recently_edited():
             self._ensure_replicas(record)
         for request_id in orphans:
             pending = self.pending.get(request_id)
@@ -1390,7 +1396,7 @@ class Router:
                 record.progress[name] = record.steps
                 self._template_changed(record)
                 self._dispatch_parked(template_id)
-        for record in self.templates.values():
+        for record in self._most_recently_edited():
             self._ensure_replicas(record)
         self._changed.notify_all()
 

@@ -66,6 +66,19 @@ def test_template_replicas_record_a_template_on_that_many_workers_and_replace_a_
         RouterConfig(template_replicas=-1)
 
 
+def test_a_worker_that_joins_records_the_most_recently_edited_templates_first(context, make_router):
+    router = make_router()
+    w0 = ScriptedWorker(context, router, "w0")
+    for template_id in ("t1", "t2", "t3"):
+        router.register_template(template(template_id))
+        w0.register(template_id)
+    for template_id in ("t3", "t1"):  # t1 edited last; t2 never edited since it was registered
+        router.submit(task(template_id))
+        w0.answer(w0.receive("edit")["request"])
+    late = ScriptedWorker(context, router, "late")
+    assert [late.receive("register")["template"] for _ in range(3)] == ["t1", "t3", "t2"]
+
+
 def test_a_worker_that_joins_later_records_the_templates(context, make_router):
     router = make_router()
     router.register_template(template())
