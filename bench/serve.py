@@ -579,8 +579,11 @@ def _plot(report: dict, outcomes: list[Outcome], out: Path) -> None:
     cdf.set_ylabel("fraction of ok requests")
     settings = report["settings"]
     rate = f"{settings['rps']} rps" if settings["rps"] else "closed loop"
+    server = report.get("server")
+    cost = (f"\n{settings['templates']} templates; the server: {server['recordings']:g} recordings, "
+            f"{server['host_hits']:g} host hits, {server['disk_hits']:g} disk reads" if server else "")
     figure.suptitle(f"{report['sent']} edits, concurrency {settings['concurrency']}, {rate}: "
-                    f"ok {report['ok']}, errors {sum(report['errors'].values())}, lost {report['lost']}")
+                    f"ok {report['ok']}, errors {sum(report['errors'].values())}, lost {report['lost']}{cost}")
     figure.tight_layout()
     figure.savefig(out, dpi=120)
     plt.close(figure)

@@ -301,9 +301,10 @@ def test_one_off_mix_registrations_and_the_stock_pipeline(stub):
 
 
 @pytest.mark.parametrize("stub", [{"metrics": True}], indirect=True)
-def test_edits_spread_over_several_templates_and_the_server_says_what_they_cost(stub):
+def test_edits_spread_over_several_templates_and_the_server_says_what_they_cost(stub, tmp_path):
     report = serve.main(["--url", stub.url, "--requests", "30", "--concurrency", "4", "--templates", "3",
-                         "--size", "32", "--steps", "2"])
+                         "--size", "32", "--steps", "2", "--out", str(tmp_path / "serve.json")])
+    assert (tmp_path / "serve.png").stat().st_size > 0  # its title says what the server counted
     assert report["ok"] == 30 and len(report["template_ids"]) == 3 == len(set(report["template_ids"]))
     assert set(stub.edited_templates) == set(report["template_ids"])  # every one edited, seeded draws
     # The stub's counters: one recording per template first edited, a host hit and an affinity per edit.
