@@ -53,6 +53,9 @@ class Engine:
         self._jobs: dict[int, Job] = {}  # in the helpers (disaggregated mode), until answered
         self._unanswered: set[Future] = set()  # every accepted request's, until done (`cancel_all`)
         self._recordings: dict[str, Job] = {}  # template id -> the job recording it
+        # template id -> drops of it queued for the loop and not yet run (`drop_template(wait=False)`): a
+        # registration of it meanwhile must record it anew, not take the recording about to go for its own
+        self._dropping: dict[str, int] = {}
         # One-off images edited below full strength and not recorded (`submit_image`), least recent first
         self._below_full: OrderedDict[str, None] = OrderedDict()
         self._jobs_lock = threading.Lock()
@@ -180,13 +183,15 @@ class Engine:
                          on_step: Callable[[int, int], None] | None = None) -> Future[str]:
         """`submit_template` of a template already made (`MaskAwareEditor.new_template`)."""
         self._check_running()
-        if self.editor.is_recorded(template.template_id) or self.editor.adopt(template):
+        with self._jobs_lock:
+            dropping = template.template_id in self._dropping
+        if not dropping and (self.editor.is_recorded(template.template_id) or self.editor.adopt(template)):
             done: Future = Future()
             done.set_result(template.template_id)
             return done
         with self._jobs_lock:
             recording = self._recordings.get(template.template_id)
-            if recording is not None:
+            if recording is not None and not dropping:
                 return recording.future
             job = Worker.new_job(None, recording=template, watch=None if on_step is None else StepWatch(on_step))
             self._track_recording(job)
@@ -251,12 +256,20 @@ class Engine:
             self.editor.drop_template(template_id)
             return
         future: Future = Future()
+        with self._jobs_lock:
+            self._dropping[template_id] = self._dropping.get(template_id, 0) + 1
 
         def drop() -> None:
-            self.worker.cancel_recording_again(template_id)
-            self.editor.drop_template(template_id)
+            try:
+                self.worker.cancel_recording_again(template_id)
+                self.editor.drop_template(template_id)
+            finally:
+                with self._jobs_lock:
+                    self._dropping[template_id] -= 1
+                    if not self._dropping[template_id]:
+                        del self._dropping[template_id]
 
-        self.worker.inbox.put(("call", drop, future))
+        self.worker.inbox.put(("call", drop, future))  # before any registration of it that follows
         if wait:
             future.result()
 

@@ -1409,7 +1409,7 @@ class Router:
         recording = sum(1 for record in self.templates.values() if record.states.get(worker.name) == "recording")
         logger.info(f"worker {worker.name} is draining: it finishes its {len(worker.assigned)} edits and "
                     f"{recording} recordings")
-        for record in list(self.templates.values()):
+        for record in self._most_recently_edited():
             if worker.name in record.states:
                 self._ensure_replicas(record)
                 self._dispatch_parked(record.template_id)

@@ -674,7 +674,10 @@ class Worker:
     def _prepare(self, job: Job) -> ReadyEdit:
         if job.recording is not None:
             return prepare_recording(self.editor, job.recording, job.records, job.strength)
-        return preprocess(self.editor, job.request, self.editor._template(job.request.template_id))
+        template = self.editor.templates.get(job.request.template_id)
+        if template is None:  # known when submitted (`Engine.submit` checks): dropped since
+            raise MissingTemplate(f"template {job.request.template_id!r} was dropped before the edit ran")
+        return preprocess(self.editor, job.request, template)
 
     def _answer_unrecorded(self, job: Job, failure: CacheFull) -> None:
         """A one-off edit whose recording does not fit the host cache answers all the same: computed in

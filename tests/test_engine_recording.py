@@ -5,6 +5,7 @@ of events matters (`test_engine.run`)."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -443,3 +444,28 @@ def test_a_template_dropped_while_it_is_recorded_again_stays_dropped():
         lost.future.result()
     assert running.future.result().image is not None
     assert not editor.cache.contains(ids[0]) and editor.recomputes == 1 and worker._recording_again == {}
+
+
+def test_a_template_deleted_and_registered_again_before_the_loop_drops_it_is_recorded_anew():
+    """A worker's node drops a template without waiting for the loop; the same template registered again
+    meanwhile (the router's ids are content hashes: the same id) found the recording the queued drop was
+    about to remove, answered at once, and every later edit failed "unknown template". It is recorded anew."""
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    with Engine(editor, EngineConfig(mode="naive")) as engine:
+        template_id = engine.submit_template(template_image(), prompt="a room", steps=STEPS, seed=1).result(120)
+        gate, held = threading.Event(), threading.Event()
+        blocked = Future()
+
+        def hold_the_loop():  # a step in progress, in effect: the loop reads its inbox when it ends
+            held.set()
+            gate.wait(60)
+
+        engine.worker.inbox.put(("call", hold_the_loop, blocked))
+        assert held.wait(60)
+        engine.drop_template(template_id, wait=False)
+        again = engine.submit_template(template_image(), prompt="a room", steps=STEPS, seed=1)
+        assert not again.done()  # it waits for its own recording, after the drop
+        gate.set()
+        assert again.result(120) == template_id and editor.is_recorded(template_id)
+        edit = engine.submit(EditRequest(template_id, square_mask(), "a hat", seed=2)).result(120)
+    assert edit.image is not None and edit.metrics.computed_tokens < edit.metrics.tokens
