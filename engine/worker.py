@@ -426,6 +426,8 @@ class Worker:
             self.waiting.appendleft(recording)
             logger.info("template %s is in no cache tier any more: recorded again beside the batch, for edit %d",
                         template_id, job.id)
+        elif job.deadline is not None and (recording.deadline is None or job.deadline < recording.deadline):
+            recording.deadline = job.deadline  # queued by the most urgent of the edits that wait for it
         job.waited_for = recording
         return True
 

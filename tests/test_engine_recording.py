@@ -469,3 +469,30 @@ def test_a_template_deleted_and_registered_again_before_the_loop_drops_it_is_rec
         assert again.result(120) == template_id and editor.is_recorded(template_id)
         edit = engine.submit(EditRequest(template_id, square_mask(), "a hat", seed=2)).result(120)
     assert edit.image is not None and edit.metrics.computed_tokens < edit.metrics.tokens
+
+
+def test_a_recording_for_lost_template_edits_is_queued_by_the_most_urgent_of_them():
+    """The first edit to find its template lost starts the recording with its own deadline (none here); a
+    later edit of it with a deadline makes it that urgent, or it would wait behind edits with deadlines."""
+    from retouch.cache import CacheStore, StoreConfig
+
+    probe = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    size = probe.cache.nbytes(probe.register_template(template_image(), prompt="a room", steps=STEPS, seed=0))
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=CacheStore(StoreConfig(host_bytes=2 * size + 4096)))
+    ids = [editor.register_template(template_image((60 * i, 90, 30)), prompt="a room", steps=STEPS, seed=i)
+           for i in range(3)]  # the third evicts the first
+    worker = Worker(editor, EngineConfig(mode="naive", max_batch=1))
+    try:
+        first, urgent = (Worker.new_job(EditRequest(ids[0], square_mask(), "a hat", seed=s), deadline=d)
+                         for s, d in ((1, None), (2, 5.0)))
+        worker.waiting.append(first)
+        worker.admit()  # starts the recording, which takes the only slot
+        (recording,) = worker.running
+        assert recording.request is None and recording.deadline is None and first.waited_for is recording
+        worker.running.clear()  # a slot frees
+        worker.waiting.remove(first)
+        worker.waiting.append(urgent)
+        worker.admit()
+        assert urgent.waited_for is recording and recording.deadline == 5.0
+    finally:
+        worker.loras.close()
