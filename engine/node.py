@@ -347,7 +347,7 @@ class Node:
             if template_id is None:
                 self._record_one_off(router_template, image, mask, prompt, seed, one_off)
             else:  # held here already (the router lost track of it)
-                self._post({"kind": "template", "template": router_template, "ok": True, "cached": self._cached()})
+                self._post_recorded(router_template)
         with self._lock:
             self.requests[future] = request_id
             self.futures[request_id] = future
@@ -387,6 +387,10 @@ class Node:
                 "loras": self.engine.worker.loras.resident(), "lora_digests": self.engine.worker.loras.digests(),
                 "cached": self._cached(),
                 "draining": self.draining}
+
+    def _post_recorded(self, router_template: str) -> None:
+        """Tell the router the template is recorded here, and what host memory holds now."""
+        self._post({"kind": "template", "template": router_template, "ok": True, "cached": self._cached()})
 
     def _cached(self) -> list[str]:
         """The templates in host memory, by the router's ids (the editor names them its own way): said in
@@ -446,7 +450,7 @@ class Node:
         if result.recorded is not None:  # a one-off's first edit recorded its image: later edits come here
             with self._lock:
                 self.templates[router_template] = result.recorded
-            self._post({"kind": "template", "template": router_template, "ok": True, "cached": self._cached()})
+            self._post_recorded(router_template)
         unrecorded = {"unrecorded": result.unrecorded} if result.unrecorded is not None else {}
         self._post({"kind": "result", **edit, "status": 200, "metrics": result.metrics.to_json(), **unrecorded,
                     "cached": self._cached()}, {"png": png_bytes(result.image)})
@@ -475,7 +479,7 @@ class Node:
                 if exc is None:
                     with self._lock:
                         self.templates[router_template] = future.result()
-                    self._post({"kind": "template", "template": router_template, "ok": True, "cached": self._cached()})
+                    self._post_recorded(router_template)
                 else:
                     self._post({"kind": "template", "template": router_template, "ok": False,
                                 "message": f"{type(exc).__name__}: {exc}", "draining": self.draining})
