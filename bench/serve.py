@@ -38,7 +38,6 @@ import asyncio
 import io
 import json
 import random
-import re
 import statistics
 import sys
 import time
@@ -359,10 +358,10 @@ async def _drive(args) -> tuple[dict, list[str], list[Outcome], float, list[floa
 # What the edits cost the server, summed over its workers (`retouch_worker_*` on the head's /metrics):
 # recordings (templates recorded again after their eviction, and one-off images' first edits), host hits,
 # disk reads; and how many routing choices template affinity narrowed to workers holding the template.
-SERVER_COUNTERS = {"recordings": "retouch_worker_cache_registrations_total",
-                   "host_hits": "retouch_worker_cache_hits_total",
-                   "disk_hits": "retouch_worker_cache_disk_hits_total",
-                   "template_affinity": 'retouch_router_events_total{event="template_affinity"}'}
+SERVER_COUNTERS = {"recordings": ("retouch_worker_cache_registrations_total", {}),
+                   "host_hits": ("retouch_worker_cache_hits_total", {}),
+                   "disk_hits": ("retouch_worker_cache_disk_hits_total", {}),
+                   "template_affinity": ("retouch_router_events_total", {"event": "template_affinity"})}
 
 
 async def _settled_counters(client, tries: int = 10) -> dict[str, float] | None:
@@ -386,13 +385,16 @@ async def _server_counters(client) -> dict[str, float] | None:
     response = await client.get("/metrics")
     if response.status_code != 200:
         return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [sample for family in text_string_to_metric_families(response.text) for sample in family.samples]
     totals = {}
-    for name, series in SERVER_COUNTERS.items():
-        pattern = re.escape(series) if "{" in series else re.escape(series) + r"\{[^}]*\}"
-        values = re.findall(rf"^{pattern} (\S+)$", response.text, re.MULTILINE)
+    for name, (series, labels) in SERVER_COUNTERS.items():
+        values = [sample.value for sample in samples
+                  if sample.name == series and labels.items() <= sample.labels.items()]
         if not values:
             return None
-        totals[name] = sum(float(value) for value in values)
+        totals[name] = sum(values)
     return totals
 
 
