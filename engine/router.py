@@ -1009,29 +1009,31 @@ class Router:
         """`policies.prefer_holders` for an edit's adapters: a worker holds what its last heartbeat reported and
         what the edits sent there and not yet answered named (their loads have started)."""
         names = {use.name for use in choice}
-        holds = np.zeros_like(eligible)
-        for worker in self.workers.values():
-            held = set(worker.loras)
-            for request_id in worker.assigned:
-                if request_id in self.pending:
-                    held.update(use.name for use in self.pending[request_id].task.lora)
-            holds[worker.slot] = names <= held
-        preferred = prefer_holders(eligible, holds, self.cluster, self.config.lora_affinity)
-        if not np.array_equal(preferred, eligible):  # affinity narrowed the choice
-            self.counters["lora_affinity"] += 1
-        return preferred
+
+        def holds(worker: WorkerState, sent: list[EditTask]) -> bool:
+            return names <= set(worker.loras).union(use.name for task in sent for use in task.lora)
+
+        return self._prefer(eligible, holds, self.config.lora_affinity, "lora_affinity")
 
     def _template_holders(self, template_id: str, eligible: np.ndarray) -> np.ndarray:
         """`policies.prefer_holders` for an edit's template: a worker holds what its last heartbeat reported in
         host memory and the templates of the edits sent there and not yet answered (they bring it there)."""
-        holds = np.zeros_like(eligible)
+        def holds(worker: WorkerState, sent: list[EditTask]) -> bool:
+            return template_id in worker.cached or any(task.template_id == template_id for task in sent)
+
+        return self._prefer(eligible, holds, self.config.template_affinity, "template_affinity")
+
+    def _prefer(self, eligible: np.ndarray, holds: Callable[[WorkerState, list[EditTask]], bool],
+                bound: int | None, event: str) -> np.ndarray:
+        """`policies.prefer_holders` over the workers `holds(worker, the edits sent there and not yet answered)`
+        says hold what an edit needs; each choice it narrows is counted as `event`."""
+        held = np.zeros_like(eligible)
         for worker in self.workers.values():
-            holds[worker.slot] = template_id in worker.cached or any(
-                self.pending[request_id].task.template_id == template_id
-                for request_id in worker.assigned if request_id in self.pending)
-        preferred = prefer_holders(eligible, holds, self.cluster, self.config.template_affinity)
-        if not np.array_equal(preferred, eligible):
-            self.counters["template_affinity"] += 1
+            sent = [self.pending[request_id].task for request_id in worker.assigned if request_id in self.pending]
+            held[worker.slot] = holds(worker, sent)
+        preferred = prefer_holders(eligible, held, self.cluster, bound)
+        if not np.array_equal(preferred, eligible):  # affinity narrowed the choice
+            self.counters[event] += 1
         return preferred
 
     def _most_recently_edited(self) -> list[TemplateRecord]:
