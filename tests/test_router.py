@@ -283,7 +283,9 @@ def test_a_worker_recording_a_template_weighs_as_busy_until_it_reports_or_is_los
     """A recording computes every token for all its steps: the policies see it in its worker's load (so an
     edit goes to an idle worker instead), from when it is sent until the worker reports it, fails it, or
     it is lost and sent again."""
-    router = make_router(dead_after_s=0.3)
+    # Long enough that a stalled test process (CI runs four on two cores) does not lose a worker between its
+    # messages: the router then ignored its ping, and the test waited for a pong that never came.
+    router = make_router(dead_after_s=1.0)
     w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
     router.register_template(template("both"))
     w0.register("both")
@@ -311,6 +313,7 @@ def test_a_worker_recording_a_template_weighs_as_busy_until_it_reports_or_is_los
     while router.snapshot()["counters"]["lost_recordings"] == 0 and time.monotonic() < deadline:
         for worker in (w0, w1):
             worker.send({"kind": "heartbeat", "running": [], "queued": [], "held": [], "recording": []})
+        for worker in (w0, w1):
             worker.sync()
     assert sum(w["queued"] + w["running"] for w in router.snapshot()["workers"].values()) == 3  # 2 edits + 1
     for worker in (w0, w1):
