@@ -59,8 +59,9 @@ class Engine:
         # One-off images edited below full strength and not recorded (`submit_image`), least recent first
         self._below_full: OrderedDict[str, None] = OrderedDict()
         self._jobs_lock = threading.Lock()
-        self.worker = Worker(editor, config, self._send_to_postprocess if config.mode == "disagg" else None,
-                             predict_s)
+        disaggregated = config.mode == "disagg"
+        self.worker = Worker(editor, config, self._send_to_postprocess if disaggregated else None, predict_s,
+                             self._send_to_prepare if disaggregated else None)
         self._running = False
         self._loop_done = threading.Event()
         self._closing = False
@@ -343,6 +344,11 @@ class Engine:
         if self.helpers is None:
             self.worker.inbox.put(("edit", job))
             return
+        self._send_to_prepare(job)
+
+    def _send_to_prepare(self, job: Job) -> None:
+        """To a helper for pre-processing; it comes back to the loop's inbox as "ready" (`_on_helper_message`).
+        The loop sends its own recordings of lost templates this way too."""
         with self._jobs_lock:
             self._jobs[job.id] = job
         job.future.add_done_callback(lambda _: self._forget_job(job))

@@ -254,14 +254,18 @@ class Worker:
 
     def __init__(self, editor: MaskAwareEditor, config: EngineConfig,
                  send_to_postprocess: Callable[[Job], None] | None = None,
-                 predict_s: Callable[[Job], float] | None = None):
+                 predict_s: Callable[[Job], float] | None = None,
+                 send_to_prepare: Callable[[Job], None] | None = None):
         """`predict_s(job)`: seconds the job still needs once admitted, for slack ordering (default:
-        `predicted_s`, its steps x the measured mean step time)."""
+        `predicted_s`, its steps x the measured mean step time). `send_to_prepare(job)`: prepares a recording
+        the loop starts itself (a lost template's) elsewhere, the job coming back to the inbox as "ready"
+        (the disaggregated mode's helpers); None: on the loop thread."""
         self.editor = editor
         self.config = config
         self.scheduler = BatchScheduler.for_scheduler(editor.pipe.scheduler)
         self._calls = calls_line(self.scheduler.template) or (1, 0)  # denoiser calls of n steps (`_steps_of`)
         self.send_to_postprocess = send_to_postprocess
+        self.send_to_prepare = send_to_prepare
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
@@ -302,15 +306,17 @@ class Worker:
         """Take everything in the inbox, blocking while there is nothing to run; False once stopped
         and drained (every accepted request answered)."""
         while True:
-            idle = not self.running and not self.waiting
-            if idle and self.stopping:
+            if not self.running and not self.waiting and self.stopping:
                 return False
+            idle = not self.running and all(map(self._waits_elsewhere, self.waiting))
             try:
                 message = self.inbox.get(block=idle)
             except queue.Empty:
                 return True
             kind = message[0]
-            if kind in ("edit", "ready"):
+            if kind == "ready" and self._records_again(message[1]):
+                self.waiting.appendleft(message[1])  # the edits that found its template lost wait for it
+            elif kind in ("edit", "ready"):
                 self.waiting.append(message[1])
             elif kind == "call":
                 self._call(message[1], message[2])
@@ -403,7 +409,8 @@ class Worker:
         every running request for a whole generation. The first edit to find it lost starts the recording,
         at the head of the queue with the edit's deadline, and the others of it wait for the same one. Once it
         has ended, recorded or not (failed, cancelled by a drop), the edit goes on to `acquire`, which finds
-        it, records it inline, or says why it cannot."""
+        it, records it inline, or says why it cannot. The recording is prepared by `send_to_prepare` where
+        there is one (the helpers): its text encoding then does not hold the batch either."""
         if job.waited_for is not None:
             return not job.waited_for.future.done()
         template_id = job.request.template_id
@@ -413,17 +420,25 @@ class Worker:
                 return False
             recording = self.new_job(None, self.editor.to_record_again(job.template, missed=True),
                                      deadline=job.deadline)
-            recording.ready = self._inline(lambda: self._prepare(recording), recording)
-            if recording.ready is None:
-                return False
+            if self.send_to_prepare is None:
+                recording.ready = self._inline(lambda: self._prepare(recording), recording)
+                if recording.ready is None:
+                    return False
             self._recording_again[template_id] = recording
 
-            def ended(_, recording=recording) -> None:  # on the loop thread: recorded, failed or cancelled
+            def ended(_, recording=recording) -> None:  # recorded, failed or cancelled (a helper's failure: its thread)
                 if self._recording_again.get(template_id) is recording:
                     del self._recording_again[template_id]
+                self.inbox.put(("wake",))  # a loop idle until it came back (`_waits_elsewhere`) admits its edits
 
             recording.future.add_done_callback(ended)
-            self.waiting.appendleft(recording)
+            if self.send_to_prepare is None:
+                self.waiting.appendleft(recording)
+            else:
+                try:
+                    self.send_to_prepare(recording)
+                except Exception as exc:  # noqa: BLE001 - it fails alone; its edits go on to `acquire`
+                    self._fail(recording, exc)
             logger.info("template %s is in no cache tier any more: recorded again beside the batch, for edit %d",
                         template_id, job.id)
         elif job.deadline is not None and (recording.deadline is None or job.deadline < recording.deadline):
@@ -449,7 +464,17 @@ class Worker:
 
     def _is_registration(self, job: Job) -> bool:
         """A recording no edit waits for (an edit that found its template lost waits for its own)."""
-        return job.request is None and self._recording_again.get(job.recording.template_id) is not job
+        return job.request is None and not self._records_again(job)
+
+    def _waits_elsewhere(self, job: Job) -> bool:
+        """Whether a waiting edit waits for a recording of its template that is being prepared outside the loop
+        (`send_to_prepare`): with nothing running, the loop sleeps until a message comes instead of spinning."""
+        recording = job.waited_for
+        return recording is not None and not recording.future.done() and recording.ready is None
+
+    def _records_again(self, job: Job) -> bool:
+        """Whether the job is the recording of a lost template that edits wait for (`_waits_for_recording`)."""
+        return job.request is None and self._recording_again.get(job.recording.template_id) is job
 
     def next_waiting(self) -> Job:
         """Take the waiting job to admit next: the least slack (deadline - now - `predict_s`) among

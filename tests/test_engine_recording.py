@@ -383,6 +383,86 @@ def test_a_template_the_store_lost_is_recorded_again_beside_the_running_batch():
     assert max_diff(final_latents(first), expected[1]) <= batch_bound(expected[1])
 
 
+def test_a_one_off_image_the_store_lost_is_recorded_again_as_its_first_edit_recorded_it():
+    """A one-off image's recording is its first edit's run (that edit's prompt, seed and mask). Evicted, it
+    is recorded again beside the running batch (it was recorded inline, every running edit waiting a whole
+    generation), the same run, so a later edit of it reads what it read before the image was lost."""
+    from retouch.cache import CacheStore, StoreConfig
+
+    image, first_mask = template_image((40, 160, 220)), square_mask((8, 8, 40, 40))
+    reference = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    reference.edit_image(image, first_mask, "a red hat", seed=3, steps=STEPS)
+    one_off_id = reference.one_off_template(image, first_mask, "a red hat", 3, STEPS).template_id
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"),
+                             cache=CacheStore(StoreConfig(host_bytes=2 * reference.cache.nbytes(one_off_id) + 4096)))
+    editor.edit_image(image, first_mask, "a red hat", seed=3, steps=STEPS)
+    ids = [editor.register_template(template_image(colour), prompt="a room", steps=STEPS, seed=i)
+           for i, colour in enumerate([(200, 90, 30), (30, 90, 200)])]  # the second evicts the image
+    assert editor.lost(editor.templates[one_off_id]) and not editor.lost(editor.templates[ids[1]])
+
+    running = EditRequest(ids[1], square_mask(), "a green hat", seed=5)
+    lost = Worker.new_job(EditRequest(one_off_id, square_mask((32, 32, 79, 63)), "a blue door", seed=6))
+    beside = []
+
+    def inject(worker, step):
+        beside.append(any(job.request is None for job in worker.running)
+                      and any(job.request == running for job in worker.running))
+        if step == 1:
+            worker.inbox.put(("edit", lost))
+
+    worker, (first,) = run(editor, EngineConfig(mode="naive"), [running], inject)
+    assert any(beside), "the recording did not run beside the edit"
+    assert editor.recomputes == 1 and worker.metrics.recorded == 1 and worker._recording_again == {}
+    assert lost.metrics.computed_tokens < lost.metrics.tokens
+    expected = reference.edit_many([lost.request], output_type="latent")[0]
+    assert max_diff(final_latents(lost), expected) <= 4 * batch_bound(expected)  # as the registered one's
+
+
+def test_a_disaggregated_engine_prepares_a_lost_templates_recording_in_a_helper():
+    """The recording of a lost template is prepared (text encoding, the template's latents) by a helper as a
+    registration is, not on the loop thread: the running edit is not interrupted, and the loop sleeps
+    while nothing else can run (it spun, waiting for the helper, on the CPU the helper needs)."""
+    from retouch.cache import CacheStore, StoreConfig
+
+    probe = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    size = probe.cache.nbytes(probe.register_template(template_image(), prompt="a room", steps=STEPS, seed=0))
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=CacheStore(StoreConfig(host_bytes=2 * size + 4096)))
+    with Engine(editor, EngineConfig(mode="disagg", max_batch=8)) as engine:
+        ids = [engine.register_template(template_image((60 * i, 90, 30)), prompt="a room", steps=STEPS, seed=i)
+               for i in range(3)]
+        assert editor.lost(editor.templates[ids[0]])  # the third evicted the first
+        stepped, arrived = threading.Event(), threading.Event()
+        put = engine.worker.inbox.put
+
+        def put_and_tell(message, *args, **kwargs):  # the lost edit, prepared, reaches the loop's inbox
+            put(message, *args, **kwargs)
+            if message[0] == "ready" and message[1].request is not None and message[1].request.template_id == ids[0]:
+                arrived.set()
+
+        def on_step(step, steps):  # the loop holds the running edit mid-denoising until the lost edit is there
+            if step == 1:
+                stepped.set()
+                arrived.wait(120)
+
+        engine.worker.inbox.put = put_and_tell
+        running = engine.submit(EditRequest(ids[2], square_mask(), "a red hat", seed=5), watch=StepWatch(on_step))
+        assert stepped.wait(120)
+        lost = engine.submit(EditRequest(ids[0], square_mask((32, 32, 79, 63)), "a blue door", seed=6))
+        lost_result, running_result = lost.result(300), running.result(300)
+        metrics = engine.metrics()
+        assert arrived.is_set() and editor.recomputes == 1 and metrics["recorded"] == 4
+        assert metrics["interruptions"] == 0  # prepared on the loop, it interrupted the running edit
+        assert lost_result.metrics.computed_tokens < lost_result.metrics.tokens
+
+        assert editor.lost(editor.templates[ids[1]])  # evicted by the recording again of the first
+        admits = []
+        admit = engine.worker.admit
+        engine.worker.admit = lambda: (admits.append(1), admit())[1]
+        alone = engine.submit(EditRequest(ids[1], square_mask(), "a hat", seed=8)).result(300)
+    assert alone.metrics.computed_tokens < alone.metrics.tokens and editor.recomputes == 2
+    assert len(admits) < 4 * STEPS, f"the loop ran {len(admits)} times for two runs of {STEPS} steps"
+
+
 def test_registrations_leave_edits_their_slots_and_an_edit_joins_at_the_next_step():
     """A burst of registrations fills the batch only up to `max_batch - edit_slots`: an edit arriving
     behind it joins at the next step instead of waiting a generation for a slot, and the registrations

@@ -714,10 +714,10 @@ class MaskAwareEditor:
 
     def lost(self, template: Template) -> bool:
         """Whether `acquire` would record the template again: the store holds it in no tier any more
-        (evicted without a disk tier), or its recording lacks what the current cache mode reads. One-off
-        images are left to `acquire`, which records them inline as before: their recordings are their first
-        edits' (`Template.recorded_mask`), and recording one again as a member of a batch is not tested."""
-        if not isinstance(self.cache, CacheStore) or template.one_off:
+        (evicted without a disk tier), or its recording lacks what the current cache mode reads. A one-off
+        image's recording is made again as its first edit made it (its prompt, seed and `recorded_mask` are
+        that edit's), so its later edits read what they read before it was lost."""
+        if not isinstance(self.cache, CacheStore):
             return False
         template = self.templates.get(template.template_id, template)
         return not self._covers(template) or not self.cache.contains(template.template_id)
