@@ -49,6 +49,7 @@ import math
 import sys
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -345,6 +346,18 @@ def out_path(text: str) -> Path:
     return checked(text)
 
 
+# The --lora-* and --template-* knobs, by dest: their defaults (None on the command line: not given).
+KNOBS = {"lora_zipf": 1.0, "lora_cache": 32, "lora_miss_s": 0.5, "lora_affinity": 0, "template_zipf": 1.0,
+         "template_cache": 2, "template_miss_s": 6.0, "template_affinity": 0, "template_replicas": 0}
+
+
+def _knob_adder(parser: ArgumentParser) -> Callable[[str, type, str], None]:
+    def add(flag: str, kind: type, help_: str) -> None:
+        parser.add_argument(flag, type=kind, default=None, help=f"{help_} (default {KNOBS[flag[2:].replace('-', '_')]})")
+
+    return add
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(prog="retouch simulate", description=__doc__)
     parser.add_argument("--workers", type=int, default=8)
@@ -378,26 +391,29 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rate-step", type=float, default=0.05, help="--find-load: rps per worker per step")
     parser.add_argument("--max-rate", type=float, default=4.0, help="--find-load: rps per worker at most")
     parser.add_argument("--loras", type=int, default=0, help="adapters requests name (0: no LoRA)")
-    parser.add_argument("--lora-zipf", type=float, default=1.0, help="Zipf exponent of adapter popularity")
-    parser.add_argument("--lora-cache", type=int, default=32, help="adapters a worker holds")
-    parser.add_argument("--lora-miss-s", type=float, default=0.5,
-                        help="seconds a request waits when its worker must read its adapter")
-    parser.add_argument("--lora-affinity", type=int, default=0,
-                        help="the router's bound: in-flight requests over the least loaded worker's")
+    knob = _knob_adder(parser)
+    knob("--lora-zipf", float, "Zipf exponent of adapter popularity")
+    knob("--lora-cache", int, "adapters a worker holds")
+    knob("--lora-miss-s", float, "seconds a request waits when its worker must read its adapter")
+    knob("--lora-affinity", int, "the router's bound: in-flight requests over the least loaded worker's")
     parser.add_argument("--templates", type=int, default=0,
                         help="templates requests edit (0: one, always in host memory)")
-    parser.add_argument("--template-zipf", type=float, default=1.0, help="Zipf exponent of template popularity")
-    parser.add_argument("--template-cache", type=int, default=2,
-                        help="templates a worker's host memory holds (flux-size at 1024 px: 2 in 96 GiB)")
-    parser.add_argument("--template-miss-s", type=float, default=6.0,
-                        help="seconds an edit waits when its worker reads its template back from disk (flux-size: "
-                             "37 GiB at ~6 GB/s)")
-    parser.add_argument("--template-affinity", type=int, default=0,
-                        help="the router's bound: in-flight requests over the least loaded worker's")
-    parser.add_argument("--template-replicas", type=int, default=0,
-                        help="workers each template is recorded on (0: every worker)")
+    knob("--template-zipf", float, "Zipf exponent of template popularity")
+    knob("--template-cache", int, "templates a worker's host memory holds (flux-size at 1024 px: 2 in 96 GiB)")
+    knob("--template-miss-s", float, "seconds an edit waits when its worker reads its template back from disk "
+                                     "(flux-size: 37 GiB at ~6 GB/s)")
+    knob("--template-affinity", int, "the router's bound: in-flight requests over the least loaded worker's")
+    knob("--template-replicas", int, "workers each template is recorded on (0: every worker)")
     parser.add_argument("--out", type=out_path, default=None, help="also write the JSON here, and a PNG beside it")
     args = parser.parse_args(argv)
+    for count, prefix in (("loras", "lora_"), ("templates", "template_")):
+        given = [name for name in KNOBS if name.startswith(prefix) and getattr(args, name) is not None]
+        if given and not getattr(args, count):  # it shapes only the runs its count turns on: ignored, silently
+            parser.error(f"{', '.join('--' + name.replace('_', '-') for name in given)} "
+                         f"{'needs' if len(given) == 1 else 'need'} --{count} N (N >= 1): without it they change nothing")
+        for name in KNOBS:
+            if name.startswith(prefix) and getattr(args, name) is None:
+                setattr(args, name, KNOBS[name])
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
     unknown = [name for name in policies if name not in POLICIES]
     if unknown or not policies:

@@ -109,7 +109,12 @@ def test_main_with_a_fitted_cost_model_writes_json_and_png(tmp_path):
                                          (["--loras", "5", "--lora-cache", "0"], "--lora-cache"),
                                          (["--loras", "5", "--find-load"], "--find-load"),
                                          (["--templates", "5", "--template-cache", "0"], "--template-cache"),
-                                         (["--templates", "5", "--loras", "5"], "--loras")])
+                                         (["--templates", "5", "--loras", "5"], "--loras"),
+                                         # knobs of runs nobody asked for: they were ignored, silently
+                                         (["--template-cache", "4"], "--template-cache needs --templates"),
+                                         (["--template-affinity=-1"], "--template-affinity needs --templates"),
+                                         (["--lora-zipf", "1.2", "--lora-affinity", "2"],
+                                          "--lora-zipf, --lora-affinity need --loras")])
 def test_bad_options_are_refused_in_one_line(argv, named, capsys):
     with pytest.raises(SystemExit) as exited:
         simulate.main(argv)
