@@ -353,7 +353,8 @@ KNOBS = {"lora_zipf": 1.0, "lora_cache": 32, "lora_miss_s": 0.5, "lora_affinity"
 
 def _knob_adder(parser: ArgumentParser) -> Callable[[str, type, str], None]:
     def add(flag: str, kind: type, help_: str) -> None:
-        parser.add_argument(flag, type=kind, default=None, help=f"{help_} (default {KNOBS[flag[2:].replace('-', '_')]})")
+        default = KNOBS[flag[2:].replace("-", "_")]
+        parser.add_argument(flag, type=kind, default=None, help=f"{help_} (default {default})")
 
     return add
 
@@ -409,8 +410,9 @@ def main(argv: list[str] | None = None) -> dict:
     for count, prefix in (("loras", "lora_"), ("templates", "template_")):
         given = [name for name in KNOBS if name.startswith(prefix) and getattr(args, name) is not None]
         if given and not getattr(args, count):  # it shapes only the runs its count turns on: ignored, silently
-            parser.error(f"{', '.join('--' + name.replace('_', '-') for name in given)} "
-                         f"{'needs' if len(given) == 1 else 'need'} --{count} N (N >= 1): without it they change nothing")
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            parser.error(f"{flags} {'needs' if len(given) == 1 else 'need'} --{count} N (N >= 1): without it "
+                         "they change nothing")
         for name in KNOBS:
             if name.startswith(prefix) and getattr(args, name) is None:
                 setattr(args, name, KNOBS[name])
