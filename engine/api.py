@@ -180,20 +180,26 @@ class Engine:
         recorded, or being recorded, costs nothing more."""
         return self.submit_recording(self.editor.new_template(image, prompt, steps, seed, guidance, mask), on_step)
 
-    def submit_recording(self, template: Template,
-                         on_step: Callable[[int, int], None] | None = None) -> Future[str]:
-        """`submit_template` of a template already made (`MaskAwareEditor.new_template`)."""
+    def submit_recording(self, template: Template, on_step: Callable[[int, int], None] | None = None,
+                         only_if_room: bool = False) -> Future[str]:
+        """`submit_template` of a template already made (`MaskAwareEditor.new_template`). `only_if_room`: record
+        it only if the caches have room for it beside what they hold (as the last recording of its shape took,
+        `MaskAwareEditor.recording_bytes`), else leave it to its first edit (`defer_recording`). A worker that
+        joins a server is sent every template the server has: recording those its caches cannot hold would
+        push out the ones it has just recorded, a generation each for nothing."""
         self._check_running()
         with self._jobs_lock:
             dropping = template.template_id in self._dropping
         if not dropping and (self.editor.is_recorded(template.template_id) or self.editor.adopt(template)):
-            done: Future = Future()
-            done.set_result(template.template_id)
-            return done
+            return _done(template.template_id)
         with self._jobs_lock:
             recording = self._recordings.get(template.template_id)
             if recording is not None and not dropping:
                 return recording.future
+            if only_if_room and not dropping and not self._has_room(template):
+                self.editor.defer_recording(template)
+                self.worker.metrics.deferred_recordings += 1
+                return _done(template.template_id)
             job = Worker.new_job(None, recording=template, watch=None if on_step is None else StepWatch(on_step))
             self._track_recording(job)
         self._enqueue(job)
@@ -235,6 +241,12 @@ class Engine:
         if records_beside:
             self.submit_recording(template)
         return job.future
+
+    def _has_room(self, template: Template) -> bool:
+        """Whether a recording of `template` fits the caches' free bytes (True until one of its shape was
+        recorded: its size is not known before)."""
+        cache, nbytes = self.editor.cache, self.editor.recording_bytes(template)
+        return nbytes is None or not isinstance(cache, CacheStore) or cache.free_bytes() >= nbytes
 
     def _edited_below_full(self, template_id: str) -> bool:
         """With the jobs lock held: whether the one-off image was edited below full strength before; it
@@ -431,6 +443,12 @@ class Engine:
                     future.exception()  # waits; the outcome is the caller's
                 except CancelledError:  # cancelled while we waited
                     pass
+
+
+def _done(result) -> Future:
+    done: Future = Future()
+    done.set_result(result)
+    return done
 
 
 def _deadline(budget_s: float | None) -> float | None:

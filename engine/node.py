@@ -148,6 +148,10 @@ class Node:
         self._session: str | None = None  # the welcoming router's (a new one: the old edits are orphans)
         self.templates: dict[str, str] = {}  # router template id -> the editor's (recorded)
         self.registrations: dict[str, tuple[str, Future]] = {}  # router template id -> (editor's, recording)
+        # The registrations sent at its hello ("join"), in the router's order (most recently edited first), not
+        # started yet: one runs at a time (`_start_joins`), each on what the caches hold by then.
+        self._joining: deque[tuple[str, dict, dict]] = deque()
+        self._join_recording: Future | None = None
         self.requests: dict[Future, int] = {}  # engine future -> router request id
         self.futures: dict[int, Future] = {}  # router request id -> engine future
         self._parent = os.getppid()
@@ -173,6 +177,7 @@ class Node:
             if self.socket in events:
                 while self.socket.poll(0):
                     stopping |= self._on_message(self.socket.recv_multipart())
+            self._start_joins()  # the end of a recording is posted, which wakes this thread
             self._flush()
             if time.monotonic() >= next_heartbeat:
                 self._post(self._heartbeat())
@@ -381,7 +386,8 @@ class Node:
             running = [[self.requests[f], steps] for f, steps in running if f in self.requests]
             queued = [self.requests[f] for f in queued if f in self.requests]
             held = list(self.futures)  # every edit accepted and not yet answered, wherever it is
-            recording = list(self.registrations)  # every template it records and has not yet reported
+            # every template it records, or will, and has not yet reported
+            recording = list(self.registrations) + [router_template for router_template, _, _ in self._joining]
         return {"kind": "heartbeat", "running": running, "queued": queued, "held": held, "recording": recording,
                 "seen": self._seen, "metrics": self.metrics(),
                 "loras": self.engine.worker.loras.resident(), "lora_digests": self.engine.worker.loras.digests(),
@@ -456,18 +462,45 @@ class Node:
                     "cached": self._cached()}, {"png": png_bytes(result.image)})
 
     def _register(self, header: dict, blobs: dict) -> None:
-        """Record a template as a member of the running batch; the router hears of each step and the end."""
+        """Record a template as a member of the running batch; the router hears of each step and the end.
+        The templates sent at its hello are recorded one at a time, while the caches have room (`_start_joins`)."""
         router_template = header["template"]
         if self.draining:  # sent before the router heard: not a failure of the template, another records it
             self._post({"kind": "template", "template": router_template, "ok": False, "draining": True})
             return
-        self._record(router_template, lambda: self.engine.editor.new_template(  # the router's id names its tenant
-            decode_image(blobs["image"], f"template {router_template}"), header["prompt"], int(header["steps"]),
-            int(header["seed"]), header["guidance"], scope=router_template))
+        if header.get("join"):
+            with self._lock:
+                self._joining.append((router_template, header, blobs))
+            self._start_joins()
+            return
+        self._record(router_template, self._template_of(router_template, header, blobs))
 
-    def _record(self, router_template: str, make_template: Callable[[], Template]) -> None:
+    def _template_of(self, router_template: str, header: dict, blobs: dict) -> Callable[[], Template]:
+        return lambda: self.engine.editor.new_template(  # the router's id names its tenant
+            decode_image(blobs["image"], f"template {router_template}"), header["prompt"], int(header["steps"]),
+            int(header["seed"]), header["guidance"], scope=router_template)
+
+    def _start_joins(self) -> None:
+        """On the socket thread: start the next registration sent at its hello once none is under way (and
+        the next after it, should it end at once). One at a time, so that each is recorded only if the caches
+        still have room for it beside those recorded before it (`Engine.submit_recording(only_if_room=True)`);
+        the others are known here and recorded by their first edit. A draining worker records none of them."""
+        while self._join_recording is None or self._join_recording.done():
+            with self._lock:
+                if not self._joining:
+                    return
+                router_template, header, blobs = self._joining.popleft()
+            if self.draining:
+                self._post({"kind": "template", "template": router_template, "ok": False, "draining": True})
+                continue
+            self._join_recording = self._record(router_template, self._template_of(router_template, header, blobs),
+                                                only_if_room=True)
+
+    def _record(self, router_template: str, make_template: Callable[[], Template],
+                only_if_room: bool = False) -> Future | None:
         """Record the template `make_template()` makes as a member of the running batch: the router hears
-        of each step and of the end (a failure to start too); until then heartbeats say it is under way."""
+        of each step and of the end (a failure to start too); until then heartbeats say it is under way.
+        The recording's future, or None when it could not start. `only_if_room`: `Engine.submit_recording`'s."""
         def progress(step: int, steps: int) -> None:
             self._post({"kind": "progress", "template": router_template, "step": step, "steps": steps})
 
@@ -490,19 +523,21 @@ class Node:
 
         try:
             template = make_template()
-            future = self.engine.submit_recording(template, on_step=progress)
+            future = self.engine.submit_recording(template, on_step=progress, only_if_room=only_if_room)
         except Exception as exc:  # noqa: BLE001 - the router is told; the worker (and an edit beside) goes on
             self._post({"kind": "template", "template": router_template, "ok": False,
                         "message": f"{type(exc).__name__}: {exc}"})
-            return
+            return None
         with self._lock:
             self.registrations[router_template] = (template.template_id, future)
         future.add_done_callback(recorded)
+        return future
 
     def _drop(self, router_template: str) -> None:
         with self._lock:
             template_id = self.templates.pop(router_template, None)
             recording = self.registrations.pop(router_template, None)
+            self._joining = deque(join for join in self._joining if join[0] != router_template)
         for editor_template in {template_id, recording[0] if recording else None} - {None}:
             self.engine.drop_template(editor_template, wait=False)
 

@@ -1081,9 +1081,11 @@ class Router:
             self._answer(self.pending[request_id], EditAnswer(
                 None, 422, "TemplateFailed", f"template {record.template_id!r} could not be recorded: {record.error}"))
 
-    def _ensure_replicas(self, record: TemplateRecord) -> None:
+    def _ensure_replicas(self, record: TemplateRecord, joined: str | None = None) -> None:
         """Send the template to live workers until it has the replicas it wants (recording or ready).
-        A one-off image is recorded by its next edit instead, sent on if it waits."""
+        A one-off image is recorded by its next edit instead, sent on if it waits. `joined`: the worker that
+        has just said hello, whose registrations say "join": it is sent every template at once, and records
+        only those its caches hold beside each other (`Node._start_joins`)."""
         if record.one_off:
             if self.workers and not self._holders(record) and self.parked.get(record.template_id):
                 self._dispatch_parked(record.template_id)
@@ -1097,7 +1099,8 @@ class Router:
         for worker in candidates[:max(0, wanted - len(holding))]:
             record.states[worker.name] = "recording"
             seq = self._send(worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
-                                      "steps": record.steps, "seed": record.seed, "guidance": record.guidance},
+                                      "steps": record.steps, "seed": record.seed, "guidance": record.guidance,
+                                      **({"join": True} if worker.name == joined else {})},
                              {"image": record.image})
             self._recording_sent(worker, record, seq)
 
@@ -1399,7 +1402,7 @@ class Router:
                 self._template_changed(record)
                 self._dispatch_parked(template_id)
         for record in self._most_recently_edited():
-            self._ensure_replicas(record)
+            self._ensure_replicas(record, joined=name)
         self._changed.notify_all()
 
     def _draining(self, worker: WorkerState) -> None:

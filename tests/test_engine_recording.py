@@ -463,6 +463,33 @@ def test_a_disaggregated_engine_prepares_a_lost_templates_recording_in_a_helper(
     assert len(admits) < 4 * STEPS, f"the loop ran {len(admits)} times for two runs of {STEPS} steps"
 
 
+def test_a_recording_only_if_room_is_left_to_its_first_edit_once_the_caches_are_full():
+    """What a joining worker does with the templates it is sent (`Node._start_joins`): it records them while
+    its caches have room beside each other and knows the rest, each recorded by its first edit beside the
+    batch. Recording them all pushed out the ones it had just recorded (here: every one but the last two)."""
+    from retouch.cache import CacheStore, StoreConfig
+
+    reference = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    images = [template_image((50 * i, 90, 30)) for i in range(4)]
+    size = reference.cache.nbytes(reference.register_template(images[0], prompt="a room", steps=STEPS, seed=0))
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=CacheStore(StoreConfig(host_bytes=2 * size + 4096)))
+    with Engine(editor, EngineConfig(mode="naive")) as engine:
+        templates = [editor.new_template(image, prompt="a room", steps=STEPS, seed=i) for i, image in enumerate(images)]
+        ids = [engine.submit_recording(t, only_if_room=True).result(120) for t in templates]
+        assert [editor.is_recorded(template_id) for template_id in ids] == [True, True, False, False]
+        assert editor.cache.metrics()["evictions"] == 0 and engine.metrics()["deferred_recordings"] == 2
+        assert editor.lost(editor.templates[ids[2]])  # known: its first edit records it
+        request = EditRequest(ids[2], square_mask(), "a red hat", seed=5)
+        edited = engine.submit(request).result(120)
+        assert editor.recomputes == 1 and edited.metrics.computed_tokens < edited.metrics.tokens
+        # A registration asked for by name records, room or not (the least recently used one goes).
+        assert engine.submit_recording(templates[3]).result(120) == ids[3] and editor.is_recorded(ids[3])
+        assert engine.metrics()["deferred_recordings"] == 2
+    reference.register_template(images[2], prompt="a room", steps=STEPS, seed=2)
+    expected = reference.edit_many([request], output_type="pil")[0]
+    assert np.abs(np.asarray(edited.image, int) - np.asarray(expected, int)).max() <= 2
+
+
 def test_registrations_leave_edits_their_slots_and_an_edit_joins_at_the_next_step():
     """A burst of registrations fills the batch only up to `max_batch - edit_slots`: an edit arriving
     behind it joins at the next step instead of waiting a generation for a slot, and the registrations

@@ -199,7 +199,7 @@ class RecordingEngine:
         self.watches.append(watch)
         return self._recorded("submit_image", image, lora)
 
-    def submit_recording(self, template, on_step=None) -> Future:
+    def submit_recording(self, template, on_step=None, only_if_room=False) -> Future:
         done = Future()
         done.set_result(template.template_id)
         return done

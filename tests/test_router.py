@@ -279,6 +279,19 @@ def test_replicas_one_records_on_one_worker_and_again_when_it_dies(context, make
     assert future.result(TIMEOUT_S).status == 200
 
 
+def test_the_templates_a_worker_is_sent_at_its_hello_say_join_and_later_ones_do_not(context, make_router):
+    """A joining worker records those it is sent at its hello only while its caches have room (`Node`); a
+    template registered later is asked for by name, and recorded there whatever it pushes out."""
+    router = make_router()
+    router.register_template(template("before"))
+    w0 = ScriptedWorker(context, router, "w0")
+    first = w0.receive("register")
+    assert (first["template"], first.get("join")) == ("before", True)
+    router.register_template(template("after"))
+    later = w0.receive("register")
+    assert later["template"] == "after" and "join" not in later
+
+
 def test_a_worker_recording_a_template_weighs_as_busy_until_it_reports_or_is_lost(context, make_router):
     """A recording computes every token for all its steps: the policies see it in its worker's load (so an
     edit goes to an idle worker instead), from when it is sent until the worker reports it, fails it, or

@@ -217,6 +217,7 @@ class MaskAwareEditor:
             self.copy_engine = copy_engine if copy_engine is not None else CopyEngine(self.pipe.device)
         self.templates: dict[str, Template] = {}
         self.recomputes = 0  # templates recorded again because no cache tier held them any more
+        self._recording_bytes: dict[tuple, int] = {}  # `_bytes_key` -> the last such recording's bytes
         self._fingerprint: str | None = None
         self._schedulable: set[tuple[int, int]] = set()  # (scheduler, step count) seen to make a schedule
         self._lock = threading.RLock()  # see one_at_a_time
@@ -459,6 +460,22 @@ class MaskAwareEditor:
         """After the last recorded step: edits can read the template from now on."""
         if isinstance(self.cache, CacheStore):
             self.cache.commit(template.template_id)
+            nbytes = self.cache.nbytes(template.template_id)
+            if nbytes:
+                self._recording_bytes[self._bytes_key(template)] = nbytes
+
+    def recording_bytes(self, template: Template) -> int | None:
+        """The bytes a recording of `template` takes in the cache, as the last one of its shape took (its
+        latents, text, schedule and cache mode); None before one was recorded."""
+        return self._recording_bytes.get(self._bytes_key(template))
+
+    def _bytes_key(self, template: Template) -> tuple:
+        return tuple(template.latent_shape), template.num_text_tokens, template.steps, template.recorded_mode
+
+    def defer_recording(self, template: Template) -> None:
+        """Know `template` without recording it: its first edit records it (`lost`), as one evicted from
+        every tier would be."""
+        self.templates[template.template_id] = replace(template, recorded_mode=self.mode_name)
 
     def abort_recording(self, template_id: str) -> None:
         """Forget a recording that did not finish, and the memory its steps took (the store keeps a

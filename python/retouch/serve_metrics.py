@@ -63,6 +63,8 @@ WORKER_COUNTERS = (("steps", "denoising steps run"),
                     "the host cache (--cache-host-gib), so their later edits are not mask-aware either"),
                    ("recording_retries", "registrations started over because templates in use held the host "
                     "cache their recording needed"),
+                   ("deferred_recordings", "templates a joining worker was sent that its caches had no room for "
+                    "beside those it had recorded: each is recorded by its first edit there"),
                    ("interruptions", "inline pre/post-processing tasks, and templates recorded again, while "
                     "other requests were denoising"),
                    ("helper_restarts", "pre/post-processing helper processes replaced: they died, or said nothing "

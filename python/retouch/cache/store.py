@@ -519,6 +519,15 @@ class CacheStore(ActivationCache):
         self._evict(template)
         return True
 
+    def free_bytes(self) -> int:
+        """What a new recording can take without pushing a template out of every tier: host memory's free
+        bytes, and the disk tier's."""
+        with self._lock:
+            free = self.arena.capacity - self.arena.used
+        if self.disk is not None:
+            free += max(0, self.disk.budget - self.disk.used)
+        return max(0, free)
+
     def nbytes(self, template_id=None):
         with self._lock:
             if template_id is None:
