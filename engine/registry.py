@@ -8,6 +8,8 @@ registered before it stopped, without the clients registering them again.
                       "created"}; written last, so a template without it was not saved whole
     <id>.png         the image the workers record
     <id>.alpha.png   its transparency, when it has any (`TemplateRecord.alpha`)
+    recency.json     {"format", "ids"}: the templates, most recently edited first, as the router saw them when
+                     it closed; a restarted router sends a joining worker those first (`Router._most_recently_edited`)
 
 One-off images are not kept: they are evicted by use and recorded again by their next edit anyway.
 `owner` is the tenant's id, a digest of its API key (`http_api.tenant_of`), never the key.
@@ -24,6 +26,7 @@ from retouch.engine.router import TemplateRecord
 from retouch.paths import lock_folder, write_whole
 
 FORMAT = 1
+RECENCY = "recency.json"
 TEMPLATE_ID = re.compile(r"tpl-[0-9a-f]{8,64}")
 logger = logging.getLogger("retouch.registry")
 
@@ -57,6 +60,26 @@ class TemplateRegistry:
             return
         for suffix in (".json", ".png", ".alpha.png"):  # the header first: a half-removed one is not loaded
             self._path(template_id, suffix).unlink(missing_ok=True)
+
+    def save_recency(self, template_ids: list[str]) -> None:
+        """Keep the order in which the templates were last edited, most recent first."""
+        ids = [template_id for template_id in template_ids if TEMPLATE_ID.fullmatch(template_id)]
+        write_whole(self.directory / RECENCY, json.dumps({"format": FORMAT, "ids": ids}).encode())
+
+    def recency(self) -> list[str]:
+        """The order `save_recency` kept, or [] (none kept, or unreadable: logged)."""
+        path = self.directory / RECENCY
+        if not path.exists():
+            return []
+        try:
+            header = json.loads(path.read_bytes())
+            if header["format"] != FORMAT:
+                raise ValueError(f"format {header['format']}")
+            return [str(template_id) for template_id in header["ids"]]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("%s cannot be read (%s): templates are taken as edited in the order they were registered",
+                           path, exc)
+            return []
 
     def load(self) -> list[TemplateRecord]:
         """Every template saved whole, oldest first; one that cannot be read is logged and skipped."""

@@ -404,6 +404,8 @@ class Router:
         self._registry_lock = threading.Lock()  # taken before self._lock, never after
         self.templates: dict[str, TemplateRecord] = {} if registry is None else {
             record.template_id: record for record in registry.load()}
+        if registry is not None:
+            self._restore_recency(registry.recency())
         if self.held_bytes(one_off=False) > config.max_template_bytes:  # kept: they are the clients' templates
             logger.warning("the %d registered templates in %s hold %.0f MiB, over the %.0f MiB allowed "
                            "(--max-templates-mb): new registrations are refused until some are deleted",
@@ -482,6 +484,11 @@ class Router:
         if self.security is not None:
             self.security.close()
         if self.registry is not None:
+            try:  # a worker that joins the next router records the templates most recently edited first
+                self.registry.save_recency([r.template_id for r in self._most_recently_edited() if not r.one_off])
+            except OSError as exc:
+                logger.warning("the order in which templates were edited could not be kept in %s: %s",
+                               self.registry.directory, exc)
             self.registry.close()
         self.context.term()
 
@@ -1035,6 +1042,17 @@ class Router:
         if not np.array_equal(preferred, eligible):  # affinity narrowed the choice
             self.counters[event] += 1
         return preferred
+
+    def _restore_recency(self, ids: list[str]) -> None:
+        """`last_used` (this process's clock: not kept) in the order the last router saw edits (`ids`, most
+        recent first). Templates it did not list were registered after it kept the order (it died): they
+        come first, newest first, as they would have here."""
+        listed = [template_id for template_id in ids if template_id in self.templates]
+        unlisted = sorted((r for r in self.templates.values() if r.template_id not in frozenset(listed)),
+                          key=lambda record: record.created, reverse=True)
+        now = time.monotonic()
+        for rank, template_id in enumerate([r.template_id for r in unlisted] + listed):
+            self.templates[template_id].last_used = now - rank * 1e-3
 
     def _most_recently_edited(self) -> list[TemplateRecord]:
         """The templates, the most recently edited (or registered) first: the order a worker that joins, or

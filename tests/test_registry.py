@@ -92,6 +92,49 @@ def test_the_router_starts_with_the_kept_templates_and_keeps_what_changes(tmp_pa
     assert [t.template_id for t in registry.load()] == ["tpl-0000bbbb"]
 
 
+def test_a_restarted_router_sends_a_joining_worker_the_templates_most_recently_edited_first(tmp_path):
+    """The order in which templates were edited is kept when the router closes: after a restart a joining
+    worker records the ones in use first (it got them oldest registered first, each a generation). A
+    template registered after the order was kept comes first."""
+    from retouch.engine.policies import RequestLoad
+    from retouch.engine.router import EditTask
+
+    config = RouterConfig(address="tcp://127.0.0.1:0", policy="least-requests", heartbeat_s=0.05, dead_after_s=60.0)
+    router = Router(config, registry=TemplateRegistry(tmp_path)).start()
+    context = zmq.Context()
+    try:
+        worker = ScriptedWorker(context, router, "w0")
+        for i, template_id in enumerate(("tpl-0000aaaa", "tpl-0000bbbb", "tpl-0000cccc")):
+            router.register_template(record(template_id, created=float(i)))
+            worker.register(template_id)
+        answer = router.submit(EditTask("tpl-0000aaaa", bytes(48 * 32), (48, 32), "a cat", 0,
+                                        RequestLoad(image_tokens=6, masked_tokens=2, steps=4)))
+        worker.answer(worker.receive("edit")["request"])
+        assert answer.result(10).status == 200
+    finally:
+        router.close(drain_s=0)
+    late = TemplateRegistry(tmp_path)
+    late.save(record("tpl-0000dddd", created=3.0))  # as if registered after the order was kept
+    late.close()
+    router = Router(config, registry=TemplateRegistry(tmp_path)).start()
+    try:
+        worker = ScriptedWorker(context, router, "w0")
+        sent = [worker.receive("register")["template"] for _ in range(4)]
+        assert sent == ["tpl-0000dddd", "tpl-0000aaaa", "tpl-0000cccc", "tpl-0000bbbb"]
+    finally:
+        router.close(drain_s=0)
+        context.destroy(linger=0)
+
+
+def test_a_damaged_order_of_edits_is_said_and_the_registration_order_used(tmp_path, caplog):
+    registry = TemplateRegistry(tmp_path)
+    registry.save_recency(["tpl-0000bbbb", "../escape", "tpl-0000aaaa"])
+    assert registry.recency() == ["tpl-0000bbbb", "tpl-0000aaaa"]  # only template ids are kept
+    (tmp_path / "recency.json").write_text('{"format": 1, "ids": 7}')
+    assert registry.recency() == [] and "recency.json cannot be read" in caplog.text
+    registry.close()
+
+
 def test_kept_templates_over_the_memory_bound_are_all_served_and_new_ones_refused(tmp_path, caplog):
     """A server restarted with a smaller --max-templates-mb keeps every template its clients registered
     (said in the log) and refuses new ones until deletions bring it under the bound."""
