@@ -94,7 +94,7 @@ def test_the_router_starts_with_the_kept_templates_and_keeps_what_changes(tmp_pa
 
 def test_a_restarted_router_sends_a_joining_worker_the_templates_most_recently_edited_first(tmp_path):
     """The order in which templates were edited is kept when the router closes: after a restart a joining
-    worker records the ones in use first (it got them oldest registered first, each a generation). A
+    worker records the ones in use first (it got them newest registered first, each a generation). A
     template registered after the order was kept comes first."""
     from retouch.engine.policies import RequestLoad
     from retouch.engine.router import EditTask
