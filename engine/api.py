@@ -61,7 +61,7 @@ class Engine:
         self._jobs_lock = threading.Lock()
         disaggregated = config.mode == "disagg"
         self.worker = Worker(editor, config, self._send_to_postprocess if disaggregated else None, predict_s,
-                             self._send_to_prepare if disaggregated else None)
+                             self._send_to_prepare if disaggregated else None, self._recording_of)
         self._running = False
         self._loop_done = threading.Event()
         self._closing = False
@@ -347,6 +347,18 @@ class Engine:
                     del self._recordings[template_id]
 
         job.future.add_done_callback(forget)
+
+    def _recording_of(self, template_id: str, make: Callable[[], Job]) -> Job:
+        """The loop's (`Worker.recording_of`): the recording of the template under way, or `make()`'s, tracked
+        from now on, so that a registration or a one-off edit of the template meanwhile does not record it
+        a second time beside it."""
+        with self._jobs_lock:
+            under_way = self._recordings.get(template_id)
+            if under_way is not None and not under_way.future.done():
+                return under_way
+            job = make()
+            self._track_recording(job)
+            return job
 
     def _enqueue(self, job: Job) -> None:
         """To the loop, or first to a helper for pre-processing (disaggregated mode)."""

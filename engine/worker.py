@@ -255,17 +255,22 @@ class Worker:
     def __init__(self, editor: MaskAwareEditor, config: EngineConfig,
                  send_to_postprocess: Callable[[Job], None] | None = None,
                  predict_s: Callable[[Job], float] | None = None,
-                 send_to_prepare: Callable[[Job], None] | None = None):
+                 send_to_prepare: Callable[[Job], None] | None = None,
+                 recording_of: Callable[[str, Callable[[], Job]], Job] | None = None):
         """`predict_s(job)`: seconds the job still needs once admitted, for slack ordering (default:
         `predicted_s`, its steps x the measured mean step time). `send_to_prepare(job)`: prepares a recording
         the loop starts itself (a lost template's) elsewhere, the job coming back to the inbox as "ready"
-        (the disaggregated mode's helpers); None: on the loop thread."""
+        (the disaggregated mode's helpers); None: on the loop thread. `recording_of(template_id, make)`: the
+        recording of the template already under way (a registration, a one-off image's first edit), else
+        `make()`, known as the template's recording from then on (`Engine._recordings`): two recordings of
+        one template in a batch write over each other, and both fail."""
         self.editor = editor
         self.config = config
         self.scheduler = BatchScheduler.for_scheduler(editor.pipe.scheduler)
         self._calls = calls_line(self.scheduler.template) or (1, 0)  # denoiser calls of n steps (`_steps_of`)
         self.send_to_postprocess = send_to_postprocess
         self.send_to_prepare = send_to_prepare
+        self.recording_of = recording_of
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
@@ -364,6 +369,8 @@ class Worker:
                 if job.recording is None and self._waits_for_recording(job):
                     loading.append(job)
                     continue
+                if job.ready is None:  # prepared again after its wait, and that failed (`_waits_for_recording`)
+                    continue
                 try:
                     self.scheduler.admit(job.ready.prepared.schedule, self.editor.device)
                     if job.recording is not None:
@@ -412,14 +419,29 @@ class Worker:
         it, records it inline, or says why it cannot. The recording is prepared by `send_to_prepare` where
         there is one (the helpers): its text encoding then does not hold the batch either."""
         if job.waited_for is not None:
-            return not job.waited_for.future.done()
+            if not job.waited_for.future.done():
+                return True
+            self._prepared_for(job)
+            return False
         template_id = job.request.template_id
         recording = self._recording_again.get(template_id)
         if recording is None:
             if self.config.mode == "static" or not self.editor.lost(job.template):
                 return False
-            recording = self.new_job(None, self.editor.to_record_again(job.template, missed=True),
-                                     deadline=job.deadline)
+            made = []
+
+            def make() -> Job:
+                made.append(self.new_job(None, self.editor.to_record_again(job.template, missed=True),
+                                         deadline=job.deadline))
+                return made[0]
+
+            recording = make() if self.recording_of is None else self.recording_of(template_id, make)
+            if not made:  # under way already: the edit waits for that one
+                if recording.request is None and job.deadline is not None and (
+                        recording.deadline is None or job.deadline < recording.deadline):
+                    recording.deadline = job.deadline
+                job.waited_for = recording
+                return True
             if self.send_to_prepare is None:
                 recording.ready = self._inline(lambda: self._prepare(recording), recording)
                 if recording.ready is None:
@@ -445,6 +467,19 @@ class Worker:
             recording.deadline = job.deadline  # queued by the most urgent of the edits that wait for it
         job.waited_for = recording
         return True
+
+    def _prepared_for(self, job: Job) -> None:
+        """After the recording its edit waited for: an edit prepared for another recording of the template
+        than the one now cached (a one-off image recorded anew by another edit, with that edit's prompt, seed
+        and mask) is prepared again, on the loop: its inputs (its start, the region it recomputes) follow
+        the recording it reads. `job.ready` is None if that failed (the job failed)."""
+        now_recorded = self.editor.templates.get(job.request.template_id)
+        prepared = job.ready.inputs.template
+        if now_recorded is None or now_recorded is prepared or (
+                (now_recorded.seed, now_recorded.prompt, now_recorded.recorded_mask.tobytes())
+                == (prepared.seed, prepared.prompt, prepared.recorded_mask.tobytes())):
+            return
+        job.ready = self._inline(lambda: self._prepare(job), job)
 
     def cancel_recording_again(self, template_id: str) -> None:
         """The template is being dropped: its recording for lost-template edits stops at the next step (they

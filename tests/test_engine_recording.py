@@ -418,6 +418,83 @@ def test_a_one_off_image_the_store_lost_is_recorded_again_as_its_first_edit_reco
     assert max_diff(final_latents(lost), expected) <= 4 * batch_bound(expected)  # as the registered one's
 
 
+@pytest.mark.parametrize("kind", ["registered", "one-off"])
+def test_a_template_recorded_again_is_the_only_recording_of_it_in_the_batch(kind):
+    """While the loop records a lost template again, a registration of it gets that recording's answer, and a
+    one-off edit of the image is computed in full without recording: a second recording of one template id
+    beside the first wrote over it, and both failed ("steps are recorded in order"), the edit with them."""
+    from retouch.cache import CacheStore, StoreConfig
+
+    image, first_mask = template_image((40, 160, 220)), square_mask((8, 8, 40, 40))
+    probe = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    size = probe.cache.nbytes(probe.register_template(image, prompt="a room", steps=STEPS, seed=0))
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=CacheStore(StoreConfig(host_bytes=2 * size + 4096)))
+    beside = {}
+    with Engine(editor, EngineConfig(mode="naive")) as engine:
+        if kind == "registered":
+            template_id = engine.register_template(image, prompt="a room", steps=STEPS, seed=0)
+        else:
+            template_id = engine.submit_image(image, first_mask, "a cat", seed=3, steps=STEPS).result(120).recorded
+        others = [engine.register_template(template_image((60 * i, 90, 30)), prompt="a room", steps=STEPS, seed=i)
+                  for i in (1, 2)]  # the second evicts the first
+        assert editor.lost(editor.templates[template_id])
+        submitted = threading.Event()
+
+        def on_step(step, steps):  # on the loop thread, between two admissions
+            if step == 1:
+                submitted.wait(120)
+            if step == 2:  # the lost edit was admitted at the last admission: its recording is under way
+                beside["again"] = engine.worker._recording_again[template_id]
+                beside["second"] = (engine.submit_recording(editor.templates[template_id]) if kind == "registered"
+                                    else engine.submit_image(image, square_mask(), "a hat", seed=9, steps=STEPS))
+
+        running = engine.submit(EditRequest(others[1], square_mask(), "a red hat", seed=5), watch=StepWatch(on_step))
+        lost = engine.submit(EditRequest(template_id, square_mask((32, 32, 79, 63)), "a blue door", seed=6))
+        submitted.set()
+        results = [running.result(120), lost.result(120)]
+        assert engine.metrics()["watch_errors"] == 0, engine.worker.metrics.last_watch_error
+        results.append(beside["second"].result(120))
+        metrics = engine.metrics()
+    assert metrics["failed"] == 0 and editor.recomputes == 1 and metrics["recorded"] == 4
+    assert results[1].metrics.computed_tokens < results[1].metrics.tokens  # mask-aware, once recorded
+    if kind == "registered":
+        assert beside["second"] is beside["again"].future and results[2] == template_id
+    else:  # the stock pipeline's edit, as a one-off edit sent while its image is being recorded is
+        assert results[2].recorded is None and results[2].metrics.computed_tokens == results[2].metrics.tokens
+
+
+def test_an_edit_that_waited_for_another_recording_of_its_one_off_image_reads_that_one():
+    """A one-off image lost while an edit of it waited, and recorded anew by a later one-off edit (with that
+    edit's prompt, seed and mask): the waiting edit waits for that recording rather than record a second
+    beside it, and is prepared again for it, so it is the edit of the image as recorded now."""
+    image = template_image((40, 160, 220))
+    first, a, b = ((square_mask(box), prompt, seed) for box, prompt, seed in (
+        ((8, 8, 40, 40), "a cat", 3), ((32, 32, 79, 63), "a blue door", 6), ((0, 0, 31, 31), "a red hat", 7)))
+    reference = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    reference.edit_image(image, b[0], b[1], seed=b[2], steps=STEPS)  # b's recording
+    expected = reference.edit_image(image, a[0], a[1], seed=a[2], steps=STEPS)
+    editor = MaskAwareEditor(load_pipeline("tiny-flux-fill"))
+    with Engine(editor, EngineConfig(mode="naive")) as engine:
+        image_id = engine.submit_image(image, first[0], first[1], seed=first[2], steps=STEPS).result(120).recorded
+        other = engine.register_template(template_image((9, 99, 9)), prompt="a room", steps=STEPS, seed=1)
+        held = threading.Event()
+
+        def on_step(step, steps):
+            if step == 1:
+                held.wait(120)
+
+        running = engine.submit(EditRequest(other, square_mask(), "a hat", seed=5), watch=StepWatch(on_step))
+        waiting = engine.submit_image(image, a[0], a[1], seed=a[2], steps=STEPS)  # an edit of the recorded image
+        assert editor.cache.evict(image_id)
+        anew = engine.submit_image(image, b[0], b[1], seed=b[2], steps=STEPS)  # records it, with its own mask
+        held.set()
+        results = [future.result(120) for future in (running, waiting, anew)]
+        metrics = engine.metrics()
+    assert metrics["failed"] == 0 and editor.recomputes == 0 and results[2].recorded == image_id  # its only recording
+    assert results[1].metrics.computed_tokens < results[1].metrics.tokens
+    assert np.abs(np.asarray(results[1].image, int) - np.asarray(expected, int)).max() <= 2
+
+
 def test_a_disaggregated_engine_prepares_a_lost_templates_recording_in_a_helper():
     """The recording of a lost template is prepared (text encoding, the template's latents) by a helper as a
     registration is, not on the loop thread: the running edit is not interrupted, and the loop sleeps
