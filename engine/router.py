@@ -286,6 +286,8 @@ class WorkerState:
     sent_in: dict[int | str, tuple[int, float]] = field(default_factory=dict)
     draining: bool = False  # stopping: it finishes its edits, and gets no new edit or template
     registering: set[str] = field(default_factory=set)  # templates sent to it to record, not yet reported
+    # Those of them sent at its hello, in order: it records them one at a time, so only the first weighs
+    joining: dict[str, None] = field(default_factory=dict)
     dropping: set[int] = field(default_factory=set)  # edits it holds that are not its own, told to drop them
 
 
@@ -1120,20 +1122,27 @@ class Router:
                                       "steps": record.steps, "seed": record.seed, "guidance": record.guidance,
                                       **({"join": True} if worker.name == joined else {})},
                              {"image": record.image})
-            self._recording_sent(worker, record, seq)
+            self._recording_sent(worker, record, seq, join=worker.name == joined)
 
-    def _recording_sent(self, worker: WorkerState, record: TemplateRecord, seq: int) -> None:
+    def _recording_sent(self, worker: WorkerState, record: TemplateRecord, seq: int, join: bool = False) -> None:
         """The message `seq` asked `worker` to record the template: until it reports the end, its heartbeats
         must say it is under way (`_find_lost_recordings`), and the policies weigh it as a request computing
-        every token for all the template's steps (a worker busy recording is not an idle one)."""
+        every token for all the template's steps (a worker busy recording is not an idle one). Those sent at
+        its hello (`join`) it records one at a time: one weighs, the next once that one is over."""
         self._recording_over(worker, record.template_id)  # one sent again after it was lost
         worker.registering.add(record.template_id)
         worker.sent_in[record.template_id] = (seq, time.monotonic())
+        if join:
+            worker.joining[record.template_id] = None
+        if not join or len(worker.joining) == 1:
+            self._weigh_recording(worker, record)
+        self._template_changed(record)
+
+    def _weigh_recording(self, worker: WorkerState, record: TemplateRecord) -> None:
         width, height = record.size
         tokens = math.ceil(width / TOKEN_SIDE) * math.ceil(height / TOKEN_SIDE)
         self.cluster.assign(worker.slot, _recording_key(worker, record.template_id),
                             RequestLoad(tokens, tokens, record.steps))
-        self._template_changed(record)
 
     def _recording_over(self, worker: WorkerState, template_id: str) -> None:
         """The worker no longer records the template (reported, lost, or deleted): its load leaves the worker's."""
@@ -1143,6 +1152,12 @@ class Router:
         key = _recording_key(worker, template_id)
         if self.cluster.holds(worker.slot, key):
             self.cluster.finish(worker.slot, key)
+        if template_id in worker.joining:
+            weighed = next(iter(worker.joining)) == template_id
+            del worker.joining[template_id]
+            following = next(iter(worker.joining), None)
+            if weighed and following is not None and following in self.templates:
+                self._weigh_recording(worker, self.templates[following])  # the one it records now
 
     def _remove_worker(self, name: str, why: str) -> None:
         worker = self.workers.pop(name, None)

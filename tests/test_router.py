@@ -279,17 +279,32 @@ def test_replicas_one_records_on_one_worker_and_again_when_it_dies(context, make
     assert future.result(TIMEOUT_S).status == 200
 
 
-def test_the_templates_a_worker_is_sent_at_its_hello_say_join_and_later_ones_do_not(context, make_router):
-    """A joining worker records those it is sent at its hello only while its caches have room (`Node`); a
-    template registered later is asked for by name, and recorded there whatever it pushes out."""
+def test_the_templates_a_worker_is_sent_at_its_hello_say_join_and_weigh_as_one(context, make_router):
+    """A joining worker records those it is sent at its hello one at a time, only while its caches have room
+    (`Node`): they weigh as the one it records (all of them weighed, a worker joining a server of 1,000
+    templates was avoided by every policy until it had reported each). A template registered later is asked
+    for by name, and recorded there whatever it pushes out."""
     router = make_router()
-    router.register_template(template("before"))
+    for name in ("b1", "b2", "b3"):
+        router.register_template(template(name))
     w0 = ScriptedWorker(context, router, "w0")
-    first = w0.receive("register")
-    assert (first["template"], first.get("join")) == ("before", True)
+
+    def load() -> int:
+        w0.sync()
+        return router.snapshot()["workers"]["w0"]["queued"]
+
+    sent = [w0.receive("register") for _ in range(3)]
+    assert [(m["template"], m.get("join")) for m in sent] == [("b3", True), ("b2", True), ("b1", True)]
+    w0.inbox[:0] = sent
+    assert load() == 1
+    w0.register("b3")
+    assert load() == 1  # the next one weighs now
+    w0.register("b2")
+    w0.register("b1")
+    assert load() == 0
     router.register_template(template("after"))
     later = w0.receive("register")
-    assert later["template"] == "after" and "join" not in later
+    assert later["template"] == "after" and "join" not in later and load() == 1
 
 
 def test_a_worker_recording_a_template_weighs_as_busy_until_it_reports_or_is_lost(context, make_router):
