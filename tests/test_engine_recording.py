@@ -343,6 +343,22 @@ def test_a_one_off_edit_and_a_registration_sharing_a_cache_for_one_both_answer(f
     assert editor.is_recorded(registration.recording.template_id) or worker.metrics.recording_retries == 0
 
 
+def run_lost_beside(editor: MaskAwareEditor, running: EditRequest, lost):
+    """The loop over `running`, with the edit of a lost template (`lost`, a job) arriving at its second step:
+    (worker, running's job), once the lost template's recording was seen running beside `running`."""
+    beside = []  # per loop step: whether a recording ran beside the running edit
+
+    def inject(worker, step):
+        beside.append(any(job.request is None for job in worker.running)
+                      and any(job.request == running for job in worker.running))
+        if step == 1:
+            worker.inbox.put(("edit", lost))
+
+    worker, (first,) = run(editor, EngineConfig(mode="naive"), [running], inject)
+    assert any(beside), "the recording did not run beside the edit"
+    return worker, first
+
+
 def test_a_template_the_store_lost_is_recorded_again_beside_the_running_batch():
     """With no disk tier, a template evicted from host memory is recorded again for its next edit. That
     recording joins the batch as a registration does: the running edit keeps stepping beside it (recorded
@@ -362,16 +378,7 @@ def test_a_template_the_store_lost_is_recorded_again_beside_the_running_batch():
 
     running = EditRequest(ids[2], square_mask(), "a red hat", seed=5)
     lost = Worker.new_job(EditRequest(ids[0], square_mask((32, 32, 79, 63)), "a blue door", seed=6))
-    beside = []  # per loop step: whether a recording ran beside the running edit
-
-    def inject(worker, step):
-        beside.append(any(job.request is None for job in worker.running)
-                      and any(job.request == running for job in worker.running))
-        if step == 1:
-            worker.inbox.put(("edit", lost))
-
-    worker, (first,) = run(editor, EngineConfig(mode="naive"), [running], inject)
-    assert any(beside), "the recording did not run beside the edit"
+    worker, first = run_lost_beside(editor, running, lost)
     assert editor.recomputes == 1 and worker.metrics.recorded == 1 and worker.metrics.completed == 2
     assert editor.cache.metrics()["misses"] == 1  # found lost, as `acquire` would have counted it
     assert worker._recording_again == {}  # forgotten once it ended
@@ -402,16 +409,7 @@ def test_a_one_off_image_the_store_lost_is_recorded_again_as_its_first_edit_reco
 
     running = EditRequest(ids[1], square_mask(), "a green hat", seed=5)
     lost = Worker.new_job(EditRequest(one_off_id, square_mask((32, 32, 79, 63)), "a blue door", seed=6))
-    beside = []
-
-    def inject(worker, step):
-        beside.append(any(job.request is None for job in worker.running)
-                      and any(job.request == running for job in worker.running))
-        if step == 1:
-            worker.inbox.put(("edit", lost))
-
-    worker, (first,) = run(editor, EngineConfig(mode="naive"), [running], inject)
-    assert any(beside), "the recording did not run beside the edit"
+    worker, _ = run_lost_beside(editor, running, lost)
     assert editor.recomputes == 1 and worker.metrics.recorded == 1 and worker._recording_again == {}
     assert lost.metrics.computed_tokens < lost.metrics.tokens
     expected = reference.edit_many([lost.request], output_type="latent")[0]
