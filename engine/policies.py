@@ -388,6 +388,19 @@ def prefer_holders(eligible: np.ndarray, holds: np.ndarray, cluster: ClusterLoad
     return preferred if preferred.any() else eligible
 
 
+def replica_to_add(replicas: np.ndarray, others: np.ndarray, cluster: ClusterLoad, bound: int = 1) -> int | None:
+    """Where a template whose edits have outgrown its replicas is recorded next: the least loaded of `others`
+    (bool [slots]) when every worker holding it (`replicas`) has more than `bound` requests in flight beyond
+    it (its slot), else None. A recording there costs one generation, and the template's edits then spread
+    further (with few replicas a popular template's edits piled onto them while other workers idled)."""
+    if not replicas.any() or not others.any():
+        return None
+    in_flight = cluster.in_flight
+    candidates = np.flatnonzero(others)
+    least = candidates[np.argmin(in_flight[candidates])]
+    return int(least) if in_flight[replicas].min() > in_flight[least] + bound else None
+
+
 _POLICY_CLASSES = {cls.name: cls for cls in (RoundRobin, LeastRequests, LeastTokens, MaskAware, LeastWork)}
 
 

@@ -70,7 +70,7 @@ import zmq
 from retouch.engine import wire
 from retouch.engine.curve import RouterSecurity, is_loopback
 from retouch.engine.policies import (ClusterLoad, NoWorker, RequestLoad, denoiser_calls, full_finish_s, make_policy,
-                                    prefer_holders)
+                                    prefer_holders, replica_to_add)
 from retouch.engine.step_cost import StepCost
 from retouch.engine.wakeup import Wakeup
 from retouch.config import model_label
@@ -205,6 +205,7 @@ class TemplateRecord:
     seed: int
     guidance: float | None
     replicas: int  # 0: the router's `template_replicas`
+    added_replicas: int = 0  # replicas beyond `replicas` its edits' load asked for (`Router._grow_replicas`)
     one_off: bool = False  # recorded by its first edit, never registered on its own
     edits_below_full: int = 0  # requests editing it below strength 1 (a one-off's second records it, `_route`)
     owner: str = ""  # the tenant (API key) that registered it: others neither see nor use it
@@ -321,6 +322,10 @@ class RouterConfig:
     # that worker and takes room in its caches: with fewer, a registration costs less GPU time and the
     # cluster's caches hold more distinct templates, while each template's edits go to its replicas only.
     template_replicas: int = 0
+    # With fewer replicas than workers: a template whose replicas all have more than this many requests in
+    # flight beyond the least loaded other worker gets another replica there (`policies.replica_to_add`), so a
+    # popular template's edits do not pile onto its few. None: the replicas stay as many as asked.
+    template_replicas_grow: int | None = 1
     # With no worker connected for this long, parked edits are answered 503 and new ones refused at once: a
     # cluster without workers should not hold clients for minutes. inf: wait for one (a single worker whose
     # restart reloads a large model may take longer than the default).
@@ -359,7 +364,7 @@ class RouterConfig:
         for name in ("max_one_off_bytes", "max_template_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lora_affinity", "template_affinity"):
+        for name in ("lora_affinity", "template_affinity", "template_replicas_grow"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 or None, got {getattr(self, name)}")
         if self.template_replicas < 0:
@@ -429,7 +434,7 @@ class Router:
         self._lora_workers_since = time.monotonic()  # when a worker that serves LoRAs was last connected
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
                          "one_offs_evicted": 0, "one_offs_recorded_beside": 0, "one_offs_too_large": 0,
-                         "lora_affinity": 0, "template_affinity": 0,
+                         "lora_affinity": 0, "template_affinity": 0, "replicas_added": 0,
                          "registry_failures": 0, "workers_mismatched": 0, "lost_requests": 0, "lost_recordings": 0,
                          "lora_mismatches": 0, "worker_names_taken": 0, "stale_edits_dropped": 0}
         self._lora_mismatches: set[tuple[str, str, str]] = set()  # (name, digest, digest) said once
@@ -902,6 +907,8 @@ class Router:
             if state == "ready" and name in self.workers and not self.workers[name].draining:
                 eligible[self.workers[name].slot] = True
         carries_image = records = records_beside = False
+        if eligible.any() and not record.one_off:
+            self._grow_replicas(record)
         if not eligible.any():
             open_workers = self._open_workers()
             if record.one_off and open_workers.any() and not self._holders(record):
@@ -1113,7 +1120,7 @@ class Router:
         live = [w for w in self.workers.values() if not w.draining]  # none yet: the first hello records it
         holding = [w for w in live if record.states.get(w.name) in ("recording", "ready")]
         replicas = record.replicas or self.config.template_replicas
-        wanted = len(live) if replicas == 0 else min(replicas, len(live))
+        wanted = len(live) if replicas == 0 else min(replicas + record.added_replicas, len(live))
         candidates = [w for w in live if w.name not in record.states]
         candidates.sort(key=lambda w: self.cluster.in_flight[w.slot])  # the least busy records it
         for worker in candidates[:max(0, wanted - len(holding))]:
@@ -1123,6 +1130,26 @@ class Router:
                                       **({"join": True} if worker.name == joined else {})},
                              {"image": record.image})
             self._recording_sent(worker, record, seq, join=worker.name == joined)
+
+    def _grow_replicas(self, record: TemplateRecord) -> None:
+        """With fewer replicas than workers (`RouterConfig.template_replicas`): one more for a template whose
+        replicas all carry more than `template_replicas_grow` requests beyond the least loaded other worker,
+        recorded there (a generation) while this edit goes to a replica."""
+        bound = self.config.template_replicas_grow
+        if bound is None or (record.replicas or self.config.template_replicas) == 0:
+            return
+        holders = np.zeros_like(self.cluster.alive)
+        others = self._open_workers().copy()
+        for name, state in record.states.items():
+            if name in self.workers:
+                others[self.workers[name].slot] = False
+                if state in ("recording", "ready") and not self.workers[name].draining:
+                    holders[self.workers[name].slot] = True
+        if replica_to_add(holders, others, self.cluster, bound) is not None:
+            record.added_replicas += 1
+            self.counters["replicas_added"] += 1
+            logger.info(f"template {record.template_id}: its replicas are busy; another worker records it")
+            self._ensure_replicas(record)
 
     def _recording_sent(self, worker: WorkerState, record: TemplateRecord, seq: int, join: bool = False) -> None:
         """The message `seq` asked `worker` to record the template: until it reports the end, its heartbeats

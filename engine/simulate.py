@@ -56,7 +56,8 @@ from pathlib import Path
 import numpy as np
 
 from retouch.costs import CostModel
-from retouch.engine.policies import POLICIES, ClusterLoad, Policy, RequestLoad, make_policy, prefer_holders
+from retouch.engine.policies import (POLICIES, ClusterLoad, Policy, RequestLoad, make_policy, prefer_holders,
+                                     replica_to_add)
 from retouch.engine.reference_costs import h800_flux
 from retouch.engine.step_cost import StepCost
 from retouch.errors import ArgumentParser, InputError
@@ -113,6 +114,7 @@ class KeyedCache:
     miss_s: float
     affinity: int | None = None
     replicas: int = 0  # workers that may serve a key (`RouterConfig.template_replicas`); 0: every one
+    grow: bool = False  # a key whose replicas are all full gets another (`policies.replica_to_add`)
 
     def eligible(self, key: int, workers: int) -> np.ndarray | None:
         """[workers] bool: the key's replicas, spread evenly over the workers by key; None: every worker."""
@@ -172,6 +174,8 @@ class SimulatedCluster:
         self.finished = np.full(len(loads), np.nan)
         self.waited = np.zeros(len(loads))  # seconds each request waited for its key's read
         self.hits = 0
+        self.replicas_added = 0
+        self._replicas: dict[int, np.ndarray] = {}  # key -> its replicas, grown from `KeyedCache.eligible`
         self.decision_s = 0.0
         self._events: list[tuple[float, int, int, int, int]] = []  # (time, seq, worker, version, steps)
         self._seq = 0
@@ -200,7 +204,7 @@ class SimulatedCluster:
         if self.keyed is not None:
             key = self.keyed.keys[request]
             holds = np.array([key in worker.held for worker in self.workers])
-            replicas = self.keyed.eligible(int(key), len(self.workers))
+            replicas = self._replicas_of(int(key))
             alive = self.cluster_load.alive if replicas is None else self.cluster_load.alive & replicas
             eligible = prefer_holders(alive, holds, self.cluster_load, self.keyed.affinity)
         slot = self.policy.choose(load, self.cluster_load, eligible)
@@ -216,6 +220,24 @@ class SimulatedCluster:
             steps = math.floor((now - worker.phase_start) / worker.step_s) + 1
             if steps < worker.event_steps:
                 self._schedule(worker, steps)
+
+    def _replicas_of(self, key: int) -> np.ndarray | None:
+        """The key's replicas now ([workers] bool; None: every worker); with `KeyedCache.grow`, one more when
+        all of them are full and another worker has room (it reads the key at its first request, as the
+        router's new replica records the template)."""
+        replicas = self._replicas.get(key)
+        if replicas is None:
+            replicas = self.keyed.eligible(key, len(self.workers))
+            if replicas is None:
+                return None
+            self._replicas[key] = replicas
+        if self.keyed.grow:
+            alive = self.cluster_load.alive
+            added = replica_to_add(alive & replicas, alive & ~replicas, self.cluster_load)
+            if added is not None:
+                replicas[added] = True
+                self.replicas_added += 1
+        return replicas
 
     def _hold(self, worker: _Worker, request: int, now: float) -> None:
         """The worker holds the request's key from now (its read starts at submission): a hit (no read),
@@ -467,6 +489,9 @@ def main(argv: list[str] | None = None) -> dict:
         replicas = args.template_replicas if kind == "template" else 0
         runs = [(label, name, KeyedCache(keys, cache, miss_s, bound, replicas)) for name in policies
                 for label, bound in ((name, None), (f"{name}+{kind}-affinity", affinity))]
+        if replicas:  # the router's default: replicas that grow where a template's edits fill them
+            runs += [(f"{name}+{kind}-affinity+growing-replicas", name,
+                      KeyedCache(keys, cache, miss_s, affinity, replicas, grow=True)) for name in policies]
     for label, name, keyed in runs:
         print(f"{label}: {args.requests} requests at {args.rps} rps on {args.workers} workers", file=sys.stderr)
         cluster = SimulatedCluster(make_policy(name, cost), cost, workload, args.workers, args.max_batch, keyed)
@@ -474,6 +499,8 @@ def main(argv: list[str] | None = None) -> dict:
         results[label] = summarize(latencies[label], cluster.decision_s, workload)
         if keyed is not None:
             results[label][f"{kind}_hit_rate"] = cluster.hits / args.requests
+        if keyed is not None and keyed.grow:
+            results[label]["replicas_added"] = cluster.replicas_added
     alone = cost.latency(cost.request_features(image_tokens, round(_mean_ratio(args.mask_dist) * image_tokens),
                                                text_tokens))
     report = {"policies": results, "workers": args.workers, "rps": args.rps, "requests": args.requests,
@@ -583,6 +610,10 @@ def _plot(report: dict, latencies: dict[str, np.ndarray], out: Path) -> None:
         axis.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered),
                   label=f"{name} (p95 {summary['p95_s']:.2f} s{hits})")
     axis.set_xlabel("request latency (s)")
+    everything = np.concatenate(list(latencies.values()))
+    if np.max(everything) > 20 * np.median(everything):  # a queue of minutes beside runs of seconds
+        axis.set_xscale("log")
+        axis.set_xlabel("request latency (s, log scale)")
     axis.set_ylabel("fraction of requests")
     loras, templates = report.get("loras"), report.get("templates")
     keyed_title = (f"\n{loras['adapters']} LoRAs (Zipf {loras['zipf']:g}), {loras['cache']} held per worker, "
@@ -591,9 +622,12 @@ def _plot(report: dict, latencies: dict[str, np.ndarray], out: Path) -> None:
                    f"host memory per worker,\na read from disk +{templates['miss_s']:g} s, affinity bound "
                    f"{templates['affinity']}, recorded on "
                    f"{templates.get('replicas') or 'every'} worker(s)" if templates else "")
+    if templates and templates.get("replicas"):
+        keyed_title += "\n(+growing-replicas: one more where all are busy)"
     axis.set_title(f"{report['workers']} workers, {report['rps']} rps, {report['mask_dist']} masks{keyed_title}",
                    fontsize=10 if keyed_title else None)
-    axis.legend(loc="upper left", fontsize=8)  # the curves rise at the right
+    # the curves rise at the right; on a log scale at the left
+    axis.legend(loc="lower right" if axis.get_xscale() == "log" else "upper left", fontsize=8)
     figure.tight_layout()
     figure.savefig(out, dpi=120)
     plt.close(figure)

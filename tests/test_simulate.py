@@ -257,3 +257,24 @@ def test_template_replicas_send_a_templates_edits_to_its_replicas_only(cost):
     cluster.run()
     assert cluster.hits == 4  # the first edit of each template misses, the second finds it
     assert [list(worker.held) for worker in cluster.workers] == [[0], [1], [2], [3]]
+
+
+def test_growing_replicas_spread_a_popular_templates_edits(cost):
+    """One template, one replica, four workers: fixed, every edit queues on that one; growing (the router's
+    default), the others record it as the edits pile up there, and the latencies fall."""
+    workload = simulate.make_workload(40, 8.0, "public", IMAGE_TOKENS, TEXT_TOKENS, 10, seed=0)
+    latencies, clusters = {}, {}
+    for grow in (False, True):
+        keyed = simulate.KeyedCache(np.zeros(40, dtype=int), cache=2, miss_s=0.5, replicas=1, grow=grow)
+        clusters[grow] = simulate.SimulatedCluster(make_policy("least-requests", cost), cost, workload, 4, 8, keyed)
+        latencies[grow] = clusters[grow].run()
+    assert clusters[False].replicas_added == 0 and 1 <= clusters[True].replicas_added <= 3
+    assert sum(bool(worker.held) for worker in clusters[True].workers) == 1 + clusters[True].replicas_added
+    assert np.percentile(latencies[True], 95) < np.percentile(latencies[False], 95)
+
+
+def test_main_with_template_replicas_adds_the_growing_replicas_run():
+    report = simulate.main(SMALL + ["--policies", "least-requests", "--templates", "10", "--template-replicas", "1"])
+    assert list(report["policies"]) == ["least-requests", "least-requests+template-affinity",
+                                        "least-requests+template-affinity+growing-replicas"]
+    assert report["policies"]["least-requests+template-affinity+growing-replicas"]["replicas_added"] >= 1

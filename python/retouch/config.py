@@ -419,7 +419,10 @@ class ServeOptions:
     template_replicas: int = option(0, help="workers each registered template is recorded on (0: every worker); "
                                     "fewer cost less GPU time per registration and leave the workers' caches room "
                                     "for more templates, but send each template's edits to its replicas only, "
-                                    "which a popular template overloads")
+                                    "which a popular template would overload: see --template-replicas-grow")
+    template_replicas_grow: int = option(1, help="with --template-replicas K: a template whose replicas all have "
+                                         "more than this many requests in flight beyond the least loaded other "
+                                         "worker is recorded there too, one more replica (-1: K replicas only)")
     template_affinity: int = option(0, help="an edit goes to a worker holding its template's recording in host "
                                     "memory (no disk read, no recording again) while that worker has a free batch "
                                     "slot and at most this many requests in flight more than the least loaded one "
@@ -480,7 +483,7 @@ class ServeOptions:
         _check_lora_options(self)
         _check_cache_options(self)
         _require(self, ("template_replicas",), ">= 0")
-        for name in ("lora_affinity", "template_affinity"):
+        for name in ("lora_affinity", "template_affinity", "template_replicas_grow"):
             if getattr(self, name) < -1:
                 raise InputError(f"--{name.replace('_', '-')} must be >= -1 (-1: off), got {getattr(self, name)}")
 

@@ -69,6 +69,7 @@ def router_config(opts: ServeOptions) -> RouterConfig:
                         lora_affinity=None if opts.lora_affinity < 0 else opts.lora_affinity,
                         template_affinity=None if opts.template_affinity < 0 else opts.template_affinity,
                         template_replicas=opts.template_replicas,
+                        template_replicas_grow=None if opts.template_replicas_grow < 0 else opts.template_replicas_grow,
                         no_worker_s=opts.no_worker_s, max_templates_per_tenant=opts.max_templates_per_tenant,
                         max_template_bytes=max(1, int(opts.max_templates_mb * 2**20)),
                         max_one_off_bytes=max(1, int(opts.max_one_off_mb * 2**20)),
