@@ -560,7 +560,7 @@ def test_a_worker_saying_hello_once_told_the_router_closes_is_told_again_not_wel
 
 
 def test_a_template_whose_register_was_lost_is_sent_again(context, make_router):
-    router = make_router(dead_after_s=0.3)
+    router = make_router(dead_after_s=1.0)
     w0 = ScriptedWorker(context, router, "w0")
     router.register_template(template("t1"))
     w0.receive("register")  # as if it never arrived: the worker is not recording it
@@ -1073,13 +1073,13 @@ def test_an_edit_still_on_its_way_is_not_sent_again(context, make_router):
     """A large image over a slow link takes longer than dead_after_s to arrive: the worker's heartbeats
     say the last message number they saw, and an edit carried by a later one is on its way, not lost
     (it was sent again, and again, to every worker in turn). Once they saw it, lacking it is a loss."""
-    router = make_router(dead_after_s=0.3)
+    router = make_router(dead_after_s=0.6)
     w0 = ScriptedWorker(context, router, "w0")
     router.register_template(template("t1"))
     w0.register("t1")
     answer = router.submit(task("t1"))
     edit = w0.receive("edit")
-    window = time.monotonic() + 4 * 0.3  # the edit is still "arriving" for four times dead_after_s
+    window = time.monotonic() + 4 * 0.6  # the edit is still "arriving" for four times dead_after_s
     while time.monotonic() < window:
         w0.send({"kind": "heartbeat", "running": [], "queued": [], "held": [], "seen": edit["seq"] - 1})
         w0.sync()
@@ -1120,7 +1120,7 @@ def test_workers_whose_lora_files_of_one_name_differ_are_said_once(context, make
 def test_a_template_on_its_way_waits_at_most_transfer_timeout_s(context, make_router):
     """A template to record (its image) still on its way is not lost; one that has not arrived after
     transfer_timeout_s is (a link that carries heartbeats but not the router's messages)."""
-    router = make_router(dead_after_s=0.2, transfer_timeout_s=1.5)
+    router = make_router(dead_after_s=0.5, transfer_timeout_s=3.0)
     w0 = ScriptedWorker(context, router, "w0")
     router.register_template(template("t1"))
     register = w0.receive("register")
@@ -1130,13 +1130,13 @@ def test_a_template_on_its_way_waits_at_most_transfer_timeout_s(context, make_ro
         w0.sync()
 
     started = time.monotonic()
-    while time.monotonic() - started < 0.8:  # four dead_after_s on its way: not lost
+    while time.monotonic() - started < 2.0:  # four dead_after_s on its way: not lost
         heartbeat(register["seq"] - 1)
     assert router.snapshot()["counters"]["lost_recordings"] == 0
     deadline = time.monotonic() + TIMEOUT_S
     while router.snapshot()["counters"]["lost_recordings"] == 0 and time.monotonic() < deadline:
         heartbeat(register["seq"] - 1)  # past transfer_timeout_s it is lost all the same
-    assert router.snapshot()["counters"]["lost_recordings"] == 1 and time.monotonic() - started >= 1.5
+    assert router.snapshot()["counters"]["lost_recordings"] == 1 and time.monotonic() - started >= 3.0
     assert w0.receive("register")["template"] == "t1"  # sent again
 
 
@@ -1191,7 +1191,7 @@ def test_a_second_live_worker_of_one_name_waits_for_the_first_to_be_gone(context
 def test_a_lost_first_edit_of_a_one_off_is_sent_again_and_records_it(context, make_router):
     """The lost edit was recording the image on its worker: that recording is over too, so the edit goes
     again with the image (it once waited for a recording nobody was making)."""
-    router = make_router(dead_after_s=0.3)
+    router = make_router(dead_after_s=1.0)
     w0 = ScriptedWorker(context, router, "w0")
     answer = router.submit_many([task("o1")], one_off=replace(template("o1", replicas=1), one_off=True))[1][0]
     lost = w0.receive("edit")
