@@ -10,6 +10,7 @@ The server puts this behind the router; benchmarks and tests drive it directly.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import OrderedDict
@@ -30,6 +31,7 @@ from retouch.lora import LoraChoice, parse_lora
 from retouch.models import load_pipeline
 from retouch.models.samplers import describe as describe_scheduler
 
+logger = logging.getLogger("retouch.worker")
 # One-off images an engine remembers having edited below full strength (their second such edit records them)
 MAX_BELOW_FULL = 1024
 
@@ -199,6 +201,8 @@ class Engine:
             if only_if_room and not dropping and not self._has_room(template):
                 self.editor.defer_recording(template)
                 self.worker.metrics.deferred_recordings += 1
+                logger.info("template %s: the caches have no room for it beside those they hold; its first edit "
+                            "here records it", template.template_id)
                 return _done(template.template_id)
             job = Worker.new_job(None, recording=template, watch=None if on_step is None else StepWatch(on_step))
             self._track_recording(job)
@@ -243,8 +247,8 @@ class Engine:
         return job.future
 
     def _has_room(self, template: Template) -> bool:
-        """Whether a recording of `template` fits the caches' free bytes (True until one of its shape was
-        recorded: its size is not known before)."""
+        """Whether a recording of `template` fits the caches' free bytes (`MaskAwareEditor.recording_bytes`;
+        True when the caches hold no recording to tell its size by)."""
         cache, nbytes = self.editor.cache, self.editor.recording_bytes(template)
         return nbytes is None or not isinstance(cache, CacheStore) or cache.free_bytes() >= nbytes
 

@@ -10,7 +10,8 @@ host (`retouch worker`), then it needs the router's public key and a secret key 
 
 It says hello (its batch size, the templates it holds), then answers the router's messages:
     register  record a template: it joins the running batch as a member and tells the router each
-              recorded step, then ok or the error
+              recorded step, then ok or the error; one of many sent at once ("bulk": at its hello, taking
+              over from a worker that left) waits its turn, and is recorded only if its caches have room
     edit      submit an edit (with `budget_s`: seconds left of its SLO, ordering the queue by slack;
               with `lora`: its adapters, `retouch.lora.choice_header` JSON, refused with 422 LoraError);
               the router hears of each of its steps (and, with `preview_every`, sees
@@ -148,10 +149,11 @@ class Node:
         self._session: str | None = None  # the welcoming router's (a new one: the old edits are orphans)
         self.templates: dict[str, str] = {}  # router template id -> the editor's (recorded)
         self.registrations: dict[str, tuple[str, Future]] = {}  # router template id -> (editor's, recording)
-        # The registrations sent at its hello ("join"), in the router's order (most recently edited first), not
-        # started yet: one runs at a time (`_start_joins`), each on what the caches hold by then.
-        self._joining: deque[tuple[str, dict, dict]] = deque()
-        self._join_recording: Future | None = None
+        # The registrations sent in bulk ("bulk": at its hello, or taking over from a worker that left), in the
+        # router's order (most recently edited first), not started yet: one runs at a time (`_start_bulk`),
+        # each on what the caches hold by then.
+        self._bulk: deque[tuple[str, dict, dict]] = deque()
+        self._bulk_recording: Future | None = None
         self.requests: dict[Future, int] = {}  # engine future -> router request id
         self.futures: dict[int, Future] = {}  # router request id -> engine future
         self._parent = os.getppid()
@@ -177,7 +179,7 @@ class Node:
             if self.socket in events:
                 while self.socket.poll(0):
                     stopping |= self._on_message(self.socket.recv_multipart())
-            self._start_joins()  # the end of a recording is posted, which wakes this thread
+            self._start_bulk()  # the end of a recording is posted, which wakes this thread
             self._flush()
             if time.monotonic() >= next_heartbeat:
                 self._post(self._heartbeat())
@@ -387,7 +389,7 @@ class Node:
             queued = [self.requests[f] for f in queued if f in self.requests]
             held = list(self.futures)  # every edit accepted and not yet answered, wherever it is
             # every template it records, or will, and has not yet reported
-            recording = list(self.registrations) + [router_template for router_template, _, _ in self._joining]
+            recording = list(self.registrations) + [router_template for router_template, _, _ in self._bulk]
         return {"kind": "heartbeat", "running": running, "queued": queued, "held": held, "recording": recording,
                 "seen": self._seen, "metrics": self.metrics(),
                 "loras": self.engine.worker.loras.resident(), "lora_digests": self.engine.worker.loras.digests(),
@@ -463,15 +465,15 @@ class Node:
 
     def _register(self, header: dict, blobs: dict) -> None:
         """Record a template as a member of the running batch; the router hears of each step and the end.
-        The templates sent at its hello are recorded one at a time, while the caches have room (`_start_joins`)."""
+        Those sent in bulk are recorded one at a time, while the caches have room (`_start_bulk`)."""
         router_template = header["template"]
         if self.draining:  # sent before the router heard: not a failure of the template, another records it
             self._post({"kind": "template", "template": router_template, "ok": False, "draining": True})
             return
-        if header.get("join"):
+        if header.get("bulk"):
             with self._lock:
-                self._joining.append((router_template, header, blobs))
-            self._start_joins()
+                self._bulk.append((router_template, header, blobs))
+            self._start_bulk()
             return
         self._record(router_template, self._template_of(router_template, header, blobs))
 
@@ -480,20 +482,20 @@ class Node:
             decode_image(blobs["image"], f"template {router_template}"), header["prompt"], int(header["steps"]),
             int(header["seed"]), header["guidance"], scope=router_template)
 
-    def _start_joins(self) -> None:
-        """On the socket thread: start the next registration sent at its hello once none is under way (and
-        the next after it, should it end at once). One at a time, so that each is recorded only if the caches
+    def _start_bulk(self) -> None:
+        """On the socket thread: start the next registration sent in bulk once none is under way (and the
+        next after it, should it end at once). One at a time, so that each is recorded only if the caches
         still have room for it beside those recorded before it (`Engine.submit_recording(only_if_room=True)`);
         the others are known here and recorded by their first edit. A draining worker records none of them."""
-        while self._join_recording is None or self._join_recording.done():
+        while self._bulk_recording is None or self._bulk_recording.done():
             with self._lock:
-                if not self._joining:
+                if not self._bulk:
                     return
-                router_template, header, blobs = self._joining.popleft()
+                router_template, header, blobs = self._bulk.popleft()
             if self.draining:
                 self._post({"kind": "template", "template": router_template, "ok": False, "draining": True})
                 continue
-            self._join_recording = self._record(router_template, self._template_of(router_template, header, blobs),
+            self._bulk_recording = self._record(router_template, self._template_of(router_template, header, blobs),
                                                 only_if_room=True)
 
     def _record(self, router_template: str, make_template: Callable[[], Template],
@@ -537,7 +539,7 @@ class Node:
         with self._lock:
             template_id = self.templates.pop(router_template, None)
             recording = self.registrations.pop(router_template, None)
-            self._joining = deque(join for join in self._joining if join[0] != router_template)
+            self._bulk = deque(queued for queued in self._bulk if queued[0] != router_template)
         for editor_template in {template_id, recording[0] if recording else None} - {None}:
             self.engine.drop_template(editor_template, wait=False)
 

@@ -287,8 +287,9 @@ class WorkerState:
     sent_in: dict[int | str, tuple[int, float]] = field(default_factory=dict)
     draining: bool = False  # stopping: it finishes its edits, and gets no new edit or template
     registering: set[str] = field(default_factory=set)  # templates sent to it to record, not yet reported
-    # Those of them sent at its hello, in order: it records them one at a time, so only the first weighs
-    joining: dict[str, None] = field(default_factory=dict)
+    # Those of them sent in bulk (`_ensure_replicas(bulk=...)`), in order: it records them one at a time, so
+    # only the first weighs
+    bulk: dict[str, None] = field(default_factory=dict)
     dropping: set[int] = field(default_factory=set)  # edits it holds that are not its own, told to drop them
 
 
@@ -1108,11 +1109,12 @@ class Router:
             self._answer(self.pending[request_id], EditAnswer(
                 None, 422, "TemplateFailed", f"template {record.template_id!r} could not be recorded: {record.error}"))
 
-    def _ensure_replicas(self, record: TemplateRecord, joined: str | None = None) -> None:
+    def _ensure_replicas(self, record: TemplateRecord, bulk: bool | str = False) -> None:
         """Send the template to live workers until it has the replicas it wants (recording or ready).
-        A one-off image is recorded by its next edit instead, sent on if it waits. `joined`: the worker that
-        has just said hello, whose registrations say "join": it is sent every template at once, and records
-        only those its caches hold beside each other (`Node._start_joins`)."""
+        A one-off image is recorded by its next edit instead, sent on if it waits. `bulk` (True, or the name of
+        the worker that has just said hello): the registration is one of many sent at once (to a worker that
+        joined, or taking over from one that left), whose worker records them one at a time and only those its
+        caches hold beside each other, leaving the others to their first edit (`Node._start_bulk`)."""
         if record.one_off:
             if self.workers and not self._holders(record) and self.parked.get(record.template_id):
                 self._dispatch_parked(record.template_id)
@@ -1123,13 +1125,17 @@ class Router:
         wanted = len(live) if replicas == 0 else min(replicas + record.added_replicas, len(live))
         candidates = [w for w in live if w.name not in record.states]
         candidates.sort(key=lambda w: self.cluster.in_flight[w.slot])  # the least busy records it
+
+        def in_bulk(worker: WorkerState) -> bool:
+            return bulk is True or worker.name == bulk
+
         for worker in candidates[:max(0, wanted - len(holding))]:
             record.states[worker.name] = "recording"
             seq = self._send(worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
                                       "steps": record.steps, "seed": record.seed, "guidance": record.guidance,
-                                      **({"join": True} if worker.name == joined else {})},
+                                      **({"bulk": True} if in_bulk(worker) else {})},
                              {"image": record.image})
-            self._recording_sent(worker, record, seq, join=worker.name == joined)
+            self._recording_sent(worker, record, seq, bulk=in_bulk(worker))
 
     def _grow_replicas(self, record: TemplateRecord) -> None:
         """With fewer replicas than workers (`RouterConfig.template_replicas`): one more for a template whose
@@ -1151,17 +1157,17 @@ class Router:
             logger.info(f"template {record.template_id}: its replicas are busy; another worker records it")
             self._ensure_replicas(record)
 
-    def _recording_sent(self, worker: WorkerState, record: TemplateRecord, seq: int, join: bool = False) -> None:
+    def _recording_sent(self, worker: WorkerState, record: TemplateRecord, seq: int, bulk: bool = False) -> None:
         """The message `seq` asked `worker` to record the template: until it reports the end, its heartbeats
         must say it is under way (`_find_lost_recordings`), and the policies weigh it as a request computing
-        every token for all the template's steps (a worker busy recording is not an idle one). Those sent at
-        its hello (`join`) it records one at a time: one weighs, the next once that one is over."""
+        every token for all the template's steps (a worker busy recording is not an idle one). Those sent in
+        `bulk` it records one at a time: one weighs, the next once that one is over."""
         self._recording_over(worker, record.template_id)  # one sent again after it was lost
         worker.registering.add(record.template_id)
         worker.sent_in[record.template_id] = (seq, time.monotonic())
-        if join:
-            worker.joining[record.template_id] = None
-        if not join or len(worker.joining) == 1:
+        if bulk:
+            worker.bulk[record.template_id] = None
+        if not bulk or len(worker.bulk) == 1:
             self._weigh_recording(worker, record)
         self._template_changed(record)
 
@@ -1179,10 +1185,10 @@ class Router:
         key = _recording_key(worker, template_id)
         if self.cluster.holds(worker.slot, key):
             self.cluster.finish(worker.slot, key)
-        if template_id in worker.joining:
-            weighed = next(iter(worker.joining)) == template_id
-            del worker.joining[template_id]
-            following = next(iter(worker.joining), None)
+        if template_id in worker.bulk:
+            weighed = next(iter(worker.bulk)) == template_id
+            del worker.bulk[template_id]
+            following = next(iter(worker.bulk), None)
             if weighed and following is not None and following in self.templates:
                 self._weigh_recording(worker, self.templates[following])  # the one it records now
 
@@ -1204,7 +1210,7 @@ class Router:
         orphans = sorted(worker.assigned)
         worker.assigned.clear()
         for record in self._most_recently_edited():
-            self._ensure_replicas(record)
+            self._ensure_replicas(record, bulk=True)  # its templates, all at once: another worker takes them over
         for request_id in orphans:
             pending = self.pending.get(request_id)
             if pending is not None:
@@ -1462,7 +1468,7 @@ class Router:
                 self._template_changed(record)
                 self._dispatch_parked(template_id)
         for record in self._most_recently_edited():
-            self._ensure_replicas(record, joined=name)
+            self._ensure_replicas(record, bulk=name)
         self._changed.notify_all()
 
     def _draining(self, worker: WorkerState) -> None:
@@ -1476,7 +1482,7 @@ class Router:
                     f"{recording} recordings")
         for record in self._most_recently_edited():
             if worker.name in record.states:
-                self._ensure_replicas(record)
+                self._ensure_replicas(record, bulk=True)
                 self._dispatch_parked(record.template_id)
 
     def _welcome(self) -> dict:

@@ -565,6 +565,26 @@ def test_a_recording_only_if_room_is_left_to_its_first_edit_once_the_caches_are_
     assert np.abs(np.asarray(edited.image, int) - np.asarray(expected, int)).max() <= 2
 
 
+def test_a_recordings_size_is_foreseen_per_denoiser_row_and_by_what_the_caches_hold():
+    """What `only_if_room` judges by: classifier-free guidance doubles SD3's rows, so a template recorded
+    with it takes twice one recorded without (taken as the same size, one pushed out the template just
+    recorded); a shape never recorded is taken as large as the largest recording held (an earlier process's
+    files, which recording first would push out), and unknown when the caches hold none."""
+    from retouch.cache import CacheStore, StoreConfig
+
+    editor = MaskAwareEditor(load_pipeline("tiny-sd3-inpaint"), cache=CacheStore(StoreConfig(host_bytes=64 << 20)))
+    unguided = editor.new_template(template_image(), prompt="a room", steps=STEPS, seed=0, guidance=1.0)
+    guided = editor.new_template(template_image((9, 99, 9)), prompt="a room", steps=STEPS, seed=0, guidance=5.0)
+    other_shape = editor.new_template(template_image().resize((64, 64)), prompt="a room", steps=STEPS, seed=0)
+    assert editor.recording_bytes(unguided) is None  # nothing held to tell
+    editor.register_template(template_image(), prompt="a room", steps=STEPS, seed=0, guidance=1.0)
+    one_row = editor.cache.nbytes(unguided.template_id)
+    assert editor.recording_bytes(unguided) == one_row and editor.recording_bytes(guided) == 2 * one_row
+    assert editor.recording_bytes(other_shape) == one_row  # the largest held
+    editor.register_template(template_image((9, 99, 9)), prompt="a room", steps=STEPS, seed=0, guidance=5.0)
+    assert editor.cache.nbytes(guided.template_id) == 2 * one_row
+
+
 def test_registrations_leave_edits_their_slots_and_an_edit_joins_at_the_next_step():
     """A burst of registrations fills the batch only up to `max_batch - edit_slots`: an edit arriving
     behind it joins at the next step instead of waiting a generation for a slot, and the registrations

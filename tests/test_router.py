@@ -314,7 +314,7 @@ def test_replicas_one_records_on_one_worker_and_again_when_it_dies(context, make
     assert future.result(TIMEOUT_S).status == 200
 
 
-def test_the_templates_a_worker_is_sent_at_its_hello_say_join_and_weigh_as_one(context, make_router):
+def test_the_templates_a_worker_is_sent_at_its_hello_come_in_bulk_and_weigh_as_one(context, make_router):
     """A joining worker records those it is sent at its hello one at a time, only while its caches have room
     (`Node`): they weigh as the one it records (all of them weighed, a worker joining a server of 1,000
     templates was avoided by every policy until it had reported each). A template registered later is asked
@@ -329,7 +329,7 @@ def test_the_templates_a_worker_is_sent_at_its_hello_say_join_and_weigh_as_one(c
         return router.snapshot()["workers"]["w0"]["queued"]
 
     sent = [w0.receive("register") for _ in range(3)]
-    assert [(m["template"], m.get("join")) for m in sent] == [("b3", True), ("b2", True), ("b1", True)]
+    assert [(m["template"], m.get("bulk")) for m in sent] == [("b3", True), ("b2", True), ("b1", True)]
     w0.inbox[:0] = sent
     assert load() == 1
     w0.register("b3")
@@ -339,7 +339,33 @@ def test_the_templates_a_worker_is_sent_at_its_hello_say_join_and_weigh_as_one(c
     assert load() == 0
     router.register_template(template("after"))
     later = w0.receive("register")
-    assert later["template"] == "after" and "join" not in later and load() == 1
+    assert later["template"] == "after" and "bulk" not in later and load() == 1
+
+
+@pytest.mark.parametrize("leaves", ["exits", "drains"])
+def test_the_templates_of_a_worker_that_leaves_go_elsewhere_in_bulk(context, make_router, leaves):
+    """Taking over a worker's templates is many registrations at once, as a join is: its caches may hold
+    none of them beside its own (recorded outright, they pushed out its own templates, one by one)."""
+    router = make_router(template_replicas=1)
+    w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+    for name in ("t1", "t2", "t3"):
+        router.register_template(template(name))
+    for worker in (w0, w1):
+        worker.sync()
+    for worker in (w0, w1):
+        for message in [m for m in worker.inbox if m["kind"] == "register"]:
+            assert "bulk" not in message  # a registration is asked for by name
+            worker.register(message["template"])
+    leaving = max((w0, w1), key=lambda w: sum(w.name in router.templates[t].states for t in ("t1", "t2", "t3")))
+    taking_over = w1 if leaving is w0 else w0
+    held = sorted(t for t in ("t1", "t2", "t3") if leaving.name in router.templates[t].states)
+    if leaves == "exits":
+        router.worker_exited(leaving.name)
+    else:
+        leaving.send({"kind": "draining"})
+        leaving.sync()
+    sent = [taking_over.receive("register") for _ in held]
+    assert sorted(m["template"] for m in sent) == held and all(m["bulk"] for m in sent)
 
 
 def test_a_worker_recording_a_template_weighs_as_busy_until_it_reports_or_is_lost(context, make_router):

@@ -462,15 +462,26 @@ class MaskAwareEditor:
             self.cache.commit(template.template_id)
             nbytes = self.cache.nbytes(template.template_id)
             if nbytes:
-                self._recording_bytes[self._bytes_key(template)] = nbytes
+                self._recording_bytes[self._bytes_key(template)] = nbytes // self._recording_rows(template)
 
     def recording_bytes(self, template: Template) -> int | None:
         """The bytes a recording of `template` takes in the cache, as the last one of its shape took (its
-        latents, text, schedule and cache mode); None before one was recorded."""
-        return self._recording_bytes.get(self._bytes_key(template))
+        latents, text, schedule and cache mode, per denoiser row); before one was recorded, the largest recording
+        the caches hold (an earlier process's files: recording first what they do not hold pushed out one of
+        them, adopted later, at a generation's cost); None when they hold none."""
+        per_row = self._recording_bytes.get(self._bytes_key(template))
+        if per_row is not None:
+            return per_row * self._recording_rows(template)
+        return (self.cache.largest_recording() or None) if isinstance(self.cache, CacheStore) else None
 
     def _bytes_key(self, template: Template) -> tuple:
         return tuple(template.latent_shape), template.num_text_tokens, template.steps, template.recorded_mode
+
+    def _recording_rows(self, template: Template) -> int:
+        """The denoiser rows a recording of `template` writes: classifier-free guidance doubles SD3's and the
+        UNets' (Flux's guidance is an input of its one row)."""
+        doubles = self.is_unet or self.model.family == "sd3"
+        return 2 if doubles and self._uses_guidance(template.guidance) else 1
 
     def defer_recording(self, template: Template) -> None:
         """Know `template` without recording it: its first edit records it (`lost`), as one evicted from

@@ -158,6 +158,12 @@ class DiskTier:
         return self.directory / (check_template_id(template_id) + SUFFIX)
 
     @property
+    def largest(self) -> int:
+        """The largest file's bytes (0: none)."""
+        with self._lock:
+            return max(self._files.values(), default=0)
+
+    @property
     def used(self) -> int:
         with self._lock:
             return sum(self._files.values())

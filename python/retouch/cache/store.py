@@ -528,6 +528,12 @@ class CacheStore(ActivationCache):
             free += max(0, self.disk.budget - self.disk.used)
         return max(0, free)
 
+    def largest_recording(self) -> int:
+        """The bytes of the largest recording either tier holds (0: none)."""
+        with self._lock:
+            largest = max((template.nbytes for template in self._host.values()), default=0)
+        return max(largest, self.disk.largest if self.disk is not None else 0)
+
     def nbytes(self, template_id=None):
         with self._lock:
             if template_id is None:
