@@ -1566,11 +1566,12 @@ class Router:
             if record is None or record.states.get(worker.name) != "recording":  # deleted, or it reported
                 self._recording_over(worker, template_id)
             elif self._overdue(worker, template_id, template_id in recording, seen, now):
+                bulk = template_id in worker.bulk  # sent again as it was sent
                 self._recording_over(worker, template_id)
                 self.counters["lost_recordings"] += 1
                 del record.states[worker.name]
                 record.progress.pop(worker.name, None)
-                self._ensure_replicas(record)
+                self._ensure_replicas(record, bulk=bulk)
 
     def _find_lost(self, worker: WorkerState, held: set[int], seen: int | None) -> None:
         """Edits sent to the worker that were lost on the way (`_overdue`) go elsewhere."""

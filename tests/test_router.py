@@ -585,15 +585,24 @@ def test_a_worker_saying_hello_once_told_the_router_closes_is_told_again_not_wel
     assert router.snapshot()["workers"] == {}
 
 
-def test_a_template_whose_register_was_lost_is_sent_again(context, make_router):
+@pytest.mark.parametrize("bulk", [False, True])
+def test_a_template_whose_register_was_lost_is_sent_again(context, make_router, bulk):
+    """Sent again as it was sent: one of a joining worker's bulk registrations stays one (it was then
+    recorded outright, whatever the worker's caches held)."""
     router = make_router(dead_after_s=1.0)
+    if bulk:  # registered before the worker joins: sent at its hello
+        router.register_template(template("t1"))
     w0 = ScriptedWorker(context, router, "w0")
-    router.register_template(template("t1"))
-    w0.receive("register")  # as if it never arrived: the worker is not recording it
+    if not bulk:
+        router.register_template(template("t1"))
+    assert w0.receive("register").get("bulk", False) is bulk  # as if it never arrived: not recording it
     deadline = time.monotonic() + TIMEOUT_S
     while router.snapshot()["counters"]["lost_recordings"] == 0 and time.monotonic() < deadline:
         w0.send({"kind": "heartbeat", "running": [], "queued": [], "held": [], "recording": []})
         w0.sync()
+    w0.pending_kinds()
+    (again,) = [message for message in w0.inbox if message["kind"] == "register"]
+    assert again.get("bulk", False) is bulk
     w0.register("t1")  # sent again: recorded this time
     assert router.template("t1")["status"] == "ready"
 
