@@ -553,11 +553,14 @@ class Router:
     def _admit_recording(self, owner: str) -> None:
         """QueueFull when a registration would hold more than the queue: a recording is a generation a
         worker runs, as an edit is, so the templates a live worker is recording count with the edits waiting
-        (1000 registrations at once slowed every edit 20-fold), in all and the tenant's. (Edits are admitted
-        by the edits waiting alone: a burst of registrations does not refuse them.)"""
+        (1000 registrations at once slowed every edit 20-fold), in all and the tenant's. A worker's bulk
+        registrations (it joined, or took over) count as the one it records, and as no tenant's: with them all
+        counted, a registration was refused until a joining worker had reported every template of the server.
+        (Edits are admitted by the edits waiting alone: a burst of registrations does not refuse them.)"""
         recording = [record for record in self.templates.values() if not record.one_off and any(
-            state == "recording" and name in self.workers for name, state in record.states.items())]
-        held = len(self.pending) + len(recording)
+            state == "recording" and name in self.workers and record.template_id not in self.workers[name].bulk
+            for name, state in record.states.items())]
+        held = len(self.pending) + len(recording) + sum(1 for worker in self.workers.values() if worker.bulk)
         if held >= self.config.max_queue:
             raise QueueFull(f"{held} edits and recordings are waiting (max_queue {self.config.max_queue})",
                             self._retry_after_s(held + 1 - self.config.max_queue))

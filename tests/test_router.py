@@ -415,6 +415,20 @@ def test_a_worker_recording_a_template_weighs_as_busy_until_it_reports_or_is_los
     assert sum(w["queued"] + w["running"] for w in router.snapshot()["workers"].values()) == 2
 
 
+def test_a_joining_workers_bulk_registrations_hold_one_place_in_the_queue(context, make_router):
+    """A worker joining a server of many templates is sent them all, and records one at a time: counted
+    each, they refused every registration (429) until it had reported them all."""
+    router = make_router(max_queue=2)
+    for name in ("t1", "t2", "t3"):
+        router.register_template(template(name))
+    w0 = ScriptedWorker(context, router, "w0")
+    w0.sync()
+    assert [m["template"] for m in w0.inbox if m["kind"] == "register"] == ["t3", "t2", "t1"]
+    router.register_template(template("t4"))  # one place for the bulk, one for this
+    with pytest.raises(QueueFull):
+        router.register_template(template("t5"))
+
+
 def test_back_pressure_deletion_and_failed_recordings(context, make_router):
     router = make_router(max_queue=2)
     w0 = ScriptedWorker(context, router, "w0")
