@@ -48,6 +48,7 @@ progress callbacks) are queued and the main thread is woken through an inproc so
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -60,6 +61,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from concurrent.futures import Future
 
 import torch
@@ -83,6 +85,7 @@ from retouch.models.samplers import label as scheduler_label
 from retouch.log_limits import setup_logging
 from retouch.lora import parse_lora
 from retouch.images import decode_image, png_bytes
+from retouch.paths import write_whole
 
 
 def status_of(exc: BaseException) -> int:
@@ -95,6 +98,7 @@ logger = logging.getLogger("retouch.node")
 JOIN_NOTE_S = 5.0
 JOIN_NOTE_REPEAT_S = 30.0
 FINAL_FLUSH_S = 5.0  # at most this long, once drained, for the last answers to go out
+DISK_NAMES = "router-names.json"  # in the disk tier's folder: the router's ids of its recordings (`Node._on_disk`)
 
 
 def cache_dtype(editor) -> str | None:
@@ -148,6 +152,10 @@ class Node:
         self._hello_at = -math.inf
         self._session: str | None = None  # the welcoming router's (a new one: the old edits are orphans)
         self.templates: dict[str, str] = {}  # router template id -> the editor's (recorded)
+        # The router's ids of the recordings in its disk tier, kept there (`DISK_NAMES`): an earlier process's
+        # are said in its hello, so that the router sends it those templates to adopt (`_on_disk`)
+        self._disk_names: dict[str, str] = self._read_disk_names()
+        self._disk_names_changed = False
         self.registrations: dict[str, tuple[str, Future]] = {}  # router template id -> (editor's, recording)
         # The registrations sent in bulk ("bulk": at its hello, or taking over from a worker that left), in the
         # router's order (most recently edited first), not started yet: one runs at a time (`_start_bulk`),
@@ -180,6 +188,7 @@ class Node:
                 while self.socket.poll(0):
                     stopping |= self._on_message(self.socket.recv_multipart())
             self._start_bulk()  # the end of a recording is posted, which wakes this thread
+            self._save_disk_names()
             self._flush()
             if time.monotonic() >= next_heartbeat:
                 self._post(self._heartbeat())
@@ -306,7 +315,7 @@ class Node:
                     "weights": editor.model_fingerprint(), **self._sampler, "family": editor.model.family,
                     "supervised": self.supervised, "cache_dtype": cache_dtype(editor),
                     "lora": self.engine.worker.loras.lora_dir is not None, "boot": self._boot,
-                    "draining": self.draining, "templates": templates})
+                    "draining": self.draining, "templates": templates, "on_disk": self._on_disk()})
 
     def _edit(self, header: dict, blobs: dict) -> None:
         request_id, router_template = header["request"], header["template"]
@@ -395,6 +404,57 @@ class Node:
                 "loras": self.engine.worker.loras.resident(), "lora_digests": self.engine.worker.loras.digests(),
                 "cached": self._cached(),
                 "draining": self.draining}
+
+    def _disk_folder(self) -> Path | None:
+        cache = self.engine.editor.cache
+        return cache.disk.directory if isinstance(cache, CacheStore) and cache.disk is not None else None
+
+    def _read_disk_names(self) -> dict[str, str]:
+        folder = self._disk_folder()
+        if folder is None or not (folder / DISK_NAMES).exists():
+            return {}
+        try:
+            names = json.loads((folder / DISK_NAMES).read_bytes())
+            return {str(router_id): str(editor_id) for router_id, editor_id in names.items()}
+        except (OSError, ValueError, AttributeError) as exc:
+            logger.warning("%s cannot be read (%s): the recordings in %s are adopted only as templates are sent "
+                           "here to record", folder / DISK_NAMES, exc, folder)
+            return {}
+
+    def _on_disk(self) -> list[str]:
+        """The router's ids of the templates whose recordings its disk tier holds (a restarted worker's: with
+        `--template-replicas`, the router otherwise sent them to the worker that said hello first, to record)."""
+        cache = self.engine.editor.cache
+        if self._disk_folder() is None:
+            return []
+        with self._lock:
+            names = list(self._disk_names.items())
+        return [router_id for router_id, editor_id in names if cache.disk.contains(editor_id)]
+
+    def _name_on_disk(self, router_template: str, template_id: str) -> None:
+        """The router's id of a registered template the disk tier may hold (`_on_disk`), kept beside it by
+        the socket thread (`_save_disk_names`): this runs on the loop's, which must not wait for a disk."""
+        if self._disk_folder() is None:
+            return
+        with self._lock:
+            if self._disk_names.get(router_template) != template_id:
+                self._disk_names[router_template] = template_id
+                self._disk_names_changed = True
+
+    def _save_disk_names(self) -> None:
+        folder = self._disk_folder()
+        with self._lock:
+            if not self._disk_names_changed or folder is None:
+                return
+            self._disk_names_changed = False
+            cache = self.engine.editor.cache
+            self._disk_names = {router_id: editor_id for router_id, editor_id in self._disk_names.items()
+                                if editor_id in self.engine.editor.templates or cache.disk.contains(editor_id)}
+            data = json.dumps(self._disk_names).encode()
+        try:
+            write_whole(folder / DISK_NAMES, data)
+        except OSError as exc:  # a full disk: a restart records these templates again, as before
+            logger.warning("the router's names of the recordings in %s could not be kept: %s", folder, exc)
 
     def _post_recorded(self, router_template: str) -> None:
         """Tell the router the template is recorded here, and what host memory holds now."""
@@ -514,6 +574,7 @@ class Node:
                 if exc is None:
                     with self._lock:
                         self.templates[router_template] = future.result()
+                    self._name_on_disk(router_template, future.result())
                     self._post_recorded(router_template)
                 else:
                     self._post({"kind": "template", "template": router_template, "ok": False,

@@ -1129,16 +1129,16 @@ class Router:
         candidates = [w for w in live if w.name not in record.states]
         candidates.sort(key=lambda w: self.cluster.in_flight[w.slot])  # the least busy records it
 
-        def in_bulk(worker: WorkerState) -> bool:
-            return bulk is True or worker.name == bulk
-
         for worker in candidates[:max(0, wanted - len(holding))]:
-            record.states[worker.name] = "recording"
-            seq = self._send(worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
-                                      "steps": record.steps, "seed": record.seed, "guidance": record.guidance,
-                                      **({"bulk": True} if in_bulk(worker) else {})},
-                             {"image": record.image})
-            self._recording_sent(worker, record, seq, bulk=in_bulk(worker))
+            self._send_registration(worker, record, bulk is True or worker.name == bulk)
+
+    def _send_registration(self, worker: WorkerState, record: TemplateRecord, bulk: bool) -> None:
+        record.states[worker.name] = "recording"
+        seq = self._send(worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
+                                  "steps": record.steps, "seed": record.seed, "guidance": record.guidance,
+                                  **({"bulk": True} if bulk else {})},
+                         {"image": record.image})
+        self._recording_sent(worker, record, seq, bulk=bulk)
 
     def _grow_replicas(self, record: TemplateRecord) -> None:
         """With fewer replicas than workers (`RouterConfig.template_replicas`): one more for a template whose
@@ -1470,7 +1470,12 @@ class Router:
                 record.progress[name] = record.steps
                 self._template_changed(record)
                 self._dispatch_parked(template_id)
+        on_disk = set(header.get("on_disk", ()))
         for record in self._most_recently_edited():
+            if record.template_id in on_disk and name not in record.states and not (record.one_off or worker.draining):
+                # its disk tier holds the recording (a restarted worker's): adopted there at the cost of a
+                # file's header, it is one more replica (the first worker to say hello took them all)
+                self._send_registration(worker, record, bulk=True)
             self._ensure_replicas(record, bulk=name)
         self._changed.notify_all()
 

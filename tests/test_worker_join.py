@@ -6,6 +6,7 @@ every recording weighed as its load)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 
@@ -66,3 +67,55 @@ def test_a_joining_worker_records_what_its_caches_hold_one_at_a_time_and_the_res
         node.stop()
         thread.join(TIMEOUT_S * 6)
     assert not thread.is_alive()
+
+
+def serve_a_worker(router, cache: CacheStore, name: str = "n1") -> tuple[Engine, Node, threading.Thread]:
+    engine = Engine(MaskAwareEditor(load_pipeline("tiny-flux-fill"), cache=cache), EngineConfig(mode="naive")).start()
+    node = Node(engine, router.address, name, supervised=False)
+    thread = threading.Thread(target=node.run, name=f"test-node-{name}")
+    thread.start()
+    return engine, node, thread
+
+
+def test_a_restarted_worker_adopts_the_recordings_its_disk_tier_holds_though_another_holds_the_replicas(
+        make_router, context, tmp_path):
+    """`--template-replicas 1` and a whole server restarted: the first worker to say hello took every
+    template, and the others' recordings on disk were never adopted. A worker's hello says which of the
+    router's templates its disk tier holds (their names are kept beside the recordings): it is sent those
+    to adopt, each one more replica at the cost of a file's header."""
+    from scripted_worker import ScriptedWorker
+
+    records = [TemplateRecord(f"t{i}", png(template_image((90 * i, 90, 30))), (128, 128), "a room", STEPS, i, None, 0)
+               for i in range(2)]
+
+    def store() -> CacheStore:
+        return CacheStore(StoreConfig(host_bytes=64 << 20, disk_dir=tmp_path / "n1", disk_bytes=64 << 20))
+
+    first = make_router(template_replicas=1)
+    for record in records:
+        first.register_template(record)
+    engine, node, thread = serve_a_worker(first, store())
+    try:
+        assert first.wait_until(lambda r: all(r.template(t.template_id)["status"] == "ready" for t in records),
+                                TIMEOUT_S * 6)
+    finally:
+        node.stop()
+        thread.join(TIMEOUT_S * 6)
+    engine.editor.cache.close()
+
+    again = make_router(template_replicas=1)  # the server restarted: its registry gives back the same ids
+    for record in records:
+        again.register_template(dataclasses.replace(record, states={}, progress={}))
+    other = ScriptedWorker(context, again, "w0")  # says hello first: sent both templates, to record
+    assert sorted(other.receive("register")["template"] for _ in records) == ["t0", "t1"]
+    engine, node, thread = serve_a_worker(again, store())
+    try:
+        assert again.wait_until(lambda r: all(r.template(t.template_id)["progress"]["workers_ready"] == 1
+                                              for t in records), TIMEOUT_S)
+        assert "w0" in again.snapshot()["workers"]  # still holding the replicas it was sent: not a takeover
+        metrics = engine.editor.cache.metrics()
+        assert metrics["adoptions"] == 2 and metrics["registrations"] == 0  # adopted, nothing recorded
+        assert all(again.templates[t.template_id].states.get("n1") == "ready" for t in records)
+    finally:
+        node.stop()
+        thread.join(TIMEOUT_S * 6)
