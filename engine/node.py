@@ -530,9 +530,12 @@ class Node:
         if self.draining:  # sent before the router heard: not a failure of the template, another records it
             self._post({"kind": "template", "template": router_template, "ok": False, "draining": True})
             return
-        if header.get("bulk"):
-            with self._lock:
+        with self._lock:
+            if header.get("bulk"):
                 self._bulk.append((router_template, header, blobs))
+            else:  # asked for by name (an edit waits for it): not in its bulk turn any more
+                self._bulk = deque(queued for queued in self._bulk if queued[0] != router_template)
+        if header.get("bulk"):
             self._start_bulk()
             return
         self._record(router_template, self._template_of(router_template, header, blobs))

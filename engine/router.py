@@ -95,6 +95,7 @@ class QueueFull(RuntimeError):
 
 DROPPED_KEPT = 10_000  # template ids remembered as dropped, for workers back after missing the drop (`_on_hello`)
 CLOSE_LINGER_MS = 1000  # at most this long for the last messages to a worker when the router closes
+REPLICA_IDLE_S = 300.0  # a replica added for a template's load is dropped when no edit went there for this long
 # Retry-After of a full queue: without answers to go by yet, this long; never beyond the cap (OpenAI's
 # SDKs honour at most 60 s).
 RETRY_AFTER_UNKNOWN_S, RETRY_AFTER_MAX_S = 5, 60
@@ -205,7 +206,9 @@ class TemplateRecord:
     seed: int
     guidance: float | None
     replicas: int  # 0: the router's `template_replicas`
-    added_replicas: int = 0  # replicas beyond `replicas` its edits' load asked for (`Router._grow_replicas`)
+    # Workers its edits' load added as replicas beyond `replicas` (`Router._grow_replicas`) -> when an edit of it
+    # was last sent there; idle for REPLICA_IDLE_S, such a replica is dropped
+    added: dict[str, float] = field(default_factory=dict)
     one_off: bool = False  # recorded by its first edit, never registered on its own
     edits_below_full: int = 0  # requests editing it below strength 1 (a one-off's second records it, `_route`)
     owner: str = ""  # the tenant (API key) that registered it: others neither see nor use it
@@ -323,9 +326,10 @@ class RouterConfig:
     # that worker and takes room in its caches: with fewer, a registration costs less GPU time and the
     # cluster's caches hold more distinct templates, while each template's edits go to its replicas only.
     template_replicas: int = 0
-    # With fewer replicas than workers: a template whose replicas all have more than this many requests in
-    # flight beyond the least loaded other worker gets another replica there (`policies.replica_to_add`), so a
-    # popular template's edits do not pile onto its few. None: the replicas stay as many as asked.
+    # With fewer replicas than workers: a template with more than this many of its own edits in flight per
+    # replica, whose replicas all have more than this many requests in flight beyond the least loaded other
+    # worker, gets another replica there (`Router._grow_replicas`), so a popular template's edits do not pile
+    # onto its few; dropped after REPLICA_IDLE_S without an edit. None: the replicas stay as many as asked.
     template_replicas_grow: int | None = 1
     # With no worker connected for this long, parked edits are answered 503 and new ones refused at once: a
     # cluster without workers should not hold clients for minutes. inf: wait for one (a single worker whose
@@ -433,9 +437,10 @@ class Router:
         self._said_goodbye = False  # closing: the workers were told (`close`), and a hello now is too
         self._no_worker_since: float | None = time.monotonic()  # None while a worker is connected
         self._lora_workers_since = time.monotonic()  # when a worker that serves LoRAs was last connected
+        self._next_idle_check = time.monotonic()  # of the replicas added for load (`_drop_idle_replicas`)
         self.counters = {"routed": 0, "rerouted": 0, "duplicates_dropped": 0, "workers_removed": 0, "cancelled": 0,
                          "one_offs_evicted": 0, "one_offs_recorded_beside": 0, "one_offs_too_large": 0,
-                         "lora_affinity": 0, "template_affinity": 0, "replicas_added": 0,
+                         "lora_affinity": 0, "template_affinity": 0, "replicas_added": 0, "replicas_removed": 0,
                          "registry_failures": 0, "workers_mismatched": 0, "lost_requests": 0, "lost_recordings": 0,
                          "lora_mismatches": 0, "worker_names_taken": 0, "stale_edits_dropped": 0}
         self._lora_mismatches: set[tuple[str, str, str]] = set()  # (name, digest, digest) said once
@@ -932,6 +937,7 @@ class Router:
             else:
                 self._park(pending, record)
                 self._ensure_replicas(record)
+                self._hurry_bulk(record)
                 if record.status == "failed":
                     self._fail_parked(record)
                 return
@@ -965,6 +971,8 @@ class Router:
         if self.on_decision is not None:
             self.on_decision(time.perf_counter() - started)
         worker = next(w for w in self.workers.values() if w.slot == slot)
+        if worker.name in record.added:
+            record.added[worker.name] = time.monotonic()
         pending.worker, pending.routes, pending.records = worker.name, pending.routes + 1, records
         pending.steps_left = pending.calls = None
         self.counters["routed" if pending.routes == 1 else "rerouted"] += 1
@@ -1125,12 +1133,21 @@ class Router:
         live = [w for w in self.workers.values() if not w.draining]  # none yet: the first hello records it
         holding = [w for w in live if record.states.get(w.name) in ("recording", "ready")]
         replicas = record.replicas or self.config.template_replicas
-        wanted = len(live) if replicas == 0 else min(replicas + record.added_replicas, len(live))
+        wanted = len(live) if replicas == 0 else min(replicas, len(live))
+        holding = [w for w in holding if w.name not in record.added]  # added replicas come and go with load
         candidates = [w for w in live if w.name not in record.states]
         candidates.sort(key=lambda w: self.cluster.in_flight[w.slot])  # the least busy records it
 
         for worker in candidates[:max(0, wanted - len(holding))]:
             self._send_registration(worker, record, bulk is True or worker.name == bulk)
+
+    def _hurry_bulk(self, record: TemplateRecord) -> None:
+        """An edit waits for the template, which workers have queued among their bulk registrations (after a
+        takeover, say: it waited for every recording before it there, while other workers idled): sent
+        again by name, it is recorded now."""
+        for worker in self.workers.values():
+            if record.template_id in worker.bulk and next(iter(worker.bulk)) != record.template_id:
+                self._send_registration(worker, record, bulk=False)
 
     def _send_registration(self, worker: WorkerState, record: TemplateRecord, bulk: bool) -> None:
         record.states[worker.name] = "recording"
@@ -1141,24 +1158,57 @@ class Router:
         self._recording_sent(worker, record, seq, bulk=bulk)
 
     def _grow_replicas(self, record: TemplateRecord) -> None:
-        """With fewer replicas than workers (`RouterConfig.template_replicas`): one more for a template whose
-        replicas all carry more than `template_replicas_grow` requests beyond the least loaded other worker,
-        recorded there (a generation) while this edit goes to a replica."""
+        """With fewer replicas than workers (`RouterConfig.template_replicas`): one more for a template whose own
+        edits fill its replicas (more than `template_replicas_grow` of them in flight on each, on average)
+        while each of those carries more than that many requests beyond the least loaded other worker, which
+        records it (a generation) while this edit goes to a replica. A template edited now and then on a busy
+        worker gets none."""
         bound = self.config.template_replicas_grow
         if bound is None or (record.replicas or self.config.template_replicas) == 0:
             return
         holders = np.zeros_like(self.cluster.alive)
         others = self._open_workers().copy()
+        own = 0  # its edits in flight on its replicas
         for name, state in record.states.items():
-            if name in self.workers:
-                others[self.workers[name].slot] = False
-                if state in ("recording", "ready") and not self.workers[name].draining:
-                    holders[self.workers[name].slot] = True
-        if replica_to_add(holders, others, self.cluster, bound) is not None:
-            record.added_replicas += 1
-            self.counters["replicas_added"] += 1
-            logger.info(f"template {record.template_id}: its replicas are busy; another worker records it")
-            self._ensure_replicas(record)
+            worker = self.workers.get(name)
+            if worker is None:
+                continue
+            others[worker.slot] = False
+            if state in ("recording", "ready") and not worker.draining:
+                holders[worker.slot] = True
+                own += sum(1 for request_id in worker.assigned if request_id in self.pending
+                           and self.pending[request_id].task.template_id == record.template_id)
+        if own <= bound * int(holders.sum()):
+            return
+        slot = replica_to_add(holders, others, self.cluster, bound)
+        if slot is None:
+            return
+        worker = next(w for w in self.workers.values() if w.slot == slot)
+        record.added[worker.name] = time.monotonic()
+        self.counters["replicas_added"] += 1
+        logger.info(f"template {record.template_id}: its edits fill its replicas; worker {worker.name} records it too")
+        self._send_registration(worker, record, bulk=False)
+
+    def _drop_idle_replicas(self) -> None:
+        """Added replicas that no edit was sent to for REPLICA_IDLE_S are dropped there (replicas the load
+        added and never gave back made --template-replicas K every worker, in time)."""
+        now = time.monotonic()
+        for record in self.templates.values():
+            for name, last in list(record.added.items()):
+                worker = self.workers.get(name)
+                busy = worker is not None and any(
+                    request_id in self.pending and self.pending[request_id].task.template_id == record.template_id
+                    for request_id in worker.assigned)
+                if now - last <= REPLICA_IDLE_S or busy:
+                    continue
+                del record.added[name]
+                record.states.pop(name, None)
+                record.progress.pop(name, None)
+                self.counters["replicas_removed"] += 1
+                if worker is not None:
+                    self._recording_over(worker, record.template_id)
+                    self._send(worker, {"kind": "drop", "template": record.template_id})
+                self._template_changed(record)
 
     def _recording_sent(self, worker: WorkerState, record: TemplateRecord, seq: int, bulk: bool = False) -> None:
         """The message `seq` asked `worker` to record the template: until it reports the end, its heartbeats
@@ -1207,6 +1257,7 @@ class Router:
         if not self.workers:
             self._no_worker_since = time.monotonic()
         for record in self.templates.values():
+            record.added.pop(name, None)
             if record.states.pop(name, None) is not None:
                 record.progress.pop(name, None)
                 self._template_changed(record)
@@ -1280,6 +1331,9 @@ class Router:
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
+        if now >= self._next_idle_check:
+            self._next_idle_check = now + 1.0
+            self._drop_idle_replicas()
         for name, worker in list(self.workers.items()):
             if now - worker.last_seen > self.config.dead_after_s:
                 self._remove_worker(name, f"no heartbeat for {now - worker.last_seen:.1f} s")
@@ -1667,6 +1721,13 @@ class Router:
             record.progress[worker.name] = record.steps
             self._template_changed(record)
             self._dispatch_parked(record.template_id)
+            return
+        if record.added.pop(worker.name, None) is not None:  # a replica its load asked for: not the template's fault
+            record.states.pop(worker.name, None)
+            record.progress.pop(worker.name, None)
+            logger.info(f"template {record.template_id}: worker {worker.name} could not record it as another "
+                        f"replica: {header.get('message', 'recording failed')}")
+            self._template_changed(record)
             return
         record.states[worker.name] = "failed"
         record.error = header.get("message", "recording failed")

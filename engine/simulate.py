@@ -71,6 +71,7 @@ RESOLUTION_MIX = {"1024": (0.0, 0.0, 1.0), "uniform": (1 / 3, 1 / 3, 1 / 3), "lo
                   "medium": (0.25, 0.5, 0.25), "high": (0.25, 0.25, 0.5)}
 # A fit of a model too small to time extrapolates below zero, which clamps to a step that takes no time.
 MAX_WORKERS = 100_000  # simulated workers: each holds arrays of the cluster's view
+REPLICA_GROWTH_BOUND = 1  # `RouterConfig.template_replicas_grow`'s default
 MAX_REQUESTS = 10_000_000
 ZERO_STEP_ADVICE = ("its fit extrapolates below zero here; profile a larger model or larger --grids, or simulate "
                     "--image-tokens inside the profiled grids")
@@ -204,7 +205,7 @@ class SimulatedCluster:
         if self.keyed is not None:
             key = self.keyed.keys[request]
             holds = np.array([key in worker.held for worker in self.workers])
-            replicas = self._replicas_of(int(key))
+            replicas = self._replicas_of(int(key), now)
             alive = self.cluster_load.alive if replicas is None else self.cluster_load.alive & replicas
             eligible = prefer_holders(alive, holds, self.cluster_load, self.keyed.affinity)
         slot = self.policy.choose(load, self.cluster_load, eligible)
@@ -221,10 +222,11 @@ class SimulatedCluster:
             if steps < worker.event_steps:
                 self._schedule(worker, steps)
 
-    def _replicas_of(self, key: int) -> np.ndarray | None:
-        """The key's replicas now ([workers] bool; None: every worker); with `KeyedCache.grow`, one more when
-        all of them are full and another worker has room (it reads the key at its first request, as the
-        router's new replica records the template)."""
+    def _replicas_of(self, key: int, now: float) -> np.ndarray | None:
+        """The key's replicas now ([workers] bool; None: every worker); with `KeyedCache.grow`, one more as the
+        router adds it (`Router._grow_replicas`): the key's own requests in flight on its replicas exceed the
+        bound per replica, and `policies.replica_to_add` finds a worker. That worker holds the key miss_s
+        later (its recording: the time only, not the compute), and none is added while one is recorded."""
         replicas = self._replicas.get(key)
         if replicas is None:
             replicas = self.keyed.eligible(key, len(self.workers))
@@ -232,11 +234,20 @@ class SimulatedCluster:
                 return None
             self._replicas[key] = replicas
         if self.keyed.grow:
+            holders = [self.workers[slot] for slot in np.flatnonzero(replicas)]
+            recording = any(worker.held.get(key, now) > now for worker in holders)
+            own = sum(self.keyed.keys[request] == key for worker in holders
+                      for request in (*worker.batch, *worker.queue))
             alive = self.cluster_load.alive
-            added = replica_to_add(alive & replicas, alive & ~replicas, self.cluster_load)
+            added = None if recording or own <= REPLICA_GROWTH_BOUND * len(holders) else replica_to_add(
+                alive & replicas, alive & ~replicas, self.cluster_load, REPLICA_GROWTH_BOUND)
             if added is not None:
                 replicas[added] = True
                 self.replicas_added += 1
+                worker = self.workers[added]
+                worker.held[key] = now + self.keyed.miss_s
+                while len(worker.held) > self.keyed.cache:
+                    worker.held.popitem(last=False)
         return replicas
 
     def _hold(self, worker: _Worker, request: int, now: float) -> None:

@@ -101,6 +101,69 @@ def test_a_template_whose_replicas_are_busy_gets_another(context, make_router, g
         RouterConfig(template_replicas_grow=-1)
 
 
+def grown(context, router) -> tuple[list[ScriptedWorker], ScriptedWorker, ScriptedWorker, list]:
+    """Two workers, t1 on one (`--template-replicas 1`), and three edits of it there: the third asks the other
+    to record it too. (workers, the holder, the added replica, the edits' futures)."""
+    workers = [ScriptedWorker(context, router, name) for name in ("w0", "w1")]
+    router.register_template(template())
+    for worker in workers:
+        worker.sync()
+    (holder,) = [w for w in workers if "register" in w.pending_kinds()]
+    holder.register("t1")
+    edits = [router.submit(task()) for _ in range(3)]
+    (added,) = [w for w in workers if w is not holder]
+    added.sync()
+    assert [m["template"] for m in added.inbox if m["kind"] == "register"] == ["t1"]  # answered by the caller
+    assert router.snapshot()["counters"]["replicas_added"] == 1
+    return workers, holder, added, edits
+
+
+def test_a_template_edited_once_on_a_busy_worker_gets_no_replica(context, make_router):
+    """Growth follows the template's own edits: its worker busy with another template's is no reason (each
+    such edit gave the template a replica for good, and --template-replicas K became every worker)."""
+    router = make_router(template_replicas=1)
+    w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
+    for name in ("hot", "cold"):
+        router.register_template(template(name))
+        w0.sync()
+        w1.sync()
+        (holder,) = [w for w in (w0, w1) if "register" in w.pending_kinds()]
+        holder.register(name)
+    holders = {name: [w for w, state in router.templates[name].states.items() if state == "ready"]
+               for name in ("hot", "cold")}
+    assert holders["hot"] == holders["cold"]  # both on one worker: it was the least busy both times
+    for name in ("hot", "hot", "cold"):
+        router.submit(task(name))
+    for worker in (w0, w1):
+        worker.sync()
+    assert router.snapshot()["counters"]["replicas_added"] == 0
+    assert "register" not in w0.pending_kinds() + w1.pending_kinds()
+
+
+def test_an_added_replica_that_fails_to_record_is_not_the_templates_failure(context, make_router):
+    router = make_router(template_replicas=1)
+    _, holder, added, _ = grown(context, router)
+    added.register("t1", ok=False)  # out of memory there
+    assert router.template("t1")["status"] == "ready" and router.template("t1")["error"] is None
+    router.worker_exited(holder.name)  # the template's one replica goes: the other is asked again
+    assert added.receive("register")["template"] == "t1"
+
+
+def test_an_added_replica_no_edit_went_to_for_a_while_is_dropped(context, make_router, monkeypatch):
+    import retouch.engine.router as router_module
+
+    router = make_router(template_replicas=1)
+    _, holder, added, edits = grown(context, router)
+    added.register("t1")
+    for _ in edits:
+        holder.answer(holder.receive("edit")["request"])
+    assert all(edit.result(TIMEOUT_S).status == 200 for edit in edits)
+    monkeypatch.setattr(router_module, "REPLICA_IDLE_S", 0.0)
+    assert added.receive("drop")["template"] == "t1"
+    assert router.snapshot()["counters"]["replicas_removed"] == 1
+    assert router.template("t1")["progress"]["workers_ready"] == 1 and holder.name in router.templates["t1"].states
+
+
 def test_a_worker_that_joins_records_the_most_recently_edited_templates_first(context, make_router):
     router = make_router()
     w0 = ScriptedWorker(context, router, "w0")
@@ -366,6 +429,27 @@ def test_the_templates_of_a_worker_that_leaves_go_elsewhere_in_bulk(context, mak
         leaving.sync()
     sent = [taking_over.receive("register") for _ in held]
     assert sorted(m["template"] for m in sent) == held and all(m["bulk"] for m in sent)
+
+
+def test_an_edit_of_a_template_queued_in_bulk_asks_for_it_by_name(context, make_router):
+    """An edit that waits for a template a worker has queued among its bulk registrations (it joined, or took
+    over: the templates before it there are recorded first, while other workers idle) has it sent again by
+    name, recorded now."""
+    router = make_router()
+    for name in ("t1", "t2", "t3"):
+        router.register_template(template(name))
+    w0 = ScriptedWorker(context, router, "w0")
+    w0.sync()
+    assert [(m["template"], m.get("bulk")) for m in w0.inbox if m["kind"] == "register"] == [
+        ("t3", True), ("t2", True), ("t1", True)]
+    router.submit(task("t1"))
+    w0.sync()
+    again = [m for m in w0.inbox if m["kind"] == "register"][3:]
+    assert [(m["template"], m.get("bulk")) for m in again] == [("t1", None)]
+    assert router.snapshot()["workers"]["w0"]["queued"] == 2  # t3 (its bulk turn) and t1; the edit is parked
+    router.submit(task("t3"))  # first in its turn: recorded now already
+    w0.sync()
+    assert len([m for m in w0.inbox if m["kind"] == "register"]) == 4
 
 
 def test_a_worker_recording_a_template_weighs_as_busy_until_it_reports_or_is_lost(context, make_router):

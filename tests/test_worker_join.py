@@ -119,3 +119,24 @@ def test_a_restarted_worker_adopts_the_recordings_its_disk_tier_holds_though_ano
     finally:
         node.stop()
         thread.join(TIMEOUT_S * 6)
+
+
+def test_a_template_asked_for_by_name_leaves_the_bulk_queue_and_is_recorded_now(make_router):
+    router = make_router()
+    engine = Engine(MaskAwareEditor(load_pipeline("tiny-flux-fill")), EngineConfig(mode="naive")).start()
+    node = Node(engine, router.address, "n1", supervised=False)  # not run: its messages are handed to it here
+    try:
+        messages = [({"template": f"t{i}", "prompt": "a room", "steps": STEPS, "seed": i, "guidance": None},
+                     {"image": png(template_image((90 * i, 90, 30)))}) for i in range(3)]
+        for header, blobs in messages:
+            node._register({**header, "bulk": True}, blobs)
+        assert [queued[0] for queued in node._bulk] == ["t1", "t2"]  # t0 records, the others wait their turn
+        node._register(*messages[2])  # an edit waits for t2
+        assert [queued[0] for queued in node._bulk] == ["t1"] and set(node.registrations) == {"t0", "t2"}
+        for _, future in list(node.registrations.values()):
+            future.result(TIMEOUT_S * 6)
+    finally:
+        engine.close()
+        node.socket.close(linger=0)
+        node._wakeup.close()
+        node.context.term()

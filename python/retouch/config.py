@@ -420,9 +420,11 @@ class ServeOptions:
                                     "fewer cost less GPU time per registration and leave the workers' caches room "
                                     "for more templates, but send each template's edits to its replicas only, "
                                     "which a popular template would overload: see --template-replicas-grow")
-    template_replicas_grow: int = option(1, help="with --template-replicas K: a template whose replicas all have "
-                                         "more than this many requests in flight beyond the least loaded other "
-                                         "worker is recorded there too, one more replica (-1: K replicas only)")
+    template_replicas_grow: int = option(1, help="with --template-replicas K: a template with more than this many "
+                                         "of its own edits in flight per replica, whose replicas all have more than "
+                                         "this many requests in flight beyond the least loaded other worker, is "
+                                         "recorded there too, until no edit went there for 5 minutes (-1: K "
+                                         "replicas only)")
     template_affinity: int = option(0, help="an edit goes to a worker holding its template's recording in host "
                                     "memory (no disk read, no recording again) while that worker has a free batch "
                                     "slot and at most this many requests in flight more than the least loaded one "
