@@ -1068,8 +1068,9 @@ class Router:
         """`last_used` (this process's clock: not kept) in the order the last router saw edits (`ids`, most
         recent first). Templates it did not list were registered after it kept the order (it died): they
         come first, newest first, as they would have here."""
-        listed = [template_id for template_id in ids if template_id in self.templates]
-        unlisted = sorted((r for r in self.templates.values() if r.template_id not in frozenset(listed)),
+        listed = list(dict.fromkeys(template_id for template_id in ids if template_id in self.templates))
+        kept = set(listed)
+        unlisted = sorted((r for r in self.templates.values() if r.template_id not in kept),
                           key=lambda record: record.created, reverse=True)
         now = time.monotonic()
         for rank, template_id in enumerate([r.template_id for r in unlisted] + listed):
@@ -1137,7 +1138,6 @@ class Router:
         holding = [w for w in holding if w.name not in record.added]  # added replicas come and go with load
         candidates = [w for w in live if w.name not in record.states]
         candidates.sort(key=lambda w: self.cluster.in_flight[w.slot])  # the least busy records it
-
         for worker in candidates[:max(0, wanted - len(holding))]:
             self._send_registration(worker, record, bulk is True or worker.name == bulk)
 
