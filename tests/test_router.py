@@ -46,17 +46,24 @@ def test_templates_go_to_every_worker_and_edits_wait_for_a_ready_one(context, ma
     assert router.template("t1")["progress"]["workers_ready"] == 2
 
 
+def recorded_on_one(router, workers: list[ScriptedWorker], name: str = "t1") -> ScriptedWorker:
+    """Register template `name` on a router of `--template-replicas 1`: the one worker sent it records it;
+    that worker."""
+    router.register_template(template(name))
+    for worker in workers:
+        worker.sync()
+    (holder,) = [w for w in workers if "register" in w.pending_kinds()]
+    holder.register(name)
+    return holder
+
+
 def test_template_replicas_record_a_template_on_that_many_workers_and_replace_a_lost_one(context, make_router):
     """`--template-replicas 1`: a registration is one generation on one worker, not one on each; its edits
     go there; when that worker goes, another records it."""
     router = make_router(template_replicas=1)
     w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
-    router.register_template(template())
-    for worker in (w0, w1):
-        worker.sync()
-    (holder,) = [w for w in (w0, w1) if "register" in w.pending_kinds()]
+    holder = recorded_on_one(router, [w0, w1])
     other = w1 if holder is w0 else w0
-    holder.register("t1")
     assert router.template("t1")["progress"]["workers_ready"] == 1 and "register" not in other.pending_kinds()
     assert _edit_goes_to(task(), router, [w0, w1]) == holder.name
     router.worker_exited(holder.name)  # its process ended: what it held is recorded elsewhere
@@ -74,11 +81,7 @@ def test_a_template_whose_replicas_are_busy_gets_another(context, make_router, g
     records it too, and later edits go there; one at a time (a replica being recorded weighs as a request)."""
     router = make_router(template_replicas=1, template_replicas_grow=grow)
     workers = [ScriptedWorker(context, router, name) for name in ("w0", "w1", "w2")]
-    router.register_template(template())
-    for worker in workers:
-        worker.sync()
-    (holder,) = [w for w in workers if "register" in w.pending_kinds()]
-    holder.register("t1")
+    holder = recorded_on_one(router, workers)
     edits = [router.submit(task()) for _ in range(4)]
     for worker in workers:
         worker.sync()
@@ -105,11 +108,7 @@ def grown(context, router) -> tuple[list[ScriptedWorker], ScriptedWorker, Script
     """Two workers, t1 on one (`--template-replicas 1`), and three edits of it there: the third asks the other
     to record it too. (workers, the holder, the added replica, the edits' futures)."""
     workers = [ScriptedWorker(context, router, name) for name in ("w0", "w1")]
-    router.register_template(template())
-    for worker in workers:
-        worker.sync()
-    (holder,) = [w for w in workers if "register" in w.pending_kinds()]
-    holder.register("t1")
+    holder = recorded_on_one(router, workers)
     edits = [router.submit(task()) for _ in range(3)]
     (added,) = [w for w in workers if w is not holder]
     added.sync()
@@ -124,11 +123,7 @@ def test_a_template_edited_once_on_a_busy_worker_gets_no_replica(context, make_r
     router = make_router(template_replicas=1)
     w0, w1 = ScriptedWorker(context, router, "w0"), ScriptedWorker(context, router, "w1")
     for name in ("hot", "cold"):
-        router.register_template(template(name))
-        w0.sync()
-        w1.sync()
-        (holder,) = [w for w in (w0, w1) if "register" in w.pending_kinds()]
-        holder.register(name)
+        recorded_on_one(router, [w0, w1], name)
     holders = {name: [w for w, state in router.templates[name].states.items() if state == "ready"]
                for name in ("hot", "cold")}
     assert holders["hot"] == holders["cold"]  # both on one worker: it was the least busy both times
