@@ -115,7 +115,7 @@ class KeyedCache:
     miss_s: float
     affinity: int | None = None
     replicas: int = 0  # workers that may serve a key (`RouterConfig.template_replicas`); 0: every one
-    grow: bool = False  # a key whose replicas are all full gets another (`policies.replica_to_add`)
+    grow: bool = False  # a key whose own requests fill its replicas gets another (`SimulatedCluster._replicas_of`)
 
     def eligible(self, key: int, workers: int) -> np.ndarray | None:
         """[workers] bool: the key's replicas, spread evenly over the workers by key; None: every worker."""
@@ -244,10 +244,7 @@ class SimulatedCluster:
             if added is not None:
                 replicas[added] = True
                 self.replicas_added += 1
-                worker = self.workers[added]
-                worker.held[key] = now + self.keyed.miss_s
-                while len(worker.held) > self.keyed.cache:
-                    worker.held.popitem(last=False)
+                self._read(self.workers[added], key, now)
         return replicas
 
     def _hold(self, worker: _Worker, request: int, now: float) -> None:
@@ -261,6 +258,10 @@ class SimulatedCluster:
             self.waited[request] = max(0.0, ready - now)
             return
         self.waited[request] = self.keyed.miss_s
+        self._read(worker, key, now)
+
+    def _read(self, worker: _Worker, key: int, now: float) -> None:
+        """The worker holds `key` miss_s from now (read, or recorded), pushing out its least recent keys."""
         worker.held[key] = now + self.keyed.miss_s
         while len(worker.held) > self.keyed.cache:
             worker.held.popitem(last=False)
