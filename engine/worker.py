@@ -436,36 +436,39 @@ class Worker:
                 return made[0]
 
             recording = make() if self.recording_of is None else self.recording_of(template_id, make)
-            if not made:  # under way already: the edit waits for that one
-                if recording.request is None and job.deadline is not None and (
-                        recording.deadline is None or job.deadline < recording.deadline):
-                    recording.deadline = job.deadline
-                job.waited_for = recording
-                return True
-            if self.send_to_prepare is None:
-                recording.ready = self._inline(lambda: self._prepare(recording), recording)
-                if recording.ready is None:
-                    return False
-            self._recording_again[template_id] = recording
-
-            def ended(_, recording=recording) -> None:  # recorded, failed or cancelled (a helper's failure: its thread)
-                if self._recording_again.get(template_id) is recording:
-                    del self._recording_again[template_id]
-                self.inbox.put(("wake",))  # a loop idle until it came back (`_waits_elsewhere`) admits its edits
-
-            recording.future.add_done_callback(ended)
-            if self.send_to_prepare is None:
-                self.waiting.appendleft(recording)
-            else:
-                try:
-                    self.send_to_prepare(recording)
-                except Exception as exc:  # noqa: BLE001 - it fails alone; its edits go on to `acquire`
-                    self._fail(recording, exc)
-            logger.info("template %s is in no cache tier any more: recorded again beside the batch, for edit %d",
-                        template_id, job.id)
-        elif job.deadline is not None and (recording.deadline is None or job.deadline < recording.deadline):
+            # else under way already (a registration, a one-off's first edit): the edit waits for that one
+            if made and not self._record_again(recording, template_id, job):
+                return False
+        if recording.request is None and job.deadline is not None and (
+                recording.deadline is None or job.deadline < recording.deadline):
             recording.deadline = job.deadline  # queued by the most urgent of the edits that wait for it
         job.waited_for = recording
+        return True
+
+    def _record_again(self, recording: Job, template_id: str, job: Job) -> bool:
+        """Start `recording`, of the template that edit `job` found lost, as a member of the batch; False when
+        its preparation on the loop failed."""
+        if self.send_to_prepare is None:
+            recording.ready = self._inline(lambda: self._prepare(recording), recording)
+            if recording.ready is None:
+                return False
+        self._recording_again[template_id] = recording
+
+        def ended(_) -> None:  # recorded, failed or cancelled (a helper's failure: on its thread)
+            if self._recording_again.get(template_id) is recording:
+                del self._recording_again[template_id]
+            self.inbox.put(("wake",))  # a loop idle until it came back (`_waits_elsewhere`) admits its edits
+
+        recording.future.add_done_callback(ended)
+        if self.send_to_prepare is None:
+            self.waiting.appendleft(recording)
+        else:
+            try:
+                self.send_to_prepare(recording)
+            except Exception as exc:  # noqa: BLE001 - it fails alone; its edits go on to `acquire`
+                self._fail(recording, exc)
+        logger.info("template %s is in no cache tier any more: recorded again beside the batch, for edit %d",
+                    template_id, job.id)
         return True
 
     def _prepared_for(self, job: Job) -> None:
