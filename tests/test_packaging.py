@@ -39,6 +39,17 @@ def test_submodules_are_attributes_after_a_plain_import():
     assert result.stdout.split() == ["MaskAwareEditor", "Engine", "Canvas"]
 
 
+def test_the_cli_and_the_head_import_no_diffusers():
+    """`retouch --help`, `retouch keys`, `retouch simulate` and the head's modules (router, HTTP API) load no
+    model library: importing diffusers and transformers took 3 of `retouch --help`'s 4.3 s (a limit in the
+    options' checks had been imported from `retouch.models.samplers`)."""
+    code = ("import sys, retouch.cli, retouch.config, retouch.server, retouch.engine.router, retouch.http_api; "
+            "print(sorted(m for m in ('diffusers', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["[]"]
+
+
 # Requirements the GPU runs (bench/run_gpu.sh) never import, so neither the GPU machines' image nor the
 # carried wheels need them.
 NOT_NEEDED_ON_THE_GPU = {"openai": "tests/test_openai_sdk.py only, which skips without it",

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from retouch.engine.policies import POLICIES
 from retouch.errors import InputError, RetouchError
+from retouch.limits import MAX_STEPS
 from retouch.paths import check_writable, check_writable_folder
 from retouch.log_limits import LOG_LEVELS
 from retouch.lora import LoraChoice, LoraError, parse_lora
-from retouch.models.samplers import MAX_STEPS
 
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")  # --served-model-name: what clients put in `model`

@@ -26,6 +26,7 @@ import diffusers
 import torch
 
 from ..errors import ModelError
+from ..limits import MAX_STEPS
 from .quiet import DropMessage, quiet_libraries
 
 # name -> (diffusers class, settings over the pipeline's)
@@ -230,11 +231,6 @@ def fresh(scheduler):
     deepcopy would keep (and call, re-scheduling the live one)."""
     with _quiet_swap():
         return type(scheduler).from_config(scheduler.config)
-
-
-# The longest schedule asked of any sampler: far past what any sampler improves with (a few hundred), short
-# of what a schedule's tables cost in memory (10^10 steps: a 75 GiB allocation, a MemoryError).
-MAX_STEPS = 10_000
 
 
 def steps_error(scheduler, steps: int) -> str | None:
