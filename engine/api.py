@@ -433,7 +433,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a malformed message fails its job, not this receiver thread
                 with self._jobs_lock:
                     self._jobs.pop(job.id, None)
-                self.worker.metrics.failed += 1
+                self.worker.count_failure(job)
                 job.fail(HelperError(f"the helper's preparation could not be read: {type(exc).__name__}: {exc}"))
                 return
             self.worker.inbox.put(("ready", job))
@@ -444,10 +444,10 @@ class Engine:
             image = processing.finished_image(header, blobs)
             self.worker.complete(job, image)
         elif kind == "prepared":
-            self.worker.metrics.failed += 1
+            self.worker.count_failure(job)
             job.fail(MissingTemplate(f"template {job.request.template_id!r} was dropped before the edit ran"))
         else:
-            self.worker.metrics.failed += 1
+            self.worker.count_failure(job)
             job.fail(HelperError(f"{header['error']}: {header['message']}"))
 
     def _await_helper_jobs(self) -> None:

@@ -70,7 +70,8 @@ class WorkerMetrics:
     steps: int = 0
     interruptions: int = 0
     completed: int = 0
-    failed: int = 0
+    failed: int = 0  # edits
+    failed_recordings: int = 0  # registrations, and the loop's own recordings of lost templates
     cancelled: int = 0
     recorded: int = 0  # templates recorded as members of the batch
     unrecorded: int = 0  # one-off images answered unrecorded: their recording did not fit the host cache
@@ -115,7 +116,8 @@ class WorkerMetrics:
     def summary(self) -> dict:
         steps = self.steps
         return {
-            "steps": steps, "completed": self.completed, "failed": self.failed, "cancelled": self.cancelled,
+            "steps": steps, "completed": self.completed, "failed": self.failed,
+            "failed_recordings": self.failed_recordings, "cancelled": self.cancelled,
             "recorded": self.recorded, "unrecorded": self.unrecorded, "recording_retries": self.recording_retries,
             "deferred_recordings": self.deferred_recordings, "watch_errors": self.watch_errors,
             "interruptions": self.interruptions,

@@ -37,6 +37,7 @@ import itertools
 import logging
 import math
 import queue
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
@@ -275,6 +276,7 @@ class Worker:
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self.metrics = WorkerMetrics()
+        self._counts_lock = threading.Lock()  # answers and failures are counted on helpers' receiver threads too
         self.stopping = False
         self._forward_s = self._inline_s = 0.0
         self._previewer: LatentPreviewer | None = None
@@ -727,7 +729,8 @@ class Worker:
         job.metrics.completed = now()
         recorded = job.recording.template_id if job.writes_cache else None
         if self._set_result(job, EditResult(image, job.metrics, recorded, job.unrecorded)):
-            self.metrics.completed += 1
+            with self._counts_lock:
+                self.metrics.completed += 1
 
     def _set_result(self, job: Job, result) -> bool:
         try:
@@ -761,7 +764,8 @@ class Worker:
 
     def _departures(self) -> int:
         """Jobs that have left the batch so far (each releases the host memory its template held)."""
-        return self.metrics.completed + self.metrics.failed + self.metrics.cancelled
+        metrics = self.metrics
+        return metrics.completed + metrics.failed + metrics.failed_recordings + metrics.cancelled
 
     def _restarts_for_memory(self, job: Job, failure: BaseException, shared: bool) -> bool:
         """Whether a registration (no edit) whose recording found the host cache held by templates in use starts
@@ -787,8 +791,17 @@ class Worker:
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         self._release(job)
-        self.metrics.failed += 1
+        self.count_failure(job)
         job.fail(exc)
+
+    def count_failure(self, job: Job) -> None:
+        """An edit's failure is the user's to see; a recording's (a registration, or the loop's own of a lost
+        template) the operator's, in a counter of its own."""
+        with self._counts_lock:
+            if job.request is None:
+                self.metrics.failed_recordings += 1
+            else:
+                self.metrics.failed += 1
 
     def _release(self, job: Job) -> None:
         """The job leaves the batch: its template handles and its LoRA leases go now, not when the Job

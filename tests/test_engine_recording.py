@@ -188,7 +188,10 @@ def test_a_one_off_edit_whose_recording_does_not_fit_the_host_cache_answers_unre
         assert engine.worker.metrics.watch_errors == 1  # the watcher's failure: counted, the edit answered
         with pytest.raises(Exception, match=r"host cache .*--cache-host-gib"):
             engine.submit_template(image, "a room", steps=STEPS).result(timeout=120)
-        assert engine.worker.metrics.summary()["unrecorded"] == 2 and engine.worker.metrics.recorded == 0
+        summary = engine.worker.metrics.summary()
+        assert summary["unrecorded"] == 2 and summary["recorded"] == 0
+        # the registration's failure is the operator's (the cache is too small), not an edit's
+        assert (summary["failed"], summary["failed_recordings"], summary["completed"]) == (0, 1, 2)
     warnings = [record.getMessage() for record in caplog.records if record.name == "retouch.worker"]
     assert len(warnings) == 1 and "--cache-host-gib" in warnings[0] and "not be mask-aware" in warnings[0]
     assert again.recorded is None and (answer.unrecorded, again.unrecorded) == ("too_large", "too_large")
@@ -308,7 +311,7 @@ def test_a_registration_whose_host_cache_is_held_by_another_starts_over_instead_
     jobs = registrations(editor, images)
     worker = run_loop(editor, EngineConfig(mode="naive", max_batch=2), jobs)
     registered = [job.future.result(timeout=0) for job in jobs]
-    assert len(set(registered)) == 2 and worker.metrics.failed == 0
+    assert len(set(registered)) == 2 and worker.metrics.failed == worker.metrics.failed_recordings == 0
     assert worker.metrics.recording_retries == 1 and worker.metrics.summary()["recording_retries"] == 1
     assert [job.memory_retries for job in jobs].count(1) == 1
     assert [editor.is_recorded(template_id) for template_id in registered].count(True) == 1
@@ -334,7 +337,7 @@ def test_a_one_off_edit_and_a_registration_sharing_a_cache_for_one_both_answer(f
     one_off = Worker.new_job(EditRequest(template.template_id, mask, "a red hat", seed=7), recording=template)
     jobs = [registration, one_off] if first == "registration" else [one_off, registration]
     worker = run_loop(editor, EngineConfig(mode="naive", max_batch=2), jobs)
-    assert worker.metrics.failed == 0
+    assert worker.metrics.failed == worker.metrics.failed_recordings == 0
     assert registration.future.result(timeout=0) == registration.recording.template_id
     edited = one_off.future.result(timeout=0)
     assert edited.image.size == images[1].size

@@ -57,6 +57,8 @@ WORKER_COUNTERS = (("steps", "denoising steps run"),
                    ("batch_rows", "requests summed over the denoising steps (their batch sizes)"),
                    ("completed", "edits completed"),
                    ("failed", "edits failed"),
+                   ("failed_recordings", "template recordings failed: registrations, and the worker's own "
+                    "recordings of templates it had lost"),
                    ("cancelled", "edits cancelled"),
                    ("recorded", "templates recorded"),
                    ("unrecorded", "one-off images answered in full but not recorded: their recording did not fit "
