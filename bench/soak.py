@@ -4,11 +4,18 @@ What it lost, how long it went silent, how its memory and descriptors moved, and
 
     retouch bench soak --duration 60 [--workers 2] [--kill-every 10] [--model tiny-flux-fill]
                        [--concurrency 4] [--timeout 60] [--out DIR]     (or python -m retouch.bench.soak)
+                       [--templates 2] [--template-replicas K] [--cache-host-mib M] [--cache-disk-mib D]
 
 The server is `retouch.server.Server` on loopback (port 0) in the disaggregated mode (each worker's
 pre/post-processing runs in helper processes, so there are helpers to kill), `--steps` steps, one torch
-thread per worker and helper, 64x48 images and a 1 MiB body limit. Two templates for edits and one of
-CANCEL_STEPS steps for the requests that go away are recorded on every worker before the load starts.
+thread per worker and helper, 64x48 images and a 1 MiB body limit. `--templates` templates for edits and
+one of CANCEL_STEPS steps for the requests that go away are recorded before the load starts, on every
+worker or on --template-replicas of them. Caches smaller than the templates (--cache-host-mib, with a disk
+tier of --cache-disk-mib in a temporary folder) make the load evict templates, record them again, defer a
+joining worker's recordings and adopt a killed worker's from disk, while workers die:
+
+    retouch bench soak --duration 300 --kill-every 10 --steps 8 --templates 32 --template-replicas 1 \
+                       --cache-host-mib 1 --cache-disk-mib 2
 
 The load: `--concurrency` client threads in a closed loop (while the good requests wait, so does
 everything else); each request's kind is drawn from MIX:
@@ -59,15 +66,17 @@ The report (times in seconds from the start of the load, sizes in bytes):
                                              workers_ready_end (connected to the router)
     router_counters server_answers           the router's counters; the server's own count of its HTTP
                                              answers (/metrics: {endpoint: {status: n}}, 499 = client gone)
-    router_templates_end                     templates the router holds at the end: the 3 registered and
+    worker_counters_end                      recordings and cache-tier events summed over the workers live
+                                             at the end (a killed worker's counts died with it)
+    router_templates_end                     templates the router holds at the end: the registered ones and
                                              every one-off image it has seen
     rss                                      this process (router, HTTP frontend *and* the bench's clients) at
                                              start/end, growth, growth_second_half (end minus the middle of the
                                              load: past warm-up); workers = live workers + their helpers;
                                              per_worker_start/end: {name: [worker RSS, its helpers' RSS]}
     fds                                      open descriptors of this process and of the workers at start/end
-    recovery_s                               from the end of the load until every worker was back with every
-                                             template (null: not within --timeout)
+    recovery_s                               from the end of the load until every worker was back and every
+                                             template ready on its workers (null: not within --timeout)
     close_s serve_id leftovers failed        Server.close's time; the server's id (null: it has none);
                                              what was left behind (below); lost > 0 or anything left
     samples settings                         RSS every SAMPLE_S; the options
@@ -146,6 +155,15 @@ class SoakOptions:
     timeout: float = option(60.0, help="seconds a request may go without an answer before it counts as lost")
     device: str = option("auto", help="where the workers run", choices=DEVICES)
     seed: int = option(0, help="seeds the request mix, the masks and the choice of victims")
+    templates: int = option(2, help="registered templates the `template` requests edit")
+    template_replicas: int = option(0, help="the server's --template-replicas: workers each template is recorded "
+                                    "on (0: every worker); a killed worker's templates are taken over")
+    cache_host_mib: float | None = option(None, help="each worker's host cache, MiB (at least 1; default: the server's): "
+                                          "below what the templates and one-off images take, templates are "
+                                          "evicted, and recorded again by their next edit")
+    cache_disk_mib: float | None = option(None, help="each worker's disk tier, MiB, in a temporary folder "
+                                          "(default: none): evicted recordings go there, and a replacement "
+                                          "worker adopts its predecessor's")
     out: Path | None = option(None, help="folder for soak.json and soak.png")
 
     def __post_init__(self):
@@ -153,9 +171,15 @@ class SoakOptions:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise InputError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
-        for name in ("workers", "concurrency", "steps", "helpers"):
+        for name in ("workers", "concurrency", "steps", "helpers", "templates"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.template_replicas < 0:
+            raise InputError(f"--template-replicas must be >= 0, got {self.template_replicas}")
+        for name in ("cache_host_mib", "cache_disk_mib"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise InputError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
         if not is_builtin(self.model):  # each worker would fail to load it, with its traceback
             raise InputError(f"--model {self.model!r} is not a built-in model (see `retouch models`)")
         if self.out is not None:
@@ -582,29 +606,39 @@ def register(client, image: bytes, prompt: str, steps: int) -> str:
     return response.json()["id"]
 
 
-def recovered(router, workers: int, template_ids: tuple[str, ...]) -> bool:
-    """Every worker connected and every template recorded on each (checked under the router's lock)."""
-    return len(router.workers) == workers and all(
-        (router.template(t) or {}).get("progress", {}).get("workers_ready") == workers for t in template_ids)
+def recovered(router, opts: SoakOptions, template_ids: tuple[str, ...]) -> bool:
+    """Every worker connected and every template ready on as many as it is recorded on (every worker, or
+    --template-replicas; the router may have added replicas), checked under the router's lock."""
+    replicas = min(opts.template_replicas or opts.workers, opts.workers)
+    return len(router.workers) == opts.workers and all(
+        (router.template(t) or {}).get("progress", {}).get("workers_ready", 0) >= replicas for t in template_ids)
 
 
-def start_server(opts: SoakOptions):
-    """The server, with the load's templates recorded on every worker: (server, Assets)."""
+def start_server(opts: SoakOptions, disk_dir: Path | None):
+    """The server, with the load's templates recorded (`recovered`): (server, Assets). `disk_dir`: the
+    workers' disk tier (--cache-disk-mib)."""
     import httpx
 
     from retouch.config import ServeOptions
     from retouch.server import Server
 
+    caches = {}
+    if opts.cache_host_mib is not None:
+        caches["cache_host_gib"] = opts.cache_host_mib / 1024
+    if disk_dir is not None:
+        caches.update(cache_disk_dir=disk_dir, cache_disk_gib=opts.cache_disk_mib / 1024)
     serve = ServeOptions(model=opts.model, workers=opts.workers, port=0, mode="disagg", helpers=opts.helpers,
                          worker_threads=1, helper_threads=1, steps=opts.steps, device=opts.device,
-                         max_upload_mb=MAX_UPLOAD_MB, heartbeat_s=0.2, dead_after_s=3.0)
+                         max_upload_mb=MAX_UPLOAD_MB, heartbeat_s=0.2, dead_after_s=3.0,
+                         template_replicas=opts.template_replicas, **caches)
     server = Server(serve).start()
     try:
         with httpx.Client(base_url=server.url, timeout=opts.timeout) as client:
-            template_ids = tuple(register(client, scene_png(i), f"a room {i}", opts.steps) for i in range(2))
-            cancel_id = register(client, scene_png(2), "a long room", CANCEL_STEPS)
-        if not server.router.wait_until(lambda r: recovered(r, opts.workers, (*template_ids, cancel_id)), 300):
-            raise RuntimeError("the templates were not recorded on every worker within 300 s")
+            template_ids = tuple(register(client, scene_png(i), f"a room {i}", opts.steps)
+                                 for i in range(opts.templates))
+            cancel_id = register(client, scene_png(opts.templates), "a long room", CANCEL_STEPS)
+        if not server.router.wait_until(lambda r: recovered(r, opts, (*template_ids, cancel_id)), 300):
+            raise RuntimeError("the templates were not recorded within 300 s")
     except BaseException:
         server.close(drain_s=5.0)
         raise
@@ -644,7 +678,7 @@ def drive(server, assets: Assets, opts: SoakOptions, watch: ProcessWatch) -> Loa
     outcomes = list(outcomes) + [Outcome(kind, sent_s, wall_s, "lost", reason="StillWaiting")
                                  for kind, sent_s in dict(waiting).values()]
     templates = (*assets.template_ids, assets.cancel_template_id)
-    back = server.router.wait_until(lambda r: recovered(r, opts.workers, templates), opts.timeout)
+    back = server.router.wait_until(lambda r: recovered(r, opts, templates), opts.timeout)
     recovery_s = time.monotonic() - t0 - wall_s if back else None
     stop.set()
     conductor.join()
@@ -661,6 +695,7 @@ def process_report(server, watch: ProcessWatch, start: dict, end: dict, duration
                          "workers_live_end": len(supervisor.pids()),
                          "workers_ready_end": len(server.router.snapshot()["workers"])},
             "router_counters": server.router.snapshot()["counters"],
+            "worker_counters_end": worker_counters(server.router.snapshot()["workers"]),
             "router_templates_end": server.router.snapshot()["templates"],
             "rss": {"router_start": start["router_rss"], "router_end": end["router_rss"],
                     "router_growth": end["router_rss"] - start["router_rss"],
@@ -674,6 +709,20 @@ def process_report(server, watch: ProcessWatch, start: dict, end: dict, duration
                     "per_worker_end": {n: w["fds"] for n, w in end["workers"].items()}}}
 
 
+# The workers' counters of recordings and cache tiers the report sums (`worker_counters`)
+WORKER_COUNTERS = ("completed", "failed", "failed_recordings", "recorded", "deferred_recordings", "interruptions")
+CACHE_COUNTERS = ("hits", "misses", "disk_hits", "evictions", "adoptions", "corrupt_files")
+
+
+def worker_counters(workers: dict) -> dict:
+    """Recordings and cache-tier events summed over the workers connected at the end, from their last
+    heartbeats: a killed worker's counts died with it, so these are lower bounds of the run's."""
+    reports = list(workers.values())
+    return ({key: sum(int(report.get(key, 0)) for report in reports) for key in WORKER_COUNTERS}
+            | {f"cache_{key}": sum(int(report.get("cache", {}).get(key, 0)) for report in reports)
+               for key in CACHE_COUNTERS})
+
+
 def run(opts: SoakOptions) -> tuple[dict, list[Outcome]]:
     """Start the server, load it for --duration while killing, wait for it to recover, close it, look
     for leftovers: the report and every request's outcome."""
@@ -682,7 +731,13 @@ def run(opts: SoakOptions) -> tuple[dict, list[Outcome]]:
     root = Path(tempfile.gettempdir())
     folders_before = socket_folders(root)
     started = time.monotonic()
-    server, assets = start_server(opts)
+    disk = tempfile.TemporaryDirectory(prefix="retouch-soak-disk-") if opts.cache_disk_mib is not None else None
+    try:
+        server, assets = start_server(opts, None if disk is None else Path(disk.name))
+    except BaseException:
+        if disk is not None:
+            disk.cleanup()
+        raise
     serve_id = getattr(server, "serve_id", None)
     watch = ProcessWatch(os.getpid())
     try:
@@ -697,6 +752,8 @@ def run(opts: SoakOptions) -> tuple[dict, list[Outcome]]:
         closing = time.monotonic()
         server.close(drain_s=min(opts.timeout, 30.0))
         close_s = time.monotonic() - closing
+        if disk is not None:
+            disk.cleanup()
     left = leftovers(watch, serve_id, folders_before, root)
     clean_up(left)
     summary = summarize(load.outcomes, load.wall_s)

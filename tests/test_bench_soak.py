@@ -225,15 +225,29 @@ def test_options_are_checked_and_derived_as_flags():
                        (dict(duration=5, out=Path("/proc/no/such")), "cannot write")):
         with pytest.raises(InputError, match=named):
             SoakOptions(**bad)
+    for bad, named in ((dict(templates=0), "--templates"), (dict(template_replicas=-1), "--template-replicas"),
+                       (dict(cache_host_mib=0), "--cache-host-mib"),
+                       (dict(cache_disk_mib=float("nan")), "--cache-disk-mib")):
+        with pytest.raises(InputError, match=named):
+            SoakOptions(duration=5, **bad)
     with pytest.raises(SystemExit):  # --duration is required
         soak.main([])
 
 
 # ---- a real server ----
 
-def test_a_short_soak_loses_nothing_and_leaves_nothing():
-    """18 s of the mixed load on 2 workers: a worker SIGKILLed at 6 s, a helper at 12 s."""
-    report, outcomes = soak.run(SoakOptions(duration=18, kill_every=6, workers=2, concurrency=4, timeout=30))
+SMALL_CACHES = dict(steps=8, templates=32, template_replicas=1, cache_host_mib=1, cache_disk_mib=2)
+
+
+@pytest.mark.parametrize("caches", ["default", "small"])
+def test_a_short_soak_loses_nothing_and_leaves_nothing(caches):
+    """18 s of the mixed load on 2 workers: a worker SIGKILLed at 6 s, a helper at 12 s. "small": each
+    template on one worker, in caches that hold a third of them: the load evicts templates and records
+    them again, the killed worker's templates are taken over, and its replacement adopts its recordings
+    from disk."""
+    options = SMALL_CACHES if caches == "small" else {}
+    report, outcomes = soak.run(SoakOptions(duration=18, kill_every=6, workers=2, concurrency=4, timeout=30,
+                                            **options))
     assert report["sent"] == len(outcomes) > 0
     assert report["sent"] == (report["ok"] + sum(report["4xx"].values()) + sum(report["5xx"].values())
                               + sum(report["other"].values()) + report["cancelled"] + report["lost"])
@@ -245,3 +259,7 @@ def test_a_short_soak_loses_nothing_and_leaves_nothing():
     assert report["recovery_s"] is not None  # every worker back, every template recorded on it
     assert report["leftovers"]["processes"] == [] and report["leftovers"]["folders"] == []
     assert report["lost"] == 0, report["lost_examples"]
+    if caches == "small":
+        counters = report["worker_counters_end"]
+        assert counters["cache_evictions"] > 0 and counters["cache_adoptions"] > 0, counters
+        assert counters["failed"] == counters["failed_recordings"] == 0, counters
