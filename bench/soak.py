@@ -5,6 +5,7 @@ What it lost, how long it went silent, how its memory and descriptors moved, and
     retouch bench soak --duration 60 [--workers 2] [--kill-every 10] [--model tiny-flux-fill]
                        [--concurrency 4] [--timeout 60] [--out DIR]     (or python -m retouch.bench.soak)
                        [--templates 2] [--template-replicas K] [--cache-host-mib M] [--cache-disk-mib D]
+                       [--loras N]
 
 The server is `retouch.server.Server` on loopback (port 0) in the disaggregated mode (each worker's
 pre/post-processing runs in helper processes, so there are helpers to kill), `--steps` steps, one torch
@@ -15,10 +16,13 @@ tier of --cache-disk-mib in a temporary folder) make the load evict templates, r
 joining worker's recordings and adopt a killed worker's from disk, while workers die:
 
     retouch bench soak --duration 300 --kill-every 10 --steps 8 --templates 32 --template-replicas 1 \
-                       --cache-host-mib 1 --cache-disk-mib 2
+                       --cache-host-mib 1 --cache-disk-mib 2 --loras 4
+
+With `--loras N` the workers serve N random adapters from a temporary --lora-dir, and the mix adds
+LORA_MIX's kinds (below), so adapters load on workers that die mid-load.
 
 The load: `--concurrency` client threads in a closed loop (while the good requests wait, so does
-everything else); each request's kind is drawn from MIX:
+everything else); each request's kind is drawn from MIX (and LORA_MIX):
 
     template              POST /v1/edits with a registered template_id and a box mask         -> 200 PNG
     one_off               POST /v1/edits with image + mask; the image is drawn from a pool of
@@ -32,6 +36,8 @@ everything else); each request's kind is drawn from MIX:
     bad_mask_size         a 32x32 mask for a 64x48 template                                     -> 422
     bad_unknown_template  template_id of no template                                            -> 404
     bad_oversized         a body over the 1 MiB limit                                           -> 413
+    lora                  (--loras) a template edit with one of the adapters, scale 0.5-1       -> 200 PNG
+    bad_unknown_lora      (--loras) a template edit naming an adapter the folder lacks          -> 404
 
 Every `--kill-every` seconds one process gets SIGKILL, alternately a worker (a random one of
 `Server.supervisor.pids()` whose slot the supervisor would still restart) and a helper (a random child
@@ -134,8 +140,11 @@ PROGRESS_S = 10.0  # a line on stderr this often
 MIX = {"template": 0.30, "one_off": 0.20, "openai_n2": 0.10, "cancel": 0.10,
        "bad_missing_prompt": 0.06, "bad_garbage_image": 0.06, "bad_mask_size": 0.06,
        "bad_unknown_template": 0.06, "bad_oversized": 0.06}
+# With --loras N, a share of the template edits name an adapter, and some name one the folder lacks.
+LORA_MIX = {"lora": 0.15, "bad_unknown_lora": 0.03}
+LORA_RANK = 4
 BAD_STATUS = {"bad_missing_prompt": 400, "bad_garbage_image": 400, "bad_mask_size": 422,
-              "bad_unknown_template": 404, "bad_oversized": 413}
+              "bad_unknown_template": 404, "bad_oversized": 413, "bad_unknown_lora": 404}
 # The server's counter of HTTP answers by endpoint and status, under its old and its new name.
 REQUEST_COUNTERS = ("retouch_requests_total", "retouch_http_requests_total")
 
@@ -158,12 +167,14 @@ class SoakOptions:
     templates: int = option(2, help="registered templates the `template` requests edit")
     template_replicas: int = option(0, help="the server's --template-replicas: workers each template is recorded "
                                     "on (0: every worker); a killed worker's templates are taken over")
-    cache_host_mib: float | None = option(None, help="each worker's host cache, MiB (at least 1; default: the server's): "
-                                          "below what the templates and one-off images take, templates are "
-                                          "evicted, and recorded again by their next edit")
+    cache_host_mib: float | None = option(None, help="each worker's host cache, MiB (at least 1; default: the "
+                                          "server's): below what the templates and one-off images take, "
+                                          "templates are evicted, and recorded again by their next edit")
     cache_disk_mib: float | None = option(None, help="each worker's disk tier, MiB, in a temporary folder "
                                           "(default: none): evicted recordings go there, and a replacement "
                                           "worker adopts its predecessor's")
+    loras: int = option(0, help="random adapters (rank 4) in a temporary --lora-dir: `lora` requests edit a "
+                        "template with one of them, `bad_unknown_lora` requests name one the folder lacks")
     out: Path | None = option(None, help="folder for soak.json and soak.png")
 
     def __post_init__(self):
@@ -174,8 +185,9 @@ class SoakOptions:
         for name in ("workers", "concurrency", "steps", "helpers", "templates"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.template_replicas < 0:
-            raise InputError(f"--template-replicas must be >= 0, got {self.template_replicas}")
+        for name in ("template_replicas", "loras"):
+            if getattr(self, name) < 0:
+                raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         for name in ("cache_host_mib", "cache_disk_mib"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
@@ -305,6 +317,25 @@ class Assets:
     pool_rgba: tuple[bytes, ...]
     small_mask: bytes  # 32x32
     oversized: bytes
+    loras: tuple[str, ...] = ()  # adapter names in the server's --lora-dir (--loras)
+
+
+def mix_of(assets: Assets) -> dict[str, float]:
+    """The request kinds and their weights: MIX, and LORA_MIX where the server has adapters."""
+    return MIX | LORA_MIX if assets.loras else MIX
+
+
+def write_loras(model: str, folder: Path, count: int) -> tuple[str, ...]:
+    """`count` random adapters for `model`'s denoiser in diffusers' file format, in `folder`: their names."""
+    from retouch.bench.lora import save_diffusers_lora
+    from retouch.models import load_pipeline
+
+    pipe = load_pipeline(model).pipe
+    denoiser = pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
+    names = tuple(f"soak-{i}" for i in range(count))
+    for seed, name in enumerate(names):
+        save_diffusers_lora(denoiser, folder, LORA_RANK, name, seed)
+    return names
 
 
 def scene_png(seed: int, mode: str = "RGB") -> bytes:
@@ -318,12 +349,13 @@ def alpha_mask_png(box: tuple[int, int, int, int]) -> bytes:
     return png_bytes(mask)
 
 
-def make_assets(template_ids: tuple[str, ...], cancel_template_id: str, seed: int) -> Assets:
+def make_assets(template_ids: tuple[str, ...], cancel_template_id: str, seed: int,
+                loras: tuple[str, ...] = ()) -> Assets:
     boxes = mask_boxes(16, *SIZE, MASK_BETA["public"], seed)
     return Assets(template_ids, cancel_template_id, tuple(mask_png(b, *SIZE) for b in boxes),
                   tuple(alpha_mask_png(b) for b in boxes), tuple(scene_png(100 + i) for i in range(ONE_OFF_POOL)),
                   tuple(scene_png(100 + i, "RGBA") for i in range(ONE_OFF_POOL)),
-                  mask_png((0, 0, 16, 16), 32, 32), os.urandom(int(MAX_UPLOAD_MB * (1 << 20)) + (512 << 10)))
+                  mask_png((0, 0, 16, 16), 32, 32), os.urandom(int(MAX_UPLOAD_MB * (1 << 20)) + (512 << 10)), loras)
 
 
 @dataclass
@@ -338,10 +370,16 @@ def build_request(kind: str, assets: Assets, rng: random.Random, fresh_seed: int
     """The request of `kind` (a MIX key); `fresh_seed` draws a new one-off image when one is wanted."""
     mask = ("mask", ("mask.png", rng.choice(assets.masks), "image/png"))
     edit = {"prompt": f"a red balloon {rng.randrange(1000)}", "seed": str(rng.randrange(1 << 20))}
-    if kind in ("template", "bad_mask_size", "bad_missing_prompt", "bad_unknown_template", "bad_oversized"):
+    if kind in ("template", "bad_mask_size", "bad_missing_prompt", "bad_unknown_template", "bad_oversized",
+                "lora", "bad_unknown_lora"):
         edit["template_id"] = rng.choice(assets.template_ids)
     if kind == "template":
         return HttpRequest("/v1/edits", edit, [mask])
+    if kind == "lora":
+        return HttpRequest("/v1/edits", {**edit, "lora": f"{rng.choice(assets.loras)}:{rng.uniform(0.5, 1.0):.2f}"},
+                           [mask])
+    if kind == "bad_unknown_lora":
+        return HttpRequest("/v1/edits", {**edit, "lora": "soak-no-such-lora"}, [mask])
     if kind == "cancel":
         return HttpRequest("/v1/edits", {**edit, "template_id": assets.cancel_template_id}, [mask])
     if kind == "one_off":
@@ -408,7 +446,8 @@ def client_loop(url: str, assets: Assets, opts: SoakOptions, index: int, t0: flo
     import httpx
 
     rng = random.Random(opts.seed * 1000 + index)
-    kinds, weights = list(MIX), list(MIX.values())
+    mix = mix_of(assets)
+    kinds, weights = list(mix), list(mix.values())
     with httpx.Client(base_url=url) as client:
         count = 0
         while time.monotonic() < until:
@@ -614,23 +653,27 @@ def recovered(router, opts: SoakOptions, template_ids: tuple[str, ...]) -> bool:
         (router.template(t) or {}).get("progress", {}).get("workers_ready", 0) >= replicas for t in template_ids)
 
 
-def start_server(opts: SoakOptions, disk_dir: Path | None):
-    """The server, with the load's templates recorded (`recovered`): (server, Assets). `disk_dir`: the
-    workers' disk tier (--cache-disk-mib)."""
+def start_server(opts: SoakOptions, scratch: Path):
+    """The server, with the load's templates recorded (`recovered`): (server, Assets). `scratch`: a
+    temporary folder for the workers' disk tier (--cache-disk-mib) and the adapters (--loras)."""
     import httpx
 
     from retouch.config import ServeOptions
     from retouch.server import Server
 
-    caches = {}
+    extra, loras = {}, ()
     if opts.cache_host_mib is not None:
-        caches["cache_host_gib"] = opts.cache_host_mib / 1024
-    if disk_dir is not None:
-        caches.update(cache_disk_dir=disk_dir, cache_disk_gib=opts.cache_disk_mib / 1024)
+        extra["cache_host_gib"] = opts.cache_host_mib / 1024
+    if opts.cache_disk_mib is not None:
+        extra.update(cache_disk_dir=scratch / "disk", cache_disk_gib=opts.cache_disk_mib / 1024)
+    if opts.loras:
+        (scratch / "loras").mkdir()
+        loras = write_loras(opts.model, scratch / "loras", opts.loras)
+        extra["lora_dir"] = scratch / "loras"
     serve = ServeOptions(model=opts.model, workers=opts.workers, port=0, mode="disagg", helpers=opts.helpers,
                          worker_threads=1, helper_threads=1, steps=opts.steps, device=opts.device,
                          max_upload_mb=MAX_UPLOAD_MB, heartbeat_s=0.2, dead_after_s=3.0,
-                         template_replicas=opts.template_replicas, **caches)
+                         template_replicas=opts.template_replicas, **extra)
     server = Server(serve).start()
     try:
         with httpx.Client(base_url=server.url, timeout=opts.timeout) as client:
@@ -642,7 +685,7 @@ def start_server(opts: SoakOptions, disk_dir: Path | None):
     except BaseException:
         server.close(drain_s=5.0)
         raise
-    return server, make_assets(template_ids, cancel_id, opts.seed)
+    return server, make_assets(template_ids, cancel_id, opts.seed, loras)
 
 
 @dataclass
@@ -731,12 +774,11 @@ def run(opts: SoakOptions) -> tuple[dict, list[Outcome]]:
     root = Path(tempfile.gettempdir())
     folders_before = socket_folders(root)
     started = time.monotonic()
-    disk = tempfile.TemporaryDirectory(prefix="retouch-soak-disk-") if opts.cache_disk_mib is not None else None
+    scratch = tempfile.TemporaryDirectory(prefix="retouch-soak-")
     try:
-        server, assets = start_server(opts, None if disk is None else Path(disk.name))
+        server, assets = start_server(opts, Path(scratch.name))
     except BaseException:
-        if disk is not None:
-            disk.cleanup()
+        scratch.cleanup()
         raise
     serve_id = getattr(server, "serve_id", None)
     watch = ProcessWatch(os.getpid())
@@ -752,8 +794,7 @@ def run(opts: SoakOptions) -> tuple[dict, list[Outcome]]:
         closing = time.monotonic()
         server.close(drain_s=min(opts.timeout, 30.0))
         close_s = time.monotonic() - closing
-        if disk is not None:
-            disk.cleanup()
+        scratch.cleanup()
     left = leftovers(watch, serve_id, folders_before, root)
     clean_up(left)
     summary = summarize(load.outcomes, load.wall_s)
@@ -766,7 +807,8 @@ def run(opts: SoakOptions) -> tuple[dict, list[Outcome]]:
               "failed": summary["lost"] > 0 or bool(left["processes"]) or bool(left["folders"]),
               "samples": [asdict(s) for s in watch.samples],
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()}
-              | {"size": list(SIZE), "cancel_steps": CANCEL_STEPS, "max_upload_mb": MAX_UPLOAD_MB, "mix": MIX}}
+              | {"size": list(SIZE), "cancel_steps": CANCEL_STEPS, "max_upload_mb": MAX_UPLOAD_MB,
+                 "mix": mix_of(assets)}}
     return report, load.outcomes
 
 

@@ -188,15 +188,18 @@ def test_processes_with_env(tmp_path):
 # ---- the request mix ----
 
 def test_mix_is_a_distribution_over_the_kinds_built():
-    assert abs(sum(MIX.values()) - 1) < 1e-9 and set(BAD_STATUS) <= set(MIX)
+    assert abs(sum(MIX.values()) - 1) < 1e-9 and set(BAD_STATUS) <= set(MIX) | set(soak.LORA_MIX)
+    assert soak.mix_of(soak.make_assets(("tpl-a",), "tpl-long", seed=0)) == MIX
+    assert set(soak.mix_of(soak.make_assets(("tpl-a",), "tpl-long", seed=0, loras=("x",)))) == set(MIX) | {
+        "lora", "bad_unknown_lora"}
 
 
 def test_every_kind_builds_the_request_it_names():
     import random
 
-    assets = soak.make_assets(("tpl-a", "tpl-b"), "tpl-long", seed=0)
+    assets = soak.make_assets(("tpl-a", "tpl-b"), "tpl-long", seed=0, loras=("soak-0", "soak-1"))
     rng = random.Random(0)
-    requests = {kind: soak.build_request(kind, assets, rng, fresh_seed=1) for kind in MIX}
+    requests = {kind: soak.build_request(kind, assets, rng, fresh_seed=1) for kind in soak.mix_of(assets)}
     size = lambda data: Image.open(io.BytesIO(data)).size  # noqa: E731
     for kind, request in requests.items():
         fields = {name: value for name, (_, value, _) in request.files}
@@ -210,6 +213,10 @@ def test_every_kind_builds_the_request_it_names():
     assert len(requests["bad_oversized"].files[0][1][1]) > soak.MAX_UPLOAD_MB * (1 << 20)
     assert size(requests["bad_mask_size"].files[0][1][1]) != soak.SIZE
     assert requests["bad_unknown_template"].data["template_id"] not in ("tpl-a", "tpl-b", "tpl-long")
+    name, scale = requests["lora"].data["lora"].split(":")
+    assert name in assets.loras and 0.5 <= float(scale) <= 1
+    assert requests["lora"].data["template_id"] in ("tpl-a", "tpl-b")
+    assert requests["bad_unknown_lora"].data["lora"] not in assets.loras
 
 
 def test_options_are_checked_and_derived_as_flags():
@@ -227,7 +234,7 @@ def test_options_are_checked_and_derived_as_flags():
             SoakOptions(**bad)
     for bad, named in ((dict(templates=0), "--templates"), (dict(template_replicas=-1), "--template-replicas"),
                        (dict(cache_host_mib=0), "--cache-host-mib"),
-                       (dict(cache_disk_mib=float("nan")), "--cache-disk-mib")):
+                       (dict(cache_disk_mib=float("nan")), "--cache-disk-mib"), (dict(loras=-1), "--loras")):
         with pytest.raises(InputError, match=named):
             SoakOptions(duration=5, **bad)
     with pytest.raises(SystemExit):  # --duration is required
@@ -236,7 +243,7 @@ def test_options_are_checked_and_derived_as_flags():
 
 # ---- a real server ----
 
-SMALL_CACHES = dict(steps=8, templates=32, template_replicas=1, cache_host_mib=1, cache_disk_mib=2)
+SMALL_CACHES = dict(steps=8, templates=32, template_replicas=1, cache_host_mib=1, cache_disk_mib=2, loras=2)
 
 
 @pytest.mark.parametrize("caches", ["default", "small"])
@@ -244,7 +251,7 @@ def test_a_short_soak_loses_nothing_and_leaves_nothing(caches):
     """18 s of the mixed load on 2 workers: a worker SIGKILLed at 6 s, a helper at 12 s. "small": each
     template on one worker, in caches that hold a third of them: the load evicts templates and records
     them again, the killed worker's templates are taken over, and its replacement adopts its recordings
-    from disk."""
+    from disk; and edits use LoRAs."""
     options = SMALL_CACHES if caches == "small" else {}
     report, outcomes = soak.run(SoakOptions(duration=18, kill_every=6, workers=2, concurrency=4, timeout=30,
                                             **options))
@@ -260,6 +267,7 @@ def test_a_short_soak_loses_nothing_and_leaves_nothing(caches):
     assert report["leftovers"]["processes"] == [] and report["leftovers"]["folders"] == []
     assert report["lost"] == 0, report["lost_examples"]
     if caches == "small":
+        assert report["by_kind"]["lora"]["ok"] > 0 and set(report["by_kind"]["bad_unknown_lora"]) == {"404"}
         counters = report["worker_counters_end"]
         assert counters["cache_evictions"] > 0 and counters["cache_adoptions"] > 0, counters
         assert counters["failed"] == counters["failed_recordings"] == 0, counters
