@@ -113,15 +113,16 @@ def step_overhead(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     return results
 
 
-def save_diffusers_lora(denoiser: torch.nn.Module, folder: Path, rank: int, name: str = "big", seed: int = 0) -> Path:
-    """A random adapter in diffusers' file format (PEFT keys under `transformer.`), as save_lora_weights
-    writes, as `folder/<name>.safetensors`."""
+def save_diffusers_lora(denoiser: torch.nn.Module, folder: Path, rank: int, name: str = "big", seed: int = 0,
+                        component: str = "transformer") -> Path:
+    """A random adapter in diffusers' file format (PEFT keys under `component.`: "transformer" or "unet"),
+    as save_lora_weights writes, as `folder/<name>.safetensors`."""
     tensors = {}
     generator = torch.Generator().manual_seed(seed)
     for path, linear in targeted_linears(denoiser).items():
-        tensors[f"transformer.{path}.lora_A.weight"] = (torch.randn(rank, linear.in_features, generator=generator)
+        tensors[f"{component}.{path}.lora_A.weight"] = (torch.randn(rank, linear.in_features, generator=generator)
                                                         / linear.in_features ** 0.5).contiguous()
-        tensors[f"transformer.{path}.lora_B.weight"] = torch.randn(linear.out_features, rank,
+        tensors[f"{component}.{path}.lora_B.weight"] = torch.randn(linear.out_features, rank,
                                                                    generator=generator) * 1e-3
     if not tensors:
         raise ValueError(f"{type(denoiser).__name__} has none of the linear layers a LoRA here targets")

@@ -331,10 +331,10 @@ def write_loras(model: str, folder: Path, count: int) -> tuple[str, ...]:
     from retouch.models import load_pipeline
 
     pipe = load_pipeline(model).pipe
-    denoiser = pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
+    component = "transformer" if hasattr(pipe, "transformer") else "unet"
     names = tuple(f"soak-{i}" for i in range(count))
     for seed, name in enumerate(names):
-        save_diffusers_lora(denoiser, folder, LORA_RANK, name, seed)
+        save_diffusers_lora(getattr(pipe, component), folder, LORA_RANK, name, seed, component)
     return names
 
 

@@ -271,3 +271,16 @@ def test_a_short_soak_loses_nothing_and_leaves_nothing(caches):
         counters = report["worker_counters_end"]
         assert counters["cache_evictions"] > 0 and counters["cache_adoptions"] > 0, counters
         assert counters["failed"] == counters["failed_recordings"] == 0, counters
+
+
+@pytest.mark.parametrize("model", ["tiny-flux-fill", "tiny-sd3-inpaint", "tiny-sdxl-inpaint"])
+def test_the_soaks_adapters_are_read_as_the_server_reads_them(model, tmp_path):
+    """--loras writes files under the denoiser's own key prefix ("unet." for the UNets): under another,
+    every adapter would be refused and the `lora` requests would fail."""
+    from retouch.lora.files import read_lora
+    from retouch.models import load_pipeline
+
+    names = soak.write_loras(model, tmp_path, 2)
+    pipe = load_pipeline(model).pipe
+    for name in names:
+        assert len(read_lora(tmp_path / f"{name}.safetensors", name, pipe).modules) > 0
