@@ -310,7 +310,8 @@ class Node:
             templates = list(self.templates)
         editor = self.engine.editor
         self._hello_at = time.monotonic()
-        self._post({"kind": "hello", "max_batch": self.engine.config.max_batch, "pid": os.getpid(),
+        self._post({"kind": "hello", "protocol": wire.PROTOCOL, "max_batch": self.engine.config.max_batch,
+                    "pid": os.getpid(),
                     "model": self.engine.model_name, "dtype": str(editor.dtype).removeprefix("torch."),
                     "weights": editor.model_fingerprint(), **self._sampler, "family": editor.model.family,
                     "supervised": self.supervised, "cache_dtype": cache_dtype(editor),

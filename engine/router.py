@@ -1553,6 +1553,12 @@ class Router:
 
     def _refusal(self, header: dict) -> str | None:
         """Why a worker saying `header` must not serve here, or None."""
+        protocol = header.get("protocol")
+        if protocol != wire.PROTOCOL:
+            spoken = (f"protocol {protocol}" if protocol is not None
+                      else "no protocol (a release from before protocol numbers)")
+            return (f"it speaks {spoken}, this server protocol {wire.PROTOCOL}: run the same retouch release "
+                    "on the head and the workers")
         model = header.get("model")
         if self.config.model is not None and (model is None or model_label(model) != self.config.model):
             return f"it serves the model {model_label(model or '?')!r}, this server {self.config.model!r}"

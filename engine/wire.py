@@ -15,6 +15,11 @@ from collections.abc import Mapping, Sequence
 import msgpack
 import torch
 
+# What the messages between a router and its workers mean. A change of meaning (a field read another way, a
+# message a peer must understand) takes the next number: a router refuses a worker of another protocol at
+# its hello, so a head and workers of releases that would misread each other say so instead of serving.
+PROTOCOL = 1
+
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool)}
 

@@ -27,7 +27,7 @@ class ScriptedWorker:
         self.socket.setsockopt(zmq.IDENTITY, (identity or f"{name}:1").encode())
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(router.address)
-        self.send({"kind": "hello", "max_batch": max_batch, "pid": 1, **hello})
+        self.send({"kind": "hello", "protocol": wire.PROTOCOL, "max_batch": max_batch, "pid": 1, **hello})
         self.answer_to_hello = self.receive(welcome)
 
     def send(self, header: dict, blobs: dict | None = None) -> None:

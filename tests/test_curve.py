@@ -57,7 +57,8 @@ def hello(context: zmq.Context, address: str, keys: WorkerKeys | None, name: str
     socket.setsockopt(zmq.SNDTIMEO, 2000)
     socket.connect(address)
     try:
-        socket.send_multipart(wire.encode({"kind": "hello", "worker": name, "max_batch": 1, "pid": 1}))
+        socket.send_multipart(wire.encode({"kind": "hello", "protocol": wire.PROTOCOL, "worker": name, "max_batch": 1,
+                                           "pid": 1}))
     except zmq.Again:
         socket.close()
         return None

@@ -13,6 +13,7 @@ import pytest
 from polling import free_port
 from scripted_worker import TIMEOUT_S, ScriptedWorker
 
+from retouch.engine import wire
 from retouch.engine.policies import RequestLoad
 from retouch.engine.router import (RETRY_AFTER_MAX_S, RETRY_AFTER_UNKNOWN_S, EditTask, NoWorkerConnected, QueueFull,
                                    RouterConfig, TemplateLimit, TemplateRecord, TemplateStorageFull)
@@ -197,7 +198,7 @@ def an_edit_moved_off_a_silent_worker(context, router) -> tuple:
 
 def back_after_a_pause(worker: ScriptedWorker) -> None:
     """The worker, removed while paused, says hello again and records the template again."""
-    worker.send({"kind": "hello", "max_batch": 4, "pid": 1})
+    worker.send({"kind": "hello", "protocol": wire.PROTOCOL, "max_batch": 4, "pid": 1})
     worker.receive("welcome")
     worker.register("t1")
 
@@ -213,7 +214,7 @@ def test_silent_worker_is_removed_its_request_rerouted_and_its_late_answer_dropp
     assert future.result(TIMEOUT_S).png == b"from w1"
     w0.answer(first["request"], b"from w0, too late")  # a zombie's answer does not count
     # Its hello comes after the answer on the same socket: once welcomed, the answer was seen.
-    w0.send({"kind": "hello", "max_batch": 4, "pid": 1})
+    w0.send({"kind": "hello", "protocol": wire.PROTOCOL, "max_batch": 4, "pid": 1})
     w0.receive("welcome")
     assert router.snapshot()["counters"]["duplicates_dropped"] == 1
     assert future.result().png == b"from w1"
@@ -297,7 +298,7 @@ def test_a_worker_back_after_missing_a_templates_deletion_is_told_to_drop_it(con
     assert router.wait_until(lambda r: "w0" not in r.workers, TIMEOUT_S)  # silent: presumed dead
     assert router.drop_template("t1") and router.drop_template("t2")
     router.register_template(template("t2"))  # back before the worker is
-    w0.send({"kind": "hello", "max_batch": 4, "pid": 1, "templates": ["t1", "t2"]})
+    w0.send({"kind": "hello", "protocol": wire.PROTOCOL, "max_batch": 4, "pid": 1, "templates": ["t1", "t2"]})
     w0.receive("welcome")
     w0.sync()
     assert [m["template"] for m in w0.inbox if m["kind"] == "drop"] == ["t1"]
@@ -1089,6 +1090,22 @@ def test_lora_affinity_needs_a_free_slot_and_ends_when_the_adapter_goes(context,
         RouterConfig(lora_affinity=-1)
 
 
+def test_a_worker_of_another_protocol_is_refused_saying_so(context, make_router, caplog):
+    """A head and workers of releases that would read each other's messages another way: the worker is
+    refused at its hello, naming both protocols, before any edit or recording reaches it."""
+    caplog.set_level("WARNING", logger="retouch.router")
+    router = make_router()
+    newer = ScriptedWorker(context, router, "w0", welcome="refused", protocol=wire.PROTOCOL + 1)
+    assert newer.answer_to_hello["reason"].startswith(
+        f"it speaks protocol {wire.PROTOCOL + 1}, this server protocol {wire.PROTOCOL}: run the same retouch release")
+    older = ScriptedWorker(context, router, "w1", welcome="refused", protocol=None)
+    assert "no protocol (a release from before protocol numbers)" in older.answer_to_hello["reason"]
+    ScriptedWorker(context, router, "w2")
+    assert set(router.workers) == {"w2"} and router.snapshot()["counters"]["workers_mismatched"] == 2
+    warnings = router_lines(caplog, "WARNING")
+    assert sum(line.startswith("worker w0 refused: it speaks protocol") for line in warnings) == 1
+
+
 def test_a_worker_of_another_model_is_refused_and_other_weights_are_told(context, make_router, caplog):
     caplog.set_level("INFO", logger="retouch.router")
     router = make_router(model="tiny-flux-fill")
@@ -1122,7 +1139,8 @@ def test_a_worker_of_another_model_is_refused_and_other_weights_are_told(context
     assert any(line.startswith("worker w7 stores cached activations as float8_e4m3fn, worker w6 as float32")
                for line in router_lines(caplog, "WARNING"))
     # the same process saying hello again (its welcome lost) is welcomed, not removed and added
-    w0.send({"kind": "hello", "max_batch": 4, "pid": 1, "model": "tiny-flux-fill", "weights": "aaa"})
+    w0.send({"kind": "hello", "protocol": wire.PROTOCOL, "max_batch": 4, "pid": 1, "model": "tiny-flux-fill",
+             "weights": "aaa"})
     assert w0.receive("welcome") and router.snapshot()["counters"]["workers_removed"] == 0
 
 
@@ -1167,7 +1185,7 @@ def test_a_worker_that_outlived_its_router_cannot_answer_the_next_ones_requests(
     old.close(drain_s=0)
     new = make_router(address=address)
     new.register_template(template("t1"))
-    w0.send({"kind": "hello", "max_batch": 4, "pid": 1, "templates": ["t1"]})
+    w0.send({"kind": "hello", "protocol": wire.PROTOCOL, "max_batch": 4, "pid": 1, "templates": ["t1"]})
     assert w0.receive("welcome")["session"] != old_session
     answer = new.submit(task("t1"))
     current = w0.receive("edit")
@@ -1277,7 +1295,8 @@ def test_a_restarted_process_with_the_same_name_and_pid_is_a_new_worker(context,
     first.register("t1")
     answer = router.submit(task("t1"))
     first.receive("edit")
-    first.send({"kind": "hello", "max_batch": 4, "pid": 1, "boot": "two"})  # the restarted process
+    # the restarted process
+    first.send({"kind": "hello", "protocol": wire.PROTOCOL, "max_batch": 4, "pid": 1, "boot": "two"})
     first.receive("welcome")
     assert router.snapshot()["counters"]["workers_removed"] == 1
     first.register("t1")  # the new process records the template again, then gets the edit again
@@ -1301,7 +1320,7 @@ def test_a_second_live_worker_of_one_name_waits_for_the_first_to_be_gone(context
         second = ScriptedWorker(context, router, "gpu-b", identity="gpu-b:2", welcome="name_taken", pid=2)
         for _ in range(3):  # it keeps saying hello, as a worker does until it is welcomed
             first.heartbeat({})
-            second.send({"kind": "hello", "max_batch": 4, "pid": 2})
+            second.send({"kind": "hello", "protocol": wire.PROTOCOL, "max_batch": 4, "pid": 2})
             second.receive("name_taken")
     snapshot = router.snapshot()
     assert snapshot["counters"]["workers_removed"] == 0 and snapshot["counters"]["rerouted"] == 0
@@ -1311,7 +1330,7 @@ def test_a_second_live_worker_of_one_name_waits_for_the_first_to_be_gone(context
     assert answer.result(TIMEOUT_S).status == 200 and answer.result().worker == "gpu-b"
     deadline = time.monotonic() + TIMEOUT_S  # the first falls silent: once it is presumed dead, the name is free
     while "welcome" not in second.pending_kinds() and time.monotonic() < deadline:
-        second.send({"kind": "hello", "max_batch": 4, "pid": 2})
+        second.send({"kind": "hello", "protocol": wire.PROTOCOL, "max_batch": 4, "pid": 2})
         second.socket.poll(100)
     assert "welcome" in second.pending_kinds() and router.snapshot()["counters"]["workers_removed"] == 1
 
