@@ -1,5 +1,5 @@
-"""Limits the head checks before any model is loaded: this module imports nothing, so `retouch serve`'s
-head process (router and HTTP API) does not load diffusers to know them."""
+"""Limits the options check before any model is loaded. This module imports nothing, so that commands
+that load no model (`retouch --help`, `keys`, `simulate`) do not import diffusers to know them."""
 
 # The longest schedule asked of any sampler: far past what any sampler improves with (a few hundred), short
 # of what a schedule's tables cost in memory (10^10 steps: a 75 GiB allocation, a MemoryError).
