@@ -36,12 +36,16 @@ class WorkerProcess:
     run_dir: Path
     restarts: int = 0
     reported: bool = False  # its exit was handled
+    given_up: bool = False  # exited in a crash loop: replaced once the restart budget allows again
 
 
 class RestartBudget:
-    """At most `max_restarts` replacements per worker slot within any `window_s` (a crash loop stops
-    there), as systemd's start limit counts them: a worker killed now and then over weeks is always
-    replaced, where a count over the server's life had left a slot empty after its sixth exit."""
+    """At most `max_restarts` replacements per worker slot within any `window_s`, as systemd's start limit
+    counts them: a worker killed now and then over weeks is always replaced, where a count over the
+    server's life had left a slot empty after its sixth exit. A crash loop pauses there, and its slot gets
+    a replacement again once the window allows one (a GPU slot left empty for good by a passing fault, a
+    full disk or a driver reset, was capacity lost until the server restarted): a slot that can never
+    start costs a start every window_s / max_restarts seconds, as Kubernetes' back-off retries forever."""
 
     def __init__(self, max_restarts: int, window_s: float, clock: Callable[[], float] = time.monotonic):
         self.max_restarts, self.window_s, self.clock = max_restarts, window_s, clock
@@ -126,6 +130,12 @@ class Supervisor:
             with self._lock:
                 self._kill_presumed_dead()
                 for index, worker in enumerate(self.workers):
+                    if worker.given_up and not self._closing.is_set() and self.restarts.allow(worker.slot):
+                        logger.warning(f"worker slot {worker.slot}: starting a replacement again after its crash "
+                                       "loop")
+                        self.workers[index] = self._spawn(worker.slot, f"w{worker.slot}.{worker.restarts + 1}",
+                                                          worker.restarts + 1)
+                        continue
                     if worker.reported or worker.process.poll() is None:
                         continue
                     self._reap(worker)
@@ -141,9 +151,11 @@ class Supervisor:
                         restarts = worker.restarts + 1
                         self.workers[index] = self._spawn(worker.slot, f"w{worker.slot}.{restarts}", restarts)
                     else:
-                        logger.error(f"worker {worker.name} exited with {worker.process.returncode}; not replaced: "
-                                     f"{self.restarts.max_restarts} replacements of slot {worker.slot} in the last "
-                                     f"{self.restarts.window_s:g} s (a crash loop; see its log above)")
+                        worker.given_up = True
+                        logger.error(f"worker {worker.name} exited with {worker.process.returncode}; not replaced "
+                                     f"yet: {self.restarts.max_restarts} replacements of slot {worker.slot} in the "
+                                     f"last {self.restarts.window_s:g} s (a crash loop; see its log above); one "
+                                     "starts when the oldest of them is that old")
 
     def _kill_presumed_dead(self) -> None:
         while self._presumed_dead:

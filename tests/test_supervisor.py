@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 from hypothesis import given, settings
@@ -159,3 +160,28 @@ def test_a_worker_presumed_dead_is_killed_and_replaced(tmp_path, monkeypatch):
             assert [worker.name for worker in supervisor.workers] == ["w0.1"]
     finally:
         supervisor.close(timeout_s=0, grace_s=5)
+
+
+def test_a_slot_in_a_crash_loop_is_started_again_once_its_window_allows(tmp_path, monkeypatch):
+    """Workers that exit at once: two replacements in the window, then the slot waits (it had stayed
+    empty until the server restarted), and gets the next replacement once the first of the two is a
+    window old."""
+    window_s = 1.0
+    started: dict[str, float] = {}
+    again = threading.Event()
+
+    def crasher(self, slot, name, restarts):
+        started[name] = time.monotonic()
+        if name == "w0.3":
+            again.set()
+        process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], start_new_session=True)
+        return WorkerProcess(slot, name, process, tmp_path / name, restarts)
+    monkeypatch.setattr(Supervisor, "_spawn", crasher)
+    supervisor = Supervisor(1, [], "tcp://127.0.0.1:1", lambda name: None, tmp_path, poll_s=0.01, max_restarts=2,
+                            restart_window_s=window_s)
+    try:
+        assert again.wait(60), f"the slot was not started again: {sorted(started)}"
+    finally:
+        supervisor.close(timeout_s=1.0, grace_s=1.0)
+    assert started["w0.3"] - started["w0.1"] >= window_s  # not before the budget allowed it
+    assert supervisor.exits >= 3
