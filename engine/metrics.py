@@ -77,6 +77,7 @@ class WorkerMetrics:
     unrecorded: int = 0  # one-off images answered unrecorded: their recording did not fit the host cache
     recording_retries: int = 0  # registrations started over: templates in use held the host cache
     deferred_recordings: int = 0  # registrations left to their first edit: the caches were full (`Engine`)
+    mixed_size_steps: int = 0  # steps whose forward packed requests of different image sizes (Flux, SD3)
     watch_errors: int = 0  # progress callbacks or previews that raised (the edits went on)
     last_watch_error: str | None = None
     total_step_s: float = 0.0
@@ -119,7 +120,8 @@ class WorkerMetrics:
             "steps": steps, "completed": self.completed, "failed": self.failed,
             "failed_recordings": self.failed_recordings, "cancelled": self.cancelled,
             "recorded": self.recorded, "unrecorded": self.unrecorded, "recording_retries": self.recording_retries,
-            "deferred_recordings": self.deferred_recordings, "watch_errors": self.watch_errors,
+            "deferred_recordings": self.deferred_recordings, "mixed_size_steps": self.mixed_size_steps,
+            "watch_errors": self.watch_errors,
             "interruptions": self.interruptions,
             "step_seconds": self.total_step_s, "batch_rows": self.total_batch_rows,
             "mean_batch_size": self.total_batch_rows / steps if steps else 0.0,

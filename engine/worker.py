@@ -646,6 +646,7 @@ class Worker:
 
         step = recipes.denoise_mixed_step if mixed else recipes.denoise_step
         step(editor.model.family, self.scheduler, [job.row for job in jobs], denoiser)
+        self.metrics.mixed_size_steps += mixed
         for job in jobs:
             job.metrics.steps += 1
             failure = writes.failures.get(job.template.template_id) if job.writes_cache else None

@@ -130,6 +130,7 @@ def test_three_sizes_in_one_forward_equal_each_run_alone(editor):
     # One forward per step: the packed one while sizes differ, the stock call once one size is left.
     assert calls["packed"] == sum(1 for n in sizes_per_step if n > 1)
     assert calls["packed"] + calls["stock"] == worker.metrics.steps
+    assert worker.metrics.summary()["mixed_size_steps"] == calls["packed"] > 0  # retouch_worker_mixed_size_steps
     for job, reference in zip(jobs, expected):
         assert job.row.latents[0].shape == reference.shape
         assert max_diff(job.row.latents[0], reference) <= batch_bound(reference)
@@ -184,6 +185,7 @@ def test_one_forward_per_size_when_mixing_is_off(editor):
     finally:
         restore()
     assert calls["packed"] == 0 and calls["stock"] > worker.metrics.steps
+    assert worker.metrics.mixed_size_steps == 0
 
 
 def test_blocks_the_plan_runs_in_full_run_per_size_inside_the_packed_forward():

@@ -25,7 +25,7 @@ OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 # A worker's heartbeat: engine.metrics summary keys, CacheStore.metrics() under "cache" and
 # LoraManager.metrics() under "lora".
 WORKER_REPORT = {"steps": 12, "completed": 5, "failed": 1, "failed_recordings": 4, "cancelled": 2, "recorded": 1,
-                 "interruptions": 3, "helper_restarts": 1,
+                 "interruptions": 3, "helper_restarts": 1, "mixed_size_steps": 6,
                  "mean_batch_size": 1.5, "mean_step_s": 0.25, "step_seconds": 3.0, "batch_rows": 18,
                  "cache": {"hits": 7, "misses": 2, "disk_hits": 1, "evictions": 0, "prefetches": 1,
                            "prefetch_bytes": 4096, "disk_reads": 1, "disk_writes": 2, "disk_bytes_read": 4096,
@@ -121,7 +121,7 @@ def test_metrics_count_every_answer_and_expose_router_and_worker_state():
     assert sample(found, "retouch_worker_mean_batch_size", worker="w0") == WORKER_REPORT["mean_batch_size"]
     assert sample(found, "retouch_worker_mean_step_seconds", worker="w0") == WORKER_REPORT["mean_step_s"]
     for key in ("steps", "step_seconds", "batch_rows", "completed", "failed", "failed_recordings", "cancelled",
-                "recorded", "interruptions", "helper_restarts"):
+                "recorded", "interruptions", "helper_restarts", "mixed_size_steps"):
         assert sample(found, f"retouch_worker_{key}_total", worker="w0") == WORKER_REPORT[key]
     for key, value in WORKER_REPORT["cache"].items():
         name = "retouch_worker_cache_" + (CACHE_GAUGES[key] if key in CACHE_GAUGES else f"{key}_total")

@@ -65,6 +65,8 @@ WORKER_COUNTERS = (("steps", "denoising steps run"),
                     "the host cache (--cache-host-gib), so their later edits are not mask-aware either"),
                    ("recording_retries", "registrations started over because templates in use held the host "
                     "cache their recording needed"),
+                   ("mixed_size_steps", "steps of a batch of requests of different image sizes, run as one "
+                    "forward (Flux and SD3 pack them)"),
                    ("deferred_recordings", "templates a joining worker was sent that its caches had no room for "
                     "beside those it had recorded: each is recorded by its first edit there"),
                    ("interruptions", "inline pre/post-processing tasks, and templates recorded again, while "
