@@ -5,18 +5,20 @@ What it lost, how long it went silent, how its memory and descriptors moved, and
     retouch bench soak --duration 60 [--workers 2] [--kill-every 10] [--model tiny-flux-fill]
                        [--concurrency 4] [--timeout 60] [--out DIR]     (or python -m retouch.bench.soak)
                        [--templates 2] [--template-replicas K] [--cache-host-mib M] [--cache-disk-mib D]
-                       [--loras N]
+                       [--loras N] [--sizes 64x48,96x64]
 
 The server is `retouch.server.Server` on loopback (port 0) in the disaggregated mode (each worker's
 pre/post-processing runs in helper processes, so there are helpers to kill), `--steps` steps, one torch
-thread per worker and helper, 64x48 images and a 1 MiB body limit. `--templates` templates for edits and
-one of CANCEL_STEPS steps for the requests that go away are recorded before the load starts, on every
-worker or on --template-replicas of them. Caches smaller than the templates (--cache-host-mib, with a disk
-tier of --cache-disk-mib in a temporary folder) make the load evict templates, record them again, defer a
-joining worker's recordings and adopt a killed worker's from disk, while workers die:
+thread per worker and helper, 64x48 images (--sizes: several, which templates and one-off images take in
+turn, so that Flux and SD3 workers batch them in one forward) and a 1 MiB body limit. `--templates`
+templates for edits and one of CANCEL_STEPS steps for the requests that go away are recorded before the
+load starts, on every worker or on --template-replicas of them. Caches smaller than the templates
+(--cache-host-mib, with a disk tier of --cache-disk-mib in a temporary folder) make the load evict
+templates, record them again, defer a joining worker's recordings and adopt a killed worker's from disk,
+while workers die:
 
     retouch bench soak --duration 300 --kill-every 10 --steps 8 --templates 32 --template-replicas 1 \
-                       --cache-host-mib 1 --cache-disk-mib 2 --loras 4
+                       --cache-host-mib 1 --cache-disk-mib 2 --loras 4 --sizes 64x48,96x64,48x80
 
 With `--loras N` the workers serve N random adapters from a temporary --lora-dir, and the mix adds
 LORA_MIX's kinds (below), so adapters load on workers that die mid-load.
@@ -33,7 +35,7 @@ everything else); each request's kind is drawn from MIX (and LORA_MIX):
                           0.05-0.4 s after sending it
     bad_missing_prompt    no prompt                                                             -> 400
     bad_garbage_image     a one-off whose image is not an image                                 -> 400
-    bad_mask_size         a 32x32 mask for a 64x48 template                                     -> 422
+    bad_mask_size         a 32x32 mask (a size no image has) for a template                      -> 422
     bad_unknown_template  template_id of no template                                            -> 404
     bad_oversized         a body over the 1 MiB limit                                           -> 413
     lora                  (--loras) a template edit with one of the adapters, scale 0.5-1       -> 200 PNG
@@ -131,7 +133,7 @@ from retouch.images import png_bytes
 from retouch.models.registry import is_builtin
 from retouch.paths import check_writable
 
-SIZE = (64, 48)  # width, height of every image the load sends
+SIZE = (64, 48)  # width, height of the images the load sends (--sizes: several)
 CANCEL_STEPS = 40  # the cancelled requests' template: long enough that most still run when their client goes
 ONE_OFF_POOL = 6  # one-off images drawn from a pool, so most of them are seen again
 MAX_UPLOAD_MB = 1.0  # the server's body limit; bad_oversized sends more
@@ -175,6 +177,8 @@ class SoakOptions:
                                           "worker adopts its predecessor's")
     loras: int = option(0, help="random adapters (rank 4) in a temporary --lora-dir: `lora` requests edit a "
                         "template with one of them, `bad_unknown_lora` requests name one the folder lacks")
+    sizes: str = option("64x48", help="image sizes WxH, comma-separated: templates and one-off images take them "
+                        "in turn, so Flux and SD3 workers batch several sizes in one forward")
     out: Path | None = option(None, help="folder for soak.json and soak.png")
 
     def __post_init__(self):
@@ -192,6 +196,7 @@ class SoakOptions:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise InputError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
+        parse_sizes(self.sizes)
         if not is_builtin(self.model):  # each worker would fail to load it, with its traceback
             raise InputError(f"--model {self.model!r} is not a built-in model (see `retouch models`)")
         if self.out is not None:
@@ -311,13 +316,30 @@ class Assets:
 
     template_ids: tuple[str, ...]
     cancel_template_id: str
-    masks: tuple[bytes, ...]  # PNG, mode L, SIZE, white = repaint
-    alpha_masks: tuple[bytes, ...]  # PNG, RGBA, SIZE, alpha 0 = repaint
-    pool: tuple[bytes, ...]  # one-off images, PNG RGB
+    masks: dict[tuple[int, int], tuple[bytes, ...]]  # per size: PNG, mode L, white = repaint
+    alpha_masks: dict[tuple[int, int], tuple[bytes, ...]]  # per size: PNG, RGBA, alpha 0 = repaint
+    pool: tuple[bytes, ...]  # one-off images, PNG RGB, of the sizes in turn
     pool_rgba: tuple[bytes, ...]
-    small_mask: bytes  # 32x32
+    small_mask: bytes  # of a size no image has
     oversized: bytes
     loras: tuple[str, ...] = ()  # adapter names in the server's --lora-dir (--loras)
+    sizes: tuple[tuple[int, int], ...] = (SIZE,)  # template i and pool image i have size i mod len(sizes)
+
+    def size_of_template(self, template_id: str) -> tuple[int, int]:
+        if template_id == self.cancel_template_id:
+            return self.sizes[0]
+        return self.sizes[self.template_ids.index(template_id) % len(self.sizes)]
+
+
+def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """"64x48,96x64" -> ((64, 48), (96, 64)); each side 16 to 512 pixels."""
+    sizes = []
+    for item in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)x(\d+)\s*", item)
+        if match is None or not all(16 <= int(side) <= 512 for side in match.groups()):
+            raise InputError(f"--sizes must be WxH sizes of 16 to 512 pixels a side, comma-separated; got {text!r}")
+        sizes.append((int(match[1]), int(match[2])))
+    return tuple(dict.fromkeys(sizes))
 
 
 def mix_of(assets: Assets) -> dict[str, float]:
@@ -338,24 +360,29 @@ def write_loras(model: str, folder: Path, count: int) -> tuple[str, ...]:
     return names
 
 
-def scene_png(seed: int, mode: str = "RGB") -> bytes:
-    image = Image.open(io.BytesIO(template_png(SIZE[0], seed))).crop((0, 0, *SIZE)).convert(mode)
+def scene_png(seed: int, mode: str = "RGB", size: tuple[int, int] = SIZE) -> bytes:
+    image = Image.open(io.BytesIO(template_png(max(size), seed))).crop((0, 0, *size)).convert(mode)
     return png_bytes(image)
 
 
-def alpha_mask_png(box: tuple[int, int, int, int]) -> bytes:
-    mask = Image.new("RGBA", SIZE, (0, 0, 0, 255))
+def alpha_mask_png(box: tuple[int, int, int, int], size: tuple[int, int] = SIZE) -> bytes:
+    mask = Image.new("RGBA", size, (0, 0, 0, 255))
     ImageDraw.Draw(mask).rectangle((box[0], box[1], box[2] - 1, box[3] - 1), fill=(0, 0, 0, 0))
     return png_bytes(mask)
 
 
 def make_assets(template_ids: tuple[str, ...], cancel_template_id: str, seed: int,
-                loras: tuple[str, ...] = ()) -> Assets:
-    boxes = mask_boxes(16, *SIZE, MASK_BETA["public"], seed)
-    return Assets(template_ids, cancel_template_id, tuple(mask_png(b, *SIZE) for b in boxes),
-                  tuple(alpha_mask_png(b) for b in boxes), tuple(scene_png(100 + i) for i in range(ONE_OFF_POOL)),
-                  tuple(scene_png(100 + i, "RGBA") for i in range(ONE_OFF_POOL)),
-                  mask_png((0, 0, 16, 16), 32, 32), os.urandom(int(MAX_UPLOAD_MB * (1 << 20)) + (512 << 10)), loras)
+                loras: tuple[str, ...] = (), sizes: tuple[tuple[int, int], ...] = (SIZE,)) -> Assets:
+    boxes = {size: mask_boxes(16, *size, MASK_BETA["public"], seed) for size in sizes}
+    pool_sizes = [sizes[i % len(sizes)] for i in range(max(ONE_OFF_POOL, len(sizes)))]
+    small = next(side for side in (32, 24, 40) if (side, side) not in sizes)
+    return Assets(template_ids, cancel_template_id,
+                  {size: tuple(mask_png(b, *size) for b in size_boxes) for size, size_boxes in boxes.items()},
+                  {size: tuple(alpha_mask_png(b, size) for b in size_boxes) for size, size_boxes in boxes.items()},
+                  tuple(scene_png(100 + i, size=size) for i, size in enumerate(pool_sizes)),
+                  tuple(scene_png(100 + i, "RGBA", size) for i, size in enumerate(pool_sizes)),
+                  mask_png((0, 0, 16, 16), small, small), os.urandom(int(MAX_UPLOAD_MB * (1 << 20)) + (512 << 10)),
+                  loras, sizes)
 
 
 @dataclass
@@ -368,11 +395,12 @@ class HttpRequest:
 
 def build_request(kind: str, assets: Assets, rng: random.Random, fresh_seed: int) -> HttpRequest:
     """The request of `kind` (a MIX key); `fresh_seed` draws a new one-off image when one is wanted."""
-    mask = ("mask", ("mask.png", rng.choice(assets.masks), "image/png"))
     edit = {"prompt": f"a red balloon {rng.randrange(1000)}", "seed": str(rng.randrange(1 << 20))}
+    template_id = assets.cancel_template_id if kind == "cancel" else rng.choice(assets.template_ids)
+    mask = ("mask", ("mask.png", rng.choice(assets.masks[assets.size_of_template(template_id)]), "image/png"))
     if kind in ("template", "bad_mask_size", "bad_missing_prompt", "bad_unknown_template", "bad_oversized",
                 "lora", "bad_unknown_lora"):
-        edit["template_id"] = rng.choice(assets.template_ids)
+        edit["template_id"] = template_id
     if kind == "template":
         return HttpRequest("/v1/edits", edit, [mask])
     if kind == "lora":
@@ -383,11 +411,16 @@ def build_request(kind: str, assets: Assets, rng: random.Random, fresh_seed: int
     if kind == "cancel":
         return HttpRequest("/v1/edits", {**edit, "template_id": assets.cancel_template_id}, [mask])
     if kind == "one_off":
-        image = rng.choice(assets.pool) if rng.random() < 2 / 3 else scene_png(fresh_seed)
+        index = rng.randrange(len(assets.pool))
+        size = assets.sizes[index % len(assets.sizes)]
+        image = assets.pool[index] if rng.random() < 2 / 3 else scene_png(fresh_seed, size=size)
+        mask = ("mask", ("mask.png", rng.choice(assets.masks[size]), "image/png"))
         return HttpRequest("/v1/edits", {**edit, "steps": ""}, [("image", ("image.png", image, "image/png")), mask])
     if kind == "openai_n2":
-        files = [("image", ("image.png", rng.choice(assets.pool_rgba), "image/png")),
-                 ("mask", ("mask.png", rng.choice(assets.alpha_masks), "image/png"))]
+        index = rng.randrange(len(assets.pool_rgba))
+        size = assets.sizes[index % len(assets.sizes)]
+        files = [("image", ("image.png", assets.pool_rgba[index], "image/png")),
+                 ("mask", ("mask.png", rng.choice(assets.alpha_masks[size]), "image/png"))]
         return HttpRequest("/v1/images/edits", {**edit, "n": "2", "response_format": "b64_json"}, files, images=2)
     if kind == "bad_missing_prompt":
         return HttpRequest("/v1/edits", {k: v for k, v in edit.items() if k != "prompt"}, [mask])
@@ -677,15 +710,16 @@ def start_server(opts: SoakOptions, scratch: Path):
     server = Server(serve).start()
     try:
         with httpx.Client(base_url=server.url, timeout=opts.timeout) as client:
-            template_ids = tuple(register(client, scene_png(i), f"a room {i}", opts.steps)
-                                 for i in range(opts.templates))
-            cancel_id = register(client, scene_png(opts.templates), "a long room", CANCEL_STEPS)
+            sizes = parse_sizes(opts.sizes)
+            template_ids = tuple(register(client, scene_png(i, size=sizes[i % len(sizes)]), f"a room {i}",
+                                          opts.steps) for i in range(opts.templates))
+            cancel_id = register(client, scene_png(opts.templates, size=sizes[0]), "a long room", CANCEL_STEPS)
         if not server.router.wait_until(lambda r: recovered(r, opts, (*template_ids, cancel_id)), 300):
             raise RuntimeError("the templates were not recorded within 300 s")
     except BaseException:
         server.close(drain_s=5.0)
         raise
-    return server, make_assets(template_ids, cancel_id, opts.seed, loras)
+    return server, make_assets(template_ids, cancel_id, opts.seed, loras, sizes)
 
 
 @dataclass
@@ -753,7 +787,8 @@ def process_report(server, watch: ProcessWatch, start: dict, end: dict, duration
 
 
 # The workers' counters of recordings and cache tiers the report sums (`worker_counters`)
-WORKER_COUNTERS = ("completed", "failed", "failed_recordings", "recorded", "deferred_recordings", "interruptions")
+WORKER_COUNTERS = ("completed", "failed", "failed_recordings", "recorded", "deferred_recordings", "interruptions",
+                   "mixed_size_steps")
 CACHE_COUNTERS = ("hits", "misses", "disk_hits", "evictions", "adoptions", "corrupt_files")
 
 
@@ -807,8 +842,8 @@ def run(opts: SoakOptions) -> tuple[dict, list[Outcome]]:
               "failed": summary["lost"] > 0 or bool(left["processes"]) or bool(left["folders"]),
               "samples": [asdict(s) for s in watch.samples],
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()}
-              | {"size": list(SIZE), "cancel_steps": CANCEL_STEPS, "max_upload_mb": MAX_UPLOAD_MB,
-                 "mix": mix_of(assets)}}
+              | {"sizes": [list(size) for size in assets.sizes], "cancel_steps": CANCEL_STEPS,
+                 "max_upload_mb": MAX_UPLOAD_MB, "mix": mix_of(assets)}}
     return report, load.outcomes
 
 

@@ -197,25 +197,34 @@ def test_mix_is_a_distribution_over_the_kinds_built():
 def test_every_kind_builds_the_request_it_names():
     import random
 
-    assets = soak.make_assets(("tpl-a", "tpl-b"), "tpl-long", seed=0, loras=("soak-0", "soak-1"))
+    sizes = ((64, 48), (96, 64), (32, 32))
+    assets = soak.make_assets(("tpl-a", "tpl-b", "tpl-c"), "tpl-long", seed=0, loras=("soak-0", "soak-1"),
+                              sizes=sizes)
     rng = random.Random(0)
-    requests = {kind: soak.build_request(kind, assets, rng, fresh_seed=1) for kind in soak.mix_of(assets)}
     size = lambda data: Image.open(io.BytesIO(data)).size  # noqa: E731
-    for kind, request in requests.items():
-        fields = {name: value for name, (_, value, _) in request.files}
-        assert ("prompt" in request.data) == (kind != "bad_missing_prompt"), kind
-        if kind in ("template", "one_off", "cancel", "openai_n2"):
-            assert size(fields["mask"]) == soak.SIZE
-    assert requests["template"].data["template_id"] in ("tpl-a", "tpl-b")
-    assert requests["cancel"].data["template_id"] == "tpl-long"
-    assert size(dict((n, v) for n, (_, v, _) in requests["one_off"].files)["image"]) == soak.SIZE
-    assert requests["openai_n2"].path == "/v1/images/edits" and requests["openai_n2"].data["n"] == "2"
-    assert len(requests["bad_oversized"].files[0][1][1]) > soak.MAX_UPLOAD_MB * (1 << 20)
-    assert size(requests["bad_mask_size"].files[0][1][1]) != soak.SIZE
-    assert requests["bad_unknown_template"].data["template_id"] not in ("tpl-a", "tpl-b", "tpl-long")
+    seen = set()
+    for _ in range(20):  # the sizes in turn: every kind's mask is its image's size, whichever size it drew
+        requests = {kind: soak.build_request(kind, assets, rng, fresh_seed=1) for kind in soak.mix_of(assets)}
+        for kind, request in requests.items():
+            fields = {name: value for name, (_, value, _) in request.files}
+            assert ("prompt" in request.data) == (kind != "bad_missing_prompt"), kind
+            if kind in ("template", "cancel", "lora"):
+                assert size(fields["mask"]) == assets.size_of_template(request.data["template_id"])
+                seen.add(size(fields["mask"]))
+            if kind in ("one_off", "openai_n2"):
+                assert size(fields["mask"]) == size(fields["image"]), kind
+                seen.add(size(fields["image"]))
+        assert requests["template"].data["template_id"] in ("tpl-a", "tpl-b", "tpl-c")
+        assert requests["cancel"].data["template_id"] == "tpl-long"
+        assert requests["openai_n2"].path == "/v1/images/edits" and requests["openai_n2"].data["n"] == "2"
+        assert len(requests["bad_oversized"].files[0][1][1]) > soak.MAX_UPLOAD_MB * (1 << 20)
+        assert size(requests["bad_mask_size"].files[0][1][1]) not in sizes
+    assert seen == set(sizes)
+    assert [assets.size_of_template(t) for t in ("tpl-a", "tpl-b", "tpl-c", "tpl-long")] == [*sizes, sizes[0]]
+    assert requests["bad_unknown_template"].data["template_id"] not in ("tpl-a", "tpl-b", "tpl-c", "tpl-long")
     name, scale = requests["lora"].data["lora"].split(":")
     assert name in assets.loras and 0.5 <= float(scale) <= 1
-    assert requests["lora"].data["template_id"] in ("tpl-a", "tpl-b")
+    assert requests["lora"].data["template_id"] in ("tpl-a", "tpl-b", "tpl-c")
     assert requests["bad_unknown_lora"].data["lora"] not in assets.loras
 
 
@@ -234,7 +243,8 @@ def test_options_are_checked_and_derived_as_flags():
             SoakOptions(**bad)
     for bad, named in ((dict(templates=0), "--templates"), (dict(template_replicas=-1), "--template-replicas"),
                        (dict(cache_host_mib=0), "--cache-host-mib"),
-                       (dict(cache_disk_mib=float("nan")), "--cache-disk-mib"), (dict(loras=-1), "--loras")):
+                       (dict(cache_disk_mib=float("nan")), "--cache-disk-mib"), (dict(loras=-1), "--loras"),
+                       (dict(sizes="64x48,8x8"), "--sizes"), (dict(sizes="64*48"), "--sizes")):
         with pytest.raises(InputError, match=named):
             SoakOptions(duration=5, **bad)
     with pytest.raises(SystemExit):  # --duration is required
@@ -243,7 +253,8 @@ def test_options_are_checked_and_derived_as_flags():
 
 # ---- a real server ----
 
-SMALL_CACHES = dict(steps=8, templates=32, template_replicas=1, cache_host_mib=1, cache_disk_mib=2, loras=2)
+SMALL_CACHES = dict(steps=8, templates=32, template_replicas=1, cache_host_mib=1, cache_disk_mib=2, loras=2,
+                    sizes="64x48,96x64")
 
 
 @pytest.mark.parametrize("caches", ["default", "small"])
@@ -272,6 +283,7 @@ def test_a_short_soak_loses_nothing_and_leaves_nothing(caches):
         counters = report["worker_counters_end"]
         assert counters["cache_evictions"] > 0 and counters["cache_disk_hits"] > 0, counters
         assert counters["failed"] == counters["failed_recordings"] == 0, counters
+        assert counters["mixed_size_steps"] > 0, counters  # the two sizes shared steps
 
 
 @pytest.mark.parametrize("model", ["tiny-flux-fill", "tiny-sd3-inpaint", "tiny-sdxl-inpaint"])
