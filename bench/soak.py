@@ -182,7 +182,7 @@ class SoakOptions:
     out: Path | None = option(None, help="folder for soak.json and soak.png")
 
     def __post_init__(self):
-        for name in ("duration", "timeout", "kill_every"):
+        for name in ("duration", "timeout", "kill_every", "cache_host_mib", "cache_disk_mib"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise InputError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
@@ -192,10 +192,6 @@ class SoakOptions:
         for name in ("template_replicas", "loras"):
             if getattr(self, name) < 0:
                 raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        for name in ("cache_host_mib", "cache_disk_mib"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise InputError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
         parse_sizes(self.sizes)
         if not is_builtin(self.model):  # each worker would fail to load it, with its traceback
             raise InputError(f"--model {self.model!r} is not a built-in model (see `retouch models`)")

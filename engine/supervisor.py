@@ -133,8 +133,7 @@ class Supervisor:
                     if worker.given_up and not self._closing.is_set() and self.restarts.allow(worker.slot):
                         logger.warning(f"worker slot {worker.slot}: starting a replacement again after its crash "
                                        "loop")
-                        self.workers[index] = self._spawn(worker.slot, f"w{worker.slot}.{worker.restarts + 1}",
-                                                          worker.restarts + 1)
+                        self._replace(index, worker)
                         continue
                     if worker.reported or worker.process.poll() is None:
                         continue
@@ -148,14 +147,18 @@ class Supervisor:
                     elif self.restarts.allow(worker.slot):
                         logger.warning(f"worker {worker.name} exited with {worker.process.returncode}; starting "
                                        "a replacement")
-                        restarts = worker.restarts + 1
-                        self.workers[index] = self._spawn(worker.slot, f"w{worker.slot}.{restarts}", restarts)
+                        self._replace(index, worker)
                     else:
                         worker.given_up = True
                         logger.error(f"worker {worker.name} exited with {worker.process.returncode}; not replaced "
                                      f"yet: {self.restarts.max_restarts} replacements of slot {worker.slot} in the "
                                      f"last {self.restarts.window_s:g} s (a crash loop; see its log above); one "
                                      "starts when the oldest of them is that old")
+
+    def _replace(self, index: int, worker: WorkerProcess) -> None:
+        """A new process in the exited `worker`'s slot, under the next name (w0, w0.1, ...)."""
+        restarts = worker.restarts + 1
+        self.workers[index] = self._spawn(worker.slot, f"w{worker.slot}.{restarts}", restarts)
 
     def _kill_presumed_dead(self) -> None:
         while self._presumed_dead:
