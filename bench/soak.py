@@ -5,7 +5,7 @@ What it lost, how long it went silent, how its memory and descriptors moved, and
     retouch bench soak --duration 60 [--workers 2] [--kill-every 10] [--model tiny-flux-fill]
                        [--concurrency 4] [--timeout 60] [--out DIR]     (or python -m retouch.bench.soak)
                        [--templates 2] [--template-replicas K] [--cache-host-mib M] [--cache-disk-mib D]
-                       [--loras N] [--sizes 64x48,96x64]
+                       [--loras N] [--sizes 64x48,96x64] [--deadlines]
 
 The server is `retouch.server.Server` on loopback (port 0) in the disaggregated mode (each worker's
 pre/post-processing runs in helper processes, so there are helpers to kill), `--steps` steps, one torch
@@ -18,13 +18,14 @@ templates, record them again, defer a joining worker's recordings and adopt a ki
 while workers die:
 
     retouch bench soak --duration 300 --kill-every 10 --steps 8 --templates 32 --template-replicas 1 \
-                       --cache-host-mib 1 --cache-disk-mib 2 --loras 4 --sizes 64x48,96x64,48x80
+                       --cache-host-mib 1 --cache-disk-mib 2 --loras 4 --sizes 64x48,96x64,48x80 --deadlines
 
 With `--loras N` the workers serve N random adapters from a temporary --lora-dir, and the mix adds
-LORA_MIX's kinds (below), so adapters load on workers that die mid-load.
+LORA_MIX's kinds (below), so adapters load on workers that die mid-load. With `--deadlines` the server
+refuses edits that cannot meet their `slo_ms` (--slo-admission reject), and the mix adds DEADLINE_MIX's.
 
 The load: `--concurrency` client threads in a closed loop (while the good requests wait, so does
-everything else); each request's kind is drawn from MIX (and LORA_MIX):
+everything else); each request's kind is drawn from MIX (and LORA_MIX, DEADLINE_MIX):
 
     template              POST /v1/edits with a registered template_id and a box mask         -> 200 PNG
     one_off               POST /v1/edits with image + mask; the image is drawn from a pool of
@@ -40,6 +41,8 @@ everything else); each request's kind is drawn from MIX (and LORA_MIX):
     bad_oversized         a body over the 1 MiB limit                                           -> 413
     lora                  (--loras) a template edit with one of the adapters, scale 0.5-1       -> 200 PNG
     bad_unknown_lora      (--loras) a template edit naming an adapter the folder lacks          -> 404
+    deadline              (--deadlines) a template edit with slo_ms 60000                       -> 200 PNG
+    bad_deadline          (--deadlines) a template edit with slo_ms 1: no worker can meet it    -> 429
 
 Every `--kill-every` seconds one process gets SIGKILL, alternately a worker (a random one of
 `Server.supervisor.pids()` whose slot the supervisor would still restart) and a helper (a random child
@@ -145,8 +148,10 @@ MIX = {"template": 0.30, "one_off": 0.20, "openai_n2": 0.10, "cancel": 0.10,
 # With --loras N, a share of the template edits name an adapter, and some name one the folder lacks.
 LORA_MIX = {"lora": 0.15, "bad_unknown_lora": 0.03}
 LORA_RANK = 4
+# With --deadlines, edits that carry an SLO: one any worker meets, and one none can (refused at admission).
+DEADLINE_MIX = {"deadline": 0.08, "bad_deadline": 0.03}
 BAD_STATUS = {"bad_missing_prompt": 400, "bad_garbage_image": 400, "bad_mask_size": 422,
-              "bad_unknown_template": 404, "bad_oversized": 413, "bad_unknown_lora": 404}
+              "bad_unknown_template": 404, "bad_oversized": 413, "bad_unknown_lora": 404, "bad_deadline": 429}
 # The server's counter of HTTP answers by endpoint and status, under its old and its new name.
 REQUEST_COUNTERS = ("retouch_requests_total", "retouch_http_requests_total")
 
@@ -179,6 +184,8 @@ class SoakOptions:
                         "template with one of them, `bad_unknown_lora` requests name one the folder lacks")
     sizes: str = option("64x48", help="image sizes WxH, comma-separated: templates and one-off images take them "
                         "in turn, so Flux and SD3 workers batch several sizes in one forward")
+    deadlines: bool = option(False, help="the server refuses edits that cannot meet their slo_ms (--slo-admission "
+                             "reject): `deadline` requests carry 60 s, `bad_deadline` ones 1 ms")
     out: Path | None = option(None, help="folder for soak.json and soak.png")
 
     def __post_init__(self):
@@ -320,6 +327,7 @@ class Assets:
     oversized: bytes
     loras: tuple[str, ...] = ()  # adapter names in the server's --lora-dir (--loras)
     sizes: tuple[tuple[int, int], ...] = (SIZE,)  # template i and pool image i have size i mod len(sizes)
+    deadlines: bool = False  # the server refuses edits that cannot meet their slo_ms (--deadlines)
 
     def size_of_template(self, template_id: str) -> tuple[int, int]:
         if template_id == self.cancel_template_id:
@@ -339,8 +347,9 @@ def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def mix_of(assets: Assets) -> dict[str, float]:
-    """The request kinds and their weights: MIX, and LORA_MIX where the server has adapters."""
-    return MIX | LORA_MIX if assets.loras else MIX
+    """The request kinds and their weights: MIX, LORA_MIX where the server has adapters, DEADLINE_MIX where it
+    refuses edits that cannot meet their deadline."""
+    return MIX | (LORA_MIX if assets.loras else {}) | (DEADLINE_MIX if assets.deadlines else {})
 
 
 def write_loras(model: str, folder: Path, count: int) -> tuple[str, ...]:
@@ -368,7 +377,8 @@ def alpha_mask_png(box: tuple[int, int, int, int], size: tuple[int, int] = SIZE)
 
 
 def make_assets(template_ids: tuple[str, ...], cancel_template_id: str, seed: int,
-                loras: tuple[str, ...] = (), sizes: tuple[tuple[int, int], ...] = (SIZE,)) -> Assets:
+                loras: tuple[str, ...] = (), sizes: tuple[tuple[int, int], ...] = (SIZE,),
+                deadlines: bool = False) -> Assets:
     boxes = {size: mask_boxes(16, *size, MASK_BETA["public"], seed) for size in sizes}
     pool_sizes = [sizes[i % len(sizes)] for i in range(max(ONE_OFF_POOL, len(sizes)))]
     small = next(side for side in (32, 24, 40) if (side, side) not in sizes)
@@ -378,7 +388,7 @@ def make_assets(template_ids: tuple[str, ...], cancel_template_id: str, seed: in
                   tuple(scene_png(100 + i, size=size) for i, size in enumerate(pool_sizes)),
                   tuple(scene_png(100 + i, "RGBA", size) for i, size in enumerate(pool_sizes)),
                   mask_png((0, 0, 16, 16), small, small), os.urandom(int(MAX_UPLOAD_MB * (1 << 20)) + (512 << 10)),
-                  loras, sizes)
+                  loras, sizes, deadlines)
 
 
 @dataclass
@@ -395,10 +405,12 @@ def build_request(kind: str, assets: Assets, rng: random.Random, fresh_seed: int
     template_id = assets.cancel_template_id if kind == "cancel" else rng.choice(assets.template_ids)
     mask = ("mask", ("mask.png", rng.choice(assets.masks[assets.size_of_template(template_id)]), "image/png"))
     if kind in ("template", "bad_mask_size", "bad_missing_prompt", "bad_unknown_template", "bad_oversized",
-                "lora", "bad_unknown_lora"):
+                "lora", "bad_unknown_lora", "deadline", "bad_deadline"):
         edit["template_id"] = template_id
     if kind == "template":
         return HttpRequest("/v1/edits", edit, [mask])
+    if kind in ("deadline", "bad_deadline"):
+        return HttpRequest("/v1/edits", {**edit, "slo_ms": "60000" if kind == "deadline" else "1"}, [mask])
     if kind == "lora":
         return HttpRequest("/v1/edits", {**edit, "lora": f"{rng.choice(assets.loras)}:{rng.uniform(0.5, 1.0):.2f}"},
                            [mask])
@@ -702,7 +714,8 @@ def start_server(opts: SoakOptions, scratch: Path):
     serve = ServeOptions(model=opts.model, workers=opts.workers, port=0, mode="disagg", helpers=opts.helpers,
                          worker_threads=1, helper_threads=1, steps=opts.steps, device=opts.device,
                          max_upload_mb=MAX_UPLOAD_MB, heartbeat_s=0.2, dead_after_s=3.0,
-                         template_replicas=opts.template_replicas, **extra)
+                         template_replicas=opts.template_replicas,
+                         slo_admission="reject" if opts.deadlines else "accept", **extra)
     server = Server(serve).start()
     try:
         with httpx.Client(base_url=server.url, timeout=opts.timeout) as client:
@@ -715,7 +728,7 @@ def start_server(opts: SoakOptions, scratch: Path):
     except BaseException:
         server.close(drain_s=5.0)
         raise
-    return server, make_assets(template_ids, cancel_id, opts.seed, loras, sizes)
+    return server, make_assets(template_ids, cancel_id, opts.seed, loras, sizes, opts.deadlines)
 
 
 @dataclass

@@ -188,10 +188,13 @@ def test_processes_with_env(tmp_path):
 # ---- the request mix ----
 
 def test_mix_is_a_distribution_over_the_kinds_built():
-    assert abs(sum(MIX.values()) - 1) < 1e-9 and set(BAD_STATUS) <= set(MIX) | set(soak.LORA_MIX)
+    assert abs(sum(MIX.values()) - 1) < 1e-9 and set(BAD_STATUS) <= set(MIX) | set(soak.LORA_MIX) | set(
+        soak.DEADLINE_MIX)
     assert soak.mix_of(soak.make_assets(("tpl-a",), "tpl-long", seed=0)) == MIX
     assert set(soak.mix_of(soak.make_assets(("tpl-a",), "tpl-long", seed=0, loras=("x",)))) == set(MIX) | {
         "lora", "bad_unknown_lora"}
+    assert set(soak.mix_of(soak.make_assets(("tpl-a",), "tpl-long", seed=0, deadlines=True))) == set(MIX) | {
+        "deadline", "bad_deadline"}
 
 
 def test_every_kind_builds_the_request_it_names():
@@ -199,7 +202,7 @@ def test_every_kind_builds_the_request_it_names():
 
     sizes = ((64, 48), (96, 64), (32, 32))
     assets = soak.make_assets(("tpl-a", "tpl-b", "tpl-c"), "tpl-long", seed=0, loras=("soak-0", "soak-1"),
-                              sizes=sizes)
+                              sizes=sizes, deadlines=True)
     rng = random.Random(0)
     size = lambda data: Image.open(io.BytesIO(data)).size  # noqa: E731
     seen = set()
@@ -208,7 +211,7 @@ def test_every_kind_builds_the_request_it_names():
         for kind, request in requests.items():
             fields = {name: value for name, (_, value, _) in request.files}
             assert ("prompt" in request.data) == (kind != "bad_missing_prompt"), kind
-            if kind in ("template", "cancel", "lora"):
+            if kind in ("template", "cancel", "lora", "deadline"):
                 assert size(fields["mask"]) == assets.size_of_template(request.data["template_id"])
                 seen.add(size(fields["mask"]))
             if kind in ("one_off", "openai_n2"):
@@ -226,6 +229,7 @@ def test_every_kind_builds_the_request_it_names():
     assert name in assets.loras and 0.5 <= float(scale) <= 1
     assert requests["lora"].data["template_id"] in ("tpl-a", "tpl-b", "tpl-c")
     assert requests["bad_unknown_lora"].data["lora"] not in assets.loras
+    assert (requests["deadline"].data["slo_ms"], requests["bad_deadline"].data["slo_ms"]) == ("60000", "1")
 
 
 def test_options_are_checked_and_derived_as_flags():
@@ -254,7 +258,7 @@ def test_options_are_checked_and_derived_as_flags():
 # ---- a real server ----
 
 SMALL_CACHES = dict(steps=8, templates=32, template_replicas=1, cache_host_mib=1, cache_disk_mib=2, loras=2,
-                    sizes="64x48,96x64")
+                    sizes="64x48,96x64", deadlines=True)
 
 
 @pytest.mark.parametrize("caches", ["default", "small"])
@@ -280,6 +284,7 @@ def test_a_short_soak_loses_nothing_and_leaves_nothing(caches):
     assert report["lost"] == 0, report["lost_examples"]
     if caches == "small":
         assert report["by_kind"]["lora"]["ok"] > 0 and set(report["by_kind"]["bad_unknown_lora"]) == {"404"}
+        assert report["by_kind"]["deadline"]["ok"] > 0 and set(report["by_kind"]["bad_deadline"]) == {"429"}
         counters = report["worker_counters_end"]
         assert counters["cache_evictions"] > 0 and counters["cache_disk_hits"] > 0, counters
         assert counters["failed"] == counters["failed_recordings"] == 0, counters
