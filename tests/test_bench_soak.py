@@ -265,7 +265,8 @@ SMALL_CACHES = dict(steps=8, templates=32, template_replicas=1, cache_host_mib=1
 def test_a_short_soak_loses_nothing_and_leaves_nothing(caches):
     """18 s of the mixed load on 2 workers: a worker SIGKILLed at 6 s, a helper at 12 s. "small": each
     template on one worker, in caches that hold a third of them: the load evicts templates to disk and
-    reads them back, the killed worker's templates are taken over, and edits use LoRAs. (Whether the
+    reads them back, the killed worker's templates are taken over, and edits use LoRAs, two image sizes
+    (packed into shared steps) and deadlines (a 60 s one met, a 1 ms one refused). (Whether the
     replacement has adopted its predecessor's recordings by the end depends on how fast it starts: the
     300 s run in bench/results/cpu/soak_small_caches counts those.)"""
     options = SMALL_CACHES if caches == "small" else {}
