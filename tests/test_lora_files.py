@@ -212,6 +212,77 @@ def test_flux_pads_an_adapter_for_a_narrower_x_embedder_as_diffusers_does(tmp_pa
     assert_same_as_diffusers(weights, diffusers_factors(reference, path))
 
 
+def kohya_flux_tensors(model, extra: dict | None = None) -> dict[str, torch.Tensor]:
+    """A kohya-ss Flux LoRA for the tiny model: every double block's image attention output and every single
+    block's linear2, with alphas, plus `extra` entries."""
+    denoiser = denoiser_of(model)
+    generator = torch.Generator().manual_seed(3)
+
+    def pair(name: str, linear: torch.nn.Linear) -> dict:
+        return {f"{name}.lora_down.weight": torch.randn(RANK, linear.in_features, generator=generator),
+                f"{name}.lora_up.weight": torch.randn(linear.out_features, RANK, generator=generator) * 0.01,
+                f"{name}.alpha": torch.tensor(ALPHA)}
+    tensors = {}
+    for i, block in enumerate(denoiser.transformer_blocks):
+        tensors |= pair(f"lora_unet_double_blocks_{i}_img_attn_proj", block.attn.to_out[0])
+    for i, block in enumerate(denoiser.single_transformer_blocks):
+        tensors |= pair(f"lora_unet_single_blocks_{i}_linear2", block.proj_out)
+    return tensors | (extra or {})
+
+
+def _kohya_pair(name: str, rows: int, columns: int, value: float) -> dict:
+    return {f"{name}.lora_down.weight": torch.full((RANK, columns), value),
+            f"{name}.lora_up.weight": torch.full((rows, RANK), value)}
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (lambda d: _kohya_pair("lora_unet_img_in", d.inner_dim, d.x_embedder.in_features, 0.1),
+     "has x_embedder.lora_A.weight, a layer of this transformer that diffusers' converter leaves without its "
+     "'transformer.' prefix"),
+    (lambda d: {"lora_unet_double_blocks_0_img_attn_proj.diff_b": torch.full((d.inner_dim,), 0.1)},
+     "adapts biases (lora_unet_double_blocks_0_img_attn_proj.diff_b), which diffusers' converter drops"),
+    (lambda d: _kohya_pair("text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q", 8, 8, 0.1),
+     "adapts the T5 text encoder (text_encoders.t5xxl."),
+], ids=["img_in", "diff_b", "t5"])
+def test_a_kohya_flux_file_diffusers_would_apply_in_part_is_refused_whole(extra, fragment, tmp_path):
+    """diffusers' Flux converter drops T5 entries and bias deltas (logging at INFO), and leaves img_in, txt_in,
+    ... and final_layer without the prefix its loader looks for, applying the rest of such a file without a
+    word: retouch refuses it, naming the entry."""
+    model = load_pipeline("tiny-flux-fill")
+    path = tmp_path / "broken.safetensors"
+    save_file(kohya_flux_tensors(model, extra(denoiser_of(model))), path)
+    _check_refused(model, path, fragment)
+
+
+def test_entries_the_flux_converter_drops_pass_when_they_change_nothing(tmp_path):
+    """Trainers write all-zero bias deltas and T5 factors; diffusers drops them quietly, and so they pass."""
+    model = load_pipeline("tiny-flux-fill")
+    denoiser = denoiser_of(model)
+    zeros = {"lora_unet_double_blocks_0_img_attn_proj.diff_b": torch.zeros(denoiser.inner_dim),
+             **_kohya_pair("text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q", 8, 8, 0.0)}
+    save_file(kohya_flux_tensors(model, zeros), tmp_path / "zeros.safetensors")
+    save_file(kohya_flux_tensors(model), tmp_path / "plain.safetensors")
+    with_zeros = read_lora(tmp_path / "zeros.safetensors", "zeros", model.pipe)
+    plain = read_lora(tmp_path / "plain.safetensors", "plain", model.pipe)
+    assert list(with_zeros.modules) == list(plain.modules) and with_zeros.digest == plain.digest
+    assert len(plain.modules) == len(denoiser.transformer_blocks) + len(denoiser.single_transformer_blocks)
+
+
+def test_a_converter_stopping_without_a_message_is_said_in_words(tmp_path):
+    """kohya's Flux linear1 split assumes FLUX.1's widths: on other widths the converter stops on a bare
+    AssertionError, which alone says nothing to the user."""
+    model = load_pipeline("tiny-flux-fill")
+    denoiser = denoiser_of(model)
+    linear1 = {}
+    for i in range(len(denoiser.single_transformer_blocks)):
+        linear1 |= _kohya_pair(f"lora_unet_single_blocks_{i}_linear1", 3 * denoiser.inner_dim + 4 * denoiser.inner_dim,
+                               denoiser.inner_dim, 0.1)
+    save_file(kohya_flux_tensors(model, linear1), tmp_path / "broken.safetensors")
+    _check_refused(model, tmp_path / "broken.safetensors",
+                   "is not a LoRA diffusers can read for flux-fill: its converter stopped on an AssertionError "
+                   "(layer shapes of another model")
+
+
 def test_a_rank_above_the_layer_widths_works(sd2):
     """Benchmarks save rank-512 adapters; on the tiny models that exceeds every width, which PEFT allows."""
     model, _, folder = sd2
@@ -306,7 +377,11 @@ BROKEN = {
     "another model's denoiser": (lambda t, m: {k.replace("unet.", "transformer.", 1): v for k, v in t.items()},
                                  "not a weight of this model's unet"),
     "missing module": (lambda t, m: {k.replace(m[0], "unet.down_blocks.7.attentions.0.proj_in"): v
-                                     for k, v in t.items()}, "down_blocks.7.attentions.0.proj_in, which"),
+                                     for k, v in t.items()},
+                       "down_blocks.7.attentions.0.proj_in, which this UNet2DConditionModel does not have, though its "
+                       "other"),
+    "no module fits": (lambda t, m: {k.replace("unet.", "unet.nowhere_", 1): v for k, v in t.items()},
+                       "does not have (an adapter for another model?)"),
     "conv target": (lambda t, m: {**t, "unet.conv_in.lora_A.weight": torch.zeros(4, 9, 3, 3),
                                   "unet.conv_in.lora_B.weight": torch.zeros(32, 4, 1, 1)},
                     "conv_in, a Conv2d; retouch applies LoRA to linear layers only"),
@@ -467,9 +542,12 @@ def test_lora_path_names_what_is_missing_but_not_the_folder(tmp_path):
                                     "absent.safetensors or absent/pytorch_lora_weights.safetensors"),
                                    (tmp_path, "style.safetensors", "name it without .safetensors"),
                                    (tmp_path, "empty", "no LoRA 'empty'"),
+                                   (tmp_path, "pickled", "; the folder has pickled.ckpt, a pickle file, which retouch "
+                                    "does not read: convert it to safetensors"),
                                    (tmp_path / "nowhere", "absent", "the LoRA folder (--lora-dir) does not exist"),
                                    (tmp_path, "../up", "must be 1-128 letters")):
         (tmp_path / "empty").mkdir(exist_ok=True)  # a folder without the weights file is no LoRA
+        (tmp_path / "pickled.ckpt").write_bytes(b"never unpickled")
         with pytest.raises(LoraError) as raised:
             lora_path(folder, name)
         messages.append(str(raised.value))

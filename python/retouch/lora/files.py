@@ -34,6 +34,7 @@ from retouch.lora.spec import NAME, LoraError
 
 FOLDER_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
 SUFFIX = ".safetensors"
+PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth")  # formats a LoRA also comes in, which retouch never unpickles
 DENOISER_COMPONENT = {"flux-fill": "transformer", "flux-inpaint": "transformer", "sd3": "transformer",
                       "sdxl": "unet", "sd2": "unet"}
 FLUX_FAMILIES = ("flux-fill", "flux-inpaint")
@@ -108,6 +109,9 @@ def lora_path(lora_dir: str | Path, name: str) -> Path:
         if path.is_file():
             return path
     hint = f"; name it without {SUFFIX}" if name.endswith(SUFFIX) else ""
+    pickled = next((f"{name}{suffix}" for suffix in PICKLE_SUFFIXES if (folder / f"{name}{suffix}").is_file()), None)
+    if pickled is not None:  # unpickling runs the file's code: never read, but say why it is not found
+        hint = f"; the folder has {pickled}, a pickle file, which retouch does not read: convert it to safetensors"
     raise LoraError(f"no LoRA {name!r} in the LoRA folder: expected {name}{SUFFIX} or {name}/{FOLDER_WEIGHT_NAME}"
                     f"{hint}")
 
@@ -169,8 +173,10 @@ def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = Non
         def allocate(nbytes: int) -> torch.Tensor:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
     raw, tensors, file_metadata = _read_raw_file(path, allocate, where)
+    _check_nothing_dropped(tensors, where)
     state_dict, network_alphas, metadata = _pipeline_state_dict(pipe, family, tensors, file_metadata, where)
-    factors, network_alphas, metadata = _denoiser_entries(state_dict, network_alphas, metadata, component, where)
+    factors, network_alphas, metadata = _denoiser_entries(state_dict, network_alphas, metadata, component, where,
+                                                          denoiser)
     factors = _fit_to_linears(denoiser, factors, family, where)
     config = _lora_config(factors, network_alphas, metadata, name, where)
     dtype = dtype or denoiser.dtype
@@ -220,6 +226,23 @@ def _read_raw_file(path: Path, allocate, where: str) -> tuple[torch.Tensor, dict
     return raw, tensors, file_metadata
 
 
+# Entries diffusers' kohya converters drop, logging it at INFO only (lora_conversion_utils: "currently do not
+# support"), and apply the rest of the file: each pattern, and what it adapts.
+DROPPED_BY_CONVERTERS = (("text_encoders.t5xxl", "the T5 text encoder"), (".diff_b", "biases"),
+                         ("position_embedding", "a text encoder's position embedding"))
+
+
+def _check_nothing_dropped(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse a file with non-zero entries the converters would drop: diffusers applies such a file in
+    part, without a word to the user; retouch refuses text-encoder LoRA and biases in every other format
+    too. All-zero ones change nothing (trainers write them), and pass, as diffusers drops them quietly."""
+    for key, tensor in tensors.items():
+        for pattern, what in DROPPED_BY_CONVERTERS + (((".diff", "norm weights"),) if ".norm" in key else ()):
+            if pattern in key and bool(tensor.ne(0).any()):
+                raise LoraError(f"{where} adapts {what} ({key}), which diffusers' converter drops, applying the rest; "
+                                "retouch applies an adapter whole or not at all: save it without them")
+
+
 def _pipeline_state_dict(pipe, family: str, tensors: dict, file_metadata: dict,
                          where: str) -> tuple[dict, dict | None, dict | None]:
     """(state dict, network alphas, adapter metadata) as each pipeline's load_lora_weights obtains them from
@@ -244,12 +267,16 @@ def _pipeline_state_dict(pipe, family: str, tensors: dict, file_metadata: dict,
         else:
             state_dict, network_alphas, metadata = loader.lora_state_dict(tensors, **options)
     except Exception as error:  # a converter failing on a user's file: say which file and why, in one line
-        raise LoraError(f"{where} is not a LoRA diffusers can read for {family}: {_one_line(error)}") from None
+        why = _one_line(error) if str(error).strip() else (
+            f"its converter stopped on an {type(error).__name__} (layer shapes of another model, or of another size "
+            "of this one?)")
+        raise LoraError(f"{where} is not a LoRA diffusers can read for {family}: {why}") from None
     return state_dict, network_alphas, file_adapter_metadata if metadata is None else metadata
 
 
 def _denoiser_entries(state_dict: dict, network_alphas: dict | None, metadata: dict | None, component: str,
-                      where: str) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict | None, dict | None]:
+                      where: str, denoiser: nn.Module
+                      ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict | None, dict | None]:
     """The denoiser's entries without their component prefix, in PEFT naming, as (A, B) per module path;
     and the alphas and metadata of the denoiser (load_lora_adapter's prefix handling)."""
     text_encoder = next((key for key in state_dict if key.startswith("text_encoder")), None)
@@ -259,6 +286,16 @@ def _denoiser_entries(state_dict: dict, network_alphas: dict | None, metadata: d
     prefix = f"{component}."
     stray = next((key for key in state_dict if not key.startswith(prefix)), None)
     if stray is not None:
+        module = _FACTOR_KEY.fullmatch(stray)
+        if module is not None and module["module"] in dict(denoiser.named_modules()):
+            # Flux's kohya converter names img_in, txt_in, time_in, vector_in, guidance_in and final_layer so;
+            # diffusers' loader then skips them and applies the rest.
+            raise LoraError(f"{where} has {stray}, a layer of this {component} that diffusers' converter leaves "
+                            f"without its {prefix!r} prefix, and diffusers would skip it, applying the rest; retouch "
+                            "applies an adapter whole or not at all: save it without that layer")
+        if stray.startswith("diffusion_model."):
+            raise LoraError(f"{where} has {stray}: Black Forest Labs' own layout with PEFT's factor names, which "
+                            "diffusers' converters do not read (diffusers cannot load this file either)")
         raise LoraError(f"{where} has {stray}, which is not a weight of this model's {component} "
                         "(an adapter for another model?)")
     if not state_dict:
@@ -306,6 +343,11 @@ def _fit_to_linears(denoiser: nn.Module, factors: dict, family: str, where: str)
     modules = dict(denoiser.named_modules())
     for module_path in factors:
         if module_path not in modules:
+            fitting = sum(1 for path in factors if path in modules)
+            if fitting:  # e.g. SDXL's kohya add_embedding_linear_1, which the converter names add.embedding.linear
+                raise LoraError(f"{where} adapts {module_path}, which this {type(denoiser).__name__} does not have, "
+                                f"though its other {fitting} layers fit (a name diffusers' converter made: diffusers "
+                                "would skip it, applying the rest); retouch applies an adapter whole or not at all")
             raise LoraError(f"{where} adapts {module_path}, which this {type(denoiser).__name__} does not have "
                             "(an adapter for another model?)")
         if not isinstance(modules[module_path], nn.Linear):
