@@ -167,20 +167,23 @@ class Engine:
 
     def register_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
                           guidance: float | None = None, mask: Image.Image | None = None,
-                          on_step: Callable[[int, int], None] | None = None) -> str:
+                          on_step: Callable[[int, int], None] | None = None,
+                          negative_prompt: str | None = None) -> str:
         """Record a template and return its id once recorded (`submit_template`, waited for)."""
         if not self._running:
-            return self.editor.register_template(image, prompt, steps, seed, guidance, mask)
-        return self.submit_template(image, prompt, steps, seed, guidance, mask, on_step).result()
+            return self.editor.register_template(image, prompt, steps, seed, guidance, mask, negative_prompt)
+        return self.submit_template(image, prompt, steps, seed, guidance, mask, on_step, negative_prompt).result()
 
     def submit_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
                         guidance: float | None = None, mask: Image.Image | None = None,
-                        on_step: Callable[[int, int], None] | None = None) -> Future[str]:
+                        on_step: Callable[[int, int], None] | None = None,
+                        negative_prompt: str | None = None) -> Future[str]:
         """Record a template as a member of the running batch: it joins at the next step and advances
         one step per loop iteration beside the edits; its future holds the template id once recorded.
         `on_step(k, n)` is told after each of its steps (progress: `StepWatch`). Registering a template that is
         recorded, or being recorded, costs nothing more."""
-        return self.submit_recording(self.editor.new_template(image, prompt, steps, seed, guidance, mask), on_step)
+        template = self.editor.new_template(image, prompt, steps, seed, guidance, mask, negative_prompt=negative_prompt)
+        return self.submit_recording(template, on_step)
 
     def submit_recording(self, template: Template, on_step: Callable[[int, int], None] | None = None,
                          only_if_room: bool = False) -> Future[str]:
@@ -213,7 +216,8 @@ class Engine:
                      steps: int = DEFAULT_STEPS, guidance: float | None = None,
                      watch: StepWatch | None = None, budget_s: float | None = None,
                      lora: LoraChoice | str | list = (), strength: float = 1.0,
-                     record_beside: bool | None = None, scope: str = "") -> Future[EditResult]:
+                     record_beside: bool | None = None, scope: str = "",
+                     negative_prompt: str | None = None) -> Future[EditResult]:
         """A one-off edit of `image`. Its first edit on this engine runs in full, the stock pipeline's
         result, and records the image as it goes (`EditResult.recorded` names the template); later
         ones, whatever their prompt, seed or mask, are mask-aware edits of that recording. While the
@@ -226,9 +230,9 @@ class Engine:
         instead where the caller counts (a worker process: the router counts edits on every worker).
         Edits of one image under other `scope`s (a server's tenants) share nothing (`Editor.one_off_id`)."""
         self._check_running()
-        template = self.editor.one_off_template(image, mask, prompt, seed, steps, guidance, scope)
-        request = self.editor.check_request(EditRequest(template.template_id, mask, prompt, seed, strength=strength),
-                                            template)
+        template = self.editor.one_off_template(image, mask, prompt, seed, steps, guidance, scope, negative_prompt)
+        request = self.editor.check_request(EditRequest(template.template_id, mask, prompt, seed, strength=strength,
+                                                        negative_prompt=negative_prompt), template)
         lora = self.check_lora(lora)  # looked up once the request is known to be good
         if self.editor.is_recorded(template.template_id):
             return self._submit_checked(request, self.editor.templates[template.template_id], watch, budget_s, lora)

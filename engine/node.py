@@ -344,16 +344,17 @@ class Node:
             budget_s = None if header.get("budget_s") is None else float(header["budget_s"])
             lora = parse_lora(header.get("lora"))
             strength = float(header.get("strength", 1.0))
+            negative_prompt = header.get("negative_prompt")
             if template_id is not None:
-                future = self.engine.submit(EditRequest(template_id, mask, prompt, seed, strength=strength), watch,
-                                            budget_s, lora)
+                future = self.engine.submit(EditRequest(template_id, mask, prompt, seed, strength=strength,
+                                                        negative_prompt=negative_prompt), watch, budget_s, lora)
             else:
                 image = decode_image(blobs["image"], f"template {router_template}")
                 # The router's id of the image names its tenant: another's recording of it is not this one's.
                 future = self.engine.submit_image(image, mask, prompt, seed, int(one_off["steps"]),
                                                   one_off["guidance"], watch, budget_s, lora, strength,
                                                   record_beside=False,  # the router asks (`_record_one_off`)
-                                                  scope=router_template)
+                                                  scope=router_template, negative_prompt=negative_prompt)
         except Exception as exc:  # noqa: BLE001 - answered, never dropped
             self._post({"kind": "result", **edit, "status": status_of(exc),
                         "error": type(exc).__name__, "message": str(exc)})
@@ -362,7 +363,7 @@ class Node:
             return
         if one_off is not None and one_off.get("records"):  # the router asks for a recording beside the edit
             if template_id is None:
-                self._record_one_off(router_template, image, mask, prompt, seed, one_off)
+                self._record_one_off(router_template, image, mask, prompt, seed, one_off, negative_prompt)
             else:  # held here already (the router lost track of it)
                 self._post_recorded(router_template)
         with self._lock:
@@ -372,11 +373,12 @@ class Node:
         future.add_done_callback(lambda f: self._answer(f, router_template, trace, edit))
 
     def _record_one_off(self, router_template: str, image: Image.Image, mask: Image.Image, prompt: str, seed: int,
-                        one_off: dict) -> None:
+                        one_off: dict, negative_prompt: str | None) -> None:
         """Record a one-off image beside an edit of it below full strength (which records nothing), as its
         edit at full strength would have: the router asks on the image's second such edit."""
         self._record(router_template, lambda: self.engine.editor.one_off_template(
-            image, mask, prompt, seed, int(one_off["steps"]), one_off["guidance"], scope=router_template))
+            image, mask, prompt, seed, int(one_off["steps"]), one_off["guidance"], scope=router_template,
+            negative_prompt=negative_prompt))
 
     def _watch(self, edit: dict, preview_every: int) -> StepWatch:
         """The router hears of every step of an edit (`edit`: its request and attempt; its clients may be
@@ -544,7 +546,8 @@ class Node:
     def _template_of(self, router_template: str, header: dict, blobs: dict) -> Callable[[], Template]:
         return lambda: self.engine.editor.new_template(  # the router's id names its tenant
             decode_image(blobs["image"], f"template {router_template}"), header["prompt"], int(header["steps"]),
-            int(header["seed"]), header["guidance"], scope=router_template)
+            int(header["seed"]), header["guidance"], scope=router_template,
+            negative_prompt=header.get("negative_prompt"))
 
     def _start_bulk(self) -> None:
         """On the socket thread: start the next registration sent in bulk once none is under way (and the

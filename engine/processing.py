@@ -50,7 +50,7 @@ class ReadyEdit:
 
 def preprocess(editor: MaskAwareEditor, request: EditRequest, template: Template) -> ReadyEdit:
     inputs = editor.prepare_edit(request, template)
-    return ReadyEdit(inputs, recipes.prepare(editor, inputs, request.prompt, request.strength))
+    return ReadyEdit(inputs, recipes.prepare(editor, inputs, request.prompt, request.strength, request.negative_prompt))
 
 
 def prepare_recording(editor: MaskAwareEditor, template: Template, records: bool = True,
@@ -60,7 +60,7 @@ def prepare_recording(editor: MaskAwareEditor, template: Template, records: bool
     if records and strength < 1.0:
         raise ValueError("a recording runs every step of its schedule (strength 1)")
     inputs = editor.prepare_recording(template, records)
-    return ReadyEdit(inputs, recipes.prepare(editor, inputs, template.prompt, strength))
+    return ReadyEdit(inputs, recipes.prepare(editor, inputs, template.prompt, strength, template.negative_prompt))
 
 
 def postprocess(editor: MaskAwareEditor, template: Template, mask: Image.Image, latents: torch.Tensor) -> Image.Image:
@@ -103,7 +103,7 @@ def template_message(template: Template) -> tuple[dict, dict, dict]:
     header = {"template_id": template.template_id, "prompt": template.prompt, "steps": template.steps,
               "seed": template.seed, "guidance": template.guidance, "num_text_tokens": template.num_text_tokens,
               "canvas": [*canvas.size, *canvas.padded, canvas.stride], "recorded_mode": template.recorded_mode,
-              "latent_shape": list(template.latent_shape)}
+              "latent_shape": list(template.latent_shape), "negative_prompt": template.negative_prompt}
     image_spec, image = _image_blob(template.source)
     mask_spec, mask = _image_blob(template.recorded_mask)
     header.update(image=image_spec, recorded_mask=mask_spec)
@@ -121,14 +121,15 @@ def template_from_message(header: dict, tensors: dict, blobs: dict) -> Template:
                     steps=t["steps"], seed=t["seed"], guidance=t["guidance"], latent_shape=tuple(t["latent_shape"]),
                     num_text_tokens=t["num_text_tokens"],
                     recorded_mask=image_from_blob(t["recorded_mask"], blobs["template.recorded_mask"]),
-                    recorded_mode=t["recorded_mode"])
+                    recorded_mode=t["recorded_mode"], negative_prompt=t["negative_prompt"])
 
 
 def prepare_message(job: int, request: EditRequest, template: Template) -> list:
     header, tensors, blobs = template_message(template)
     mask_spec, mask = _image_blob(request.mask)  # checked: "L" at the template's size
     return wire.encode({"kind": "prepare", "job": job, "template": header, "prompt": request.prompt,
-                        "seed": request.seed, "strength": request.strength, "mask": mask_spec},
+                        "negative_prompt": request.negative_prompt, "seed": request.seed,
+                        "strength": request.strength, "mask": mask_spec},
                        tensors, {**blobs, "mask": mask})
 
 
@@ -175,7 +176,8 @@ def handle(editor: MaskAwareEditor, frames: list) -> list:
         with torch.inference_mode():
             if header["kind"] == "prepare":
                 request = EditRequest(template.template_id, image_from_blob(header["mask"], blobs["mask"]), header["prompt"],
-                                      header["seed"], strength=float(header.get("strength", 1.0)))
+                                      header["seed"], strength=float(header.get("strength", 1.0)),
+                                      negative_prompt=header["negative_prompt"])
                 return ready_message(job, preprocess(editor, request, template))
             if header["kind"] == "record":
                 return ready_message(job, prepare_recording(editor, template, header["records"],

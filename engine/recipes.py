@@ -119,9 +119,11 @@ class _FirstStep(Exception):
     """Raised in the denoiser's pre-hook: preparation is done once the loop's first call is reached."""
 
 
-def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str, strength: float = 1.0) -> Prepared:
+def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str, strength: float = 1.0,
+            negative_prompt: str | None = None) -> Prepared:
     """Run the stock pipeline on one edit up to its first denoiser call; keep what the loop needs. Below
-    `strength` 1 the loop starts part-way (`retouch.strength`)."""
+    `strength` 1 the loop starts part-way (`retouch.strength`). `negative_prompt` as
+    `MaskAwareEditor.check_negative_prompt` returned it."""
     pipe, family, template = editor.pipe, editor.model.family, inputs.template
     seen: dict[str, object] = {}
 
@@ -137,7 +139,8 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str, strength: 
         seen["args"], seen["kwargs"], seen["start"] = args, kwargs, start_step(pipe)
         raise _FirstStep
 
-    kwargs = editor.pipeline_kwargs([template], [inputs.mask], [prompt], inputs.latents[None], "latent", strength)
+    kwargs = editor.pipeline_kwargs([template], [inputs.mask], [prompt], inputs.latents[None], "latent", strength,
+                                    [negative_prompt])
     # Instance attributes shadow the pipeline's (and its scheduler's) methods for this call only.
     shadowed = [(pipe, "prepare_latents", "latents"), (pipe, "prepare_mask_latents", "mask"),
                 (pipe, "prepare_extra_step_kwargs", "step_kwargs"), (pipe.scheduler, "set_timesteps", "set_timesteps"),

@@ -5,7 +5,8 @@ asked to record each template and adopts its file instead. So a restarted server
 registered before it stopped, without the clients registering them again.
 
     <id>.json        {"format", "id", "size", "prompt", "steps", "seed", "guidance", "replicas", "owner",
-                      "created"}; written last, so a template without it was not saved whole
+                      "created", "negative_prompt" (only when it has one)}; written last, so a template
+                      without it was not saved whole
     <id>.png         the image the workers record
     <id>.alpha.png   its transparency, when it has any (`TemplateRecord.alpha`)
     recency.json     {"format", "ids"}: the templates, most recently edited first, as the router saw them when
@@ -53,6 +54,8 @@ class TemplateRegistry:
                   "steps": record.steps, "seed": record.seed, "guidance": record.guidance,
                   "replicas": record.replicas, "owner": record.owner, "created": record.created,
                   "alpha": record.alpha is not None}
+        if record.negative_prompt is not None:  # absent from the records of earlier releases, which load the same
+            header["negative_prompt"] = record.negative_prompt
         write_whole(self._path(record.template_id, ".json"), json.dumps(header).encode())
 
     def remove(self, template_id: str) -> None:
@@ -102,12 +105,13 @@ class TemplateRegistry:
         if header["alpha"] and not alpha_path.exists():  # its answers would lose their transparency
             raise ValueError("its transparency file is missing")
         width, height = (int(side) for side in header["size"])
-        guidance = header["guidance"]
+        guidance, negative_prompt = header["guidance"], header.get("negative_prompt")
         return TemplateRecord(template_id, self._path(template_id, ".png").read_bytes(), (width, height),
                               str(header["prompt"]), int(header["steps"]), int(header["seed"]),
                               None if guidance is None else float(guidance), replicas=int(header["replicas"]),
                               owner=str(header["owner"]), created=float(header["created"]),
-                              alpha=alpha_path.read_bytes() if header["alpha"] else None)
+                              alpha=alpha_path.read_bytes() if header["alpha"] else None,
+                              negative_prompt=None if negative_prompt is None else str(negative_prompt))
 
     def _path(self, template_id: str, suffix: str) -> Path:
         return self.directory / (template_id + suffix)

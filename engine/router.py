@@ -182,6 +182,7 @@ class EditTask:
     lora: LoraChoice = ()  # its LoRA adapters (checked against the LoRA folder at the frontend); () for none
     trace: str = ""  # the client's X-Request-Id (#i for the i-th of n images): the worker logs it with the edit
     strength: float = 1.0  # below 1, it runs the last steps of its template's schedule (`retouch.strength`)
+    negative_prompt: str | None = None  # checked (`MaskAwareEditor.check_negative_prompt`); None: the pipeline's
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,7 @@ class TemplateRecord:
     # A one-off image larger than these workers' whole host caches (a recording there answered "too_large"):
     # its edits go elsewhere to record it, or run in full side by side where none can.
     too_large_for: set[str] = field(default_factory=set)
+    negative_prompt: str | None = None  # a registered template's recorded run's (None for a one-off: its first edit's own)
 
     @property
     def nbytes(self) -> int:
@@ -242,8 +244,8 @@ class TemplateRecord:
         last heartbeat), where an edit of it costs no disk read and no recording again."""
         recording = [w for w, s in self.states.items() if s == "recording" and w in live]
         return {"id": self.template_id, "status": self.status, "width": self.size[0], "height": self.size[1],
-                "steps": self.steps, "seed": self.seed, "prompt": self.prompt, "guidance": self.guidance,
-                "created": int(self.created), "error": self.error, "one_off": self.one_off,
+                "steps": self.steps, "seed": self.seed, "prompt": self.prompt, "negative_prompt": self.negative_prompt,
+                "guidance": self.guidance, "created": int(self.created), "error": self.error, "one_off": self.one_off,
                 "progress": {"workers_ready": sum(1 for w, s in self.states.items() if s == "ready" and w in live),
                              "workers_recording": len(recording),
                              # "ready" workers keep it on disk, or record it again for an edit, once their host
@@ -989,6 +991,8 @@ class Router:
             header["lora"] = choice_header(task.lora)
         if task.strength != 1:
             header["strength"] = task.strength
+        if task.negative_prompt is not None:
+            header["negative_prompt"] = task.negative_prompt
         blobs = {"mask": task.mask}
         if records or records_beside:
             record.states[worker.name] = "recording"
@@ -1153,6 +1157,7 @@ class Router:
         record.states[worker.name] = "recording"
         seq = self._send(worker, {"kind": "register", "template": record.template_id, "prompt": record.prompt,
                                   "steps": record.steps, "seed": record.seed, "guidance": record.guidance,
+                                  **({"negative_prompt": record.negative_prompt} if record.negative_prompt else {}),
                                   **({"bulk": True} if bulk else {})},
                          {"image": record.image})
         self._recording_sent(worker, record, seq, bulk=bulk)

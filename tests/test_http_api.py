@@ -371,7 +371,7 @@ async def unknown_fields() -> dict:
                 "a file field unknown": await client.post("/v1/edits", files={"mask": mask, "image": image,
                                                                               "mask2": mask}, data={"prompt": "a"}),
                 "openai unknown": await client.post("/v1/images/edits", files={"image": image, "mask": clear},
-                                                    data={"prompt": "a cat", "negative_prompt": "dogs"}),
+                                                    data={"prompt": "a cat", "style": "vivid"}),
                 "template misspelt": await client.post("/v1/templates", files={"image": image},
                                                        data={"prompt": "a room", "seeds": "3"}),
                 "in the query": await client.post("/v1/edits?strength=0.5", files={"mask": mask, "image": image},
@@ -395,7 +395,7 @@ def test_a_field_the_endpoint_does_not_read_is_refused_naming_it():
     outcome = asyncio.run(unknown_fields())
     for name, param, hint in (("misspelt", "strenght", "did you mean 'strength'?"),
                               ("a file field unknown", "mask2", "did you mean 'mask'?"),
-                              ("openai unknown", "negative_prompt", "its fields: "),
+                              ("openai unknown", "style", "its fields: "),
                               ("template misspelt", "seeds", "did you mean 'seed'?"),
                               ("in the query", "strength", "the query string"),
                               ("openai query", "stream", "the query string")):

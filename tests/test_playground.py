@@ -622,9 +622,12 @@ def test_a_strength_below_one_runs_the_last_steps_and_keeps_the_pixels_outside_t
 
 
 def test_the_form_follows_the_servers_limits(server, page, page_errors):
-    """The steps field takes what the server takes (GET /v1/limits), and says its default."""
+    """The steps field takes what the server takes (GET /v1/limits), and says its default; a Flux server takes
+    no negative prompt, so its field is not shown."""
     limits = httpx.get(server.url + "/v1/limits").json()
     page.goto(server.url + "/")
     expect(page.locator("#steps")).to_have_attribute("max", str(limits["max_steps"]))
     expect(page.locator("#steps")).to_have_attribute("placeholder", f"server default ({limits['default_steps']})")
+    assert limits["negative_prompt"] is False
+    expect(page.locator("#negative-prompt")).to_be_hidden()
     assert (limits["default_steps"], limits["max_upload_bytes"]) == (2, 32 << 20) and page_errors == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import io
+import json
 
 import httpx
 import pytest
@@ -28,17 +29,20 @@ def record(template_id: str, **fields) -> TemplateRecord:
 
 def fields(template: TemplateRecord) -> tuple:
     return (template.template_id, template.image, template.size, template.prompt, template.steps, template.seed,
-            template.guidance, template.replicas, template.owner, template.created, template.alpha)
+            template.guidance, template.replicas, template.owner, template.created, template.alpha,
+            template.negative_prompt)
 
 
 def test_saved_templates_are_read_back_whole_oldest_first_and_one_offs_are_not_kept(tmp_path):
     registry = TemplateRegistry(tmp_path)
     registry.close()  # the folder's lock; saving and loading do not need it held
-    kept = [record("tpl-00aa11bb", created=2.0, guidance=3.5, alpha=b"alpha png"), record("tpl-00cc22dd", created=1.0)]
+    kept = [record("tpl-00aa11bb", created=2.0, guidance=3.5, alpha=b"alpha png", negative_prompt="blurry"),
+            record("tpl-00cc22dd", created=1.0)]  # no negative prompt: saved as earlier releases saved it
     for template in kept:
         registry.save(template)
     registry.save(record("img-00ee33ff", one_off=True))
     assert [fields(t) for t in TemplateRegistry(tmp_path).load()] == [fields(kept[1]), fields(kept[0])]
+    assert "negative_prompt" not in json.loads((tmp_path / "tpl-00cc22dd.json").read_bytes())
     registry.remove("tpl-00aa11bb")
     assert [t.template_id for t in registry.load()] == ["tpl-00cc22dd"]
     assert sorted(p.name for p in tmp_path.glob("tpl-*")) == ["tpl-00cc22dd.json", "tpl-00cc22dd.png"]

@@ -8,6 +8,7 @@ import torch
 from PIL import Image
 
 from retouch.canvas import Canvas, paste_unmasked
+from retouch.editor import check_negative_prompt
 from retouch.images import as_image, as_mask
 from retouch.models import family_of_pipeline, quiet_libraries
 from retouch.noise import initial_noise, latents_argument
@@ -26,14 +27,19 @@ def run_baseline_edit(
     strength: float = 1.0,
     call_defaults: dict | None = None,
     paste_back: bool = True,
+    negative_prompt: str | None = None,
 ) -> Image.Image:
     """Repaint the white region of `mask` in `image`; the result has the input image's size.
 
     The pipeline runs on the image's canvas (`retouch.canvas`: padded to whole patches, never
     resized). With `paste_back`, pixels the mask leaves at 0 are the template's own: the pipeline
     regenerates the whole image (VAE round trip included), but a user asked to edit only the masked
-    region. Without it, the raw pipeline output (cropped to the image) comes back.
+    region. Without it, the raw pipeline output (cropped to the image) comes back. `negative_prompt` as
+    the editor takes it (`retouch.editor.check_negative_prompt`).
     """
+    accepted = inspect.signature(pipe.__call__).parameters
+    negative_prompt = check_negative_prompt(negative_prompt, family_of_pipeline(pipe),
+                                            accepted["guidance_scale"].default if guidance is None else guidance)
     image = as_image(image)
     mask = as_mask(mask, image.size)
     canvas = Canvas.for_pipeline(image.size, pipe)
@@ -57,7 +63,8 @@ def run_baseline_edit(
         kwargs["num_inference_steps"] = steps
     if guidance is not None:
         kwargs["guidance_scale"] = guidance
-    accepted = inspect.signature(pipe.__call__).parameters
+    if negative_prompt is not None:
+        kwargs["negative_prompt"] = negative_prompt
     kwargs = {name: value for name, value in kwargs.items() if name in accepted}
 
     with torch.inference_mode(), quiet_libraries(), noised_start(pipe, strength, noise):

@@ -75,7 +75,7 @@ def cmd_edit(args) -> int:
         edited = run_baseline_edit(
             model.pipe, image, mask, opts.prompt, steps=steps, seed=opts.seed, guidance=opts.guidance,
             strength=opts.strength, call_defaults=model.call_defaults,
-            paste_back=opts.paste_back)
+            paste_back=opts.paste_back, negative_prompt=opts.negative_prompt)
     finished = time.perf_counter()
     path = out(edited)
     print(f"wrote {path} ({edited.width}x{edited.height}) with {named(model)} on {model.pipe.device}: "
@@ -122,10 +122,12 @@ def _mask_aware_edit(opts: EditOptions, model, image, mask, load_seconds: float,
     started = time.perf_counter()
     with pipeline_bar(model.pipe, "register template"):
         template_id = editor.register_template(image, prompt=opts.prompt, steps=edit_steps(opts),
-                                               seed=opts.seed, guidance=opts.guidance)
+                                               seed=opts.seed, guidance=opts.guidance,
+                                               negative_prompt=opts.negative_prompt)
     registered = time.perf_counter()
     with pipeline_bar(model.pipe, "edit"):
-        edited = editor.edit(template_id, mask, opts.prompt, seed=opts.seed, strength=opts.strength)
+        edited = editor.edit(template_id, mask, opts.prompt, seed=opts.seed, strength=opts.strength,
+                             negative_prompt=opts.negative_prompt)
     finished = time.perf_counter()
     path = out(edited)
     print(f"wrote {path} ({edited.width}x{edited.height}) with {named(model)}, mask-aware ({opts.cache_mode}-cache): "
@@ -153,17 +155,19 @@ def _lora_edit(opts: EditOptions, model, image, mask, lora, load_seconds: float,
         if opts.mask_aware:
             with bar(desc="register template", total=steps, unit="step") as progress:
                 template_id = engine.register_template(image, prompt=opts.prompt, steps=steps, seed=opts.seed,
-                                                       guidance=opts.guidance, on_step=advance(progress))
+                                                       guidance=opts.guidance, on_step=advance(progress),
+                                                       negative_prompt=opts.negative_prompt)
             registered = time.perf_counter()
             template_note = f", register template {template_id} {registered - started:.2f} s (full compute)"
         with bar(desc="edit", total=steps, unit="step") as progress:
             watch = StepWatch(advance(progress))
             if opts.mask_aware:
-                future = engine.submit(EditRequest(template_id, mask, opts.prompt, opts.seed, strength=opts.strength),
-                                       watch, lora=lora)
+                future = engine.submit(EditRequest(template_id, mask, opts.prompt, opts.seed, strength=opts.strength,
+                                                   negative_prompt=opts.negative_prompt), watch, lora=lora)
             else:
                 future = engine.submit_image(image, mask, opts.prompt, seed=opts.seed, steps=steps,
-                                             guidance=opts.guidance, watch=watch, lora=lora, strength=opts.strength)
+                                             guidance=opts.guidance, watch=watch, lora=lora, strength=opts.strength,
+                                             negative_prompt=opts.negative_prompt)
             result = future.result()
     finished = time.perf_counter()
     path = out(result.image)

@@ -70,6 +70,8 @@ class EditOptions:
     image: Path = option(help="template image (any format PIL reads)")
     mask: Path = option(help="mask of the same size; white = repaint")
     prompt: str = option(help="what to paint into the masked region")
+    negative_prompt: str | None = option(None, help="what to steer the masked region away from (SD3, SDXL, SD2: "
+                                         "models with classifier-free guidance; refused for Flux)")
     steps: int | None = option(None, help="denoising steps (default 28 in every mode, as `retouch serve`)")
     seed: int = option(0, help="random seed of the initial noise")
     guidance: float | None = option(None, help="guidance scale (default: the pipeline's)")

@@ -78,6 +78,7 @@ class Template:
     recorded_mask: Image.Image  # what the recorded run repainted (`Canvas.mask`; nothing by default)
     recorded_mode: str  # the cache mode it was recorded for: "kv" recordings serve Y-cache edits too
     one_off: bool = False  # a one-off image's, recorded by its first edit (`one_off_template`)
+    negative_prompt: str | None = None  # the recorded run's (`MaskAwareEditor.check_negative_prompt`)
 
     @cached_property
     def image(self) -> Image.Image:
@@ -117,6 +118,7 @@ class EditRequest:
     seed: int = 0
     steps: int | None = None  # None: the template's; another count is refused (the recording has its steps)
     strength: float = 1.0  # how much of the masked region is re-noised (`retouch.strength`): below 1, its last steps
+    negative_prompt: str | None = None  # what to steer the masked region away from (guidance > 1; not Flux)
 
 
 def warm_up_inputs(size: tuple[int, int]) -> tuple[Image.Image, Image.Image]:
@@ -261,16 +263,18 @@ class MaskAwareEditor:
 
     @one_at_a_time
     def register_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
-                          guidance: float | None = None, mask: Image.Image | None = None) -> str:
+                          guidance: float | None = None, mask: Image.Image | None = None,
+                          negative_prompt: str | None = None) -> str:
         """Run the full computation once on `image` and record its activations; returns the template id.
 
         `mask` is what the recorded run repaints (inpainting models take it as an input): by default
         nothing, so every edit's unmasked tokens see the template's own conditioning. The id is a
         digest of the image and the settings, so registering the same template twice returns the
         same id without recomputing, unless the recording lacks what the current cache mode reads
-        (recorded for "y", now editing in "kv"): then it is recorded again.
+        (recorded for "y", now editing in "kv"): then it is recorded again. `negative_prompt` is the
+        recorded run's, which later edits' unmasked tokens keep (`check_negative_prompt`).
         """
-        template = self.new_template(image, prompt, steps, seed, guidance, mask)
+        template = self.new_template(image, prompt, steps, seed, guidance, mask, negative_prompt=negative_prompt)
         if not (self.is_recorded(template.template_id) or self.adopt(template)):
             self.drop_template(template.template_id)
             self._record(template)
@@ -278,7 +282,8 @@ class MaskAwareEditor:
         return template.template_id
 
     def new_template(self, image: Image.Image, prompt: str = "", steps: int = DEFAULT_STEPS, seed: int = 0,
-                     guidance: float | None = None, mask: Image.Image | None = None, scope: str = "") -> Template:
+                     guidance: float | None = None, mask: Image.Image | None = None, scope: str = "",
+                     negative_prompt: str | None = None) -> Template:
         """A template to register, checked and placed on its canvas; nothing is computed yet. Templates of
         other `scope`s never share a recording, even of the same image and run (a server's tenants: one's
         registration would be ready at once for another who sent it too, and one's deletion drop it)."""
@@ -286,24 +291,27 @@ class MaskAwareEditor:
         check_guidance(guidance)
         if not isinstance(prompt, str):  # None reached the text encoder, whose error named no argument
             raise InputError(f"prompt must be a string ('' for none), got {type(prompt).__name__}")
+        negative_prompt = self.check_negative_prompt(negative_prompt, guidance)
         image = as_image(image)
         recorded = None if mask is None else as_mask(mask, image.size, what="recorded mask")
-        template_id = self._template_id(image, prompt, steps, seed, guidance, recorded, scope)
-        return self._template_on_canvas(template_id, image, prompt, steps, seed, guidance, recorded)
+        template_id = self._template_id(image, prompt, steps, seed, guidance, recorded, scope, negative_prompt)
+        return self._template_on_canvas(template_id, image, prompt, steps, seed, guidance, recorded, negative_prompt)
 
     def one_off_template(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int = 0,
-                         steps: int = DEFAULT_STEPS, guidance: float | None = None, scope: str = "") -> Template:
+                         steps: int = DEFAULT_STEPS, guidance: float | None = None, scope: str = "",
+                         negative_prompt: str | None = None) -> Template:
         """The template a one-off edit records as it runs: its id is `one_off_id` (the image, its
         schedule and `scope`, whatever the request's prompt, seed or mask), and it is recorded with the edit's
-        prompt, seed and mask, so that the recording run is the edit itself, the stock pipeline's
+        prompt (and negative prompt), seed and mask, so that the recording run is the edit itself, the stock pipeline's
         result. Its `recorded_mask` is the region that run repainted: later edits recompute it, since
         the activations cached there are the first edit's, not the template's (`prepare_edit`)."""
         steps, seed = self._check_steps(steps), check_seed(seed)
         check_guidance(guidance)
+        negative_prompt = self.check_negative_prompt(negative_prompt, guidance)
         image = as_image(image)
         mask = as_mask(mask, image.size)
         return replace(self._template_on_canvas(self.one_off_id(image, steps, guidance, scope), image, prompt, steps,
-                                                seed, guidance, mask), one_off=True)
+                                                seed, guidance, mask, negative_prompt), one_off=True)
 
     def _check_steps(self, steps) -> int:
         """`check_steps`, and that the scheduler makes that many (LCM makes at most 50)."""
@@ -332,35 +340,39 @@ class MaskAwareEditor:
         return template is not None and self.cache.contains(template_id) and self._covers(template)
 
     def _template_on_canvas(self, template_id: str, image: Image.Image, prompt: str, steps: int, seed: int,
-                            guidance: float | None, recorded: Image.Image | None) -> Template:
+                            guidance: float | None, recorded: Image.Image | None,
+                            negative_prompt: str | None = None) -> Template:
         canvas = Canvas.for_pipeline(image.size, self.pipe)
         return Template(
             template_id=template_id, source=image, canvas=canvas, prompt=prompt, steps=steps, seed=seed,
             guidance=guidance, latent_shape=latent_shape(self.pipe, canvas.padded),
             num_text_tokens=self._num_text_tokens(),
             recorded_mask=canvas.empty_mask() if recorded is None else canvas.mask(recorded),
-            recorded_mode=self.mode_name)
+            recorded_mode=self.mode_name, negative_prompt=negative_prompt)
 
     @one_at_a_time
     def edit_image(self, image: Image.Image, mask: Image.Image, prompt: str, seed: int = 0,
-                   steps: int = DEFAULT_STEPS, guidance: float | None = None, strength: float = 1.0) -> Image.Image:
+                   steps: int = DEFAULT_STEPS, guidance: float | None = None, strength: float = 1.0,
+                   negative_prompt: str | None = None) -> Image.Image:
         """A one-off edit of `image`: the first edit of an image runs in full (the stock pipeline's
         result) and records its activations as it goes; later edits of the same image, whatever their
         prompt, seed or mask, are mask-aware. One generation per edit. Below `strength` 1 an image not
         yet recorded is edited in full and not recorded: the edit runs only the schedule's last steps."""
-        template = self.one_off_template(image, mask, prompt, seed, steps, guidance)
-        request = self.check_request(EditRequest(template.template_id, mask, prompt, seed, strength=strength), template)
+        template = self.one_off_template(image, mask, prompt, seed, steps, guidance, negative_prompt=negative_prompt)
+        request = self.check_request(EditRequest(template.template_id, mask, prompt, seed, strength=strength,
+                                                 negative_prompt=negative_prompt), template)
         if self.is_recorded(template.template_id):
             return self.edit_many([request])[0]
         if request.strength < 1.0:
             image = self._run([template], [template.recorded_mask], [prompt], template.noise[None], None,
-                              strength=request.strength)[0]
+                              strength=request.strength, negative_prompts=[template.negative_prompt])[0]
             return finish(template, image, request.mask)
         self.drop_template(template.template_id)
         try:
             image = self._record(template, output_type="pil")[0]
         except CacheFull:  # the recording is the edit's by-product: it answers all the same, unrecorded
-            image = self._run([template], [template.recorded_mask], [prompt], template.noise[None], None)[0]
+            image = self._run([template], [template.recorded_mask], [prompt], template.noise[None], None,
+                              negative_prompts=[template.negative_prompt])[0]
             return finish(template, image, request.mask)
         self.templates[template.template_id] = template
         return finish(template, image, request.mask)
@@ -391,7 +403,7 @@ class MaskAwareEditor:
         self.begin_recording(template)
         try:
             output = self._run([template], [template.recorded_mask], [template.prompt], template.noise[None],
-                               context_at, output_type=output_type)
+                               context_at, output_type=output_type, negative_prompts=[template.negative_prompt])
         except BaseException:
             self.abort_recording(template_id)
             raise
@@ -530,11 +542,12 @@ class MaskAwareEditor:
     # ---- edits ----
 
     def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0, steps: int | None = None,
-             strength: float = 1.0, *, full_compute: bool = False, output_type: str = "pil", paste_back: bool = True):
+             strength: float = 1.0, *, negative_prompt: str | None = None, full_compute: bool = False,
+             output_type: str = "pil", paste_back: bool = True):
         """Repaint the white region of `mask` in the registered template; the template's size. Below
-        `strength` 1 the masked region keeps the template's structure (`retouch.strength`). The keywords
-        are `edit_many`'s."""
-        return self.edit_many([EditRequest(template_id, mask, prompt, seed, steps, strength)],
+        `strength` 1 the masked region keeps the template's structure (`retouch.strength`). The other
+        keywords are `edit_many`'s."""
+        return self.edit_many([EditRequest(template_id, mask, prompt, seed, steps, strength, negative_prompt)],
                               full_compute=full_compute, output_type=output_type, paste_back=paste_back)[0]
 
     @one_at_a_time
@@ -566,13 +579,17 @@ class MaskAwareEditor:
             raise InputError("edit_many batches templates registered with the same steps, guidance and size")
         if len({request.strength for request in requests}) > 1:
             raise InputError("edit_many batches edits of one strength (the engine batches any)")
+        if len({request.negative_prompt is None for request in requests}) > 1:
+            # One pipeline call: with no negative prompt at all, SDXL's is zeros, not an encoded ""
+            raise InputError("edit_many batches edits that all give a negative_prompt or none do (the engine "
+                             "batches any)")
         inputs = [self.prepare_edit(request, template) for request, template in zip(requests, templates)]
         handles = {} if full_compute else self.acquire(templates)
         try:
             context_at = None if full_compute else self._edit_contexts(inputs, handles)
             images = self._run(templates, [i.mask for i in inputs], [r.prompt for r in requests],
                                torch.stack([i.latents for i in inputs]), context_at, output_type=output_type,
-                               strength=requests[0].strength)
+                               strength=requests[0].strength, negative_prompts=[r.negative_prompt for r in requests])
         finally:
             self.release(handles.values())
         if output_type == "latent":
@@ -594,7 +611,15 @@ class MaskAwareEditor:
             raise InputError(f"template {template.template_id!r} was recorded with {template.steps} steps; its edits "
                              f"run the same schedule (omit steps or pass {template.steps})")
         strength = check_strength(request.strength, template.steps)
-        return replace(request, mask=as_mask(request.mask, template.original_size), strength=strength, seed=seed)
+        negative_prompt = self.check_negative_prompt(request.negative_prompt, template.guidance)
+        return replace(request, mask=as_mask(request.mask, template.original_size), strength=strength, seed=seed,
+                       negative_prompt=negative_prompt)
+
+    def check_negative_prompt(self, negative_prompt, guidance: float | None) -> str | None:
+        """`check_negative_prompt` at `guidance` (None: the pipeline's default). An edit's negative prompt
+        conditions the tokens it computes; the rest keep the template's recording, made with the template's."""
+        return check_negative_prompt(negative_prompt, self.model.family,
+                                     self.default_guidance if guidance is None else guidance)
 
     def prepare_edit(self, request: EditRequest, template: Template | None = None) -> EditInputs:
         """What an edit feeds the denoiser: its mask on the canvas, the tokens it recomputes (its mask's,
@@ -767,7 +792,8 @@ class MaskAwareEditor:
     # ---- the pipeline run ----
 
     def _run(self, templates: Sequence[Template], masks: Sequence[Image.Image], prompts: Sequence[str],
-             latents: torch.Tensor, context_at, output_type: str = "pil", strength: float = 1.0):
+             latents: torch.Tensor, context_at, output_type: str = "pil", strength: float = 1.0,
+             negative_prompts: Sequence[str | None] | None = None):
         """One pipeline call over the batch; the denoiser's forward at step i of the template's schedule
         runs under context_at(i) (the unmodified model where context_at is None). Below `strength` 1 the
         first forward is a later step's (`retouch.strength`)."""
@@ -795,7 +821,8 @@ class MaskAwareEditor:
                 self.denoiser.register_forward_pre_hook(enter, with_kwargs=True),
                 self.denoiser.register_forward_hook(leave, with_kwargs=True)]
             try:
-                kwargs = self.pipeline_kwargs(templates, masks, prompts, latents, output_type, strength)
+                kwargs = self.pipeline_kwargs(templates, masks, prompts, latents, output_type, strength,
+                                              negative_prompts)
                 # Full compute encodes the template for the start every time, as the stock pipeline does.
                 start = noised_start(self.pipe, strength, latents, None if context_at is None else self.start_latents,
                                      tuple((t.template_id, t.seed) for t in templates))
@@ -806,9 +833,11 @@ class MaskAwareEditor:
                     hook.remove()
 
     def pipeline_kwargs(self, templates: Sequence[Template], masks: Sequence[Image.Image], prompts: Sequence[str],
-                        latents: torch.Tensor, output_type: str = "pil", strength: float = 1.0) -> dict:
+                        latents: torch.Tensor, output_type: str = "pil", strength: float = 1.0,
+                        negative_prompts: Sequence[str | None] | None = None) -> dict:
         """The stock pipeline's arguments for a batch of edits (or a recording) starting from `latents` (the
-        noise; below `strength` 1, enter `retouch.strength.noised_start` around the call)."""
+        noise; below `strength` 1, enter `retouch.strength.noised_start` around the call). `negative_prompts`:
+        all None or all given (`check_negative_prompt`)."""
         template = templates[0]
         width, height = template.canvas.padded
         kwargs = dict(self.model.call_defaults)
@@ -822,6 +851,8 @@ class MaskAwareEditor:
             output_type=output_type)
         if template.guidance is not None:
             kwargs["guidance_scale"] = template.guidance
+        if negative_prompts is not None and any(negative is not None for negative in negative_prompts):
+            kwargs["negative_prompt"] = list(negative_prompts)
         kwargs["strength"] = strength  # the SDXL pipeline's default is 0.9999, which skips a step
         return kwargs
 
@@ -862,9 +893,11 @@ class MaskAwareEditor:
         return (self.default_guidance if guidance is None else guidance) > 1
 
     def _template_id(self, image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None,
-                     mask: Image.Image | None, scope: str = "") -> str:
+                     mask: Image.Image | None, scope: str = "", negative_prompt: str | None = None) -> str:
         digest = hashlib.sha256()
         digest.update(f"{self.model.name}|{image.size}|{prompt}|{steps}|{seed}|{guidance}|".encode())
+        if negative_prompt is not None:  # ids of templates without one are as before (disk tiers adopt them)
+            digest.update(f"negative|{len(negative_prompt)}|{negative_prompt}|".encode())
         digest.update(image.tobytes())
         if mask is not None:
             digest.update(b"mask|" + mask.tobytes())
@@ -913,6 +946,26 @@ def _integer(value) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def check_negative_prompt(negative_prompt, family: str, guidance: float) -> str | None:
+    """`negative_prompt` as the pipeline is given it, or the InputError naming it. Blank is none (None: the
+    pipeline's default, an encoded "" or, where the model says so (SDXL), zeros). It steers the
+    unconditional rows of classifier-free guidance, so it is refused where there are none: Flux
+    (guidance-distilled; FluxFillPipeline would not even take it) and `guidance` <= 1."""
+    if negative_prompt is None:
+        return None
+    if not isinstance(negative_prompt, str):
+        raise InputError(f"negative_prompt must be a string, got {type(negative_prompt).__name__}")
+    if not negative_prompt.strip():
+        return None
+    if family.startswith("flux"):
+        raise InputError("negative_prompt: Flux models are guidance-distilled: they run no unconditional branch for "
+                         "a negative prompt to steer")
+    if not guidance > 1:
+        raise InputError(f"negative_prompt needs classifier-free guidance (guidance > 1); the guidance here is "
+                         f"{guidance:g}")
+    return negative_prompt
 
 
 def check_guidance(guidance) -> None:

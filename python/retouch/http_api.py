@@ -513,14 +513,15 @@ class Form:
             raise ApiError(400, f"{name} must be a text field, not a file", name)
         return value
 
-    def prompt(self, max_chars: int, required: str | None) -> str:
-        """The prompt, stripped; 400 with `required` as the message if it must be there and is not,
-        422 if it is over `max_chars` (a prompt that long only ends up copied into logs)."""
-        prompt = (self.text("prompt") or "").strip()
+    def prompt(self, max_chars: int, required: str | None, name: str = "prompt") -> str:
+        """The prompt (or the field `name`: negative_prompt), stripped; 400 with `required` as the message if
+        it must be there and is not, 422 if it is over `max_chars` (a prompt that long only ends up copied into
+        logs)."""
+        prompt = (self.text(name) or "").strip()
         if not prompt and required:
-            raise ApiError(400, required, "prompt")
+            raise ApiError(400, required, name)
         if len(prompt) > max_chars:
-            raise ApiError(422, f"prompt is {len(prompt)} characters, over the limit of {max_chars}", "prompt",
+            raise ApiError(422, f"{name} is {len(prompt)} characters, over the limit of {max_chars}", name,
                            "prompt_too_long")
         return prompt
 
@@ -576,6 +577,8 @@ EDIT_FIELDS = {
     "image": _field("file", "a one-off image to edit (its first edit without a LoRA records it)"),
     "mask": _field("file", "white = repaint; the size of the image or template"),
     "prompt": _field("string", "what to paint into the masked region"),
+    "negative_prompt": _field("string", "what to steer the masked region away from (models with classifier-free "
+                              "guidance: SD3, SDXL, SD2; 400 on Flux or at guidance <= 1)"),
     "steps": _field("integer", "denoising steps of a one-off image (a template's edits run its own)", minimum=1),
     "seed": _field("integer", "random seed of the initial noise, 0 to 2^63-1", default=0, minimum=0),
     "strength": _field("number", "how much of the masked region is re-noised, in (0, 1]: below 1 it keeps the "
@@ -623,6 +626,7 @@ OPENAI_EDIT_FIELDS = {
                              default=0, minimum=0, maximum=3),
     "seed": EDIT_FIELDS["seed"],
     "strength": EDIT_FIELDS["strength"],
+    "negative_prompt": EDIT_FIELDS["negative_prompt"],
     "template_id": EDIT_FIELDS["template_id"],
     "slo_ms": EDIT_FIELDS["slo_ms"],
     "lora": LORA_FIELD,
@@ -638,6 +642,8 @@ OPENAI_EDIT_FIELDS = {
 TEMPLATE_FIELDS = {
     "image": _field("file", "the template image"),
     "prompt": _field("string", "what the image shows (its recorded run's prompt)", default=""),
+    "negative_prompt": _field("string", "its recorded run's negative prompt (as on edits), which edits keep outside "
+                              "their masks"),
     "steps": _field("integer", "denoising steps of the template's schedule (its edits run them)", minimum=1),
     "seed": _field("integer", "random seed of the template's noise, 0 to 2^63-1", default=0, minimum=0),
     "guidance": _field("number", "guidance scale", minimum=0, maximum=100),
@@ -730,12 +736,14 @@ def lora_field(form: Form, lora_dir: Path | None) -> LoraChoice:
 
 
 def template_id_of(image: Image.Image, prompt: str, steps: int, seed: int, guidance: float | None,
-                   owner: str, alpha: Image.Image | None = None) -> str:
+                   owner: str, alpha: Image.Image | None = None, negative_prompt: str | None = None) -> str:
     """A registered template's id: its content (transparency and colour profile included), recording parameters and
     tenant (two tenants registering the same image never share a record). Hashes the pixels: call it
     off the loop."""
     digest = hashlib.sha256(image.tobytes())
     digest.update(f"|{owner}|{image.size}|{prompt}|{steps}|{seed}|{guidance}".encode())
+    if negative_prompt is not None:  # the ids of templates without one stay as earlier releases made them
+        digest.update(f"|negative|{len(negative_prompt)}|{negative_prompt}".encode())
     _digest_extras(digest, image, alpha)
     return "tpl-" + digest.hexdigest()[:24]
 
@@ -965,15 +973,15 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         return record
 
     async def register(tenant: str, image: Image.Image, prompt: str, steps: int, seed: int,
-                       guidance: float | None) -> dict:
+                       guidance: float | None, negative_prompt: str | None = None) -> dict:
         def identify() -> tuple[str, bytes, tuple[int, int], bytes | None]:
             rgb, alpha = as_image(image), alpha_of(image)
-            return (template_id_of(rgb, prompt, steps, seed, guidance, tenant, alpha), png_bytes(rgb), rgb.size,
-                    None if alpha is None else png_bytes(alpha))
+            return (template_id_of(rgb, prompt, steps, seed, guidance, tenant, alpha, negative_prompt), png_bytes(rgb),
+                    rgb.size, None if alpha is None else png_bytes(alpha))
 
         template_id, png, size, alpha = await anyio.to_thread.run_sync(identify)
         record = TemplateRecord(template_id, png, size, prompt, steps, seed, guidance, replicas=0, owner=tenant,
-                                alpha=alpha)
+                                alpha=alpha, negative_prompt=negative_prompt)
         try:
             await anyio.to_thread.run_sync(router.register_template, record)  # it may save it to disk
         except RegistryError as exc:
@@ -1006,9 +1014,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         steps = form.integer("steps", limits.default_steps, 1, limits.max_steps)
         seed = form.integer("seed", 0, 0, 2**63 - 1)
         guidance = form.number("guidance", 0.0, 100.0)
+        negative_prompt = negative_prompt_of(form, guidance)
         image = (await read_upload(upload, "image", limits.max_pixels)).image
         check_work(image.size, steps, 1, "image")
-        record = await register(request.state.tenant, image, prompt, steps, seed, guidance)
+        record = await register(request.state.tenant, image, prompt, steps, seed, guidance, negative_prompt)
         return JSONResponse(record, status_code=200 if record["status"] == "ready" else 202,
                             headers={"Location": f"/v1/templates/{record['id']}"})
 
@@ -1057,11 +1066,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
     async def list_limits():
         """What a request may ask for here (clients, the playground among them, size their forms by it):
         steps, pixels, upload bytes, work (pixel-steps), images per request, prompt characters, templates
-        kept per API key, whether edits may name LoRAs, and how long an asynchronous edit's answer is kept."""
+        kept per API key, whether edits may name LoRAs and give a negative prompt (not on Flux: `negative_prompt_of`),
+        and how long an asynchronous edit's answer is kept."""
         return {"default_steps": limits.default_steps, "max_steps": limits.max_steps,
                 "max_pixels": limits.max_pixels, "max_upload_bytes": limits.max_upload_bytes,
                 "max_work": limits.max_work, "max_n": limits.max_n, "max_prompt_chars": limits.max_prompt_chars,
                 "max_templates": router.config.max_templates_per_tenant, "lora": limits.lora_dir is not None,
+                "negative_prompt": not (router.config.family or "").startswith("flux"),
                 "result_ttl_s": limits.result_ttl_s}
 
     def model_entry(name: str) -> dict:
@@ -1182,6 +1193,23 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                            f"{steps} steps{images}), over the limit of {limits.max_work} (--max-work)", param,
                            "too_much_work")
 
+    def negative_prompt_of(form: Form, guidance: float | None) -> str | None:
+        """The request's `negative_prompt` (None when absent or blank), where the guidance it runs at (a
+        template's, a one-off image's; None: the model's default) has an unconditional branch for it to steer:
+        400 on a Flux model (guidance-distilled) or at guidance <= 1, as the workers' check
+        (`MaskAwareEditor.check_negative_prompt`) would refuse it after queueing."""
+        negative_prompt = form.prompt(limits.max_prompt_chars, None, "negative_prompt") or None
+        if negative_prompt is None:
+            return None
+        family = router.config.family
+        if family is not None and family.startswith("flux"):
+            raise ApiError(400, "negative_prompt: the served model is a Flux model, guidance-distilled: it runs no "
+                           "unconditional branch for a negative prompt to steer", "negative_prompt")
+        if guidance is not None and guidance <= 1:
+            raise ApiError(400, f"negative_prompt needs classifier-free guidance (guidance > 1); the guidance here "
+                           f"is {guidance:g}", "negative_prompt")
+        return negative_prompt
+
     def strength_of(form: Form) -> float:
         """The edit's `strength` field as a number (1 when absent; 400 if it is not one); `checked_strength`
         checks its range, (0, 1], and its steps (422)."""
@@ -1295,8 +1323,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         mask_bytes, load = payload
         load = replace(load, deadline=getattr(request.state, "deadline", None))
         trace = request.state.request_id
+        negative_prompt = getattr(request.state, "negative_prompt", None)  # `negative_prompt_of`
         tasks = [EditTask(template_id, mask_bytes, mask.size, prompt, seed + i, load, preview_every, lora,
-                          trace=trace if n == 1 else f"{trace}#{i}", strength=strength) for i in range(n)]
+                          trace=trace if n == 1 else f"{trace}#{i}", strength=strength,
+                          negative_prompt=negative_prompt) for i in range(n)]
         request.state.template = template_id
         try:
             ids, futures = router.submit_many(tasks, one_off, on_event)
@@ -1704,7 +1734,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1,
                                                         strength=strength)
-        transparent = record_of(template_id, one_off).alpha is not None
+        record = record_of(template_id, one_off)
+        request.state.negative_prompt = negative_prompt_of(form, record.guidance)
+        transparent = record.alpha is not None
         if transparent and output_format == "jpeg":
             raise ApiError(400, "this image is transparent and JPEG has no alpha: ask for png or webp",
                            "output_format")
@@ -1787,6 +1819,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, None, None, image, mask, n,
                                                         image_carries_mask=True, strength=strength)
+        request.state.negative_prompt = negative_prompt_of(form, record_of(template_id, one_off).guidance)
         width, height = target or mask.size
         if stream:
             record = record_of(template_id, one_off)

@@ -764,6 +764,8 @@ async function editForm(templateId) {
   form.append("prompt", $("prompt").value);
   form.append("seed", $("seed").value || "0");
   if ($("strength").value && Number($("strength").value) !== 1) form.append("strength", $("strength").value);
+  const negative = $("negative-prompt").value.trim();
+  if (negative && !$("negative-prompt-field").hidden) form.append("negative_prompt", negative);
   form.append("stream", "true");
   if (Number($("preview-every").value) > 0) form.append("preview_every", $("preview-every").value);
   if ($("lora").value.trim()) form.append("lora", $("lora").value.trim());
@@ -927,6 +929,8 @@ async function readLimits() {
   }
   $("steps").max = String(page.limits.max_steps);
   $("steps").placeholder = `server default (${page.limits.default_steps})`;
+  // Flux models run no unconditional branch for a negative prompt: the server would refuse it.
+  $("negative-prompt-field").hidden = page.limits.negative_prompt === false;
 }
 
 // Lists the templates and, when none is shown yet, shows the newest.
