@@ -156,6 +156,22 @@ def test_an_edit_with_a_lora_is_the_stock_edit_with_the_adapter(cli, inputs):
         assert not np.array_equal(edited[name][32:96, 32:96], edited["stock"][32:96, 32:96]), name
 
 
+def test_a_mask_aware_edit_refuses_a_broken_adapter_before_recording_the_template(cli, inputs):
+    """The recording is a generation (minutes at full size): an adapter that cannot be applied is said first."""
+    import torch
+    from safetensors.torch import save_file
+
+    (inputs / "loras").mkdir()
+    save_file({"transformer.nowhere.lora_A.weight": torch.zeros(4, 8)},
+              inputs / "loras" / "broken.safetensors")
+    result = cli("edit", "--model", "tiny-flux-fill", "--image", inputs / "T.png", "--mask", inputs / "M.png",
+                 "--prompt", "a red hat", "--steps", "2", "--mask-aware", "--lora", "broken", "--lora-dir",
+                 inputs / "loras", "--out", inputs / "O.png")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "lora 'broken'" in result.stderr and "register template" not in result.stderr
+    assert not (inputs / "O.png").exists()
+
+
 @pytest.mark.parametrize("flags", [[], ["--mask-aware"]], ids=["baseline", "mask-aware"])
 def test_an_edit_runs_the_scheduler_it_is_given(cli, inputs, flags):
     outs = {}

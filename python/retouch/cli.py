@@ -145,6 +145,11 @@ def _lora_edit(opts: EditOptions, model, image, mask, lora, load_seconds: float,
     from retouch.engine.worker import EngineConfig, StepWatch
     from retouch.progress import advance, bar
 
+    if opts.mask_aware:  # an adapter that cannot be applied is said before the recording, a generation, not after
+        from retouch.lora.files import lora_path, read_lora
+
+        for use in lora:
+            read_lora(lora_path(opts.lora_dir, use.name), use.name, model)
     editor = MaskAwareEditor(model, cache_mode=opts.cache_mode, dilation=opts.dilation, compile=opts.compile,
                              cuda_graphs=opts.cuda_graphs)
     config = EngineConfig(mode="naive", lora_dir=str(opts.lora_dir), lora_latest_step=0.0)
