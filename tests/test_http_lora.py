@@ -177,7 +177,7 @@ class RecordingEngine:
         self.scopes: list[str] = []  # of the templates made and one-off edits submitted, in order
         self.watches: list = []  # of the one-off edits submitted, in order
 
-        def new_template(*args, scope=""):
+        def new_template(*args, scope="", negative_prompt=None):
             self.scopes.append(scope)
             return SimpleNamespace(template_id="e-1")
 
@@ -194,7 +194,7 @@ class RecordingEngine:
         return self._recorded("submit", request, lora)
 
     def submit_image(self, image, mask, prompt, seed=0, steps=28, guidance=None, watch=None, budget_s=None,
-                     lora=(), strength=1.0, record_beside=None, scope="") -> Future:
+                     lora=(), strength=1.0, record_beside=None, scope="", negative_prompt=None) -> Future:
         self.scopes.append(scope)
         self.watches.append(watch)
         return self._recorded("submit_image", image, lora)
