@@ -347,7 +347,8 @@ class Node:
             negative_prompt = header.get("negative_prompt")
             if template_id is not None:
                 future = self.engine.submit(EditRequest(template_id, mask, prompt, seed, strength=strength,
-                                                        negative_prompt=negative_prompt), watch, budget_s, lora)
+                                                        negative_prompt=negative_prompt,
+                                                        guidance=header.get("guidance")), watch, budget_s, lora)
             else:
                 image = decode_image(blobs["image"], f"template {router_template}")
                 # The router's id of the image names its tenant: another's recording of it is not this one's.

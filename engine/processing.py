@@ -50,7 +50,8 @@ class ReadyEdit:
 
 def preprocess(editor: MaskAwareEditor, request: EditRequest, template: Template) -> ReadyEdit:
     inputs = editor.prepare_edit(request, template)
-    return ReadyEdit(inputs, recipes.prepare(editor, inputs, request.prompt, request.strength, request.negative_prompt))
+    return ReadyEdit(inputs, recipes.prepare(editor, inputs, request.prompt, request.strength, request.negative_prompt,
+                                             request.guidance))
 
 
 def prepare_recording(editor: MaskAwareEditor, template: Template, records: bool = True,
@@ -128,7 +129,7 @@ def prepare_message(job: int, request: EditRequest, template: Template) -> list:
     header, tensors, blobs = template_message(template)
     mask_spec, mask = _image_blob(request.mask)  # checked: "L" at the template's size
     return wire.encode({"kind": "prepare", "job": job, "template": header, "prompt": request.prompt,
-                        "negative_prompt": request.negative_prompt, "seed": request.seed,
+                        "negative_prompt": request.negative_prompt, "guidance": request.guidance, "seed": request.seed,
                         "strength": request.strength, "mask": mask_spec},
                        tensors, {**blobs, "mask": mask})
 
@@ -177,7 +178,7 @@ def handle(editor: MaskAwareEditor, frames: list) -> list:
             if header["kind"] == "prepare":
                 request = EditRequest(template.template_id, image_from_blob(header["mask"], blobs["mask"]), header["prompt"],
                                       header["seed"], strength=float(header.get("strength", 1.0)),
-                                      negative_prompt=header["negative_prompt"])
+                                      negative_prompt=header["negative_prompt"], guidance=header["guidance"])
                 return ready_message(job, preprocess(editor, request, template))
             if header["kind"] == "record":
                 return ready_message(job, prepare_recording(editor, template, header["records"],

@@ -120,10 +120,10 @@ class _FirstStep(Exception):
 
 
 def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str, strength: float = 1.0,
-            negative_prompt: str | None = None) -> Prepared:
+            negative_prompt: str | None = None, guidance: float | None = None) -> Prepared:
     """Run the stock pipeline on one edit up to its first denoiser call; keep what the loop needs. Below
-    `strength` 1 the loop starts part-way (`retouch.strength`). `negative_prompt` as
-    `MaskAwareEditor.check_negative_prompt` returned it."""
+    `strength` 1 the loop starts part-way (`retouch.strength`). `negative_prompt` and `guidance` (the
+    edit's own scale; None: the template's) as `MaskAwareEditor.check_request` returned them."""
     pipe, family, template = editor.pipe, editor.model.family, inputs.template
     seen: dict[str, object] = {}
 
@@ -140,7 +140,7 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str, strength: 
         raise _FirstStep
 
     kwargs = editor.pipeline_kwargs([template], [inputs.mask], [prompt], inputs.latents[None], "latent", strength,
-                                    [negative_prompt])
+                                    [negative_prompt], guidance)
     # Instance attributes shadow the pipeline's (and its scheduler's) methods for this call only.
     shadowed = [(pipe, "prepare_latents", "latents"), (pipe, "prepare_mask_latents", "mask"),
                 (pipe, "prepare_extra_step_kwargs", "step_kwargs"), (pipe.scheduler, "set_timesteps", "set_timesteps"),
@@ -179,7 +179,7 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str, strength: 
         noise, image_latents = latent_outputs[1], latent_outputs[2]
         blend = {"image_latents": image_latents, "noise": noise, "mask": seen["mask"][0][:1]}
     shared = {name: call[name] for name in SHARED_INPUTS.get(family, ())}
-    guidance = template.guidance if template.guidance is not None else pipe.guidance_scale
+    guidance = pipe.guidance_scale  # what the call ran: the edit's own scale, else its template's, else the default
     copies = 2 if editor.is_unet or family == "sd3" else 1
     copies = copies if getattr(pipe, "do_classifier_free_guidance", False) else 1
     schedule = RequestSchedule.of(pipe.scheduler, _pipeline_calls(pipe.scheduler, seen), start=seen["start"])

@@ -183,6 +183,7 @@ class EditTask:
     trace: str = ""  # the client's X-Request-Id (#i for the i-th of n images): the worker logs it with the edit
     strength: float = 1.0  # below 1, it runs the last steps of its template's schedule (`retouch.strength`)
     negative_prompt: str | None = None  # checked (`MaskAwareEditor.check_negative_prompt`); None: the pipeline's
+    guidance: float | None = None  # a template's edit's own scale (`MaskAwareEditor.check_edit_guidance`); None: its
 
 
 @dataclass(frozen=True)
@@ -993,6 +994,8 @@ class Router:
             header["strength"] = task.strength
         if task.negative_prompt is not None:
             header["negative_prompt"] = task.negative_prompt
+        if task.guidance is not None:
+            header["guidance"] = task.guidance
         blobs = {"mask": task.mask}
         if records or records_beside:
             record.states[worker.name] = "recording"

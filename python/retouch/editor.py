@@ -40,6 +40,7 @@ from retouch.canvas import Canvas, paste_unmasked
 from retouch.costs import CostModel
 from retouch.errors import InputError, ModelError, RetouchError
 from retouch.images import as_image, as_mask, colour_profile
+from retouch.limits import GUIDED_FAMILIES
 from retouch.masks import FLUX_STRIDE, masked_token_indices, token_mask
 from retouch.models import LoadedModel, load_pipeline, quiet_libraries
 from retouch.models.samplers import describe as describe_scheduler
@@ -119,6 +120,7 @@ class EditRequest:
     steps: int | None = None  # None: the template's; another count is refused (the recording has its steps)
     strength: float = 1.0  # how much of the masked region is re-noised (`retouch.strength`): below 1, its last steps
     negative_prompt: str | None = None  # what to steer the masked region away from (guidance > 1; not Flux)
+    guidance: float | None = None  # None: the template's; another > 1 where it is > 1 (`check_edit_guidance`)
 
 
 def warm_up_inputs(size: tuple[int, int]) -> tuple[Image.Image, Image.Image]:
@@ -579,6 +581,8 @@ class MaskAwareEditor:
             raise InputError("edit_many batches templates registered with the same steps, guidance and size")
         if len({request.strength for request in requests}) > 1:
             raise InputError("edit_many batches edits of one strength (the engine batches any)")
+        if len({self.edit_guidance(r, t) for r, t in zip(requests, templates)}) > 1:
+            raise InputError("edit_many batches edits of one guidance scale (the engine batches any)")
         if len({request.negative_prompt is None for request in requests}) > 1:
             # One pipeline call: with no negative prompt at all, SDXL's is zeros, not an encoded ""
             raise InputError("edit_many batches edits that all give a negative_prompt or none do (the engine "
@@ -589,7 +593,8 @@ class MaskAwareEditor:
             context_at = None if full_compute else self._edit_contexts(inputs, handles)
             images = self._run(templates, [i.mask for i in inputs], [r.prompt for r in requests],
                                torch.stack([i.latents for i in inputs]), context_at, output_type=output_type,
-                               strength=requests[0].strength, negative_prompts=[r.negative_prompt for r in requests])
+                               strength=requests[0].strength, negative_prompts=[r.negative_prompt for r in requests],
+                               guidance=requests[0].guidance)
         finally:
             self.release(handles.values())
         if output_type == "latent":
@@ -611,9 +616,38 @@ class MaskAwareEditor:
             raise InputError(f"template {template.template_id!r} was recorded with {template.steps} steps; its edits "
                              f"run the same schedule (omit steps or pass {template.steps})")
         strength = check_strength(request.strength, template.steps)
-        negative_prompt = self.check_negative_prompt(request.negative_prompt, template.guidance)
+        guidance = self.check_edit_guidance(request.guidance, template)
+        negative_prompt = self.check_negative_prompt(request.negative_prompt,
+                                                     template.guidance if guidance is None else guidance)
         return replace(request, mask=as_mask(request.mask, template.original_size), strength=strength, seed=seed,
-                       negative_prompt=negative_prompt)
+                       negative_prompt=negative_prompt, guidance=guidance)
+
+    def check_edit_guidance(self, guidance, template: Template) -> float | None:
+        """An edit's guidance scale: None for the template's (also when it is the same number), or the
+        InputError naming it. Classifier-free guidance (SD3, SDXL, SD2) mixes the denoiser's unconditional
+        and conditional predictions after the blocks, so an edit may take another scale than its template's
+        recording, as long as both run it (> 1): the recording's rows are what the edit's rows read. Flux
+        takes guidance as an input of every block (its modulation): edits run the template's."""
+        if guidance is None:
+            return None
+        check_guidance(guidance)
+        recorded = self.default_guidance if template.guidance is None else template.guidance
+        if guidance == recorded:
+            return None
+        if self.model.family not in GUIDED_FAMILIES:
+            raise InputError(f"guidance: Flux models take guidance as an input of every block, so the edits of "
+                             f"template {template.template_id!r} run its recording's ({recorded:g}); got {guidance:g}")
+        if not recorded > 1:
+            raise InputError(f"guidance: template {template.template_id!r} was recorded without classifier-free "
+                             f"guidance (guidance {recorded:g}), so its edits run without it; got {guidance:g}")
+        if not guidance > 1:
+            raise InputError(f"guidance: the edits of template {template.template_id!r} run classifier-free guidance, "
+                             f"as its recording (guidance {recorded:g}): send a guidance > 1, got {guidance:g}")
+        return float(guidance)
+
+    def edit_guidance(self, request: EditRequest, template: Template) -> float | None:
+        """The guidance scale an edit (checked) runs at: its own, else its template's (None: the pipeline's)."""
+        return template.guidance if request.guidance is None else request.guidance
 
     def check_negative_prompt(self, negative_prompt, guidance: float | None) -> str | None:
         """`check_negative_prompt` at `guidance` (None: the pipeline's default). An edit's negative prompt
@@ -793,7 +827,7 @@ class MaskAwareEditor:
 
     def _run(self, templates: Sequence[Template], masks: Sequence[Image.Image], prompts: Sequence[str],
              latents: torch.Tensor, context_at, output_type: str = "pil", strength: float = 1.0,
-             negative_prompts: Sequence[str | None] | None = None):
+             negative_prompts: Sequence[str | None] | None = None, guidance: float | None = None):
         """One pipeline call over the batch; the denoiser's forward at step i of the template's schedule
         runs under context_at(i) (the unmodified model where context_at is None). Below `strength` 1 the
         first forward is a later step's (`retouch.strength`)."""
@@ -822,7 +856,7 @@ class MaskAwareEditor:
                 self.denoiser.register_forward_hook(leave, with_kwargs=True)]
             try:
                 kwargs = self.pipeline_kwargs(templates, masks, prompts, latents, output_type, strength,
-                                              negative_prompts)
+                                              negative_prompts, guidance)
                 # Full compute encodes the template for the start every time, as the stock pipeline does.
                 start = noised_start(self.pipe, strength, latents, None if context_at is None else self.start_latents,
                                      tuple((t.template_id, t.seed) for t in templates))
@@ -834,10 +868,11 @@ class MaskAwareEditor:
 
     def pipeline_kwargs(self, templates: Sequence[Template], masks: Sequence[Image.Image], prompts: Sequence[str],
                         latents: torch.Tensor, output_type: str = "pil", strength: float = 1.0,
-                        negative_prompts: Sequence[str | None] | None = None) -> dict:
+                        negative_prompts: Sequence[str | None] | None = None, guidance: float | None = None) -> dict:
         """The stock pipeline's arguments for a batch of edits (or a recording) starting from `latents` (the
         noise; below `strength` 1, enter `retouch.strength.noised_start` around the call). `negative_prompts`:
-        all None or all given (`check_negative_prompt`)."""
+        all None or all given (`check_negative_prompt`); `guidance`: the edits' own (`check_edit_guidance`;
+        None: the template's)."""
         template = templates[0]
         width, height = template.canvas.padded
         kwargs = dict(self.model.call_defaults)
@@ -849,8 +884,8 @@ class MaskAwareEditor:
             # registration and at every edit.
             generator=[torch.Generator("cpu").manual_seed(t.seed) for t in templates],
             output_type=output_type)
-        if template.guidance is not None:
-            kwargs["guidance_scale"] = template.guidance
+        if guidance is not None or template.guidance is not None:
+            kwargs["guidance_scale"] = template.guidance if guidance is None else guidance
         if negative_prompts is not None and any(negative is not None for negative in negative_prompts):
             kwargs["negative_prompt"] = list(negative_prompts)
         kwargs["strength"] = strength  # the SDXL pipeline's default is 0.9999, which skips a step
@@ -959,7 +994,7 @@ def check_negative_prompt(negative_prompt, family: str, guidance: float) -> str 
         raise InputError(f"negative_prompt must be a string, got {type(negative_prompt).__name__}")
     if not negative_prompt.strip():
         return None
-    if family.startswith("flux"):
+    if family not in GUIDED_FAMILIES:
         raise InputError("negative_prompt: Flux models are guidance-distilled: they run no unconditional branch for "
                          "a negative prompt to steer")
     if not guidance > 1:

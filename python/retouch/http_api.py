@@ -99,6 +99,7 @@ from retouch.http_events import HEADERS as EVENT_HEADERS
 from retouch.http_events import KEEPALIVE, KEEPALIVE_S, EventRelay, NativeEvents, OpenAIEvents, sse, with_image
 from retouch.images import (ImageTooLarge, alpha_of, as_image, as_mask, check_levels, colour_profile, decode_image,
                             orientation_hint, padded_size, png_bytes, size_words)
+from retouch.limits import GUIDED_FAMILIES
 from retouch.lora import MAX_PER_REQUEST, LoraChoice, LoraError, choice_header, parse_lora
 from retouch.lora.files import list_loras, lora_path
 from retouch.lora.spec import MAX_SCALE
@@ -584,7 +585,9 @@ EDIT_FIELDS = {
     "strength": _field("number", "how much of the masked region is re-noised, in (0, 1]: below 1 it keeps the "
                        "structure under the mask and runs only the last steps x strength of the schedule "
                        "(at least one: steps x strength >= 1)", default=1.0, exclusiveMinimum=0, maximum=1),
-    "guidance": _field("number", "guidance scale of a one-off image", minimum=0, maximum=100),
+    "guidance": _field("number", "guidance scale of a one-off image; of a template's edit, another scale > 1 than its "
+                       "recording's on the models with classifier-free guidance (SD3, SDXL, SD2)", minimum=0,
+                       maximum=100),
     "response_format": _field("string", "the image itself (in its output_format), or JSON with its base64",
                               enum=["png", "b64_json"], default="png"),
     "output_format": _field("string", "encoding of the answer (jpeg: not for a transparent image)",
@@ -1072,7 +1075,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                 "max_pixels": limits.max_pixels, "max_upload_bytes": limits.max_upload_bytes,
                 "max_work": limits.max_work, "max_n": limits.max_n, "max_prompt_chars": limits.max_prompt_chars,
                 "max_templates": router.config.max_templates_per_tenant, "lora": limits.lora_dir is not None,
-                "negative_prompt": not (router.config.family or "").startswith("flux"),
+                "negative_prompt": router.config.family in (None, *GUIDED_FAMILIES),
                 "result_ttl_s": limits.result_ttl_s}
 
     def model_entry(name: str) -> dict:
@@ -1202,13 +1205,33 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         if negative_prompt is None:
             return None
         family = router.config.family
-        if family is not None and family.startswith("flux"):
+        if family is not None and family not in GUIDED_FAMILIES:
             raise ApiError(400, "negative_prompt: the served model is a Flux model, guidance-distilled: it runs no "
                            "unconditional branch for a negative prompt to steer", "negative_prompt")
         if guidance is not None and guidance <= 1:
             raise ApiError(400, f"negative_prompt needs classifier-free guidance (guidance > 1); the guidance here "
                            f"is {guidance:g}", "negative_prompt")
         return negative_prompt
+
+    def edit_guidance(template_id: str, recorded: float | None, guidance: float | None) -> float | None:
+        """A template's edit's own guidance scale (None: the recording's), or 422 naming `guidance` where the
+        workers would refuse it (`MaskAwareEditor.check_edit_guidance`): classifier-free guidance mixes the
+        denoiser's predictions after its blocks, so its scale may differ from the recording's where both run it
+        (> 1; None: the model's default, which is); Flux takes guidance as an input of every block."""
+        if guidance is None or guidance == recorded:
+            return None
+        family = router.config.family
+        if family not in GUIDED_FAMILIES:
+            why = (" (Flux models take guidance as an input of every block: its edits run its recording's)"
+                   if family is not None else "")
+            raise ApiError(422, f"template {template_id!r} was recorded with guidance {recorded}{why}", "guidance")
+        if recorded is not None and recorded <= 1:
+            raise ApiError(422, f"template {template_id!r} was recorded without classifier-free guidance (guidance "
+                           f"{recorded:g}), so its edits run without it", "guidance")
+        if guidance <= 1:
+            raise ApiError(422, f"the edits of template {template_id!r} run classifier-free guidance, as its "
+                           f"recording: send a guidance > 1, got {guidance:g}", "guidance")
+        return guidance
 
     def strength_of(form: Form) -> float:
         """The edit's `strength` field as a number (1 when absent; 400 if it is not one); `checked_strength`
@@ -1249,9 +1272,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
             if steps is not None and steps != template["steps"]:
                 raise ApiError(422, f"template {template_id!r} was recorded with {template['steps']} steps; "
                                f"edits of it run the same schedule (omit steps or send {template['steps']})", "steps")
-            if guidance is not None and guidance != template["guidance"]:
-                raise ApiError(422, f"template {template_id!r} was recorded with guidance {template['guidance']}",
-                               "guidance")
+            request.state.guidance = edit_guidance(template_id, template["guidance"], guidance)
             checked_strength(strength, template["steps"])
             check_work(mask.size, router.steps_run(template["steps"], strength), n, "n" if n > 1 else "template_id")
             return template_id, None, template["steps"]
@@ -1324,9 +1345,10 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         load = replace(load, deadline=getattr(request.state, "deadline", None))
         trace = request.state.request_id
         negative_prompt = getattr(request.state, "negative_prompt", None)  # `negative_prompt_of`
+        guidance = getattr(request.state, "guidance", None)  # `edit_guidance`
         tasks = [EditTask(template_id, mask_bytes, mask.size, prompt, seed + i, load, preview_every, lora,
                           trace=trace if n == 1 else f"{trace}#{i}", strength=strength,
-                          negative_prompt=negative_prompt) for i in range(n)]
+                          negative_prompt=negative_prompt, guidance=guidance) for i in range(n)]
         request.state.template = template_id
         try:
             ids, futures = router.submit_many(tasks, one_off, on_event)
@@ -1735,7 +1757,9 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1,
                                                         strength=strength)
         record = record_of(template_id, one_off)
-        request.state.negative_prompt = negative_prompt_of(form, record.guidance)
+        edit_guidance_scale = getattr(request.state, "guidance", None)
+        request.state.negative_prompt = negative_prompt_of(
+            form, record.guidance if edit_guidance_scale is None else edit_guidance_scale)
         transparent = record.alpha is not None
         if transparent and output_format == "jpeg":
             raise ApiError(400, "this image is transparent and JPEG has no alpha: ask for png or webp",

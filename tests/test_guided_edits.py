@@ -1,10 +1,12 @@
-"""Negative prompts (`negative_prompt`) on the families with classifier-free guidance (SD3, SDXL, SD2).
+"""What classifier-free guidance lets an edit choose (SD3, SDXL, SD2): a negative prompt (`negative_prompt`)
+and its own guidance scale (`guidance`, where the template's recording ran guidance too).
 
-Against diffusers' own: with every token masked, an edit with a negative prompt equals the stock pipeline
-called with it, and a template recorded with one is the stock run. The step loop batches edits of other
-negative prompts (and none) and equals each alone, also prepared over the wire by a helper. Where a
-negative prompt would do nothing (Flux, guidance <= 1) it is refused naming it, in the editor, the HTTP
-head (before anything is queued) and the CLI. Through `retouch serve` it reaches the worker's pipeline.
+Against diffusers' own: with every token masked, an edit with a negative prompt, or at another scale, equals
+the stock pipeline called with it, and a template is recorded with its own negative prompt. The step loop
+batches edits of other negative prompts and scales (and none) and equals each alone, also prepared over the
+wire by a helper. What would do nothing, or read a recording that lacks it (Flux, guidance <= 1), is refused
+naming the field, in the editor, the HTTP head (before anything is queued) and the CLI. Through `retouch
+serve` both reach the worker's pipeline.
 """
 
 from __future__ import annotations
@@ -53,12 +55,14 @@ def batch_bound(latents: torch.Tensor) -> float:
     return 32 * torch.finfo(torch.float32).eps * max(1.0, latents.abs().max().item())
 
 
-def stock(editor: MaskAwareEditor, request: EditRequest, negative: str | None) -> torch.Tensor:
+def stock(editor: MaskAwareEditor, request: EditRequest, negative: str | None,
+          guidance: float | None = None) -> torch.Tensor:
     """The stock pipeline's final latents for `request` (checked), from the edit's own initial noise."""
     template = editor.templates[request.template_id]
     inputs = editor.prepare_edit(request, template)
     kwargs = editor.pipeline_kwargs([template], [inputs.mask], [request.prompt], inputs.latents[None], "latent",
-                                    negative_prompts=[negative])
+                                    negative_prompts=[negative], guidance=guidance)
+    assert guidance is None or kwargs["guidance_scale"] == guidance
     with torch.inference_mode():
         return editor.pipe(**kwargs).images[0]
 
@@ -104,6 +108,21 @@ def test_a_template_is_recorded_with_its_negative_prompt_and_has_its_own_id(mode
     assert max_diff(*edits) > 1e-3
 
 
+@pytest.mark.parametrize("model", GUIDED)
+def test_every_token_masked_equals_the_stock_pipeline_at_the_edits_own_guidance(model):
+    editor = editor_for(model)
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=6)
+    request = editor.check_request(EditRequest(template_id, EVERYTHING, "a red sofa", seed=5, guidance=2.5))
+    assert request.guidance == 2.5
+    edited = editor.edit_many([request], output_type="latent")[0]
+    assert torch.equal(edited, stock(editor, request, None, guidance=2.5))
+    plain = editor.edit(template_id, EVERYTHING, "a red sofa", seed=5, output_type="latent")
+    assert max_diff(edited, plain) > 1e-2
+    # the template's own scale is no other scale: the request runs as one without any
+    same = editor.check_request(EditRequest(template_id, EVERYTHING, "a hat", guidance=editor.default_guidance))
+    assert same.guidance is None
+
+
 def test_ids_of_templates_without_a_negative_prompt_are_as_earlier_releases_made_them():
     """Disk tiers adopt recordings by template id, and registries keep ids: a release that adds a field must
     not rename the templates that do not use it."""
@@ -121,13 +140,16 @@ def test_ids_of_templates_without_a_negative_prompt_are_as_earlier_releases_made
 
 
 @pytest.mark.parametrize("model", ["tiny-sdxl-inpaint", "tiny-sd3-inpaint"])
-def test_the_loop_batches_other_negative_prompts_and_equals_each_edit_alone(model):
+def test_the_loop_batches_other_negative_prompts_and_scales_and_equals_each_edit_alone(model):
     editor = editor_for(model)
-    template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=3)
+    template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=3, guidance=6.0)
     requests = [EditRequest(template_id, square_mask(), "a red hat", seed=5, negative_prompt="blurry"),
                 EditRequest(template_id, square_mask((16, 48, 79, 95)), "a blue door", seed=7,
                             negative_prompt="a green door, watermark"),
                 EditRequest(template_id, square_mask((64, 64, 120, 120)), "a cat", seed=9)]
+    requests += [EditRequest(template_id, square_mask((8, 8, 40, 40)), "a lamp", seed=11, guidance=2.0),
+                 EditRequest(template_id, square_mask((40, 72, 100, 120)), "a rug", seed=13, guidance=9.0,
+                             negative_prompt="blurry")]
     jobs = [Worker.new_job(editor.check_request(request)) for request in requests]
     run_loop(editor, EngineConfig(mode="naive"), jobs)
     for job, request in zip(jobs, requests):
@@ -144,12 +166,13 @@ def test_a_helper_prepares_the_negative_prompt_sent_over_the_wire():
     template_id = editor.register_template(template_image(), prompt="a scene", steps=STEPS, seed=4,
                                            negative_prompt="dark")
     request = editor.check_request(EditRequest(template_id, square_mask(), "a red hat", seed=5,
-                                               negative_prompt=NEGATIVE))
+                                               negative_prompt=NEGATIVE, guidance=3.5))
     template = editor.templates[template_id]
     header, tensors, blobs = wire.decode(processing.handle(editor, processing.prepare_message(1, request, template)))
     assert header["kind"] == "prepared", header
     back = processing.ready_from_message(header, tensors, blobs, template)
     inline = processing.preprocess(editor, request, template)
+    assert back.prepared.guidance == inline.prepared.guidance == 3.5
     for name, tensor in inline.prepared.inputs.items():
         assert torch.equal(back.prepared.inputs[name], tensor), name
     # and a template's recording prepared there is made with the template's own negative prompt
@@ -177,6 +200,23 @@ def test_a_negative_prompt_that_would_do_nothing_is_refused_naming_it(model, gui
         .negative_prompt is None
 
 
+@pytest.mark.parametrize("model,recorded,asked,words", [
+    ("tiny-flux-fill", None, 2.0, "guidance: Flux models take guidance as an input of every block"),
+    ("tiny-sd2-inpaint", 1.0, 5.0, "was recorded without classifier-free guidance (guidance 1), so its edits run "
+     "without it; got 5"),
+    ("tiny-sd2-inpaint", None, 1.0, "run classifier-free guidance, as its recording (guidance 7.5): send a guidance "
+     "> 1, got 1"),
+])
+def test_a_guidance_scale_the_recording_cannot_serve_is_refused_naming_it(model, recorded, asked, words):
+    editor = editor_for(model)
+    template_id = editor.register_template(template_image(), steps=STEPS, guidance=recorded)
+    with pytest.raises(InputError) as refused:
+        editor.check_request(EditRequest(template_id, square_mask(), "a hat", guidance=asked))
+    assert words in str(refused.value)
+    with pytest.raises(InputError, match="guidance must be a number >= 0"):
+        editor.check_request(EditRequest(template_id, square_mask(), "a hat", guidance=float("nan")))
+
+
 def test_a_negative_prompt_of_another_type_and_a_batch_mixing_none_with_some_are_refused():
     editor = editor_for("tiny-sd2-inpaint")
     template_id = editor.register_template(template_image(), steps=STEPS)
@@ -185,6 +225,9 @@ def test_a_negative_prompt_of_another_type_and_a_batch_mixing_none_with_some_are
     # One pipeline call has one kind of negative embeddings: SDXL's for none are zeros, not an encoded "".
     with pytest.raises(InputError, match="all give a negative_prompt or none do"):
         editor.edit_many([EditRequest(template_id, square_mask(), "a hat", negative_prompt="x"),
+                          EditRequest(template_id, square_mask(), "a hat")])
+    with pytest.raises(InputError, match="edit_many batches edits of one guidance scale"):
+        editor.edit_many([EditRequest(template_id, square_mask(), "a hat", guidance=3.0),
                           EditRequest(template_id, square_mask(), "a hat")])
 
 
@@ -226,6 +269,9 @@ async def head_answers(family: str) -> dict:
             answers["too long"] = await post("/v1/edits", {"template_id": plain.json()["id"], "prompt": "a cat",
                                                            "negative_prompt": "x" * 41}, {"mask": mask})
             answers["plain id"] = plain.json()["id"] if plain.status_code == 202 else None
+            if family.startswith("flux"):  # refused before it is routed: the template need not be ready
+                answers["flux guidance"] = await post("/v1/edits", {"template_id": answers["plain id"],
+                                                                    "prompt": "a cat", "guidance": "4"}, {"mask": mask})
             if answers["template"].status_code != 202:
                 return answers
             registered = answers["template"].json()["id"]
@@ -234,6 +280,14 @@ async def head_answers(family: str) -> dict:
             worker.send({"kind": "template", "template": registered, "ok": True})
             await asyncio.to_thread(worker.sync)
             answers["listed"] = (await client.get(f"/v1/templates/{registered}")).json()
+            for guidance in ("4", "1"):
+                answers[f"guidance {guidance}"] = asyncio.create_task(post(
+                    "/v1/edits", {"template_id": registered, "prompt": "a cat", "guidance": guidance}, {"mask": mask}))
+                if guidance == "4" and family == "sd2":
+                    edit = await asyncio.to_thread(worker.receive, "edit")
+                    answers["guidance edit"] = edit
+                    worker.answer(edit["request"], png_bytes(Image.new("RGB", (32, 32), "blue")))
+                answers[f"guidance {guidance}"] = await answers[f"guidance {guidance}"]
             for path, files in (("/v1/edits", {"mask": mask}), ("/v1/images/edits", {"mask": alpha_mask})):
                 answer = asyncio.create_task(post(path, {"template_id": registered, "prompt": "a cat",
                                                           "negative_prompt": f"  {NEGATIVE}  "}, files))
@@ -246,7 +300,7 @@ async def head_answers(family: str) -> dict:
     return answers
 
 
-def test_the_head_sends_a_negative_prompt_to_the_workers_with_edits_and_registrations():
+def test_the_head_sends_a_negative_prompt_and_an_edits_guidance_to_the_workers():
     answers = asyncio.run(head_answers("sd2"))
     assert answers["limits"]["negative_prompt"] is True  # clients size their forms by it (the playground does)
     assert answers["template"].status_code == 202, answers["template"].text
@@ -264,15 +318,23 @@ def test_the_head_sends_a_negative_prompt_to_the_workers_with_edits_and_registra
     assert "guidance here is 1" in refused.json()["error"]["message"]
     too_long = answers["too long"]
     assert too_long.status_code == 422 and too_long.json()["error"]["param"] == "negative_prompt"
+    assert answers["guidance 4"].status_code == 200 and answers["guidance edit"]["guidance"] == 4
+    assert "guidance" not in answers["/v1/edits"][1]  # the template's: nothing to say
+    unguided = answers["guidance 1"]
+    assert unguided.status_code == 422 and unguided.json()["error"]["param"] == "guidance"
+    assert "send a guidance > 1, got 1" in unguided.json()["error"]["message"]
 
 
-def test_the_head_refuses_a_negative_prompt_for_a_flux_model_before_anything_is_made():
+def test_the_head_refuses_a_negative_prompt_or_another_guidance_for_a_flux_model_before_anything_is_made():
     answers = asyncio.run(head_answers("flux-fill"))
     refused = answers["template"]
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == "negative_prompt"
     assert "guidance-distilled" in refused.json()["error"]["message"]
     assert "register" not in answers and answers["limits"]["negative_prompt"] is False
+    guided = answers["flux guidance"]
+    assert guided.status_code == 422 and guided.json()["error"]["param"] == "guidance"
+    assert "Flux models take guidance as an input of every block" in guided.json()["error"]["message"]
 
 
 # ---- through `retouch serve` ----
@@ -294,7 +356,7 @@ def served_edit(client: httpx.Client, fields: dict) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(answer.content)).convert("RGB"), dtype=np.int16)
 
 
-def test_a_served_edit_runs_the_negative_prompt_it_was_sent(served):
+def test_a_served_edit_runs_the_negative_prompt_and_guidance_it_was_sent(served):
     registered = served.post("/v1/templates", data={"steps": "2", "negative_prompt": "dark", "prompt": "a room"},
                              files={"image": ("t.png", png_bytes(template_image()), "image/png")})
     assert registered.status_code in (200, 202), registered.text
@@ -304,5 +366,8 @@ def test_a_served_edit_runs_the_negative_prompt_it_was_sent(served):
     assert np.array_equal(with_negative, served_edit(served, {"template_id": template_id,
                                                               "negative_prompt": NEGATIVE}))
     assert np.abs(with_negative - served_edit(served, {"template_id": template_id})).max() > 2
+    guided = served_edit(served, {"template_id": template_id, "guidance": "3"})
+    assert np.array_equal(guided, served_edit(served, {"template_id": template_id, "guidance": "3"}))
+    assert np.abs(guided - served_edit(served, {"template_id": template_id})).max() > 2
     one_off = served_edit(served, {"negative_prompt": NEGATIVE, "steps": "2"})
     assert np.abs(one_off - served_edit(served, {"steps": "2", "seed": "1"})).max() > 2
