@@ -18,7 +18,7 @@ import torch
 # What the messages between a router and its workers mean. A change of meaning (a field read another way, a
 # message a peer must understand) takes the next number: a router refuses a worker of another protocol at
 # its hello, so a head and workers of releases that would misread each other say so instead of serving.
-PROTOCOL = 2  # 2: edits and registrations may carry a negative_prompt (a worker of 1 would drop it)
+PROTOCOL = 2  # 2: edits and registrations may carry a negative_prompt, edits a guidance (1 would drop them)
 
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool)}
