@@ -289,8 +289,9 @@ async def head_answers(family: str) -> dict:
                     worker.answer(edit["request"], png_bytes(Image.new("RGB", (32, 32), "blue")))
                 answers[f"guidance {guidance}"] = await answers[f"guidance {guidance}"]
             for path, files in (("/v1/edits", {"mask": mask}), ("/v1/images/edits", {"mask": alpha_mask})):
+                guidance = {"guidance": "5"} if path == "/v1/images/edits" else {}  # an extra field there
                 answer = asyncio.create_task(post(path, {"template_id": registered, "prompt": "a cat",
-                                                          "negative_prompt": f"  {NEGATIVE}  "}, files))
+                                                          "negative_prompt": f"  {NEGATIVE}  ", **guidance}, files))
                 edit = await asyncio.to_thread(worker.receive, "edit")
                 worker.answer(edit["request"], png_bytes(Image.new("RGB", (32, 32), "blue")))
                 answers[path] = (await answer, edit)
@@ -320,6 +321,7 @@ def test_the_head_sends_a_negative_prompt_and_an_edits_guidance_to_the_workers()
     assert too_long.status_code == 422 and too_long.json()["error"]["param"] == "negative_prompt"
     assert answers["guidance 4"].status_code == 200 and answers["guidance edit"]["guidance"] == 4
     assert "guidance" not in answers["/v1/edits"][1]  # the template's: nothing to say
+    assert answers["/v1/images/edits"][1]["guidance"] == 5
     unguided = answers["guidance 1"]
     assert unguided.status_code == 422 and unguided.json()["error"]["param"] == "guidance"
     assert "send a guidance > 1, got 1" in unguided.json()["error"]["message"]

@@ -630,6 +630,7 @@ OPENAI_EDIT_FIELDS = {
     "seed": EDIT_FIELDS["seed"],
     "strength": EDIT_FIELDS["strength"],
     "negative_prompt": EDIT_FIELDS["negative_prompt"],
+    "guidance": EDIT_FIELDS["guidance"],
     "template_id": EDIT_FIELDS["template_id"],
     "slo_ms": EDIT_FIELDS["slo_ms"],
     "lora": LORA_FIELD,
@@ -1789,7 +1790,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         `response_format` (b64_json), `output_format` (png, jpeg, webp), `output_compression`, and
         `stream` with `partial_images`; `model` must be a served name (404 otherwise); `quality`,
         `input_fidelity`, `user` and `safety_identifier` are accepted and ignored, other fields refused.
-        retouch's extras: `template_id` reuses a registered template, `lora` names LoRA adapters."""
+        retouch's extras: `template_id` reuses a registered template, `lora` names LoRA adapters, and `strength`,
+        `negative_prompt` and `guidance` are /v1/edits's."""
         return await edit_request(request, "/v1/images/edits", openai_images_edit)
 
     async def openai_images_edit(request: Request, form: Form, claim: EditClaim) -> Response:
@@ -1841,9 +1843,11 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                                f"over the limit of {limits.max_pixels} a request (--max-pixels): ask for a smaller "
                                "size or fewer images", "size", "too_much_work")
         slo_deadline(request, form, mask.size)
-        template_id, one_off, steps = await edit_target(request, form, None, None, image, mask, n,
-                                                        image_carries_mask=True, strength=strength)
-        request.state.negative_prompt = negative_prompt_of(form, record_of(template_id, one_off).guidance)
+        template_id, one_off, steps = await edit_target(request, form, None, form.number("guidance", 0.0, 100.0),
+                                                        image, mask, n, image_carries_mask=True, strength=strength)
+        edit_guidance_scale = getattr(request.state, "guidance", None)
+        request.state.negative_prompt = negative_prompt_of(
+            form, record_of(template_id, one_off).guidance if edit_guidance_scale is None else edit_guidance_scale)
         width, height = target or mask.size
         if stream:
             record = record_of(template_id, one_off)
