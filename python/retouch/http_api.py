@@ -1214,6 +1214,13 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
                            f"is {guidance:g}", "negative_prompt")
         return negative_prompt
 
+    def edit_negative_prompt(request: Request, form: Form, template_id: str, one_off: TemplateRecord | None) -> None:
+        """An edit's `negative_prompt_of` (`request.state.negative_prompt`, which `accept` sends), at the scale it
+        runs: its own (`edit_guidance`), else its template's or one-off image's."""
+        own = getattr(request.state, "guidance", None)
+        request.state.negative_prompt = negative_prompt_of(
+            form, record_of(template_id, one_off).guidance if own is None else own)
+
     def edit_guidance(template_id: str, recorded: float | None, guidance: float | None) -> float | None:
         """A template's edit's own guidance scale (None: the recording's), or 422 naming `guidance` where the
         workers would refuse it (`MaskAwareEditor.check_edit_guidance`): classifier-free guidance mixes the
@@ -1757,11 +1764,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, steps, guidance, image, mask, 1,
                                                         strength=strength)
-        record = record_of(template_id, one_off)
-        edit_guidance_scale = getattr(request.state, "guidance", None)
-        request.state.negative_prompt = negative_prompt_of(
-            form, record.guidance if edit_guidance_scale is None else edit_guidance_scale)
-        transparent = record.alpha is not None
+        edit_negative_prompt(request, form, template_id, one_off)
+        transparent = record_of(template_id, one_off).alpha is not None
         if transparent and output_format == "jpeg":
             raise ApiError(400, "this image is transparent and JPEG has no alpha: ask for png or webp",
                            "output_format")
@@ -1845,9 +1849,7 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         slo_deadline(request, form, mask.size)
         template_id, one_off, steps = await edit_target(request, form, None, form.number("guidance", 0.0, 100.0),
                                                         image, mask, n, image_carries_mask=True, strength=strength)
-        edit_guidance_scale = getattr(request.state, "guidance", None)
-        request.state.negative_prompt = negative_prompt_of(
-            form, record_of(template_id, one_off).guidance if edit_guidance_scale is None else edit_guidance_scale)
+        edit_negative_prompt(request, form, template_id, one_off)
         width, height = target or mask.size
         if stream:
             record = record_of(template_id, one_off)
