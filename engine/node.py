@@ -351,9 +351,11 @@ class Node:
                                                         guidance=header.get("guidance")), watch, budget_s, lora)
             else:
                 image = decode_image(blobs["image"], f"template {router_template}")
-                # The router's id of the image names its tenant: another's recording of it is not this one's.
+                # The router's id of the image names its tenant: another's recording of it is not this one's. A
+                # template's edit sent with its image (no worker serving its LoRA holds it) keeps its own scale.
                 future = self.engine.submit_image(image, mask, prompt, seed, int(one_off["steps"]),
-                                                  one_off["guidance"], watch, budget_s, lora, strength,
+                                                  header.get("guidance", one_off["guidance"]), watch, budget_s, lora,
+                                                  strength,
                                                   record_beside=False,  # the router asks (`_record_one_off`)
                                                   scope=router_template, negative_prompt=negative_prompt)
         except Exception as exc:  # noqa: BLE001 - answered, never dropped

@@ -23,6 +23,7 @@ import pytest
 from diffusers import FlowMatchEulerDiscreteScheduler
 from PIL import Image
 from polling import free_port, until
+from scripted_worker import ScriptedWorker
 
 from retouch.config import EditOptions, ServeOptions, WorkerOptions
 from retouch.engine.metrics import RequestMetrics, now
@@ -176,6 +177,7 @@ class RecordingEngine:
         self.submitted: queue.Queue = queue.Queue()
         self.scopes: list[str] = []  # of the templates made and one-off edits submitted, in order
         self.watches: list = []  # of the one-off edits submitted, in order
+        self.one_off_settings: list[tuple] = []  # (steps, guidance, negative_prompt) of each, in order
 
         def new_template(*args, scope="", negative_prompt=None):
             self.scopes.append(scope)
@@ -197,6 +199,7 @@ class RecordingEngine:
                      lora=(), strength=1.0, record_beside=None, scope="", negative_prompt=None) -> Future:
         self.scopes.append(scope)
         self.watches.append(watch)
+        self.one_off_settings.append((steps, guidance, negative_prompt))
         return self._recorded("submit_image", image, lora)
 
     def submit_recording(self, template, on_step=None, only_if_room=False) -> Future:
@@ -283,6 +286,33 @@ async def through_a_node(router, lora_dir) -> dict:
         await asyncio.to_thread(thread.join, TIMEOUT_S)
     seen["node stopped"] = not thread.is_alive()
     return seen
+
+
+def test_a_template_edit_sent_with_its_image_keeps_its_own_guidance_and_negative_prompt(context, make_router):
+    """A template ready only where LoRAs are not served: an edit of it with a LoRA goes to a worker that serves
+    them, with the image, and is computed in full there (`Router._route`). It runs at its own guidance scale,
+    not the template's, and with its negative prompt."""
+    router = make_router(template_replicas=1)
+    plain = ScriptedWorker(context, router, "plain", lora=False)
+    router.register_template(TemplateRecord("t1", png(Image.new("RGB", SIZE, "red")), SIZE, "a scene", 2, 0, 6.0, 1,
+                                            negative_prompt="dark"))
+    plain.register("t1")
+    engine = RecordingEngine()
+    node = Node(engine, router.address, "n0", supervised=False)
+    thread = threading.Thread(target=node.run, name="test-node")
+    thread.start()
+    try:
+        sent = router.submit(EditTask("t1", bytes(SIZE[0] * SIZE[1]), SIZE, "a cat", 0, RequestLoad(4, 1, 2),
+                                      lora=parse_lora("grain"), negative_prompt="green", guidance=9.0))
+        kind, _, lora, future = engine.next_submit()
+        future.set_result(edited(0))
+        assert sent.result(TIMEOUT_S).status == 200
+    finally:
+        router.close(0)
+        node.stop()
+        thread.join(TIMEOUT_S)
+    assert (kind, lora) == ("submit_image", (LoraUse("grain", 1.0),))
+    assert engine.one_off_settings == [(2, 9.0, "green")]
 
 
 def test_a_lora_reaches_the_engine_through_router_and_node_and_its_failure_names_the_param(make_router, lora_dir):
