@@ -85,8 +85,8 @@ def browser(chromium):
         browser.close()
 
 
-def serve(**options) -> Server:
-    return Server(ServeOptions(model="tiny-flux-fill", workers=1, port=0, mode="naive", worker_threads=1, steps=2,
+def serve(model: str = "tiny-flux-fill", **options) -> Server:
+    return Server(ServeOptions(model=model, workers=1, port=0, mode="naive", worker_threads=1, steps=2,
                                heartbeat_s=0.1, dead_after_s=5.0, **options)).start()
 
 
@@ -433,6 +433,36 @@ def test_a_template_the_server_lost_is_registered_again(server, page, page_error
     assert httpx.get(f"{server.url}/v1/templates/{template_id}", timeout=30).status_code == 200
     expect(page.locator("#template-select")).to_have_value(template_id)
     expect(page.locator("#template-select option:checked")).to_have_text(re.compile(r"^lost\.png · "))
+    assert page_errors == []
+
+
+def test_on_a_guided_model_the_negative_prompt_is_sent_and_a_lost_template_keeps_its_own(page, page_errors):
+    """On SD2 the form shows its negative-prompt field and the edit sends it; a template the server lost, registered
+    with a negative prompt, is registered again with it: under its own id, as the recording it was."""
+    with serve("tiny-sd2-inpaint") as sd2:
+        registered = httpx.post(f"{sd2.url}/v1/templates", data={"steps": "2", "negative_prompt": "dark"},
+                                files={"image": ("t.png", png_bytes(scene((64, 48))), "image/png")}, timeout=60).json()
+        page.goto(sd2.url + "/")
+        expect(page.locator("#template-select")).to_have_value(registered["id"], timeout=WAIT_MS)
+        expect(page.locator("#negative-prompt")).to_be_visible()
+        paint(page, STROKE)
+        page.fill("#prompt", "a kite")
+        page.fill("#negative-prompt", "blurry")
+        page.evaluate("""() => {  // the negative prompt of each edit form sent (Chromium hides form bodies)
+            window.negativeSent = [];
+            const fetched = window.fetch;
+            window.fetch = (url, init) => {
+                if (String(url).endsWith("/v1/edits")) window.negativeSent.push(init.body.get("negative_prompt"));
+                return fetched(url, init);
+            };
+        }""")
+        assert httpx.delete(f"{sd2.url}/v1/templates/{registered['id']}", timeout=30).status_code == 200
+        page.click("#submit")
+        expect(page.locator("#result")).to_be_visible(timeout=WAIT_MS)
+        again = httpx.get(f"{sd2.url}/v1/templates/{registered['id']}", timeout=30)
+        sent = page.evaluate("window.negativeSent")
+    assert again.status_code == 200 and again.json()["negative_prompt"] == "dark"
+    assert sent == ["blurry", "blurry"]  # the edit, and again once its template is registered again
     assert page_errors == []
 
 

@@ -532,6 +532,7 @@ async function registerAgain(template, signal) {
   form.append("steps", String(template.steps));
   form.append("seed", String(template.seed || 0));
   if (template.prompt) form.append("prompt", template.prompt);
+  if (template.negative_prompt) form.append("negative_prompt", template.negative_prompt);
   if (template.guidance !== null && template.guidance !== undefined) form.append("guidance", String(template.guidance));
   const again = await (await api("/v1/templates", { method: "POST", body: form, signal })).json();
   const name = templateNames()[template.id];
