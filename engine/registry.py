@@ -5,8 +5,8 @@ asked to record each template and adopts its file instead. So a restarted server
 registered before it stopped, without the clients registering them again.
 
     <id>.json        {"format", "id", "size", "prompt", "steps", "seed", "guidance", "replicas", "owner",
-                      "created", "negative_prompt" (only when it has one)}; written last, so a template
-                      without it was not saved whole
+                      "created", "negative_prompt" (only when it has one: format 2)}; written last, so a
+                      template without it was not saved whole
     <id>.png         the image the workers record
     <id>.alpha.png   its transparency, when it has any (`TemplateRecord.alpha`)
     recency.json     {"format", "ids"}: the templates, most recently edited first, as the router saw them when
@@ -27,6 +27,9 @@ from retouch.engine.router import TemplateRecord
 from retouch.paths import lock_folder, write_whole
 
 FORMAT = 1
+# A record with a negative prompt. Releases before it read format 1 only, and skip this one (logged): read as
+# format 1 it would lose its negative prompt, and its template be recorded without it under the same id.
+FORMAT_NEGATIVE = 2
 RECENCY = "recency.json"
 TEMPLATE_ID = re.compile(r"tpl-[0-9a-f]{8,64}")
 logger = logging.getLogger("retouch.registry")
@@ -55,7 +58,7 @@ class TemplateRegistry:
                   "replicas": record.replicas, "owner": record.owner, "created": record.created,
                   "alpha": record.alpha is not None}
         if record.negative_prompt is not None:  # absent from the records of earlier releases, which load the same
-            header["negative_prompt"] = record.negative_prompt
+            header |= {"format": FORMAT_NEGATIVE, "negative_prompt": record.negative_prompt}
         write_whole(self._path(record.template_id, ".json"), json.dumps(header).encode())
 
     def remove(self, template_id: str) -> None:
@@ -99,7 +102,7 @@ class TemplateRegistry:
         if not TEMPLATE_ID.fullmatch(template_id):
             raise ValueError("not a template id")
         header = json.loads(self._path(template_id, ".json").read_bytes())
-        if header["format"] != FORMAT or header["id"] != template_id:
+        if header["format"] not in (FORMAT, FORMAT_NEGATIVE) or header["id"] != template_id:
             raise ValueError(f"format {header['format']} of template {header['id']}")
         alpha_path = self._path(template_id, ".alpha.png")
         if header["alpha"] and not alpha_path.exists():  # its answers would lose their transparency

@@ -42,7 +42,10 @@ def test_saved_templates_are_read_back_whole_oldest_first_and_one_offs_are_not_k
         registry.save(template)
     registry.save(record("img-00ee33ff", one_off=True))
     assert [fields(t) for t in TemplateRegistry(tmp_path).load()] == [fields(kept[1]), fields(kept[0])]
-    assert "negative_prompt" not in json.loads((tmp_path / "tpl-00cc22dd.json").read_bytes())
+    plain = json.loads((tmp_path / "tpl-00cc22dd.json").read_bytes())
+    assert "negative_prompt" not in plain and plain["format"] == 1
+    # An earlier release reads format 1 only: it skips a record it would read without its negative prompt.
+    assert json.loads((tmp_path / "tpl-00aa11bb.json").read_bytes())["format"] == 2
     registry.remove("tpl-00aa11bb")
     assert [t.template_id for t in registry.load()] == ["tpl-00cc22dd"]
     assert sorted(p.name for p in tmp_path.glob("tpl-*")) == ["tpl-00cc22dd.json", "tpl-00cc22dd.png"]
