@@ -303,7 +303,7 @@ async def head_answers(family: str) -> dict:
 
 def test_the_head_sends_a_negative_prompt_and_an_edits_guidance_to_the_workers():
     answers = asyncio.run(head_answers("sd2"))
-    assert answers["limits"]["negative_prompt"] is True  # clients size their forms by it (the playground does)
+    assert answers["limits"]["negative_prompt"] is answers["limits"]["edit_guidance"] is True  # clients size forms by it
     assert answers["template"].status_code == 202, answers["template"].text
     assert answers["template"].json()["id"] != answers["plain id"]
     registered = answers["register"]
@@ -333,10 +333,12 @@ def test_the_head_refuses_a_negative_prompt_or_another_guidance_for_a_flux_model
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == "negative_prompt"
     assert "guidance-distilled" in refused.json()["error"]["message"]
-    assert "register" not in answers and answers["limits"]["negative_prompt"] is False
+    assert "register" not in answers and answers["limits"]["negative_prompt"] is answers["limits"]["edit_guidance"] \
+        is False
     guided = answers["flux guidance"]
     assert guided.status_code == 422 and guided.json()["error"]["param"] == "guidance"
-    assert "Flux models take guidance as an input of every block" in guided.json()["error"]["message"]
+    assert "recorded with guidance the model's default (Flux models take guidance as an input of every block" in \
+        guided.json()["error"]["message"]
 
 
 # ---- through `retouch serve` ----

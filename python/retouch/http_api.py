@@ -1070,13 +1070,15 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
     async def list_limits():
         """What a request may ask for here (clients, the playground among them, size their forms by it):
         steps, pixels, upload bytes, work (pixel-steps), images per request, prompt characters, templates
-        kept per API key, whether edits may name LoRAs and give a negative prompt (not on Flux: `negative_prompt_of`),
-        and how long an asynchronous edit's answer is kept."""
+        kept per API key, whether edits may name LoRAs, give a negative prompt (`negative_prompt_of`) and their own
+        guidance scale (`edit_guidance`; neither on Flux), and how long an asynchronous edit's answer is kept."""
         return {"default_steps": limits.default_steps, "max_steps": limits.max_steps,
                 "max_pixels": limits.max_pixels, "max_upload_bytes": limits.max_upload_bytes,
                 "max_work": limits.max_work, "max_n": limits.max_n, "max_prompt_chars": limits.max_prompt_chars,
                 "max_templates": router.config.max_templates_per_tenant, "lora": limits.lora_dir is not None,
+                # whether edits may give a negative prompt, and a template's edit its own guidance scale
                 "negative_prompt": router.config.family in (None, *GUIDED_FAMILIES),
+                "edit_guidance": router.config.family in (None, *GUIDED_FAMILIES),
                 "result_ttl_s": limits.result_ttl_s}
 
     def model_entry(name: str) -> dict:
@@ -1232,7 +1234,8 @@ def create_app(router: Router, limits: Limits = Limits(), model: str = "",
         if family not in GUIDED_FAMILIES:
             why = (" (Flux models take guidance as an input of every block: its edits run its recording's)"
                    if family is not None else "")
-            raise ApiError(422, f"template {template_id!r} was recorded with guidance {recorded}{why}", "guidance")
+            scale = "the model's default" if recorded is None else f"{recorded:g}"
+            raise ApiError(422, f"template {template_id!r} was recorded with guidance {scale}{why}", "guidance")
         if recorded is not None and recorded <= 1:
             raise ApiError(422, f"template {template_id!r} was recorded without classifier-free guidance (guidance "
                            f"{recorded:g}), so its edits run without it", "guidance")
