@@ -116,6 +116,8 @@ def test_every_token_masked_equals_the_stock_pipeline_at_the_edits_own_guidance(
     assert request.guidance == 2.5
     edited = editor.edit_many([request], output_type="latent")[0]
     assert torch.equal(edited, stock(editor, request, None, guidance=2.5))
+    assert torch.equal(editor.edit(template_id, EVERYTHING, "a red sofa", seed=5, guidance=2.5, output_type="latent"),
+                       edited)
     plain = editor.edit(template_id, EVERYTHING, "a red sofa", seed=5, output_type="latent")
     assert max_diff(edited, plain) > 1e-2
     # the template's own scale is no other scale: the request runs as one without any

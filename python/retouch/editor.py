@@ -544,12 +544,13 @@ class MaskAwareEditor:
     # ---- edits ----
 
     def edit(self, template_id: str, mask: Image.Image, prompt: str, seed: int = 0, steps: int | None = None,
-             strength: float = 1.0, *, negative_prompt: str | None = None, full_compute: bool = False,
-             output_type: str = "pil", paste_back: bool = True):
+             strength: float = 1.0, *, negative_prompt: str | None = None, guidance: float | None = None,
+             full_compute: bool = False, output_type: str = "pil", paste_back: bool = True):
         """Repaint the white region of `mask` in the registered template; the template's size. Below
-        `strength` 1 the masked region keeps the template's structure (`retouch.strength`). The other
-        keywords are `edit_many`'s."""
-        return self.edit_many([EditRequest(template_id, mask, prompt, seed, steps, strength, negative_prompt)],
+        `strength` 1 the masked region keeps the template's structure (`retouch.strength`). `negative_prompt`
+        and `guidance` are `EditRequest`'s; the other keywords are `edit_many`'s."""
+        return self.edit_many([EditRequest(template_id, mask, prompt, seed, steps, strength, negative_prompt,
+                                           guidance)],
                               full_compute=full_compute, output_type=output_type, paste_back=paste_back)[0]
 
     @one_at_a_time
