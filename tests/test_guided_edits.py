@@ -233,15 +233,21 @@ def test_a_negative_prompt_of_another_type_and_a_batch_mixing_none_with_some_are
                           EditRequest(template_id, square_mask(), "a hat")])
 
 
-def test_the_cli_refuses_a_negative_prompt_for_flux_in_one_line(tmp_path):
+@pytest.mark.parametrize("model,flags,words", [
+    ("tiny-flux-fill", [], "--negative-prompt: Flux models are guidance-distilled"),
+    ("tiny-sd2-inpaint", ["--guidance", "1"], "--negative-prompt needs classifier-free guidance (--guidance > 1); "
+     "the guidance here is 1"),
+])
+def test_the_cli_refuses_a_negative_prompt_that_would_do_nothing_in_one_line_naming_its_flags(model, flags, words,
+                                                                                          tmp_path):
     template_image().save(tmp_path / "t.png")
     square_mask().save(tmp_path / "m.png")
-    done = subprocess.run([sys.executable, "-m", "retouch.cli", "edit", "--model", "tiny-flux-fill", "--image",
+    done = subprocess.run([sys.executable, "-m", "retouch.cli", "edit", "--model", model, "--image",
                            str(tmp_path / "t.png"), "--mask", str(tmp_path / "m.png"), "--prompt", "a hat",
-                           "--negative-prompt", "blurry", "--steps", "1", "--out", str(tmp_path / "e.png")],
+                           "--negative-prompt", "blurry", "--steps", "1", *flags, "--out", str(tmp_path / "e.png")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "negative_prompt: Flux models are guidance-distilled" in done.stderr
+    assert words in done.stderr
     assert not (tmp_path / "e.png").exists()
 
 
@@ -305,7 +311,7 @@ async def head_answers(family: str) -> dict:
 
 def test_the_head_sends_a_negative_prompt_and_an_edits_guidance_to_the_workers():
     answers = asyncio.run(head_answers("sd2"))
-    assert answers["limits"]["negative_prompt"] is answers["limits"]["edit_guidance"] is True  # clients size forms by it
+    assert answers["limits"]["negative_prompt"] is answers["limits"]["edit_guidance"] is True  # forms follow it
     assert answers["template"].status_code == 202, answers["template"].text
     assert answers["template"].json()["id"] != answers["plain id"]
     registered = answers["register"]

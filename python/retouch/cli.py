@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import os
 import signal
@@ -63,6 +64,12 @@ def cmd_edit(args) -> int:
     problem = steps_error(model.pipe.scheduler, steps)
     if problem is not None:
         raise InputError(f"--steps {steps}: {type(model.pipe.scheduler).__name__} cannot make that many: {problem}")
+    if opts.negative_prompt is not None:  # said in the flags' words, before any run
+        from retouch.editor import check_negative_prompt
+
+        default = inspect.signature(model.pipe.__call__).parameters["guidance_scale"].default
+        check_negative_prompt(opts.negative_prompt, model.family, default if opts.guidance is None else opts.guidance,
+                              ("--negative-prompt", "--guidance"))
     if lora:
         return _lora_edit(opts, model, image, mask, lora, loaded - started, out)
     if opts.mask_aware:

@@ -984,22 +984,25 @@ def _integer(value) -> int | None:
         return None
 
 
-def check_negative_prompt(negative_prompt, family: str, guidance: float) -> str | None:
+def check_negative_prompt(negative_prompt, family: str, guidance: float,
+                          names: tuple[str, str] = ("negative_prompt", "guidance")) -> str | None:
     """`negative_prompt` as the pipeline is given it, or the InputError naming it. Blank is none (None: the
     pipeline's default, an encoded "" or, where the model says so (SDXL), zeros). It steers the
     unconditional rows of classifier-free guidance, so it is refused where there are none: Flux
-    (guidance-distilled; FluxFillPipeline would not even take it) and `guidance` <= 1."""
+    (guidance-distilled; FluxFillPipeline would not even take it) and `guidance` <= 1. `names`: of the two
+    fields in the caller's words (the CLI's flags)."""
+    field, guidance_field = names
     if negative_prompt is None:
         return None
     if not isinstance(negative_prompt, str):
-        raise InputError(f"negative_prompt must be a string, got {type(negative_prompt).__name__}")
+        raise InputError(f"{field} must be a string, got {type(negative_prompt).__name__}")
     if not negative_prompt.strip():
         return None
     if family not in GUIDED_FAMILIES:
-        raise InputError("negative_prompt: Flux models are guidance-distilled: they run no unconditional branch for "
+        raise InputError(f"{field}: Flux models are guidance-distilled: they run no unconditional branch for "
                          "a negative prompt to steer")
     if not guidance > 1:
-        raise InputError(f"negative_prompt needs classifier-free guidance (guidance > 1); the guidance here is "
+        raise InputError(f"{field} needs classifier-free guidance ({guidance_field} > 1); the guidance here is "
                          f"{guidance:g}")
     return negative_prompt
 
