@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import json
 import os
 import signal
@@ -65,11 +64,10 @@ def cmd_edit(args) -> int:
     if problem is not None:
         raise InputError(f"--steps {steps}: {type(model.pipe.scheduler).__name__} cannot make that many: {problem}")
     if opts.negative_prompt is not None:  # said in the flags' words, before any run
-        from retouch.editor import check_negative_prompt
+        from retouch.editor import check_negative_prompt, default_guidance
 
-        default = inspect.signature(model.pipe.__call__).parameters["guidance_scale"].default
-        check_negative_prompt(opts.negative_prompt, model.family, default if opts.guidance is None else opts.guidance,
-                              ("--negative-prompt", "--guidance"))
+        guidance = default_guidance(model.pipe) if opts.guidance is None else opts.guidance
+        check_negative_prompt(opts.negative_prompt, model.family, guidance, ("--negative-prompt", "--guidance"))
     if lora:
         return _lora_edit(opts, model, image, mask, lora, loaded - started, out)
     if opts.mask_aware:

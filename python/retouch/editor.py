@@ -184,7 +184,7 @@ class MaskAwareEditor:
         # Read once, not per step: diffusers' pipe.device and model.dtype walk every module (~2 ms a call),
         # and the pipeline's signature is parsed anew on every inspect.
         self.device = model.pipe.device
-        self.default_guidance = inspect.signature(self.pipe.__call__).parameters["guidance_scale"].default
+        self.default_guidance = default_guidance(self.pipe)
         self.cache = cache if cache is not None else CacheStore(StoreConfig())
         self._owns_cache = cache is None  # closed with the editor (see close)
         self._closed = False
@@ -982,6 +982,11 @@ def _integer(value) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def default_guidance(pipe) -> float:
+    """The guidance scale `pipe` runs at when it is given none."""
+    return inspect.signature(pipe.__call__).parameters["guidance_scale"].default
 
 
 def check_negative_prompt(negative_prompt, family: str, guidance: float,
