@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from retouch.kernels.devices import check_triton_device
+
 
 @triton.jit
 def norm_rope_kernel(
@@ -82,6 +84,7 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float | 
             raise ValueError("cos and sin must be fp32")
     if weight is not None and tuple(weight.shape) != (dim,):
         raise ValueError(f"weight must be [{dim}], got {tuple(weight.shape)}")
+    check_triton_device(norm_rope_kernel, "norm_rope_triton", x, *(t for t in (weight, cos, sin) if t is not None))
     x = x.contiguous()
     out = torch.empty_like(x)
     rows = x.numel() // dim if dim else 0

@@ -1,5 +1,5 @@
-"""The ops of the mask-aware blocks (csrc/block_ops.cpp, the Triton kernels/norm_rope.py under the
-interpreter) and the planned attention, against their references over shapes, dtypes and ragged batches
+"""The ops of the mask-aware blocks (csrc/block_ops.cpp, the Triton kernels/norm_rope.py on the kernel
+device) and the planned attention, against their references over shapes, dtypes and ragged batches
 (empty requests, one token, no keys)."""
 
 import pytest
@@ -8,6 +8,8 @@ import torch
 from retouch import ops
 from retouch.kernels.norm_rope import norm_rope_triton
 from retouch.kernels.reference import rms_norm_rope_ref, rope_pairs_ref, sdpa_ragged_ref
+
+from kernel_device import TRITON_DEVICE
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(0, 1, 8), (1, 1, 8), (7, 2, 16), (33, 3, 128), (2, 5, 1, 64), (1, 40, 4, 32)]  # [..., S, heads, d]
@@ -36,6 +38,12 @@ NORM_TOLERANCE = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dic
                   torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
+def triton_on_kernel_device(x, weight, eps, cos, sin) -> torch.Tensor:
+    """`norm_rope_triton` where the Triton kernels run (`TRITON_DEVICE`), brought back to x's device."""
+    moved = [None if t is None else t.to(TRITON_DEVICE) for t in (x, weight, cos, sin)]
+    return norm_rope_triton(moved[0], moved[1], eps, moved[2], moved[3], block_rows=4).to(x.device)
+
+
 def assert_triton_close(out: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     """Triton's interpreter rounds fp32 -> bf16 by truncation (a GPU rounds to nearest), so its bf16
     rows may differ by an ulp per rounding: two roundings at the output's scale."""
@@ -61,7 +69,7 @@ def test_rms_norm_rope_equals_norm_then_rope(shape, dtype, rope, weighted):
     for name, out in {"op": ops.rms_norm_rope(x, weight, 1e-6, cos, sin), "composite": composite}.items():
         assert out.dtype == dtype and out.shape == x.shape, name
         torch.testing.assert_close(out, expected, **NORM_TOLERANCE[dtype], msg=name)
-    triton_out = norm_rope_triton(x, weight, 1e-6, cos, sin, block_rows=4)
+    triton_out = triton_on_kernel_device(x, weight, 1e-6, cos, sin)
     assert triton_out.dtype == dtype and triton_out.shape == x.shape
     assert_triton_close(triton_out, expected, "triton")
 
@@ -72,7 +80,7 @@ def test_triton_rope_is_diffusers_rope(shape, dtype):
     generator = torch.Generator().manual_seed(len(shape))
     x = torch.randn(shape, generator=generator).to(dtype)
     cos, sin = flux_tables(shape, generator)
-    out, expected = norm_rope_triton(x, None, None, cos, sin, block_rows=4), rope_pairs_ref(x, cos, sin)
+    out, expected = triton_on_kernel_device(x, None, None, cos, sin), rope_pairs_ref(x, cos, sin)
     if dtype == torch.bfloat16:
         assert_triton_close(out, expected, "triton")
     else:

@@ -71,10 +71,12 @@ def test_compiled_kernels_refuse_cpu_tensors_with_a_clear_error():
         "import torch\n"
         "from retouch.kernels.row_copy import gather_rows_triton, scatter_rows_triton\n"
         "from retouch.kernels.segmented_lora import segmented_lora_triton\n"
+        "from retouch.kernels.norm_rope import norm_rope_triton\n"
         "calls = [lambda: gather_rows_triton(torch.zeros(4, 2), torch.tensor([1])),\n"
         "         lambda: scatter_rows_triton(torch.zeros(4, 2), torch.tensor([1]), torch.ones(1, 2)),\n"
         "         lambda: segmented_lora_triton(torch.zeros(3, 4), torch.zeros(3, 2), torch.zeros(1, 2, 4),\n"
-        "                                       torch.zeros(1, 2, 2), torch.ones(1), [2], [(0, 3, 0)])]\n"
+        "                                       torch.zeros(1, 2, 2), torch.ones(1), [2], [(0, 3, 0)]),\n"
+         "         lambda: norm_rope_triton(torch.zeros(4, 2, 8), torch.ones(8), 1e-6, None, None)]\n"
         "for call in calls:\n"
         "    try:\n"
         "        call()\n"
@@ -86,5 +88,5 @@ def test_compiled_kernels_refuse_cpu_tensors_with_a_clear_error():
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["gather_rows_triton", "scatter_rows_triton",
-                                                      "segmented_lora_triton"], done.stdout
+                                                      "segmented_lora_triton", "norm_rope_triton"], done.stdout
     assert all("needs CUDA tensors" in line and "got cpu" in line for line in lines)
