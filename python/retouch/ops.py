@@ -277,19 +277,19 @@ class AttentionCost:
         return self.fixed_ms + self.per_request_ms * requests + flop / (self.tflops * 1e9)
 
 
-# Least-squares fits to the 72 layouts per head_dim of `retouch bench attention` on an H200 (bf16,
-# bench/results/h200/attention_stop44.json): the Triton kernel (tuned launch configs) over the ragged
-# work, torch SDPA over the work padded to the longest request (one call: cuDNN/flash on Hopper), and
-# torch SDPA per request. SDPA runs at 1.5-2x the kernel's rate at large sizes; the kernel wins where
-# launches dominate. Fits are within ~10% (median) of the measurements; the H100 is the same chip. Those
-# times were one call each from an idle device (launch latency included); stop 47's sweep measured that
-# way again scattered by up to 1.3x between calls of the same code, so a refit waits for the sweep's
-# steady-state times (`ms_steady`), which no GPU has measured yet.
+# Fits to the 72 layouts per head_dim of `retouch bench attention` on an H200 (bf16, stop 52,
+# bench/results/h200/attention.json; `python -m retouch.bench.attention_costs` refits them): the Triton
+# kernel (tuned launch configs) over the ragged work, torch SDPA over the work padded to the longest
+# request (one call: cuDNN's Hopper kernel), and torch SDPA per request. The times are the device's
+# (`ms_steady`, bursts of back-to-back calls), what an engine running ahead of the device pays; one call
+# from an idle device is mostly the host's launch latency. SDPA runs at 1.4-1.7x the kernel's rate at
+# large sizes; the kernel wins where the fixed costs dominate. Replayed on that sweep, the choice is the
+# fastest path at the median point and 0.75x of it at worst; the H100 is the same chip.
 ATTENTION_COSTS = {
-    (9, 64): {"triton": AttentionCost(0.136, 0.0, 344), "sdpa_padded": AttentionCost(0.181, 0.0, 529),
-              "sdpa": AttentionCost(0.196, 0.051, 853)},
-    (9, 128): {"triton": AttentionCost(0.149, 0.0, 393), "sdpa_padded": AttentionCost(0.172, 0.0, 648),
-               "sdpa": AttentionCost(0.201, 0.043, 759)},
+    (9, 64): {"triton": AttentionCost(0.0484, 0.0, 410), "sdpa_padded": AttentionCost(0.0846, 0.0, 558),
+              "sdpa": AttentionCost(0.0825, 0.0411, 473)},
+    (9, 128): {"triton": AttentionCost(0.0429, 0.0, 394), "sdpa_padded": AttentionCost(0.0742, 0.0, 653),
+               "sdpa": AttentionCost(0.0828, 0.0371, 659)},
 }
 
 
