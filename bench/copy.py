@@ -10,15 +10,19 @@ buffer [B*L, H] at the request's token positions. Rows as the served models have
 
 - cpu: `ops.gather_host_rows_` (threaded memcpy per row) against torch `index_select` + `index_copy_`
   of the same rows (the arena viewed as [rows, H]), timed interleaved in the same run.
-- cuda: the "kernel", "memcpy" and "auto" methods against one contiguous pinned->device copy of the same
-  number of bytes (what the link can do at best), with CUDA events; "runs" is how many copies "memcpy"
-  issues per block.
+- cuda: the "kernel", "memcpy" and "auto" methods, and "kernel_lean" (the kernel on the bounded grid the
+  copy engine gives it beside compute: a quarter of the SMs), against one contiguous pinned->device copy
+  of the same number of bytes (what the link can do at best), with CUDA events; "runs" is how many copies
+  "memcpy" issues per block. Then `overlap_<method>` (kernel, kernel_lean, memcpy): gathers on a side
+  stream beside matmuls as long, their wall time over the longer of the two alone (1: hidden behind the
+  compute; ~2: serialised with it), what the copy engine's staging pays.
 GB/s count the bytes of the rows copied. Prints one JSON object; progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import sys
 from pathlib import Path
 
@@ -26,7 +30,8 @@ import torch
 
 from retouch import ops
 from retouch.bench.report import device_arg, json_text, out_path, pyplot, write_json, environment
-from retouch.bench.timing import interleaved_medians
+from retouch.bench.timing import interleaved_medians, seconds_of
+from retouch.cache.staging import gather_blocks_beside_compute
 from retouch.errors import ArgumentParser
 from retouch.masks import centred_token_rectangle
 from retouch.progress import bar
@@ -146,13 +151,58 @@ def time_cpu(staging, memory, arena_rows, src_offsets, dst_rows, row_bytes, repe
 
 def time_cuda(staging, memory, src_offsets, dst_rows, nbytes, repeats) -> dict:
     contiguous_dst, contiguous_src = staging.view(-1).view(torch.uint8)[:nbytes], memory[:nbytes]
-    runs = {method: (lambda method=method: ops.gather_host_rows_(staging, memory, src_offsets, dst_rows, method))
-            for method in ops.HOST_GATHER_METHODS}
-    runs["baseline"] = lambda: contiguous_dst.copy_(contiguous_src, non_blocking=True)
+    gathers = {method: (lambda method=method: ops.gather_host_rows_(staging, memory, src_offsets, dst_rows, method))
+               for method in ops.HOST_GATHER_METHODS}
+    lean_blocks = gather_blocks_beside_compute(staging.device)
+    gathers["kernel_lean"] = lambda: ops.gather_host_rows_(staging, memory, src_offsets, dst_rows, "kernel",
+                                                           max_blocks=lean_blocks)
+    runs = {**gathers, "baseline": lambda: contiguous_dst.copy_(contiguous_src, non_blocking=True)}
     seconds = interleaved_medians(runs, repeats, torch.device("cuda"))
     gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
+    beside = time_beside_compute({name: gathers[name] for name in ("kernel", "kernel_lean", "memcpy")},
+                                 seconds["kernel"], repeats)
     return {**{f"{name}_gbps": round(value, 3) for name, value in gbps.items()},
-            **{f"{method}_ratio": round(gbps[method] / gbps["baseline"], 3) for method in ops.HOST_GATHER_METHODS}}
+            **{f"{method}_ratio": round(gbps[method] / gbps["baseline"], 3) for method in gathers},
+            "kernel_lean_blocks": lean_blocks, **beside}
+
+
+COPIES_BESIDE_COMPUTE = 4
+
+
+def time_beside_compute(gathers: dict, gather_seconds: float, repeats: int) -> dict:
+    """overlap_<method>: the wall time of `COPIES_BESIDE_COMPUTE` gathers on a side stream beside matmuls as
+    long on the compute stream (a Flux block's MLP projection, bf16), over the longer of the two alone: 1 is
+    a copy hidden behind compute, about 2 a copy that holds the compute back (what the copy engine's staging
+    must avoid: a gather kernel that fills every SM serialises them, stop 52)."""
+    device = torch.device("cuda")
+    x = torch.randn(4608, 3072, device=device, dtype=torch.bfloat16)
+    w = torch.randn(3072, 12288, device=device, dtype=torch.bfloat16)
+    seconds_of(lambda: x @ w, device)
+    matmul_seconds = statistics.median(seconds_of(lambda: x @ w, device) for _ in range(5))
+    matmuls = max(1, round(COPIES_BESIDE_COMPUTE * gather_seconds / matmul_seconds))
+    side = torch.cuda.Stream(device)
+
+    def compute() -> None:
+        for _ in range(matmuls):
+            x @ w
+
+    def copies(gather, with_compute: bool):
+        def run() -> None:
+            current = torch.cuda.current_stream(device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                for _ in range(COPIES_BESIDE_COMPUTE):
+                    gather()
+            if with_compute:
+                compute()
+            current.wait_stream(side)
+        return run
+
+    runs = {"compute": compute, **{f"copies {name}": copies(gather, False) for name, gather in gathers.items()},
+            **{f"both {name}": copies(gather, True) for name, gather in gathers.items()}}
+    seconds = interleaved_medians(runs, repeats, device)
+    return {f"overlap_{name}": round(seconds[f"both {name}"] / max(seconds["compute"], seconds[f"copies {name}"]), 3)
+            for name in gathers}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -169,24 +219,31 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def write_plot(report: dict, path: Path) -> None:
-    """GB/s against batch size, one panel per row size: a line per method and mask ratio."""
+    """GB/s against batch size, one panel per row size: a line per method and mask ratio; on a GPU a second
+    row of panels, the overlap with compute of each method (1 = hidden)."""
     plt = pyplot()
     if plt is None:
         return
     rows = report["results"]
     shapes = list(dict.fromkeys(row["rows"] for row in rows))
-    metrics = [key for key in rows[0] if key.endswith("_gbps")]
-    figure, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 3.8), squeeze=False)
-    for axis, shape in zip(axes[0], shapes):
-        for colour, ratio in enumerate(dict.fromkeys(row["mask_ratio"] for row in rows)):
-            selected = [row for row in rows if row["rows"] == shape and row["mask_ratio"] == ratio]
-            for style, metric in zip(("-", "--", ":", "-."), metrics):
-                axis.plot([row["batch"] for row in selected], [row[metric] for row in selected], style, marker="o",
-                          color=f"C{colour}", label=f"{metric.removesuffix('_gbps')} m={ratio:.2f}")
-        axis.set_title(f"{shape} ({selected[0]['row_bytes']} B rows)")
-        axis.set_xlabel("requests per batch")
-        axis.set_ylabel("GB/s")
-        axis.legend(fontsize="small")
+    panels = [("_gbps", "GB/s")] + ([("overlap_", "wall time / longer alone")] if "overlap_kernel" in rows[0] else [])
+    figure, axes = plt.subplots(len(panels), len(shapes), figsize=(5 * len(shapes), 3.8 * len(panels)),
+                                squeeze=False)
+    styles = ("-", "--", ":", "-.", (0, (1, 3)))
+    for (key, unit), panel_axes in zip(panels, axes):
+        metrics = [name for name in rows[0] if (name.endswith(key) if key == "_gbps" else name.startswith(key))]
+        for axis, shape in zip(panel_axes, shapes):
+            for colour, ratio in enumerate(dict.fromkeys(row["mask_ratio"] for row in rows)):
+                selected = [row for row in rows if row["rows"] == shape and row["mask_ratio"] == ratio]
+                for style, metric in zip(styles, metrics):
+                    label = metric.removesuffix("_gbps").removeprefix("overlap_")
+                    axis.plot([row["batch"] for row in selected], [row[metric] for row in selected], linestyle=style,
+                              marker="o", color=f"C{colour}", label=f"{label} m={ratio:.2f}")
+            beside = ", beside compute" if key != "_gbps" else ""
+            axis.set_title(f"{shape} ({selected[0]['row_bytes']} B rows){beside}")
+            axis.set_xlabel("requests per batch")
+            axis.set_ylabel(unit)
+            axis.legend(fontsize="small")
     figure.suptitle(f"host gather on {report['device_name']}")
     figure.tight_layout()
     figure.savefig(path, dpi=120)

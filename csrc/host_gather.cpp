@@ -46,8 +46,9 @@ std::vector<Copy> coalesce_copies(const HostGather& gather, const char* src, con
 }  // namespace
 
 void gather_host_rows_cpu(at::Tensor& dst, const at::Tensor& src, const at::Tensor& src_offsets,
-                          const at::Tensor& dst_rows, std::string_view method) {
+                          const at::Tensor& dst_rows, std::string_view method, int64_t max_blocks) {
   parse_host_gather_method(method);  // validated for symmetry with CUDA; a CPU destination has one way
+  check_max_blocks(max_blocks);
   TORCH_CHECK(dst.device().is_cpu(), "dst must be a CPU tensor here, got ", dst.device());
   const HostGather gather = check_host_gather_args(dst, src, src_offsets, dst_rows);
   if (gather.num_rows == 0 || gather.row_bytes == 0) return;

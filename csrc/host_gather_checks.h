@@ -24,6 +24,10 @@ inline HostGatherMethod parse_host_gather_method(std::string_view method) {
   return HostGatherMethod::kMemcpy;
 }
 
+inline void check_max_blocks(int64_t max_blocks) {
+  TORCH_CHECK_VALUE(max_blocks >= 0, "gather_host_rows_: max_blocks must be >= 0 (0: no bound), got ", max_blocks);
+}
+
 // A validated gather: everything the CPU loop and the CUDA launchers need besides the pointers.
 struct HostGather {
   int64_t num_rows;

@@ -51,8 +51,9 @@ at::Tensor device_indices(const at::Tensor& src_offsets, const at::Tensor& dst_r
 }  // namespace
 
 void gather_host_rows_cuda(at::Tensor& dst, const at::Tensor& src, const at::Tensor& src_offsets,
-                           const at::Tensor& dst_rows, std::string_view method) {
+                           const at::Tensor& dst_rows, std::string_view method, int64_t max_blocks) {
   const HostGatherMethod requested = parse_host_gather_method(method);
+  check_max_blocks(max_blocks);
   TORCH_CHECK(dst.is_cuda(), "dst must be a CUDA tensor here, got ", dst.device());
   const HostGather gather = check_host_gather_args(dst, src, src_offsets, dst_rows);
   const bool src_pinned = src.is_pinned();
@@ -74,7 +75,8 @@ void gather_host_rows_cuda(at::Tensor& dst, const at::Tensor& src, const at::Ten
   const at::Tensor indices = device_indices(src_offsets, dst_rows, gather, dst.device());
   C10_CUDA_CHECK(cuda::launch_gather_host_rows_kernel(
       dst.data_ptr(), gather.dst_row_stride_bytes, src.const_data_ptr(), indices[0].const_data_ptr<int64_t>(),
-      indices[1].const_data_ptr<int64_t>(), gather.num_rows, gather.row_bytes, gather.offset_bits, stream));
+      indices[1].const_data_ptr<int64_t>(), gather.num_rows, gather.row_bytes, gather.offset_bits, max_blocks,
+      stream));
 }
 
 }  // namespace retouch

@@ -15,9 +15,10 @@ at::Tensor gather_rows_cpu(const at::Tensor& src, const at::Tensor& row_idx);
 void scatter_rows_cpu(at::Tensor& dst, const at::Tensor& row_idx, const at::Tensor& src);
 // dst[dst_rows[i]] (as bytes) = src[src_offsets[i] : + row_bytes]. dst: [N, H] (row_bytes = H * element
 // size); src: uint8 [capacity] host memory (a HostArena); src_offsets, dst_rows: [n] int64 on the CPU.
-// method: "auto" | "kernel" | "memcpy" (how a CUDA dst is filled; a CPU dst has one way).
+// method: "auto" | "kernel" | "memcpy" (how a CUDA dst is filled; a CPU dst has one way); max_blocks > 0
+// bounds the kernel's grid (0: as many blocks as the work needs).
 void gather_host_rows_cpu(at::Tensor& dst, const at::Tensor& src, const at::Tensor& src_offsets,
-                          const at::Tensor& dst_rows, std::string_view method);
+                          const at::Tensor& dst_rows, std::string_view method, int64_t max_blocks);
 
 // Composite ops of the mask-aware blocks (block_ops.cpp), any device.
 // diffusers' Flux RoPE on pairs: x: [..., S, heads, d]; cos, sin: [S, d] (fp32) -> x's shape and dtype.
@@ -37,7 +38,7 @@ at::Tensor sdpa_ragged(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& row_idx);
 void scatter_rows_cuda(at::Tensor& dst, const at::Tensor& row_idx, const at::Tensor& src);
 void gather_host_rows_cuda(at::Tensor& dst, const at::Tensor& src, const at::Tensor& src_offsets,
-                           const at::Tensor& dst_rows, std::string_view method);
+                           const at::Tensor& dst_rows, std::string_view method, int64_t max_blocks);
 #endif
 
 }  // namespace retouch

@@ -9,7 +9,8 @@
 TORCH_LIBRARY(retouch, m) {
   m.def("gather_rows(Tensor src, Tensor row_idx) -> Tensor");
   m.def("scatter_rows_(Tensor(a!) dst, Tensor row_idx, Tensor src) -> ()");
-  m.def("gather_host_rows_(Tensor(a!) dst, Tensor src, Tensor src_offsets, Tensor dst_rows, str method) -> ()");
+  m.def("gather_host_rows_(Tensor(a!) dst, Tensor src, Tensor src_offsets, Tensor dst_rows, str method, "
+        "int max_blocks=0) -> ()");
   m.def("rope_pairs(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("rms_norm_rope(Tensor x, Tensor? weight, float eps, Tensor? cos, Tensor? sin) -> Tensor");
   m.def("sdpa_ragged(Tensor q, Tensor k, Tensor v, Tensor lengths_q, Tensor lengths_k, float scale) -> Tensor");

@@ -91,9 +91,10 @@ def test_the_fit_recovers_the_costs_a_sweep_was_made_from():
     for point in measured["results"]:
         requests = len(point["query_lens"])
         noise = (1 + 0.06 * (torch.rand(3, generator=generator) - 0.5)).tolist()
-        point["ms_steady"] = {
-            method: noise[i] * truth[name].ms(requests, 1e12 * attention_costs.work_tflop(point, method == "padded_sdpa"))
-            for i, (method, name) in enumerate(attention_costs.COST_NAMES.items())}
+        work = {method: 1e12 * attention_costs.work_tflop(point, method == "padded_sdpa")
+                for method in attention_costs.COST_NAMES}
+        point["ms_steady"] = {method: noise[i] * truth[name].ms(requests, work[method])
+                              for i, (method, name) in enumerate(attention_costs.COST_NAMES.items())}
     fits = attention_costs.fit_costs(measured)
     assert set(fits) == {64, 128}
     for head_dim_fits in fits.values():

@@ -138,6 +138,15 @@ def test_bad_method():
         ops.gather_host_rows_(*args, method=method)
 
 
+def test_bad_max_blocks():
+    args = (torch.zeros(4, 2), torch.zeros(64, dtype=torch.uint8), torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="max_blocks must be >= 0"):
+        ops.gather_host_rows_(*args, max_blocks=-1)
+    with pytest.raises(ValueError, match="max_blocks must be >= 0"):
+        torch.ops.retouch.gather_host_rows_(*args, "kernel", -1)
+    ops.gather_host_rows_(*args, max_blocks=3)  # a CPU staging buffer ignores the bound
+
+
 def test_row_runs():
     row_bytes = 6144
     offsets = torch.tensor([0, 1, 2, 5, 6, 9]) * row_bytes
@@ -155,10 +164,12 @@ def test_op_passes_opcheck():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("method", ops.HOST_GATHER_METHODS)
+@pytest.mark.parametrize("method, max_blocks", [*((method, 0) for method in ops.HOST_GATHER_METHODS),
+                                                ("kernel", 1), ("kernel", 3), ("kernel", 33)])
 @pytest.mark.parametrize("hidden, dtype", [(1, torch.uint8), (769, torch.float16), (3072, torch.bfloat16),
                                            (8, torch.float8_e4m3fn)])
-def test_cuda_gather_matches_reference(method, hidden, dtype):
+def test_cuda_gather_matches_reference(method, max_blocks, hidden, dtype):
+    """Every method, and the kernel on a bounded grid (its blocks loop over rows of every width)."""
     generator = torch.Generator().manual_seed(hidden)
     row_bytes = hidden * dtype.itemsize
     arena, memory, base = filled_arena(row_bytes, generator, pinned=True)
@@ -166,7 +177,7 @@ def test_cuda_gather_matches_reference(method, hidden, dtype):
     for name, (src_offsets, dst_rows) in index_sets(row_bytes, base, generator).items():
         staging = sentinel_staging(STAGING_ROWS, hidden, dtype, device="cuda")
         expected = staging.clone()
-        ops.gather_host_rows_(staging, memory, src_offsets, dst_rows, method=method)
+        ops.gather_host_rows_(staging, memory, src_offsets, dst_rows, method=method, max_blocks=max_blocks)
         gather_host_rows_ref(expected, memory, src_offsets, dst_rows)
         torch.cuda.synchronize()
         assert_bytes_equal(staging, expected, f"{method} {name}")
@@ -175,7 +186,7 @@ def test_cuda_gather_matches_reference(method, hidden, dtype):
     src_offsets, dst_rows = index_sets(row_bytes, base, generator)["contiguous runs"]
     wide = sentinel_staging(STAGING_ROWS, hidden + 8, dtype, device="cuda")
     expected = wide.clone()
-    ops.gather_host_rows_(wide[:, :hidden], memory, src_offsets, dst_rows, method=method)
+    ops.gather_host_rows_(wide[:, :hidden], memory, src_offsets, dst_rows, method=method, max_blocks=max_blocks)
     gather_host_rows_ref(expected[:, :hidden], memory, src_offsets, dst_rows)
     torch.cuda.synchronize()
     assert_bytes_equal(wide, expected, f"{method} strided")

@@ -3,6 +3,7 @@ arrive exactly as the cache store holds them (decoded: fp8 entries with their ow
 one or several rows, templates and steps, equal or mixed token counts (packed), in every storage dtype. On a
 GPU through the copy stream (and fp8 through the one-pass decode kernel), else the CPU's copy thread."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -93,3 +94,35 @@ def test_staged_rows_are_the_stores_rows(batch, dtype, names):
     finally:
         for handle in handles.values():
             handle.release()
+
+
+def test_the_gather_beside_compute_takes_a_bounded_grid(monkeypatch):
+    """On CUDA the host-gather kernel gets a quarter of the SMs (unbounded, it filled every SM and the compute
+    it overlapped waited for it: stop 52); off CUDA nothing is bounded; the bound reaches every gather."""
+    from retouch import ops
+
+    engine = CopyEngine(TRITON_DEVICE, lookahead=2)
+    if TRITON_DEVICE.type == "cuda":
+        assert engine.gather_blocks == max(1, torch.cuda.get_device_properties(0).multi_processor_count // 4)
+    else:
+        assert engine.gather_blocks == 0
+    with pytest.raises(ValueError, match="gather_blocks must be >= 0"):
+        CopyEngine("cpu", gather_blocks=-1)
+    bounds = []
+    gather = ops.gather_host_rows_
+    monkeypatch.setattr(ops, "gather_host_rows_", lambda *args, **kwargs: bounds.append(kwargs["max_blocks"])
+                        or gather(*args, **kwargs))
+    store = STORES["auto"]
+    handle = store.acquire("small")
+    try:
+        staged = StagedActivations(CopyEngine(TRITON_DEVICE, lookahead=2, gather_blocks=5))
+        level = LevelRows(TOKENS["small"], (torch.tensor([0, 2, 3]),))
+        staged.start([RowSource(handle, 0)], [level], [0] * BLOCKS, [(0, ("k", "v"))], BLOCKS, torch.float32)
+        with staged:
+            staged.block_started(0)
+            got = staged.read_rows(0, "k", [("small", 0)], torch.empty(0, *SHAPES["k"], device=TRITON_DEVICE),
+                                   TOKENS["small"])
+            assert torch.equal(got.cpu()[0][[0, 2, 3]], handle.read(0, 0, "k").float()[[0, 2, 3]])
+    finally:
+        handle.release()
+    assert bounds == [5, 5]

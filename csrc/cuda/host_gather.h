@@ -16,10 +16,12 @@ namespace retouch::cuda {
 // Zero-copy: an SM kernel reads src straight out of pinned host memory over PCIe/NVLink-C2C. src_host is
 // a host pointer into memory that is pinned and mapped (cudaHostAlloc, or cudaHostRegister'd); the
 // index arrays are DEVICE pointers. offset_bits is the OR of all source offsets, so the kernel can use
-// 16-byte loads whenever every row starts 16-byte aligned.
+// 16-byte loads whenever every row starts 16-byte aligned. max_blocks > 0 bounds the grid (the kernel
+// loops): a gather overlapping compute should leave most SMs to it; 0 launches as many as the work needs.
 cudaError_t launch_gather_host_rows_kernel(void* dst, int64_t dst_row_stride_bytes, const void* src_host,
                                            const int64_t* src_offsets, const int64_t* dst_rows, int64_t num_rows,
-                                           int64_t row_bytes, uint64_t offset_bits, cudaStream_t stream);
+                                           int64_t row_bytes, uint64_t offset_bits, int64_t max_blocks,
+                                           cudaStream_t stream);
 
 // Copy engines: consecutive rows that are consecutive on both sides (see csrc/host_row_runs.h) are
 // coalesced on the host into runs, and each run is one host->device copy. The index arrays are HOST

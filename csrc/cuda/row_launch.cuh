@@ -1,5 +1,5 @@
-// The launch shape shared by the row-copy kernels (row_copy.cu, host_gather.cu): one thread block per
-// row, threads striding over the row in the widest vector type (16, 8, 4, 2 or 1 bytes) that every
+// The launch shape of the row-copy kernels (row_copy.cu; host_gather.cu takes its vector width): one thread
+// block per row, threads striding over the row in the widest vector type (16, 8, 4, 2 or 1 bytes) that every
 // address, stride and length allows, so copies are bandwidth-bound with coalesced wide accesses.
 #pragma once
 

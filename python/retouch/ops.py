@@ -83,7 +83,7 @@ else:
 
 
 def gather_host_rows_(dst: torch.Tensor, src: torch.Tensor, src_offsets: torch.Tensor, dst_rows: torch.Tensor,
-                      method: str = "auto") -> None:
+                      method: str = "auto", max_blocks: int = 0) -> None:
     """Copy template rows out of a host arena into a staging buffer, in place (paper §4.2).
 
     `dst: [N, H]` any dtype, unit stride along H (row_bytes = H * element size); `src: [capacity]` uint8
@@ -94,11 +94,16 @@ def gather_host_rows_(dst: torch.Tensor, src: torch.Tensor, src_offsets: torch.T
     device copy per run of adjacent rows) or "auto" (memcpy when the mean run is >= 1 MiB or src is
     pageable, else kernel); keep `src` alive and unchanged until the stream has run the copy. A CPU `dst`
     is filled at once by threaded memcpys of the runs of adjacent rows; method is then ignored.
+
+    `max_blocks` > 0 bounds the kernel's grid (its blocks loop over the rows): a gather that overlaps
+    compute should take few SMs (`CopyEngine` gives it a quarter); 0 launches as many as the work needs.
     """
     if method not in HOST_GATHER_METHODS:
         raise ValueError(f"host gather method must be one of {HOST_GATHER_METHODS}, got {method!r}")
+    if max_blocks < 0:
+        raise ValueError(f"max_blocks must be >= 0 (0: no bound), got {max_blocks}")
     _require_extension()
-    torch.ops.retouch.gather_host_rows_(dst, src, src_offsets, dst_rows, method)
+    torch.ops.retouch.gather_host_rows_(dst, src, src_offsets, dst_rows, method, max_blocks)
 
 
 def allocate_host_arena(capacity: int, alignment: int, pinned: bool, asked_by: str) -> HostArena:
@@ -571,5 +576,5 @@ if _C is not None:
 
     @torch.library.register_fake("retouch::gather_host_rows_")
     def _gather_host_rows_fake(dst: torch.Tensor, src: torch.Tensor, src_offsets: torch.Tensor,
-                               dst_rows: torch.Tensor, method: str) -> None:
+                               dst_rows: torch.Tensor, method: str, max_blocks: int = 0) -> None:
         return None

@@ -102,16 +102,32 @@ class CopyStats:
     wait_seconds: float = 0.0
 
 
+def gather_blocks_beside_compute(device: torch.device) -> int:
+    """How many thread blocks the host-gather kernel may take while compute runs beside it: a quarter of
+    the SMs (33 on an H200: 33 x 16 KiB of loads in flight, ~5x what 55 GB/s of PCIe 5 needs at ~2 us
+    latency), 0 (no bound) off CUDA. Unbounded, one block per row filled every SM, and the blocks it
+    overlapped waited for it (stop 52: an H200 step took about compute + copy time)."""
+    if device.type != "cuda":
+        return 0
+    return max(1, torch.cuda.get_device_properties(device).multi_processor_count // 4)
+
+
 class CopyEngine:
     """Stages cached activations on `device` for each forward; one per worker (it owns the copy stream)."""
 
-    def __init__(self, device: torch.device | str = "cpu", lookahead: int = 4, method: str = "auto"):
+    def __init__(self, device: torch.device | str = "cpu", lookahead: int = 4, method: str = "auto",
+                 gather_blocks: int | None = None):
         if lookahead < 2:
             # The n-th copy waits for block c_{n-lookahead} + 2 to start; with 1 that can be block c_n + 1.
             raise ValueError(f"lookahead must be >= 2 cached blocks, got {lookahead}")
         self.device = torch.device(device)
         self.lookahead = lookahead
         self.method = method
+        if gather_blocks is None:
+            gather_blocks = gather_blocks_beside_compute(self.device)
+        if gather_blocks < 0:
+            raise ValueError(f"gather_blocks must be >= 0 (0: no bound), got {gather_blocks}")
+        self.gather_blocks = gather_blocks
         self.stats = CopyStats()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._worker: ThreadPoolExecutor | None = None  # the CPU's copy thread, from the first copy to `close`
@@ -364,7 +380,7 @@ class StagedActivations(ActivationCache):
         dst_rows = level.dst_rows
         arena = self.rows[next(r for r, row in enumerate(self.rows) if row is not None)].handle.arena_bytes
         ops.gather_host_rows_(stored.view(torch.uint8) if layout.quantized else stored, arena, src_offsets,
-                              dst_rows, method=self.engine.method)
+                              dst_rows, method=self.engine.method, max_blocks=self.engine.gather_blocks)
         self.engine.stats.bytes += int(src_offsets.numel()) * row_bytes
         self.engine.stats.rows += int(src_offsets.numel())
         shape = (num_rows, level.num_tokens, *entry.shape[1:]) if not level.packed else (-1, *entry.shape[1:])
