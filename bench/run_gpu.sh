@@ -12,8 +12,8 @@
 #            image_latency_flux-size_28_y_graphs.json, image_latency_flux-size_28_kv_fp8_graphs.json. Eager,
 #            the mask-aware step was launch-bound on an H200 (stop 47: a block's latency stayed at ~2.4 ms
 #            from m = 0.05 to 0.3, where a full block computes in 3.4 ms)
-#   kernels  attention.json (ragged attention vs SDPA/FlexAttention/flash-attn), gather.json (host->device
-#            gather vs one contiguous copy), block_latency.json (one Flux block, Fig. 15 left)
+#   kernels  gather.json (host->device gather vs one contiguous copy, and beside compute), attention.json
+#            (ragged attention vs SDPA/FlexAttention/flash-attn), block_latency.json (one Flux block, Fig. 15 left)
 #   flux     cost_flux-size.json (retouch profile), image_latency_flux-size.json (Fig. 15 right, y/kv-cache,
 #            cache in pinned host memory, planner on), overlap.json (Fig. 4 left)
 #   unet     cost + image_latency for sdxl-size and sd2-size
@@ -215,8 +215,9 @@ part_graphs() {
 }
 
 part_kernels() {
-  bench attention attention.json --device "$DEV" "${QUICK[@]}"
+  # The gather first: its overlap figure (bench copy's overlap_*) says whether the copies hold compute back.
   bench copy gather.json --device "$DEV" "${QUICK[@]}"
+  bench attention attention.json --device "$DEV" "${QUICK[@]}"
   bench block block_latency.json --model "$FLUX" --device "$DEV" "${BLOCK[@]}" "${BASELINES[@]}"
 }
 
