@@ -1,7 +1,8 @@
 // Host->device row gather out of the pinned HostArena: an SM kernel that reads mapped host memory
-// (many small runs: one launch, no per-copy overhead; its grid can be bounded to leave SMs to compute) and a copy-engine path that issues one
-// host->device copy per run of adjacent rows (few long runs: DMA at full link bandwidth, no SMs taken
-// from the compute stream). The torch wrapper (csrc/host_gather_cuda.cpp) picks one.
+// (many small runs: one launch, no per-copy overhead; its grid can be bounded to leave SMs to compute)
+// and a copy-engine path that issues one host->device copy per run of adjacent rows (few long runs: DMA
+// at full link bandwidth, no SMs taken from the compute stream). The torch wrapper
+// (csrc/host_gather_cuda.cpp) picks one.
 #include "host_gather.h"
 
 #include <algorithm>
