@@ -290,17 +290,17 @@ def test_the_deadline_interrupts_the_running_step_and_skips_the_rest(tmp_path):
     its table inside the tool's limit."""
     results, out = tmp_path / "results", tmp_path / "out"
     out.mkdir()
-    python = python_that(tmp_path, "retouch.bench.copy", "exec sleep 600")
+    python = python_that(tmp_path, "retouch.bench.attention", "exec sleep 600")  # the kernels part's second step
     done = _run_gpu("kernels", "flux", results=results, out=out, python=python, env={"DEADLINE_S": "20"})
     assert done.returncode == 1 and "failed parts: kernels flux" in done.stdout, done.stdout[-3000:]
     kernels, flux = (results / "kernels.log").read_text(), (results / "flux.log").read_text()
-    assert (results / "attention.json").exists() and "== FAILED (exit 124): bench copy" in kernels
+    assert (results / "gather.json").exists() and "== FAILED (exit 124): bench attention" in kernels
     assert "== SKIPPED (deadline)" in kernels and "== FAILED (exit 125): bench block" in kernels
     assert "== SKIPPED (deadline)" in flux and not (results / "overlap.json").exists()
     summary = _summary(done.stdout)
     assert [line.split()[::3] for line in summary] == [["kernels", "FAILED"], ["flux", "FAILED"]]
     with tarfile.open(out / "results.tgz") as archive:
-        assert {"kernels.log", "flux.log", "attention.json"} <= set(archive.getnames())
+        assert {"kernels.log", "flux.log", "gather.json"} <= set(archive.getnames())
 
 
 def test_a_hung_test_run_is_interrupted_reported_and_the_part_goes_on(tmp_path, monkeypatch):
