@@ -9,6 +9,8 @@ Variants, timed interleaved in one run (median seconds per image = `--steps` den
 - ideal:     InMemoryActivationCache on the device
 - planned:   host arena + copy engine, block plan from the planner on `--cost-model` (retouch profile)
 - pipelined: host arena + copy engine, every block cached (Fig. 9 middle: bubbles where loads are slow)
+- pipelined-unbounded, pipelined-memcpy (CUDA): the same with the gather kernel's grid unbounded (one block
+             per 1,024 vectors: every SM, as before stop 52), and with copy-engine DMA copies only (no SMs)
 - naive:     host arena, every load issued before the first block and waited for (Fig. 4 left)
 - full:      full compute, no cache: the stock denoiser eager (an unpatched twin, `retouch.bench.stock`);
              with `--baselines eager,compiled` also `full-compiled`, the same under torch.compile. Each
@@ -81,6 +83,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     masked = centred_token_rectangle(grid, args.mask_ratio)
     engine = CopyEngine(device, lookahead=args.lookahead)
+    # How the gather shares the device with the compute it overlaps: the default (a quarter of the SMs) against
+    # every SM, and against DMA copies, in the same run.
+    engines = {"pipelined": engine}
+    if device.type == "cuda":
+        engines["pipelined-unbounded"] = CopyEngine(device, lookahead=args.lookahead, gather_blocks=0)
+        engines["pipelined-memcpy"] = CopyEngine(device, lookahead=args.lookahead, method="memcpy")
     plan = _plan(args.cost_model, adapter, args.cache_mode, num_text, num_image, len(masked))
 
     def build(step, cache, block_plan=None):
@@ -98,12 +106,12 @@ def main(argv: list[str] | None = None) -> dict:
     with store.acquire("template") as handle:
         handles = {"template": handle}
 
-        def staged(block_plan=None, sync=False):
-            return lambda step: staged_context(functools.partial(build, step, block_plan=block_plan), engine,
+        def staged(block_plan=None, sync=False, copies=engine):
+            return lambda step: staged_context(functools.partial(build, step, block_plan=block_plan), copies,
                                                adapter, handles, dtype, sync=sync)
 
         runs = {"ideal": functools.partial(image, lambda step: build(step, ideal_cache)),
-                "pipelined": functools.partial(image, staged()),
+                **{name: functools.partial(image, staged(copies=copies)) for name, copies in engines.items()},
                 "naive": functools.partial(image, staged(sync=True))}
         for baseline, denoiser in stock.denoisers(transformer, args.baselines).items():
             runs[FULL[baseline]] = functools.partial(_full_image, denoiser, inputs, args.steps)
@@ -133,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
             row["mode"] = row["variant"]
         write_report(report, args.out, "vs_ideal", "latency / ideal (cache in device memory)")
     print(json_text(report))
-    engine.close()
+    for copies in engines.values():
+        copies.close()
     store.close()
     return report
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU figure of retouch, in parts that each fit one 10-minute call of a lent GPU machine.
 #
-#   bench/run_gpu.sh PART...   PART: tests headline graphs kernels flux unet throughput serving compile step lora | all
+#   bench/run_gpu.sh PART...
+#   PART: tests headline graphs overlap kernels flux unet throughput serving compile step lora | all
 #
 #   tests    build retouch._C with CUDA, run the test suite on the GPU (kernels, adapters, engine)
 #   headline the GPU issue's first target: flux-size at 1024 px, 28 steps, m = 0.2, cache in pinned host memory,
@@ -12,6 +13,10 @@
 #            image_latency_flux-size_28_y_graphs.json, image_latency_flux-size_28_kv_fp8_graphs.json. Eager,
 #            the mask-aware step was launch-bound on an H200 (stop 47: a block's latency stayed at ~2.4 ms
 #            from m = 0.05 to 0.3, where a full block computes in 3.4 ms)
+#   overlap  the copy engine beside compute in the model: overlap_y.json and overlap_kv.json (flux, m = 0.2, every
+#            block cached; eager): host cache against the cache in device memory, with the gather kernel on a
+#            quarter of the SMs (the default), on every SM, and DMA copies only. Stop 52's headline step took
+#            about compute + copy time
 #   kernels  gather.json (host->device gather vs one contiguous copy, and beside compute), attention.json
 #            (ragged attention vs SDPA/FlexAttention/flash-attn), block_latency.json (one Flux block, Fig. 15 left)
 #   flux     cost_flux-size.json (retouch profile), image_latency_flux-size.json (Fig. 15 right, y/kv-cache,
@@ -214,6 +219,14 @@ part_graphs() {
     --mask-ratios 0.2 --modes kv --cache-dtype float8_e4m3fn "${GRAPHS[@]}" $(planner "$FLUX") "${HEADLINE[@]}"
 }
 
+part_overlap() {
+  local mode
+  for mode in y kv; do
+    bench overlap "overlap_$mode.json" --model "$FLUX" --device "$DEV" --mask-ratio 0.2 --cache-mode "$mode" \
+      "${OVERLAP[@]}"
+  done
+}
+
 part_kernels() {
   # The gather first: its overlap figure (bench copy's overlap_*) says whether the copies hold compute back.
   bench copy gather.json --device "$DEV" "${QUICK[@]}"
@@ -277,10 +290,10 @@ part_lora() {
 }
 
 parts=("$@")
-[ "${parts[*]}" = all ] && parts=(tests headline graphs kernels flux unet throughput serving compile step lora)
+[ "${parts[*]}" = all ] && parts=(tests headline graphs overlap kernels flux unet throughput serving compile step lora)
 for part in "${parts[@]}"; do
   declare -F "part_$part" >/dev/null || {
-    echo "unknown part $part (tests headline graphs kernels flux unet throughput serving compile step lora all)"
+    echo "unknown part $part (tests headline graphs overlap kernels flux unet throughput serving compile step lora all)"
     exit 2
   }
 done

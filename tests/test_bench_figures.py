@@ -200,16 +200,17 @@ def python_that(tmp_path: Path, module: str, action: str) -> Path:
 def test_run_gpu_runs_every_part_on_the_cpu_smoke_sizes(tmp_path):
     results, out = tmp_path / "results", tmp_path / "out"
     out.mkdir()
-    done = _run_gpu("headline", "kernels", "flux", "unet", "throughput", "serving", "compile", "step", "lora",
-                    results=results, out=out)
+    done = _run_gpu("headline", "overlap", "kernels", "flux", "unet", "throughput", "serving", "compile", "step",
+                    "lora", results=results, out=out)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    expected = ["image_latency_tiny-flux-fill_2_y", "image_latency_tiny-flux-fill_2_kv_fp8", "attention", "gather",
+    expected = ["image_latency_tiny-flux-fill_2_y", "image_latency_tiny-flux-fill_2_kv_fp8", "overlap_y", "overlap_kv",
+                "attention", "gather",
                 "block_latency", "cost_tiny-flux-fill", "image_latency_tiny-flux-fill", "overlap",
                 "cost_tiny-sdxl-inpaint", "image_latency_tiny-sdxl-inpaint", "throughput", "serving",
                 "overhead_flux-size", "step_compiled", "lora_tiny-flux-fill"]
     # The device tool brings back at most 8 files from $OUT: one archive of every part's log and results,
     # and one of the Chrome traces (the largest files).
-    parts = ("headline", "kernels", "flux", "unet", "throughput", "serving", "compile", "step", "lora")
+    parts = ("headline", "overlap", "kernels", "flux", "unet", "throughput", "serving", "compile", "step", "lora")
     assert sorted(path.name for path in out.iterdir()) == ["results-traces.tgz", "results.tgz"]
     archived = {}
     for name in ("results.tgz", "results-traces.tgz"):
