@@ -19,7 +19,9 @@ is diffusers' own), all interleaved. Prints one JSON object
 `--baselines eager,compiled` times both in the same run (`retouch.bench.stock`: the pipeline with an
 unpatched twin of its denoiser, eager and under torch.compile). `--compile` compiles the mask-aware blocks
 (`MaskAwareEditor(compile=True)`) and adds the compiled baseline by default; compilation happens in the
-warm-up runs, outside the timed ones.
+warm-up runs, outside the timed ones. Compiled (`--compile`, `--cuda-graphs`), each edit is also timed with
+its blocks eager (`adapter.eager()`) in the same run: rows add `eager_blocks_s` and `speedup_eager_blocks`,
+so that what compiling the blocks changed stands apart from everything else that changed between runs.
 """
 
 from __future__ import annotations
@@ -121,7 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
     # Every edit this loop runs: per mode the planner's one per ratio, then each timed run's warm-up and repeats.
     planned = len(requests) if cost_model is not None else 0
     full_runs = len(args.strengths) * len(baselines)
-    edits = bar(desc="image: diffusers vs mask-aware", total=len(modes) * (planned + (full_runs + len(requests)) *
+    compiled = args.compile or args.cuda_graphs
+    edit_runs = len(requests) * (2 if compiled else 1)
+    edits = bar(desc="image: diffusers vs mask-aware", total=len(modes) * (planned + (full_runs + edit_runs) *
                                                                            (args.repeats + 1)), unit="edit")
     for mode in modes:
         editor.switch_cache_mode(mode)
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
         plans = {}
         for key, request in requests.items():
             runs[key] = functools.partial(editor.edit_many, [request])
+            if compiled:
+                runs[key, "eager blocks"] = functools.partial(_with_eager_blocks, editor, request)
             if cost_model is not None:
                 editor.edit_many([request])  # the planner's choice for this mask, kept as last_plan
                 edits.update()
@@ -148,6 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
                        "mask_aware_s": seconds[key], "speedup": round(full_s / seconds[key], 3)}
                 if key in plans:
                     row["plan"] = plans[key]
+                if compiled:
+                    row["eager_blocks_s"] = seconds[key, "eager blocks"]
+                    row["speedup_eager_blocks"] = round(full_s / seconds[key, "eager blocks"], 3)
                 rows.append(row)
         results += rows
         speedups = [row["speedup"] for row in rows]
@@ -167,6 +176,11 @@ def main(argv: list[str] | None = None) -> dict:
               "cost_model": str(args.cost_model) if args.cost_model else None, "results": results}
     store.close()
     return publish(report, args.out, _plot)
+
+
+def _with_eager_blocks(editor: MaskAwareEditor, request: EditRequest) -> None:
+    with editor.adapter.eager():
+        editor.edit_many([request])
 
 
 def _host_bytes(args, model, resolution: int, recorded_mode: str) -> int:

@@ -125,6 +125,7 @@ def test_image_latency_compiled_races_eager_and_compiled_stock_in_one_run(monkey
     twin shares the editor's weights (no second copy of the transformer)."""
     import torch
 
+    from retouch.adapters.base import MaskAwareAdapter
     from retouch.editor import MaskAwareEditor
 
     compiled, compile_, editors = [], torch.compile, []
@@ -141,12 +142,23 @@ def test_image_latency_compiled_races_eager_and_compiled_stock_in_one_run(monkey
         editors.append(self)
 
     monkeypatch.setattr(MaskAwareEditor, "__init__", kept)
+    eager_blocks, compiled_when_eager = MaskAwareAdapter.eager, []
+
+    def counted(self):
+        compiled_when_eager.append(self.compiling)
+        return eager_blocks(self)
+
+    monkeypatch.setattr(MaskAwareAdapter, "eager", counted)
     report = image.main(["--model", "tiny-flux-fill", "--steps", "2", "--repeats", "1", "--mask-ratios", "0.2",
                          "--modes", "y", "--compile"])
     assert report["compiled"] and list(report["baselines"]) == ["eager", "compiled"]
     eager, versus_compiled = report["results"]
     assert (eager["baseline"], versus_compiled["baseline"]) == ("eager", "compiled")
     assert eager["mask_aware_s"] == versus_compiled["mask_aware_s"] > 0  # one timing, quoted twice
+    # The same edit with its blocks eager, timed in the same run (a warm-up and one repeat), quoted twice too.
+    assert compiled_when_eager == [True, True]
+    assert eager["eager_blocks_s"] == versus_compiled["eager_blocks_s"] > 0
+    assert eager["speedup_eager_blocks"] == round(eager["full_s"] / eager["eager_blocks_s"], 3)
     assert eager["full_s"] != versus_compiled["full_s"]
     stock = [target for target in compiled if isinstance(target, torch.nn.Module)]
     assert [type(module).__name__ for module in stock] == ["FluxTransformer2DModel"]
