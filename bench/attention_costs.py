@@ -14,7 +14,6 @@ Prints one JSON object: the fits per head_dim (paste them into `ops.ATTENTION_CO
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -24,6 +23,7 @@ import sys
 import numpy as np
 
 from retouch import ops
+from retouch.errors import ArgumentParser
 
 # ops.choose_attention's paths and the sweep's names for them.
 PATHS = {("triton", False): "ragged_triton", ("sdpa", True): "padded_sdpa", ("sdpa", False): "per_request_sdpa"}
@@ -31,11 +31,10 @@ COST_NAMES = {"ragged_triton": "triton", "padded_sdpa": "sdpa_padded", "per_requ
 
 
 def work_tflop(point: dict, padded: bool) -> float:
-    """The TFLOP a path computes at `point`: the ragged work, or every request padded to the longest."""
-    lengths_q, keys = point["query_lens"], point["tokens_per_request"]
-    flop_per_pair = 4 * point["heads"] * point["head_dim"]
-    pairs = len(lengths_q) * max(lengths_q) * keys if padded else sum(lengths_q) * keys
-    return flop_per_pair * pairs / 1e12
+    """The TFLOP a path computes at `point` (`ops.attention_flop`, as `ops.choose_attention` charges it)."""
+    lengths_q = point["query_lens"]
+    lengths_k = [point["tokens_per_request"]] * len(lengths_q)
+    return ops.attention_flop(lengths_q, lengths_k, point["heads"], point["head_dim"], padded) / 1e12
 
 
 def fit_cost(rows: list[tuple[int, float, float]]) -> ops.AttentionCost:
@@ -93,7 +92,7 @@ def replay(sweep: dict, costs: dict[int, dict[str, ops.AttentionCost]], timing: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="retouch bench attention_costs", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="retouch bench attention_costs", description=__doc__)
     parser.add_argument("sweep", help="an attention JSON of `retouch bench attention` on a GPU")
     parser.add_argument("--timing", default="ms_steady", choices=["ms_steady", "ms_p50"],
                         help="which time per call to fit (default: ms_steady, the device's time)")

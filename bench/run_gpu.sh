@@ -289,11 +289,12 @@ part_lora() {
   bench lora "lora_$LORA_MODEL.json" --model "$LORA_MODEL" --device "$DEV" "${LORA[@]}"
 }
 
+ALL_PARTS=(tests headline graphs overlap kernels flux unet throughput serving compile step lora)
 parts=("$@")
-[ "${parts[*]}" = all ] && parts=(tests headline graphs overlap kernels flux unet throughput serving compile step lora)
+[ "${parts[*]}" = all ] && parts=("${ALL_PARTS[@]}")
 for part in "${parts[@]}"; do
   declare -F "part_$part" >/dev/null || {
-    echo "unknown part $part (tests headline graphs overlap kernels flux unet throughput serving compile step lora all)"
+    echo "unknown part $part (${ALL_PARTS[*]} all)"
     exit 2
   }
 done

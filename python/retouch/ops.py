@@ -306,18 +306,27 @@ def attention_costs(head_dim: int, dtype: torch.dtype, capability: tuple[int, in
     return ATTENTION_COSTS.get((capability[0], head_dim))
 
 
+def attention_flop(lengths_q: Sequence[int], lengths_k: Sequence[int], heads: int, head_dim: int,
+                   padded: bool = False) -> int:
+    """FLOP of ragged attention over requests of `lengths_q` queries and `lengths_k` keys; `padded`: with
+    every request's queries padded to the longest (keys of one length, as `with_padded_queries` needs)."""
+    flop_per_pair = 4 * heads * head_dim
+    if padded:
+        return flop_per_pair * len(lengths_q) * max(lengths_q) * lengths_k[0]
+    return flop_per_pair * sum(q * k for q, k in zip(lengths_q, lengths_k))
+
+
 def choose_attention(lengths_q: Sequence[int], lengths_k: Sequence[int], heads: int, head_dim: int,
                      costs: dict[str, AttentionCost]) -> tuple[str, bool]:
     """(backend, padded) predicted fastest for this layout: ("triton", False), ("sdpa", True) for one SDPA
     call over padded queries (keys of one length only: padded keys would need a mask, off SDPA's fast
     kernels), or ("sdpa", False) for one call per request."""
     requests = len(lengths_q)
-    flop_per_pair = 4 * heads * head_dim
-    ragged = flop_per_pair * sum(q * k for q, k in zip(lengths_q, lengths_k))
+    ragged = attention_flop(lengths_q, lengths_k, heads, head_dim)
     predicted = {("triton", False): costs["triton"].ms(requests, ragged),
                  ("sdpa", False): costs["sdpa"].ms(requests, ragged)}
     if requests > 1 and len(set(lengths_k)) == 1 and lengths_k[0] > 0:
-        padded = flop_per_pair * requests * max(lengths_q) * lengths_k[0]
+        padded = attention_flop(lengths_q, lengths_k, heads, head_dim, padded=True)
         predicted[("sdpa", True)] = costs["sdpa_padded"].ms(requests, padded)
     return min(predicted, key=predicted.get)
 
