@@ -27,7 +27,7 @@ from retouch.engine.metrics import now
 from retouch.engine.processing import HelperPool
 from retouch.engine.worker import EditResult, EngineConfig, Job, MissingTemplate, StepWatch, Worker
 from retouch.errors import InputError, RetouchError
-from retouch.lora import LoraChoice, parse_lora
+from retouch.lora import LoraChoice, LoraError, parse_lora
 from retouch.models import load_pipeline
 from retouch.models.samplers import describe as describe_scheduler
 
@@ -91,7 +91,7 @@ class Engine:
                                       scheduler=self.editor.model.scheduler,
                                       scheduler_description=describe_scheduler(self.worker.scheduler.template),
                                       threads=self.config.helper_threads, run_dir=self.config.run_dir,
-                                      silence_s=self.config.helper_silence_s)
+                                      silence_s=self.config.helper_silence_s, lora_dir=self.config.lora_dir)
         self._running = True
         self._loop_done.clear()
         self.worker.stopping = False  # the last close's stop: a loop started again returned at once
@@ -388,7 +388,7 @@ class Engine:
             self.helpers.send(job.id, processing.recording_message(job.id, job.recording, job.records, job.strength))
         else:
             template = self.editor.templates[job.request.template_id]
-            self.helpers.send(job.id, processing.prepare_message(job.id, job.request, template))
+            self.helpers.send(job.id, processing.prepare_message(job.id, job.request, template, job.lora))
 
     def _answered(self, future: Future) -> None:
         with self._jobs_lock:
@@ -450,6 +450,9 @@ class Engine:
         elif kind == "prepared":
             self.worker.count_failure(job)
             job.fail(MissingTemplate(f"template {job.request.template_id!r} was dropped before the edit ran"))
+        elif header["error"] == LoraError.__name__:  # its adapter's text-encoder part: the client's to fix
+            self.worker.count_failure(job)
+            job.fail(LoraError(header["message"]))
         else:
             self.worker.count_failure(job)
             job.fail(HelperError(f"{header['error']}: {header['message']}"))

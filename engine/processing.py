@@ -36,6 +36,8 @@ from retouch.engine import recipes, wire
 from retouch.engine.process_tree import HELPERS_DIR_PREFIX, child_env, die_with_parent, remove_stale_run_dirs
 from retouch.engine.recipes import Prepared
 from retouch.log_limits import cap_log_messages
+from retouch.lora import LoraChoice, LoraError, parse_lora
+from retouch.lora.text_encoders import TextEncoderLoras, TextEncoderUses
 
 logger = logging.getLogger("retouch.helpers")
 
@@ -48,10 +50,12 @@ class ReadyEdit:
     prepared: Prepared
 
 
-def preprocess(editor: MaskAwareEditor, request: EditRequest, template: Template) -> ReadyEdit:
+def preprocess(editor: MaskAwareEditor, request: EditRequest, template: Template,
+               text_encoder_lora: TextEncoderUses = ()) -> ReadyEdit:
+    """`text_encoder_lora`: the text-encoder parts of the edit's LoRA adapters (`TextEncoderLoras.of`)."""
     inputs = editor.prepare_edit(request, template)
     return ReadyEdit(inputs, recipes.prepare(editor, inputs, request.prompt, request.strength, request.negative_prompt,
-                                             request.guidance))
+                                             request.guidance, text_encoder_lora))
 
 
 def prepare_recording(editor: MaskAwareEditor, template: Template, records: bool = True,
@@ -125,12 +129,12 @@ def template_from_message(header: dict, tensors: dict, blobs: dict) -> Template:
                     recorded_mode=t["recorded_mode"], negative_prompt=t["negative_prompt"])
 
 
-def prepare_message(job: int, request: EditRequest, template: Template) -> list:
+def prepare_message(job: int, request: EditRequest, template: Template, lora: LoraChoice = ()) -> list:
     header, tensors, blobs = template_message(template)
     mask_spec, mask = _image_blob(request.mask)  # checked: "L" at the template's size
     return wire.encode({"kind": "prepare", "job": job, "template": header, "prompt": request.prompt,
                         "negative_prompt": request.negative_prompt, "guidance": request.guidance, "seed": request.seed,
-                        "strength": request.strength, "mask": mask_spec},
+                        "strength": request.strength, "mask": mask_spec, "lora": [use.header() for use in lora]},
                        tensors, {**blobs, "mask": mask})
 
 
@@ -168,8 +172,9 @@ def ready_from_message(header: dict, tensors: dict, blobs: dict, template: Templ
     return ReadyEdit(inputs, prepared)
 
 
-def handle(editor: MaskAwareEditor, frames: list) -> list:
-    """A helper's answer to one message: the prepared edit, the finished image, or an error."""
+def handle(editor: MaskAwareEditor, frames: list, text_encoder_loras: TextEncoderLoras | None = None) -> list:
+    """A helper's answer to one message: the prepared edit, the finished image, or an error.
+    `text_encoder_loras`: the LoRA folder's text-encoder parts (None: the worker serves no LoRA)."""
     header, tensors, blobs = wire.decode(frames)
     job = header["job"]
     try:
@@ -179,7 +184,11 @@ def handle(editor: MaskAwareEditor, frames: list) -> list:
                 request = EditRequest(template.template_id, image_from_blob(header["mask"], blobs["mask"]), header["prompt"],
                                       header["seed"], strength=float(header.get("strength", 1.0)),
                                       negative_prompt=header["negative_prompt"], guidance=header["guidance"])
-                return ready_message(job, preprocess(editor, request, template))
+                lora = parse_lora(header.get("lora") or [])
+                if lora and text_encoder_loras is None:
+                    raise LoraError("this helper was started without the worker's LoRA folder")
+                uses = text_encoder_loras.of(lora) if lora else ()
+                return ready_message(job, preprocess(editor, request, template, uses))
             if header["kind"] == "record":
                 return ready_message(job, prepare_recording(editor, template, header["records"],
                                                             float(header.get("strength", 1.0))))
@@ -216,7 +225,7 @@ class HelperPool:
                  on_message: Callable[[dict, dict, dict], None], start_timeout_s: float = 600.0,
                  build_in_memory: bool = False, threads: int = 0, run_dir: str | None = None,
                  poll_s: float = 0.2, scheduler: str | None = None, scheduler_description: str | None = None,
-                 silence_s: float = 30.0):
+                 silence_s: float = 30.0, lora_dir: str | None = None):
         """`build_in_memory`: the helpers build the built-in `model` on their device as the parent did
         (`retouch.models.loading.build_loaded`) instead of loading its export: the same seeds, the
         same weights. `threads`: torch CPU threads of each helper (0: torch's default). `run_dir`:
@@ -224,7 +233,8 @@ class HelperPool:
         `--scheduler` the parent's model was loaded with; `scheduler_description`: the scheduler it runs
         (`samplers.describe`), which the helpers then run too, however the parent came by it (the
         helpers set up each request's schedule). `silence_s`: how long a helper may say nothing before it is
-        killed and replaced (it says it is alive four times as often)."""
+        killed and replaced (it says it is alive four times as often). `lora_dir`: the worker's LoRA folder,
+        whose files' text-encoder parts the helpers apply as they encode prompts."""
         if count < 1:
             raise ValueError(f"the disaggregated mode needs at least one helper process, got {count}")
         if run_dir is None:  # a worker started on its own: one killed outright left its folder behind
@@ -254,6 +264,7 @@ class HelperPool:
         self._command += ["--build-in-memory"] if build_in_memory else []
         self._command += ["--scheduler", scheduler] if scheduler is not None else []
         self._command += ["--scheduler-description", scheduler_description] if scheduler_description else []
+        self._command += ["--lora-dir", lora_dir] if lora_dir is not None else []
         self._env = child_env()
         self._lock = threading.Lock()  # the task sockets and the books below
         self._outstanding: dict[int, tuple[int, list, int]] = {}  # job -> (helper, frames, times sent)
@@ -502,6 +513,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--index", type=int, default=0, help="which of the pool's helpers this is")
     parser.add_argument("--alive-every", type=float, default=7.5, help="seconds between its 'alive' messages")
+    parser.add_argument("--lora-dir", default=None, help="the worker's LoRA folder (text-encoder parts)")
     args = parser.parse_args(argv)
     die_with_parent()  # a helper without its worker is ~700 MB of nothing
     cap_log_messages()  # the text encoders log the part of a long prompt they cut
@@ -523,6 +535,7 @@ def main(argv: list[str] | None = None) -> None:
         model.pipe.scheduler = from_description(args.scheduler_description)
     editor = MaskAwareEditor(model, cache=InMemoryActivationCache(), dilation=args.dilation)
     editor.denoiser.to("meta")
+    text_encoder_loras = TextEncoderLoras(args.lora_dir, model.pipe) if args.lora_dir is not None else None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     context = zmq.Context()
@@ -548,7 +561,7 @@ def main(argv: list[str] | None = None) -> None:
         if cancelled.take(job):
             results.send_multipart(wire.encode({"kind": "skipped", "job": job}))
             continue
-        results.send_multipart(handle(editor, buffers), copy=False)
+        results.send_multipart(handle(editor, buffers, text_encoder_loras), copy=False)
 
 
 if __name__ == "__main__":

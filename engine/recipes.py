@@ -29,6 +29,8 @@ from PIL import Image
 
 from retouch.editor import EditInputs, MaskAwareEditor
 from retouch.engine.schedulers import BatchScheduler, PipelineCalls, RequestSchedule, encode_arguments
+from retouch.lora.text_encoders import TextEncoderUses
+from retouch.lora.text_encoders import applied as text_encoder_lora_applied
 from retouch.models import quiet_libraries
 from retouch.shadows import shadowing
 from retouch.strength import noised_start, start_step
@@ -120,10 +122,12 @@ class _FirstStep(Exception):
 
 
 def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str, strength: float = 1.0,
-            negative_prompt: str | None = None, guidance: float | None = None) -> Prepared:
+            negative_prompt: str | None = None, guidance: float | None = None,
+            text_encoder_lora: TextEncoderUses = ()) -> Prepared:
     """Run the stock pipeline on one edit up to its first denoiser call; keep what the loop needs. Below
     `strength` 1 the loop starts part-way (`retouch.strength`). `negative_prompt` and `guidance` (the
-    edit's own scale; None: the template's) as `MaskAwareEditor.check_request` returned them."""
+    edit's own scale; None: the template's) as `MaskAwareEditor.check_request` returned them. Its prompts
+    are encoded with the text-encoder parts of its LoRA adapters (`retouch.lora.text_encoders`)."""
     pipe, family, template = editor.pipe, editor.model.family, inputs.template
     seen: dict[str, object] = {}
 
@@ -152,6 +156,7 @@ def prepare(editor: MaskAwareEditor, inputs: EditInputs, prompt: str, strength: 
         for owner, method, name in shadowed:
             undo.enter_context(shadowing(owner, method, remember(name, getattr(owner, method))))
         undo.callback(editor.denoiser.register_forward_pre_hook(stop, with_kwargs=True).remove)
+        undo.enter_context(text_encoder_lora_applied(pipe, text_encoder_lora))
         try:
             with torch.inference_mode(), quiet_libraries():
                 pipe(**kwargs)

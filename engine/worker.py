@@ -62,6 +62,7 @@ from retouch.strength import steps_run
 from retouch.lora import LoraChoice, LoraError
 from retouch.lora.layers import AmbiguousRows, EntryAdapters
 from retouch.lora.manager import LoraManager
+from retouch.lora.text_encoders import TextEncoderLoras
 
 MODES = ("static", "naive", "disagg")
 MEMORY_RETRIES = 3  # restarts of a registration whose host cache was held by templates in use
@@ -283,6 +284,8 @@ class Worker:
         self.predict_s = predict_s or self.predicted_s
         self.loras = LoraManager(config.lora_dir, int(config.lora_cache_mb * 2**20), editor,
                                  None if config.lora_device_mb is None else int(config.lora_device_mb * 2**20))
+        # Prompts encoded here (no helpers) apply the text-encoder parts of the same files.
+        self.text_encoder_loras = TextEncoderLoras(config.lora_dir, editor.pipe) if config.lora_dir else None
         self._recording_again: dict[str, Job] = {}  # template id -> its recording, for the edits that found it lost
 
     @classmethod
@@ -746,7 +749,8 @@ class Worker:
         template = self.editor.templates.get(job.request.template_id)
         if template is None:  # known when submitted (`Engine.submit` checks): dropped since
             raise MissingTemplate(f"template {job.request.template_id!r} was dropped before the edit ran")
-        return preprocess(self.editor, job.request, template)
+        lora = self.text_encoder_loras.of(job.lora) if job.lora and self.text_encoder_loras is not None else ()
+        return preprocess(self.editor, job.request, template, lora)
 
     def _answer_unrecorded(self, job: Job, failure: CacheFull) -> None:
         """A one-off edit whose recording does not fit the host cache answers all the same: computed in

@@ -18,6 +18,7 @@ from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
+from diffusers import ModelMixin
 from torch import nn
 
 from retouch.lora.files import DENOISER_COMPONENT, FLUX_FAMILIES, FOLDER_WEIGHT_NAME
@@ -36,6 +37,8 @@ SINGLE_BLOCK_TARGETS = re.compile(r"single_transformer_blocks\.\d+\.(proj_mlp|pr
 # scaling. 0.3 changes the tiny models' outputs by far more than their fp32 noise, yet keeps them sane.
 DEFAULT_STD = 0.3
 ADAPTER_NAME = "random"
+# What diffusers' training scripts adapt in a CLIP text encoder (train_dreambooth_lora_sdxl.py's text_lora_config).
+TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 
 
 def pipeline_of(model_or_pipe):
@@ -60,20 +63,39 @@ def default_targets(model_or_pipe) -> list[str]:
 
 def save_random_lora(model_or_pipe, folder: Path, rank: int = 4, alpha: float | None = None,
                      targets: list[str] | None = None, seed: int = 0, std: float = DEFAULT_STD,
-                     weight_name: str = FOLDER_WEIGHT_NAME) -> Path:
+                     weight_name: str = FOLDER_WEIGHT_NAME, text_encoders: bool = False) -> Path:
     """A random LoRA for this pipeline's denoiser, saved as folder/weight_name; returns that path.
 
     targets: PEFT target_modules (module paths or suffixes; default `default_targets`). alpha: lora_alpha
     (default rank, i.e. scaling 1; written as adapter metadata otherwise). A ~ N(0, 1/in), B ~ N(0, std^2/r).
-    Works on any denoiser and rank (benchmarks use rank=512 on the bench models): PEFT injects into a copy of
-    the module tree that shares the denoiser's weights, so the model itself is left as it was."""
+    `text_encoders`: also adapt every CLIP text encoder diffusers loads LoRA into (TEXT_ENCODER_TARGETS), as
+    the training scripts do with --train_text_encoder. Works on any denoiser and rank (benchmarks use
+    rank=512 on the bench models): PEFT injects into a copy of the module tree that shares the model's
+    weights, so the model itself is left as it was."""
+    from retouch.lora.files import text_encoder_components
+
     pipe = pipeline_of(model_or_pipe)
-    denoiser = denoiser_of(pipe)
     alpha = rank if alpha is None else alpha
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or default_targets(pipe),
-                        init_lora_weights=False)
-    adapted = _shared_weight_copy(denoiser)
-    trainable = {parameter: parameter.requires_grad for parameter in denoiser.parameters()}
+    parts = {DENOISER_COMPONENT[family_of_pipeline(pipe)]: targets or default_targets(pipe)}
+    if text_encoders:
+        parts.update((component, TEXT_ENCODER_TARGETS) for component in text_encoder_components(pipe))
+    layers = {}
+    for offset, (component, component_targets) in enumerate(parts.items()):
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=component_targets, init_lora_weights=False)
+        state_dict, saved_config = _random_adapter(getattr(pipe, component), config, seed + 1000 * offset, std)
+        layers[f"{component}_lora_layers"] = state_dict
+        if alpha != rank:  # what the training scripts' _collate_lora_metadata passes
+            layers[f"{component}_lora_adapter_metadata"] = saved_config
+    type(pipe).save_lora_weights(folder, weight_name=weight_name, **layers)
+    return Path(folder) / weight_name
+
+
+def _random_adapter(module: nn.Module, config: LoraConfig, seed: int, std: float) -> tuple[dict, dict]:
+    """(the PEFT state dict of a random adapter of `config` on `module`, in diffusers naming; its config)."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+
+    adapted = _shared_weight_copy(module)
+    trainable = {parameter: parameter.requires_grad for parameter in module.parameters()}
     try:
         adapted.add_adapter(config, adapter_name=ADAPTER_NAME)
     finally:  # PEFT freezes the base weights, which the copy shares with the model
@@ -81,20 +103,17 @@ def save_random_lora(model_or_pipe, folder: Path, rank: int = 4, alpha: float | 
             parameter.requires_grad_(requires_grad)
     generator_by_device = {}
     with torch.no_grad():
-        for layer in (module for module in adapted.modules() if isinstance(module, LoraLayer)):
+        for layer in (m for m in adapted.modules() if isinstance(m, LoraLayer)):
             A = layer.lora_A[ADAPTER_NAME].weight
             B = layer.lora_B[ADAPTER_NAME].weight
             generator = generator_by_device.setdefault(A.device, torch.Generator(A.device).manual_seed(seed))
             A.normal_(0.0, A[0].numel() ** -0.5, generator=generator)
-            B.normal_(0.0, std * rank ** -0.5, generator=generator)
+            B.normal_(0.0, std * config.r ** -0.5, generator=generator)
     state_dict = {key: value.detach().cpu().contiguous()
                   for key, value in get_peft_model_state_dict(adapted, adapter_name=ADAPTER_NAME).items()}
-    component = DENOISER_COMPONENT[family_of_pipeline(pipe)]
-    layers = {f"{component}_lora_layers": state_dict}
-    if alpha != rank:  # what the training scripts' _collate_lora_metadata passes
-        layers[f"{component}_lora_adapter_metadata"] = adapted.peft_config[ADAPTER_NAME].to_dict()
-    type(pipe).save_lora_weights(folder, weight_name=weight_name, **layers)
-    return Path(folder) / weight_name
+    if not isinstance(module, ModelMixin):  # a transformers text encoder: the scripts convert its keys
+        state_dict = convert_state_dict_to_diffusers(state_dict)
+    return state_dict, adapted.peft_config[ADAPTER_NAME].to_dict()
 
 
 def save_kohya_lora(model_or_pipe, folder: Path, rank: int = 4, alpha: float | None = None,

@@ -49,23 +49,31 @@ def lora_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("model", TINY_MODELS)
 def test_a_lora_from_step_0_equals_diffusers_load_lora_weights(model, lora_dir):
+    """With text-encoder parts too (every CLIP encoder the pipeline has), as --train_text_encoder writes them."""
     editor = MaskAwareEditor(load_pipeline(model))
     template_id = editor.register_template(template_image(), prompt="a scene", steps=3, seed=3)
-    save_random_lora(editor.model, lora_dir / model, rank=4, alpha=8, seed=1)
+    save_random_lora(editor.model, lora_dir / model, rank=4, alpha=8, seed=1, text_encoders=True)
+    save_random_lora(editor.model, lora_dir / f"{model}-denoiser", rank=4, alpha=8, seed=1)  # the same, without
     config = EngineConfig(mode="naive", lora_dir=str(lora_dir), lora_latest_step=0.0)
     job = edit_job(template_id, lora=(LoraUse(model, 0.7),))
     worker = run_loop(editor, config, [job])
     assert job.metrics.lora_applied_step == 0 and worker.loras.metrics()["loads"] == 1
+    assert worker.text_encoder_loras.reads == 1
 
     # diffusers' own loading into a second copy of the pipeline, whose template is recorded before it.
     reference = MaskAwareEditor(load_pipeline(model))
     assert reference.register_template(template_image(), prompt="a scene", steps=3, seed=3) == template_id
     base = reference.edit_many([job.request], output_type="latent")[0]
-    reference.pipe.load_lora_weights(str(lora_dir / model), adapter_name="x")
-    reference.pipe.set_adapters(["x"], [0.7])
-    expected = reference.edit_many([job.request], output_type="latent")[0]
-    assert max_diff(latents(job), expected) < bound(expected, 256)
-    assert max_diff(expected, base) > 100 * bound(expected, 256)  # the LoRA changes the edit
+    expected = {}
+    for name in (model, f"{model}-denoiser"):
+        reference.pipe.load_lora_weights(str(lora_dir / name), adapter_name="x")
+        reference.pipe.set_adapters(["x"], [0.7])
+        expected[name] = reference.edit_many([job.request], output_type="latent")[0]
+        reference.pipe.unload_lora_weights()
+    assert max_diff(latents(job), expected[model]) < bound(expected[model], 256)
+    assert max_diff(expected[model], base) > 100 * bound(expected[model], 256)  # the LoRA changes the edit
+    # and so does its text-encoder part alone
+    assert max_diff(expected[model], expected[f"{model}-denoiser"]) > 100 * bound(expected[model], 256)
 
 
 @pytest.fixture(scope="module")
@@ -187,13 +195,20 @@ def test_a_request_waits_at_its_latest_step_while_others_go_on(flux, lora_dir, m
 
 
 def test_a_broken_adapter_fails_its_request_only(flux, lora_dir):
+    """A file that is no safetensors fails as its prompt is encoded (its header is read for a text-encoder
+    part); one whose factors are NaN fails in the loader, while its request denoises."""
     editor, ids = flux
     (lora_dir / "broken.safetensors").write_bytes(b"not a safetensors file")
-    bad, good = edit_job(ids[0], (LoraUse("broken"),)), edit_job(ids[1], (LoraUse("A"),))
-    worker = run_loop(editor, config_of(lora_dir, latest=0.5), [bad, good])
-    assert isinstance(bad.future.exception(), LoraError)
+    tensors = load_file(lora_dir / "A" / "pytorch_lora_weights.safetensors")
+    name = next(key for key in tensors if "lora_A" in key)
+    save_file({**tensors, name: tensors[name].clone().fill_(float("nan"))}, lora_dir / "nan.safetensors")
+    broken, nan, good = (edit_job(ids[i], (LoraUse(name),)) for i, name in enumerate(("broken", "nan", "A")))
+    worker = run_loop(editor, config_of(lora_dir, latest=0.5), [broken, nan, good])
+    assert "not a readable safetensors file" in str(broken.future.exception())
+    assert isinstance(nan.future.exception(), LoraError) and "NaN" in str(nan.future.exception())
     assert good.future.exception() is None and good.metrics.lora_applied_step is not None
     assert worker.loras.metrics()["load_failures"] == 1
+    (lora_dir / "nan.safetensors").unlink()
 
 
 def test_a_forgotten_adapter_is_freed_while_the_loader_waits(flux, lora_dir):

@@ -369,10 +369,10 @@ def _edited(tensors: dict, key: str, change) -> dict:
 
 
 BROKEN = {
-    "text encoder": (lambda t, m: {**t, "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight":
-                                   torch.zeros(4, 32), "text_encoder.text_model.encoder.layers.0.self_attn.q_proj"
-                                   ".lora_B.weight": torch.zeros(32, 4)},
-                     "text-encoder LoRA weights (text_encoder.text_model"),
+    "T5 encoder": (lambda t, m: {**t, "text_encoder_3.encoder.block.0.layer.0.SelfAttention.q.lora_A.weight":
+                                 torch.ones(4, 32), "text_encoder_3.encoder.block.0.layer.0.SelfAttention.q"
+                                 ".lora_B.weight": torch.ones(32, 4)},
+                   "text_encoder_3.encoder.block.0.layer.0.SelfAttention.q.lora_A.weight, which is not a weight"),
     "no denoiser keys": (lambda t, m: {}, "no LoRA weights for the unet"),
     "another model's denoiser": (lambda t, m: {k.replace("unet.", "transformer.", 1): v for k, v in t.items()},
                                  "not a weight of this model's unet"),

@@ -1,11 +1,14 @@
-"""LoRA adapter files of --lora-dir: where a name's file is, and what it holds for the denoiser.
+"""LoRA adapter files of --lora-dir: where a name's file is, and what it holds for the denoiser and the
+text encoders.
 
 `read_lora` reads a file the way diffusers' `pipe.load_lora_weights(path)` does (diffusers 0.42.1,
 loaders/lora_pipeline.py, then `load_lora_adapter` in loaders/peft.py): the pipeline class's own
 `lora_state_dict` and its converters read kohya, xlabs and other non-diffusers layouts, and the per-module
 rank and alpha come from the LoraConfig diffusers would hand PEFT. Instead of injecting PEFT layers it
 returns each targeted linear's factors and scaling, checked against the denoiser, so that the engine can
-apply them unmerged, per row (`W x + scale * scaling * B (A x)`).
+apply them unmerged, per row (`W x + scale * scaling * B (A x)`). `read_text_encoder_lora` reads the
+text-encoder part of the same file the way diffusers' `_load_lora_into_text_encoder` does, for the process
+that encodes prompts (`retouch.lora.text_encoders`).
 
 diffusers, peft and retouch.models are imported inside the functions that use them: the HTTP front end
 and the CLI check names with `lora_path` and load no model.
@@ -41,6 +44,11 @@ FLUX_FAMILIES = ("flux-fill", "flux-inpaint")
 MESSAGE_CHARS = 400  # a library's error quoted in a LoraError: one line, a few of its items
 LISTED_ITEMS = 3
 _FACTOR_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<factor>[AB])\.weight")
+# What every layout diffusers reads names a text encoder's entry with (PEFT's "text_encoder.text_model...",
+# kohya's "lora_te1_text_model_...", ComfyUI's "text_encoders.clip_l.transformer.text_model..."): a file
+# whose tensor names have none has no text-encoder part, known from its header alone. `read_lora` refuses
+# a file whose text-encoder entries came from other names, so none is ever dropped unseen.
+TEXT_ENCODER_NAMES = re.compile(r"text_model|text_encoder|lora_te", re.IGNORECASE)
 logger = logging.getLogger("retouch.lora")
 
 
@@ -92,6 +100,9 @@ class LoraWeights:
     def _map(self, convert) -> LoraWeights:
         return LoraWeights(self.name, {path: LoraModule(convert(m.A), convert(m.B), m.scaling)
                                        for path, m in self.modules.items()}, self.digest)
+
+
+TextEncoderParts = dict[str, LoraWeights]  # a file's text-encoder part: pipeline component -> its adapter
 
 
 def lora_path(lora_dir: str | Path, name: str) -> Path:
@@ -157,8 +168,9 @@ def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = Non
     (not mapped: a mapping outlives neither a file overwritten in place nor its page cache) into
     `allocate(nbytes)` (uint8 CPU tensors; default fresh memory, page-locked with `pin` for asynchronous
     uploads), and factors already in `dtype` stay where they were read. `LoraError` for a file diffusers
-    could not load into this denoiser, and for what retouch does not apply: text-encoder LoRA, non-linear
-    targets, DoRA, LoRA biases.
+    could not load into this denoiser, and for what retouch does not apply: non-linear targets, DoRA, LoRA
+    biases, T5 LoRA. Its text-encoder part, if any, is `read_text_encoder_lora`'s, in the process that
+    encodes prompts.
 
     Returns modules in the denoiser's named_modules() order: A: [r, in], B: [out, r], scaling."""
     from retouch.models import family_of_pipeline
@@ -175,11 +187,80 @@ def read_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = Non
     raw, tensors, file_metadata = _read_raw_file(path, allocate, where)
     _check_nothing_dropped(tensors, where)
     state_dict, network_alphas, metadata = _pipeline_state_dict(pipe, family, tensors, file_metadata, where)
+    encoders = text_encoder_components(pipe)
+    encoder_keys = [key for key in state_dict if key.partition(".")[0] in encoders]
+    if encoder_keys and not any(TEXT_ENCODER_NAMES.search(key) for key in tensors):
+        raise LoraError(f"{where} has text-encoder weights ({encoder_keys[0]}) under names retouch does not "
+                        "recognise as such; save them as diffusers' save_lora_weights does")
+    state_dict = {key: value for key, value in state_dict.items() if key.partition(".")[0] not in encoders}
     factors, network_alphas, metadata = _denoiser_entries(state_dict, network_alphas, metadata, component, where,
                                                           denoiser)
     factors = _fit_to_linears(denoiser, factors, family, where)
     config = _lora_config(factors, network_alphas, metadata, name, where)
-    dtype = dtype or denoiser.dtype
+    return _weights(name, factors, config, raw, dtype or denoiser.dtype, allocate, where)
+
+
+def text_encoder_components(pipe) -> tuple[str, ...]:
+    """The pipeline's text encoders diffusers' `load_lora_weights` applies LoRA to (CLIP; never T5)."""
+    pipe = getattr(pipe, "pipe", pipe)
+    return tuple(component for component in getattr(type(pipe), "_lora_loadable_modules", ())
+                 if component.startswith("text_encoder") and getattr(pipe, component, None) is not None)
+
+
+class _NoTextEncoderPart(Exception):
+    """Raised from a header check: the file names no text-encoder tensor."""
+
+
+def read_text_encoder_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = None) -> TextEncoderParts:
+    """The text-encoder part of the LoRA file at `path`, for `pipe`: per text encoder it adapts, its modules
+    (as `read_lora` returns the denoiser's), on the CPU in `dtype` (default: each encoder's); {} for a file
+    without one, known from its header (no data read). diffusers' `_load_lora_into_text_encoder`: the
+    pipeline's converters, then each encoder's entries under its prefix in PEFT naming, ranks and alphas
+    as PEFT gets them. `LoraError` as `read_lora`'s."""
+    from diffusers.utils.state_dict_utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft
+
+    from retouch.models import family_of_pipeline
+
+    pipe = getattr(pipe, "pipe", pipe)
+    path, where = Path(path), f"lora {name!r}"
+    encoders = text_encoder_components(pipe)
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def check_names(names: list[str]) -> None:
+        if not encoders or not any(TEXT_ENCODER_NAMES.search(key) for key in names):
+            raise _NoTextEncoderPart
+    try:
+        raw, tensors, file_metadata = _read_raw_file(path, allocate, where, check_names)
+    except _NoTextEncoderPart:
+        return {}
+    _check_nothing_dropped(tensors, where)
+    state_dict, network_alphas, metadata = _pipeline_state_dict(pipe, family_of_pipeline(pipe), tensors,
+                                                                file_metadata, where)
+    parts = {}
+    for component in encoders:
+        prefix = f"{component}."
+        entries = {key.removeprefix(prefix): value for key, value in state_dict.items() if key.startswith(prefix)}
+        if not entries:
+            continue
+        encoder = getattr(pipe, component)
+        entries = convert_state_dict_to_peft(convert_state_dict_to_diffusers(entries))
+        if not hasattr(encoder, "text_model"):  # transformers' flattened CLIPTextModel, as diffusers strips it
+            entries = {key.removeprefix("text_model."): value for key, value in entries.items()}
+        alphas = {key.removeprefix(prefix): value for key, value in (network_alphas or {}).items()
+                  if key.split(".")[0] == component} or None
+        encoder_metadata = None if metadata is None else {
+            key.removeprefix(prefix): value for key, value in metadata.items() if key.startswith(prefix)}
+        factors = _fit_to_linears(encoder, _pair_factors(entries, where), None, where)
+        config = _lora_config(factors, alphas, encoder_metadata, name, where, is_unet=False)
+        parts[component] = _weights(name, factors, config, raw, dtype or encoder.dtype, allocate, where)
+    return parts
+
+
+def _weights(name: str, factors: dict, config, raw: torch.Tensor, dtype: torch.dtype, allocate,
+             where: str) -> LoraWeights:
+    """The adapter of one model component: each module's factors in memory it owns, its scaling, the digest."""
     scalings = {}
     digest = hashlib.blake2b(digest_size=8)
     for module_path, (A, B) in factors.items():
@@ -204,7 +285,8 @@ def _digest_module(digest, module_path: str, A: torch.Tensor, B: torch.Tensor, s
         digest.update(factor.reshape(-1)[:DIGEST_VALUES].contiguous().view(torch.uint8).numpy().tobytes())
 
 
-def _read_raw_file(path: Path, allocate, where: str) -> tuple[torch.Tensor, dict, dict]:
+def _read_raw_file(path: Path, allocate, where: str,
+                   check_more: Callable[[list[str]], None] | None = None) -> tuple[torch.Tensor, dict, dict]:
     """(the file's bytes, its tensors as views of them, its `__metadata__`) of a readable safetensors file
     without DoRA entries (diffusers drops kohya's dora_scale with a warning and would apply the rest as a
     plain LoRA: a different adapter than the one trained)."""
@@ -218,6 +300,8 @@ def _read_raw_file(path: Path, allocate, where: str) -> tuple[torch.Tensor, dict
         if names and not any("lora" in key.lower() for key in names):  # every format diffusers reads names them so
             raise LoraError(f"{where} holds no LoRA factors ({len(names)} tensors, none named *lora*): a model "
                             "checkpoint in the LoRA folder?")
+        if check_more is not None:
+            check_more(names)
     try:
         raw = read_file(path, allocate, check_names)
         tensors, file_metadata = tensor_views(raw)
@@ -234,8 +318,8 @@ DROPPED_BY_CONVERTERS = (("text_encoders.t5xxl", "the T5 text encoder"), (".diff
 
 def _check_nothing_dropped(tensors: dict[str, torch.Tensor], where: str) -> None:
     """Refuse a file with non-zero entries the converters would drop: diffusers applies such a file in
-    part, without a word to the user; retouch refuses text-encoder LoRA and biases in every other format
-    too. All-zero ones change nothing (trainers write them), and pass, as diffusers drops them quietly."""
+    part, without a word to the user; retouch refuses T5 LoRA and biases in every other format too.
+    All-zero ones change nothing (trainers write them), and pass, as diffusers drops them quietly."""
     for key, tensor in tensors.items():
         for pattern, what in DROPPED_BY_CONVERTERS + (((".diff", "norm weights"),) if ".norm" in key else ()):
             if pattern in key and bool(tensor.ne(0).any()):
@@ -279,10 +363,6 @@ def _denoiser_entries(state_dict: dict, network_alphas: dict | None, metadata: d
                       ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict | None, dict | None]:
     """The denoiser's entries without their component prefix, in PEFT naming, as (A, B) per module path;
     and the alphas and metadata of the denoiser (load_lora_adapter's prefix handling)."""
-    text_encoder = next((key for key in state_dict if key.startswith("text_encoder")), None)
-    if text_encoder is not None:
-        raise LoraError(f"{where} has text-encoder LoRA weights ({text_encoder}); retouch applies LoRA to the "
-                        f"{component} only: save the adapter without them")
     prefix = f"{component}."
     stray = next((key for key in state_dict if not key.startswith(prefix)), None)
     if stray is not None:
@@ -379,9 +459,11 @@ def _fit_to_linears(denoiser: nn.Module, factors: dict, family: str, where: str)
     return fitted
 
 
-def _lora_config(factors: dict, network_alphas: dict | None, metadata: dict | None, name: str, where: str):
-    """The LoraConfig load_lora_adapter builds: the file's adapter metadata when it has some, else ranks
-    from the B shapes and alphas from kohya's `.alpha` entries (default alpha = rank: scaling 1)."""
+def _lora_config(factors: dict, network_alphas: dict | None, metadata: dict | None, name: str, where: str,
+                 is_unet: bool = True):
+    """The LoraConfig load_lora_adapter builds (`is_unet` False: _load_lora_into_text_encoder's): the file's
+    adapter metadata when it has some, else ranks from the B shapes and alphas from kohya's `.alpha` entries
+    (default alpha = rank: scaling 1)."""
     from diffusers.utils.peft_utils import _create_lora_config
     from peft.tuners.tuners_utils import check_target_module_exists
 
@@ -389,7 +471,7 @@ def _lora_config(factors: dict, network_alphas: dict | None, metadata: dict | No
                   for factor, tensor in (("A", A), ("B", B))}
     ranks = {f"^{key}": tensor.shape[1] for key, tensor in state_dict.items() if "lora_B" in key}
     try:  # metadata is the file's word: any field may be missing, null or malformed
-        config = _create_lora_config(state_dict, network_alphas, metadata, ranks, adapter_name=name)
+        config = _create_lora_config(state_dict, network_alphas, metadata, ranks, is_unet=is_unet, adapter_name=name)
         config.rank_pattern, config.alpha_pattern = config.rank_pattern or {}, config.alpha_pattern or {}
         for pattern_key in (*config.rank_pattern, *config.alpha_pattern):
             re.compile(pattern_key)
