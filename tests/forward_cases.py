@@ -37,7 +37,12 @@ class Forwards:
     def context(self, mode: CacheMode, fractions: list[float], block_plan=None, cache=None):
         """An edit of t0, t1, ... (in `cache`, default the templates recorded here) whose request b
         recomputes about fractions[b] of the tokens (scattered, seeded), records itself if that is 1, and
-        reads t_b otherwise."""
+        reads t_b otherwise. Built in inference mode, as the step loop builds its contexts (`Worker.run`): a
+        compiled core guards on whether its index tensors are inference tensors."""
+        with torch.inference_mode():
+            return self._context(mode, fractions, block_plan, cache)
+
+    def _context(self, mode: CacheMode, fractions: list[float], block_plan, cache):
         cache = self.cache if cache is None else cache
         generator = torch.Generator().manual_seed(len(fractions) * 31 + int(1000 * sum(fractions)))
         num_tokens = GRID * GRID
