@@ -6,6 +6,7 @@ whole edit with diffusers for every family)."""
 
 import numpy as np
 import pytest
+import test_lora_files as kohya_files  # the module, not its names: its tests are collected there only
 import torch
 from editor_inputs import square_mask, template_image
 from lora_files import save_kohya_lora, save_random_lora
@@ -60,7 +61,15 @@ def assert_same_as_diffusers(parts, expected) -> None:
             assert modules[path].scaling == pytest.approx(scaling, rel=1e-12)
 
 
-def test_text_encoder_factors_match_diffusers(models, tmp_path):
+@pytest.fixture
+def part_read_only(monkeypatch):
+    """Fails a test whose text-encoder part needed the whole file (`read_text_encoder_lora`'s fallback)."""
+    def whole_file(*args):
+        raise AssertionError("the whole file was read")
+    monkeypatch.setattr(lora_files, "_read_raw_file", whole_file)
+
+
+def test_text_encoder_factors_match_diffusers(models, tmp_path, part_read_only):
     model, reference = models
     path = save_random_lora(model, tmp_path, rank=RANK, alpha=ALPHA, text_encoders=True)
     parts = read_text_encoder_lora(path, "x", model.pipe)
@@ -68,15 +77,19 @@ def test_text_encoder_factors_match_diffusers(models, tmp_path):
         "sdxl", "sd3") else 1)  # CLIP encoders only: Flux's and SD3's T5 take no LoRA in diffusers
     assert {m.scaling for w in parts.values() for m in w.modules.values()} == {ALPHA / RANK}
     assert_same_as_diffusers(parts, diffusers_text_encoder_factors(reference, path))
-    # the denoiser part reads as before, the text-encoder entries left to the encoders
-    assert read_lora(path, "x", model.pipe).modules.keys() == read_lora(
-        save_random_lora(model, tmp_path / "without", rank=RANK, alpha=ALPHA), "x", model.pipe).modules.keys()
+
+
+def test_the_denoiser_part_reads_as_without_a_text_encoder_part(tmp_path):
+    model = load_pipeline("tiny-sdxl-inpaint")
+    with_encoders = read_lora(save_random_lora(model, tmp_path / "te", rank=RANK, text_encoders=True), "x", model.pipe)
+    without = read_lora(save_random_lora(model, tmp_path / "plain", rank=RANK), "x", model.pipe)
+    assert with_encoders.digest == without.digest and with_encoders.modules.keys() == without.modules.keys()
 
 
 def kohya_text_encoder_tensors(model, rank: int, alpha: float, seed: int = 0) -> dict[str, torch.Tensor]:
     """kohya-ss' names for the q/k/v/out projections of each CLIP encoder's first layer."""
     prefixes = {"sdxl": {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"},
-                "sd2": {"text_encoder": "lora_te_"}}[model.family]
+                "sd2": {"text_encoder": "lora_te_"}, "flux-fill": {"text_encoder": "lora_te1_"}}[model.family]
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for component, prefix in prefixes.items():
@@ -91,29 +104,60 @@ def kohya_text_encoder_tensors(model, rank: int, alpha: float, seed: int = 0) ->
     return tensors
 
 
-@pytest.mark.parametrize("name", ["tiny-sdxl-inpaint", "tiny-sd2-inpaint"])
-def test_a_kohya_text_encoder_part_reads_through_diffusers_converter(name, tmp_path):
+@pytest.mark.parametrize("name", ["tiny-sdxl-inpaint", "tiny-sd2-inpaint", "tiny-flux-fill"])
+def test_a_kohya_text_encoder_part_reads_through_diffusers_converter(name, tmp_path, part_read_only):
     model, reference = load_pipeline(name), load_pipeline(name)
-    path, _ = save_kohya_lora(model, tmp_path, rank=RANK, alpha=ALPHA)
+    if model.family == "flux-fill":
+        path = tmp_path / "kohya_lora.safetensors"
+        save_file(kohya_files.kohya_flux_tensors(model), path)
+    else:
+        path, _ = save_kohya_lora(model, tmp_path, rank=RANK, alpha=ALPHA)
     save_file({**load_file(path), **kohya_text_encoder_tensors(model, RANK, ALPHA)}, path)
     parts = read_text_encoder_lora(path, "kohya", model.pipe)
     assert sum(len(w.modules) for w in parts.values()) == 4 * len(parts)
     assert_same_as_diffusers(parts, diffusers_text_encoder_factors(reference, path))
 
 
-def test_a_file_without_a_text_encoder_part_costs_its_header_only(tmp_path, monkeypatch):
-    """No memory is allocated for its data, so none is read; a file with one is read."""
+def test_only_the_text_encoder_tensors_are_read(tmp_path, monkeypatch):
+    """A file without a text-encoder part costs its header; one with a part, the part's data only (the
+    denoiser's factors reach diffusers' converters as meta tensors)."""
     model = load_pipeline("tiny-sd2-inpaint")
-    allocated = []
-    read_file = lora_files.read_file
+    reads = []
+    read_some = lora_files.read_some
 
-    def counting(path, allocate, check_names=None):
-        return read_file(path, lambda nbytes: allocated.append(nbytes) or allocate(nbytes), check_names)
-    monkeypatch.setattr(lora_files, "read_file", counting)
+    def recording(*args):
+        reads.append(read_some(*args)[0])
+        return reads[-1], {}
+    monkeypatch.setattr(lora_files, "read_some", recording)
     assert read_text_encoder_lora(save_random_lora(model, tmp_path / "plain", rank=RANK), "plain", model.pipe) == {}
-    assert allocated == []
+    assert reads == []  # refused from its header
     path = save_random_lora(model, tmp_path / "te", rank=RANK, text_encoders=True)
-    assert read_text_encoder_lora(path, "te", model.pipe) and allocated == [path.stat().st_size]
+    parts = read_text_encoder_lora(path, "te", model.pipe)
+    (tensors,) = reads
+    assert {key for key, value in tensors.items() if not value.is_meta} == {
+        key for key in tensors if key.startswith("text_encoder.")}
+    assert len(parts["text_encoder"].modules) == sum(key.endswith(".up.weight") for key in tensors
+                                                     if key.startswith("text_encoder.")) > 0
+
+
+def test_a_conversion_that_needs_the_denoiser_values_reads_the_whole_file(sd2_file, tmp_path, monkeypatch):
+    model, tensors = sd2_file
+    save_file(tensors, tmp_path / "a.safetensors")
+    expected = read_text_encoder_lora(tmp_path / "a.safetensors", "a", model.pipe)
+    state_dict_of = lora_files._pipeline_state_dict
+    calls = []
+
+    def needing_values(pipe, family, tensors, *args):
+        calls.append(any(value.is_meta for value in tensors.values()))
+        if calls[-1]:
+            raise LoraError("a converter read a value")
+        return state_dict_of(pipe, family, tensors, *args)
+    monkeypatch.setattr(lora_files, "_pipeline_state_dict", needing_values)
+    parts = read_text_encoder_lora(tmp_path / "a.safetensors", "a", model.pipe)
+    assert calls == [True, False]
+    for component, weights in expected.items():
+        assert weights.digest == parts[component].digest
+        assert all(torch.equal(m.A, parts[component].modules[p].A) for p, m in weights.modules.items())
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from retouch.lora.raw_file import NotSafetensors, read_file, tensor_views
+from retouch.lora.raw_file import NotSafetensors, read_file, read_some, tensor_views
 from retouch.lora.spec import NAME, LoraError
 
 FOLDER_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
@@ -214,30 +214,57 @@ class _NoTextEncoderPart(Exception):
 def read_text_encoder_lora(path: str | Path, name: str, pipe, dtype: torch.dtype | None = None) -> TextEncoderParts:
     """The text-encoder part of the LoRA file at `path`, for `pipe`: per text encoder it adapts, its modules
     (as `read_lora` returns the denoiser's), on the CPU in `dtype` (default: each encoder's); {} for a file
-    without one, known from its header (no data read). diffusers' `_load_lora_into_text_encoder`: the
-    pipeline's converters, then each encoder's entries under its prefix in PEFT naming, ranks and alphas
-    as PEFT gets them. `LoraError` as `read_lora`'s."""
-    from diffusers.utils.state_dict_utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft
+    without one, known from its header. diffusers' `_load_lora_into_text_encoder`: the pipeline's
+    converters, then each encoder's entries under its prefix in PEFT naming, ranks and alphas as PEFT gets
+    them. `LoraError` as `read_lora`'s.
 
-    from retouch.models import family_of_pipeline
-
+    It runs before a request's first step, so it reads little: the data of the tensors named as a text
+    encoder's (TEXT_ENCODER_NAMES), of scalars (kohya's alphas) and of what the converters drop; the
+    denoiser's factors reach the converters as meta tensors (names, shapes, dtypes). Should that part of a
+    conversion need their values, or a text-encoder entry come from one of them, the whole file is read."""
     pipe = getattr(pipe, "pipe", pipe)
     path, where = Path(path), f"lora {name!r}"
     encoders = text_encoder_components(pipe)
 
-    def allocate(nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
     def check_names(names: list[str]) -> None:
         if not encoders or not any(TEXT_ENCODER_NAMES.search(key) for key in names):
             raise _NoTextEncoderPart
+    if not path.is_file():
+        raise LoraError(f"{where} does not exist")
     try:
-        raw, tensors, file_metadata = _read_raw_file(path, allocate, where, check_names)
+        tensors, file_metadata = read_some(path, _read_for_text_encoders, _name_check(where, check_names))
     except _NoTextEncoderPart:
         return {}
+    except (OSError, NotSafetensors) as error:
+        raise LoraError(f"{where} is not a readable safetensors file: {_one_line(error, path)}") from None
+    try:
+        return _text_encoder_parts(pipe, encoders, tensors, file_metadata, None, name, dtype, where)
+    except (LoraError, _NeedsWholeFile):
+        raw, tensors, file_metadata = _read_raw_file(path, lambda nbytes: torch.empty(nbytes, dtype=torch.uint8),
+                                                     where)
+        return _text_encoder_parts(pipe, encoders, tensors, file_metadata, raw, name, dtype, where)
+
+
+def _read_for_text_encoders(name: str) -> bool:
+    return bool(TEXT_ENCODER_NAMES.search(name)) or name.endswith(".alpha") or any(
+        pattern in name for pattern, _ in DROPPED_BY_CONVERTERS + ((".diff", ""),))
+
+
+class _NeedsWholeFile(Exception):
+    """A text-encoder entry came from a tensor that was not read (`read_text_encoder_lora`)."""
+
+
+def _text_encoder_parts(pipe, encoders: tuple[str, ...], tensors: dict, file_metadata: dict,
+                        raw: torch.Tensor | None, name: str, dtype: torch.dtype | None, where: str) -> TextEncoderParts:
+    from diffusers.utils.state_dict_utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft
+
+    from retouch.models import family_of_pipeline
+
     _check_nothing_dropped(tensors, where)
     state_dict, network_alphas, metadata = _pipeline_state_dict(pipe, family_of_pipeline(pipe), tensors,
                                                                 file_metadata, where)
+    if any(value.is_meta for key, value in state_dict.items() if key.partition(".")[0] in encoders):
+        raise _NeedsWholeFile
     parts = {}
     for component in encoders:
         prefix = f"{component}."
@@ -254,11 +281,12 @@ def read_text_encoder_lora(path: str | Path, name: str, pipe, dtype: torch.dtype
             key.removeprefix(prefix): value for key, value in metadata.items() if key.startswith(prefix)}
         factors = _fit_to_linears(encoder, _pair_factors(entries, where), None, where)
         config = _lora_config(factors, alphas, encoder_metadata, name, where, is_unet=False)
-        parts[component] = _weights(name, factors, config, raw, dtype or encoder.dtype, allocate, where)
+        parts[component] = _weights(name, factors, config, raw, dtype or encoder.dtype,
+                                    lambda nbytes: torch.empty(nbytes, dtype=torch.uint8), where)
     return parts
 
 
-def _weights(name: str, factors: dict, config, raw: torch.Tensor, dtype: torch.dtype, allocate,
+def _weights(name: str, factors: dict, config, raw: torch.Tensor | None, dtype: torch.dtype, allocate,
              where: str) -> LoraWeights:
     """The adapter of one model component: each module's factors in memory it owns, its scaling, the digest."""
     scalings = {}
@@ -285,29 +313,32 @@ def _digest_module(digest, module_path: str, A: torch.Tensor, B: torch.Tensor, s
         digest.update(factor.reshape(-1)[:DIGEST_VALUES].contiguous().view(torch.uint8).numpy().tobytes())
 
 
-def _read_raw_file(path: Path, allocate, where: str,
-                   check_more: Callable[[list[str]], None] | None = None) -> tuple[torch.Tensor, dict, dict]:
+def _read_raw_file(path: Path, allocate, where: str) -> tuple[torch.Tensor, dict, dict]:
     """(the file's bytes, its tensors as views of them, its `__metadata__`) of a readable safetensors file
     without DoRA entries (diffusers drops kohya's dora_scale with a warning and would apply the rest as a
     plain LoRA: a different adapter than the one trained)."""
     if not path.is_file():
         raise LoraError(f"{where} does not exist")
+    try:
+        raw = read_file(path, allocate, _name_check(where))
+        tensors, file_metadata = tensor_views(raw)
+    except (OSError, NotSafetensors) as error:
+        raise LoraError(f"{where} is not a readable safetensors file: {_one_line(error, path)}") from None
+    return raw, tensors, file_metadata
 
-    def check_names(names: list[str]) -> None:  # before the data is read: a refused file costs its header only
+
+def _name_check(where: str, more: Callable[[list[str]], None] | None = None) -> Callable[[list[str]], None]:
+    """What a file's tensor names must pass before its data is read: a refused file costs its header only."""
+    def check_names(names: list[str]) -> None:
         dora = next((key for key in names if "dora_scale" in key or "lora_magnitude_vector" in key), None)
         if dora is not None:
             raise LoraError(f"{where} is a DoRA adapter ({dora}); retouch applies plain LoRA only")
         if names and not any("lora" in key.lower() for key in names):  # every format diffusers reads names them so
             raise LoraError(f"{where} holds no LoRA factors ({len(names)} tensors, none named *lora*): a model "
                             "checkpoint in the LoRA folder?")
-        if check_more is not None:
-            check_more(names)
-    try:
-        raw = read_file(path, allocate, check_names)
-        tensors, file_metadata = tensor_views(raw)
-    except (OSError, NotSafetensors) as error:
-        raise LoraError(f"{where} is not a readable safetensors file: {_one_line(error, path)}") from None
-    return raw, tensors, file_metadata
+        if more is not None:
+            more(names)
+    return check_names
 
 
 # Entries diffusers' kohya converters drop, logging it at INFO only (lora_conversion_utils: "currently do not
@@ -516,13 +547,13 @@ def _scaling(config, path: str, rank: int, where: str) -> float:
     return float(alpha / math.sqrt(r) if config.use_rslora else alpha / r)
 
 
-def _owned_factors(factors: dict[str, tuple[torch.Tensor, torch.Tensor]], raw: torch.Tensor, dtype: torch.dtype,
-                   allocate, where: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _owned_factors(factors: dict[str, tuple[torch.Tensor, torch.Tensor]], raw: torch.Tensor | None,
+                   dtype: torch.dtype, allocate, where: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Each factor in `dtype`, checked finite, in memory the adapter owns: a factor the file holds in `dtype`
-    stays where it was read (a view of `raw`, the file's bytes), the others (converted by dtype or by
-    diffusers) are copied into one block of `allocate`'s, each into its own aligned range."""
+    stays where it was read (a view of `raw`, the file's bytes; None: nothing stays), the others (converted
+    by dtype or by diffusers) are copied into one block of `allocate`'s, each into its own aligned range."""
     def in_place(tensor: torch.Tensor) -> bool:
-        return (tensor.dtype == dtype and tensor.is_contiguous()
+        return (raw is not None and tensor.dtype == dtype and tensor.is_contiguous()
                 and tensor.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr())
 
     def what(path: str, factor: int) -> str:

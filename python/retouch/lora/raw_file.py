@@ -43,23 +43,53 @@ def read_file(path: str | Path, allocate: Callable[[int], torch.Tensor],
     than its header: no memory of its size, and no time reading it."""
     with open(path, "rb", buffering=0) as file:
         size = os.fstat(file.fileno()).st_size
-        prefix = file.read(8)
-        header_bytes = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
-        if 8 + header_bytes <= min(size, 8 + MAX_HEADER_BYTES):
-            prefix += file.read(header_bytes)
-        _, entries, _ = _layout(memoryview(prefix), size)
+        _, entries, _ = _layout(memoryview(_header(file, size)), size)
         if check_names is not None:
             check_names([name for _, name in entries])
         file.seek(0)
         raw = allocate(size)
-        view = memoryview(raw.numpy())
-        done = 0
-        while done < size:
-            count = file.readinto(view[done:done + READ_CHUNK])
-            if not count:
-                raise NotSafetensors(f"the file shrank to {done} bytes while it was read ({size} before)")
-            done += count
+        _read_into(file, memoryview(raw.numpy()), size)
     return raw
+
+
+def read_some(path: str | Path, wanted: Callable[[str], bool],
+              check_names: Callable[[list[str]], None] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(name -> tensor, the header's `__metadata__`) of `path`, reading the data of the tensors `wanted(name)`
+    only, into memory of their own: the others are meta tensors of their shape and dtype, all that a
+    converter which renames, reshapes and splits needs of them. Errors and `check_names` as `read_file`'s."""
+    tensors = {}
+    with open(path, "rb", buffering=0) as file:
+        size = os.fstat(file.fileno()).st_size
+        start, entries, metadata = _layout(memoryview(_header(file, size)), size)
+        if check_names is not None:
+            check_names([name for _, name in entries])
+        for (dtype, shape, begin, stop), name in entries:
+            if not wanted(name):
+                tensors[name] = torch.empty(shape, dtype=dtype, device="meta")
+                continue
+            data = torch.empty(stop - begin, dtype=torch.uint8)
+            file.seek(start + begin)
+            _read_into(file, memoryview(data.numpy()), stop - begin)
+            tensors[name] = data.view(dtype).view(shape)
+    return tensors, metadata
+
+
+def _header(file, size: int) -> bytes:
+    """The first bytes of an open file: its 8-byte header length and the header, if the file holds them."""
+    prefix = file.read(8)
+    header_bytes = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+    if 8 + header_bytes <= min(size, 8 + MAX_HEADER_BYTES):
+        prefix += file.read(header_bytes)
+    return prefix
+
+
+def _read_into(file, view: memoryview, nbytes: int) -> None:
+    done = 0
+    while done < nbytes:
+        count = file.readinto(view[done:done + READ_CHUNK])
+        if not count:
+            raise NotSafetensors(f"the file shrank while it was read ({done} of {nbytes} bytes read)")
+        done += count
 
 
 def tensor_views(raw: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
