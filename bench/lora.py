@@ -52,6 +52,7 @@ from retouch.models.registry import is_builtin
 from retouch.progress import bar
 
 # diffusers' Flux LoRA training script's default targets (examples/dreambooth/train_dreambooth_lora_flux.py).
+CLIP_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj")
 FLUX_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                 "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                 "ff_context.net.2", "proj_mlp", "proj_out")
@@ -114,17 +115,24 @@ def step_overhead(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
 
 
 def save_diffusers_lora(denoiser: torch.nn.Module, folder: Path, rank: int, name: str = "big", seed: int = 0,
-                        component: str = "transformer") -> Path:
+                        component: str = "transformer",
+                        text_encoders: dict[str, torch.nn.Module] | None = None) -> Path:
     """A random adapter in diffusers' file format (PEFT keys under `component.`: "transformer" or "unet"),
-    as save_lora_weights writes, as `folder/<name>.safetensors`."""
+    as save_lora_weights writes, as `folder/<name>.safetensors`. `text_encoders`: pipeline component name ->
+    CLIP encoder, whose attention projections it adapts too (as --train_text_encoder does)."""
     tensors = {}
     generator = torch.Generator().manual_seed(seed)
-    for path, linear in targeted_linears(denoiser).items():
-        tensors[f"{component}.{path}.lora_A.weight"] = (torch.randn(rank, linear.in_features, generator=generator)
-                                                        / linear.in_features ** 0.5).contiguous()
-        tensors[f"{component}.{path}.lora_B.weight"] = torch.randn(linear.out_features, rank,
-                                                                   generator=generator) * 1e-3
-    if not tensors:
+    parts = [(component, targeted_linears(denoiser))] + [
+        (encoder_name, {path: module for path, module in encoder.named_modules()
+                        if isinstance(module, torch.nn.Linear) and path.endswith(CLIP_TARGETS)})
+        for encoder_name, encoder in (text_encoders or {}).items()]
+    for prefix, linears in parts:
+        for path, linear in linears.items():
+            tensors[f"{prefix}.{path}.lora_A.weight"] = (torch.randn(rank, linear.in_features, generator=generator)
+                                                         / linear.in_features ** 0.5).contiguous()
+            tensors[f"{prefix}.{path}.lora_B.weight"] = torch.randn(linear.out_features, rank,
+                                                                    generator=generator) * 1e-3
+    if not any(key.startswith(f"{component}.") for key in tensors):
         raise ValueError(f"{type(denoiser).__name__} has none of the linear layers a LoRA here targets")
     path = folder / f"{name}.safetensors"
     save_file(tensors, str(path))

@@ -353,15 +353,19 @@ def mix_of(assets: Assets) -> dict[str, float]:
 
 
 def write_loras(model: str, folder: Path, count: int) -> tuple[str, ...]:
-    """`count` random adapters for `model`'s denoiser in diffusers' file format, in `folder`: their names."""
+    """`count` random adapters for `model` in diffusers' file format, in `folder`: their names. Every other
+    one adapts the text encoders too, so that the helpers apply LoRA as they encode prompts."""
     from retouch.bench.lora import save_diffusers_lora
+    from retouch.lora.files import text_encoder_components
     from retouch.models import load_pipeline
 
     pipe = load_pipeline(model).pipe
     component = "transformer" if hasattr(pipe, "transformer") else "unet"
+    encoders = {name: getattr(pipe, name) for name in text_encoder_components(pipe)}
     names = tuple(f"soak-{i}" for i in range(count))
     for seed, name in enumerate(names):
-        save_diffusers_lora(getattr(pipe, component), folder, LORA_RANK, name, seed, component)
+        save_diffusers_lora(getattr(pipe, component), folder, LORA_RANK, name, seed, component,
+                            encoders if seed % 2 == 0 else None)
     return names
 
 

@@ -295,11 +295,15 @@ def test_a_short_soak_loses_nothing_and_leaves_nothing(caches):
 @pytest.mark.parametrize("model", ["tiny-flux-fill", "tiny-sd3-inpaint", "tiny-sdxl-inpaint"])
 def test_the_soaks_adapters_are_read_as_the_server_reads_them(model, tmp_path):
     """--loras writes files under the denoiser's own key prefix ("unet." for the UNets): under another,
-    every adapter would be refused and the `lora` requests would fail."""
-    from retouch.lora.files import read_lora
+    every adapter would be refused and the `lora` requests would fail. Every other one adapts the text
+    encoders too (the helpers apply those parts)."""
+    from retouch.lora.files import read_lora, read_text_encoder_lora, text_encoder_components
     from retouch.models import load_pipeline
 
     names = soak.write_loras(model, tmp_path, 2)
     pipe = load_pipeline(model).pipe
     for name in names:
         assert len(read_lora(tmp_path / f"{name}.safetensors", name, pipe).modules) > 0
+    assert set(read_text_encoder_lora(tmp_path / f"{names[0]}.safetensors", names[0], pipe)) == set(
+        text_encoder_components(pipe))
+    assert read_text_encoder_lora(tmp_path / f"{names[1]}.safetensors", names[1], pipe) == {}
