@@ -218,6 +218,7 @@ def _load_hiding(args, device: torch.device, dtype: torch.dtype, folder: Path) -
         progress.close()
         loras.prefetch, loras.ready = prefetch, ready
         fallbacks = loras.metrics()["read_fallbacks"]  # reads that found no recycled memory (expected: none)
+        text_encoder_part = _text_encoder_part_read(args, engine.editor.pipe, folder)
     medians = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
     load_cost = statistics.median(r["sync"] - r["warm"] for r in rounds)
     report = {"adapter_mib": round(path.stat().st_size / 2**20, 1), "rank": args.load_rank, "steps": args.steps,
@@ -225,7 +226,10 @@ def _load_hiding(args, device: torch.device, dtype: torch.dtype, folder: Path) -
               "read_cpu_s": statistics.median(read["cpu"]), "load_cost_s": load_cost,
               "load_cost_quartiles_s": _quartiles([r["sync"] - r["warm"] for r in rounds]),
               "lora_compute_per_step_s": (medians["warm"] - medians["none"]) / args.steps,
-              "read_fallbacks": fallbacks}
+              "read_fallbacks": fallbacks,
+              "text_encoder_part": {**text_encoder_part,
+                                    "share_of_load_cost": round(text_encoder_part["read_s"] / load_cost, 3)
+                                    if load_cost > 0 else None}}
     for name, steps_applied in applied.items():
         exposed = [r[name] - r[f"held@{name}"] for r in rounds]
         report[name] = {"applied_step": statistics.median(steps_applied),
@@ -234,6 +238,26 @@ def _load_hiding(args, device: torch.device, dtype: torch.dtype, folder: Path) -
                         else None}
     report["hidden_share"] = report["async+prefetch"]["hidden_share"]  # the engine's default: load from submission
     return report
+
+
+def _text_encoder_part_read(args, pipe, folder: Path) -> dict:
+    """What a request pays before its first step for an adapter that adapts the text encoders too: the same
+    file with them, its text-encoder part read cold where prompts are encoded (`read_text_encoder_lora`:
+    that part's bytes only), against the whole load the step loop hides (`load_cost_s`)."""
+    from retouch.lora.files import read_text_encoder_lora, text_encoder_components
+
+    encoders = {name: getattr(pipe, name) for name in text_encoder_components(pipe)}
+    path = save_diffusers_lora(pipe.transformer if hasattr(pipe, "transformer") else pipe.unet, folder,
+                               args.load_rank, "big-te", text_encoders=encoders)
+    seconds, parts = [], {}
+    for _ in range(args.load_repeats):
+        drop_from_page_cache(path)
+        started = time.perf_counter()
+        parts = read_text_encoder_lora(path, "big-te", pipe)
+        seconds.append(time.perf_counter() - started)
+    return {"file_mib": round(path.stat().st_size / 2**20, 1),
+            "part_mib": round(sum(w.nbytes for w in parts.values()) / 2**20, 3),
+            "read_s": statistics.median(seconds), "read_quartiles_s": _quartiles(seconds)}
 
 
 def _held_back(ready, steps: int):

@@ -101,6 +101,8 @@ def test_lora_loading_reports_the_hidden_share_of_the_load_it_measured(tmp_path,
         low, _, high = loading[name]["exposed_quartiles_s"]
         assert low <= high
     assert loading["hidden_share"] == loading["async+prefetch"]["hidden_share"]
+    part = loading["text_encoder_part"]  # the same adapter with text-encoder factors: their part read alone
+    assert 0 < part["part_mib"] < part["file_mib"] and part["read_s"] > 0
     assert not list(scratch.glob("retouch-bench-lora-*"))
 
 

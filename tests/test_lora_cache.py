@@ -22,6 +22,7 @@ from retouch.errors import InputError
 from retouch.lora import LoraError, LoraUse
 from retouch.lora.files import read_lora
 from retouch.lora.manager import LoraManager
+from retouch.lora.raw_file import DIRECT_ALIGNMENT
 from retouch.models import load_pipeline
 
 ROOMY = 1 << 30  # a budget every adapter of these tests fits in many times
@@ -152,7 +153,7 @@ def test_reads_in_a_full_cache_take_the_memory_of_those_evicted(editor, lora_dir
     for name in names:
         shutil.copyfile(lora_dir / "A.safetensors", lora_dir / f"{name}.safetensors")
     file_bytes = os.path.getsize(lora_dir / "A.safetensors")
-    manager = make_manager(lora_dir, cache_bytes=3 * file_bytes + 3 * 256)  # 256: the arena's alignment
+    manager = make_manager(lora_dir, cache_bytes=3 * file_bytes + 3 * DIRECT_ALIGNMENT)  # the arena's alignment
     for name in names * 2:
         request(manager, name)
         gc.collect()  # the request has gone

@@ -15,9 +15,10 @@ from retouch.lora import LoraUse
 from retouch.lora.files import read_lora
 from retouch.lora.host_memory import AdapterMemory
 from retouch.lora.manager import LoraManager
+from retouch.lora.raw_file import DIRECT_ALIGNMENT
 from retouch.models import load_pipeline
 
-ALIGNMENT = 256  # the arena's
+ALIGNMENT = DIRECT_ALIGNMENT  # the arena's: O_DIRECT reads land in its ranges
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,11 @@
 """retouch.lora.raw_file against safetensors itself: the same tensors and metadata from any file safetensors
-writes, views of the memory given (no copy), and the files safetensors refuses refused too."""
+writes, views of the memory given (no copy), read with O_DIRECT into aligned memory where the file system
+allows it and buffered otherwise, and the files safetensors refuses refused too."""
 
+import errno
+import fcntl
 import json
+import os
 import re
 import struct
 
@@ -12,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from retouch.lora.raw_file import DTYPES, NotSafetensors, read_file, tensor_views
+from retouch.lora import raw_file
+from retouch.lora.raw_file import DIRECT_ALIGNMENT, DTYPES, NotSafetensors, read_file, tensor_views
 
 SAVABLE = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,
            torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -22,8 +27,15 @@ def fresh(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def read(path) -> tuple[torch.Tensor, dict, dict]:
-    raw = read_file(path, fresh)
+def aligned(nbytes: int) -> torch.Tensor:
+    """Memory at a DIRECT_ALIGNMENT boundary, as the LoRA arena's ranges are: read with O_DIRECT."""
+    block = torch.empty(nbytes + DIRECT_ALIGNMENT, dtype=torch.uint8)
+    start = -block.data_ptr() % DIRECT_ALIGNMENT
+    return block[start:start + nbytes]
+
+
+def read(path, allocate=fresh) -> tuple[torch.Tensor, dict, dict]:
+    raw = read_file(path, allocate)
     return (raw, *tensor_views(raw))
 
 
@@ -37,10 +49,12 @@ tensor_specs = st.dictionaries(
 
 
 @settings(max_examples=40, deadline=None)
-@given(specs=tensor_specs, metadata=st.none() | st.dictionaries(st.text(max_size=8), st.text(max_size=20), max_size=3))
-def test_the_views_are_what_safetensors_loads(specs, metadata, tmp_path_factory):
-    """What safetensors writes, read back: the tensors and metadata safetensors loads, or refused where it
-    refuses to load its own file."""
+@given(specs=tensor_specs, metadata=st.none() | st.dictionaries(st.text(max_size=8), st.text(max_size=20), max_size=3),
+       allocate=st.sampled_from([fresh, aligned]))
+def test_the_views_are_what_safetensors_loads(specs, metadata, allocate, tmp_path_factory):
+    """What safetensors writes, read back (into any memory, or aligned memory: O_DIRECT for whole 4 KiB
+    blocks, buffered for the rest): the tensors and metadata safetensors loads, or refused where it refuses
+    to load its own file."""
     path = tmp_path_factory.mktemp("files") / "any.safetensors"
     generator = torch.Generator().manual_seed(len(specs))
     tensors = {name: (torch.randn(shape, generator=generator) * 8).to(dtype) for name, (dtype, shape) in specs.items()}
@@ -49,9 +63,9 @@ def test_the_views_are_what_safetensors_loads(specs, metadata, tmp_path_factory)
         expected = load_file(str(path))
     except safetensors.SafetensorError:  # safetensors 0.8 writes `{},"__metadata__":{}}` for nothing at all
         with pytest.raises(NotSafetensors):
-            read(path)
+            read(path, allocate)
         return
-    raw, views, read_metadata = read(path)
+    raw, views, read_metadata = read(path, allocate)
     assert views.keys() == expected.keys()
     for name, tensor in expected.items():
         assert views[name].dtype == tensor.dtype and views[name].shape == tensor.shape
@@ -162,6 +176,73 @@ def test_a_file_that_shrinks_while_it_is_read_is_refused(tmp_path):
         with open(path, "r+b") as file:
             file.truncate(nbytes // 2)
         return fresh(nbytes)
+
+    with pytest.raises(NotSafetensors, match="shrank"):
+        read_file(path, allocate_then_truncate)
+
+
+def direct_reads_allowed(folder) -> bool:
+    with open(folder / "probe", "wb") as file:
+        try:
+            fcntl.fcntl(file.fileno(), fcntl.F_SETFL, fcntl.fcntl(file.fileno(), fcntl.F_GETFL) | os.O_DIRECT)
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture
+def counted_direct_reads(monkeypatch):
+    """The bytes each read_file read with O_DIRECT."""
+    counts = []
+    read_direct = raw_file._read_direct
+    monkeypatch.setattr(raw_file, "_read_direct", lambda *args: counts.append(read_direct(*args)) or counts[-1])
+    return counts
+
+
+def odd_sized_file(path):
+    save_file({"a": torch.randn(3 * DIRECT_ALIGNMENT + 5), "b": torch.randn(7).half()}, str(path))
+    return path
+
+
+def test_aligned_memory_is_read_with_o_direct_and_the_tail_buffered(tmp_path, counted_direct_reads):
+    if not direct_reads_allowed(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    path = odd_sized_file(tmp_path / "a.safetensors")
+    raw, views, _ = read(path, aligned)
+    size = path.stat().st_size
+    assert counted_direct_reads == [size // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT] and size % DIRECT_ALIGNMENT
+    assert all(torch.equal(views[name], tensor) for name, tensor in load_file(str(path)).items())
+
+
+def test_unaligned_memory_and_file_systems_without_o_direct_read_buffered(tmp_path, counted_direct_reads,
+                                                                          monkeypatch):
+    path = odd_sized_file(tmp_path / "a.safetensors")
+    expected = load_file(str(path))
+    def unaligned(nbytes: int) -> torch.Tensor:
+        return aligned(nbytes + 64)[64:]
+    views = read(path, unaligned)[1]
+    fcntl_call = fcntl.fcntl
+
+    def no_direct(fd, command, flags=0):
+        if command == fcntl.F_SETFL and flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")  # as tmpfs answers
+        return fcntl_call(fd, command, flags)
+    monkeypatch.setattr(raw_file.fcntl, "fcntl", no_direct)
+    refused = read(path, aligned)[1]
+    assert counted_direct_reads == [0, 0]
+    for views_read in (views, refused):
+        assert all(torch.equal(views_read[name], tensor) for name, tensor in expected.items())
+
+
+def test_a_file_that_shrinks_during_a_direct_read_is_refused(tmp_path):
+    if not direct_reads_allowed(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    path = odd_sized_file(tmp_path / "a.safetensors")
+
+    def allocate_then_truncate(nbytes: int) -> torch.Tensor:
+        with open(path, "r+b") as file:
+            file.truncate(DIRECT_ALIGNMENT + 100)
+        return aligned(nbytes)
 
     with pytest.raises(NotSafetensors, match="shrank"):
         read_file(path, allocate_then_truncate)

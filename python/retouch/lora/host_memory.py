@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from retouch import ops
+from retouch.lora.raw_file import DIRECT_ALIGNMENT
 
 logger = logging.getLogger("retouch.lora")
 
@@ -60,7 +61,8 @@ class AdapterMemory:
         with self._lock:
             if self._arena is None and not self._unavailable:
                 try:
-                    self._arena = ops.allocate_host_arena(self.capacity, 256, pinned, "--lora-cache-mb")
+                    # Ranges aligned for O_DIRECT reads (`raw_file.DIRECT_ALIGNMENT`).
+                    self._arena = ops.allocate_host_arena(self.capacity, DIRECT_ALIGNMENT, pinned, "--lora-cache-mb")
                 except Exception as error:  # noqa: BLE001 - reads still work, in fresh memory
                     logger.warning("LoRA reads use fresh memory each: no arena of %d bytes (%s)", self.capacity,
                                    error)

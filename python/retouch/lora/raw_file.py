@@ -6,12 +6,20 @@ the loader ~0.15 s of CPU against ~0.03 s for `readinto` into pages touched befo
 `lora.host_memory` recycles. On a CPU-only server that CPU is taken from the forward the load should hide
 behind (issue 20); on a GPU server the memory given is pinned, so the file lands where the upload reads it.
 
+Where the file system allows it and the memory is aligned (`DIRECT_ALIGNMENT`: the LoRA arena's ranges are),
+the file is read with O_DIRECT: the disk's DMA lands in that memory, and the CPU copies nothing. A buffered
+read of a cold 280 MiB file cost 0.046 s of the loader's CPU here, a direct one 0.006 s (and less wall time);
+on a CPU-only server that CPU is the forward's. The page cache is bypassed: a file read again comes from the
+disk, not from memory, which is what the LRU host cache above it is for.
+
 The parse checks what safetensors' own (`safetensors/src/tensor.rs`, `Metadata::validate`) checks: a header
 that fits the file, known dtypes, and entries that tile the data exactly, each as long as its shape says.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
@@ -22,6 +30,9 @@ import torch
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit (HeaderTooLarge)
 READ_CHUNK = 16 << 20  # bytes per readinto: the GIL is released for each
+# O_DIRECT needs memory, file offsets and lengths in multiples of the device's logical block size: 4 KiB
+# covers every device Linux reports (512 B or 4 KiB).
+DIRECT_ALIGNMENT = 4096
 
 # safetensors dtype names (safetensors/src/tensor.rs `Dtype`) -> torch. Others (F4, F6, F8_E8M0, C64) are
 # refused by name: no adapter format uses them.
@@ -46,10 +57,42 @@ def read_file(path: str | Path, allocate: Callable[[int], torch.Tensor],
         _, entries, _ = _layout(memoryview(_header(file, size)), size)
         if check_names is not None:
             check_names([name for _, name in entries])
-        file.seek(0)
         raw = allocate(size)
-        _read_into(file, memoryview(raw.numpy()), size)
+        view = memoryview(raw.numpy())
+        direct = _read_direct(file, view, raw.data_ptr(), size)
+        file.seek(direct)
+        _read_into(file, view[direct:], size - direct)
     return raw
+
+
+def _read_direct(file, view: memoryview, address: int, size: int) -> int:
+    """Read the file's first bytes, a multiple of DIRECT_ALIGNMENT, with O_DIRECT into `view` (at `address`);
+    return how many. 0 where the memory is not aligned or the file system refuses direct reads (tmpfs)."""
+    aligned = size // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
+    if aligned == 0 or address % DIRECT_ALIGNMENT or not hasattr(os, "O_DIRECT"):
+        return 0
+    fd = file.fileno()
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError:
+        return 0
+    done = 0
+    try:
+        while done < aligned:
+            wanted = min(READ_CHUNK, aligned - done)
+            try:
+                count = os.preadv(fd, [view[done:done + wanted]], done)
+            except OSError as error:
+                if error.errno == errno.EINVAL and done == 0:  # refused at the first read: read it buffered
+                    return 0
+                raise
+            if count < wanted:
+                raise NotSafetensors(f"the file shrank while it was read ({done + count} of {size} bytes read)")
+            done += count
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    return done
 
 
 def read_some(path: str | Path, wanted: Callable[[str], bool],
