@@ -20,13 +20,17 @@
    - warm), each difference taken within one of `--load-repeats` interleaved rounds, then the median
    (quartiles beside it: this shared machine's step times vary by ~15% from edit to edit). `read_cpu_s`
    beside `read_s` says how much of the read was CPU work, which on a CPU-only machine competes with the
-   forward for the same cores.
+   forward for the same cores. The engine reads with O_DIRECT where it can (`lora.raw_file`); the same
+   rounds also run "sync/buffered" and "async+prefetch/buffered", read through the page cache
+   (`buffered_reads`), so that both ways of reading compare on the same edits. The text-encoder part
+   of the same adapter (`text_encoder_part`): what its read costs before a request's first step.
 
 Prints one JSON object; writes a PNG beside `--out`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -46,6 +50,7 @@ from retouch.bench.timing import interleaved_medians
 from retouch.errors import ArgumentParser
 from retouch.lora.files import LoraModule, LoraWeights
 from retouch.lora.layers import LoraLayers
+from retouch.lora.raw_file import buffered_reads
 from retouch.masks import centred_token_rectangle
 from retouch.models.inputs import random_flux_inputs
 from retouch.models.registry import is_builtin
@@ -172,19 +177,22 @@ def _load_hiding(args, device: torch.device, dtype: torch.dtype, folder: Path) -
     side = int(size * args.mask_ratio ** 0.5)
     mask.paste(255, ((size - side) // 2, (size - side) // 2, (size + side) // 2, (size + side) // 2))
     rounds: list[dict[str, float]] = []  # one edit of each variant per round: paired within the round
-    read = {"wall": [], "cpu": []}
-    applied: dict[str, list[int]] = {"async": [], "async+prefetch": []}
+    read = {"sync": {"wall": [], "cpu": []}, "sync/buffered": {"wall": [], "cpu": []}}
+    applied: dict[str, list[int]] = {"async": [], "async+prefetch": [], "async+prefetch/buffered": []}
     with engine:
         template_id = engine.register_template(image, prompt="a field", steps=args.steps, seed=1)
         request = EditRequest(template_id, mask, "a red barn", seed=2)
         # (name, latest step, read cold, load from submission, the async variant whose step it holds back to):
         # "warm" finds the adapter sync just loaded, so it applies from step 0. Without prefetch the load starts
         # when the request joins the batch (after its pre-processing), as a server that loads a request's LoRA
-        # before running it does.
+        # before running it does. "/buffered": the file read through the page cache, not with O_DIRECT.
         variants = [("none", None, False, False, None), ("sync", 0.0, True, False, None),
+                    ("sync/buffered", 0.0, True, False, None),
                     ("warm", 0.3, False, False, None), ("async", 0.3, True, False, None),
                     ("held@async", 0.3, False, False, "async"), ("async+prefetch", 0.3, True, True, None),
-                    ("held@async+prefetch", 0.3, False, False, "async+prefetch")]
+                    ("held@async+prefetch", 0.3, False, False, "async+prefetch"),
+                    ("async+prefetch/buffered", 0.3, True, True, None),
+                    ("held@async+prefetch/buffered", 0.3, False, False, "async+prefetch/buffered")]
         loras = engine.worker.loras
         prefetch, ready = loras.prefetch, loras.ready
         progress = bar(range((args.load_repeats + 1) * len(variants)), "lora: sync vs async load", unit="edit")
@@ -200,17 +208,18 @@ def _load_hiding(args, device: torch.device, dtype: torch.dtype, folder: Path) -
                     drop_from_page_cache(path)
                 before = loras.metrics()
                 engine.worker.config = dataclasses.replace(engine.worker.config, lora_latest_step=latest or 0.0)
-                started = time.perf_counter()
-                result = engine.submit(request, lora=[] if latest is None else "big").result()
-                latency[name] = time.perf_counter() - started
+                with buffered_reads() if name.endswith("/buffered") else contextlib.nullcontext():
+                    started = time.perf_counter()
+                    result = engine.submit(request, lora=[] if latest is None else "big").result()
+                    latency[name] = time.perf_counter() - started
                 steps_applied[name] = result.metrics.lora_applied_step
                 if holds_for is not None and steps_applied[name] != steps_applied[holds_for]:
                     raise RuntimeError(f"{name} applied its adapter at step {steps_applied[name]}, not "
                                        f"{steps_applied[holds_for]}")
                 after = loras.metrics()
-                if repeat and name == "sync":
-                    read["wall"].append(after["load_seconds"] - before["load_seconds"])
-                    read["cpu"].append(after["load_cpu_seconds"] - before["load_cpu_seconds"])
+                if repeat and name in read:
+                    read[name]["wall"].append(after["load_seconds"] - before["load_seconds"])
+                    read[name]["cpu"].append(after["load_cpu_seconds"] - before["load_cpu_seconds"])
                 if repeat and name in applied:
                     applied[name].append(steps_applied[name])
             if repeat:
@@ -222,8 +231,8 @@ def _load_hiding(args, device: torch.device, dtype: torch.dtype, folder: Path) -
     medians = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
     load_cost = statistics.median(r["sync"] - r["warm"] for r in rounds)
     report = {"adapter_mib": round(path.stat().st_size / 2**20, 1), "rank": args.load_rank, "steps": args.steps,
-              "repeats": args.load_repeats, "e2e_s": medians, "read_s": statistics.median(read["wall"]),
-              "read_cpu_s": statistics.median(read["cpu"]), "load_cost_s": load_cost,
+              "repeats": args.load_repeats, "e2e_s": medians, "read_s": statistics.median(read["sync"]["wall"]),
+              "read_cpu_s": statistics.median(read["sync"]["cpu"]), "load_cost_s": load_cost,
               "load_cost_quartiles_s": _quartiles([r["sync"] - r["warm"] for r in rounds]),
               "lora_compute_per_step_s": (medians["warm"] - medians["none"]) / args.steps,
               "read_fallbacks": fallbacks,
@@ -236,8 +245,27 @@ def _load_hiding(args, device: torch.device, dtype: torch.dtype, folder: Path) -
                         "exposed_load_s": statistics.median(exposed), "exposed_quartiles_s": _quartiles(exposed),
                         "hidden_share": round(1 - statistics.median(exposed) / load_cost, 3) if load_cost > 0
                         else None}
+    # The same adapter read through the page cache, in the same rounds: its own load cost, what the async edit
+    # still pays of it, and how each compares with the direct read's.
+    buffered_cost = statistics.median(r["sync/buffered"] - r["warm"] for r in rounds)
+    report["buffered_reads"] = {
+        "read_s": statistics.median(read["sync/buffered"]["wall"]),
+        "read_cpu_s": statistics.median(read["sync/buffered"]["cpu"]), "load_cost_s": buffered_cost,
+        "load_cost_quartiles_s": _quartiles([r["sync/buffered"] - r["warm"] for r in rounds]),
+        "hidden_share": round(1 - report["async+prefetch/buffered"]["exposed_load_s"] / buffered_cost, 3)
+        if buffered_cost > 0 else None,
+        "exposed_over_direct": _paired_ratio([r["async+prefetch/buffered"] - r["held@async+prefetch/buffered"]
+                                              for r in rounds],
+                                             [r["async+prefetch"] - r["held@async+prefetch"] for r in rounds])}
+    report["async+prefetch/buffered"]["hidden_share"] = report["buffered_reads"]["hidden_share"]
     report["hidden_share"] = report["async+prefetch"]["hidden_share"]  # the engine's default: load from submission
     return report
+
+
+def _paired_ratio(numerators: list[float], denominators: list[float]) -> float | None:
+    """Median of the first over median of the second (None where the second is not positive)."""
+    bottom = statistics.median(denominators)
+    return round(statistics.median(numerators) / bottom, 3) if bottom > 0 else None
 
 
 def _text_encoder_part_read(args, pipe, folder: Path) -> dict:
@@ -343,6 +371,10 @@ def plot(report: dict, path: Path) -> None:
         bars = [("load\n(sync - warm)", loading["load_cost_s"], loading["load_cost_quartiles_s"], "tab:red")]
         bars += [(f"exposed\n({name} - held)", loading[name]["exposed_load_s"], loading[name]["exposed_quartiles_s"],
                   colour) for name, colour in (("async", "tab:green"), ("async+prefetch", "tab:olive"))]
+        buffered = loading["buffered_reads"]  # the same, the file read through the page cache
+        bars += [("load\nbuffered", buffered["load_cost_s"], buffered["load_cost_quartiles_s"], "tab:pink"),
+                 ("exposed\nbuffered", loading["async+prefetch/buffered"]["exposed_load_s"],
+                  loading["async+prefetch/buffered"]["exposed_quartiles_s"], "tab:gray")]
         for x, (_, value, quartiles, colour) in enumerate(bars):
             low, high = quartiles[0], quartiles[-1]
             axis.bar(x, value, color=colour, yerr=[[value - low], [high - value]], capsize=4)

@@ -23,7 +23,8 @@ import fcntl
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,6 +34,18 @@ READ_CHUNK = 16 << 20  # bytes per readinto: the GIL is released for each
 # O_DIRECT needs memory, file offsets and lengths in multiples of the device's logical block size: 4 KiB
 # covers every device Linux reports (512 B or 4 KiB).
 DIRECT_ALIGNMENT = 4096
+_direct_reads = True  # off inside `buffered_reads()`
+
+
+@contextmanager
+def buffered_reads() -> Iterator[None]:
+    """Inside, every thread's reads are buffered: what `retouch bench lora` races the direct reads against."""
+    global _direct_reads
+    _direct_reads = False
+    try:
+        yield
+    finally:
+        _direct_reads = True
 
 # safetensors dtype names (safetensors/src/tensor.rs `Dtype`) -> torch. Others (F4, F6, F8_E8M0, C64) are
 # refused by name: no adapter format uses them.
@@ -69,7 +82,7 @@ def _read_direct(file, view: memoryview, address: int, size: int) -> int:
     """Read the file's first bytes, a multiple of DIRECT_ALIGNMENT, with O_DIRECT into `view` (at `address`);
     return how many. 0 where the memory is not aligned or the file system refuses direct reads (tmpfs)."""
     aligned = size // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
-    if aligned == 0 or address % DIRECT_ALIGNMENT or not hasattr(os, "O_DIRECT"):
+    if aligned == 0 or address % DIRECT_ALIGNMENT or not hasattr(os, "O_DIRECT") or not _direct_reads:
         return 0
     fd = file.fileno()
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
