@@ -194,6 +194,7 @@ def _load_hiding(args, device: torch.device, dtype: torch.dtype, folder: Path) -
                     ("async+prefetch/buffered", 0.3, True, True, None),
                     ("held@async+prefetch/buffered", 0.3, False, False, "async+prefetch/buffered")]
         loras = engine.worker.loras
+        loras.memory.prefault(pinned=device.type == "cuda")  # reads land in recycled memory from the first round
         prefetch, ready = loras.prefetch, loras.ready
         progress = bar(range((args.load_repeats + 1) * len(variants)), "lora: sync vs async load", unit="edit")
         steps = iter(progress)

@@ -60,6 +60,16 @@ def test_a_range_returns_when_its_last_view_is_gone_and_is_reused():
     assert again.data_ptr() == address and memory.fallbacks == 0
 
 
+def test_prefault_writes_the_whole_arena():
+    memory = AdapterMemory(1 << 20)
+    block = memory.block(8192, pinned=False)
+    block.fill_(7)
+    del block
+    memory.prefault(pinned=False)
+    whole = memory.block(1 << 20, pinned=False)
+    assert memory.fallbacks == 0 and not whole.any()
+
+
 def test_a_block_the_arena_cannot_hold_is_fresh_memory_counted():
     memory = AdapterMemory(4096)
     held = memory.block(4096, pinned=False)
