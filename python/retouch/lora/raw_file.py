@@ -7,10 +7,12 @@ the loader ~0.15 s of CPU against ~0.03 s for `readinto` into pages touched befo
 behind (issue 20); on a GPU server the memory given is pinned, so the file lands where the upload reads it.
 
 Where the file system allows it and the memory is aligned (`DIRECT_ALIGNMENT`: the LoRA arena's ranges are),
-the file is read with O_DIRECT: the disk's DMA lands in that memory, and the CPU copies nothing. A buffered
-read of a cold 280 MiB file cost 0.046 s of the loader's CPU here, a direct one 0.006 s (and less wall time);
-on a CPU-only server that CPU is the forward's. The page cache is bypassed: a file read again comes from the
-disk, not from memory, which is what the LRU host cache above it is for.
+the file is read with O_DIRECT: the disk's DMA lands in that memory, and the CPU copies nothing. A cold
+280 MiB file cost the loader ~0.05 s of CPU buffered here and ~0.01 s direct, in wall time within 15% of
+each other either way on this VM's disk; on a CPU-only server that CPU is the forward's. The page cache is
+bypassed: a file read again comes from the disk, not from memory, which is what the LRU host cache above it
+is for, and no page cache is allocated (on this VM, fresh page cache cost buffered reads up to 0.7 s of
+system time).
 
 The parse checks what safetensors' own (`safetensors/src/tensor.rs`, `Metadata::validate`) checks: a header
 that fits the file, known dtypes, and entries that tile the data exactly, each as long as its shape says.
