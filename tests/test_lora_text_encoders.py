@@ -237,7 +237,27 @@ def test_a_file_is_read_once_until_it_is_replaced(sd2_file, tmp_path, monkeypatc
     second = loras.of((LoraUse("a"),))
     assert loras.reads == 2 and len(calls) == 3
     module = next(iter(first[0][0]["text_encoder"].modules))
-    assert torch.equal(second[0][0]["text_encoder"].modules[module].A, 2 * first[0][0]["text_encoder"].modules[module].A)
+    before, after = (uses[0][0]["text_encoder"].modules[module] for uses in (first, second))
+    assert torch.equal(after.A, 2 * before.A)
+
+
+def test_the_parts_kept_stay_within_the_byte_budget_least_recently_used_first_out(sd2_file, tmp_path):
+    model, tensors = sd2_file
+    for name in ("a", "b", "c"):
+        save_file(tensors, tmp_path / f"{name}.safetensors")
+    part_bytes = sum(w.nbytes for w in read_text_encoder_lora(tmp_path / "a.safetensors", "a", model.pipe).values())
+    loras = TextEncoderLoras(str(tmp_path), model.pipe, max_bytes=2 * part_bytes + part_bytes // 2)
+    for name in ("a", "b", "a", "c"):  # c evicts b, the least recently used
+        loras.of((LoraUse(name),))
+    assert loras.reads == 3 and loras.nbytes == 2 * part_bytes
+    loras.of((LoraUse("a"),))
+    assert loras.reads == 3  # kept
+    loras.of((LoraUse("b"),))
+    assert loras.reads == 4 and loras.nbytes == 2 * part_bytes
+    tiny = TextEncoderLoras(str(tmp_path), model.pipe, max_bytes=1)  # smaller than any part: the last one stays
+    tiny.of((LoraUse("a"),))
+    tiny.of((LoraUse("a"),))
+    assert tiny.reads == 1 and tiny.nbytes == part_bytes
 
 
 def test_the_helpers_apply_the_text_encoder_part_as_the_worker_does(tmp_path):

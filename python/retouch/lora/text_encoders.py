@@ -23,16 +23,24 @@ from retouch.lora.spec import LoraChoice, LoraError
 
 # A request's text-encoder adapters: (parts of one file, the request's scale), skipping files without any.
 TextEncoderUses = tuple[tuple[TextEncoderParts, float], ...]
+# What one process (a helper, or a worker without helpers) keeps of text-encoder parts, on its encoders'
+# device: a rank-128 part for SDXL's two encoders (q, k, v, out) is ~100 MiB in bf16, a rank-16 one
+# ~12 MiB.
+CACHE_BYTES = 256 << 20
+CACHE_FILES = 256  # files remembered (broken ones and those without a part cost a few bytes each)
 
 
 class TextEncoderLoras:
     """The text-encoder parts of --lora-dir's files for one pipeline, on its encoders' device, read on first
-    use and kept for the `max_files` most recently used files (a file replaced in the folder is read again:
-    `file_identity`). Thread-safe: one read per file at a time."""
+    use and kept, least recently used first out, within `max_bytes` and `max_files` (the part in use is kept
+    whatever its size; a file replaced in the folder is read again: `file_identity`). Thread-safe: one read
+    per file at a time."""
 
-    def __init__(self, lora_dir: str, pipe, max_files: int = 32):
-        self.lora_dir, self.pipe, self.max_files = lora_dir, getattr(pipe, "pipe", pipe), max_files
+    def __init__(self, lora_dir: str, pipe, max_bytes: int = CACHE_BYTES, max_files: int = CACHE_FILES):
+        self.lora_dir, self.pipe = lora_dir, getattr(pipe, "pipe", pipe)
+        self.max_bytes, self.max_files = max_bytes, max_files
         self._parts: OrderedDict[tuple, TextEncoderParts | str] = OrderedDict()  # or why the file cannot apply
+        self._bytes = 0  # of the parts kept
         self._lock = threading.Lock()
         self.reads = 0  # files whose data was read (a file without a text-encoder part costs its header only)
 
@@ -62,11 +70,22 @@ class TextEncoderLoras:
                 except LoraError as error:  # kept as words, so that every request of a broken file is not a read
                     parts = str(error)
                 self._parts[key] = parts
-                while len(self._parts) > self.max_files:
-                    self._parts.popitem(last=False)
+                self._bytes += _nbytes(parts)
+                while len(self._parts) > 1 and (self._bytes > self.max_bytes or len(self._parts) > self.max_files):
+                    self._bytes -= _nbytes(self._parts.popitem(last=False)[1])
             if isinstance(parts, str):
                 raise LoraError(parts)
             return parts
+
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the parts kept."""
+        return self._bytes
+
+
+def _nbytes(parts: TextEncoderParts | str) -> int:
+    return 0 if isinstance(parts, str) else sum(weights.nbytes for weights in parts.values())
 
 
 @contextmanager
