@@ -264,7 +264,7 @@ class HelperPool:
         self._command += ["--build-in-memory"] if build_in_memory else []
         self._command += ["--scheduler", scheduler] if scheduler is not None else []
         self._command += ["--scheduler-description", scheduler_description] if scheduler_description else []
-        self._command += ["--lora-dir", lora_dir] if lora_dir is not None else []
+        self._command += ["--lora-dir", lora_dir] if lora_dir else []  # as the worker: "" is no folder
         self._env = child_env()
         self._lock = threading.Lock()  # the task sockets and the books below
         self._outstanding: dict[int, tuple[int, list, int]] = {}  # job -> (helper, frames, times sent)
@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> None:
         model.pipe.scheduler = from_description(args.scheduler_description)
     editor = MaskAwareEditor(model, cache=InMemoryActivationCache(), dilation=args.dilation)
     editor.denoiser.to("meta")
-    text_encoder_loras = TextEncoderLoras(args.lora_dir, model.pipe) if args.lora_dir is not None else None
+    text_encoder_loras = TextEncoderLoras(args.lora_dir, model.pipe) if args.lora_dir else None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     context = zmq.Context()

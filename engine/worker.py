@@ -749,7 +749,9 @@ class Worker:
         template = self.editor.templates.get(job.request.template_id)
         if template is None:  # known when submitted (`Engine.submit` checks): dropped since
             raise MissingTemplate(f"template {job.request.template_id!r} was dropped before the edit ran")
-        lora = self.text_encoder_loras.of(job.lora) if job.lora and self.text_encoder_loras is not None else ()
+        if job.lora and self.text_encoder_loras is None:
+            raise LoraError("this engine serves no LoRAs (start it with a LoRA folder: --lora-dir)")
+        lora = self.text_encoder_loras.of(job.lora) if job.lora else ()
         return preprocess(self.editor, job.request, template, lora)
 
     def _answer_unrecorded(self, job: Job, failure: CacheFull) -> None:

@@ -243,7 +243,9 @@ def _kohya_pair(name: str, rows: int, columns: int, value: float) -> dict:
      "adapts biases (lora_unet_double_blocks_0_img_attn_proj.diff_b), which diffusers' converter drops"),
     (lambda d: _kohya_pair("text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q", 8, 8, 0.1),
      "adapts the T5 text encoder (text_encoders.t5xxl."),
-], ids=["img_in", "diff_b", "t5"])
+    (lambda d: _kohya_pair("lora_te3_encoder_block_0_layer_0_SelfAttention_q", 8, 8, 0.1),  # sd-scripts' own names
+     "adapts the T5 text encoder (lora_te3_encoder"),
+], ids=["img_in", "diff_b", "t5", "t5-sd-scripts"])
 def test_a_kohya_flux_file_diffusers_would_apply_in_part_is_refused_whole(extra, fragment, tmp_path):
     """diffusers' Flux converter drops T5 entries and bias deltas (logging at INFO), and leaves img_in, txt_in,
     ... and final_layer without the prefix its loader looks for, applying the rest of such a file without a

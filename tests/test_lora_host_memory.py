@@ -68,6 +68,10 @@ def test_prefault_writes_the_whole_arena():
     memory.prefault(pinned=False)
     whole = memory.block(1 << 20, pinned=False)
     assert memory.fallbacks == 0 and not whole.any()
+    whole.fill_(7)
+    with pytest.raises(RuntimeError, match="would overwrite 1048576 bytes"):  # an adapter's bytes, live
+        memory.prefault(pinned=False)
+    assert bool((whole == 7).all())
 
 
 def test_a_block_the_arena_cannot_hold_is_fresh_memory_counted():

@@ -224,7 +224,9 @@ def test_unaligned_memory_and_file_systems_without_o_direct_read_buffered(tmp_pa
         return aligned(nbytes + 64)[64:]
     views = read(path, unaligned)[1]
     with raw_file.buffered_reads():
-        asked_buffered = read(path, aligned)[1]
+        with raw_file.buffered_reads():
+            pass
+        asked_buffered = read(path, aligned)[1]  # still buffered after the inner switch ended
     fcntl_call = fcntl.fcntl
 
     def no_direct(fd, command, flags=0):

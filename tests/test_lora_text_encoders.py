@@ -157,6 +157,8 @@ def test_a_conversion_that_needs_the_denoiser_values_reads_the_whole_file(sd2_fi
     assert calls == [True, False]
     for component, weights in expected.items():
         assert weights.digest == parts[component].digest
+        # its own bytes, not views of the whole file read for it (a part kept would hold the file)
+        assert parts[component].host_bytes < (tmp_path / "a.safetensors").stat().st_size / 2
         assert all(torch.equal(m.A, parts[component].modules[p].A) for p, m in weights.modules.items())
 
 

@@ -221,7 +221,10 @@ def read_text_encoder_lora(path: str | Path, name: str, pipe, dtype: torch.dtype
     It runs before a request's first step, so it reads little: the data of the tensors named as a text
     encoder's (TEXT_ENCODER_NAMES), of scalars (kohya's alphas) and of what the converters drop; the
     denoiser's factors reach the converters as meta tensors (names, shapes, dtypes). Should that part of a
-    conversion need their values, or a text-encoder entry come from one of them, the whole file is read."""
+    conversion need their values, or a text-encoder entry come from one of them, the whole file is read:
+    diffusers' and PEFT's layouts and kohya's SD/SDXL one read little; kohya's Flux converter looks at the
+    values of the single blocks' linear1 (and of missing alphas), so such files are read whole. The
+    factors are copied out of what was read, so that a part kept holds its own bytes only."""
     pipe = getattr(pipe, "pipe", pipe)
     path, where = Path(path), f"lora {name!r}"
     encoders = text_encoder_components(pipe)
@@ -238,11 +241,10 @@ def read_text_encoder_lora(path: str | Path, name: str, pipe, dtype: torch.dtype
     except (OSError, NotSafetensors) as error:
         raise LoraError(f"{where} is not a readable safetensors file: {_one_line(error, path)}") from None
     try:
-        return _text_encoder_parts(pipe, encoders, tensors, file_metadata, None, name, dtype, where)
+        return _text_encoder_parts(pipe, encoders, tensors, file_metadata, name, dtype, where)
     except (LoraError, _NeedsWholeFile):
-        raw, tensors, file_metadata = _read_raw_file(path, lambda nbytes: torch.empty(nbytes, dtype=torch.uint8),
-                                                     where)
-        return _text_encoder_parts(pipe, encoders, tensors, file_metadata, raw, name, dtype, where)
+        _, tensors, file_metadata = _read_raw_file(path, lambda nbytes: torch.empty(nbytes, dtype=torch.uint8), where)
+        return _text_encoder_parts(pipe, encoders, tensors, file_metadata, name, dtype, where)
 
 
 def _read_for_text_encoders(name: str) -> bool:
@@ -254,8 +256,8 @@ class _NeedsWholeFile(Exception):
     """A text-encoder entry came from a tensor that was not read (`read_text_encoder_lora`)."""
 
 
-def _text_encoder_parts(pipe, encoders: tuple[str, ...], tensors: dict, file_metadata: dict,
-                        raw: torch.Tensor | None, name: str, dtype: torch.dtype | None, where: str) -> TextEncoderParts:
+def _text_encoder_parts(pipe, encoders: tuple[str, ...], tensors: dict, file_metadata: dict, name: str,
+                        dtype: torch.dtype | None, where: str) -> TextEncoderParts:
     from diffusers.utils.state_dict_utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft
 
     from retouch.models import family_of_pipeline
@@ -281,7 +283,7 @@ def _text_encoder_parts(pipe, encoders: tuple[str, ...], tensors: dict, file_met
             key.removeprefix(prefix): value for key, value in metadata.items() if key.startswith(prefix)}
         factors = _fit_to_linears(encoder, _pair_factors(entries, where), None, where)
         config = _lora_config(factors, alphas, encoder_metadata, name, where, is_unet=False)
-        parts[component] = _weights(name, factors, config, raw, dtype or encoder.dtype,
+        parts[component] = _weights(name, factors, config, None, dtype or encoder.dtype,  # copied: see above
                                     lambda nbytes: torch.empty(nbytes, dtype=torch.uint8), where)
     return parts
 
@@ -343,8 +345,8 @@ def _name_check(where: str, more: Callable[[list[str]], None] | None = None) -> 
 
 # Entries diffusers' kohya converters drop, logging it at INFO only (lora_conversion_utils: "currently do not
 # support"), and apply the rest of the file: each pattern, and what it adapts.
-DROPPED_BY_CONVERTERS = (("text_encoders.t5xxl", "the T5 text encoder"), (".diff_b", "biases"),
-                         ("position_embedding", "a text encoder's position embedding"))
+DROPPED_BY_CONVERTERS = (("text_encoders.t5xxl", "the T5 text encoder"), ("lora_te3_", "the T5 text encoder"),
+                         (".diff_b", "biases"), ("position_embedding", "a text encoder's position embedding"))
 
 
 def _check_nothing_dropped(tensors: dict[str, torch.Tensor], where: str) -> None:

@@ -55,8 +55,11 @@ class AdapterMemory:
     def prefault(self, pinned: bool) -> None:
         """Write every page of the arena once (making it first), as a serving steady state has: what a benchmark
         that times reads into recycled memory needs from its first read (a buffered read into pages never
-        touched costs a fault per page; an O_DIRECT one faults them in bulk)."""
+        touched costs a fault per page; an O_DIRECT one faults them in bulk). Before any block is handed out:
+        it overwrites the whole arena."""
         self._arena_for(pinned)
+        if self.used:
+            raise RuntimeError(f"prefault would overwrite {self.used} bytes of adapters read into the arena")
         if self._bytes is not None:
             self._bytes.fill(0)
 

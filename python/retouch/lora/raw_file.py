@@ -41,13 +41,14 @@ _direct_reads = True  # off inside `buffered_reads()`
 
 @contextmanager
 def buffered_reads() -> Iterator[None]:
-    """Inside, every thread's reads are buffered: what `retouch bench lora` races the direct reads against."""
+    """Inside, every thread's reads are buffered: what `retouch bench lora` races the direct reads against
+    (one benchmark at a time: the switch is the process's)."""
     global _direct_reads
-    _direct_reads = False
+    before, _direct_reads = _direct_reads, False
     try:
         yield
     finally:
-        _direct_reads = True
+        _direct_reads = before
 
 # safetensors dtype names (safetensors/src/tensor.rs `Dtype`) -> torch. Others (F4, F6, F8_E8M0, C64) are
 # refused by name: no adapter format uses them.

@@ -32,9 +32,9 @@ CACHE_FILES = 256  # files remembered (broken ones and those without a part cost
 
 class TextEncoderLoras:
     """The text-encoder parts of --lora-dir's files for one pipeline, on its encoders' device, read on first
-    use and kept, least recently used first out, within `max_bytes` and `max_files` (the part in use is kept
-    whatever its size; a file replaced in the folder is read again: `file_identity`). Thread-safe: one read
-    per file at a time."""
+    use and kept, least recently used first out, within `max_bytes` and `max_files` (the part read last is
+    kept whatever its size; a file replaced in the folder is read again: `file_identity`). Thread-safe:
+    reads and lookups take turns (prompts are encoded one at a time anyway)."""
 
     def __init__(self, lora_dir: str, pipe, max_bytes: int = CACHE_BYTES, max_files: int = CACHE_FILES):
         self.lora_dir, self.pipe = lora_dir, getattr(pipe, "pipe", pipe)
