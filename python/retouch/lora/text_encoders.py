@@ -77,7 +77,6 @@ class TextEncoderLoras:
                 raise LoraError(parts)
             return parts
 
-
     @property
     def nbytes(self) -> int:
         """Bytes of the parts kept."""
