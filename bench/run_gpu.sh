@@ -284,7 +284,8 @@ part_step() {
 
 part_lora() {
   if [ "$DEV" = cuda ]; then
-    pytest_gpu tests/test_lora_batching.py tests/test_lora_engine.py tests/test_lora_files.py tests/test_lora_host_memory.py
+    pytest_gpu tests/test_lora_batching.py tests/test_lora_engine.py tests/test_lora_files.py tests/test_lora_host_memory.py \
+      tests/test_lora_raw_file.py tests/test_lora_text_encoders.py
   fi
   bench lora "lora_$LORA_MODEL.json" --model "$LORA_MODEL" --device "$DEV" "${LORA[@]}"
 }
