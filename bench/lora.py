@@ -228,7 +228,7 @@ def _load_hiding(args, device: torch.device, dtype: torch.dtype, folder: Path) -
         progress.close()
         loras.prefetch, loras.ready = prefetch, ready
         fallbacks = loras.metrics()["read_fallbacks"]  # reads that found no recycled memory (expected: none)
-        text_encoder_part = _text_encoder_part_read(args, engine.editor.pipe, folder)
+        text_encoder_part = _text_encoder_part_read(args, engine.editor.pipe, engine.editor.denoiser, folder)
     medians = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
     load_cost = statistics.median(r["sync"] - r["warm"] for r in rounds)
     report = {"adapter_mib": round(path.stat().st_size / 2**20, 1), "rank": args.load_rank, "steps": args.steps,
@@ -269,15 +269,14 @@ def _paired_ratio(numerators: list[float], denominators: list[float]) -> float |
     return round(statistics.median(numerators) / bottom, 3) if bottom > 0 else None
 
 
-def _text_encoder_part_read(args, pipe, folder: Path) -> dict:
+def _text_encoder_part_read(args, pipe, denoiser: torch.nn.Module, folder: Path) -> dict:
     """What a request pays before its first step for an adapter that adapts the text encoders too: the same
     file with them, its text-encoder part read cold where prompts are encoded (`read_text_encoder_lora`:
     that part's bytes only), against the whole load the step loop hides (`load_cost_s`)."""
     from retouch.lora.files import read_text_encoder_lora, text_encoder_components
 
     encoders = {name: getattr(pipe, name) for name in text_encoder_components(pipe)}
-    path = save_diffusers_lora(pipe.transformer if hasattr(pipe, "transformer") else pipe.unet, folder,
-                               args.load_rank, "big-te", text_encoders=encoders)
+    path = save_diffusers_lora(denoiser, folder, args.load_rank, "big-te", text_encoders=encoders)
     seconds, parts = [], {}
     for _ in range(args.load_repeats):
         drop_from_page_cache(path)

@@ -243,8 +243,12 @@ def read_text_encoder_lora(path: str | Path, name: str, pipe, dtype: torch.dtype
     try:
         return _text_encoder_parts(pipe, encoders, tensors, file_metadata, name, dtype, where)
     except (LoraError, _NeedsWholeFile):
-        _, tensors, file_metadata = _read_raw_file(path, lambda nbytes: torch.empty(nbytes, dtype=torch.uint8), where)
+        _, tensors, file_metadata = _read_raw_file(path, _fresh, where)
         return _text_encoder_parts(pipe, encoders, tensors, file_metadata, name, dtype, where)
+
+
+def _fresh(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _read_for_text_encoders(name: str) -> bool:
@@ -283,8 +287,8 @@ def _text_encoder_parts(pipe, encoders: tuple[str, ...], tensors: dict, file_met
             key.removeprefix(prefix): value for key, value in metadata.items() if key.startswith(prefix)}
         factors = _fit_to_linears(encoder, _pair_factors(entries, where), None, where)
         config = _lora_config(factors, alphas, encoder_metadata, name, where, is_unet=False)
-        parts[component] = _weights(name, factors, config, None, dtype or encoder.dtype,  # copied: see above
-                                    lambda nbytes: torch.empty(nbytes, dtype=torch.uint8), where)
+        # raw None: the factors are copied out of what was read (see read_text_encoder_lora)
+        parts[component] = _weights(name, factors, config, None, dtype or encoder.dtype, _fresh, where)
     return parts
 
 

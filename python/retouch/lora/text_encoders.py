@@ -97,9 +97,10 @@ def applied(pipe, uses: TextEncoderUses) -> Iterator[None]:
     by_linear: dict[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
     for parts, scale in uses:
         for component, weights in parts.items():
-            modules = dict(getattr(pipe, component).named_modules())
+            encoder = getattr(pipe, component)
             for path, module in weights.modules.items():
-                by_linear.setdefault(modules[path], []).append((module.A, module.B, module.scaling * scale))
+                by_linear.setdefault(encoder.get_submodule(path), []).append((module.A, module.B,
+                                                                              module.scaling * scale))
     with ExitStack() as undo:
         for linear, factors in by_linear.items():
             undo.callback(linear.register_forward_hook(_adds(factors)).remove)
